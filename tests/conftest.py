@@ -1,0 +1,24 @@
+"""Session fixtures: tiny random HF checkpoints (built once, never downloaded)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+
+import hf_tiny
+
+
+@pytest.fixture(scope="session")
+def qwen2_5_omni_hf_dir(tmp_path_factory) -> str:
+    """Directory of a tiny random Qwen2.5-Omni checkpoint (safetensors + config + spk_dict.pt)."""
+    return hf_tiny.build_qwen2_5_omni(str(tmp_path_factory.mktemp("qwen2_5_omni_hf")))
+
+
+@pytest.fixture(scope="session")
+def qwen2_5_omni_hf_model(qwen2_5_omni_hf_dir):
+    """The transformers reference model loaded from the tiny checkpoint (fp32, eval mode)."""
+    return hf_tiny.load_qwen2_5_omni(qwen2_5_omni_hf_dir)

@@ -1,0 +1,135 @@
+"""Tiny random Qwen-Omni checkpoints built with transformers, for parity tests.
+
+The sizes are small enough for CPU tests but keep every structural feature of the
+real models: GQA (4 q heads / 2 kv heads), q/k/v biases, M-RoPE sections summing to
+head_dim/2, vision window attention plus full-attention blocks, several audio chunks,
+the real Qwen2.5-Omni vocabulary size and special token ids (so the real tokenizer
+fits the tiny thinker).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+# Real Qwen2.5-Omni special ids (QWEN_NOTES.md).
+AUDIO_TOKEN = 151646
+AUDIO_START = 151647
+AUDIO_END = 151648
+VISION_START = 151652
+VISION_END = 151653
+IMAGE_TOKEN = 151655
+VIDEO_TOKEN = 151656
+IM_START = 151644
+IM_END = 151645
+ENDOFTEXT = 151643
+VOCAB = 152064
+
+# Audio chunking: 2 * N_WINDOW mel frames per attention chunk.
+N_WINDOW = 10
+
+
+def qwen2_5_omni_config_dict() -> dict:
+    """Config kwargs of a tiny Qwen2.5-Omni (thinker + talker + token2wav)."""
+    text = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+        max_position_embeddings=4096, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
+    )
+    audio = dict(
+        num_mel_bins=128, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64,
+        d_model=32, max_source_positions=1500, n_window=N_WINDOW, output_dim=64,
+    )
+    vision = dict(
+        depth=4, hidden_size=32, intermediate_size=64, num_heads=4, in_channels=3, patch_size=14,
+        spatial_merge_size=2, temporal_patch_size=2, window_size=112, out_hidden_size=64,
+        fullatt_block_indexes=[1, 3],
+    )
+    thinker = dict(
+        text_config=text, audio_config=audio, vision_config=vision,
+        audio_token_index=AUDIO_TOKEN, image_token_index=IMAGE_TOKEN, video_token_index=VIDEO_TOKEN,
+        audio_start_token_id=AUDIO_START, audio_end_token_id=AUDIO_END,
+        vision_start_token_id=VISION_START, position_id_per_seconds=25, seconds_per_chunk=2,
+    )
+    talker = dict(
+        vocab_size=8448, embedding_size=64, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=4096, spatial_merge_size=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
+        audio_token_index=AUDIO_TOKEN, image_token_index=IMAGE_TOKEN, video_token_index=VIDEO_TOKEN,
+        vision_start_token_id=VISION_START, audio_start_token_id=AUDIO_START, audio_end_token_id=AUDIO_END,
+    )
+    dit = dict(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, head_dim=16, ff_mult=2, emb_dim=16,
+        block_size=24, look_ahead_layers=[1], look_backward_layers=[0], repeats=2, num_embeds=8193,
+        mel_dim=80, enc_emb_dim=16, enc_dim=16, enc_channels=[32, 32, 32, 32, 96],
+        enc_kernel_sizes=[5, 3, 3, 3, 1], enc_dilations=[1, 2, 3, 4, 1], enc_attention_channels=16,
+        enc_se_channels=16, dropout=0.0,
+    )
+    bigvgan = dict(mel_dim=80, upsample_initial_channel=128)
+    return dict(
+        thinker_config=thinker, talker_config=talker,
+        token2wav_config=dict(dit_config=dit, bigvgan_config=bigvgan),
+        enable_audio_output=True,
+    )
+
+
+def _assert_finite(model) -> None:
+    import torch
+
+    for name, p in model.state_dict().items():
+        if p.is_floating_point() and not torch.isfinite(p).all():
+            raise AssertionError(f"tiny checkpoint parameter {name} is not finite")
+
+
+def _write_speakers(path: str, dit_cfg: dict) -> None:
+    """A small spk_dict.pt: two voices with a bos token, a cond vector and a reference mel."""
+    import torch
+
+    g = torch.Generator().manual_seed(7)
+    speakers = {}
+    for name, bos in (("Chelsie", 151870), ("Ethan", 151871)):
+        speakers[name] = {
+            "bos_token": bos,
+            "cond": torch.randn(1, dit_cfg["enc_emb_dim"], generator=g),
+            "ref_mel": torch.randn(1, 40, dit_cfg["mel_dim"], generator=g),
+        }
+    torch.save(speakers, os.path.join(path, "spk_dict.pt"))
+
+
+def build_qwen2_5_omni(path: str, seed: int = 0) -> str:
+    """Build, check and save a tiny random Qwen2.5-Omni checkpoint under `path`."""
+    import torch
+    from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
+
+    torch.manual_seed(seed)
+    cfg_dict = qwen2_5_omni_config_dict()
+    config = Qwen2_5OmniConfig(**cfg_dict)
+    model = Qwen2_5OmniForConditionalGeneration(config).eval().float()
+    # Random init leaves some weights at exactly zero or one (norms, biases); perturb
+    # every floating parameter a little so parity tests exercise each one.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.is_floating_point():
+                if name.endswith(("norm.weight", "layernorm.weight", "ln_q.weight", "ln_post.weight")) or ".norm" in name:
+                    p.copy_(1.0 + 0.1 * torch.randn_like(p))
+                elif name.endswith("bias"):
+                    p.copy_(0.02 * torch.randn_like(p))
+    _assert_finite(model)
+    model.save_pretrained(path)
+    _write_speakers(path, cfg_dict["token2wav_config"]["dit_config"])
+    return path
+
+
+def load_qwen2_5_omni(path: str):
+    """Load the full HF model from a tiny checkpoint directory (fp32, eval)."""
+    from transformers import Qwen2_5OmniForConditionalGeneration
+
+    return Qwen2_5OmniForConditionalGeneration.from_pretrained(path, dtype="float32").eval()
+
+
+def random_mel(num_frames: int, seed: int = 0) -> np.ndarray:
+    """A log-mel-like input [128, num_frames] for the audio encoder."""
+    return np.random.default_rng(seed).standard_normal((128, num_frames)).astype(np.float32)

@@ -23,12 +23,10 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from omni_jax.errors import CheckpointError
+
 Path = tuple
 Rename = tuple[str, str]
-
-
-class CheckpointError(ValueError):
-    """A checkpoint does not match the model: the message names the key and the shapes."""
 
 
 def _hf_leaf_candidates(leaf: str) -> tuple[str, ...]:
@@ -121,9 +119,10 @@ def convert_tensors(
         arr = transform_for(leaf, get_tensor(key))
         want = tuple(target_shapes[path])
         if tuple(arr.shape) != want:
+            hf_want = tuple(inverse_transform_for(leaf, np.broadcast_to(np.int8(0), want)).shape)
             raise CheckpointError(
-                f"tensor {key!r} has shape {tuple(inverse_transform_for(leaf, arr).shape)} "
-                f"(as {'.'.join(map(str, path))}: {tuple(arr.shape)}), expected {want}")
+                f"tensor {key!r} has shape {tuple(get_tensor(key).shape)}, expected {hf_want} "
+                f"(parameter {'.'.join(map(str, path))} of shape {want})")
         if dtype is not None:
             arr = arr.astype(dtype)
         out[path] = np.ascontiguousarray(arr)
@@ -138,7 +137,7 @@ def load_hf_into(module, hf_tensors: Mapping[str, np.ndarray], prefix: str,
     from flax import nnx
     import jax.numpy as jnp
 
-    graphdef, state = nnx.split(module)
+    _, state, _ = nnx.split(module, nnx.Param, ...)
     flat = dict(nnx.to_flat_state(state))
     shapes = {p: tuple(v.get_value().shape) for p, v in flat.items()}
     plan = map_hf_tensors(hf_tensors, shapes, prefix, renames, ignore)

@@ -1,0 +1,34 @@
+"""`omni-jax` command line: convert checkpoints and run the model.
+
+    omni-jax convert --hf-dir HF_DIR --out OUT_DIR [--dtype bfloat16|float32]
+    omni-jax generate --model OUT_DIR|tiny --prompt TEXT
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="omni-jax", description="Serve Qwen-Omni models with JAX.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    from conversion import convert as convert_mod
+
+    p_convert = sub.add_parser("convert", help="convert a Hugging Face checkpoint")
+    convert_mod.add_arguments(p_convert)
+    p_convert.set_defaults(func=convert_mod.run)
+
+    from . import demo
+
+    p_gen = sub.add_parser("generate", help="generate a reply to a prompt")
+    demo.add_arguments(p_gen)
+    p_gen.set_defaults(func=demo.run)
+
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""Decoder self-attention over a packed token batch, with one metadata object.
+
+Tokens of all sequences in a step are packed into one axis [T]. How they attend is
+described by :class:`AttentionMetadata`:
+
+* ``mode="dense"``: no KV cache; every token attends causally to the earlier tokens
+  of its own segment (``segment_ids``; -1 marks padding). This is the reference path
+  used for parity tests and one-shot full-sequence forwards.
+* ``mode="paged"``: new K/V are written into the paged cache at ``slot_mapping``,
+  then attention reads the pages through the block tables: the ragged prefill kernel
+  for mixed chunks, the decode kernel when every sequence brings one token
+  (``decode_only``). ``backend`` picks the Pallas kernels ("pallas", GPU) or their
+  pure-JAX references ("reference", CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from .norms import RMSNorm
+from .rope import apply_rope
+
+
+@struct.dataclass
+class AttentionMetadata:
+    """Per-step description of who attends to what (see module docstring)."""
+
+    mode: str = struct.field(pytree_node=False, default="dense")
+    backend: str = struct.field(pytree_node=False, default="reference")
+    decode_only: bool = struct.field(pytree_node=False, default=False)
+    segment_ids: jnp.ndarray | None = None   # [T] dense mode
+    slot_mapping: jnp.ndarray | None = None  # [T] paged mode
+    block_tables: jnp.ndarray | None = None  # [S, max_blocks]
+    kv_lens: jnp.ndarray | None = None       # [S] cached + new tokens
+    cu_q_lens: jnp.ndarray | None = None     # [S+1]
+
+    @staticmethod
+    def dense(num_tokens: int, segment_ids=None) -> "AttentionMetadata":
+        """One causal sequence (or several packed segments) without a KV cache."""
+        if segment_ids is None:
+            segment_ids = jnp.zeros((num_tokens,), jnp.int32)
+        return AttentionMetadata(mode="dense", segment_ids=jnp.asarray(segment_ids, jnp.int32))
+
+
+def dense_causal_attention(q, k, v, segment_ids, sm_scale, sliding_window=None):
+    """Reference attention: q [T,Hq,D], k/v [T,Hkv,D]; causal within equal segment ids."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    qg = q.reshape(t, hkv, group, d).astype(jnp.float32)
+    scores = jnp.einsum("qhgd,khd->hgqk", qg, k.astype(jnp.float32)) * sm_scale
+    idx = jnp.arange(t)
+    mask = (segment_ids[:, None] == segment_ids[None, :]) & (idx[None, :] <= idx[:, None])
+    mask &= (segment_ids >= 0)[:, None]
+    if sliding_window is not None:
+        mask &= idx[:, None] - idx[None, :] < sliding_window
+    scores = jnp.where(mask[None, None], scores, -jnp.inf)
+    # Padding rows have no valid key; keep them finite (zeros) instead of NaN.
+    probs = jax.nn.softmax(jnp.where(mask.any(-1)[None, None, :, None], scores, 0.0), axis=-1)
+    probs = jnp.where(mask[None, None], probs, 0.0)
+    out = jnp.einsum("hgqk,khd->qhgd", probs, v.astype(jnp.float32))
+    return out.reshape(t, hq, d).astype(q.dtype)
+
+
+def paged_attention_step(q, k, v, kv_cache, meta: AttentionMetadata, sm_scale, sliding_window=None):
+    """Write k/v into the pages, then attend through the block tables. Returns (out, kv_cache)."""
+    if meta.backend == "pallas":
+        import kernels_pallas as ops
+        kw = {}
+    else:
+        from kernels_pallas import reference as ops
+        kw = {}
+    k_pages, v_pages = kv_cache
+    k_pages, v_pages = ops.write_kv_pages(k_pages, v_pages, k, v, meta.slot_mapping)
+    if meta.decode_only:
+        out = ops.paged_attention(q, k_pages, v_pages, meta.block_tables, meta.kv_lens,
+                                  sm_scale=sm_scale, sliding_window=sliding_window, **kw)
+    else:
+        out = ops.ragged_paged_attention(q, k_pages, v_pages, meta.block_tables, meta.kv_lens,
+                                         meta.cu_q_lens, sm_scale=sm_scale,
+                                         sliding_window=sliding_window, **kw)
+    return out, (k_pages, v_pages)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Shape of one decoder attention layer."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    qkv_bias: bool = True
+    o_bias: bool = False
+    qk_norm: bool = False
+    rms_norm_eps: float = 1e-6
+    sliding_window: int | None = None
+
+
+class Attention(nnx.Module):
+    """GQA self-attention with rotary embeddings; names as in transformers (q/k/v/o_proj)."""
+
+    def __init__(self, cfg: AttentionConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg = cfg
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        h, nq, nkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nnx.Linear(h, nq * d, use_bias=cfg.qkv_bias, **kw)
+        self.k_proj = nnx.Linear(h, nkv * d, use_bias=cfg.qkv_bias, **kw)
+        self.v_proj = nnx.Linear(h, nkv * d, use_bias=cfg.qkv_bias, **kw)
+        self.o_proj = nnx.Linear(nq * d, h, use_bias=cfg.o_bias, **kw)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+
+    def __call__(self, x, cos, sin, meta: AttentionMetadata, kv_cache=None):
+        """x [T, hidden] -> ([T, hidden], updated kv_cache or None)."""
+        cfg = self.cfg
+        t = x.shape[0]
+        q = self.q_proj(x).reshape(t, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(x).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(x).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        scale = cfg.head_dim ** -0.5
+        if meta.mode == "dense":
+            out = dense_causal_attention(q, k, v, meta.segment_ids, scale, cfg.sliding_window)
+        else:
+            out, kv_cache = paged_attention_step(q, k, v, kv_cache, meta, scale, cfg.sliding_window)
+        return self.o_proj(out.reshape(t, cfg.num_heads * cfg.head_dim)), kv_cache

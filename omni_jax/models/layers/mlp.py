@@ -1,0 +1,29 @@
+"""Gated feed-forward block (SwiGLU) used by the Qwen decoders and the vision tower."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
+}
+
+
+class GatedMLP(nnx.Module):
+    """down_proj(act(gate_proj(x)) * up_proj(x)), names as in transformers."""
+
+    def __init__(self, hidden: int, intermediate: int, *, act: str = "silu", bias: bool = False,
+                 dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        kw = dict(use_bias=bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.gate_proj = nnx.Linear(hidden, intermediate, **kw)
+        self.up_proj = nnx.Linear(hidden, intermediate, **kw)
+        self.down_proj = nnx.Linear(intermediate, hidden, **kw)
+        self.act = ACTIVATIONS[act]
+
+    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,87 @@
+"""Model families and their stages: how to build each stage's module from an HF config.
+
+A family is recognised from the HF `config.json` (`model_type`). Each stage names
+the HF key prefix of its weights, the config section it is built from, and any key
+renames the mechanical mapping (conversion/mapping.py) needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax.numpy as jnp
+from flax import nnx
+
+
+class UnknownModelError(ValueError):
+    """The checkpoint's architecture is not one OmniJax serves."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSpec:
+    """How one stage of a family is built and where its weights live in the HF checkpoint."""
+
+    name: str
+    hf_prefix: str
+    config_key: str
+    parse_config: Callable[[dict], Any]
+    build: Callable[..., nnx.Module]
+    renames: tuple[tuple[str, str], ...] = ()
+    ignore: tuple[str, ...] = ()
+
+
+def _prefixed(renames, sub: str):
+    """Re-anchor a sub-module's key renames (written relative to `sub.`) at the stage level."""
+    out = []
+    for pattern, repl in renames:
+        anchored = pattern[1:] if pattern.startswith("^") else pattern
+        out.append(("^" + sub.replace(".", r"\.") + r"\." + anchored, sub + "." + repl))
+    return tuple(out)
+
+
+def _qwen2_5_omni_stages() -> dict[str, StageSpec]:
+    from .qwen2_5_omni import vision_encoder
+    from .qwen2_5_omni.thinker import Qwen2_5OmniThinker, ThinkerConfig
+
+    return {
+        "thinker": StageSpec(
+            name="thinker", hf_prefix="thinker.", config_key="thinker_config",
+            parse_config=ThinkerConfig.from_hf,
+            build=lambda cfg, dtype, rngs: Qwen2_5OmniThinker(cfg, dtype=dtype, param_dtype=dtype, rngs=rngs),
+            renames=_prefixed(getattr(vision_encoder, "HF_RENAMES", ()), "visual"),
+        ),
+    }
+
+
+FAMILIES: dict[str, Callable[[], dict[str, StageSpec]]] = {
+    "qwen2_5_omni": _qwen2_5_omni_stages,
+}
+
+
+def family_of(hf_config: dict) -> str:
+    """The OmniJax family of an HF config, or a clear error naming what was found."""
+    model_type = hf_config.get("model_type")
+    if model_type in FAMILIES:
+        return model_type
+    arch = hf_config.get("architectures")
+    raise UnknownModelError(
+        f"unsupported model: model_type={model_type!r}, architectures={arch!r}; "
+        f"OmniJax supports {sorted(FAMILIES)}")
+
+
+def stages_of(family: str) -> dict[str, StageSpec]:
+    if family not in FAMILIES:
+        raise UnknownModelError(f"unknown model family {family!r}; known: {sorted(FAMILIES)}")
+    return FAMILIES[family]()
+
+
+def abstract_stage(spec: StageSpec, stage_config, dtype=jnp.float32) -> nnx.Module:
+    """The stage module with shapes only (no memory), for planning and loading."""
+    return nnx.eval_shape(lambda: spec.build(stage_config, dtype, nnx.Rngs(0)))
+
+
+def param_shapes(module: nnx.Module) -> dict[tuple, tuple]:
+    """Flat {path: shape} of a module's parameters."""
+    _, state, _ = nnx.split(module, nnx.Param, ...)
+    return {p: tuple(v.get_value().shape) for p, v in nnx.to_flat_state(state)}

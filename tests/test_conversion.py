@@ -1,0 +1,167 @@
+"""HF -> OmniJax conversion: round trip, bf16, and every bad-input path."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import safetensors.numpy as stnp
+
+from conversion.convert import convert, main as convert_main
+from conversion.mapping import inverse_transform_for, map_hf_tensors
+from omni_jax import load_checkpoint
+from omni_jax.checkpoint import CONFIG_FILE, read_config
+from omni_jax.errors import CheckpointError
+from omni_jax.models.registry import UnknownModelError, abstract_stage, param_shapes, stages_of
+
+pytestmark = pytest.mark.conversion
+
+
+@pytest.fixture(scope="session")
+def hf_tensors(qwen2_5_omni_hf_dir):
+    return stnp.load_file(os.path.join(qwen2_5_omni_hf_dir, "model.safetensors"))
+
+
+@pytest.fixture(scope="session")
+def converted_fp32(qwen2_5_omni_hf_dir, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("conv") / "fp32")
+    return convert(qwen2_5_omni_hf_dir, out, dtype="float32", progress=False)
+
+
+def _bad_copy(src_dir, dst_dir, edit=None, weights=True):
+    """Copy an HF dir, optionally rewriting the weights through `edit(dict) -> dict`."""
+    os.makedirs(dst_dir)
+    shutil.copy(os.path.join(src_dir, "config.json"), dst_dir)
+    if weights:
+        tensors = stnp.load_file(os.path.join(src_dir, "model.safetensors"))
+        if edit is not None:
+            tensors = edit(tensors)
+        stnp.save_file(tensors, os.path.join(dst_dir, "model.safetensors"))
+    return dst_dir
+
+
+def _assert_nothing_written(out_dir):
+    parent = os.path.dirname(out_dir)
+    assert not os.path.exists(out_dir)
+    assert not [f for f in os.listdir(parent) if f.startswith(".omni-jax-convert-")]
+
+
+def test_round_trip_every_tensor(converted_fp32, hf_tensors):
+    import orbax.checkpoint as ocp
+
+    cfg = read_config(converted_fp32)
+    assert cfg["family"] == "qwen2_5_omni" and cfg["stages"] == ["thinker"]
+    spec = stages_of("qwen2_5_omni")["thinker"]
+    shapes = param_shapes(abstract_stage(spec, spec.parse_config(cfg["hf_config"]["thinker_config"])))
+    plan = map_hf_tensors(hf_tensors.keys(), shapes, spec.hf_prefix, spec.renames)
+    stored = ocp.StandardCheckpointer().restore(os.path.abspath(os.path.join(converted_fp32, "thinker")))
+    assert len(stored) == len(plan) == sum(k.startswith("thinker.") for k in hf_tensors)
+    for path, (key, leaf) in plan.items():
+        back = inverse_transform_for(leaf, np.asarray(stored[".".join(map(str, path))]))
+        np.testing.assert_array_equal(back, hf_tensors[key], err_msg=key)
+
+
+def test_load_checkpoint_builds_the_thinker(converted_fp32):
+    module, cfg = load_checkpoint(converted_fp32, stage="thinker")
+    assert cfg.text.num_layers == 3
+    assert module.lm_head.kernel[...].shape == (64, cfg.text.vocab_size)
+
+
+def test_bf16_conversion_loads_and_runs(qwen2_5_omni_hf_dir, converted_fp32, tmp_path):
+    import jax.numpy as jnp
+    from omni_jax.models.layers.attention import AttentionMetadata
+
+    out = convert(qwen2_5_omni_hf_dir, str(tmp_path / "bf16"), dtype="bfloat16", progress=False)
+    ids = jnp.asarray([9707, 11, 1879, 0, 872, 77091], jnp.int32)
+
+    def logits(path):
+        m, _ = load_checkpoint(path)
+        h, _, _ = m(m.model.embed(ids), jnp.arange(6), AttentionMetadata.dense(6))
+        return np.asarray(m.compute_logits(h))
+
+    m16, _ = load_checkpoint(out)
+    assert m16.lm_head.kernel[...].dtype == jnp.bfloat16
+    lo16, lo32 = logits(out), logits(converted_fp32)
+    assert np.isfinite(lo16).all()
+    assert np.abs(lo16 - lo32).max() < 0.05 * max(1.0, np.abs(lo32).max())
+
+
+def test_no_weights(qwen2_5_omni_hf_dir, tmp_path):
+    src = _bad_copy(qwen2_5_omni_hf_dir, str(tmp_path / "hf"), weights=False)
+    out = str(tmp_path / "out")
+    with pytest.raises(CheckpointError, match="no safetensors weights"):
+        convert(src, out, progress=False)
+    _assert_nothing_written(out)
+
+
+def test_other_architecture(qwen2_5_omni_hf_dir, tmp_path):
+    src = _bad_copy(qwen2_5_omni_hf_dir, str(tmp_path / "hf"), weights=False)
+    with open(os.path.join(src, "config.json"), "w") as f:
+        json.dump({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, f)
+    out = str(tmp_path / "out")
+    with pytest.raises(UnknownModelError, match="llama"):
+        convert(src, out, progress=False)
+    _assert_nothing_written(out)
+
+
+def test_truncated_safetensors(qwen2_5_omni_hf_dir, tmp_path):
+    src = _bad_copy(qwen2_5_omni_hf_dir, str(tmp_path / "hf"))
+    path = os.path.join(src, "model.safetensors")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    out = str(tmp_path / "out")
+    with pytest.raises(CheckpointError, match="model.safetensors.*truncated"):
+        convert(src, out, progress=False)
+    _assert_nothing_written(out)
+
+
+def test_wrong_shape_names_key_and_shapes(qwen2_5_omni_hf_dir, tmp_path):
+    key = "thinker.model.layers.1.mlp.up_proj.weight"
+
+    def edit(t):
+        t[key] = np.zeros((100, 64), np.float32)
+        return t
+
+    src = _bad_copy(qwen2_5_omni_hf_dir, str(tmp_path / "hf"), edit)
+    out = str(tmp_path / "out")
+    with pytest.raises(CheckpointError) as e:
+        convert(src, out, progress=False)
+    msg = str(e.value)
+    assert key in msg and "(100, 64)" in msg and "(128, 64)" in msg
+    _assert_nothing_written(out)
+
+
+def test_missing_tensor_names_it(qwen2_5_omni_hf_dir, tmp_path):
+    key = "thinker.audio_tower.layers.0.fc1.bias"
+    src = _bad_copy(qwen2_5_omni_hf_dir, str(tmp_path / "hf"), lambda t: {k: v for k, v in t.items() if k != key})
+    out = str(tmp_path / "out")
+    with pytest.raises(CheckpointError, match=r"audio_tower\.layers\.0\.fc1\.bias"):
+        convert(src, out, progress=False)
+    _assert_nothing_written(out)
+
+
+def test_cli_exit_code_and_message(qwen2_5_omni_hf_dir, tmp_path, capsys):
+    src = _bad_copy(qwen2_5_omni_hf_dir, str(tmp_path / "hf"), weights=False)
+    out = str(tmp_path / "out")
+    assert convert_main(["--hf-dir", src, "--out", out, "--no-progress"]) == 1
+    assert "no safetensors weights" in capsys.readouterr().err
+    _assert_nothing_written(out)
+
+
+def test_load_rejects_mismatched_checkpoint(converted_fp32, tmp_path):
+    bad = str(tmp_path / "bad")
+    shutil.copytree(converted_fp32, bad)
+    cfg_path = os.path.join(bad, CONFIG_FILE)
+    cfg = json.load(open(cfg_path))
+    cfg["hf_config"]["thinker_config"]["text_config"]["intermediate_size"] = 96
+    json.dump(cfg, open(cfg_path, "w"))
+    with pytest.raises(CheckpointError, match=r"mlp\.(gate|up|down)_proj\.kernel.*shape"):
+        load_checkpoint(bad)
+
+
+def test_load_rejects_non_checkpoint(tmp_path):
+    with pytest.raises(CheckpointError, match="not an OmniJax checkpoint"):
+        load_checkpoint(str(tmp_path))

@@ -22,3 +22,12 @@ def qwen2_5_omni_hf_dir(tmp_path_factory) -> str:
 def qwen2_5_omni_hf_model(qwen2_5_omni_hf_dir):
     """The transformers reference model loaded from the tiny checkpoint (fp32, eval mode)."""
     return hf_tiny.load_qwen2_5_omni(qwen2_5_omni_hf_dir)
+
+
+@pytest.fixture(scope="session")
+def converted_thinker_fp32(qwen2_5_omni_hf_dir, tmp_path_factory) -> str:
+    """The tiny checkpoint converted to OmniJax format in fp32."""
+    from conversion.convert import convert
+
+    return convert(qwen2_5_omni_hf_dir, str(tmp_path_factory.mktemp("omni_jax") / "tiny_fp32"),
+                   dtype="float32", progress=False)

@@ -26,9 +26,8 @@ def hf_tensors(qwen2_5_omni_hf_dir):
 
 
 @pytest.fixture(scope="session")
-def converted_fp32(qwen2_5_omni_hf_dir, tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("conv") / "fp32")
-    return convert(qwen2_5_omni_hf_dir, out, dtype="float32", progress=False)
+def converted_fp32(converted_thinker_fp32):
+    return converted_thinker_fp32
 
 
 def _bad_copy(src_dir, dst_dir, edit=None, weights=True):

@@ -71,6 +71,10 @@ class Qwen2_5OmniThinker(nnx.Module):
         self.visual = Qwen2_5OmniVisionEncoder(cfg.vision, **kw)
         self.lm_head = nnx.Linear(cfg.text.hidden_size, cfg.text.vocab_size, use_bias=False, **kw)
 
+    def embed(self, token_ids):
+        """Token embeddings [T, hidden] (placeholders keep their own embedding)."""
+        return self.model.embed(token_ids)
+
     def merge_media(self, token_ids, media_embeds, media_index):
         """Input embeddings with encoder features placed at their placeholder tokens.
 

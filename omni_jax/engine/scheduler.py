@@ -1,0 +1,572 @@
+"""Continuous-batching schedulers of one stage.
+
+`ARScheduler` (autoregressive stages with a paged KV cache): per step, running requests
+first (decodes and continuing chunked prefills, oldest first), then waiting requests while
+the token budget, `max_num_seqs` and free KV blocks allow. When a running request needs a
+block and none is free, the latest-arrived running request is preempted by recompute.
+`OneShotScheduler` (vocoder-like stages, no KV): whole requests in batches, done in one step.
+
+The engine loop is: `schedule()` -> run the model -> `update_from_output()`, strictly
+alternating; aborts and stop-string finishes may come in between.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+
+from omni_jax.engine.kv_cache import DUMMY_BLOCK_ID, KVCacheManager, cdiv
+from omni_jax.engine.request import FINISH_REASON_TO_STATUS, Request, RequestStatus
+
+
+@dataclass
+class SchedulerConfig:
+    """Scheduler knobs of one stage (any object with these attribute names works too)."""
+
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_model_len: int = 4096
+    block_size: int = 16
+    num_blocks: int = 1024  # block 0 is the dummy block
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # >0: cap on one request's prefill chunk per step
+    eos_token_ids: tuple[int, ...] = ()
+
+
+def _cfg(config: Any, name: str, default: Any) -> Any:
+    value = getattr(config, name, default)
+    return default if value is None else value
+
+
+def _eos_ids(config: Any) -> frozenset[int]:
+    ids = _cfg(config, "eos_token_ids", None)
+    if ids is None:
+        ids = _cfg(config, "eos_token_id", ())
+    if isinstance(ids, (int, np.integer)):
+        ids = (ids,)
+    return frozenset(int(t) for t in ids)
+
+
+# -- step description ---------------------------------------------------------------------------
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step: tokens [num_computed_tokens, + num_scheduled_tokens)."""
+
+    request_id: str
+    request: Request
+    num_scheduled_tokens: int
+    num_computed_tokens: int  # start position of this chunk (tokens already in the KV cache)
+    is_new: bool  # first time scheduled: the runner sets up its per-request state
+    is_resumed: bool  # re-admitted after preemption: its KV is recomputed from position 0
+    needs_logits: bool  # the chunk ends at the last known token, so one token is sampled
+    block_ids: list[int]  # the whole block table after this step's allocation
+    new_block_ids: list[int]  # blocks appended this step (all of them if new or resumed)
+    token_ids: np.ndarray  # int32 ids of the scheduled positions
+
+    @property
+    def is_prefill(self) -> bool:
+        """More than one token, or still inside the prompt (prompt embeddings apply)."""
+        return self.num_scheduled_tokens > 1 or self.num_computed_tokens < self.request.num_prompt_tokens
+
+    @property
+    def positions(self) -> np.ndarray:
+        start = self.num_computed_tokens
+        return np.arange(start, start + self.num_scheduled_tokens, dtype=np.int32)
+
+    @property
+    def kv_len(self) -> int:
+        """Tokens in the KV cache once this chunk is written (cached + new)."""
+        return self.num_computed_tokens + self.num_scheduled_tokens
+
+    # The runner's chunk vocabulary (runner.ScheduledChunk), so it can take these directly.
+    @property
+    def start(self) -> int:
+        return self.num_computed_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_scheduled_tokens
+
+    @property
+    def sample(self) -> bool:
+        return self.needs_logits
+
+
+@dataclass
+class SchedulerOutput:
+    """What to run this step, in order (running requests first, then newly admitted ones)."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    total_num_scheduled_tokens: int = 0
+    finished_request_ids: list[str] = field(default_factory=list)  # since the last step: drop their state
+    preempted_request_ids: list[str] = field(default_factory=list)  # this step: drop their state
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [s.request_id for s in self.scheduled]
+
+    @property
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        return {s.request_id: s.num_scheduled_tokens for s in self.scheduled}
+
+    @property
+    def logits_request_ids(self) -> list[str]:
+        """Scheduled requests that get a sampled token (a non-final prefill chunk gets none)."""
+        return [s.request_id for s in self.scheduled if s.needs_logits]
+
+    def block_table_array(self, width: Optional[int] = None) -> np.ndarray:
+        """int32 `[num_scheduled, width]` block tables padded with the dummy block id."""
+        width = max((len(s.block_ids) for s in self.scheduled), default=0) if width is None else width
+        table = np.full((len(self.scheduled), width), DUMMY_BLOCK_ID, dtype=np.int32)
+        for row, s in enumerate(self.scheduled):
+            if len(s.block_ids) > width:
+                raise ValueError(f"request {s.request_id!r} holds {len(s.block_ids)} blocks > width {width}")
+            table[row, : len(s.block_ids)] = s.block_ids
+        return table
+
+
+@dataclass(slots=True)
+class RequestStepOutput:
+    """What one step did for one request: the tokens it produced and whether it is done."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: Optional[str] = None  # "stop", "length", "abort", "error"
+    stop_reason: Optional[int | str] = None  # the stop token id (or stop string) that ended it
+    num_cached_tokens: int = 0
+    error: Optional[str] = None
+
+
+def _step_output(req: Request, new_token_ids: list[int]) -> RequestStepOutput:
+    return RequestStepOutput(
+        request_id=req.request_id,
+        new_token_ids=new_token_ids,
+        finished=req.is_finished,
+        finish_reason=req.finish_reason,
+        stop_reason=req.stop_reason,
+        num_cached_tokens=req.num_cached_tokens,
+        error=req.error,
+    )
+
+
+# -- common queue handling ----------------------------------------------------------------------
+class _QueueScheduler:
+    """Waiting/running queues, finishing and aborting: what both schedulers share."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.max_num_seqs = int(_cfg(config, "max_num_seqs", 16))
+        self.max_num_batched_tokens = int(_cfg(config, "max_num_batched_tokens", 2048))
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_seqs ({self.max_num_seqs}) and max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be positive"
+            )
+        self.requests: dict[str, Request] = {}  # unfinished requests by id
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_ids: list[str] = []
+        self._arrivals = itertools.count()
+        self._pending: Optional[SchedulerOutput] = None
+
+    def _validate_common(self, request: Request) -> None:
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if request.status != RequestStatus.WAITING or request.num_computed_tokens or request.output_token_ids:
+            raise ValueError(f"request {rid!r} was already scheduled once; add a fresh Request")
+        if request.num_prompt_tokens == 0:
+            raise ValueError(f"request {rid!r}: empty prompt (0 tokens)")
+
+    def _enqueue(self, request: Request) -> None:
+        request.priority = (request.arrival_time, next(self._arrivals))
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def _check_not_pending(self) -> None:
+        if self._pending is not None:
+            raise RuntimeError("schedule() called again before update_from_output() of the previous step")
+
+    def _check_is_pending(self, scheduler_output: SchedulerOutput) -> None:
+        # Tokens are appended on update: applying an output twice (or a stale one) would corrupt requests.
+        if scheduler_output.scheduled and scheduler_output is not self._pending:
+            raise RuntimeError("update_from_output() got a SchedulerOutput that is not the pending step "
+                               "(already updated or failed)")
+
+    def _take_finished_ids(self) -> list[str]:
+        ids, self._finished_ids = self._finished_ids, []
+        return ids
+
+    def _release(self, request: Request) -> None:
+        """Free what a finished request holds (subclasses add their resources)."""
+        self.requests.pop(request.request_id, None)
+        self._finished_ids.append(request.request_id)
+
+    def finish_request(
+        self,
+        request_id: str,
+        reason: str = "stop",
+        stop_reason: Optional[int | str] = None,
+        error: Optional[str] = None,
+    ) -> bool:
+        """Finish a request from outside (stop string, abort, error) wherever it is.
+
+        Frees its resources at once. False if the id is unknown or already finished.
+        """
+        status = FINISH_REASON_TO_STATUS.get(reason)
+        if status is None:
+            raise ValueError(f"unknown finish reason {reason!r}; expected one of {sorted(FINISH_REASON_TO_STATUS)}")
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status = status
+        req.stop_reason = stop_reason
+        req.error = error
+        self._release(req)
+        return True
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a waiting, running or partially prefilled request; frees its blocks."""
+        return self.finish_request(request_id, reason="abort")
+
+    def fail_scheduled(self, scheduler_output: SchedulerOutput, error: str) -> list[RequestStepOutput]:
+        """The model step of `scheduler_output` raised: fail its requests with the error text."""
+        if self._pending is scheduler_output:
+            self._pending = None
+        outputs = []
+        for s in scheduler_output.scheduled:
+            if self.finish_request(s.request_id, reason="error", error=error):
+                outputs.append(_step_output(s.request, []))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def get_request(self, request_id: str) -> Optional[Request]:
+        return self.requests.get(request_id)
+
+
+# -- autoregressive stages ----------------------------------------------------------------------
+class ARScheduler(_QueueScheduler):
+    """Continuous batching over a paged KV cache: chunked prefill, prefix caching, preemption."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.max_model_len = int(_cfg(config, "max_model_len", 4096))
+        self.block_size = int(_cfg(config, "block_size", 16))
+        self.num_blocks = int(_cfg(config, "num_blocks", 1024))
+        self.enable_chunked_prefill = bool(_cfg(config, "enable_chunked_prefill", True))
+        self.long_prefill_token_threshold = int(_cfg(config, "long_prefill_token_threshold", 0))
+        self.eos_token_ids = _eos_ids(config)
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            # Without chunking a whole (re)computed prompt must fit one step's budget.
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                f"must be >= max_model_len ({self.max_model_len})"
+            )
+        self.kv_cache_manager = KVCacheManager(
+            self.num_blocks, self.block_size, bool(_cfg(config, "enable_prefix_caching", True))
+        )
+        # A request stops growing when its next token would not fit the model or the whole pool
+        # (otherwise it could never be scheduled again).
+        self.max_len = min(self.max_model_len, self.kv_cache_manager.max_num_tokens + 1)
+
+    # -- intake --------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request; ValueError naming the problem if it can never run."""
+        self._validate_common(request)
+        rid, n = request.request_id, request.num_prompt_tokens
+        if n + 1 > self.max_model_len:
+            raise ValueError(
+                f"request {rid!r}: prompt of {n} tokens leaves no room to generate: "
+                f"prompt + 1 must be <= max_model_len ({self.max_model_len})"
+            )
+        num_blocks = cdiv(n, self.block_size)
+        if num_blocks > self.kv_cache_manager.num_usable_blocks:
+            raise ValueError(
+                f"request {rid!r}: prompt of {n} tokens needs {num_blocks} KV blocks of {self.block_size} "
+                f"tokens, more than the whole pool ({self.kv_cache_manager.num_usable_blocks} usable blocks)"
+            )
+        if request.max_tokens is not None and request.max_tokens < 1:
+            raise ValueError(f"request {rid!r}: max_tokens must be >= 1, got {request.max_tokens}")
+        self._enqueue(request)
+
+    # -- scheduling ----------------------------------------------------------------------------
+    def _chunk_len(self, request: Request, num_computed: int) -> int:
+        n = request.num_tokens - num_computed
+        if self.enable_chunked_prefill and 0 < self.long_prefill_token_threshold < n:
+            n = self.long_prefill_token_threshold
+        return n
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        # Recompute: its outputs so far stay and are prefilled again together with the prompt.
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _schedule_one(
+        self, request: Request, n: int, held_before: int, is_new: bool, is_resumed: bool
+    ) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        block_ids = self.kv_cache_manager.get_block_table(request.request_id)
+        scheduled = ScheduledRequest(
+            request_id=request.request_id,
+            request=request,
+            num_scheduled_tokens=n,
+            num_computed_tokens=start,
+            is_new=is_new,
+            is_resumed=is_resumed,
+            needs_logits=start + n >= request.num_tokens,
+            block_ids=block_ids,
+            new_block_ids=block_ids[held_before:],
+            token_ids=request.all_token_ids[start : start + n],
+        )
+        # Advanced now, like vLLM: the step's tokens count as computed once scheduled.
+        request.num_computed_tokens = start + n
+        return scheduled
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts, allocating their KV slots."""
+        self._check_not_pending()
+        kv = self.kv_cache_manager
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+
+        # Running requests, oldest first; `running` is kept sorted by arrival so that its tail
+        # is always the lowest-priority request, and is never one already scheduled this step.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(self._chunk_len(req, req.num_computed_tokens), budget)
+            held = kv.num_held_blocks(req.request_id)
+            while kv.allocate_slots(req, n) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                break  # it preempted itself: everything behind it is preempted too
+            scheduled.append(self._schedule_one(req, n, held, is_new=False, is_resumed=False))
+            budget -= n
+            i += 1
+
+        # Waiting requests, FCFS; none after a preemption, as blocks are short.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hits, num_hit_tokens = kv.get_computed_blocks(req)
+            n = self._chunk_len(req, num_hit_tokens)
+            if n > budget:
+                if not self.enable_chunked_prefill:
+                    break
+                n = budget
+            if kv.allocate_slots(req, n, hits) is None:
+                break
+            self.waiting.popleft()
+            is_resumed = req.status == RequestStatus.PREEMPTED
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_hit_tokens
+            if not is_resumed:
+                req.num_cached_tokens = num_hit_tokens
+            bisect.insort(self.running, req, key=lambda r: r.priority)
+            scheduled.append(self._schedule_one(req, n, 0, is_new=not is_resumed, is_resumed=is_resumed))
+            budget -= n
+
+        out = SchedulerOutput(
+            scheduled=scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            finished_request_ids=self._take_finished_ids(),
+            preempted_request_ids=preempted,
+        )
+        if scheduled:
+            self._pending = out
+        return out
+
+    # -- results -------------------------------------------------------------------------------
+    def _check_stop(self, req: Request, token: int) -> bool:
+        """Apply the finish conditions after `token` was appended; True if it finished."""
+        if req.num_output_tokens >= req.min_tokens:
+            eos = req.eos_token_ids if req.eos_token_ids is not None else self.eos_token_ids
+            if not req.ignore_eos and token in eos:
+                req.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if token in req.stop_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = token
+                return True
+        if (req.max_tokens is not None and req.num_output_tokens >= req.max_tokens) or req.num_tokens >= self.max_len:
+            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def _release(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        super()._release(request)
+
+    def update_from_output(
+        self,
+        scheduler_output: SchedulerOutput,
+        sampled_token_ids: Mapping[str, Any] | Sequence[Any] | np.ndarray | None = None,
+    ) -> list[RequestStepOutput]:
+        """Take the step's sampled tokens, check finish conditions, free finished requests.
+
+        `sampled_token_ids` is a dict request_id -> token id(s), or a sequence/array aligned
+        with `scheduler_output.scheduled` (entries of requests without logits are ignored) or
+        with `logits_request_ids`. Returns one output per request that got tokens or finished.
+        """
+        self._check_is_pending(scheduler_output)
+        # Validate every entry before touching any request, so a bad call changes nothing.
+        sampled = self._sampled_per_request(scheduler_output, sampled_token_ids)
+        self._pending = None
+        outputs: list[RequestStepOutput] = []
+        any_finished = False
+        for s, tokens in zip(scheduler_output.scheduled, sampled):
+            req = self.requests.get(s.request_id)
+            if req is not s.request or req.status != RequestStatus.RUNNING:
+                continue  # aborted or finished from outside since schedule()
+            new_token_ids: list[int] = []
+            for token in tokens:
+                req.append_output_token_ids(token)
+                new_token_ids.append(token)
+                if self._check_stop(req, token):
+                    break
+            # Only now is the chunk's KV written, so only now may others hit its full blocks.
+            self.kv_cache_manager.cache_blocks(req, s.kv_len)
+            if req.is_finished:
+                self._release(req)
+                any_finished = True
+            if new_token_ids or req.is_finished:
+                outputs.append(_step_output(req, new_token_ids))
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return outputs
+
+    @staticmethod
+    def _sampled_per_request(out: SchedulerOutput, sampled: Any) -> list[list[int]]:
+        """The sampled token ids of each scheduled request (empty where no logits were due)."""
+
+        def as_list(value: Any, rid: str) -> list[int]:
+            if value is None:
+                raise ValueError(f"update_from_output: no sampled token for request {rid!r}")
+            if isinstance(value, (int, np.integer)):
+                return [int(value)]
+            tokens = [int(t) for t in value]
+            if not tokens:
+                raise ValueError(f"update_from_output: no sampled token for request {rid!r}")
+            return tokens
+
+        needs = [s.needs_logits for s in out.scheduled]
+        if isinstance(sampled, Mapping):
+            return [as_list(sampled.get(s.request_id), s.request_id) if s.needs_logits else []
+                    for s in out.scheduled]
+        if sampled is None:
+            values: list[Any] = []
+        else:
+            values = sampled.tolist() if isinstance(sampled, np.ndarray) else list(sampled)
+        if len(values) == len(out.scheduled):
+            return [as_list(v, s.request_id) if need else []
+                    for v, s, need in zip(values, out.scheduled, needs)]
+        if len(values) == sum(needs):
+            rows = iter(values)
+            return [as_list(next(rows), s.request_id) if need else [] for s, need in zip(out.scheduled, needs)]
+        raise ValueError(
+            f"update_from_output: {len(values)} sampled entries for {len(out.scheduled)} scheduled "
+            f"requests ({sum(needs)} needing logits)"
+        )
+
+    # -- maintenance ---------------------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        """Drop cached prefixes (e.g. after a weight update); False while blocks are in use."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def make_stats(self) -> dict[str, float]:
+        """Queue lengths, KV usage and the prefix-cache hit rate, for metrics."""
+        kv = self.kv_cache_manager
+        return {
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "kv_cache_usage": kv.usage,
+            "prefix_cache_queries": kv.prefix_cache_stats.queries,
+            "prefix_cache_hits": kv.prefix_cache_stats.hits,
+            "prefix_cache_hit_rate": kv.prefix_cache_stats.hit_rate,
+        }
+
+
+# -- one-shot stages ----------------------------------------------------------------------------
+class OneShotScheduler(_QueueScheduler):
+    """Batches whole waiting requests (up to max_num_seqs and max_num_batched_tokens) for
+    stages without KV cache (vocoders); each request finishes after the step that ran it."""
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; ValueError if it could never fit a batch."""
+        self._validate_common(request)
+        if request.num_prompt_tokens > self.max_num_batched_tokens:
+            raise ValueError(
+                f"request {request.request_id!r}: {request.num_prompt_tokens} tokens exceed "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) of a one-shot batch"
+            )
+        self._enqueue(request)
+
+    def schedule(self) -> SchedulerOutput:
+        """The next batch of whole requests, FCFS."""
+        self._check_not_pending()
+        scheduled: list[ScheduledRequest] = []
+        total = 0
+        while self.waiting and len(scheduled) < self.max_num_seqs:
+            req = self.waiting[0]
+            n = req.num_tokens
+            if total + n > self.max_num_batched_tokens:
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append(ScheduledRequest(
+                request_id=req.request_id, request=req, num_scheduled_tokens=n, num_computed_tokens=0,
+                is_new=True, is_resumed=False, needs_logits=False, block_ids=[], new_block_ids=[],
+                token_ids=req.all_token_ids,
+            ))
+            req.num_computed_tokens = n
+            total += n
+        out = SchedulerOutput(scheduled, total, self._take_finished_ids(), [])
+        if scheduled:
+            self._pending = out
+        return out
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, results: Any = None) -> list[RequestStepOutput]:
+        """Finish every request of the step ("stop"); `results` is the engine's and ignored here."""
+        self._check_is_pending(scheduler_output)
+        self._pending = None
+        outputs = []
+        for s in scheduler_output.scheduled:
+            req = self.requests.get(s.request_id)
+            if req is not s.request or req.status != RequestStatus.RUNNING:
+                continue
+            req.status = RequestStatus.FINISHED_STOPPED
+            self._release(req)
+            outputs.append(_step_output(req, []))
+        if outputs:
+            self.running = [r for r in self.running if not r.is_finished]
+        return outputs

@@ -1,0 +1,286 @@
+"""Qwen2.5-Omni 3-D M-RoPE position ids, computed on the host with numpy.
+
+Every prompt token gets three position ids (temporal, height, width). Text and audio
+tokens get three equal, consecutive ids. Image and video placeholders get
+`start + (t, h, w)` over their merged patch grid, where t advances by
+`position_id_per_seconds` per second of media. With `use_audio_in_video` (TMRoPE) a
+video's tokens and its audio's tokens are interleaved in `seconds_per_chunk` chunks,
+and both streams count time from the same start id.
+
+The result equals transformers' `Qwen2_5OmniPreTrainedModelForConditionalGeneration
+.get_rope_index` for one unpadded sequence, including its quirks (noted where they
+happen), so that logits match the reference. After the prompt, decode positions are
+all three rows equal to `token index + mrope_delta`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import numpy as np
+
+__all__ = [
+    "RopeIndexConfig",
+    "audio_output_lengths",
+    "get_rope_index",
+    "decode_positions",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeIndexConfig:
+    """Token ids and timing constants that `get_rope_index` needs (defaults: Qwen2.5-Omni-7B)."""
+
+    image_token_id: int = 151655
+    video_token_id: int = 151656
+    audio_token_id: int = 151646
+    vision_start_token_id: int = 151652
+    vision_end_token_id: int = 151653
+    audio_start_token_id: int = 151647
+    audio_end_token_id: int = 151648
+    spatial_merge_size: int = 2
+    position_id_per_seconds: float = 25
+    seconds_per_chunk: float = 2
+
+    @classmethod
+    def from_hf(cls, thinker_config: Mapping[str, Any] | Any) -> "RopeIndexConfig":
+        """Build from an HF thinker config (dict, a full Qwen2.5-Omni config dict, or a PretrainedConfig)."""
+        cfg = thinker_config.to_dict() if hasattr(thinker_config, "to_dict") else dict(thinker_config)
+        if "thinker_config" in cfg:  # a whole Qwen2_5OmniConfig dict
+            cfg = dict(cfg["thinker_config"])
+        vision = cfg.get("vision_config") or {}
+        if hasattr(vision, "to_dict"):
+            vision = vision.to_dict()
+        d = cls()
+
+        def pick(*keys, default):
+            # HF stores the placeholder ids as `*_token_index` with `*_token_id` aliases.
+            for k in keys:
+                if cfg.get(k) is not None:
+                    return cfg[k]
+            return default
+
+        return cls(
+            image_token_id=int(pick("image_token_index", "image_token_id", default=d.image_token_id)),
+            video_token_id=int(pick("video_token_index", "video_token_id", default=d.video_token_id)),
+            audio_token_id=int(pick("audio_token_index", "audio_token_id", default=d.audio_token_id)),
+            vision_start_token_id=int(pick("vision_start_token_id", default=d.vision_start_token_id)),
+            vision_end_token_id=int(pick("vision_end_token_id", default=d.vision_end_token_id)),
+            audio_start_token_id=int(pick("audio_start_token_id", default=d.audio_start_token_id)),
+            audio_end_token_id=int(pick("audio_end_token_id", default=d.audio_end_token_id)),
+            spatial_merge_size=int(vision.get("spatial_merge_size", d.spatial_merge_size)),
+            position_id_per_seconds=pick("position_id_per_seconds", default=d.position_id_per_seconds),
+            seconds_per_chunk=pick("seconds_per_chunk", default=d.seconds_per_chunk),
+        )
+
+
+def audio_output_lengths(mel_lengths) -> np.ndarray:
+    """Audio encoder output tokens per audio from its mel frame count (conv stride 2, then avg-pool 2)."""
+    n = np.asarray(mel_lengths, dtype=np.int64)
+    after_conv = (n - 1) // 2 + 1
+    return (after_conv - 2) // 2 + 1
+
+
+def _temporal_ids(grid_t: int, seconds_per_grid: float, per_second: float) -> np.ndarray:
+    """Temporal position offsets of `grid_t` frames, `seconds_per_grid` apart.
+
+    Computed in float32 and truncated, as transformers does, so that non-integral
+    products (e.g. 0.7 s * 25) land on the same integer.
+    """
+    t = np.arange(grid_t, dtype=np.float32) * np.float32(seconds_per_grid) * np.float32(per_second)
+    return t.astype(np.int64)
+
+
+def _vision_positions(grid_thw, merge: int, t_ids: np.ndarray, start: int) -> np.ndarray:
+    """[3, t*h*w/merge^2] positions of one image/video, frame-major then row-major."""
+    _, h, w = (int(x) for x in grid_thw)
+    gh, gw = h // merge, w // merge
+    per_frame = gh * gw
+    t_row = np.repeat(t_ids, per_frame)
+    h_row = np.tile(np.repeat(np.arange(gh, dtype=np.int64), gw), len(t_ids))
+    w_row = np.tile(np.arange(gw, dtype=np.int64), len(t_ids) * gh)
+    return np.stack([t_row, h_row, w_row]) + start
+
+
+def _chunk_ids(offsets: np.ndarray, per_chunk: int) -> np.ndarray:
+    """Chunk number of each token for the audio/video interleave, given its temporal offset.
+
+    transformers scans the tokens and opens a new chunk when an offset reaches
+    `(chunks so far) * per_chunk`, at most one new chunk per token. So a jump over
+    several chunk boundaries opens them one token at a time rather than skipping them.
+    In closed form: chunk_i = min(offset_i // per_chunk, chunk_{i-1} + 1), chunk_{-1} = 0,
+    which unrolls to i + min(1, min_{j<=i}(f_j - j)).
+    """
+    n = offsets.shape[0]
+    if n == 0:
+        return np.zeros(0, np.int64)
+    idx = np.arange(n, dtype=np.int64)
+    f = offsets.astype(np.int64) // int(per_chunk)
+    return idx + np.minimum(1, np.minimum.accumulate(f - idx))
+
+
+def _interleaved_positions(video: np.ndarray, n_audio: int, start: int, per_chunk: int):
+    """TMRoPE positions of a video with its audio: returns ([3, Nv+Na], max id of the last chunk).
+
+    Both streams start at `start`; tokens are ordered video chunk 0, audio chunk 0,
+    video chunk 1, ... The next id after the block comes from the *last appended chunk*
+    (not the block maximum), as in transformers.
+    """
+    audio = np.broadcast_to(np.arange(n_audio, dtype=np.int64) + start, (3, n_audio))
+    v_chunk = _chunk_ids(video[0] - start, per_chunk)
+    a_chunk = _chunk_ids(audio[0] - start, per_chunk)
+    # Sort key: chunk, then video (0) before audio (1); stable keeps each stream in order.
+    key = np.concatenate([v_chunk * 2, a_chunk * 2 + 1])
+    order = np.argsort(key, kind="stable")
+    both = np.concatenate([video, audio], axis=1)[:, order]
+    nv_chunks, na_chunks = v_chunk[-1] + 1, a_chunk[-1] + 1
+    if na_chunks >= nv_chunks:  # audio's final chunk is appended after video's
+        last = audio[:, a_chunk == na_chunks - 1]
+    else:
+        last = video[:, v_chunk == nv_chunks - 1]
+    return both, int(last.max())
+
+
+def get_rope_index(
+    input_ids: np.ndarray,
+    config: RopeIndexConfig,
+    image_grid_thw=None,
+    video_grid_thw=None,
+    audio_seqlens=None,
+    second_per_grids=None,
+    use_audio_in_video: bool = False,
+) -> tuple[np.ndarray, int]:
+    """3-D M-RoPE positions of one prompt: returns (positions int32 [3, T], mrope_delta).
+
+    input_ids: [T] token ids of one sequence, no padding. image_grid_thw [Ni, 3] /
+    video_grid_thw [Nv, 3]: patch grids (before merging), in prompt order.
+    audio_seqlens [Na]: mel frames per audio (sum of feature_attention_mask), in the order
+    the audios appear in the prompt, audio inside videos included. second_per_grids [Nv]:
+    seconds per temporal grid step of each video (temporal_patch_size / fps; default 1.0).
+    use_audio_in_video: videos laid out as <vision_bos><audio_bos> interleaved chunks
+    <audio_eos><vision_eos> carry their audio (TMRoPE). A video without audio keeps the plain
+    layout and is treated as one (transformers would read its tokens as text).
+    mrope_delta: add it to a token's 1-D index to get its position after the prompt.
+    """
+    ids = np.asarray(input_ids).reshape(-1)
+    n_tokens = ids.shape[0]
+    images = np.zeros((0, 3), np.int64) if image_grid_thw is None else np.asarray(image_grid_thw).reshape(-1, 3)
+    videos = np.zeros((0, 3), np.int64) if video_grid_thw is None else np.asarray(video_grid_thw).reshape(-1, 3)
+    audio_lens = None if audio_seqlens is None else audio_output_lengths(np.asarray(audio_seqlens).reshape(-1))
+    spg = np.ones(len(videos)) if second_per_grids is None else np.asarray(second_per_grids, np.float64).reshape(-1)
+    if len(spg) != len(videos):
+        raise ValueError(f"second_per_grids has {len(spg)} entries for {len(videos)} videos")
+
+    c = config
+    merge = c.spatial_merge_size
+    per_chunk = int(c.position_id_per_seconds * c.seconds_per_chunk)
+    where = {
+        "image": np.flatnonzero(ids == c.image_token_id),
+        "video": np.flatnonzero(ids == c.video_token_id),
+        "audio": np.flatnonzero(ids == c.audio_token_id),
+    }
+
+    def next_at(kind: str, cursor: int) -> int:
+        arr = where[kind]
+        k = np.searchsorted(arr, cursor)
+        return int(arr[k]) if k < len(arr) else n_tokens + 1
+
+    def audio_len(idx: int, start: int) -> int:
+        if audio_lens is None:
+            raise ValueError(f"prompt has an audio placeholder at {start} but no audio_seqlens")
+        if idx >= len(audio_lens):
+            raise ValueError(f"prompt has more audios than audio_seqlens ({len(audio_lens)})")
+        n = int(audio_lens[idx])
+        if n <= 0:
+            raise ValueError(f"audio {idx} is too short to give any token ({audio_seqlens[idx]} mel frames)")
+        return n
+
+    def check(start: int, n: int, allowed, what: str) -> None:
+        span = ids[start:start + n]
+        if len(span) != n or not np.isin(span, allowed).all():
+            raise ValueError(f"{what} at token {start} expects {n} placeholder tokens")
+
+    positions = np.empty((3, n_tokens), np.int64)
+    cursor = 0    # first token not yet given a position
+    next_pos = 0  # position id for the next token: last chunk's max + 1
+    n_img = n_vid = n_aud = 0
+    while True:
+        start = min(next_at("image", cursor), next_at("video", cursor), next_at("audio", cursor))
+        if start > n_tokens:
+            break
+        kind = "image" if ids[start] == c.image_token_id else "video" if ids[start] == c.video_token_id else "audio"
+        with_audio = (
+            kind == "video" and use_audio_in_video and start >= 2
+            and ids[start - 1] == c.audio_start_token_id and ids[start - 2] == c.vision_start_token_id
+        )
+        n_bos = 2 if with_audio else 1
+        text_end = start - n_bos
+        if text_end < cursor:
+            raise ValueError(f"{kind} placeholder at token {start} is not preceded by its start token")
+        # Text, then the start token(s): consecutive ids; <vision_bos><audio_bos> share one id.
+        positions[:, cursor:text_end] = np.arange(next_pos, next_pos + text_end - cursor)
+        next_pos += text_end - cursor
+        positions[:, text_end:start] = next_pos
+        next_pos += 1
+
+        if kind == "audio":
+            n = audio_len(n_aud, start)
+            check(start, n, [c.audio_token_id], "audio")
+            block = np.broadcast_to(np.arange(next_pos, next_pos + n), (3, n))
+            last_max = next_pos + n - 1
+            n_aud += 1
+        elif kind == "image":
+            if n_img >= len(images):
+                raise ValueError(f"prompt has more images than image_grid_thw ({len(images)})")
+            t_ids = _temporal_ids(int(images[n_img][0]), 1.0, c.position_id_per_seconds)
+            block = _vision_positions(images[n_img], merge, t_ids, next_pos)
+            check(start, block.shape[1], [c.image_token_id], "image")
+            last_max = int(block.max())
+            n_img += 1
+        else:
+            if n_vid >= len(videos):
+                raise ValueError(f"prompt has more videos than video_grid_thw ({len(videos)})")
+            t_ids = _temporal_ids(int(videos[n_vid][0]), spg[n_vid], c.position_id_per_seconds)
+            block = _vision_positions(videos[n_vid], merge, t_ids, next_pos)
+            if with_audio:
+                n_a = audio_len(n_aud, start)
+                n_v = block.shape[1]
+                check(start, n_v + n_a, [c.video_token_id, c.audio_token_id], "video with audio")
+                if (ids[start:start + n_v + n_a] == c.audio_token_id).sum() != n_a:
+                    raise ValueError(f"video at token {start} expects {n_a} audio tokens")
+                block, last_max = _interleaved_positions(block, n_a, next_pos, per_chunk)
+                n_aud += 1
+            else:
+                check(start, block.shape[1], [c.video_token_id], "video")
+                last_max = int(block.max())
+            n_vid += 1
+
+        n = block.shape[1]
+        positions[:, start:start + n] = block
+        # End token(s) share one id, right after the last chunk.
+        end = start + n + n_bos
+        if end > n_tokens:
+            raise ValueError(f"{kind} at token {start} has no end token")
+        positions[:, start + n:end] = last_max + 1
+        next_pos = last_max + 2
+        cursor = end
+
+    positions[:, cursor:] = np.arange(next_pos, next_pos + n_tokens - cursor)
+    if (n_img, n_vid) != (len(images), len(videos)) or (audio_lens is not None and n_aud != len(audio_lens)):
+        raise ValueError(
+            f"prompt has {n_img} images, {n_vid} videos, {n_aud} audios; inputs give "
+            f"{len(images)}, {len(videos)}, {'?' if audio_lens is None else len(audio_lens)}"
+        )
+    delta = int(positions.max()) + 1 - n_tokens if n_tokens else 0
+    return positions.astype(np.int32), delta
+
+
+def decode_positions(num_computed_tokens, deltas) -> np.ndarray:
+    """M-RoPE positions [3, B] of the next token of each sequence: its index plus the prompt's delta.
+
+    num_computed_tokens [B]: tokens already in the KV cache (= index of the token being fed);
+    deltas [B]: each sequence's mrope_delta from `get_rope_index` (0 for text-only prompts).
+    """
+    pos = np.asarray(num_computed_tokens, np.int64) + np.asarray(deltas, np.int64)
+    return np.repeat(pos.reshape(1, -1), 3, axis=0).astype(np.int32)

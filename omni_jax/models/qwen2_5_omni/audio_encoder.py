@@ -1,0 +1,344 @@
+"""Qwen2.5-Omni audio encoder (Whisper-style, chunked attention) in Flax NNX.
+
+The encoder turns log-mel features into audio embeddings for the thinker:
+conv1 (k3) + GELU, conv2 (k3, stride 2) + GELU, sinusoidal positions restarted in every
+chunk, pre-norm transformer layers whose attention is bidirectional *within* one chunk
+of ``2 * n_window`` mel frames (``n_window`` tokens after conv2), stride-2 average
+pooling over each audio's token sequence, ``ln_post`` and ``proj``. With the real
+config (``n_window`` 100) 100 mel frames become 25 output tokens.
+
+Shape contract
+--------------
+The split between host and device keeps the jitted part free of data-dependent shapes:
+
+* Host (numpy), :func:`prepare_audio_batch`: from ``feature_lens [A]`` it builds the
+  padded chunk layout of ``C`` chunks of ``W = 2 * n_window`` frames
+  (``S = (W - 1) // 2 + 1`` tokens after conv2) and ``P`` pooled output slots.
+  ``C`` and ``P`` may be padded up to buckets; padding chunks are fully masked and
+  padding output slots are computed from slot 0 and must be ignored.
+* Device, :meth:`Qwen2_5OmniAudioEncoder.__call__`:
+  ``input_features [num_mel_bins, T]`` (all audios concatenated along time, as
+  transformers does with ``feature_attention_mask``; ``T`` may be padded to a bucket,
+  frames past ``sum(feature_lens)`` are never read) plus the batch arrays
+  ``frame_index [C, W]``, ``frame_mask [C, W]``, ``token_mask [C, S]``,
+  ``pool_index [P, 2]`` -> ``[P, output_dim]``; the first ``sum(output_lens)`` rows are
+  the audio embeddings in audio order, exactly what transformers'
+  ``get_audio_features(...).last_hidden_state`` returns.
+* :meth:`Qwen2_5OmniAudioEncoder.encode` does both for tests and tools (jitted per shape).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+# transformers' ACT2FN names -> JAX functions ("gelu" is the exact, erf-based GELU).
+_ACTIVATIONS = {
+    "gelu": functools.partial(jax.nn.gelu, approximate=False),
+    "gelu_new": functools.partial(jax.nn.gelu, approximate=True),
+    "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+}
+
+_LN_EPS = 1e-5  # torch.nn.LayerNorm default, used by every norm of the HF encoder
+
+
+@dataclasses.dataclass(frozen=True)
+class AudioEncoderConfig:
+    """Hyper-parameters of the audio encoder (the HF ``audio_config``)."""
+
+    num_mel_bins: int = 128
+    encoder_layers: int = 32
+    encoder_attention_heads: int = 20
+    encoder_ffn_dim: int = 5120
+    d_model: int = 1280
+    max_source_positions: int = 1500
+    n_window: int = 100
+    output_dim: int = 3584
+    activation: str = "gelu"
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "AudioEncoderConfig":
+        """Build from the ``thinker_config.audio_config`` dict of an HF config.json."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"activation"}
+        kwargs = {k: d[k] for k in names if k in d}
+        act = d.get("activation_function", d.get("activation"))
+        if act is not None:
+            kwargs["activation"] = act
+        return cls(**kwargs)
+
+    @property
+    def chunk_frames(self) -> int:
+        """Mel frames per attention chunk (``W``)."""
+        return 2 * self.n_window
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Tokens per attention chunk after the stride-2 conv (``S``)."""
+        return _conv_stride2_len(self.chunk_frames)
+
+
+def _conv_stride2_len(n):
+    # Length after a kernel-3, padding-1, stride-2 convolution.
+    return (n - 1) // 2 + 1
+
+
+def audio_output_lengths(feature_lens) -> tuple[np.ndarray, np.ndarray]:
+    """Mel frames -> (tokens after the convs, output tokens after pooling), per audio.
+
+    Same as transformers' ``_get_feat_extract_output_lengths``.
+    """
+    lens = np.asarray(feature_lens, dtype=np.int64)
+    after_cnn = _conv_stride2_len(lens)
+    return after_cnn, (after_cnn - 2) // 2 + 1
+
+
+@dataclasses.dataclass(frozen=True)
+class AudioBatch:
+    """Host-side (numpy) layout of one encoder call; see the module docstring.
+
+    ``frame_index [C, W]`` int32: column of ``input_features`` for each chunk frame
+    (0 where masked); ``frame_mask [C, W]`` bool; ``token_mask [C, S]`` bool: valid
+    keys after conv2; ``pool_index [P, 2]`` int32: the two flat ``c * S + s`` token
+    slots averaged into each output; ``output_lens [A]``: output tokens per audio.
+    """
+
+    frame_index: np.ndarray
+    frame_mask: np.ndarray
+    token_mask: np.ndarray
+    pool_index: np.ndarray
+    output_lens: np.ndarray
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of valid output rows (the rest of the ``P`` slots are padding)."""
+        return int(self.output_lens.sum())
+
+    @property
+    def num_frames(self) -> int:
+        """Number of mel frames the batch reads (``sum(feature_lens)``)."""
+        return int(self.frame_mask.sum())
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """The positional arguments after ``input_features`` of the encoder call."""
+        return self.frame_index, self.frame_mask, self.token_mask, self.pool_index
+
+
+def num_chunks_for(feature_lens, n_window: int) -> int:
+    """Number of attention chunks the audios of ``feature_lens`` need."""
+    lens = np.asarray(feature_lens, dtype=np.int64)
+    return int(((lens + 2 * n_window - 1) // (2 * n_window)).sum())
+
+
+def prepare_audio_batch(feature_lens, n_window: int, *, num_chunks: int | None = None,
+                        num_tokens: int | None = None) -> AudioBatch:
+    """Plan the padded chunk layout for audios of ``feature_lens`` mel frames.
+
+    ``num_chunks`` / ``num_tokens`` pad ``C`` / ``P`` up to a bucket (default: exact).
+    """
+    lens = np.asarray(feature_lens, dtype=np.int64).reshape(-1)
+    if lens.size == 0 or (lens < 1).any():
+        raise ValueError(f"every audio needs at least one mel frame, got feature_lens={lens.tolist()}")
+    W = 2 * n_window
+    S = _conv_stride2_len(W)
+
+    chunks_per_audio = (lens + W - 1) // W
+    n_chunks = int(chunks_per_audio.sum())
+    first_chunk = np.cumsum(chunks_per_audio) - chunks_per_audio
+    audio_start = np.cumsum(lens) - lens
+    chunk_audio = np.repeat(np.arange(lens.size), chunks_per_audio)
+    chunk_in_audio = np.arange(n_chunks) - first_chunk[chunk_audio]
+    chunk_start = audio_start[chunk_audio] + chunk_in_audio * W
+    chunk_len = np.minimum(W, lens[chunk_audio] - chunk_in_audio * W)
+
+    C = n_chunks if num_chunks is None else num_chunks
+    if C < n_chunks:
+        raise ValueError(f"num_chunks={num_chunks} is smaller than the {n_chunks} chunks needed")
+    frame_mask = np.zeros((C, W), dtype=bool)
+    frame_mask[:n_chunks] = np.arange(W) < chunk_len[:, None]
+    frame_index = np.zeros((C, W), dtype=np.int32)
+    frame_index[:n_chunks] = np.where(frame_mask[:n_chunks], chunk_start[:, None] + np.arange(W), 0)
+    token_mask = np.zeros((C, S), dtype=bool)
+    token_mask[:n_chunks] = np.arange(S) < _conv_stride2_len(chunk_len)[:, None]
+
+    # Every chunk but an audio's last is full (S tokens), so token p of audio a sits at
+    # flat slot first_chunk[a] * S + p of the [C * S] layout, and pooling averages the
+    # pairs (2k, 2k+1) of each audio's token sequence, dropping an odd last token.
+    _, output_lens = audio_output_lengths(lens)
+    n_out = int(output_lens.sum())
+    P = n_out if num_tokens is None else num_tokens
+    if P < n_out:
+        raise ValueError(f"num_tokens={num_tokens} is smaller than the {n_out} output tokens")
+    out_audio = np.repeat(np.arange(lens.size), output_lens)
+    k = np.arange(n_out) - np.repeat(np.cumsum(output_lens) - output_lens, output_lens)
+    first = first_chunk[out_audio] * S + 2 * k
+    pool_index = np.zeros((P, 2), dtype=np.int32)
+    pool_index[:n_out, 0] = first
+    pool_index[:n_out, 1] = first + 1
+    return AudioBatch(frame_index, frame_mask, token_mask, pool_index, output_lens)
+
+
+@functools.lru_cache(maxsize=8)
+def sinusoid_positions(length: int, channels: int, max_timescale: float = 10000.0) -> np.ndarray:
+    """Whisper sinusoidal position table ``[length, channels]`` (sin half, then cos half).
+
+    Rounded through float32 at the same steps as transformers, so the angles (up to
+    ``length`` radians) agree to the last bit before sin/cos.
+    """
+    if channels % 2:
+        raise ValueError("sinusoidal positions need an even number of channels")
+    half = channels // 2
+    increment = np.float32(np.log(max_timescale) / (half - 1))
+    inv_timescales = np.exp(-increment * np.arange(half, dtype=np.float32))
+    angles = np.arange(length, dtype=np.float32)[:, None] * inv_timescales[None, :]
+    table = np.concatenate([np.sin(angles), np.cos(angles)], axis=1).astype(np.float32)
+    table.setflags(write=False)
+    return table
+
+
+class AudioAttention(nnx.Module):
+    """Bidirectional multi-head attention inside each chunk of a ``[C, S, D]`` layout."""
+
+    def __init__(self, config: AudioEncoderConfig, *, dtype, param_dtype, precision, rngs: nnx.Rngs):
+        d = config.d_model
+        self.num_heads = config.encoder_attention_heads
+        if d % self.num_heads:
+            raise ValueError(f"d_model {d} is not divisible by {self.num_heads} heads")
+        self.head_dim = d // self.num_heads
+        self.precision = precision
+        lin = functools.partial(nnx.Linear, d, d, dtype=dtype, param_dtype=param_dtype,
+                                precision=precision, rngs=rngs)
+        self.q_proj = lin()
+        self.k_proj = lin(use_bias=False)
+        self.v_proj = lin()
+        self.out_proj = lin()
+
+    def __call__(self, x: jax.Array, key_mask: jax.Array) -> jax.Array:
+        C, S, D = x.shape
+        split = lambda t: t.reshape(C, S, self.num_heads, self.head_dim)
+        q, k, v = split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
+        scores = jnp.einsum("cqhd,ckhd->chqk", q, k, precision=self.precision) * (self.head_dim ** -0.5)
+        # Softmax in fp32 as transformers does; a finite fill keeps fully padded
+        # chunks (bucket padding) NaN-free.
+        scores = scores.astype(jnp.float32)
+        scores = jnp.where(key_mask[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        out = jnp.einsum("chqk,ckhd->cqhd", probs, v, precision=self.precision)
+        return self.out_proj(out.reshape(C, S, D))
+
+
+class AudioEncoderLayer(nnx.Module):
+    """Pre-norm transformer layer: chunk attention, then a two-layer MLP."""
+
+    def __init__(self, config: AudioEncoderConfig, *, dtype, param_dtype, precision, rngs: nnx.Rngs):
+        d = config.d_model
+        norm = functools.partial(nnx.LayerNorm, d, epsilon=_LN_EPS, use_fast_variance=False,
+                                 dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.activation = config.activation
+        self.self_attn = AudioAttention(config, dtype=dtype, param_dtype=param_dtype,
+                                        precision=precision, rngs=rngs)
+        self.self_attn_layer_norm = norm()
+        self.fc1 = nnx.Linear(d, config.encoder_ffn_dim, dtype=dtype, param_dtype=param_dtype,
+                              precision=precision, rngs=rngs)
+        self.fc2 = nnx.Linear(config.encoder_ffn_dim, d, dtype=dtype, param_dtype=param_dtype,
+                              precision=precision, rngs=rngs)
+        self.final_layer_norm = norm()
+
+    def __call__(self, x: jax.Array, key_mask: jax.Array) -> jax.Array:
+        x = x + self.self_attn(self.self_attn_layer_norm(x), key_mask)
+        h = _ACTIVATIONS[self.activation](self.fc1(self.final_layer_norm(x)))
+        return x + self.fc2(h)
+
+
+class Qwen2_5OmniAudioEncoder(nnx.Module):
+    """The Qwen2.5-Omni audio tower (``thinker.audio_tower`` in the HF checkpoint).
+
+    Attribute names mirror transformers so checkpoint keys map mechanically. ``precision``
+    applies to every matmul/conv; the default is HIGHEST for float32 compute (parity, and no
+    TF32 on GPU) and the backend default otherwise.
+    """
+
+    def __init__(self, config: AudioEncoderConfig, *, dtype=jnp.float32, param_dtype=jnp.float32,
+                 precision=None, rngs: nnx.Rngs):
+        if config.activation not in _ACTIVATIONS:
+            raise ValueError(f"unsupported audio encoder activation {config.activation!r}")
+        if config.chunk_tokens > config.max_source_positions:
+            raise ValueError("a chunk has more tokens than max_source_positions")
+        if precision is None and jnp.dtype(dtype) == jnp.float32:
+            precision = jax.lax.Precision.HIGHEST
+        self.config = config
+        self.dtype = dtype
+        d = config.d_model
+        common = dict(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
+        self.conv1 = nnx.Conv(config.num_mel_bins, d, kernel_size=(3,), padding=((1, 1),), **common)
+        self.conv2 = nnx.Conv(d, d, kernel_size=(3,), strides=(2,), padding=((1, 1),), **common)
+        # In the checkpoint but unused by the encoder itself; kept so the checkpoint maps completely.
+        self.audio_bos_eos_token = nnx.Embed(2, config.output_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.layers = nnx.List([AudioEncoderLayer(config, **common) for _ in range(config.encoder_layers)])
+        self.ln_post = nnx.LayerNorm(d, epsilon=_LN_EPS, use_fast_variance=False,
+                                     dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.proj = nnx.Linear(d, config.output_dim, **common)
+
+    def __call__(self, input_features: jax.Array, frame_index: jax.Array, frame_mask: jax.Array,
+                 token_mask: jax.Array, pool_index: jax.Array) -> jax.Array:
+        """``[num_mel_bins, T]`` features + an :class:`AudioBatch`'s arrays -> ``[P, output_dim]``."""
+        # Gather the chunks as [C, W, mel] (NWC for the convs); masked frames are zero,
+        # which is also what conv1's right-hand padding reads at a chunk's end.
+        x = jnp.take(input_features.T, frame_index, axis=0)
+        x = jnp.where(frame_mask[..., None], x, 0).astype(self.dtype)
+        x = jax.nn.gelu(self.conv1(x), approximate=False)
+        # conv2 must see zeros past a short chunk's end, not conv1's bias.
+        x = jnp.where(frame_mask[..., None], x, 0)
+        x = jax.nn.gelu(self.conv2(x), approximate=False)
+        C, S, D = x.shape
+        x = x + jnp.asarray(sinusoid_positions(S, D), dtype=x.dtype)[None]
+
+        for layer in self.layers:
+            x = layer(x, token_mask)
+
+        flat = x.reshape(C * S, D)
+        pooled = (jnp.take(flat, pool_index[:, 0], axis=0) + jnp.take(flat, pool_index[:, 1], axis=0)) / 2
+        return self.proj(self.ln_post(pooled))
+
+    def encode(self, features, feature_lens=None, *, num_frames: int | None = None,
+               num_chunks: int | None = None, num_tokens: int | None = None) -> np.ndarray:
+        """Host prep + jitted forward: audio embeddings ``[sum(output_lens), output_dim]`` (numpy).
+
+        ``features`` is a list of ``[num_mel_bins, T_i]`` arrays, or one concatenated
+        ``[num_mel_bins, T]`` array with ``feature_lens``. ``num_frames``/``num_chunks``/
+        ``num_tokens`` pad the call to buckets (the result is sliced back to the valid rows).
+        """
+        if isinstance(features, (list, tuple)):
+            lens = np.array([f.shape[1] for f in features], dtype=np.int64)
+            if feature_lens is not None and not np.array_equal(np.asarray(feature_lens), lens):
+                raise ValueError("feature_lens does not match the lengths of the feature list")
+            feats = np.concatenate([np.asarray(f, dtype=np.float32) for f in features], axis=1)
+        else:
+            if feature_lens is None:
+                raise ValueError("feature_lens is required with concatenated features")
+            feats = np.asarray(features, dtype=np.float32)
+            lens = np.asarray(feature_lens, dtype=np.int64).reshape(-1)
+        total = int(lens.sum())
+        if feats.shape[1] < total:
+            raise ValueError(f"features have {feats.shape[1]} frames, feature_lens need {total}")
+        if num_frames is not None:
+            if num_frames < total:
+                raise ValueError(f"num_frames={num_frames} is smaller than the {total} frames")
+            feats = np.pad(feats[:, :total], ((0, 0), (0, num_frames - total)))
+        batch = prepare_audio_batch(lens, self.config.n_window, num_chunks=num_chunks, num_tokens=num_tokens)
+        graphdef, state = nnx.split(self)
+        out = _jitted_forward(graphdef, state, jnp.asarray(feats), *map(jnp.asarray, batch.arrays()))
+        return np.asarray(out[: batch.num_tokens])
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _jitted_forward(graphdef, state, *inputs):
+    # One compilation per (module structure, input shapes) instead of op-by-op dispatch.
+    return nnx.merge(graphdef, state)(*inputs)

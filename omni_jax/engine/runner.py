@@ -1,0 +1,328 @@
+"""ModelRunner: host-side input preparation and the jitted prefill/decode steps of one stage.
+
+Per step the scheduler hands over a list of `ScheduledChunk`s (request, first position,
+token count, whether a token is sampled). The runner packs them into flat numpy arrays
+(token ids, 3-row M-RoPE positions, slot mapping, block tables, query start offsets,
+logits indices), pads them to a shape bucket and calls one of two jitted functions:
+
+* prefill: a packed batch of chunks (T tokens, up to `max_num_seqs` sequences) through
+  the ragged paged-attention path, compiled per token bucket;
+* decode: one token per sequence through the paged decode path, compiled per batch bucket.
+
+Each comes in a "plain" variant (token embeddings only) and, for stages that need it, a
+"rich" one that overlays per-token embeddings (encoder features, prompt embeddings) and
+adds per-step extra embeddings (the talker's thinker reply part). The KV cache is donated,
+so pages are updated in place. Sampling is a third jitted function over the logits,
+which never leave the device. Warm-up compiles every variant before serving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ..models.layers.attention import AttentionMetadata
+from .buckets import pick_bucket, pow2_buckets
+from .kv_cache import DUMMY_BLOCK_ID, cdiv
+from .request import Request
+
+
+# ------------------------------------------------------------------ compile counter
+class _CompileCounter:
+    """Counts every XLA compilation in this process (jax monitoring events)."""
+
+    def __init__(self):
+        self.count = 0
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event: str, duration: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            self.count += 1
+
+
+_COUNTER: _CompileCounter | None = None
+
+
+def compilation_count() -> int:
+    """Number of XLA compilations so far in this process."""
+    global _COUNTER
+    if _COUNTER is None:
+        _COUNTER = _CompileCounter()
+    return _COUNTER.count
+
+
+compilation_count()  # start counting at import
+
+
+# ------------------------------------------------------------------ configuration
+@dataclasses.dataclass(frozen=True)
+class RunnerConfig:
+    """Sizes of one stage's KV cache and step shapes."""
+
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    token_buckets: tuple[int, ...] | None = None   # prefill; default powers of two from 16
+    decode_buckets: tuple[int, ...] | None = None  # decode batch sizes; default powers of two from 1
+    backend: str | None = None                     # "pallas" | "reference"; default from the platform
+    capture_layers: tuple[int, ...] = ()           # hidden states returned per token (HF indexing)
+    rich_inputs: bool = False                      # compile overlay/extra-embedding variants
+    kv_dtype: Any = None                           # default: the model's dtype
+
+    def resolved(self) -> "RunnerConfig":
+        tb = self.token_buckets or pow2_buckets(min(16, self.max_num_batched_tokens), self.max_num_batched_tokens)
+        db = self.decode_buckets or pow2_buckets(1, self.max_num_seqs)
+        if tb[-1] < self.max_num_batched_tokens:
+            raise ValueError(f"token_buckets {tb} must reach max_num_batched_tokens {self.max_num_batched_tokens}")
+        if db[-1] < self.max_num_seqs:
+            raise ValueError(f"decode_buckets {db} must reach max_num_seqs {self.max_num_seqs}")
+        backend = self.backend or ("pallas" if jax.default_backend() == "gpu" else "reference")
+        if backend not in ("pallas", "reference"):
+            raise ValueError(f"backend must be 'pallas' or 'reference', got {backend!r}")
+        return dataclasses.replace(self, token_buckets=tuple(tb), decode_buckets=tuple(db), backend=backend)
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return cdiv(self.max_model_len, self.block_size)
+
+
+@dataclasses.dataclass
+class RequestInputs:
+    """What the runner needs of a request beyond its token ids (kept in `Request.data`).
+
+    Positions: `mrope_positions [3, P]` for the prompt (None: 0..P-1 on all rows);
+    generated token j (absolute index >= P) sits at j + mrope_delta on all rows.
+    Overlay: prompt token i takes `overlay_rows[overlay_index[i]]` instead of its token
+    embedding when overlay_index[i] >= 0 (encoder features, prompt embeddings).
+    Extra: the input of the token at absolute index P + k gets `extra_embeds[k]` added
+    (`extra_embeds_pad` past the end), as the talker's per-step reply part.
+    """
+
+    mrope_positions: np.ndarray | None = None
+    mrope_delta: int = 0
+    overlay_rows: np.ndarray | None = None
+    overlay_index: np.ndarray | None = None
+    extra_embeds: np.ndarray | None = None
+    extra_embeds_pad: np.ndarray | None = None
+    capture_hidden: bool = False
+
+    @property
+    def is_rich(self) -> bool:
+        return self.overlay_rows is not None or self.extra_embeds is not None or self.extra_embeds_pad is not None
+
+
+@dataclasses.dataclass
+class ScheduledChunk:
+    """One request's share of a step: tokens [start, start + num_tokens) of all_token_ids."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    sample: bool
+
+
+@dataclasses.dataclass
+class StepResult:
+    """Device results of one step, aligned with the scheduled chunks."""
+
+    logits: jax.Array               # [S_pad, V] on device; rows [0, num_sampled) are real
+    sample_rows: list[int]          # chunk index of each logits row
+    hidden: dict[int, np.ndarray]   # capture layer -> [num_real_tokens, H] on host (if asked)
+    token_offsets: np.ndarray       # [num_chunks + 1] start of each chunk in the packed tokens
+    kind: str                       # "prefill" | "decode"
+    bucket: int
+
+
+# ------------------------------------------------------------------ the runner
+class ModelRunner:
+    """Owns the stage model's device state, its KV cache and the jitted steps."""
+
+    def __init__(self, model: nnx.Module, cfg: RunnerConfig, *, num_layers: int, num_kv_heads: int,
+                 head_dim: int, hidden_size: int, dtype=None):
+        self.cfg = cfg.resolved()
+        self.graphdef, self.state = nnx.split(model)
+        self.hidden_size = hidden_size
+        self.dtype = dtype or jax.tree_util.tree_leaves(self.state)[0].dtype
+        kv_dtype = self.cfg.kv_dtype or self.dtype
+        shape = (self.cfg.num_blocks, self.cfg.block_size, num_kv_heads, head_dim)
+        self.kv_caches = [(jnp.zeros(shape, kv_dtype), jnp.zeros(shape, kv_dtype)) for _ in range(num_layers)]
+        self.kv_bytes = 2 * num_layers * int(np.prod(shape)) * jnp.dtype(kv_dtype).itemsize
+        self._step_fn = jax.jit(self._forward, static_argnames=("rich",), donate_argnums=(1,))
+
+    # -------------------------------------------------------------- jitted body
+    def _forward(self, state, kv_caches, token_ids, positions, meta, logits_indices,
+                 overlay, overlay_mask, extra, *, rich: bool):
+        model = nnx.merge(self.graphdef, state)
+        x = model.embed(token_ids)
+        if rich:
+            x = jnp.where(overlay_mask[:, None], overlay.astype(x.dtype), x) + extra.astype(x.dtype)
+        hidden, kv_caches, captured = model(x, positions, meta, kv_caches, self.cfg.capture_layers)
+        logits = model.compute_logits(jnp.take(hidden, logits_indices, axis=0))
+        return logits, kv_caches, captured
+
+    # -------------------------------------------------------------- host-side packing
+    def _positions(self, chunk: ScheduledChunk) -> np.ndarray:
+        req, inp = chunk.request, chunk.request.data
+        idx = np.arange(chunk.start, chunk.start + chunk.num_tokens)
+        p = req.num_prompt_tokens
+        if inp is None or inp.mrope_positions is None:
+            delta = 0 if inp is None else inp.mrope_delta
+            pos = np.where(idx < p, idx, idx + delta)
+            return np.broadcast_to(pos, (3, idx.size))
+        out = np.empty((3, idx.size), np.int64)
+        in_prompt = idx < p
+        out[:, in_prompt] = inp.mrope_positions[:, idx[in_prompt]]
+        out[:, ~in_prompt] = (idx[~in_prompt] + inp.mrope_delta)[None]
+        return out
+
+    def _rich_rows(self, chunk: ScheduledChunk, overlay, overlay_mask, extra, offset: int) -> None:
+        req, inp = chunk.request, chunk.request.data
+        if inp is None:
+            return
+        idx = np.arange(chunk.start, chunk.start + chunk.num_tokens)
+        p = req.num_prompt_tokens
+        if inp.overlay_rows is not None:
+            in_prompt = idx < p
+            rows = np.full(idx.size, -1, np.int64)
+            rows[in_prompt] = inp.overlay_index[idx[in_prompt]]
+            sel = rows >= 0
+            overlay[offset + np.nonzero(sel)[0]] = inp.overlay_rows[rows[sel]]
+            overlay_mask[offset:offset + idx.size] = sel
+        if inp.extra_embeds is not None or inp.extra_embeds_pad is not None:
+            k = idx - p
+            gen = k >= 0
+            if gen.any():
+                n_extra = 0 if inp.extra_embeds is None else len(inp.extra_embeds)
+                kk = k[gen]
+                vals = np.empty((kk.size, self.hidden_size), np.float32)
+                have = kk < n_extra
+                if have.any():
+                    vals[have] = inp.extra_embeds[kk[have]]
+                if (~have).any():
+                    if inp.extra_embeds_pad is None:
+                        vals[~have] = 0.0
+                    else:
+                        vals[~have] = inp.extra_embeds_pad
+                extra[offset + np.nonzero(gen)[0]] = vals
+
+    def prepare(self, chunks: Sequence[ScheduledChunk], block_tables: np.ndarray):
+        """Pack and pad one step's chunks. `block_tables[i]` belongs to chunks[i]."""
+        cfg = self.cfg
+        n_chunks = len(chunks)
+        lens = np.fromiter((c.num_tokens for c in chunks), np.int64, n_chunks)
+        total = int(lens.sum())
+        decode = all(c.num_tokens == 1 for c in chunks)
+        if decode:
+            bucket = pick_bucket(n_chunks, cfg.decode_buckets)
+            t_pad, s_pad = bucket, bucket
+        else:
+            bucket = pick_bucket(total, cfg.token_buckets)
+            t_pad, s_pad = bucket, cfg.max_num_seqs
+        if n_chunks > s_pad:
+            raise ValueError(f"{n_chunks} sequences exceed the step's {s_pad} slots")
+        offsets = np.zeros(n_chunks + 1, np.int64)
+        np.cumsum(lens, out=offsets[1:])
+
+        token_ids = np.zeros(t_pad, np.int32)
+        positions = np.zeros((3, t_pad), np.int32)
+        req_index = np.full(t_pad, -1, np.int64)
+        abs_pos = np.zeros(t_pad, np.int64)
+        rich = any(c.request.data is not None and c.request.data.is_rich for c in chunks) and cfg.rich_inputs
+        overlay = np.zeros((t_pad, self.hidden_size), np.float32) if rich else None
+        overlay_mask = np.zeros(t_pad, bool) if rich else None
+        extra = np.zeros((t_pad, self.hidden_size), np.float32) if rich else None
+        for i, c in enumerate(chunks):
+            a, b = offsets[i], offsets[i + 1]
+            token_ids[a:b] = c.request.all_token_ids[c.start:c.start + c.num_tokens]
+            positions[:, a:b] = self._positions(c)
+            req_index[a:b] = i
+            abs_pos[a:b] = np.arange(c.start, c.start + c.num_tokens)
+            if rich:
+                self._rich_rows(c, overlay, overlay_mask, extra, a)
+
+        width = cfg.max_blocks_per_seq
+        tables = np.zeros((s_pad, width), np.int32)
+        tables[:n_chunks, :block_tables.shape[1]] = block_tables[:, :width]
+        rows = np.where(req_index < 0, 0, req_index)
+        cols = np.where(req_index < 0, 0, abs_pos // cfg.block_size)
+        slot_mapping = np.where(
+            req_index < 0, DUMMY_BLOCK_ID * cfg.block_size + np.arange(t_pad) % cfg.block_size,
+            tables[rows, cols].astype(np.int64) * cfg.block_size + abs_pos % cfg.block_size).astype(np.int32)
+        kv_lens = np.zeros(s_pad, np.int32)
+        kv_lens[:n_chunks] = [c.start + c.num_tokens for c in chunks]
+        cu_q_lens = np.full(s_pad + 1, total, np.int32)
+        cu_q_lens[:n_chunks + 1] = offsets
+
+        sample_rows = [i for i, c in enumerate(chunks) if c.sample]
+        logits_indices = np.zeros(s_pad, np.int32)
+        logits_indices[:len(sample_rows)] = offsets[np.asarray(sample_rows, np.int64) + 1] - 1 if sample_rows else []
+
+        meta = AttentionMetadata(mode="paged", backend=cfg.backend, decode_only=decode,
+                                 slot_mapping=slot_mapping, block_tables=tables, kv_lens=kv_lens,
+                                 cu_q_lens=cu_q_lens)
+        return dict(token_ids=token_ids, positions=positions, meta=meta, logits_indices=logits_indices,
+                    overlay=overlay, overlay_mask=overlay_mask, extra=extra, rich=rich,
+                    kind="decode" if decode else "prefill", bucket=bucket, offsets=offsets,
+                    sample_rows=sample_rows, total=total)
+
+    # -------------------------------------------------------------- execution
+    def execute(self, chunks: Sequence[ScheduledChunk], block_tables: np.ndarray,
+                want_hidden: bool = False) -> StepResult:
+        """Run one step on the device; the KV cache is updated in place."""
+        b = self.prepare(chunks, block_tables)
+        logits, captured = self._run(b)
+        hidden = {}
+        if want_hidden and captured:
+            hidden = {k: np.asarray(v[:b["total"]]) for k, v in captured.items()}
+        return StepResult(logits=logits, sample_rows=b["sample_rows"], hidden=hidden,
+                          token_offsets=b["offsets"], kind=b["kind"], bucket=b["bucket"])
+
+    def _run(self, b):
+        t_pad = b["token_ids"].shape[0]
+        if b["rich"]:
+            overlay, overlay_mask, extra = b["overlay"], b["overlay_mask"], b["extra"]
+        else:
+            overlay = overlay_mask = extra = None
+        logits, self.kv_caches, captured = self._step_fn(
+            self.state, self.kv_caches, b["token_ids"], b["positions"], b["meta"], b["logits_indices"],
+            overlay, overlay_mask, extra, rich=b["rich"])
+        return logits, captured
+
+    # -------------------------------------------------------------- warm-up
+    def warmup(self, progress: bool = True) -> float:
+        """Compile every bucket and variant before serving; returns seconds spent."""
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        variants = [False, True] if cfg.rich_inputs else [False]
+        jobs = [("prefill", t, r) for t in cfg.token_buckets for r in variants]
+        jobs += [("decode", b, r) for b in cfg.decode_buckets for r in variants]
+        t0 = time.perf_counter()
+        for kind, size, rich in tqdm(jobs, desc="compiling buckets", unit="bucket", disable=not progress):
+            self._run(self._dummy_batch(kind, size, rich))
+        jax.block_until_ready(self.kv_caches)
+        return time.perf_counter() - t0
+
+    def _dummy_batch(self, kind: str, size: int, rich: bool):
+        """All-padding inputs of one bucket: every write lands in the dummy block."""
+        cfg = self.cfg
+        s_pad = size if kind == "decode" else cfg.max_num_seqs
+        meta = AttentionMetadata(
+            mode="paged", backend=cfg.backend, decode_only=kind == "decode",
+            slot_mapping=(np.arange(size) % cfg.block_size).astype(np.int32),
+            block_tables=np.zeros((s_pad, cfg.max_blocks_per_seq), np.int32),
+            kv_lens=np.zeros(s_pad, np.int32), cu_q_lens=np.zeros(s_pad + 1, np.int32))
+        h = self.hidden_size
+        return dict(token_ids=np.zeros(size, np.int32), positions=np.zeros((3, size), np.int32), meta=meta,
+                    logits_indices=np.zeros(s_pad, np.int32),
+                    overlay=np.zeros((size, h), np.float32) if rich else None,
+                    overlay_mask=np.zeros(size, bool) if rich else None,
+                    extra=np.zeros((size, h), np.float32) if rich else None, rich=rich)

@@ -1,0 +1,839 @@
+"""Sampling for the AR engine: request-level parameters and the jitted sampler.
+
+Three pieces, used at three different times:
+
+* `SamplingParams` -- what a caller asks for. A frozen msgspec Struct, so it crosses
+  process boundaries as msgpack and can be cached by identity on the host.
+* `SamplingMetadataBuilder` / `SamplingMetadata.build` -- once per step, on the host, with
+  numpy: turns the params of the scheduled requests into a few padded arrays (one batch
+  bucket wide) plus `SamplingFlags`, the Python-level switches that pick a compiled variant.
+* `sample(logits, metadata, flags=...)` -- a pure function called inside the runner's
+  jitted step: suppression, min_tokens, penalties, greedy / temperature / top-k / top-p /
+  min-p, per-request PRNG, optional logprobs.
+
+Order of operations (as vLLM v1): suppress tokens and, while a request has produced fewer
+than `min_tokens`, its eos/stop ids (-> -inf); repetition / frequency / presence penalties;
+greedy rows take the argmax; random rows are divided by their temperature, then top-k,
+top-p and min-p masks are applied and a token is drawn by Gumbel-max with the request's
+own PRNG key.
+
+Determinism: a request's key is `fold_in(key(seed), num_output_tokens)`, and every
+operation is row-wise, so a seeded request draws the same tokens whatever else is in the
+batch and whichever row it sits in.
+
+Logprobs: computed from the logits after suppression and penalties but *before*
+temperature / top-k / top-p / min-p. They describe the model's (penalised) distribution
+rather than the truncated sampling distribution, which is what callers comparing against
+reference logprobs want; vLLM's default ("raw_logprobs") skips the penalties as well.
+
+Cost: the common cases (all greedy; temperature only) do no sort; top-k / top-p cost one
+value sort per row (vLLM sorts too); penalties scatter a [B, W] id history into [B, V]
+counts on device. The host build is O(batch) numpy with per-params caching (tens of us
+at batch 64); the penalty history is the one O(batch x length) part, kept cheap by
+per-request incremental buffers and a one-column append when the batch is unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import secrets
+from typing import Any, NamedTuple, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import msgspec
+import msgspec.structs
+import numpy as np
+
+__all__ = [
+    "SamplingParams",
+    "SamplingFlags",
+    "SamplingMetadata",
+    "SamplingMetadataBuilder",
+    "SamplerOutput",
+    "LogprobsOutput",
+    "sample",
+    "apply_banned",
+    "apply_penalties",
+    "apply_top_k_top_p",
+    "apply_min_p",
+    "request_keys",
+    "assign_seed",
+    "stage_default_sampling_params",
+    "MAX_LOGPROBS",
+    "LOGPROBS_BUCKETS",
+    "PAD_TOKEN_ID",
+]
+
+# Temperatures below this are treated as greedy (as vLLM's _SAMPLING_EPS): dividing by
+# them only amplifies float noise.
+_SAMPLING_EPS = 1e-5
+MAX_LOGPROBS = 20
+# Widths the top-logprobs output is padded to, so a batch asking for 3 and one asking
+# for 4 share a compiled variant.
+LOGPROBS_BUCKETS = (0, 5, MAX_LOGPROBS)
+# Padding for token-id arrays: out of range for any vocab, dropped by the scatters
+# (mode="drop"). A negative pad would wrap around like numpy indexing.
+PAD_TOKEN_ID = np.iinfo(np.int32).max
+_U64_MASK = (1 << 64) - 1
+_U32_MASK = (1 << 32) - 1
+
+
+# ---------------------------------------------------------------------------------------
+# Request-level parameters
+# ---------------------------------------------------------------------------------------
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _bad(field: str, value: Any, requirement: str) -> ValueError:
+    return ValueError(f"SamplingParams.{field} must be {requirement}, got {value!r}")
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """How one request's tokens are chosen and when its generation stops.
+
+    Frozen: derive variants with `updated(**changes)`. List-valued fields accept any
+    sequence and are stored as tuples, so an instance never changes after validation (the
+    host-side batch builder caches per-instance data by identity).
+
+    `top_k` 0 or -1 means off; `top_k == 1` or `temperature == 0` (below 1e-5) is greedy.
+    `logprobs=n` returns the sampled token's logprob plus the top `n` (0 = sampled only).
+    `seed=None` draws fresh randomness every step; `with_seed()` / `assign_seed` fixes a
+    random seed at request creation so the request can be replayed.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    max_tokens: int = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    suppress_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        # Normalise before validating: a bare string for `stop`, lists for the id fields,
+        # numpy scalars (msgpack cannot encode them) to Python numbers.
+        set_ = msgspec.structs.force_setattr
+        if isinstance(self.stop, str):
+            set_(self, "stop", (self.stop,))
+        for name in ("stop", "stop_token_ids", "suppress_token_ids"):
+            value = getattr(self, name)
+            if isinstance(value, (list, np.ndarray)):
+                value = tuple(value)
+                set_(self, name, value)
+            if name != "stop" and isinstance(value, tuple) and all(_is_int(t) for t in value):
+                set_(self, name, tuple(int(t) for t in value))
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if _is_real(value) and type(value) is not float:
+                set_(self, name, float(value))
+        for name in ("top_k", "seed", "max_tokens", "min_tokens", "logprobs"):
+            value = getattr(self, name)
+            if _is_int(value) and type(value) is not int:
+                set_(self, name, int(value))
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first field whose value is out of range."""
+        t = self.temperature
+        if not _is_real(t) or not (0.0 <= t < math.inf):
+            raise _bad("temperature", t, "a finite number >= 0")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise _bad("top_k", self.top_k, "an int >= -1 (0 or -1 disables it)")
+        if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise _bad("top_p", self.top_p, "a number in (0, 1]")
+        if not _is_real(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            raise _bad("min_p", self.min_p, "a number in [0, 1]")
+        r = self.repetition_penalty
+        if not _is_real(r) or not (0.0 < r < math.inf):
+            raise _bad("repetition_penalty", r, "a finite number > 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or not (-2.0 <= v <= 2.0):
+                raise _bad(name, v, "a number in [-2, 2]")
+        if self.seed is not None and not _is_int(self.seed):
+            raise _bad("seed", self.seed, "None or an int")
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            raise _bad("stop", self.stop, "a list of non-empty strings")
+        for name in ("stop_token_ids", "suppress_token_ids"):
+            ids = getattr(self, name)
+            if not isinstance(ids, tuple) or not all(_is_int(i) and i >= 0 for i in ids):
+                raise _bad(name, ids, "a list of token ids (ints >= 0)")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise _bad("max_tokens", self.max_tokens, "an int >= 1")
+        if not _is_int(self.min_tokens) or not (0 <= self.min_tokens <= self.max_tokens):
+            raise _bad("min_tokens", self.min_tokens,
+                       f"an int in [0, max_tokens={self.max_tokens}]")
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not (0 <= self.logprobs <= MAX_LOGPROBS)
+        ):
+            raise _bad("logprobs", self.logprobs, f"None or an int in [0, {MAX_LOGPROBS}]")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(name, getattr(self, name), "a bool")
+
+    def validate_for_vocab(self, vocab_size: int) -> None:
+        """Raise ValueError if a stop or suppressed token id is outside the vocabulary."""
+        for name in ("stop_token_ids", "suppress_token_ids"):
+            bad = [i for i in getattr(self, name) if i >= vocab_size]
+            if bad:
+                raise ValueError(
+                    f"SamplingParams.{name} must be token ids < vocab_size={vocab_size}, "
+                    f"got {bad[:8]!r}"
+                )
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when sampling reduces to argmax (temperature ~0 or top_k == 1)."""
+        return self.temperature < _SAMPLING_EPS or self.top_k == 1
+
+    @property
+    def uses_penalties(self) -> bool:
+        """True when any repetition / presence / frequency penalty is active."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    def updated(self, **changes: Any) -> "SamplingParams":
+        """A validated copy with `changes` applied."""
+        return msgspec.structs.replace(self, **changes)
+
+    def with_seed(self) -> "SamplingParams":
+        """This instance if it has a seed, else a copy with a fresh random 32-bit seed."""
+        return self if self.seed is not None else self.updated(seed=secrets.randbits(32))
+
+    @classmethod
+    def for_stage(cls, family: str, stage: str, **overrides: Any) -> "SamplingParams":
+        """The default params of a model family's stage, with `overrides` applied."""
+        return stage_default_sampling_params(family, stage).updated(**overrides)
+
+
+def assign_seed(params: SamplingParams) -> SamplingParams:
+    """Give an unseeded request a random seed at creation, so its draws are replayable."""
+    return params.with_seed()
+
+
+# Defaults per (model family, stage), from transformers' Qwen2_5Omni / Qwen3OmniMoe
+# `generate`. The thinker is greedy (parity target: greedy output equal to transformers);
+# the vocoder stage (token2wav / code2wav) does not sample. Token ids (talker eos,
+# suppressed specials) depend on the checkpoint's config and are added by the pipeline
+# from it, not hard-coded here.
+_VOCODER = dict(temperature=0.0)
+_STAGE_DEFAULTS: dict[tuple[str, str], dict[str, Any]] = {
+    ("qwen2_5_omni", "thinker"): dict(temperature=0.0, max_tokens=1024),
+    ("qwen2_5_omni", "talker"): dict(
+        temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05, max_tokens=4096),
+    ("qwen2_5_omni", "vocoder"): _VOCODER,
+    ("qwen2_5_omni", "token2wav"): _VOCODER,
+    ("qwen3_omni", "thinker"): dict(temperature=0.0, max_tokens=1024),
+    ("qwen3_omni", "talker"): dict(
+        temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05, max_tokens=4096),
+    ("qwen3_omni", "vocoder"): _VOCODER,
+    ("qwen3_omni", "code2wav"): _VOCODER,
+}
+
+
+def stage_default_sampling_params(family: str, stage: str) -> SamplingParams:
+    """Default SamplingParams of `family`'s `stage` ("thinker", "talker", "vocoder").
+
+    `family` is "qwen2_5_omni" or "qwen3_omni"; unknown pairs raise ValueError.
+    """
+    try:
+        return SamplingParams(**_STAGE_DEFAULTS[(family, stage)])
+    except KeyError:
+        known = sorted(f"{f}/{s}" for f, s in _STAGE_DEFAULTS)
+        raise ValueError(f"no default sampling params for {family}/{stage}; known: {known}") from None
+
+
+# ---------------------------------------------------------------------------------------
+# Per-step batched inputs
+# ---------------------------------------------------------------------------------------
+
+
+class SamplingFlags(NamedTuple):
+    """Static switches (a jit static argument) selecting the compiled sampler variant.
+
+    Only real (non-padding) rows count. `top_logprobs`: -1 no logprobs, 0 the sampled
+    token's only, n > 0 also the top n (n is a LOGPROBS_BUCKETS value).
+    """
+
+    all_greedy: bool = True
+    any_penalties: bool = False
+    any_top_k_top_p: bool = False
+    any_min_p: bool = False
+    top_logprobs: int = -1
+
+    @property
+    def need_logprobs(self) -> bool:
+        """Whether the sampler returns logprobs."""
+        return self.top_logprobs >= 0
+
+
+# Column layout of the packed per-row arrays. Packing keeps the pytree at 3-4 leaves, so
+# the jitted step pays for 3-4 host->device copies, not one per field.
+F_TEMPERATURE, F_TOP_P, F_MIN_P, F_REPETITION, F_PRESENCE, F_FREQUENCY = range(6)
+I_TOP_K, I_SEED_HI, I_SEED_LO, I_STEP, I_GREEDY, I_HISTORY_PROMPT_LEN = range(6)
+_NUM_F, _NUM_I = 6, 6
+
+
+@flax.struct.dataclass
+class SamplingMetadata:
+    """Per-step sampler inputs for a batch padded to a bucket B (numpy on host, jnp inside jit).
+
+    floats [B, 6] f32: temperature (1 for greedy rows), top_p, min_p, repetition, presence
+      and frequency penalties -- see the F_* column constants and properties below.
+    ints [B, 6] i32: top_k (0 = off), seed high/low 32 bits (bit patterns), step (= number of
+      output tokens so far, folded into the key), is_greedy, history_prompt_len.
+    banned_ids [B, S] i32: ids forced to -inf this step (suppress_token_ids, plus eos and
+      stop_token_ids while num_output_tokens < min_tokens); padded with PAD_TOKEN_ID.
+    history_ids [B, W] i32 or None: per row the prompt ids (first history_prompt_len
+      entries) then the output ids, padded with PAD_TOKEN_ID; None unless penalties are on.
+    Padding rows are greedy with no penalties and nothing banned.
+    """
+
+    floats: Any
+    ints: Any
+    banned_ids: Any
+    history_ids: Any = None
+
+    # Named views of the packed columns (work on numpy and jax arrays alike).
+    @property
+    def temperature(self):
+        return self.floats[:, F_TEMPERATURE]
+
+    @property
+    def top_p(self):
+        return self.floats[:, F_TOP_P]
+
+    @property
+    def min_p(self):
+        return self.floats[:, F_MIN_P]
+
+    @property
+    def repetition_penalty(self):
+        return self.floats[:, F_REPETITION]
+
+    @property
+    def presence_penalty(self):
+        return self.floats[:, F_PRESENCE]
+
+    @property
+    def frequency_penalty(self):
+        return self.floats[:, F_FREQUENCY]
+
+    @property
+    def top_k(self):
+        return self.ints[:, I_TOP_K]
+
+    @property
+    def step(self):
+        return self.ints[:, I_STEP]
+
+    @property
+    def is_greedy(self):
+        return self.ints[:, I_GREEDY] != 0
+
+    @property
+    def history_prompt_len(self):
+        return self.ints[:, I_HISTORY_PROMPT_LEN]
+
+    @classmethod
+    def build(
+        cls,
+        params_list: Sequence[SamplingParams],
+        output_token_ids_list: Sequence[Sequence[int]],
+        prompt_token_ids_list: Sequence[Sequence[int]] | None,
+        batch_bucket: int,
+        vocab_size: int,
+        **kwargs: Any,
+    ) -> tuple["SamplingMetadata", SamplingFlags]:
+        """`SamplingMetadataBuilder.build` with a module-level builder (tests, scripts).
+
+        An engine should own a `SamplingMetadataBuilder`, so its caches live with it.
+        """
+        return _default_builder().build(
+            params_list, output_token_ids_list, prompt_token_ids_list, batch_bucket,
+            vocab_size, **kwargs)
+
+
+def _pow2_at_least(n: int, minimum: int) -> int:
+    return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+
+
+# Per-params host row: packed float columns (F_*) and int columns (_C_*), so a batch's
+# rows become arrays with one np.fromiter over cached 0-d records (about 1 us for 64).
+_C_TOP_K, _C_SEED_HI, _C_SEED_LO, _C_GREEDY, _C_SEEDED, _C_PENALTIES, _C_TOP_P, \
+    _C_MIN_P, _C_LOGPROBS, _C_MIN_TOKENS, _C_SUPPRESS = range(11)
+_ROW_DTYPE = np.dtype([("f", np.float32, (_NUM_F,)), ("i", np.int64, (11,))])
+
+
+class _Prepared(NamedTuple):
+    """Host data derived once per SamplingParams instance."""
+
+    params: SamplingParams  # keeps the instance alive, so its id() cannot be reused
+    row: np.ndarray  # 0-d record of _ROW_DTYPE
+    suppress: np.ndarray
+    stop_ids: np.ndarray
+
+
+class _History:
+    """One request's penalty history on the host: [unique prompt ids | output ids] int32.
+
+    Holds its prompt and output lists, so their id()s cannot be reused while cached.
+    """
+
+    __slots__ = ("outputs", "prompt", "buf", "prompt_len", "num_out", "used")
+
+    def __init__(self, outputs: Any, prompt: Any, used: int):
+        uniq = np.unique(np.asarray(prompt if prompt is not None else (), np.int32))
+        n = len(outputs)
+        self.outputs, self.prompt, self.used = outputs, prompt, used
+        self.prompt_len, self.num_out = uniq.size, n
+        self.buf = np.empty(_pow2_at_least(uniq.size + n, 64), np.int32)
+        self.buf[:uniq.size] = uniq
+        self.buf[uniq.size:uniq.size + n] = outputs
+
+    def extend(self, used: int) -> np.ndarray:
+        """Copy in the ids appended since the last step; return the row's ids."""
+        self.used = used
+        n = len(self.outputs)
+        if n > self.num_out:
+            end = self.prompt_len + n
+            if end > self.buf.size:
+                buf = np.empty(_pow2_at_least(end, 64), np.int32)
+                buf[:self.prompt_len + self.num_out] = self.buf[:self.prompt_len + self.num_out]
+                self.buf = buf
+            self.buf[self.prompt_len + self.num_out:end] = self.outputs[self.num_out:]
+            self.num_out = n
+        return self.buf[:self.prompt_len + n]
+
+
+class SamplingMetadataBuilder:
+    """Builds `SamplingMetadata` + `SamplingFlags` for each step with vectorised numpy.
+
+    Caches, all keyed by object identity (so they stay O(1) per row):
+    * per SamplingParams instance: its packed row and id arrays (params are frozen);
+    * per output list (with its prompt list): an int32 row [unique prompt ids | output
+      ids], extended each step with the newly appended ids only (the repetition penalty
+      needs only the set of prompt ids). Output lists must be append-only while a request
+      lives, as an engine's are. numpy arrays are never cached, just copied (prompt
+      arrays as given: dedupe them yourself if they are long).
+
+    Pass the same list objects every step (the request's own lists), or the caches miss.
+
+    `banned_min_width` / `history_min_width`: the smallest widths of the banned-ids and
+    history arrays; widths grow in powers of two, each width a separate compilation, so
+    pass minimums that cover the common case to bound compilations. `cache_size`: the
+    number of per-params entries kept before unused ones are dropped. `rng`: the source of
+    per-step seeds for unseeded requests.
+    """
+
+    def __init__(self, *, banned_min_width: int = 8, history_min_width: int = 64,
+                 cache_size: int = 4096, rng: np.random.Generator | None = None):
+        self.banned_min_width = banned_min_width
+        self.history_min_width = history_min_width
+        self.cache_size = cache_size
+        self._rng = rng if rng is not None else np.random.default_rng()
+        self._prepared: dict[int, _Prepared] = {}
+        self._histories: dict[int, _History] = {}
+        self._last: _LastHistory | None = None
+        self._last_banned: tuple[list, np.ndarray] | None = None
+        self._builds = 0
+
+    # -- caches ---------------------------------------------------------------------------
+
+    def _prepare(self, p: SamplingParams) -> _Prepared:
+        greedy = p.is_greedy
+        seed = 0 if p.seed is None else p.seed & _U64_MASK
+        # Greedy rows get neutral temperature / top-k / top-p / min-p, so the random path
+        # is a no-op for them and never divides by 0.
+        floats = (1.0 if greedy else p.temperature, 1.0 if greedy else p.top_p,
+                  0.0 if greedy else p.min_p, p.repetition_penalty, p.presence_penalty,
+                  p.frequency_penalty)
+        ints = [0] * 11
+        ints[_C_TOP_K] = 0 if (greedy or p.top_k < 0) else p.top_k
+        # int32 bit patterns of the two halves of the 64-bit seed.
+        ints[_C_SEED_HI] = int(np.uint32(seed >> 32).view(np.int32))
+        ints[_C_SEED_LO] = int(np.uint32(seed & _U32_MASK).view(np.int32))
+        ints[_C_GREEDY] = greedy
+        ints[_C_SEEDED] = p.seed is not None
+        ints[_C_PENALTIES] = p.uses_penalties
+        ints[_C_TOP_P] = not greedy and p.top_p < 1.0
+        ints[_C_MIN_P] = not greedy and p.min_p > 0.0
+        ints[_C_LOGPROBS] = -1 if p.logprobs is None else p.logprobs
+        ints[_C_MIN_TOKENS] = p.min_tokens
+        ints[_C_SUPPRESS] = len(p.suppress_token_ids)
+        prep = _Prepared(
+            params=p,
+            row=np.array((floats, ints), _ROW_DTYPE),
+            suppress=np.asarray(p.suppress_token_ids, np.int32),
+            stop_ids=np.asarray(p.stop_token_ids, np.int32),
+        )
+        self._prepared[id(p)] = prep
+        return prep
+
+    # -- the step -------------------------------------------------------------------------
+
+    def build(
+        self,
+        params_list: Sequence[SamplingParams],
+        output_token_ids_list: Sequence[Sequence[int]],
+        prompt_token_ids_list: Sequence[Sequence[int]] | None,
+        batch_bucket: int,
+        vocab_size: int,
+        *,
+        eos_token_ids: Sequence[int] = (),
+        num_output_tokens: Sequence[int] | np.ndarray | None = None,
+    ) -> tuple[SamplingMetadata, SamplingFlags]:
+        """Pack one step's sampler inputs for rows 0..n-1 of a batch padded to `batch_bucket`.
+
+        `output_token_ids_list[i]`: the tokens request i has generated so far (list or
+        int32 array); its length is the PRNG step and drives min_tokens (pass
+        `num_output_tokens` if the lists are not kept). `prompt_token_ids_list[i]`: the
+        prompt ids, used only by the repetition penalty (may be None when no request has
+        penalties). `eos_token_ids`: the stage's eos ids, banned during min_tokens.
+        `vocab_size`: the width of the logits the sampler will see.
+        """
+        n = len(params_list)
+        if n > batch_bucket:
+            raise ValueError(f"{n} requests do not fit batch bucket {batch_bucket}")
+        self._builds += 1
+        B = batch_bucket
+        cache = self._prepared
+        preps = []
+        for p in params_list:
+            prep = cache.get(id(p))
+            if prep is None or prep.params is not p:
+                prep = self._prepare(p)
+            preps.append(prep)
+        rec = np.fromiter([q.row for q in preps], _ROW_DTYPE, n)
+        cols = rec["i"]
+        if num_output_tokens is None:
+            num_out = np.fromiter([len(t) for t in output_token_ids_list], np.int64, n)
+        else:
+            num_out = np.asarray(num_output_tokens, np.int64)[:n]
+
+        floats = np.empty((B, _NUM_F), np.float32)
+        floats[:n] = rec["f"]
+        floats[n:] = (1.0, 1.0, 0.0, 1.0, 0.0, 0.0)  # padding rows: greedy, neutral
+        ints = np.zeros((B, _NUM_I), np.int32)
+        top_k = cols[:, _C_TOP_K]
+        top_k[top_k >= vocab_size] = 0  # "keep everything" is off: keeps the flags honest
+        ints[:n, I_TOP_K] = top_k
+        ints[:n, I_SEED_HI] = cols[:, _C_SEED_HI]
+        ints[:n, I_SEED_LO] = cols[:, _C_SEED_LO]
+        ints[:n, I_STEP] = num_out
+        ints[:n, I_GREEDY] = cols[:, _C_GREEDY]
+        ints[n:, I_GREEDY] = 1
+        greedy = cols[:, _C_GREEDY].astype(bool)
+        random_rows = ~greedy
+        unseeded = np.flatnonzero(random_rows & (cols[:, _C_SEEDED] == 0))
+        if unseeded.size:
+            # No seed: fresh randomness each step (not replayable).
+            ints[unseeded, I_SEED_HI:I_SEED_LO + 1] = self._rng.integers(
+                np.iinfo(np.int32).min, np.iinfo(np.int32).max, (unseeded.size, 2),
+                dtype=np.int32, endpoint=True)
+        penalties = cols[:, _C_PENALTIES].astype(bool)
+        flags = SamplingFlags(
+            all_greedy=bool(greedy.all()),
+            any_penalties=bool(penalties.any()),
+            any_top_k_top_p=bool((random_rows & ((top_k > 0) | (cols[:, _C_TOP_P] != 0))).any()),
+            any_min_p=bool((random_rows & (cols[:, _C_MIN_P] != 0)).any()),
+            top_logprobs=_logprobs_bucket(int(cols[:, _C_LOGPROBS].max(initial=-1))),
+        )
+
+        # Rows with something to ban: their own suppress list, plus eos and stop ids
+        # while they are below min_tokens.
+        gated = num_out < cols[:, _C_MIN_TOKENS]
+        banned_rows = np.flatnonzero(gated | (cols[:, _C_SUPPRESS] > 0)).tolist()
+        banned_ids = self._banned(banned_rows, preps, gated, eos_token_ids, B)
+        history_ids = None
+        if flags.any_penalties:
+            history_ids = self._history(
+                penalties, output_token_ids_list, prompt_token_ids_list, ints, B)
+        if self._builds % 64 == 0:
+            self._evict(params_list)
+        return SamplingMetadata(floats, ints, banned_ids, history_ids), flags
+
+    def _evict(self, params_list: Sequence[SamplingParams]) -> None:
+        # Finished requests leave entries behind. Histories hold whole token buffers, so
+        # drop those unused for a few builds (a request skipped for a step or two keeps
+        # its entry); per-params rows are small, dropped only past cache_size.
+        live = set() if self._last is None else {id(o) for o in self._last.outputs}
+        old = [k for k, v in self._histories.items()
+               if v.used < self._builds - 8 and k not in live]
+        for k in old:
+            del self._histories[k]
+        if len(self._prepared) > self.cache_size:
+            # Cheap to recompute: keep only what this batch uses.
+            keep = {id(p) for p in params_list}
+            self._prepared = {k: v for k, v in self._prepared.items() if k in keep}
+
+    def _banned(self, rows, preps, gated, eos_token_ids, B) -> np.ndarray:
+        if not gated.any():
+            # Without min_tokens gating the array depends only on the params in each row:
+            # reuse the last one (never mutated once returned) when those are unchanged.
+            last = self._last_banned
+            if (last is not None and last[1].shape[0] == B and len(last[0]) == len(preps)
+                    and all(a is b for a, b in zip(last[0], preps))):
+                return last[1]
+        pieces = []
+        eos = None
+        for i in rows:
+            q = preps[i]
+            if gated[i]:
+                if eos is None:
+                    eos = np.asarray(eos_token_ids, np.int32).reshape(-1)
+                pieces.append(np.concatenate([q.suppress, eos, q.stop_ids]))
+            else:
+                pieces.append(q.suppress)
+        width = _pow2_at_least(max((x.size for x in pieces), default=0), self.banned_min_width)
+        banned = np.full((B, width), PAD_TOKEN_ID, np.int32)
+        for i, piece in zip(rows, pieces):
+            banned[i, :piece.size] = piece
+        self._last_banned = None if gated.any() else (preps, banned)
+        return banned
+
+    def _history(self, penalties, outputs, prompts, ints, B) -> np.ndarray:
+        rows = np.flatnonzero(penalties)
+        outs = [outputs[i] for i in rows]
+        prms = [None] * len(outs) if prompts is None else [prompts[i] for i in rows]
+        lens = np.fromiter([len(o) for o in outs], np.int64, len(outs))
+        hist = self._append_to_last(rows, outs, prms, lens, B)
+        if hist is None:
+            hist, prompt_lens = self._history_rows(rows.tolist(), outs, prms, B)
+            self._last = _LastHistory(rows, outs, prms, lens, prompt_lens, hist)
+        ints[rows, I_HISTORY_PROMPT_LEN] = self._last.prompt_lens
+        return hist
+
+    def _append_to_last(self, rows, outs, prms, lens, B) -> np.ndarray | None:
+        """Steady-state decode: same requests in the same rows, each one token longer.
+
+        Then the new history is the last one plus one column write, with no per-row work.
+        """
+        last = self._last
+        if (last is None or last.hist.shape[0] != B or len(last.outputs) != len(outs)
+                or not np.array_equal(last.rows, rows)
+                or not all(a is b for a, b in zip(last.outputs, outs))
+                or not all(a is b for a, b in zip(last.prompts, prms))
+                or not (lens == last.lens + 1).all()):
+            return None
+        end = last.prompt_lens + lens
+        if end.size and end.max() > last.hist.shape[1]:
+            return None
+        # A fresh array: the previous one may still be read by an in-flight step.
+        hist = last.hist.copy()
+        hist[rows, end - 1] = [o[-1] for o in outs]
+        self._last = last._replace(lens=lens, hist=hist)
+        return hist
+
+    def _history_rows(self, rows, outs, prms, B) -> tuple[np.ndarray, np.ndarray]:
+        cache, used = self._histories, self._builds
+        heads, tails, prompt_lens = [], [], []  # row i = heads[i] ++ tails[i]
+        for out, prompt in zip(outs, prms):
+            if isinstance(out, np.ndarray) or isinstance(prompt, np.ndarray):
+                # Arrays are the caller's buffers (possibly views that change): no caching,
+                # prompt ids taken as given.
+                head = np.asarray(prompt if prompt is not None else (), np.int32)
+                heads.append(head)
+                tails.append(np.asarray(out))
+                prompt_lens.append(head.size)
+                continue
+            h = cache.get(id(out))
+            if h is None or h.outputs is not out or h.prompt is not prompt or h.num_out > len(out):
+                h = cache[id(out)] = _History(out, prompt, used)
+            heads.append(h.extend(used))
+            tails.append(None)
+            prompt_lens.append(h.prompt_len)
+        longest = max((a.size + (0 if b is None else b.size) for a, b in zip(heads, tails)),
+                      default=0)
+        width = _pow2_at_least(longest, self.history_min_width)
+        # np.full + row copies beats any masked fill of the padding (measured).
+        hist = np.full((B, width), PAD_TOKEN_ID, np.int32)
+        for i, head, tail in zip(rows, heads, tails):
+            hist[i, :head.size] = head
+            if tail is not None:
+                hist[i, head.size:head.size + tail.size] = tail
+        return hist, np.asarray(prompt_lens, np.int64)
+
+
+class _LastHistory(NamedTuple):
+    """The previous build's penalty history, for the steady-state append path."""
+
+    rows: np.ndarray
+    outputs: list  # the request lists themselves (kept alive, compared by identity)
+    prompts: list
+    lens: np.ndarray
+    prompt_lens: np.ndarray
+    hist: np.ndarray
+
+
+def _logprobs_bucket(n: int) -> int:
+    if n < 0:
+        return -1
+    return next(b for b in LOGPROBS_BUCKETS if b >= n)
+
+
+_DEFAULT_BUILDER: SamplingMetadataBuilder | None = None
+
+
+def _default_builder() -> SamplingMetadataBuilder:
+    global _DEFAULT_BUILDER
+    if _DEFAULT_BUILDER is None:
+        _DEFAULT_BUILDER = SamplingMetadataBuilder()
+    return _DEFAULT_BUILDER
+
+
+# ---------------------------------------------------------------------------------------
+# The sampler (device side, pure, called inside jit)
+# ---------------------------------------------------------------------------------------
+
+
+class LogprobsOutput(NamedTuple):
+    """Logprobs of the penalised, pre-temperature distribution (see module docstring).
+
+    sampled_logprob [B] f32, sampled_rank [B] i32 (1 = most likely), top_token_ids [B, n]
+    i32 and top_logprobs [B, n] f32 sorted descending, n = flags.top_logprobs (padded:
+    slice each row to its request's `logprobs`).
+    """
+
+    sampled_logprob: jax.Array
+    sampled_rank: jax.Array
+    top_token_ids: jax.Array
+    top_logprobs: jax.Array
+
+
+class SamplerOutput(NamedTuple):
+    """token_ids [B] int32; logprobs when flags.need_logprobs, else None."""
+
+    token_ids: jax.Array
+    logprobs: LogprobsOutput | None
+
+
+def apply_banned(logits: jax.Array, banned_ids: jax.Array) -> jax.Array:
+    """Set logits[b, banned_ids[b, j]] to -inf; PAD_TOKEN_ID entries are dropped."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, banned_ids].set(-jnp.inf, mode="drop")
+
+
+def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """Repetition (prompt + output tokens), frequency and presence (output tokens) penalties.
+
+    Repetition as transformers/vLLM: seen logits > 0 are divided by the penalty, others
+    multiplied. Frequency and presence as OpenAI/vLLM: subtract penalty * count and
+    penalty * (count > 0) over output tokens. Rows with neutral values are unchanged.
+    """
+    B, V = logits.shape
+    hist = md.history_ids
+    rows = jnp.arange(B)[:, None]
+    is_output = jnp.arange(hist.shape[1])[None, :] >= md.history_prompt_len[:, None]
+    counts = jnp.zeros((B, V), jnp.int32).at[rows, hist].add(
+        is_output.astype(jnp.int32), mode="drop")
+    seen = jnp.zeros((B, V), jnp.bool_).at[rows, hist].set(True, mode="drop")
+    rep = jnp.where(seen, md.repetition_penalty[:, None], 1.0)
+    logits = jnp.where(logits > 0, logits / rep, logits * rep)
+    counts_f = counts.astype(logits.dtype)
+    logits = logits - md.frequency_penalty[:, None] * counts_f
+    logits = logits - md.presence_penalty[:, None] * (counts > 0).astype(logits.dtype)
+    return logits
+
+
+def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Mask (-inf) tokens outside each row's top-k, then outside its top-p nucleus.
+
+    top_k <= 0 or >= V means off; top_p >= 1 means off. One ascending sort per row gives
+    both thresholds; tokens are kept by value (>= threshold), so ties at the boundary are
+    all kept (as transformers' TopKLogitsWarper; its TopPLogitsWarper may split ties).
+    Top-p follows transformers: drop the low tokens whose cumulative probability is
+    <= 1 - top_p, always keeping the most likely one.
+    """
+    B, V = logits.shape
+    srt = jnp.sort(logits, axis=-1)  # ascending
+    k = jnp.where((top_k <= 0) | (top_k >= V), V, top_k)
+    thr_k = jnp.take_along_axis(srt, (V - k)[:, None], axis=-1)
+    srt = jnp.where(srt < thr_k, -jnp.inf, srt)
+    probs = jax.nn.softmax(srt, axis=-1)
+    cum = jnp.cumsum(probs, axis=-1)
+    remove = cum <= (1.0 - top_p)[:, None]
+    remove = remove.at[:, -1].set(False)
+    # `remove` is a prefix (cum is nondecreasing), so its length indexes the threshold.
+    first_kept = jnp.sum(remove, axis=-1, keepdims=True)
+    thr_p = jnp.take_along_axis(srt, first_kept, axis=-1)
+    thr = jnp.where((top_p < 1.0)[:, None], jnp.maximum(thr_k, thr_p), thr_k)
+    return jnp.where(logits < thr, -jnp.inf, logits)
+
+
+def apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Mask tokens with prob < min_p * max prob, i.e. logit < max logit + log(min_p)."""
+    thr = jnp.max(logits, axis=-1, keepdims=True) + jnp.log(min_p)[:, None]
+    return jnp.where(logits < thr, -jnp.inf, logits)
+
+
+def request_keys(md: SamplingMetadata) -> jax.Array:
+    """One PRNG key per row: fold_in(key(seed), step), threefry2x32 like jax.random.PRNGKey."""
+    seed = jax.lax.bitcast_convert_type(md.ints[:, I_SEED_HI:I_SEED_LO + 1], jnp.uint32)
+    keys = jax.random.wrap_key_data(seed, impl="threefry2x32")
+    return jax.vmap(jax.random.fold_in)(keys, md.step)
+
+
+def sample(logits: jax.Array, metadata: SamplingMetadata, *, flags: SamplingFlags) -> SamplerOutput:
+    """Choose one token per row of `logits` [B, V]; pure, for use inside a jitted step.
+
+    `flags` must be static (jit `static_argnames=("flags",)`); take it from the builder
+    together with `metadata`.
+    """
+    md = metadata
+    logits = logits.astype(jnp.float32)
+    V = logits.shape[-1]
+    logits = apply_banned(logits, md.banned_ids)
+    if flags.any_penalties:
+        logits = apply_penalties(logits, md)
+
+    # argmax returns the lowest index among ties, as torch/transformers.
+    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if flags.all_greedy:
+        tokens = greedy_tokens
+    else:
+        x = logits / md.temperature[:, None]
+        if flags.any_top_k_top_p:
+            x = apply_top_k_top_p(x, md.top_k, md.top_p)
+        if flags.any_min_p:
+            x = apply_min_p(x, md.min_p)
+        # Gumbel-max with each row's own key: row-local, so batch composition and row
+        # position cannot change a seeded request's draw.
+        keys = request_keys(md)
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
+        sampled = jnp.argmax(x + gumbel, axis=-1).astype(jnp.int32)
+        tokens = jnp.where(md.is_greedy, greedy_tokens, sampled)
+
+    lp_out = None
+    if flags.need_logprobs:
+        lp = jax.nn.log_softmax(logits, axis=-1)
+        sampled_lp = jnp.take_along_axis(lp, tokens[:, None], axis=-1)
+        rank = jnp.sum(lp > sampled_lp, axis=-1).astype(jnp.int32) + 1
+        n = flags.top_logprobs
+        if n > 0:
+            top_lp, top_ids = jax.lax.top_k(lp, n)
+        else:
+            top_lp = jnp.zeros((lp.shape[0], 0), jnp.float32)
+            top_ids = jnp.zeros((lp.shape[0], 0), jnp.int32)
+        lp_out = LogprobsOutput(sampled_lp[:, 0], rank, top_ids.astype(jnp.int32), top_lp)
+    return SamplerOutput(tokens, lp_out)

@@ -1,0 +1,304 @@
+"""AREngine: the in-process engine of one autoregressive stage.
+
+`add_request` -> `step()` (schedule, run, sample, update) -> `EngineOutput`s, with
+`abort` at any moment. The stage worker process wraps exactly this object; tests
+drive it directly.
+
+A request that cannot be served (empty or too long prompt, token id out of the
+vocabulary, bad sampling parameters, unreadable media) is rejected by `add_request`
+with a `RequestError` naming the problem; nothing is queued and other requests are
+unaffected. A failure inside a step fails the requests of that step with the error
+text and the engine keeps serving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from .request import Request
+from .runner import ModelRunner, RequestInputs, RunnerConfig, compilation_count
+from .sampling import MAX_LOGPROBS, PAD_TOKEN_ID, SamplingFlags, SamplingMetadataBuilder, SamplingParams, sample
+from .scheduler import ARScheduler, SchedulerConfig
+
+
+class RequestError(ValueError):
+    """A request was rejected: the message says what is wrong with it."""
+
+
+@dataclasses.dataclass
+class EngineOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    text_delta: str = ""
+    logprobs: list[dict] | None = None
+    hidden_states: dict[int, np.ndarray] | None = None  # capture layer -> [new tokens of this step, H]
+    num_cached_tokens: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Scheduler + runner settings of one AR stage."""
+
+    runner: RunnerConfig
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    eos_token_ids: tuple[int, ...] = ()
+    vocab_size: int = 0
+    banned_width: int = 64  # suppress + eos/stop ids per request covered by the compiled sampler
+
+
+# Every batch runs one of four sampler variants, so warm-up can compile them all:
+# greedy; temperature / min-p sampling (no vocabulary sort); and the full path
+# (penalties, top-k / top-p) with and without logprobs. Rows with neutral settings
+# pass any richer variant unchanged, so a batch may always take a richer one.
+_GREEDY = SamplingFlags(all_greedy=True)
+_RANDOM = SamplingFlags(all_greedy=False, any_min_p=True)
+_FULL = SamplingFlags(all_greedy=False, any_penalties=True, any_top_k_top_p=True, any_min_p=True)
+_FULL_LOGPROBS = _FULL._replace(top_logprobs=MAX_LOGPROBS)
+_VARIANTS = (_GREEDY, _RANDOM, _FULL, _FULL_LOGPROBS)
+
+
+def _canonical(flags: SamplingFlags) -> SamplingFlags:
+    if flags.need_logprobs:
+        return _FULL_LOGPROBS
+    if flags.any_penalties or flags.any_top_k_top_p:
+        return _FULL
+    if flags.all_greedy:
+        return _GREEDY
+    return _RANDOM
+
+
+class _Detokenizer:
+    """Incremental detokenization of one request and its stop strings."""
+
+    def __init__(self, tokenizer, stops: Sequence[str], include_stop: bool):
+        self.tokenizer, self.stops, self.include_stop = tokenizer, list(stops), include_stop
+        self.text = ""
+        self.sent = 0
+
+    def update(self, token_ids: Sequence[int]) -> tuple[str, str | None]:
+        """New text since the last call (held back while it may still grow into a stop string)."""
+        full = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        # A trailing replacement char means an incomplete multi-byte sequence: wait.
+        if full.endswith("\ufffd"):
+            full = full[:-1]
+        self.text = full
+        for stop in self.stops:
+            at = full.find(stop, max(0, self.sent - len(stop) + 1))
+            if at >= 0:
+                end = at + len(stop) if self.include_stop else at
+                delta, self.sent = full[self.sent:end], end
+                return delta, stop
+        hold = max((len(s) - 1 for s in self.stops), default=0)
+        end = max(self.sent, len(full) - hold)
+        delta, self.sent = full[self.sent:end], end
+        return delta, None
+
+    def flush(self) -> str:
+        delta, self.sent = self.text[self.sent:], len(self.text)
+        return delta
+
+
+class AREngine:
+    """One AR stage in this process: scheduler + runner + sampler (see module docstring)."""
+
+    def __init__(self, model, cfg: EngineConfig, *, num_layers: int, num_kv_heads: int, head_dim: int,
+                 hidden_size: int, tokenizer=None,
+                 prepare_inputs: Callable[[np.ndarray, Any], tuple[RequestInputs, list]] | None = None):
+        self.cfg = cfg
+        self.runner = ModelRunner(model, cfg.runner, num_layers=num_layers, num_kv_heads=num_kv_heads,
+                                  head_dim=head_dim, hidden_size=hidden_size)
+        rc = self.runner.cfg
+        self.vocab_size = cfg.vocab_size
+        self.scheduler = ARScheduler(SchedulerConfig(
+            max_num_seqs=rc.max_num_seqs, max_num_batched_tokens=rc.max_num_batched_tokens,
+            max_model_len=rc.max_model_len, block_size=rc.block_size, num_blocks=rc.num_blocks,
+            enable_prefix_caching=cfg.enable_prefix_caching, enable_chunked_prefill=cfg.enable_chunked_prefill,
+            eos_token_ids=tuple(cfg.eos_token_ids)))
+        self.tokenizer = tokenizer
+        self.prepare_inputs = prepare_inputs
+        history = 1 << max(6, (rc.max_model_len - 1).bit_length())
+        self.sampling_builder = SamplingMetadataBuilder(banned_min_width=cfg.banned_width,
+                                                        history_min_width=history)
+        self._history_width = history
+        self._sample_fn = jax.jit(sample, static_argnames=("flags",))
+        self._detok: dict[str, _Detokenizer] = {}
+        self._pending: list[EngineOutput] = []
+        self.stats = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "step_time": 0.0, "preemptions": 0}
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt_token_ids, sampling_params: SamplingParams | None = None,
+                    *, inputs: RequestInputs | None = None, multi_modal_data: Any = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request, or raise RequestError saying why it cannot be served."""
+        params = sampling_params or SamplingParams()
+        ids = np.asarray(prompt_token_ids)
+        if ids.size == 0:
+            raise RequestError(f"request {request_id!r}: empty prompt")
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise RequestError(f"request {request_id!r}: prompt_token_ids must be a 1-D list of ints")
+        if self.vocab_size and (ids.min() < 0 or ids.max() >= self.vocab_size):
+            bad = int(ids[(ids < 0) | (ids >= self.vocab_size)][0])
+            raise RequestError(f"request {request_id!r}: token id {bad} is out of range [0, {self.vocab_size})")
+        try:
+            params.validate()
+            if self.vocab_size:
+                params.validate_for_vocab(self.vocab_size)
+        except ValueError as e:
+            raise RequestError(f"request {request_id!r}: {e}") from None
+        if params.stop and self.tokenizer is None:
+            raise RequestError(f"request {request_id!r}: stop strings need a tokenizer, and this stage has none")
+        if len(params.suppress_token_ids) + len(params.stop_token_ids) + len(self.cfg.eos_token_ids) > self.cfg.banned_width:
+            raise RequestError(f"request {request_id!r}: more than {self.cfg.banned_width} suppressed/stop ids")
+        if params.seed is None and not params.is_greedy:
+            params = params.with_seed()
+        mm_hashes = []
+        if multi_modal_data is not None:
+            if self.prepare_inputs is None:
+                raise RequestError(f"request {request_id!r}: this stage takes no multimodal data")
+            try:
+                inputs, mm_hashes = self.prepare_inputs(ids, multi_modal_data)
+            except ValueError as e:
+                raise RequestError(f"request {request_id!r}: {e}") from None
+        if inputs is not None and inputs.overlay_rows is not None and self.runner.cfg.rich_inputs is False:
+            raise RequestError(f"request {request_id!r}: this stage was not built for embedding inputs")
+        rich = inputs is not None and (inputs.extra_embeds is not None or inputs.extra_embeds_pad is not None
+                                       or (inputs.overlay_rows is not None and not mm_hashes))
+        req = Request(request_id, ids, params, arrival_time=arrival_time, mm_hashes=mm_hashes,
+                      has_prompt_embeds=rich, eos_token_ids=self.cfg.eos_token_ids, data=inputs)
+        try:
+            self.scheduler.add_request(req)
+        except ValueError as e:
+            raise RequestError(f"request {request_id!r}: {e}") from None
+        if self.tokenizer is not None:
+            self._detok[request_id] = _Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request wherever it is; its blocks return to the pool."""
+        self._detok.pop(request_id, None)
+        return self.scheduler.abort_request(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._pending)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[EngineOutput]:
+        """Run one scheduling step; returns outputs of the requests that made progress."""
+        out, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            self.scheduler.update_from_output(sched, {})
+            return out
+        t0 = time.perf_counter()
+        chunks = sched.scheduled
+        want_hidden = any(c.request.data is not None and c.request.data.capture_hidden for c in chunks)
+        try:
+            tables = sched.block_table_array(self.runner.cfg.max_blocks_per_seq)
+            result = self.runner.execute(chunks, tables, want_hidden=want_hidden)
+            sampled, logprobs = self._sample(result, chunks)
+        except Exception as e:  # fail this step's requests, keep serving
+            for o in self.scheduler.fail_scheduled(sched, f"{type(e).__name__}: {e}"):
+                out.append(EngineOutput(o.request_id, [], True, "error", error=o.error))
+                self._detok.pop(o.request_id, None)
+            return out
+        step_outputs = self.scheduler.update_from_output(sched, sampled)
+        self.stats["steps"] += 1
+        self.stats["preemptions"] += len(sched.preempted_request_ids)
+        self.stats[f"{result.kind}_steps"] += 1
+        self.stats["step_time"] += time.perf_counter() - t0
+
+        by_id = {c.request_id: i for i, c in enumerate(chunks)}
+        for o in step_outputs:
+            eo = EngineOutput(o.request_id, list(o.new_token_ids), o.finished, o.finish_reason,
+                              o.stop_reason, o.error, num_cached_tokens=o.num_cached_tokens)
+            i = by_id.get(o.request_id)
+            if i is not None and result.hidden:
+                a, b = result.token_offsets[i], result.token_offsets[i + 1]
+                eo.hidden_states = {k: v[a:b] for k, v in result.hidden.items()}
+            if logprobs is not None and o.request_id in logprobs:
+                eo.logprobs = [logprobs[o.request_id]] if eo.new_token_ids else None
+            self._detokenize(eo)
+            out.append(eo)
+        return out
+
+    def _sample(self, result, chunks):
+        """Sample one token per logits row; returns ({request_id: token}, logprobs or None)."""
+        rows = result.sample_rows
+        if not rows:
+            return {}, None
+        reqs = [chunks[i].request for i in rows]
+        bucket = result.logits.shape[0]
+        md, flags = self.sampling_builder.build(
+            [r.sampling_params for r in reqs], [r.output_token_ids for r in reqs],
+            [r.prompt_token_ids for r in reqs], bucket, result.logits.shape[1],
+            eos_token_ids=self.cfg.eos_token_ids)
+        flags = _canonical(flags)
+        if flags.any_penalties and md.history_ids is None:
+            md = md.replace(history_ids=np.full((bucket, self._history_width), PAD_TOKEN_ID, np.int32))
+        res = self._sample_fn(result.logits, md, flags=flags)
+        tokens = np.asarray(res.token_ids)
+        sampled = {r.request_id: int(tokens[j]) for j, r in enumerate(reqs)}
+        lp = None
+        if res.logprobs is not None:
+            lp = {}
+            host = jax.tree.map(np.asarray, res.logprobs)
+            for j, r in enumerate(reqs):
+                n = r.sampling_params.logprobs
+                if n is None:
+                    continue
+                lp[r.request_id] = {
+                    "token_id": int(tokens[j]), "logprob": float(host.sampled_logprob[j]),
+                    "rank": int(host.sampled_rank[j]),
+                    "top": list(zip(host.top_token_ids[j, :n].tolist(), host.top_logprobs[j, :n].tolist()))}
+        return sampled, lp
+
+    def _detokenize(self, eo: EngineOutput) -> None:
+        det = self._detok.get(eo.request_id)
+        if det is None:
+            return
+        req = self.scheduler.get_request(eo.request_id)
+        tokens = req.output_token_ids if req is not None else None
+        if tokens is not None and eo.new_token_ids:
+            delta, stop = det.update(tokens)
+            eo.text_delta = delta
+            if stop is not None and not eo.finished:
+                self.scheduler.finish_request(eo.request_id, reason="stop", stop_reason=stop)
+                eo.finished, eo.finish_reason, eo.stop_reason = True, "stop", stop
+        if eo.finished:
+            if not isinstance(eo.stop_reason, str):
+                eo.text_delta += det.flush()
+            self._detok.pop(eo.request_id, None)
+
+    # ------------------------------------------------------------------ warm-up
+    def warmup(self, progress: bool = True) -> float:
+        """Compile every runner bucket and sampler variant; returns seconds spent."""
+        t = self.runner.warmup(progress)
+        t0 = time.perf_counter()
+        sizes = sorted(set(self.runner.cfg.decode_buckets) | {self.runner.cfg.max_num_seqs})
+        vocab = self.vocab_size
+        for b in sizes:
+            for flags in _VARIANTS:
+                params = [SamplingParams(temperature=0.0)] if flags is _GREEDY else [SamplingParams(seed=0, logprobs=1)]
+                md, _ = self.sampling_builder.build(params, [[]], [[0]], b, vocab,
+                                                    eos_token_ids=self.cfg.eos_token_ids)
+                if flags.any_penalties and md.history_ids is None:
+                    md = md.replace(history_ids=np.full((b, self._history_width), PAD_TOKEN_ID, np.int32))
+                jax.block_until_ready(self._sample_fn(jax.numpy.zeros((b, vocab), jax.numpy.float32),
+                                                      md, flags=flags))
+        return t + time.perf_counter() - t0
+
+    @property
+    def num_compilations(self) -> int:
+        """XLA compilations so far in this process (constant after warm-up)."""
+        return compilation_count()

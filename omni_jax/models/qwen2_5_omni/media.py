@@ -1,0 +1,167 @@
+"""Thinker-side media handling: run the encoders once per request and plan the merge.
+
+`ThinkerMediaEncoder.prepare(token_ids, mm)` turns a request's multimodal data into
+the runner's `RequestInputs`: the encoder features (audio, image, video, each in
+prompt order) become overlay rows placed at their placeholder tokens, and the 3-row
+M-RoPE positions come from `get_rope_index`. The encoders are jitted over their own
+shape buckets (audio chunks, vision patches), padded on the host with numpy, so
+serving never compiles after warm-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from ...engine.buckets import pick_bucket, pow2_buckets
+from ...engine.runner import RequestInputs
+from ...inputs.rope_index import RopeIndexConfig, get_rope_index
+from .audio_encoder import num_chunks_for, prepare_audio_batch
+from .thinker import ThinkerConfig, media_index
+from .vision_encoder import vision_metadata
+
+
+@dataclasses.dataclass
+class MultiModalData:
+    """Encoder inputs of one request, as the processor parts produce them.
+
+    audio_features: log-mel arrays [num_mel_bins, frames], one per audio in prompt order
+    (audio tracks of videos included when use_audio_in_video). pixel_values /
+    pixel_values_videos: flattened patches [patches, C*T*P*P] of all images / videos,
+    with their grids [N, 3]; video_second_per_grid: seconds per temporal grid step.
+    """
+
+    audio_features: list[np.ndarray] = dataclasses.field(default_factory=list)
+    pixel_values: np.ndarray | None = None
+    image_grid_thw: np.ndarray | None = None
+    pixel_values_videos: np.ndarray | None = None
+    video_grid_thw: np.ndarray | None = None
+    video_second_per_grid: np.ndarray | None = None
+    use_audio_in_video: bool = False
+
+    def content_hash(self) -> str:
+        """Digest of all media bytes: the prefix-cache key of the placeholder blocks."""
+        h = hashlib.blake2b(digest_size=16)
+        for a in [*self.audio_features, self.pixel_values, self.image_grid_thw, self.pixel_values_videos,
+                  self.video_grid_thw, self.video_second_per_grid]:
+            if a is not None:
+                a = np.ascontiguousarray(a)
+                h.update(str((a.shape, a.dtype.str)).encode())
+                h.update(a.tobytes())
+        h.update(b"aiv" if self.use_audio_in_video else b"-")
+        return h.hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class MediaBuckets:
+    """Shape buckets of the encoders."""
+
+    audio_chunks: tuple[int, ...] = (1, 4, 16)
+    vision_patches: tuple[int, ...] = (256, 1024, 4096)
+
+
+class ThinkerMediaEncoder:
+    """Jitted, bucketed audio and vision encoders of a Qwen2.5-Omni thinker."""
+
+    def __init__(self, thinker, cfg: ThinkerConfig, rope_cfg: RopeIndexConfig,
+                 buckets: MediaBuckets = MediaBuckets()):
+        self.cfg, self.rope_cfg, self.buckets = cfg, rope_cfg, buckets
+        self._audio = nnx.split(thinker.audio_tower)
+        self._vision = nnx.split(thinker.visual)
+        self._audio_fn = jax.jit(lambda g, s, *a: nnx.merge(g, s)(*a), static_argnums=0)
+        self._vision_fn = jax.jit(lambda g, s, *a: nnx.merge(g, s)(*a), static_argnums=0)
+        self.dtype = jax.tree_util.tree_leaves(self._audio[1])[0].dtype
+
+    # ------------------------------------------------------------------ encoders
+    def encode_audio(self, features: Sequence[np.ndarray]) -> np.ndarray:
+        """Audio embeddings [tokens, hidden] of all audios, in order."""
+        acfg = self.cfg.audio
+        for i, f in enumerate(features):
+            f = np.asarray(f)
+            if f.ndim != 2 or f.shape[0] != acfg.num_mel_bins or f.shape[1] < 1:
+                raise ValueError(f"audio {i}: expected log-mel features [{acfg.num_mel_bins}, frames], "
+                                 f"got shape {f.shape}")
+        lens = np.array([np.asarray(f).shape[1] for f in features], np.int64)
+        need = num_chunks_for(lens, acfg.n_window)
+        try:
+            chunks = pick_bucket(need, self.buckets.audio_chunks)
+        except ValueError:
+            raise ValueError(f"audio too long: {int(lens.sum())} mel frames need {need} encoder chunks, "
+                             f"more than the largest bucket {self.buckets.audio_chunks[-1]}") from None
+        w = acfg.chunk_frames
+        s = acfg.chunk_tokens
+        batch = prepare_audio_batch(lens, acfg.n_window, num_chunks=chunks, num_tokens=chunks * (s // 2 + 1))
+        feats = np.zeros((acfg.num_mel_bins, chunks * w), np.float32)
+        feats[:, :lens.sum()] = np.concatenate([np.asarray(f, np.float32) for f in features], axis=1)
+        out = self._audio_fn(self._audio[0], self._audio[1], feats.astype(self.dtype), *batch.arrays())
+        return np.asarray(out)[:batch.num_tokens]
+
+    def encode_vision(self, pixel_values: np.ndarray, grid_thw: np.ndarray, what: str) -> np.ndarray:
+        """Image or video features [merged tokens, hidden] of all items of `grid_thw`."""
+        vcfg = self.cfg.vision
+        pixel_values = np.asarray(pixel_values)
+        grid_thw = np.asarray(grid_thw, np.int64).reshape(-1, 3)
+        n = int(np.prod(grid_thw, axis=1).sum())
+        if pixel_values.ndim != 2 or pixel_values.shape != (n, vcfg.patch_dim):
+            raise ValueError(f"{what}: pixel values of shape {pixel_values.shape} do not match grids "
+                             f"{grid_thw.tolist()} (expected ({n}, {vcfg.patch_dim}))")
+        try:
+            patches = pick_bucket(n, self.buckets.vision_patches)
+        except ValueError:
+            raise ValueError(f"{what} too large: {n} patches, more than the largest bucket "
+                             f"{self.buckets.vision_patches[-1]}") from None
+        meta = vision_metadata(grid_thw, vcfg, patches)
+        padded = np.zeros((patches, vcfg.patch_dim), self.dtype)
+        padded[:n] = pixel_values
+        out = self._vision_fn(self._vision[0], self._vision[1], padded, meta)
+        return np.asarray(out)[:n // vcfg.merge_unit]
+
+    # ------------------------------------------------------------------ requests
+    def prepare(self, token_ids: np.ndarray, mm: MultiModalData) -> tuple[RequestInputs, list]:
+        """RequestInputs (overlay rows + M-RoPE positions) and prefix-cache media ranges."""
+        cfg = self.cfg
+        ids = np.asarray(token_ids)
+        parts, order = [], []
+        for kind, tok, produce in (
+                ("audio", cfg.audio_token_id,
+                 lambda: self.encode_audio(mm.audio_features) if mm.audio_features else None),
+                ("image", cfg.image_token_id,
+                 lambda: None if mm.pixel_values is None else self.encode_vision(mm.pixel_values, mm.image_grid_thw, "image")),
+                ("video", cfg.video_token_id,
+                 lambda: None if mm.pixel_values_videos is None else self.encode_vision(mm.pixel_values_videos, mm.video_grid_thw, "video"))):
+            placeholders = int((ids == tok).sum())
+            feats = produce()
+            have = 0 if feats is None else len(feats)
+            if placeholders != have:
+                raise ValueError(f"the prompt has {placeholders} {kind} placeholder tokens but the {kind} "
+                                 f"inputs give {have} features")
+            if feats is not None:
+                parts.append(feats)
+                order.append(kind)
+        if not parts:
+            return RequestInputs(), []
+        audio_lens = np.array([np.asarray(f).shape[1] for f in mm.audio_features], np.int64) if mm.audio_features else None
+        positions, delta = get_rope_index(
+            ids, self.rope_cfg, image_grid_thw=mm.image_grid_thw, video_grid_thw=mm.video_grid_thw,
+            audio_seqlens=audio_lens, second_per_grids=mm.video_second_per_grid,
+            use_audio_in_video=mm.use_audio_in_video)
+        index = media_index(ids, cfg, order)
+        where = np.flatnonzero(index >= 0)
+        ranges = [(int(where[0]), int(where[-1] - where[0] + 1), mm.content_hash())]
+        return RequestInputs(mrope_positions=positions, mrope_delta=int(delta),
+                             overlay_rows=np.concatenate(parts).astype(np.float32), overlay_index=index), ranges
+
+    def warmup(self) -> None:
+        """Compile every encoder bucket."""
+        acfg, vcfg = self.cfg.audio, self.cfg.vision
+        for c in self.buckets.audio_chunks:
+            self.encode_audio([np.zeros((acfg.num_mel_bins, c * acfg.chunk_frames), np.float32)])
+        for p in self.buckets.vision_patches:
+            side = int(np.sqrt(p // 4)) * 2
+            grid = np.array([[1, side, p // side]]) if p % side == 0 else np.array([[1, 2, p // 2]])
+            self.encode_vision(np.zeros((int(np.prod(grid)), vcfg.patch_dim), np.float32), grid, "image")

@@ -1,0 +1,47 @@
+"""Build the in-process engines of the Qwen2.5-Omni stages from a converted checkpoint."""
+
+from __future__ import annotations
+
+import os
+
+from ...checkpoint import load_checkpoint, read_config
+from ...engine.ar_engine import AREngine, EngineConfig
+from ...engine.runner import RunnerConfig
+from ...inputs.rope_index import RopeIndexConfig
+from .media import MediaBuckets, ThinkerMediaEncoder
+
+# <|endoftext|> and <|im_end|>: the thinker stops at either (generation_config of the real model).
+THINKER_EOS = (151643, 151645)
+
+
+def load_tokenizer(ckpt_dir: str):
+    """The tokenizer saved beside the weights, or None when the checkpoint has none."""
+    if not os.path.isfile(os.path.join(ckpt_dir, "tokenizer.json")) and \
+            not os.path.isfile(os.path.join(ckpt_dir, "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(ckpt_dir)
+
+
+def build_thinker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | None = None,
+                         media_buckets: MediaBuckets = MediaBuckets(), enable_prefix_caching: bool = True,
+                         eos_token_ids=THINKER_EOS, warmup: bool = True, progress: bool = True) -> AREngine:
+    """Load the thinker stage, its media encoders and tokenizer, and warm everything up."""
+    import dataclasses
+
+    model, cfg = load_checkpoint(ckpt_dir, stage="thinker", dtype=dtype)
+    hf_config = read_config(ckpt_dir)["hf_config"]
+    media = ThinkerMediaEncoder(model, cfg, RopeIndexConfig.from_hf(hf_config), media_buckets)
+    text = cfg.text
+    engine = AREngine(
+        model, EngineConfig(runner=dataclasses.replace(runner, rich_inputs=True),
+                            enable_prefix_caching=enable_prefix_caching,
+                            eos_token_ids=tuple(eos_token_ids), vocab_size=text.vocab_size),
+        num_layers=text.num_layers, num_kv_heads=text.num_kv_heads, head_dim=text.head_dim,
+        hidden_size=text.hidden_size, tokenizer=load_tokenizer(ckpt_dir), prepare_inputs=media.prepare)
+    engine.media_encoder = media
+    if warmup:
+        media.warmup()
+        engine.warmup(progress=progress)
+    return engine

@@ -1,0 +1,199 @@
+"""The in-process AR engine on the tiny thinker, against transformers `generate`.
+
+One engine serves the whole module: a KV pool small enough to force preemption, a
+token budget small enough to force chunked prefill, and prefix caching on.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import hf_tiny
+from omni_jax.engine.ar_engine import RequestError
+from omni_jax.engine.runner import RunnerConfig
+from omni_jax.engine.sampling import SamplingParams
+from omni_jax.models.qwen2_5_omni.audio_encoder import audio_output_lengths
+from omni_jax.models.qwen2_5_omni.media import MediaBuckets, MultiModalData
+from omni_jax.models.qwen2_5_omni.stages import build_thinker_engine
+
+pytestmark = pytest.mark.engine
+
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def engine(converted_thinker_fp32):
+    runner = RunnerConfig(num_blocks=16, block_size=16, max_num_seqs=8, max_num_batched_tokens=32,
+                          max_model_len=192)
+    return build_thinker_engine(converted_thinker_fp32, runner, media_buckets=MediaBuckets((1, 4), (64, 256)),
+                                progress=False)
+
+
+def run_all(engine, max_steps=500):
+    """Step until idle; returns {request_id: (tokens, final output)}."""
+    tokens, final = {}, {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            break
+        for o in engine.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                final[o.request_id] = o
+    assert not engine.has_unfinished(), "engine did not finish"
+    return tokens, final
+
+
+def hf_greedy(model, ids, n=MAX_TOKENS, **mm):
+    with torch.no_grad():
+        out = model.thinker.generate(input_ids=torch.tensor(ids)[None],
+                                     attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                     max_new_tokens=n, do_sample=False, **mm)
+    return out[0, len(ids):].tolist()
+
+
+def assert_pool_empty(engine):
+    kv = engine.scheduler.kv_cache_manager
+    assert kv.is_idle_and_leak_free()
+    kv.check_invariants()
+
+
+def audio_prompt(frames):
+    n = int(audio_output_lengths(np.array([frames]))[1][0])
+    t = hf_tiny
+    return np.array([t.IM_START, 872, 198, t.AUDIO_START] + [t.AUDIO_TOKEN] * n + [t.AUDIO_END, 3555, t.IM_END, 198])
+
+
+def image_prompt(grid):
+    n = int(np.prod(grid)) // 4
+    t = hf_tiny
+    return np.array([t.IM_START, 872, 198, t.VISION_START] + [t.IMAGE_TOKEN] * n + [t.VISION_END, 1207, t.IM_END])
+
+
+def test_concurrent_greedy_matches_transformers(engine, qwen2_5_omni_hf_model):
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 151000, n) for n in (5, 17, 33, 40, 64, 9, 70, 3)]
+    mel = hf_tiny.random_mel(75, seed=4)
+    pix = rng.standard_normal((8 * 12, 1176)).astype(np.float32)
+    a_ids, i_ids = audio_prompt(75), image_prompt((1, 8, 12))
+    c0 = engine.num_compilations
+    pre0 = engine.stats["preemptions"]
+    for i, p in enumerate(prompts):
+        engine.add_request(f"t{i}", p, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    engine.add_request("audio", a_ids, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+                       multi_modal_data=MultiModalData(audio_features=[mel]))
+    engine.add_request("image", i_ids, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+                       multi_modal_data=MultiModalData(pixel_values=pix, image_grid_thw=np.array([[1, 8, 12]])))
+    got, final = run_all(engine)
+
+    assert engine.stats["preemptions"] > pre0, "the KV pool was meant to force preemption"
+    assert engine.num_compilations == c0, "a step compiled after warm-up"
+    hf = qwen2_5_omni_hf_model
+    for i, p in enumerate(prompts):
+        assert got[f"t{i}"] == hf_greedy(hf, p), f"request t{i}"
+        assert final[f"t{i}"].finish_reason == "length"
+    assert got["audio"] == hf_greedy(hf, a_ids, input_features=torch.tensor(mel)[None],
+                                     feature_attention_mask=torch.ones(1, 75, dtype=torch.long))
+    assert got["image"] == hf_greedy(hf, i_ids, pixel_values=torch.tensor(pix),
+                                     image_grid_thw=torch.tensor([[1, 8, 12]]))
+    assert_pool_empty(engine)
+
+
+def test_prefix_cache_hits_and_same_tokens(engine, qwen2_5_omni_hf_model):
+    prompt = np.random.default_rng(5).integers(0, 151000, 60)
+    engine.add_request("first", prompt, SamplingParams(temperature=0.0, max_tokens=4))
+    first, _ = run_all(engine)
+    hits0 = engine.scheduler.kv_cache_manager.prefix_cache_stats.hits
+    engine.add_request("again", prompt, SamplingParams(temperature=0.0, max_tokens=4))
+    again, final = run_all(engine)
+    assert engine.scheduler.kv_cache_manager.prefix_cache_stats.hits - hits0 >= 48
+    assert final["again"].num_cached_tokens >= 48
+    assert again["again"] == first["first"] == hf_greedy(qwen2_5_omni_hf_model, prompt, 4)
+    assert_pool_empty(engine)
+
+
+def test_same_media_tokens_different_image_do_not_share_cache(engine):
+    rng = np.random.default_rng(6)
+    ids = image_prompt((1, 8, 8))
+    grid = np.array([[1, 8, 8]])
+    outs = {}
+    for name in ("img_a", "img_b"):
+        pix = rng.standard_normal((64, 1176)).astype(np.float32)
+        hits0 = engine.scheduler.kv_cache_manager.prefix_cache_stats.hits
+        engine.add_request(name, ids, SamplingParams(temperature=0.0, max_tokens=3),
+                           multi_modal_data=MultiModalData(pixel_values=pix, image_grid_thw=grid))
+        toks, _ = run_all(engine)
+        outs[name] = toks[name]
+        # Only the block before the first placeholder (if full) may be shared.
+        assert engine.scheduler.kv_cache_manager.prefix_cache_stats.hits - hits0 <= 16
+    assert_pool_empty(engine)
+
+
+def test_seeded_sampling_alone_and_in_batch(engine):
+    prompt = np.arange(100, 120)
+    params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=1234, max_tokens=6)
+    engine.add_request("alone", prompt, params)
+    alone, _ = run_all(engine)
+    rng = np.random.default_rng(7)
+    for i in range(5):
+        engine.add_request(f"noise{i}", rng.integers(0, 151000, 10 + 7 * i),
+                           SamplingParams(temperature=1.0, seed=i, max_tokens=6))
+    engine.add_request("batched", prompt, params)
+    batched, _ = run_all(engine)
+    assert alone["alone"] == batched["batched"]
+    assert_pool_empty(engine)
+
+
+def test_abort_frees_blocks(engine):
+    rng = np.random.default_rng(8)
+    for i in range(3):
+        engine.add_request(f"ab{i}", rng.integers(0, 151000, 50), SamplingParams(temperature=0.0, max_tokens=50))
+    engine.step()
+    engine.abort("ab0")  # mid-prefill or decoding
+    engine.step()
+    engine.abort("ab1")
+    engine.abort("ab2")
+    _, final = run_all(engine)
+    assert_pool_empty(engine)
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    ([], SamplingParams(), "empty prompt"),
+    (list(range(1, 200)), SamplingParams(), "max_model_len|too long|longer"),
+    ([5, 152064], SamplingParams(), "out of range"),
+    ([5, -1], SamplingParams(), "out of range"),
+    ([5, 6], SamplingParams(stop_token_ids=[999999]), "stop_token_ids|vocab"),
+])
+def test_bad_requests_fail_clearly_others_finish(engine, prompt, params, match):
+    engine.add_request("good", [11, 12, 13], SamplingParams(temperature=0.0, max_tokens=3))
+    with pytest.raises(RequestError, match=match):
+        engine.add_request("bad", prompt, params)
+    toks, final = run_all(engine)
+    assert set(final) == {"good"} and len(toks["good"]) == 3
+    assert_pool_empty(engine)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(top_k=-5), "top_k"),
+])
+def test_invalid_sampling_parameters(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_bad_media_fails_only_that_request(engine):
+    engine.add_request("ok", [11, 12, 13, 14], SamplingParams(temperature=0.0, max_tokens=2))
+    with pytest.raises(RequestError, match="placeholder"):
+        engine.add_request("mismatch", image_prompt((1, 8, 8)), SamplingParams(),
+                           multi_modal_data=MultiModalData(pixel_values=np.zeros((16, 1176), np.float32),
+                                                           image_grid_thw=np.array([[1, 4, 4]])))
+    with pytest.raises(RequestError, match="too long|too large"):
+        engine.add_request("long", audio_prompt(4000), SamplingParams(),
+                           multi_modal_data=MultiModalData(audio_features=[np.zeros((128, 4000), np.float32)]))
+    toks, final = run_all(engine)
+    assert set(final) == {"ok"}
+    assert_pool_empty(engine)

@@ -1,0 +1,283 @@
+"""Decode attention over a paged KV cache: a Pallas kernel for NVIDIA GPUs.
+
+Backend: Pallas' Triton lowering (``plgpu.CompilerParams``), not Mosaic GPU.
+
+* Triton runs on Ampere and Hopper (A100, H100, H200); Mosaic GPU is
+  Hopper-only.
+* Paged attention reads K/V pages through a block table, i.e. gathers rows
+  at data-dependent addresses. Triton loads take a tensor of pointers, so a
+  gather of ``pages_per_compute_block`` pages is a single masked load.
+  Mosaic GPU wants TMA/wgmma-friendly tiles (128-element multiples, 64-row
+  warpgroup tiles) that do not match 16-token pages or a 7-head GQA group.
+* Interpret mode of Triton-style kernels runs in seconds on CPU, Mosaic GPU
+  interpret needs minutes and an abstract H100 mesh, which would blow the
+  test budget. CUDA lowering of both is checked on CPU.
+* The Triton backend is deprecated from JAX 0.11 on; this project pins
+  JAX 0.10, and the XLA reference (``kernels_pallas.reference``) remains the
+  fallback.
+
+Algorithm (flash-decoding): one program per (sequence, KV head, split). The
+query heads sharing a KV head (GQA group, padded to a power of two and to at
+least 16 rows, the smallest Triton ``dot`` tile) form the rows of a small
+matmul against ``pages_per_compute_block`` pages of K at a time, with an
+online softmax in fp32. Long contexts are split over ``k_splits`` programs
+per head, whose partial results are merged by log-sum-exp in XLA. The page
+loop runs only over the pages a sequence uses (its bounds come from
+``seq_len`` and the sliding window), and loads past ``seq_len`` are masked,
+so padded rows (``seq_len == 0``) read nothing and return zeros.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+__all__ = ["paged_attention"]
+
+LOG2E = math.log2(math.e)
+# The m (running max) initial value: finite, so a row that has seen only
+# masked (-inf) logits keeps exp2(m_old - m_new) == 1 instead of nan.
+M_INIT = -1e30
+# Programs the split heuristic aims for: a few waves over an H100's 132 SMs.
+_TARGET_PROGRAMS = 512
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (n >= 1)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def check_paged_shapes(q_heads, head_dim, k_pages, v_pages):
+    """Validates the page pool against Triton's power-of-two tile rule."""
+    if k_pages.shape != v_pages.shape:
+        raise ValueError(f"k_pages {k_pages.shape} != v_pages {v_pages.shape}")
+    _, block_size, hkv, d = k_pages.shape
+    if d != head_dim:
+        raise ValueError(f"head_dim of q ({head_dim}) != of pages ({d})")
+    if q_heads % hkv:
+        raise ValueError(f"num q heads {q_heads} not a multiple of kv heads {hkv}")
+    # Triton tiles are powers of two, and a dot needs K >= 16.
+    if d != next_pow2(d) or d < 16:
+        raise ValueError(f"head_dim={d} must be a power of two >= 16")
+    if block_size != next_pow2(block_size):
+        raise ValueError(f"block_size={block_size} must be a power of two")
+    return block_size, hkv, d
+
+
+def pages_per_step(pages_per_compute_block, block_size):
+    """Pages per KV step: default 64 tokens; a power of two, >= 16 tokens."""
+    ppb = pages_per_compute_block or max(1, 64 // block_size)
+    if ppb != next_pow2(ppb) or ppb * block_size < 16:
+        raise ValueError(f"pages_per_compute_block={ppb} must be a power of "
+                         f"two with >= 16 tokens per step (block {block_size})")
+    return ppb
+
+
+def dot_precision(dtype):
+    """fp32 inputs: IEEE fp32 dots (Triton would use TF32 by default)."""
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def softmax_scale_log2(sm_scale, head_dim):
+    """Softmax scale with log2(e) folded in, so the kernels can use exp2."""
+    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    return scale * LOG2E
+
+
+def online_softmax_step(q, k, v, mask, carry, scale_log2, precision):
+    """One flash-attention update of (acc [M, D], m [M], l [M]), in fp32.
+
+    q [M, D], k/v [N, D], mask [M, N] (True = attend). Logits are in log2
+    units. Masked keys get -inf and contribute exactly zero.
+    """
+    acc, m, l = carry
+    s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale_log2
+    s = jnp.where(mask, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - m_new[:, None])
+    l = l * alpha + jnp.sum(p, axis=1)
+    pv = plgpu.dot(p.astype(v.dtype), v, precision=precision)
+    return acc * alpha[:, None] + pv, m_new, l
+
+
+def normalize(acc, l):
+    """acc / l, with zeros where no key was seen (l == 0)."""
+    return jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None],
+                     0.0)
+
+
+def load_pages(pages_ref, page_ids, valid):
+    """Masked gather of pages -> [len(page_ids) * block_size, D].
+
+    ``valid`` [P, block_size] says which token rows to read; the others are
+    not loaded (no memory traffic) and read as 0, so stale or garbage data in
+    unused slots can never turn into nan via 0 * inf.
+    """
+    p, bs, d = page_ids.shape[0], pages_ref.shape[1], pages_ref.shape[2]
+    mask = jnp.broadcast_to(valid[:, :, None], (p, bs, d))
+    # Index every axis with an array (not page_ids + slices): interpret mode
+    # only discharges all-slice or all-array indexers; Triton takes both.
+    idx = (page_ids[:, None, None],
+           jnp.arange(bs, dtype=jnp.int32)[None, :, None],
+           jnp.arange(d, dtype=jnp.int32)[None, None, :])
+    x = plgpu.load(pages_ref.at[idx], mask=mask, other=0.0)
+    return x.reshape(p * bs, d)
+
+
+def _decode_kernel(seq_len_ref, table_ref, q_ref, k_ref, v_ref, *out_refs,
+                   scale_log2, pages_per_block, pages_per_split,
+                   sliding_window, precision):
+    block_size = k_ref.shape[1]
+    split = pl.program_id(2)
+    seq_len = seq_len_ref[()]
+    q = q_ref[...]                                        # [Gp, D]
+    rows, d = q.shape
+
+    lo_tok = 0 if sliding_window is None else jnp.maximum(
+        seq_len - sliding_window, 0)
+    split_start = split * pages_per_split
+    split_end = jnp.minimum(split_start + pages_per_split,
+                            pl.cdiv(seq_len, block_size))
+    # Start at the compute block holding the window's first page; keeping
+    # page0 a multiple of pages_per_block keeps every table read in range.
+    first = jnp.maximum(lo_tok // block_size - split_start, 0)
+    start = split_start + first // pages_per_block * pages_per_block
+    n_iter = pl.cdiv(jnp.maximum(split_end - start, 0), pages_per_block)
+
+    offs = jnp.arange(pages_per_block, dtype=jnp.int32)
+    in_page = jnp.arange(block_size, dtype=jnp.int32)
+
+    def body(i, carry):
+        page0 = start + i * pages_per_block
+        page_ids = table_ref[pl.ds(page0, pages_per_block)]
+        tok = (page0 + offs)[:, None] * block_size + in_page[None, :]
+        valid = (tok < split_end * block_size) & (tok >= lo_tok)
+        valid &= tok < seq_len
+        k = load_pages(k_ref, page_ids, valid)
+        v = load_pages(v_ref, page_ids, valid)
+        mask = jnp.broadcast_to(valid.reshape(1, -1), (rows, k.shape[0]))
+        return online_softmax_step(q, k, v, mask, carry, scale_log2, precision)
+
+    carry = (jnp.zeros((rows, d), jnp.float32),
+             jnp.full((rows,), M_INIT, jnp.float32),
+             jnp.zeros((rows,), jnp.float32))
+    acc, m, l = lax.fori_loop(0, n_iter, body, carry)
+
+    if len(out_refs) == 1:           # single split: final output directly
+        (o_ref,) = out_refs
+        o_ref[...] = normalize(acc, l).astype(o_ref.dtype)
+    else:                            # partial results for the LSE merge
+        o_ref, m_ref, l_ref = out_refs
+        o_ref[...] = acc
+        m_ref[...] = m
+        l_ref[...] = l
+
+
+def default_k_splits(batch, kv_heads, num_compute_blocks):
+    """Splits so that batch * kv_heads * splits fills the GPU a few times,
+    keeping at least two compute blocks per split."""
+    want = pl.cdiv(_TARGET_PROGRAMS, batch * kv_heads)
+    return max(1, min(want, num_compute_blocks // 2))
+
+
+def merge_splits(acc, m, l):
+    """Log-sum-exp merge of split partials [K, ...] -> normalized output."""
+    m_max = jnp.max(m, axis=0)
+    w = jnp.exp2(m - m_max[None])                           # [K, ...]
+    denom = jnp.sum(w * l, axis=0)
+    num = jnp.sum(w[..., None] * acc, axis=0)
+    safe = jnp.where(denom > 0, denom, 1.0)[..., None]
+    return jnp.where(denom[..., None] > 0, num / safe, 0.0)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "sliding_window", "interpret",
+                     "pages_per_compute_block", "k_splits", "num_warps",
+                     "num_stages"))
+def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, *,
+                    sm_scale=None, sliding_window=None, interpret=False,
+                    pages_per_compute_block=None, k_splits=None,
+                    num_warps=4, num_stages=3):
+    """Decode attention: one query token per sequence over paged K/V.
+
+    q: [B, Hq, D] (the token at position seq_lens[b] - 1); k_pages/v_pages:
+    [num_blocks, block_size, Hkv, D] (block 0 = dummy); block_tables: int32
+    [B, max_blocks] padded with 0; seq_lens: int32 [B], 0 for padded rows
+    (output zeros). ``sliding_window=w`` attends to the last w positions.
+    Tuning: ``pages_per_compute_block`` (default: 64 tokens per step),
+    ``k_splits`` (default: see ``default_k_splits``), Triton ``num_warps``
+    and ``num_stages``. Returns [B, Hq, D] in q's dtype.
+    """
+    batch, hq, head_dim = q.shape
+    block_size, hkv, d = check_paged_shapes(hq, head_dim, k_pages, v_pages)
+    num_blocks = k_pages.shape[0]
+    group = hq // hkv
+    # >= 16 rows: the smallest M of a Triton dot; power of two: Triton tiles.
+    rows = max(16, next_pow2(group))
+
+    ppb = pages_per_step(pages_per_compute_block, block_size)
+    width = block_tables.shape[1]
+    num_compute_blocks = pl.cdiv(width, ppb)
+    splits = k_splits or default_k_splits(batch, hkv, num_compute_blocks)
+    splits = max(1, min(splits, num_compute_blocks))
+    pages_per_split = pl.cdiv(num_compute_blocks, splits) * ppb
+    splits = pl.cdiv(width, pages_per_split)     # drop splits with no pages
+    # Pad the table so every compute block reads in range (entries -> dummy).
+    tables = jnp.pad(block_tables.astype(jnp.int32),
+                     ((0, 0), (0, splits * pages_per_split - width)))
+
+    qg = q.reshape(batch, hkv, group, d)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+
+    kernel = functools.partial(
+        _decode_kernel, scale_log2=softmax_scale_log2(sm_scale, d),
+        pages_per_block=ppb, pages_per_split=pages_per_split,
+        sliding_window=sliding_window, precision=dot_precision(q.dtype))
+    page_spec = pl.BlockSpec((num_blocks, block_size, None, d),
+                             lambda b, h, s: (0, 0, h, 0))
+    in_specs = [
+        pl.BlockSpec((None,), lambda b, h, s: (b,)),                  # seq_len
+        pl.BlockSpec((None, tables.shape[1]), lambda b, h, s: (b, 0)),  # table
+        pl.BlockSpec((None, None, rows, d), lambda b, h, s: (b, h, 0, 0)),
+        page_spec, page_spec,
+    ]
+    if splits == 1:
+        out_shape = jax.ShapeDtypeStruct(qg.shape, q.dtype)
+        out_specs = pl.BlockSpec((None, None, rows, d),
+                                 lambda b, h, s: (b, h, 0, 0))
+    else:
+        part = (splits, batch, hkv, rows)
+        out_shape = (jax.ShapeDtypeStruct(part + (d,), jnp.float32),
+                     jax.ShapeDtypeStruct(part, jnp.float32),
+                     jax.ShapeDtypeStruct(part, jnp.float32))
+        out_specs = (pl.BlockSpec((None, None, None, rows, d),
+                                  lambda b, h, s: (s, b, h, 0, 0)),
+                     pl.BlockSpec((None, None, None, rows),
+                                  lambda b, h, s: (s, b, h, 0)),
+                     pl.BlockSpec((None, None, None, rows),
+                                  lambda b, h, s: (s, b, h, 0)))
+    out = pl.pallas_call(
+        kernel,
+        grid=(batch, hkv, splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps,
+                                             num_stages=num_stages),
+        interpret=interpret,
+        name=f"paged_decode_bs{block_size}_ppb{ppb}_k{splits}",
+    )(seq_lens.astype(jnp.int32), tables, qg, k_pages, v_pages)
+
+    if splits == 1:
+        o = out[:, :, :group]
+    else:
+        acc, m, l = (x[:, :, :, :group] for x in out)
+        o = merge_splits(acc, m, l)
+    return o.reshape(batch, hq, d).astype(q.dtype)

@@ -1,0 +1,167 @@
+"""Pure-JAX (XLA) references for the paged-attention kernels.
+
+These functions have the same signatures as the Pallas kernels and are the
+attention backend of the serving engine on CPU (tests, demo), so they are
+vectorised and jit-friendly: static shapes, no Python loops over sequences.
+Products accumulate in fp32 and the softmax runs in fp32; outputs are cast
+back to q's dtype.
+
+Conventions shared with the kernels:
+
+* pages are ``[num_blocks, block_size, num_kv_heads, head_dim]``; block 0 is a
+  reserved dummy block, block tables are padded with 0;
+* a query at absolute position ``p`` attends to key positions ``0..p``, or,
+  with ``sliding_window=w``, to ``max(0, p - w + 1)..p`` (exactly ``w``
+  tokens including itself);
+* a query that sees no key (padded rows, ``seq_len == 0``) returns zeros.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# The production KV write already is plain XLA (a scatter), so the reference
+# is the same function; see kv_update.py for why no kernel is used.
+from kernels_pallas.kv_update import write_kv_pages
+
+__all__ = ["paged_attention", "ragged_paged_attention", "write_kv_pages"]
+
+# HIGHEST: fp32 inputs get true fp32 products on GPU too (XLA would use TF32
+# otherwise); for bf16 inputs it changes nothing.
+_PRECISION = lax.Precision.HIGHEST
+
+
+def _scale(sm_scale, head_dim):
+    return 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+
+
+def _attend(q, k_pages, v_pages, tables, pos, sliding_window, sm_scale,
+            step_tokens):
+    """Attention of N query rows, each over its own block-table row.
+
+    q [N, Hkv, G, D]; tables int32 [N, W]; pos int32 [N]: the row's absolute
+    position (it sees keys ``lo..pos``, lo from the window; -1 sees nothing).
+    Keys are visited in steps of ``step_tokens`` with an online softmax, up
+    to the largest position present: the cost follows the actual context,
+    not the (static) block-table width. Returns fp32 [N, Hkv, G, D].
+    """
+    n, hkv, g, d = q.shape
+    bs = k_pages.shape[1]
+    pages = max(1, min(step_tokens // bs, tables.shape[1]))
+    tables = jnp.pad(tables, ((0, 0), (0, -tables.shape[1] % pages)))
+    lo = jnp.zeros_like(pos)
+    if sliding_window is not None:
+        lo = jnp.maximum(pos - sliding_window + 1, 0)
+    step = pages * bs
+    first = jnp.min(jnp.where(pos >= 0, lo, jnp.iinfo(jnp.int32).max)) // step
+    last = (jnp.max(pos) + step) // step          # steps holding <= max(pos)
+
+    def body(j, carry):
+        acc, m, l = carry
+        cols = lax.dynamic_slice_in_dim(tables, j * pages, pages, axis=1)
+        k = k_pages[cols].reshape(n, step, hkv, d)
+        v = v_pages[cols].reshape(n, step, hkv, d)
+        kpos = j * step + jnp.arange(step, dtype=jnp.int32)[None, :]
+        mask = (kpos <= pos[:, None]) & (kpos >= lo[:, None])  # [N, step]
+        s = jnp.einsum("nkgd,nlkd->nkgl", q, k, precision=_PRECISION,
+                       preferred_element_type=jnp.float32) * sm_scale
+        s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        # Rows with nothing seen yet keep m = -inf; shift by 0 instead, so
+        # no exp(-inf - -inf) = nan appears.
+        shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        alpha = jnp.exp(m - shift)
+        p = jnp.exp(s - shift[..., None])
+        # Unused slots (dummy block, stale tail of a last page) may hold any
+        # bits; zero them so 0 * nan cannot reach the output.
+        v = jnp.where(mask[:, :, None, None], v, jnp.zeros((), v.dtype))
+        # Probabilities in v's dtype with fp32 accumulation, as in the
+        # kernels and any fast GPU attention: also a fair XLA baseline.
+        pv = jnp.einsum("nkgl,nlkd->nkgd", p.astype(v.dtype), v,
+                        precision=_PRECISION,
+                        preferred_element_type=jnp.float32)
+        return (acc * alpha[..., None] + pv, m_new,
+                l * alpha + jnp.sum(p, axis=-1))
+
+    carry = (jnp.zeros((n, hkv, g, d), jnp.float32),
+             jnp.full((n, hkv, g), -jnp.inf, jnp.float32),
+             jnp.zeros((n, hkv, g), jnp.float32))
+    acc, _, l = lax.fori_loop(first, last, body, carry)
+    safe = jnp.where(l > 0, l, 1.0)[..., None]
+    return jnp.where(l[..., None] > 0, acc / safe, 0.0)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window",
+                                             "step_tokens"))
+def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, *,
+                    sm_scale=None, sliding_window=None, interpret=False,
+                    step_tokens=512, **tuning):
+    """Decode attention over paged K/V (XLA reference of the Pallas kernel).
+
+    q: [B, Hq, D], the token at position ``seq_lens[b] - 1`` of each sequence.
+    k_pages/v_pages: [num_blocks, block_size, Hkv, D]. block_tables: int32
+    [B, max_blocks]. seq_lens: int32 [B] (0 for padded rows -> zeros).
+    ``step_tokens``: keys per online-softmax step. ``interpret`` and other
+    tuning kwargs are accepted for signature parity and ignored.
+    Returns [B, Hq, D] in q's dtype.
+    """
+    del interpret, tuning
+    b, hq, d = q.shape
+    hkv = k_pages.shape[2]
+    out = _attend(q.reshape(b, hkv, hq // hkv, d), k_pages, v_pages,
+                  block_tables.astype(jnp.int32),
+                  seq_lens.astype(jnp.int32) - 1, sliding_window,
+                  _scale(sm_scale, d), step_tokens)
+    return out.reshape(b, hq, d).astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window",
+                                             "token_chunk", "step_tokens"))
+def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens,
+                           cu_q_lens, *, sm_scale=None, sliding_window=None,
+                           interpret=False, token_chunk=128, step_tokens=256,
+                           **tuning):
+    """Causal attention for a packed batch of prefill chunks (XLA reference).
+
+    q: [T, Hq, D] packed query rows; sequence s owns rows
+    ``cu_q_lens[s]:cu_q_lens[s+1]`` and ``kv_lens[s]`` = cached + new tokens
+    (new K/V already in the pages). Row i of sequence s sits at absolute
+    position ``kv_lens[s] - q_len_s + i``. Rows at or past ``cu_q_lens[S]``
+    return zeros. Rows are processed ``token_chunk`` at a time (bounding
+    memory), each gathering its own sequence's pages, ``step_tokens`` keys
+    per step. Returns [T, Hq, D] in q's dtype.
+    """
+    del interpret, tuning
+    t, hq, d = q.shape
+    s = kv_lens.shape[0]
+    hkv = k_pages.shape[2]
+    g = hq // hkv
+    cu = cu_q_lens.astype(jnp.int32)
+    kv_lens = kv_lens.astype(jnp.int32)
+    rows = jnp.arange(t, dtype=jnp.int32)
+    # Row -> sequence: the last s with cu[s] <= row. Rows past cu[S] get an
+    # index clamped into range and position -1 (they see nothing).
+    seq = jnp.clip(jnp.searchsorted(cu, rows, side="right") - 1, 0, s - 1)
+    pos = kv_lens[seq] - (cu[seq + 1] - cu[seq]) + (rows - cu[seq])
+    pos = jnp.where(rows < cu[s], pos, -1)
+
+    chunk = max(1, min(int(token_chunk), t))
+    pad = -t % chunk
+    n = (t + pad) // chunk
+    qp = jnp.pad(q.reshape(t, hkv, g, d), ((0, pad), (0, 0), (0, 0), (0, 0)))
+    seqp = jnp.pad(seq, (0, pad)).reshape(n, chunk)
+    posp = jnp.pad(pos, (0, pad), constant_values=-1).reshape(n, chunk)
+    tables = block_tables.astype(jnp.int32)
+    scale = _scale(sm_scale, d)
+
+    def one_chunk(args):
+        qc, sc, pc = args
+        return _attend(qc, k_pages, v_pages, tables[sc], pc, sliding_window,
+                       scale, step_tokens)
+
+    out = lax.map(one_chunk, (qp.reshape(n, chunk, hkv, g, d), seqp, posp))
+    return out.reshape(t + pad, hq, d)[:t].astype(q.dtype)

@@ -1,0 +1,351 @@
+"""Paged-attention kernels in Pallas interpret mode against the XLA references,
+and the references against a naive float64 numpy attention.
+
+Every pool has NaN in the dummy block 0 and in the unused tail of each
+sequence's last page, so a kernel that reads (or fails to mask) a slot past
+a sequence's length produces NaN and fails.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas import reference, write_kv_pages
+from kernels_pallas.paged_attention import paged_attention
+from kernels_pallas.ragged_paged_attention import ragged_paged_attention
+
+pytestmark = pytest.mark.kernels
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+TOL = {F32: 1e-5, BF16: 2e-2}
+
+
+# ---------------------------------------------------------------- fixtures
+
+
+def make_cache(seed, kv_lens, hkv, d, bs, dtype, width=None, spare=3):
+    """Random pages + block tables for sequences of the given KV lengths.
+
+    Blocks are handed out in random order from 1..; block 0 and every slot
+    past a sequence's length hold NaN. Returns (k_pages, v_pages, tables).
+    """
+    rng = np.random.default_rng(seed)
+    need = [-(-n // bs) for n in kv_lens]
+    width = width or max(max(need), 1)
+    num_blocks = 1 + sum(need) + spare
+    k = rng.standard_normal((num_blocks, bs, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((num_blocks, bs, hkv, d)).astype(np.float32)
+    k[0] = v[0] = np.nan
+    ids = rng.permutation(np.arange(1, num_blocks))
+    tables = np.zeros((len(kv_lens), width), np.int32)
+    used = 0
+    for s, (n, p) in enumerate(zip(kv_lens, need)):
+        tables[s, :p] = ids[used:used + p]
+        used += p
+        if n % bs:
+            k[tables[s, p - 1], n % bs:] = np.nan
+            v[tables[s, p - 1], n % bs:] = np.nan
+    return (jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+            jnp.asarray(tables))
+
+
+def make_q(seed, rows, hq, d, dtype):
+    rng = np.random.default_rng(seed + 1000)
+    return jnp.asarray(rng.standard_normal((rows, hq, d)), dtype)
+
+
+def dense_kv(pages, table, n):
+    """[n, Hkv, D] float64 keys of one sequence, read page by page."""
+    pages = np.asarray(pages.astype(F32), np.float64)
+    bs = pages.shape[1]
+    rows = [pages[b] for b in table[:-(-n // bs)]] or [pages[0, :0]]
+    return np.concatenate(rows)[:n]
+
+
+def naive_attention(q, k, v, scale):
+    """q [Hq, D] at one position over k/v [L, Hkv, D], float64."""
+    if len(k) == 0:
+        return np.zeros_like(q)
+    group = q.shape[0] // k.shape[1]
+    kh = np.repeat(k, group, axis=1)                  # [L, Hq, D]
+    vh = np.repeat(v, group, axis=1)
+    logits = np.einsum("hd,lhd->hl", q, kh) * scale
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("hl,lhd->hd", p, vh)
+
+
+def naive_decode(q, k_pages, v_pages, tables, seq_lens, window=None):
+    q = np.asarray(q.astype(F32), np.float64)
+    tables = np.asarray(tables)
+    out = np.zeros_like(q)
+    for b, n in enumerate(np.asarray(seq_lens)):
+        lo = 0 if window is None else max(0, n - window)
+        k = dense_kv(k_pages, tables[b], n)[lo:]
+        v = dense_kv(v_pages, tables[b], n)[lo:]
+        out[b] = naive_attention(q[b], k, v, q.shape[-1] ** -0.5)
+    return out
+
+
+def naive_ragged(q, k_pages, v_pages, tables, kv_lens, cu, window=None):
+    q = np.asarray(q.astype(F32), np.float64)
+    tables, cu = np.asarray(tables), np.asarray(cu)
+    out = np.zeros_like(q)
+    for s, n in enumerate(np.asarray(kv_lens)):
+        k = dense_kv(k_pages, tables[s], n)
+        v = dense_kv(v_pages, tables[s], n)
+        q_len = cu[s + 1] - cu[s]
+        for i in range(q_len):
+            pos = n - q_len + i
+            lo = 0 if window is None else max(0, pos - window + 1)
+            out[cu[s] + i] = naive_attention(q[cu[s] + i], k[lo:pos + 1],
+                                             v[lo:pos + 1], q.shape[-1] ** -0.5)
+    return out
+
+
+def ragged_batch(bs):
+    """(q_lens, kv_lens, total rows): chunks starting on and mid-block, a
+    single-token (decode) chunk, a fresh prefill, padding sequences (q_len 0)
+    and padding rows past cu_q_lens[S]."""
+    q_lens = [5, 0, 1, 37, 20, 0]
+    kv_lens = [21, 0, 2 * bs + 3, 37, 3 * bs + 9, 0]
+    return q_lens, kv_lens, sum(q_lens) + 7
+
+
+def cu_of(q_lens):
+    return jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+
+
+def assert_close(out, want, dtype):
+    out = np.asarray(out.astype(F32))
+    want = np.asarray(jnp.asarray(want).astype(F32))
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, want, atol=TOL[dtype], rtol=0)
+
+
+# Each GQA ratio (1, 4, 7), head dim, block size (16, 32, and the 64 we also
+# ship) and dtype appears at least once; the Qwen2.5-Omni thinker group
+# (28/4) is there in both dtypes.
+CASES = [
+    pytest.param(4, 4, 64, 16, F32, id="g1-d64-bs16-f32"),
+    pytest.param(16, 4, 128, 32, F32, id="g4-d128-bs32-f32"),
+    pytest.param(28, 4, 128, 16, F32, id="g7-d128-bs16-f32"),
+    pytest.param(14, 2, 64, 32, BF16, id="g7-d64-bs32-bf16"),
+    pytest.param(28, 4, 128, 16, BF16, id="g7-d128-bs16-bf16"),
+    pytest.param(2, 2, 128, 32, BF16, id="g1-d128-bs32-bf16"),
+    pytest.param(8, 2, 128, 64, BF16, id="g4-d128-bs64-bf16"),
+]
+
+
+# ----------------------------------------------------------- decode kernel
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs,dtype", CASES)
+def test_decode_matches_reference(hq, hkv, d, bs, dtype):
+    lens = [1, bs - 1, bs, bs + 1, 0, 3 * bs + 7]      # 0 = padded row
+    k, v, tables = make_cache(0, lens, hkv, d, bs, dtype, width=6)
+    q = make_q(0, len(lens), hq, d, dtype)
+    seq_lens = jnp.asarray(lens, jnp.int32)
+    out = paged_attention(q, k, v, tables, seq_lens, interpret=True)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    want = reference.paged_attention(q, k, v, tables, seq_lens)
+    assert_close(out, want, dtype)
+    assert not np.asarray(out[4].astype(F32)).any()    # padded row: zeros
+
+
+@pytest.mark.parametrize("k_splits,ppb", [(1, 1), (2, 2), (3, 1)])
+def test_decode_explicit_splits(k_splits, ppb):
+    """Uneven and single splits, one page per step: same answer."""
+    lens = [1, 17, 0, 50, 64, 33]
+    k, v, tables = make_cache(1, lens, 2, 64, 16, F32, width=5)
+    q = make_q(1, len(lens), 6, 64, F32)     # group 3 (padded to 16 rows)
+    seq_lens = jnp.asarray(lens, jnp.int32)
+    out = paged_attention(q, k, v, tables, seq_lens, interpret=True,
+                          k_splits=k_splits, pages_per_compute_block=ppb)
+    assert_close(out, reference.paged_attention(q, k, v, tables, seq_lens), F32)
+
+
+@pytest.mark.parametrize("dtype,window,bs", [
+    (F32, None, 32), (BF16, None, 16), (F32, 300, 32)])
+def test_decode_long_context_split_k(dtype, window, bs):
+    """Contexts >= 2048 with the default split-K (asserted to be engaged)."""
+    lens = [2048 + 21, 0, 2048 + bs]
+    k, v, tables = make_cache(2, lens, 4, 128, bs, dtype)
+    q = make_q(2, len(lens), 28, 128, dtype)
+    seq_lens = jnp.asarray(lens, jnp.int32)
+    call = functools.partial(paged_attention, interpret=True,
+                             sliding_window=window)
+    # The kernel's name records its split count.
+    jaxpr = str(jax.make_jaxpr(call)(q, k, v, tables, seq_lens))
+    splits = {int(n) for n in re.findall(r"paged_decode_\w*_k(\d+)", jaxpr)}
+    assert splits and min(splits) > 1, splits
+    out = call(q, k, v, tables, seq_lens)
+    want = reference.paged_attention(q, k, v, tables, seq_lens,
+                                     sliding_window=window)
+    assert_close(out, want, dtype)
+
+
+@pytest.mark.parametrize("window", [1, 13, 40])
+def test_decode_sliding_window(window):
+    lens = [1, 12, 16, 17, 0, 70]
+    k, v, tables = make_cache(3, lens, 4, 64, 16, F32, width=6)
+    q = make_q(3, len(lens), 16, 64, F32)
+    seq_lens = jnp.asarray(lens, jnp.int32)
+    out = paged_attention(q, k, v, tables, seq_lens, interpret=True,
+                          sliding_window=window, k_splits=2,
+                          pages_per_compute_block=1)
+    want = reference.paged_attention(q, k, v, tables, seq_lens,
+                                     sliding_window=window)
+    assert_close(out, want, F32)
+
+
+# ----------------------------------------------------------- ragged kernel
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs,dtype", CASES)
+def test_ragged_matches_reference(hq, hkv, d, bs, dtype):
+    q_lens, kv_lens, rows = ragged_batch(bs)
+    k, v, tables = make_cache(4, kv_lens, hkv, d, bs, dtype, width=5)
+    q = make_q(4, rows, hq, d, dtype)
+    args = (q, k, v, tables, jnp.asarray(kv_lens, jnp.int32), cu_of(q_lens))
+    out = ragged_paged_attention(*args, interpret=True)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert_close(out, reference.ragged_paged_attention(*args), dtype)
+    assert not np.asarray(out[sum(q_lens):].astype(F32)).any()
+
+
+@pytest.mark.parametrize("window,block_q,ppb", [
+    (None, 1, 1), (7, None, None), (40, 4, 2)])
+def test_ragged_tuning_and_window(window, block_q, ppb):
+    q_lens, kv_lens, rows = ragged_batch(16)
+    k, v, tables = make_cache(5, kv_lens, 2, 64, 16, F32, width=5)
+    q = make_q(5, rows, 6, 64, F32)                    # group 3 -> 4 rows
+    args = (q, k, v, tables, jnp.asarray(kv_lens, jnp.int32), cu_of(q_lens))
+    out = ragged_paged_attention(*args, interpret=True, block_q=block_q,
+                                 pages_per_compute_block=ppb,
+                                 sliding_window=window)
+    want = reference.ragged_paged_attention(*args, sliding_window=window)
+    assert_close(out, want, F32)
+
+
+def test_ragged_long_context():
+    q_lens, kv_lens = [24, 3], [2048 + 40, 2048 + 2]
+    k, v, tables = make_cache(6, kv_lens, 4, 128, 32, BF16)
+    q = make_q(6, 32, 28, 128, BF16)
+    args = (q, k, v, tables, jnp.asarray(kv_lens, jnp.int32), cu_of(q_lens))
+    out = ragged_paged_attention(*args, interpret=True)
+    assert_close(out, reference.ragged_paged_attention(*args), BF16)
+
+
+def test_ragged_single_token_chunks_equal_decode():
+    """Decode through the ragged path: one query row per sequence."""
+    lens = [1, 15, 16, 17, 0, 40]
+    k, v, tables = make_cache(7, lens, 4, 128, 16, F32)
+    q = make_q(7, len(lens), 28, 128, F32)
+    seq_lens = jnp.asarray(lens, jnp.int32)
+    cu = cu_of([1 if n else 0 for n in lens])
+    qr = jnp.concatenate([q[np.asarray(lens) > 0], jnp.zeros_like(q[:1])])
+    ragged = ragged_paged_attention(qr, k, v, tables, seq_lens, cu,
+                                    interpret=True)
+    decode = paged_attention(q, k, v, tables, seq_lens, interpret=True)
+    np.testing.assert_allclose(np.asarray(ragged[:-1]),
+                               np.asarray(decode[np.asarray(lens) > 0]),
+                               atol=1e-5, rtol=0)
+    assert not np.asarray(ragged[-1]).any()
+
+
+# ------------------------------------------- references vs naive numpy
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs,window,step", [
+    (4, 4, 64, 16, None, 512), (28, 4, 128, 16, None, 16),
+    (12, 4, 64, 32, 5, 32), (16, 2, 128, 32, 40, 64)])
+def test_reference_decode_vs_numpy(hq, hkv, d, bs, window, step):
+    lens = [1, bs - 1, bs, bs + 1, 0, 3 * bs + 7]
+    k, v, tables = make_cache(8, lens, hkv, d, bs, F32, width=6)
+    q = make_q(8, len(lens), hq, d, F32)
+    seq_lens = jnp.asarray(lens, jnp.int32)
+    out = reference.paged_attention(q, k, v, tables, seq_lens,
+                                    sliding_window=window, step_tokens=step)
+    want = naive_decode(q, k, v, tables, seq_lens, window)
+    assert_close(out, want, F32)
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs,window,chunk,step", [
+    (4, 4, 64, 16, None, 128, 256), (28, 4, 128, 16, None, 16, 16),
+    (12, 4, 64, 32, 9, 7, 64), (16, 2, 128, 32, 1, 64, 32)])
+def test_reference_ragged_vs_numpy(hq, hkv, d, bs, window, chunk, step):
+    q_lens, kv_lens, rows = ragged_batch(bs)
+    k, v, tables = make_cache(9, kv_lens, hkv, d, bs, F32, width=5)
+    q = make_q(9, rows, hq, d, F32)
+    args = (q, k, v, tables, jnp.asarray(kv_lens, jnp.int32), cu_of(q_lens))
+    out = reference.ragged_paged_attention(*args, sliding_window=window,
+                                           token_chunk=chunk,
+                                           step_tokens=step)
+    want = naive_ragged(*args, window=window)
+    assert_close(out, want, F32)
+
+
+def test_reference_bf16_vs_numpy():
+    lens = [5, 0, 40]
+    k, v, tables = make_cache(10, lens, 4, 128, 16, BF16)
+    q = make_q(10, len(lens), 28, 128, BF16)
+    seq_lens = jnp.asarray(lens, jnp.int32)
+    out = reference.paged_attention(q, k, v, tables, seq_lens)
+    assert out.dtype == BF16
+    assert_close(out, naive_decode(q, k, v, tables, seq_lens), BF16)
+
+
+# ----------------------------------------------------------------- kv write
+
+
+def test_write_kv_pages_slots_padding_and_roundtrip():
+    nb, bs, hkv, d = 6, 16, 2, 64
+    rng = np.random.default_rng(11)
+    k0 = jnp.asarray(rng.standard_normal((nb, bs, hkv, d)), F32)
+    v0 = jnp.asarray(rng.standard_normal((nb, bs, hkv, d)), F32)
+    # Sequence A: positions 14..18 in blocks [3, 5]; sequence B: 0..1 in
+    # block 2; two padding tokens to the dummy block (slot 0) and one -1.
+    slots = np.array([3 * bs + 14, 3 * bs + 15, 5 * bs, 5 * bs + 1,
+                      5 * bs + 2, 2 * bs, 2 * bs + 1, 0, 0, -1], np.int32)
+    t = len(slots)
+    kn = jnp.asarray(rng.standard_normal((t, hkv, d)), F32)
+    vn = jnp.asarray(rng.standard_normal((t, hkv, d)), F32)
+    k1, v1 = jax.jit(write_kv_pages)(k0, v0, kn, vn, jnp.asarray(slots))
+
+    want_k = np.asarray(k0).reshape(nb * bs, hkv, d).copy()
+    want_v = np.asarray(v0).reshape(nb * bs, hkv, d).copy()
+    real = slots[:7]
+    want_k[real], want_v[real] = np.asarray(kn)[:7], np.asarray(vn)[:7]
+    got_k = np.asarray(k1).reshape(nb * bs, hkv, d)
+    got_v = np.asarray(v1).reshape(nb * bs, hkv, d)
+    # Everything outside the dummy block is exact; the -1 token wrote nothing.
+    np.testing.assert_array_equal(got_k[bs:], want_k[bs:])
+    np.testing.assert_array_equal(got_v[bs:], want_v[bs:])
+    np.testing.assert_array_equal(got_k[1:bs], want_k[1:bs])
+    # Round trip: A's block table [4, 3, 5] reads positions 30..34 back.
+    np.testing.assert_array_equal(dense_kv(k1, np.array([4, 3, 5]), 35)[30:],
+                                  np.asarray(kn)[:5])
+
+
+def test_write_kv_pages_in_place_under_donation():
+    nb, bs, hkv, d = 4, 16, 2, 64
+    k = jnp.ones((nb, bs, hkv, d), BF16)
+    v = jnp.ones((nb, bs, hkv, d), BF16)
+    kn = jnp.full((3, hkv, d), 2.0, F32)               # cast to the pages'
+    slots = jnp.asarray([17, 18, 0], jnp.int32)
+    step = jax.jit(write_kv_pages, donate_argnums=(0, 1))
+    ptr = k.unsafe_buffer_pointer()
+    k2, v2 = step(k, v, kn, kn, slots)
+    assert k.is_deleted() and v.is_deleted()
+    assert k2.unsafe_buffer_pointer() == ptr
+    assert k2.dtype == BF16 and float(k2[1, 1, 0, 0]) == 2.0
+    assert float(k2[1, 3, 0, 0]) == 1.0

@@ -26,54 +26,14 @@ IM_END = 151645
 ENDOFTEXT = 151643
 VOCAB = 152064
 
-# Audio chunking: 2 * N_WINDOW mel frames per attention chunk.
-N_WINDOW = 10
-
-
 def qwen2_5_omni_config_dict() -> dict:
-    """Config kwargs of a tiny Qwen2.5-Omni (thinker + talker + token2wav)."""
-    text = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
-        max_position_embeddings=4096, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
-    )
-    audio = dict(
-        num_mel_bins=128, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64,
-        d_model=32, max_source_positions=1500, n_window=N_WINDOW, output_dim=64,
-    )
-    vision = dict(
-        depth=4, hidden_size=32, intermediate_size=64, num_heads=4, in_channels=3, patch_size=14,
-        spatial_merge_size=2, temporal_patch_size=2, window_size=112, out_hidden_size=64,
-        fullatt_block_indexes=[1, 3],
-    )
-    thinker = dict(
-        text_config=text, audio_config=audio, vision_config=vision,
-        audio_token_index=AUDIO_TOKEN, image_token_index=IMAGE_TOKEN, video_token_index=VIDEO_TOKEN,
-        audio_start_token_id=AUDIO_START, audio_end_token_id=AUDIO_END,
-        vision_start_token_id=VISION_START, position_id_per_seconds=25, seconds_per_chunk=2,
-    )
-    talker = dict(
-        vocab_size=8448, embedding_size=64, hidden_size=32, intermediate_size=64,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=4096, spatial_merge_size=2,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
-        audio_token_index=AUDIO_TOKEN, image_token_index=IMAGE_TOKEN, video_token_index=VIDEO_TOKEN,
-        vision_start_token_id=VISION_START, audio_start_token_id=AUDIO_START, audio_end_token_id=AUDIO_END,
-    )
-    dit = dict(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, head_dim=16, ff_mult=2, emb_dim=16,
-        block_size=24, look_ahead_layers=[1], look_backward_layers=[0], repeats=2, num_embeds=8193,
-        mel_dim=80, enc_emb_dim=16, enc_dim=16, enc_channels=[32, 32, 32, 32, 96],
-        enc_kernel_sizes=[5, 3, 3, 3, 1], enc_dilations=[1, 2, 3, 4, 1], enc_attention_channels=16,
-        enc_se_channels=16, dropout=0.0,
-    )
-    bigvgan = dict(mel_dim=80, upsample_initial_channel=128)
-    return dict(
-        thinker_config=thinker, talker_config=talker,
-        token2wav_config=dict(dit_config=dit, bigvgan_config=bigvgan),
-        enable_audio_output=True,
-    )
+    """Config kwargs of the tiny Qwen2.5-Omni: the package's built-in tiny architecture."""
+    from omni_jax.models.qwen2_5_omni.tiny import tiny_config
+
+    cfg = tiny_config()
+    for key in ("model_type", "architectures"):
+        cfg.pop(key)
+    return cfg
 
 
 def _assert_finite(model) -> None:

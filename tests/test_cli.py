@@ -1,0 +1,36 @@
+"""The `omni-jax` command line: the README demo and clear errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+
+def _cli(*args, env=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "omni_jax.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_generate_tiny_demo(tmp_path):
+    r = _cli("generate", "--model", "tiny", "--prompt", "Hello", "--max-tokens", "5",
+             env={"OMNI_JAX_CACHE": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    assert "[5 tokens in" in r.stdout
+    assert os.path.isfile(tmp_path / "tiny-qwen2_5_omni-v1" / "omni_jax_config.json")
+
+
+def test_generate_reports_bad_checkpoint(tmp_path):
+    r = _cli("generate", "--model", str(tmp_path), "--prompt", "Hello")
+    assert r.returncode == 1
+    assert "not an OmniJax checkpoint" in r.stderr
+
+
+def test_convert_reports_missing_dir(tmp_path):
+    r = _cli("convert", "--hf-dir", str(tmp_path / "nope"), "--out", str(tmp_path / "out"))
+    assert r.returncode == 1
+    assert "does not exist" in r.stderr and not (tmp_path / "out").exists()

@@ -99,7 +99,7 @@ def _attend(q, k_pages, v_pages, tables, pos, sliding_window, sm_scale,
                                              "step_tokens"))
 def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, *,
                     sm_scale=None, sliding_window=None, interpret=False,
-                    step_tokens=512, **tuning):
+                    step_tokens=64, **tuning):
     """Decode attention over paged K/V (XLA reference of the Pallas kernel).
 
     q: [B, Hq, D], the token at position ``seq_lens[b] - 1`` of each sequence.
@@ -119,11 +119,72 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, *,
     return out.reshape(b, hq, d).astype(q.dtype)
 
 
+def _attend_block(q, k_pages, v_pages, tables, seq, pos, seq_lo, seq_hi,
+                  sliding_window, sm_scale, step_tokens):
+    """Attention of a block of C packed query rows spanning sequences seq_lo..seq_hi.
+
+    q [C, Hkv, G, D]; seq/pos int32 [C] (pos -1: padding). For each sequence
+    in the block the keys are gathered once, through that sequence's table row,
+    and scored against all C rows as one matmul; rows of other sequences are
+    masked. Rows of one sequence are contiguous, so a block of a long prefill
+    chunk costs one pass over its keys. Returns fp32 [C, Hkv, G, D].
+    """
+    c, hkv, g, d = q.shape
+    bs = k_pages.shape[1]
+    pages = max(1, min(step_tokens // bs, tables.shape[1]))
+    tables = jnp.pad(tables, ((0, 0), (0, -tables.shape[1] % pages)))
+    step = pages * bs
+    lo = jnp.zeros_like(pos)
+    if sliding_window is not None:
+        lo = jnp.maximum(pos - sliding_window + 1, 0)
+
+    def per_seq(s_idx, carry):
+        mine = (seq == s_idx) & (pos >= 0)
+        top = jnp.max(jnp.where(mine, pos, -1))
+        bottom = jnp.min(jnp.where(mine, lo, jnp.iinfo(jnp.int32).max))
+        row = tables[s_idx]
+
+        def per_step(j, carry):
+            acc, m, l = carry
+            cols = lax.dynamic_slice_in_dim(row, j * pages, pages)
+            k = k_pages[cols].reshape(step, hkv, d)
+            v = v_pages[cols].reshape(step, hkv, d)
+            kpos = j * step + jnp.arange(step, dtype=jnp.int32)
+            mask = (mine[:, None] & (kpos[None, :] <= pos[:, None])
+                    & (kpos[None, :] >= lo[:, None]))          # [C, step]
+            sc = jnp.einsum("ckgd,lkd->ckgl", q, k, precision=_PRECISION,
+                            preferred_element_type=jnp.float32) * sm_scale
+            sc = jnp.where(mask[:, None, None, :], sc, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
+            shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            alpha = jnp.exp(m - shift)
+            p = jnp.exp(sc - shift[..., None])
+            # Slots past a sequence's end may hold any bits: never let 0 * nan in.
+            kv_ok = kpos <= top
+            v = jnp.where(kv_ok[:, None, None], v, jnp.zeros((), v.dtype))
+            pv = jnp.einsum("ckgl,lkd->ckgd", p.astype(v.dtype), v,
+                            precision=_PRECISION,
+                            preferred_element_type=jnp.float32)
+            return (acc * alpha[..., None] + pv, m_new,
+                    l * alpha + jnp.sum(p, axis=-1))
+
+        first = jnp.where(top >= 0, bottom // step, 0)
+        last = jnp.where(top >= 0, top // step + 1, 0)
+        return lax.fori_loop(first, last, per_step, carry)
+
+    carry = (jnp.zeros((c, hkv, g, d), jnp.float32),
+             jnp.full((c, hkv, g), -jnp.inf, jnp.float32),
+             jnp.zeros((c, hkv, g), jnp.float32))
+    acc, _, l = lax.fori_loop(seq_lo, seq_hi + 1, per_seq, carry)
+    safe = jnp.where(l > 0, l, 1.0)[..., None]
+    return jnp.where(l[..., None] > 0, acc / safe, 0.0)
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window",
                                              "token_chunk", "step_tokens"))
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens,
                            cu_q_lens, *, sm_scale=None, sliding_window=None,
-                           interpret=False, token_chunk=128, step_tokens=256,
+                           interpret=False, token_chunk=64, step_tokens=256,
                            **tuning):
     """Causal attention for a packed batch of prefill chunks (XLA reference).
 
@@ -131,9 +192,11 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens,
     ``cu_q_lens[s]:cu_q_lens[s+1]`` and ``kv_lens[s]`` = cached + new tokens
     (new K/V already in the pages). Row i of sequence s sits at absolute
     position ``kv_lens[s] - q_len_s + i``. Rows at or past ``cu_q_lens[S]``
-    return zeros. Rows are processed ``token_chunk`` at a time (bounding
-    memory), each gathering its own sequence's pages, ``step_tokens`` keys
-    per step. Returns [T, Hq, D] in q's dtype.
+    return zeros. Rows are processed ``token_chunk`` at a time; within a
+    block, each sequence present gathers its pages once (``step_tokens`` keys
+    per step) and scores all the block's rows in one matmul, so cost is
+    (sequences per block) x block x context. Many one-row sequences in a step
+    are better served by :func:`paged_attention`. Returns [T, Hq, D] in q's dtype.
     """
     del interpret, tuning
     t, hq, d = q.shape
@@ -153,15 +216,18 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens,
     pad = -t % chunk
     n = (t + pad) // chunk
     qp = jnp.pad(q.reshape(t, hkv, g, d), ((0, pad), (0, 0), (0, 0), (0, 0)))
-    seqp = jnp.pad(seq, (0, pad)).reshape(n, chunk)
+    seqp = jnp.pad(seq, (0, pad), constant_values=s - 1).reshape(n, chunk)
     posp = jnp.pad(pos, (0, pad), constant_values=-1).reshape(n, chunk)
     tables = block_tables.astype(jnp.int32)
     scale = _scale(sm_scale, d)
 
-    def one_chunk(args):
+    def one_block(args):
         qc, sc, pc = args
-        return _attend(qc, k_pages, v_pages, tables[sc], pc, sliding_window,
-                       scale, step_tokens)
+        valid = pc >= 0
+        lo_s = jnp.min(jnp.where(valid, sc, s))
+        hi_s = jnp.max(jnp.where(valid, sc, -1))
+        return _attend_block(qc, k_pages, v_pages, tables, sc, pc, lo_s, hi_s,
+                             sliding_window, scale, step_tokens)
 
-    out = lax.map(one_chunk, (qp.reshape(n, chunk, hkv, g, d), seqp, posp))
+    out = lax.map(one_block, (qp.reshape(n, chunk, hkv, g, d), seqp, posp))
     return out.reshape(t + pad, hq, d)[:t].astype(q.dtype)

@@ -205,8 +205,12 @@ class AREngine:
         want_hidden = any(c.request.data is not None and c.request.data.capture_hidden for c in chunks)
         try:
             tables = sched.block_table_array(self.runner.cfg.max_blocks_per_seq)
-            result = self.runner.execute(chunks, tables, want_hidden=want_hidden)
-            sampled, logprobs = self._sample(result, chunks)
+            parts = self.runner.execute(chunks, tables, want_hidden=want_hidden)
+            sampled, logprobs = {}, {}
+            for part in parts:
+                s, lp = self._sample(part, chunks)
+                sampled.update(s)
+                logprobs.update(lp or {})
         except Exception as e:  # fail this step's requests, keep serving
             for o in self.scheduler.fail_scheduled(sched, f"{type(e).__name__}: {e}"):
                 out.append(EngineOutput(o.request_id, [], True, "error", error=o.error))
@@ -215,21 +219,29 @@ class AREngine:
         step_outputs = self.scheduler.update_from_output(sched, sampled)
         self.stats["steps"] += 1
         self.stats["preemptions"] += len(sched.preempted_request_ids)
-        self.stats[f"{result.kind}_steps"] += 1
+        for part in parts:
+            self.stats[f"{part.kind}_steps"] += 1
         self.stats["step_time"] += time.perf_counter() - t0
 
-        by_id = {c.request_id: i for i, c in enumerate(chunks)}
+        hidden_of = {}  # request id -> {layer: [tokens of this step, H]}
+        for part in parts:
+            for j, ci in enumerate(part.chunk_indices):
+                if part.hidden:
+                    a, b = part.token_offsets[j], part.token_offsets[j + 1]
+                    hidden_of[chunks[ci].request_id] = {k: v[a:b] for k, v in part.hidden.items()}
         for o in step_outputs:
             eo = EngineOutput(o.request_id, list(o.new_token_ids), o.finished, o.finish_reason,
                               o.stop_reason, o.error, num_cached_tokens=o.num_cached_tokens)
-            i = by_id.get(o.request_id)
-            if i is not None and result.hidden:
-                a, b = result.token_offsets[i], result.token_offsets[i + 1]
-                eo.hidden_states = {k: v[a:b] for k, v in result.hidden.items()}
-            if logprobs is not None and o.request_id in logprobs:
+            eo.hidden_states = hidden_of.get(o.request_id)
+            if o.request_id in logprobs:
                 eo.logprobs = [logprobs[o.request_id]] if eo.new_token_ids else None
             self._detokenize(eo)
             out.append(eo)
+        # A prefill chunk that ends mid-prompt samples nothing but still has hidden states.
+        emitted = {o.request_id for o in step_outputs}
+        for rid, hidden in hidden_of.items():
+            if rid not in emitted:
+                out.append(EngineOutput(rid, [], hidden_states=hidden))
         return out
 
     def _sample(self, result, chunks):

@@ -65,7 +65,7 @@ compilation_count()  # start counting at import
 class RunnerConfig:
     """Sizes of one stage's KV cache and step shapes."""
 
-    num_blocks: int
+    num_blocks: int | None = None                  # None: from kv_memory_fraction of free device memory
     block_size: int = 16
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
@@ -76,6 +76,7 @@ class RunnerConfig:
     capture_layers: tuple[int, ...] = ()           # hidden states returned per token (HF indexing)
     rich_inputs: bool = False                      # compile overlay/extra-embedding variants
     kv_dtype: Any = None                           # default: the model's dtype
+    kv_memory_fraction: float = 0.9                # share of free device memory for KV, when num_blocks is None
 
     def resolved(self) -> "RunnerConfig":
         tb = self.token_buckets or pow2_buckets(min(16, self.max_num_batched_tokens), self.max_num_batched_tokens)
@@ -92,6 +93,25 @@ class RunnerConfig:
     @property
     def max_blocks_per_seq(self) -> int:
         return cdiv(self.max_model_len, self.block_size)
+
+
+def resolve_num_blocks(cfg: RunnerConfig, bytes_per_block: int) -> int:
+    """KV blocks that fit `kv_memory_fraction` of the device memory still free.
+
+    On a device without memory stats (CPU) the pool holds max_num_seqs full-length
+    sequences, which is what the scheduler can ever use.
+    """
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    want = cfg.max_num_seqs * cdiv(cfg.max_model_len, cfg.block_size) + 1
+    if not limit:
+        return want
+    free = limit - stats.get("bytes_in_use", 0)
+    fit = int(free * cfg.kv_memory_fraction) // bytes_per_block
+    if fit < 2:
+        raise ValueError(f"no device memory left for the KV cache ({free / 2**20:.0f} MiB free, "
+                         f"{bytes_per_block / 2**20:.2f} MiB per block)")
+    return min(fit, want)
 
 
 @dataclasses.dataclass
@@ -134,11 +154,12 @@ class StepResult:
     """Device results of one step, aligned with the scheduled chunks."""
 
     logits: jax.Array               # [S_pad, V] on device; rows [0, num_sampled) are real
-    sample_rows: list[int]          # chunk index of each logits row
+    sample_rows: list[int]          # index into the step's chunks of each real logits row
     hidden: dict[int, np.ndarray]   # capture layer -> [num_real_tokens, H] on host (if asked)
-    token_offsets: np.ndarray       # [num_chunks + 1] start of each chunk in the packed tokens
+    token_offsets: np.ndarray       # [len(chunk_indices) + 1] start of each chunk in the packed tokens
     kind: str                       # "prefill" | "decode"
     bucket: int
+    chunk_indices: list[int]        # which scheduled chunks this part ran (token_offsets follow them)
 
 
 # ------------------------------------------------------------------ the runner
@@ -152,6 +173,9 @@ class ModelRunner:
         self.hidden_size = hidden_size
         self.dtype = dtype or jax.tree_util.tree_leaves(self.state)[0].dtype
         kv_dtype = self.cfg.kv_dtype or self.dtype
+        if self.cfg.num_blocks is None:
+            per_block = 2 * num_layers * self.cfg.block_size * num_kv_heads * head_dim * jnp.dtype(kv_dtype).itemsize
+            self.cfg = dataclasses.replace(self.cfg, num_blocks=resolve_num_blocks(self.cfg, per_block))
         shape = (self.cfg.num_blocks, self.cfg.block_size, num_kv_heads, head_dim)
         self.kv_caches = [(jnp.zeros(shape, kv_dtype), jnp.zeros(shape, kv_dtype)) for _ in range(num_layers)]
         self.kv_bytes = 2 * num_layers * int(np.prod(shape)) * jnp.dtype(kv_dtype).itemsize
@@ -275,15 +299,30 @@ class ModelRunner:
 
     # -------------------------------------------------------------- execution
     def execute(self, chunks: Sequence[ScheduledChunk], block_tables: np.ndarray,
-                want_hidden: bool = False) -> StepResult:
-        """Run one step on the device; the KV cache is updated in place."""
-        b = self.prepare(chunks, block_tables)
-        logits, captured = self._run(b)
-        hidden = {}
-        if want_hidden and captured:
-            hidden = {k: np.asarray(v[:b["total"]]) for k, v in captured.items()}
-        return StepResult(logits=logits, sample_rows=b["sample_rows"], hidden=hidden,
-                          token_offsets=b["offsets"], kind=b["kind"], bucket=b["bucket"])
+                want_hidden: bool = False) -> list[StepResult]:
+        """Run one step on the device; the KV cache is updated in place.
+
+        One-token chunks (decodes) and longer chunks (prefills) go to separate
+        device calls, each through the attention path made for it: a mixed batch
+        in the ragged path would score every decode row against a whole block.
+        Each part's `sample_rows` index into `chunks`.
+        """
+        single = [i for i, c in enumerate(chunks) if c.num_tokens == 1]
+        multi = [i for i, c in enumerate(chunks) if c.num_tokens > 1]
+        parts = []
+        for idx in (multi, single):
+            if not idx:
+                continue
+            sub = [chunks[i] for i in idx]
+            b = self.prepare(sub, block_tables[idx])
+            logits, captured = self._run(b)
+            hidden = {}
+            if want_hidden and captured:
+                hidden = {k: np.asarray(v)[:b["total"]] for k, v in captured.items()}
+            parts.append(StepResult(logits=logits, sample_rows=[idx[j] for j in b["sample_rows"]],
+                                    hidden=hidden, token_offsets=b["offsets"], kind=b["kind"],
+                                    bucket=b["bucket"], chunk_indices=idx))
+        return parts
 
     def _run(self, b):
         t_pad = b["token_ids"].shape[0]

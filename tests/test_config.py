@@ -1,0 +1,376 @@
+"""Tests for omni_jax.config: presets load, stage selection, and errors that name the field."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import re
+
+import pytest
+import yaml
+
+from omni_jax.config import (
+    ConfigError,
+    PipelineConfig,
+    StageConfig,
+    UnknownStageError,
+    default_pipeline_for,
+    list_presets,
+    load_pipeline_config,
+    pipeline_config_from_dict,
+)
+
+pytestmark = pytest.mark.pipeline
+
+PRESETS = ("qwen2_5_omni", "qwen2_5_omni_tiny", "qwen3_omni")
+
+
+def base() -> dict:
+    """A small valid pipeline as a dict; tests break one field at a time."""
+    return {
+        "name": "p",
+        "family": "qwen2_5_omni",
+        "stages": [
+            {"name": "thinker", "max_num_seqs": 4, "max_num_batched_tokens": 64, "max_model_len": 256,
+             "num_blocks": 64, "final_output": "text", "hidden_layers": [0, 3]},
+            {"name": "talker", "inputs_from": "thinker", "max_num_seqs": 4, "max_num_batched_tokens": 64,
+             "max_model_len": 256, "num_blocks": 64},
+            {"name": "token2wav", "runner": "oneshot", "inputs_from": "talker", "final_output": "audio"},
+        ],
+    }
+
+
+def with_stage(i: int, **changes) -> dict:
+    d = base()
+    d["stages"][i].update(changes)
+    return d
+
+
+def error_of(d: dict) -> str:
+    with pytest.raises(ConfigError) as e:
+        pipeline_config_from_dict(d)
+    return str(e.value)
+
+
+# --------------------------------------------------------------------------- presets
+
+
+def test_presets_listed():
+    assert set(PRESETS) <= set(list_presets())
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_loads_and_round_trips(name):
+    cfg = load_pipeline_config(name)
+    assert cfg.name == name
+    assert cfg.stages[0].inputs_from is None
+    assert cfg.stages_for(["text"])[-1].final_output == "text"
+    assert cfg.stages_for(["text", "audio"]) == cfg.stages
+    assert cfg.source.endswith(f"{name}.yaml")
+    # Plain-data form reads back to an equal config, and the config survives pickling
+    # (it is handed to spawned stage processes).
+    assert pipeline_config_from_dict(cfg.to_dict()) == cfg
+    assert pickle.loads(pickle.dumps(cfg)) == cfg
+    for s in cfg.stages:
+        assert s.sampling_params() is not None  # default_sampling builds SamplingParams
+
+
+def test_qwen2_5_omni_preset():
+    cfg = load_pipeline_config("qwen2_5_omni")
+    assert cfg.family == "qwen2_5_omni"
+    assert cfg.stage_names == ("thinker", "talker", "token2wav")
+    thinker, talker, t2w = cfg.stages
+    assert (thinker.max_num_seqs, thinker.max_num_batched_tokens, thinker.max_model_len) == (64, 4096, 32768)
+    assert thinker.hidden_layers == (0, 28)
+    assert thinker.default_sampling == {"temperature": 0.0, "max_tokens": 2048}
+    assert talker.default_sampling["top_k"] == 40 and talker.inputs_from == "thinker"
+    assert (t2w.runner, t2w.model_stage, t2w.final_output, t2w.max_num_seqs) == ("oneshot", "token2wav", "audio", 8)
+    assert [s.name for s in cfg.stages_for(["text"])] == ["thinker"]
+    assert [s.name for s in cfg.stages_for(["text", "audio"])] == ["thinker", "talker", "token2wav"]
+    assert [s.name for s in cfg.stages_for("audio")] == ["thinker", "talker", "token2wav"]
+
+
+def test_tiny_preset():
+    cfg = default_pipeline_for("qwen2_5_omni", tiny=True)
+    assert cfg.name == "qwen2_5_omni_tiny"
+    th = cfg.stage("thinker")
+    assert (th.max_num_seqs, th.max_num_batched_tokens, th.max_model_len, th.num_blocks) == (8, 64, 512, 128)
+    assert th.token_buckets == (16, 32, 64) and th.decode_buckets == (1, 2, 4, 8)
+    assert th.audio_chunk_buckets == (1, 4) and th.vision_patch_buckets == (64, 256)
+    assert th.hidden_layers == (0, 3) and (th.backend, th.dtype) == ("reference", "float32")
+    assert cfg.stage("token2wav").runner == "oneshot"
+
+
+def test_qwen3_omni_preset():
+    cfg = default_pipeline_for("qwen3_omni")
+    assert cfg.stage_names == ("thinker", "talker", "code2wav")
+    assert cfg.stage("thinker").hidden_layers == (0, 24)
+    assert cfg.stage("code2wav").final_output == "audio"
+
+
+def test_default_pipeline_for_errors():
+    with pytest.raises(ConfigError, match="qwen2_5_omni"):
+        default_pipeline_for("llama")
+    with pytest.raises(ConfigError, match="no tiny preset"):
+        default_pipeline_for("qwen3_omni", tiny=True)
+
+
+def test_load_from_path(tmp_path):
+    d = base()
+    del d["name"]  # a file may leave the name to its file name
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump(d))
+    cfg = load_pipeline_config(str(path))
+    assert cfg.name == "mine" and cfg.source == str(path)
+    assert load_pipeline_config(path) == cfg
+    assert load_pipeline_config(cfg) is cfg
+
+
+# --------------------------------------------------------------------------- defaults and helpers
+
+
+def test_stage_defaults():
+    s = StageConfig(name="thinker")
+    assert s.model_stage == "thinker" and s.runner == "ar"
+    assert (s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len, s.block_size) == (32, 2048, 8192, 16)
+    assert s.num_blocks is None and s.kv_memory_fraction == 0.9
+    assert s.audio_chunk_buckets == (1, 4, 16, 64) and s.vision_patch_buckets == (1024, 4096, 16384)
+    assert s.enable_prefix_caching and s.backend is None and s.dtype is None
+    assert s.default_sampling == {} and s.hidden_layers == () and s.ready_timeout_s == 600.0
+    assert s.resolved_token_buckets == (16, 32, 64, 128, 256, 512, 1024, 2048)
+    assert s.resolved_decode_buckets == (1, 2, 4, 8, 16, 32)
+    assert s.blocks_per_seq == 512
+    hash(s)
+
+
+def test_lists_become_tuples():
+    s = StageConfig(name="x", token_buckets=[16, 2048], hidden_layers=[0, 2], max_num_seqs=4)
+    assert s.token_buckets == (16, 2048) and s.hidden_layers == (0, 2)
+
+
+def test_kv_num_blocks():
+    s = StageConfig(name="x", max_model_len=64, block_size=16)
+    assert s.kv_num_blocks(available_bytes=1000, bytes_per_block=10) == 90
+    assert StageConfig(name="x", max_model_len=64, num_blocks=7).kv_num_blocks(10**9, 1) == 7
+    with pytest.raises(ConfigError, match="max_model_len"):
+        s.kv_num_blocks(available_bytes=40, bytes_per_block=10)
+
+
+def test_stage_lookup():
+    cfg = pipeline_config_from_dict(base())
+    assert cfg.stage("talker").name == "talker" and cfg.stage_index("token2wav") == 2
+    with pytest.raises(UnknownStageError, match=r"no stage 'vocoder'.*\['thinker', 'talker', 'token2wav'\]"):
+        cfg.stage("vocoder")
+    with pytest.raises(KeyError):  # also a KeyError, like a dict lookup
+        cfg.stage("vocoder")
+
+
+def test_stages_for_unknown_modality():
+    cfg = pipeline_config_from_dict(base())
+    with pytest.raises(ConfigError, match=r"'video'.*supported: \['text', 'audio'\]"):
+        cfg.stages_for(["text", "video"])
+    with pytest.raises(ConfigError, match="must not be empty"):
+        cfg.stages_for([])
+    text_only = base()
+    del text_only["stages"][2]
+    cfg = pipeline_config_from_dict(text_only)
+    with pytest.raises(ConfigError, match=r"supported: \['text'\]"):
+        cfg.stages_for(["audio"])
+
+
+def test_replace_stage_and_overrides():
+    cfg = pipeline_config_from_dict(base())
+    new = cfg.replace_stage("thinker", max_num_seqs=2)
+    assert new.stage("thinker").max_num_seqs == 2 and cfg.stage("thinker").max_num_seqs == 4
+    new = cfg.with_overrides(thinker={"dtype": "bfloat16"}, talker={"backend": "reference"})
+    assert new.stage("thinker").dtype == "bfloat16" and new.stage("talker").backend == "reference"
+    assert new.stage("token2wav") == cfg.stage("token2wav")
+    with pytest.raises(ConfigError, match=r"stages\[0\] \(thinker\)\.max_num_seqs: must be a positive integer"):
+        cfg.replace_stage("thinker", max_num_seqs=0)
+    with pytest.raises(ConfigError, match=r"max_num_seq: unknown field \(did you mean max_num_seqs\?\)"):
+        cfg.replace_stage("thinker", max_num_seq=2)
+    with pytest.raises(UnknownStageError):
+        cfg.with_overrides(vocoder={"max_num_seqs": 2})
+
+
+def test_direct_stage_construction_validates():
+    with pytest.raises(ConfigError, match=r"stage 'thinker', max_num_seqs: must be a positive integer, got -1"):
+        StageConfig(name="thinker", max_num_seqs=-1)
+
+
+# --------------------------------------------------------------------------- errors name the field
+
+
+def test_negative_value_names_pipeline_stage_and_field():
+    msg = error_of(with_stage(0, max_num_seqs=-1))
+    assert msg == "pipeline 'p', stages[0] (thinker).max_num_seqs: must be a positive integer, got -1"
+
+
+@pytest.mark.parametrize("field,value,expected", [
+    ("max_num_seqs", "8", "must be a positive integer, got '8'"),
+    ("max_model_len", 1.5, "must be a positive integer, got 1.5"),
+    ("max_num_batched_tokens", True, "must be a positive integer, got True"),
+    ("enable_prefix_caching", "yes", "must be true or false"),
+    ("kv_memory_fraction", 1.5, "in (0, 1]"),
+    ("memory_fraction", 0, "in (0, 1]"),
+    ("ready_timeout_s", -1, "positive number of seconds"),
+    ("runner", "diffusion", "must be one of 'ar', 'oneshot'"),
+    ("backend", "triton", "must be one of null, 'pallas', 'reference'"),
+    ("dtype", "float16", "must be one of null, 'float32', 'bfloat16'"),
+    ("final_output", "video", "must be one of null, 'text', 'audio'"),
+    ("hidden_layers", [0, -1], "integers >= 0"),
+    ("hidden_layers", 3, "must be a list of integers"),
+    ("device", -1, "device index"),
+    ("audio_chunk_buckets", [4, 1], "strictly increasing"),
+    ("vision_patch_buckets", [], "must not be empty"),
+    ("num_blocks", 1, "integer >= 2"),
+    ("num_blocks", 8, "must be >= 17 so that one request of max_model_len (256)"),
+    ("default_sampling", [1], "must be a mapping"),
+])
+def test_bad_values_name_the_field(field, value, expected):
+    msg = error_of(with_stage(0, **{field: value}))
+    assert f"stages[0] (thinker).{field}: " in msg
+    assert expected in msg
+
+
+def test_block_size_power_of_two():
+    msg = error_of(with_stage(1, block_size=24))
+    assert "stages[1] (talker).block_size: must be a power of two, got 24" in msg
+
+
+def test_bad_buckets():
+    msg = error_of(with_stage(0, token_buckets=[16, 64, 32]))
+    assert "stages[0] (thinker).token_buckets: must be strictly increasing" in msg
+    msg = error_of(with_stage(0, token_buckets=[16, 32]))
+    assert "stages[0] (thinker).token_buckets: the last bucket (32) must be >= max_num_batched_tokens (64)" in msg
+    msg = error_of(with_stage(0, decode_buckets=[1, 2]))
+    assert "stages[0] (thinker).decode_buckets: the last bucket (2) must be >= max_num_seqs (4)" in msg
+    msg = error_of(with_stage(0, decode_buckets=[0, 4]))
+    assert "decode_buckets: must contain only positive integers" in msg
+    msg = error_of(with_stage(0, token_buckets=[]))
+    assert "token_buckets: must not be empty" in msg
+
+
+def test_unknown_field_suggests():
+    msg = error_of(with_stage(1, max_num_seq=4))
+    assert "stages[1] (talker).max_num_seq: unknown field (did you mean max_num_seqs?)" in msg
+    d = base()
+    d["stagez"] = d.pop("stages")
+    assert "pipeline 'p', stagez: unknown field (did you mean stages?)" in error_of(d)
+    msg = error_of(with_stage(0, zzz=1))
+    assert "stages[0] (thinker).zzz: unknown field (known fields: name, model_stage" in msg
+
+
+def test_missing_required():
+    d = base()
+    del d["family"]
+    assert "pipeline 'p', family: is required" in error_of(d)
+    d = base()
+    del d["stages"][1]["name"]
+    assert "stages[1].name: is required" in error_of(d)
+    d = base()
+    d["stages"] = []
+    assert "pipeline 'p', stages: must be a non-empty list" in error_of(d)
+    d = base()
+    d["stages"][0] = "thinker"
+    assert "pipeline 'p', stages[0]: must be a mapping" in error_of(d)
+    d = base()
+    d["family"] = "qwen2_omni"
+    assert "family: must be one of 'qwen2_5_omni', 'qwen3_omni'" in error_of(d)
+
+
+def test_duplicate_stage_names():
+    msg = error_of(with_stage(1, name="thinker"))
+    assert "stages[1] (thinker).name: duplicate stage name 'thinker' (also stages[0])" in msg
+
+
+def test_inputs_from_must_name_an_earlier_stage():
+    msg = error_of(with_stage(1, inputs_from="token2wav"))
+    assert "stages[1] (talker).inputs_from: stage 'token2wav' is stages[2], not an earlier stage" in msg
+    msg = error_of(with_stage(1, inputs_from="talker"))  # itself
+    assert "stages[1] (talker).inputs_from:" in msg and "not an earlier stage" in msg
+    msg = error_of(with_stage(2, inputs_from="vocoder"))
+    assert "stages[2] (token2wav).inputs_from: no stage named 'vocoder'; earlier stages: ['thinker', 'talker']" in msg
+    msg = error_of(with_stage(2, inputs_from=None))
+    assert "stages[2] (token2wav).inputs_from: must name an earlier stage" in msg
+    msg = error_of(with_stage(0, inputs_from="talker"))
+    assert "stages[0] (thinker).inputs_from: must be null: the first stage" in msg
+
+
+def test_bad_default_sampling():
+    msg = error_of(with_stage(1, default_sampling={"temperature": -1}))
+    assert "stages[1] (talker).default_sampling: " in msg and "temperature" in msg
+    msg = error_of(with_stage(1, default_sampling={"temprature": 0.5}))
+    assert "stages[1] (talker).default_sampling: unknown SamplingParams field 'temprature'" in msg
+    assert "did you mean temperature?" in msg
+    msg = error_of(with_stage(1, default_sampling={"max_tokens": 0}))
+    assert "default_sampling: " in msg and "max_tokens" in msg
+
+
+def test_output_stages():
+    msg = error_of(with_stage(0, final_output=None))
+    assert "pipeline 'p', stages: no stage has final_output 'text'" in msg
+    msg = error_of(with_stage(1, final_output="audio"))
+    assert "stages[2] (token2wav).final_output: 'audio' is already delivered by stages[1] (talker)" in msg
+
+
+def test_error_field_attribute():
+    with pytest.raises(ConfigError) as e:
+        pipeline_config_from_dict(with_stage(1, block_size=3))
+    assert e.value.field == "stages[1].block_size"
+    assert e.value.problem == "must be a power of two, got 3"
+
+
+# --------------------------------------------------------------------------- loading errors
+
+
+def test_unknown_preset_lists_presets():
+    with pytest.raises(ConfigError) as e:
+        load_pipeline_config("qwen2_omni")
+    msg = str(e.value)
+    assert "unknown pipeline preset 'qwen2_omni'" in msg
+    for name in PRESETS:
+        assert name in msg
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="not found"):
+        load_pipeline_config("/nonexistent/dir/x.yaml")
+
+
+def test_bad_yaml_names_the_file(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("name: x\nstages: [\n  - {name: thinker\n")
+    with pytest.raises(ConfigError, match=re.escape(str(path))):
+        load_pipeline_config(str(path))
+
+
+def test_duplicate_yaml_key(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text("name: x\nfamily: qwen2_5_omni\nfamily: qwen3_omni\nstages: []\n")
+    with pytest.raises(ConfigError, match="duplicate key 'family'"):
+        load_pipeline_config(str(path))
+
+
+def test_validation_error_in_file_names_the_file(tmp_path):
+    path = tmp_path / "neg.yaml"
+    path.write_text(yaml.safe_dump(with_stage(0, max_num_seqs=-1)))
+    with pytest.raises(ConfigError) as e:
+        load_pipeline_config(str(path))
+    assert "stages[0] (thinker).max_num_seqs: must be a positive integer, got -1" in str(e.value)
+    assert str(path) in str(e.value)
+
+
+def test_top_level_not_a_mapping(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        load_pipeline_config(str(path))
+
+
+def test_input_dict_not_mutated():
+    d = base()
+    before = copy.deepcopy(d)
+    cfg = pipeline_config_from_dict(d)
+    assert d == before
+    assert isinstance(cfg, PipelineConfig)

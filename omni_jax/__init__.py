@@ -1,5 +1,16 @@
 """OmniJax: serve Qwen-Omni models (text, image, audio, video in; text and speech out) with JAX."""
 
 from .checkpoint import load_checkpoint
+from .engine.sampling import SamplingParams
+from .outputs import OmniRequestOutput
 
-__all__ = ["load_checkpoint"]
+__all__ = ["OmniJax", "AsyncOmniJax", "SamplingParams", "OmniRequestOutput", "load_checkpoint"]
+
+
+def __getattr__(name):
+    # The front ends pull in ZMQ and the process machinery; import them on first use.
+    if name in ("OmniJax", "AsyncOmniJax"):
+        from . import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'omni_jax' has no attribute {name!r}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from typing import Any
 
@@ -113,7 +114,7 @@ def load_checkpoint(path: str, stage: str = "thinker", dtype: str | None = None)
     if want != stored:
         module = _with_compute_dtype(spec, stage_cfg, module, want)
     print(f"[omni-jax] loaded stage {stage!r} from {path} ({len(flat)} tensors, {time.perf_counter() - t0:.1f}s)",
-          flush=True)
+          file=sys.stderr, flush=True)
     return module, stage_cfg
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 
 import numpy as np
@@ -91,6 +92,6 @@ def tiny_checkpoint(cache_dir: str | None = None) -> str:
     """Path of the tiny checkpoint, building it on first use."""
     path = cache_dir or default_cache_dir()
     if not os.path.isfile(os.path.join(path, "omni_jax_config.json")):
-        print(f"[omni-jax] building the tiny demo model in {path}", flush=True)
+        print(f"[omni-jax] building the tiny demo model in {path}", file=sys.stderr, flush=True)
         build_tiny_checkpoint(path)
     return path

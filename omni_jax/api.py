@@ -1,0 +1,194 @@
+"""The front ends: `OmniJax` (sync, batches) and `AsyncOmniJax` (async streaming).
+
+Both start the pipeline's stage processes through an `Orchestrator` and process
+prompts in the caller's process (tokenizer, chat template). Bad input fails that
+request with an error naming the problem; the others go on.
+
+    with OmniJax(model="tiny") as omni:
+        outs = omni.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}],
+                             sampling_params=SamplingParams(temperature=0.0, max_tokens=16))
+
+    async for out in AsyncOmniJax(model=...).generate(prompt, request_id="r1"):
+        print(out.text_delta, end="")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import time
+import uuid
+from typing import Any, AsyncIterator, Sequence
+
+import numpy as np
+
+from .checkpoint import read_config
+from .config import ConfigError, PipelineConfig, default_pipeline_for, load_pipeline_config
+from .engine.orchestrator import Orchestrator, OrchestratorRequest
+from .engine.protocol import AddRequest, MultiModalPayload
+from .engine.sampling import SamplingParams
+from .inputs.processor import InputProcessor, PromptError
+from .outputs import OmniRequestOutput, RequestMetrics
+
+
+def _resolve(model: str, pipeline) -> tuple[str, PipelineConfig]:
+    from .demo import resolve_model
+
+    ckpt = resolve_model(model)
+    family = read_config(ckpt)["family"]
+    if pipeline is None:
+        pipeline = default_pipeline_for(family, tiny=(model == "tiny"))
+    elif not isinstance(pipeline, PipelineConfig):
+        pipeline = load_pipeline_config(pipeline)
+    if pipeline.family != family:
+        raise ConfigError(f"pipeline {pipeline.name!r} is for {pipeline.family!r} but the checkpoint "
+                          f"{ckpt} is {family!r}")
+    return ckpt, pipeline
+
+
+class _Frontend:
+    """Shared set-up: checkpoint, pipeline, prompt processing, orchestrator."""
+
+    def __init__(self, model: str = "tiny", pipeline: str | PipelineConfig | None = None,
+                 output_modalities: Sequence[str] = ("text",)):
+        from .models.qwen2_5_omni.stages import load_tokenizer
+
+        self.checkpoint, self.pipeline = _resolve(model, pipeline)
+        self.output_modalities = tuple(output_modalities)
+        self._stages = self.pipeline.stages_for(self.output_modalities)
+        hf = read_config(self.checkpoint)["hf_config"]
+        vocab = hf.get("thinker_config", hf).get("text_config", {}).get("vocab_size", 0) or 2 ** 31 - 1
+        self.tokenizer = load_tokenizer(self.checkpoint)
+        self.processor = InputProcessor(self.tokenizer, vocab)
+        self._orch = Orchestrator(self.pipeline, self.checkpoint, [s.name for s in self._stages])
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ helpers
+    def _chain(self, output_modalities) -> list[str]:
+        mods = tuple(output_modalities or self.output_modalities)
+        names = [s.name for s in self.pipeline.stages_for(mods)]
+        missing = [n for n in names if n not in self._orch.clients]
+        if missing:
+            raise ValueError(f"output_modalities {list(mods)} need stage(s) {missing}, which this engine did not "
+                             f"start; create it with output_modalities={list(mods)}")
+        return names
+
+    def _stage_params(self, sampling_params, chain) -> list[SamplingParams]:
+        per_stage = [self.pipeline.stage(n).sampling_params() for n in chain]
+        if sampling_params is None:
+            return per_stage
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] + per_stage[1:]
+        given = list(sampling_params)
+        if len(given) > len(chain):
+            raise ValueError(f"{len(given)} sampling params for a chain of {len(chain)} stages ({chain})")
+        return [g if g is not None else d for g, d in itertools.zip_longest(given, per_stage)]
+
+    def _request(self, prompt, params: list[SamplingParams], chain, request_id: str, sink) -> OrchestratorRequest:
+        """Process the prompt (raises PromptError) and build the orchestrator request."""
+        p = self.processor.process(prompt)
+        mm = p.multi_modal
+        if mm is not None and not isinstance(mm, MultiModalPayload):
+            raise PromptError(f"'multi_modal_data' must be a MultiModalPayload, got {type(mm).__name__}")
+        first = AddRequest(request_id=request_id, prompt_token_ids=p.prompt_token_ids, sampling_params=params[0],
+                           multi_modal=mm, arrival_time=time.monotonic())
+        out = OmniRequestOutput(request_id=request_id, prompt_token_ids=p.prompt_token_ids.tolist(),
+                                metrics=RequestMetrics(arrival_time=first.arrival_time))
+        return OrchestratorRequest(first=first, chain=chain, sink=sink, output=out,
+                                   stage_params=params)
+
+    def _new_id(self) -> str:
+        return f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request in every stage; it finishes with finish_reason 'abort'."""
+        self._orch.abort(request_id)
+
+    def shutdown(self) -> None:
+        """Stop every stage process; the object cannot be used afterwards."""
+        self._orch.shutdown()
+
+    def stage_stats(self, timeout_s: float = 10.0) -> dict[str, dict]:
+        """Engine stats of every stage (KV cache usage, queue lengths, compilations...)."""
+        return self._orch.stage_stats(timeout_s)
+
+    def stage_pids(self) -> dict[str, int]:
+        """Process ids of the stage workers."""
+        return {n: c.process.pid for n, c in self._orch.clients.items()}
+
+
+class OmniJax(_Frontend):
+    """Synchronous front end: `generate` takes a batch and returns finished outputs."""
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 output_modalities: Sequence[str] | None = None) -> list[OmniRequestOutput]:
+        """Run every prompt to completion; outputs in prompt order.
+
+        A prompt that cannot be processed gets an output with `error` set and
+        finish_reason "error"; the rest of the batch still runs.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        chain = self._chain(output_modalities)
+        params = self._stage_params(sampling_params, chain)
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        results: dict[str, OmniRequestOutput] = {}
+        order, pending = [], 0
+        for prompt in prompts:
+            rid = self._new_id()
+            order.append(rid)
+            try:
+                req = self._request(prompt, params, chain, rid, lambda o: o.finished and done.put(o))
+            except PromptError as e:
+                results[rid] = OmniRequestOutput(request_id=rid, finished=True, finish_reason="error",
+                                                 error=f"bad prompt: {e}")
+                continue
+            self._orch.submit(req)
+            pending += 1
+        while pending:
+            out = done.get()
+            results[out.request_id] = out
+            pending -= 1
+        return [results[r] for r in order]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+
+class AsyncOmniJax(_Frontend):
+    """Asynchronous front end: `generate` is an async generator of updates (text deltas, audio chunks)."""
+
+    async def generate(self, prompt, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                       request_id: str | None = None,
+                       output_modalities: Sequence[str] | None = None) -> AsyncIterator[OmniRequestOutput]:
+        """Yield an OmniRequestOutput per update until the request finishes.
+
+        Raises PromptError (a ValueError) for a prompt that cannot be processed.
+        Leaving the loop early (break, cancellation) aborts the request.
+        """
+        loop = asyncio.get_running_loop()
+        updates: asyncio.Queue = asyncio.Queue()
+        chain = self._chain(output_modalities)
+        rid = request_id or self._new_id()
+        req = self._request(prompt, self._stage_params(sampling_params, chain), chain, rid,
+                            lambda o: loop.call_soon_threadsafe(updates.put_nowait, o))
+        self._orch.submit(req)
+        finished = False
+        try:
+            while not finished:
+                out = await updates.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self._orch.abort(rid)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        self.shutdown()

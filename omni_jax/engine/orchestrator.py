@@ -1,0 +1,346 @@
+"""The orchestrator: one background thread that owns every stage socket.
+
+Callers (the sync and async front ends, any thread) hand it requests through a
+queue and get updates through a sink callable. The thread sends each request to
+the first stage of its chain, polls all stages, streams text deltas back, routes
+finished stage outputs to the next stage through the model family's stage-input
+functions (`models/<family>/pipeline.py`), propagates aborts to every stage, and
+records metrics. If a stage process dies, every request it holds fails with an
+error naming the stage within a second, and later submissions raise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import shutil
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+import zmq
+
+from ..outputs import OmniRequestOutput
+from .protocol import AddRequest, HealthCheck, HealthReply, StageFailure, StageOutputs
+from .stage_client import StageClient
+from .transport import private_ipc_dir
+
+log = logging.getLogger("omni_jax.orchestrator")
+
+# How often stage processes are checked for liveness (s).
+LIVENESS_PERIOD = 0.2
+
+
+class EngineDeadError(RuntimeError):
+    """A stage process died; the pipeline cannot serve until it is restarted."""
+
+
+@dataclasses.dataclass
+class OrchestratorRequest:
+    """One request as the orchestrator tracks it across its stage chain."""
+
+    first: AddRequest
+    chain: list[str]                          # stage names, in order
+    sink: Callable[[OmniRequestOutput], None]  # called from the orchestrator thread
+    output: OmniRequestOutput = None
+    stage_params: list = dataclasses.field(default_factory=list)  # SamplingParams per chain stage
+    stage_index: int = 0
+    stage_outputs: dict = dataclasses.field(default_factory=dict)  # stage -> accumulated data for routing
+
+    @property
+    def request_id(self) -> str:
+        return self.first.request_id
+
+    @property
+    def stage(self) -> str:
+        return self.chain[self.stage_index]
+
+
+def _array_bytes(obj) -> int:
+    """Bytes of the numpy arrays inside a message (what crosses as zero-copy frames)."""
+    total = 0
+    for name in getattr(obj, "__struct_fields__", ()):
+        v = getattr(obj, name)
+        if isinstance(v, np.ndarray):
+            total += v.nbytes
+        elif isinstance(v, dict):
+            total += sum(a.nbytes for a in v.values() if isinstance(a, np.ndarray))
+        elif isinstance(v, list):
+            total += sum(a.nbytes if isinstance(a, np.ndarray) else _array_bytes(a) for a in v)
+        elif hasattr(v, "__struct_fields__"):
+            total += _array_bytes(v)
+    return total
+
+
+class Orchestrator:
+    """Starts the stage processes and routes requests between them (see module docstring)."""
+
+    def __init__(self, pipeline, ckpt_dir: str, stage_names: list[str] | None = None,
+                 route: Callable | None = None):
+        self.pipeline = pipeline
+        self.ipc_dir = private_ipc_dir()
+        self._zmq = zmq.Context()
+        names = stage_names or [s.name for s in pipeline.stages]
+        self.clients: dict[str, StageClient] = {}
+        self.route = route  # (request, from_stage, to_stage) -> AddRequest for the next stage
+        self.dead: str | None = None
+        self._requests: dict[str, OrchestratorRequest] = {}
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake_lock = threading.Lock()
+        wake_addr = f"inproc://omni-jax-wake-{id(self)}"
+        self._wake_pull = self._zmq.socket(zmq.PULL)
+        self._wake_pull.bind(wake_addr)
+        self._wake_push = self._zmq.socket(zmq.PUSH)
+        self._wake_push.connect(wake_addr)
+        self._stop = threading.Event()
+        self._health: dict = {}
+        self._health_nonce = 0
+        try:
+            for name in names:
+                self.clients[name] = StageClient(pipeline.stage(name), pipeline.family, ckpt_dir, self.ipc_dir,
+                                                 self._zmq)
+            for c in self.clients.values():
+                c.start()
+            for c in self.clients.values():
+                c.wait_ready(c.cfg.ready_timeout_s)
+        except BaseException:
+            self._close_all()
+            raise
+        self._thread = threading.Thread(target=self._loop, name="omni-jax-orchestrator", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ caller side (any thread)
+    def submit(self, req: OrchestratorRequest) -> None:
+        """Queue a request; its updates go to req.sink from the orchestrator thread."""
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        if self._stop.is_set():
+            raise RuntimeError("the engine is shut down")
+        self._commands.put(("submit", req))
+        self._wake()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request in every stage; its sink gets a final output with finish_reason 'abort'."""
+        self._commands.put(("abort", request_id))
+        self._wake()
+
+    def stage_stats(self, timeout_s: float = 10.0) -> dict[str, dict]:
+        """Ask every stage for its engine stats (KV usage, running requests, compilations...)."""
+        import concurrent.futures
+
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("health", fut))
+        self._wake()
+        return fut.result(timeout_s)
+
+    def shutdown(self) -> None:
+        """Stop the thread and every stage process; safe to call twice."""
+        if not self._stop.is_set():
+            self._stop.set()
+            self._wake()
+            self._thread.join(10.0)
+        self._close_all()
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            try:
+                self._wake_push.send(b"", zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+    # ------------------------------------------------------------------ the thread
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_pull, zmq.POLLIN)
+        by_socket = {}
+        for c in self.clients.values():
+            poller.register(c.replies.socket, zmq.POLLIN)
+            by_socket[c.replies.socket] = c
+        next_check = time.monotonic() + LIVENESS_PERIOD
+        while not self._stop.is_set():
+            try:
+                events = dict(poller.poll(timeout=int(LIVENESS_PERIOD * 1000)))
+                if self._wake_pull in events:
+                    while True:
+                        try:
+                            self._wake_pull.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                self._drain_commands()
+                for sock, client in by_socket.items():
+                    if sock in events:
+                        self._drain_replies(client)
+                if time.monotonic() >= next_check:
+                    self._check_liveness()
+                    next_check = time.monotonic() + LIVENESS_PERIOD
+            except Exception:  # keep routing whatever one message did
+                log.exception("orchestrator loop error")
+        for req in list(self._requests.values()):
+            self._finish(req, error="the engine was shut down", reason="abort")
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "submit":
+                self._start(arg)
+            elif kind == "health":
+                self._health_nonce += 1
+                self._health[self._health_nonce] = (arg, {})
+                for c in self.clients.values():
+                    if c.is_alive():
+                        c.requests.send(HealthCheck(nonce=self._health_nonce))
+            elif kind == "abort":
+                req = self._requests.get(arg)
+                if req is not None:
+                    for name in set(req.chain):
+                        if self.clients[name].is_alive():
+                            self.clients[name].abort([arg])
+                    self._finish(req, reason="abort")
+
+    def _start(self, req: OrchestratorRequest) -> None:
+        if self.dead is not None:
+            self._finish(req, error=self.dead)
+            return
+        if req.request_id in self._requests:
+            self._finish(req, error=f"request id {req.request_id!r} is already in flight")
+            return
+        self._requests[req.request_id] = req
+        req.output.metrics.bytes_moved += _array_bytes(req.first)
+        self.clients[req.chain[0]].add(req.first)
+
+    def _drain_replies(self, client: StageClient) -> None:
+        from .transport import ProtocolError
+
+        while True:
+            try:
+                msg = client.replies.recv(timeout_ms=0)
+            except ProtocolError as e:
+                log.warning("dropped a malformed reply from stage %r: %s", client.name, e)
+                continue
+            if msg is None:
+                return
+            if isinstance(msg, StageOutputs):
+                self._on_outputs(client.name, msg)
+            elif isinstance(msg, StageFailure):
+                req = self._requests.get(msg.request_id) if msg.request_id else None
+                if req is not None:
+                    self._finish(req, error=msg.message)
+                elif msg.request_id is None:
+                    log.error("stage %r reported: %s", client.name, msg.message)
+            elif isinstance(msg, HealthReply):
+                fut, got = self._health.get(msg.nonce, (None, None))
+                if fut is not None:
+                    got[msg.stage] = msg.stats
+                    if len(got) == sum(c.is_alive() for c in self.clients.values()):
+                        del self._health[msg.nonce]
+                        fut.set_result(got)
+
+    def _on_outputs(self, stage: str, msg: StageOutputs) -> None:
+        now = time.monotonic()
+        for o in msg.outputs:
+            req = self._requests.get(o.request_id)
+            if req is None or req.stage != stage:
+                continue  # aborted or already failed
+            out = req.output
+            m = out.metrics
+            m.stage_time[stage] = m.stage_time.get(stage, 0.0) + msg.step_time
+            if o.hidden_states:
+                m.bytes_moved += sum(a.nbytes for a in o.hidden_states.values())
+            self._collect(req, stage, o)
+            if o.error is not None:
+                self._finish(req, error=o.error)
+                continue
+            if self._delivers_text(req, stage) and (o.new_token_ids or o.text_delta):
+                if m.first_token_time is None:
+                    m.first_token_time = now
+                out.token_ids.extend(o.new_token_ids)
+                out.text += o.text_delta
+                m.num_output_tokens = len(out.token_ids)
+                if o.finished:
+                    out.finish_reason, out.stop_reason = o.finish_reason, o.stop_reason
+                self._emit(req, new_token_ids=list(o.new_token_ids), text_delta=o.text_delta)
+            if o.audio is not None and len(o.audio):
+                if m.first_audio_time is None:
+                    m.first_audio_time = now
+                out.audio = o.audio if out.audio is None else np.concatenate([out.audio, o.audio])
+                m.audio_seconds = len(out.audio) / out.sample_rate
+                self._emit(req, audio_delta=o.audio)
+            if o.finished:
+                if o.finish_reason == "abort":
+                    self._finish(req, reason="abort")
+                elif req.stage_index + 1 < len(req.chain):
+                    self._advance(req, stage)
+                else:
+                    self._finish(req, reason=out.finish_reason or o.finish_reason)
+
+    def _delivers_text(self, req: OrchestratorRequest, stage: str) -> bool:
+        return self.pipeline.stage(stage).final_output == "text"
+
+    def _collect(self, req: OrchestratorRequest, stage: str, o) -> None:
+        """Keep what the next stage of the chain will need from this one."""
+        if req.stage_index + 1 >= len(req.chain):
+            return
+        acc = req.stage_outputs.setdefault(stage, {"token_ids": [], "hidden": {}})
+        acc["token_ids"].extend(o.new_token_ids)
+        for layer, arr in (o.hidden_states or {}).items():
+            acc["hidden"].setdefault(layer, []).append(arr)
+
+    def _advance(self, req: OrchestratorRequest, stage: str) -> None:
+        nxt = req.chain[req.stage_index + 1]
+        try:
+            if self.route is None:
+                raise RuntimeError(f"no stage-input function to go from {stage!r} to {nxt!r}")
+            msg = self.route(req, stage, nxt)
+        except Exception as e:
+            self._finish(req, error=f"building the {nxt!r} input failed: {type(e).__name__}: {e}")
+            return
+        req.stage_index += 1
+        req.output.metrics.bytes_moved += _array_bytes(msg)
+        self.clients[nxt].add(msg)
+
+    def _emit(self, req: OrchestratorRequest, *, new_token_ids=(), text_delta="", audio_delta=None) -> None:
+        out = req.output
+        out.new_token_ids, out.text_delta, out.audio_delta = list(new_token_ids), text_delta, audio_delta
+        req.sink(out.snapshot())
+        out.new_token_ids, out.text_delta, out.audio_delta = [], "", None
+
+    def _finish(self, req: OrchestratorRequest, *, reason: str | None = None, error: str | None = None) -> None:
+        self._requests.pop(req.request_id, None)
+        out = req.output
+        out.finished = True
+        out.finish_reason = "error" if error is not None else (reason or out.finish_reason)
+        out.error = error
+        out.metrics.finish_time = time.monotonic()
+        if error is not None:
+            for name in set(req.chain):
+                c = self.clients.get(name)
+                if c is not None and c.is_alive():
+                    c.abort([req.request_id])
+        req.sink(out.snapshot())
+
+    def _check_liveness(self) -> None:
+        for name, c in self.clients.items():
+            if c.dead_reason is None and not c.is_alive():
+                c.dead_reason = (f"stage {name!r} died (exit code {c.exitcode}); "
+                                 f"restart the engine")
+                self.dead = c.dead_reason
+                log.error(c.dead_reason)
+        if self.dead is not None:
+            for req in list(self._requests.values()):
+                self._finish(req, error=self.dead)
+
+    def _close_all(self) -> None:
+        for c in self.clients.values():
+            try:
+                c.shutdown()
+            except Exception:
+                c.kill()
+        self._wake_pull.close(0)
+        self._wake_push.close(0)
+        self._zmq.term()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)

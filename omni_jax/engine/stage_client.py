@@ -1,0 +1,97 @@
+"""The orchestrator's handle on one stage process.
+
+The client binds the stage's two ipc sockets (requests out, replies in) inside the
+orchestrator's private 0700 directory, spawns the process, and waits for its
+`Ready` with a timeout that names the stage. Only the orchestrator thread uses
+the sockets after start-up (ZMQ sockets are not thread-safe).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import zmq
+
+from .protocol import AbortRequests, AddRequest, Ready, Shutdown, StageFailure, StageReply
+from .transport import Channel, stage_addresses
+
+
+class StageStartupError(RuntimeError):
+    """A stage process did not come up: the message names the stage and why."""
+
+
+class StageClient:
+    """Spawn, talk to, and stop one stage process."""
+
+    def __init__(self, stage_cfg, family: str, ckpt_dir: str, ipc_dir: str, zmq_ctx: zmq.Context):
+        self.cfg = stage_cfg
+        self.name = stage_cfg.name
+        in_addr, out_addr = stage_addresses(ipc_dir, self.name)
+        self.requests = Channel(zmq.PUSH, in_addr, bind=True, context=zmq_ctx)
+        self.replies = Channel(zmq.PULL, out_addr, bind=True, decode_type=StageReply, context=zmq_ctx)
+        self._argv = [sys.executable, "-m", "omni_jax.engine.stage_worker", json.dumps(dict(
+            stage_json=json.dumps(stage_cfg.to_dict()), ckpt_dir=ckpt_dir, family=family,
+            in_addr=in_addr, out_addr=out_addr, parent_pid=os.getpid()))]
+        self.process: subprocess.Popen | None = None
+        self.ready: Ready | None = None
+        self.dead_reason: str | None = None
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(self._argv, stdin=subprocess.DEVNULL)
+
+    @property
+    def exitcode(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def wait_ready(self, timeout_s: float) -> Ready:
+        """Block until the stage says Ready; raise StageStartupError naming it otherwise."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            msg = self.replies.recv(timeout_ms=200)
+            if isinstance(msg, Ready):
+                self.ready = msg
+                return msg
+            if isinstance(msg, StageFailure):
+                self.kill()
+                raise StageStartupError(msg.message)
+            if not self.is_alive():
+                raise StageStartupError(f"stage {self.name!r} exited with code {self.exitcode} "
+                                        f"before it was ready")
+        self.kill()
+        raise StageStartupError(f"stage {self.name!r} was not ready within {timeout_s:.0f}s "
+                                f"(loading and compiling took too long; raise ready_timeout_s)")
+
+    def add(self, msg: AddRequest) -> None:
+        self.requests.send(msg)
+
+    def abort(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self.requests.send(AbortRequests(request_ids=list(request_ids)))
+
+    def is_alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Ask the stage to exit; kill it if it does not within the timeout."""
+        if self.is_alive():
+            try:
+                self.requests.send(Shutdown(), timeout_ms=1000)
+            except (zmq.ZMQError, TimeoutError):
+                pass
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+        self.requests.close()
+        self.replies.close()
+
+    def kill(self) -> None:
+        if self.is_alive():
+            self.process.kill()
+        if self.process is not None:
+            self.process.wait(5.0)

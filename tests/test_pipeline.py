@@ -1,0 +1,187 @@
+"""The multi-process runtime: OmniJax / AsyncOmniJax over a thinker stage process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from omni_jax import AsyncOmniJax, OmniJax, SamplingParams
+from omni_jax.config import load_pipeline_config
+from omni_jax.engine.orchestrator import EngineDeadError
+from omni_jax.engine.transport import stage_addresses
+
+pytestmark = pytest.mark.pipeline
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
+
+
+def tiny_pipeline(**thinker):
+    """The tiny preset with fewer buckets (quicker warm-up) and optional thinker overrides."""
+    base = dict(token_buckets=[16, 64], decode_buckets=[1, 8])
+    return load_pipeline_config("qwen2_5_omni_tiny").with_overrides(thinker={**base, **thinker})
+
+
+@pytest.fixture(scope="module")
+def omni(converted_thinker_fp32):
+    engine = OmniJax(model=converted_thinker_fp32, pipeline=tiny_pipeline())
+    yield engine
+    engine.shutdown()
+
+
+def prompts(n, seed=0, lo=3, hi=40):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 151000, int(rng.integers(lo, hi))).tolist() for _ in range(n)]
+
+
+def test_generate_matches_transformers_and_engine(omni, qwen2_5_omni_hf_model, converted_thinker_fp32):
+    from omni_jax.engine.runner import RunnerConfig
+    from omni_jax.models.qwen2_5_omni.stages import build_thinker_engine
+
+    batch = prompts(5)
+    outs = omni.generate([{"prompt_token_ids": p} for p in batch], sampling_params=GREEDY)
+    engine = build_thinker_engine(converted_thinker_fp32, RunnerConfig(num_blocks=64, max_num_seqs=8,
+                                  max_num_batched_tokens=64, max_model_len=256), progress=False, warmup=False)
+    for i, p in enumerate(batch):
+        engine.add_request(f"e{i}", p, GREEDY)
+    local = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            local.setdefault(o.request_id, []).extend(o.new_token_ids)
+    for i, (p, out) in enumerate(zip(batch, outs)):
+        assert out.error is None and out.finished and out.finish_reason == "length"
+        with torch.no_grad():
+            ref = qwen2_5_omni_hf_model.thinker.generate(
+                input_ids=torch.tensor(p)[None], attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=6, do_sample=False)[0, len(p):].tolist()
+        assert out.token_ids == ref == local[f"e{i}"]
+        assert out.metrics.ttft is not None and out.metrics.ttft >= 0
+
+
+def test_bad_prompt_fails_alone(omni):
+    outs = omni.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": []},
+                          {"prompt_token_ids": list(range(600))}, "text without a tokenizer",
+                          {"prompt_token_ids": [1, 2]}], sampling_params=GREEDY)
+    assert outs[0].error is None and len(outs[0].token_ids) == 6
+    assert "empty prompt" in outs[1].error
+    assert "max_model_len" in outs[2].error or "too long" in outs[2].error
+    assert "tokenizer" in outs[3].error
+    assert outs[4].error is None and len(outs[4].token_ids) == 6
+
+
+def test_200_concurrent_async_requests(converted_thinker_fp32):
+    async def run():
+        async with AsyncOmniJax(model=converted_thinker_fp32, pipeline=tiny_pipeline()) as engine:
+            async def one(i, p):
+                last = None
+                async for out in engine.generate({"prompt_token_ids": p},
+                                                 SamplingParams(temperature=0.0, max_tokens=4), request_id=f"a{i}"):
+                    last = out
+                return last
+            results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts(200, seed=1, hi=20))))
+            stats = engine.stage_stats()
+            return results, stats
+
+    results, stats = asyncio.run(run())
+    assert all(r.finished and r.error is None and len(r.token_ids) == 4 for r in results)
+    assert stats["thinker"]["kv_cache_usage"] == 0.0
+
+
+def test_abort_mid_generation_frees_everything(omni):
+    async def scenario():
+        pass
+
+    import threading
+
+    done = []
+    req_params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+    def run():
+        done.append(omni.generate([{"prompt_token_ids": [11, 12, 13]}], sampling_params=req_params)[0])
+
+    t = threading.Thread(target=run)
+    t.start()
+    deadline = time.monotonic() + 30
+    rid = None
+    while rid is None and time.monotonic() < deadline:
+        rid = next(iter(omni._orch._requests), None)
+        time.sleep(0.01)
+    assert rid is not None
+    time.sleep(0.3)
+    omni.abort(rid)
+    t.join(30)
+    assert done and done[0].finish_reason == "abort" and len(done[0].token_ids) < 400
+    time.sleep(0.2)
+    stats = omni.stage_stats()["thinker"]
+    assert stats["kv_cache_usage"] == 0.0 and stats["num_running"] == 0 and stats["num_waiting"] == 0
+
+
+def test_garbage_frames_are_dropped(omni):
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.connect(stage_addresses(omni._orch.ipc_dir, "thinker").requests)
+    for frames in ([b"\x00garbage"], [b"\x93\x01\x02\x03", b"x" * 10], [os.urandom(64)] * 3, [b""]):
+        sock.send_multipart(frames)
+    sock.close(linger=1000)
+    ctx.term()
+    out = omni.generate([{"prompt_token_ids": [7, 8, 9]}], sampling_params=GREEDY)[0]
+    assert out.error is None and len(out.token_ids) == 6
+
+
+def test_sigkill_stage_fails_requests_fast_and_later_calls_raise(converted_thinker_fp32):
+    engine = OmniJax(model=converted_thinker_fp32, pipeline=tiny_pipeline())
+    pid = engine.stage_pids()["thinker"]
+    results = []
+    import threading
+
+    t = threading.Thread(target=lambda: results.extend(engine.generate(
+        [{"prompt_token_ids": [3, 4, 5]}], sampling_params=SamplingParams(temperature=0.0, max_tokens=400,
+                                                                          ignore_eos=True))))
+    t.start()
+    time.sleep(1.0)
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    t.join(15)
+    assert not t.is_alive(), "generate hung after the stage died"
+    assert time.monotonic() - killed_at < 10
+    assert results[0].finish_reason == "error" and "thinker" in results[0].error
+    with pytest.raises(EngineDeadError, match="thinker"):
+        engine.generate([{"prompt_token_ids": [1, 2]}])
+    engine.shutdown()
+
+
+def test_no_orphan_stage_when_parent_is_killed(converted_thinker_fp32, tmp_path):
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time
+        from omni_jax import OmniJax
+        from omni_jax.config import load_pipeline_config
+        p = load_pipeline_config("qwen2_5_omni_tiny").with_overrides(
+            thinker=dict(token_buckets=[16], decode_buckets=[1], max_num_batched_tokens=16, max_num_seqs=1))
+        omni = OmniJax(model={converted_thinker_fp32!r}, pipeline=p)
+        print(omni.stage_pids()["thinker"], flush=True)
+        time.sleep(600)
+    """))
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    stage_pid = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(stage_pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(stage_pid, signal.SIGKILL)
+        pytest.fail("the stage process outlived its parent")

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from omni_jax.checkpoint import CONFIG_FILE, FORMAT_VERSION, save_stage
 from omni_jax.errors import CheckpointError
-from omni_jax.models.registry import UnknownModelError, abstract_stage, family_of, param_shapes, stages_of
+from omni_jax.models.registry import SIDE_FILES, UnknownModelError, abstract_stage, family_of, param_shapes, stages_of
 
 from .mapping import convert_tensors, map_hf_tensors
 from .safetensors_reader import SafetensorsCheckpoint
@@ -32,7 +32,7 @@ from .safetensors_reader import SafetensorsCheckpoint
 NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
 # Tokenizer, processor and generation files served next to the weights.
-SIDE_FILES = (
+TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
     "added_tokens.json", "preprocessor_config.json", "processor_config.json", "chat_template.json",
     "chat_template.jinja", "generation_config.json", "video_preprocessor_config.json",
@@ -82,7 +82,9 @@ def convert(hf_dir: str, out_dir: str, dtype: str = "bfloat16", overwrite: bool 
             arrays = convert_tensors(weights.get, plan, shapes, NP_DTYPES[dtype], on_tensor=bar.update)
             bar.close()
             save_stage(os.path.join(tmp, name), arrays)
-        for fname in SIDE_FILES:
+        if family in SIDE_FILES:
+            SIDE_FILES[family](hf_dir, weights.get, hf_config, tmp)
+        for fname in TOKENIZER_FILES:
             src = os.path.join(hf_dir, fname)
             if os.path.isfile(src):
                 shutil.copy2(src, os.path.join(tmp, fname))

@@ -48,19 +48,39 @@ def _assert_nothing_written(out_dir):
     assert not [f for f in os.listdir(parent) if f.startswith(".omni-jax-convert-")]
 
 
-def test_round_trip_every_tensor(converted_fp32, hf_tensors):
+@pytest.mark.parametrize("stage", ["thinker", "talker"])
+def test_round_trip_every_tensor(converted_fp32, hf_tensors, stage):
     import orbax.checkpoint as ocp
 
     cfg = read_config(converted_fp32)
-    assert cfg["family"] == "qwen2_5_omni" and cfg["stages"] == ["thinker"]
-    spec = stages_of("qwen2_5_omni")["thinker"]
-    shapes = param_shapes(abstract_stage(spec, spec.parse_config(cfg["hf_config"]["thinker_config"])))
+    assert cfg["family"] == "qwen2_5_omni" and {"thinker", "talker"} <= set(cfg["stages"])
+    spec = stages_of("qwen2_5_omni")[stage]
+    shapes = param_shapes(abstract_stage(spec, spec.parse_config(cfg["hf_config"][spec.config_key])))
     plan = map_hf_tensors(hf_tensors.keys(), shapes, spec.hf_prefix, spec.renames)
-    stored = ocp.StandardCheckpointer().restore(os.path.abspath(os.path.join(converted_fp32, "thinker")))
-    assert len(stored) == len(plan) == sum(k.startswith("thinker.") for k in hf_tensors)
+    stored = ocp.StandardCheckpointer().restore(os.path.abspath(os.path.join(converted_fp32, stage)))
+    assert len(stored) == len(plan) == sum(k.startswith(spec.hf_prefix) for k in hf_tensors)
     for path, (key, leaf) in plan.items():
         back = inverse_transform_for(leaf, np.asarray(stored[".".join(map(str, path))]))
         np.testing.assert_array_equal(back, hf_tensors[key], err_msg=key)
+
+
+def test_voices_converted_without_torch_at_serving(converted_fp32, qwen2_5_omni_hf_dir, hf_tensors):
+    import torch
+
+    from omni_jax.models.qwen2_5_omni.voices import Voices
+
+    voices = Voices.load(converted_fp32)
+    spk = torch.load(os.path.join(qwen2_5_omni_hf_dir, "spk_dict.pt"), weights_only=True)
+    assert voices.names == sorted(spk)
+    for name, ref in spk.items():
+        v = voices.get(name)
+        assert v.bos_token == int(ref["bos_token"])
+        np.testing.assert_array_equal(v.cond, ref["cond"].numpy())
+        np.testing.assert_array_equal(v.ref_mel, ref["ref_mel"].numpy().reshape(v.ref_mel.shape))
+        np.testing.assert_array_equal(v.bos_embed, hf_tensors["thinker.model.embed_tokens.weight"][v.bos_token])
+    np.testing.assert_array_equal(voices.row("codec_bos_embed"), hf_tensors["talker.model.embed_tokens.weight"][8293])
+    with pytest.raises(ValueError, match="available voices: Chelsie, Ethan"):
+        voices.get("Nobody")
 
 
 def test_load_checkpoint_builds_the_thinker(converted_fp32):

@@ -42,7 +42,8 @@ class EngineOutput:
     error: str | None = None
     text_delta: str = ""
     logprobs: list[dict] | None = None
-    hidden_states: dict[int, np.ndarray] | None = None  # capture layer -> [new tokens of this step, H]
+    hidden_states: dict[int, np.ndarray] | None = None  # capture layer -> [tokens computed this step, H]
+    hidden_offset: int = 0  # position of the first of those tokens (a recompute after preemption resends rows)
     num_cached_tokens: int = 0
 
 
@@ -173,8 +174,11 @@ class AREngine:
                 raise RequestError(f"request {request_id!r}: {e}") from None
         if inputs is not None and inputs.overlay_rows is not None and self.runner.cfg.rich_inputs is False:
             raise RequestError(f"request {request_id!r}: this stage was not built for embedding inputs")
+        # Token ids alone do not determine the KV of embedding inputs; and a request that
+        # returns hidden states must compute every token (a prefix-cache hit skips some).
         rich = inputs is not None and (inputs.extra_embeds is not None or inputs.extra_embeds_pad is not None
-                                       or (inputs.overlay_rows is not None and not mm_hashes))
+                                       or (inputs.overlay_rows is not None and not mm_hashes)
+                                       or inputs.capture_hidden)
         req = Request(request_id, ids, params, arrival_time=arrival_time, mm_hashes=mm_hashes,
                       has_prompt_embeds=rich, eos_token_ids=self.cfg.eos_token_ids, data=inputs)
         try:
@@ -223,25 +227,27 @@ class AREngine:
             self.stats[f"{part.kind}_steps"] += 1
         self.stats["step_time"] += time.perf_counter() - t0
 
-        hidden_of = {}  # request id -> {layer: [tokens of this step, H]}
+        hidden_of = {}  # request id -> (first position, {layer: [tokens of this step, H]})
         for part in parts:
             for j, ci in enumerate(part.chunk_indices):
-                if part.hidden:
+                c = chunks[ci]
+                if part.hidden and c.request.data is not None and c.request.data.capture_hidden:
                     a, b = part.token_offsets[j], part.token_offsets[j + 1]
-                    hidden_of[chunks[ci].request_id] = {k: v[a:b] for k, v in part.hidden.items()}
+                    hidden_of[c.request_id] = (c.start, {k: v[a:b] for k, v in part.hidden.items()})
         for o in step_outputs:
             eo = EngineOutput(o.request_id, list(o.new_token_ids), o.finished, o.finish_reason,
                               o.stop_reason, o.error, num_cached_tokens=o.num_cached_tokens)
-            eo.hidden_states = hidden_of.get(o.request_id)
+            if o.request_id in hidden_of:
+                eo.hidden_offset, eo.hidden_states = hidden_of[o.request_id]
             if o.request_id in logprobs:
                 eo.logprobs = [logprobs[o.request_id]] if eo.new_token_ids else None
             self._detokenize(eo)
             out.append(eo)
         # A prefill chunk that ends mid-prompt samples nothing but still has hidden states.
         emitted = {o.request_id for o in step_outputs}
-        for rid, hidden in hidden_of.items():
+        for rid, (offset, hidden) in hidden_of.items():
             if rid not in emitted:
-                out.append(EngineOutput(rid, [], hidden_states=hidden))
+                out.append(EngineOutput(rid, [], hidden_states=hidden, hidden_offset=offset))
         return out
 
     def _sample(self, result, chunks):

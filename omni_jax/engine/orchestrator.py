@@ -288,7 +288,8 @@ class Orchestrator:
         acc = req.stage_outputs.setdefault(stage, {"token_ids": [], "hidden": {}})
         acc["token_ids"].extend(o.new_token_ids)
         for layer, arr in (o.hidden_states or {}).items():
-            acc["hidden"].setdefault(layer, []).append(arr)
+            # (position, rows): a recompute after preemption sends the same positions again.
+            acc["hidden"].setdefault(layer, []).append((o.hidden_offset, np.array(arr)))
 
     def _advance(self, req: OrchestratorRequest, stage: str) -> None:
         nxt = req.chain[req.stage_index + 1]

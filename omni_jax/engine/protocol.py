@@ -110,6 +110,7 @@ class AddRequest(_Message):
     inputs: StageInputs | None = None
     multi_modal: MultiModalPayload | None = None
     arrival_time: float = 0.0
+    voice: str | None = None  # speaker of a speech request (vocoder stages)
 
 
 class AbortRequests(_Message):
@@ -154,6 +155,7 @@ class StageOutput(_Message):
     error: str | None = None
     text_delta: str = ""
     hidden_states: dict[int, np.ndarray] | None = None
+    hidden_offset: int = 0  # absolute position of the first hidden-state row (recomputes resend rows)
     num_cached_tokens: int = 0
     logprobs: list[dict] | None = None
     audio: np.ndarray | None = None

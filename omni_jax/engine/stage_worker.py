@@ -144,7 +144,7 @@ def to_stage_output(o):
 
     return StageOutput(request_id=o.request_id, new_token_ids=list(o.new_token_ids), finished=o.finished,
                        finish_reason=o.finish_reason, stop_reason=o.stop_reason, error=o.error,
-                       text_delta=o.text_delta, hidden_states=o.hidden_states,
+                       text_delta=o.text_delta, hidden_states=o.hidden_states, hidden_offset=o.hidden_offset,
                        num_cached_tokens=o.num_cached_tokens, logprobs=o.logprobs,
                        audio=getattr(o, "audio", None))
 

@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any, Callable
 
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 
@@ -42,6 +43,7 @@ def _prefixed(renames, sub: str):
 
 def _qwen2_5_omni_stages() -> dict[str, StageSpec]:
     from .qwen2_5_omni import vision_encoder
+    from .qwen2_5_omni.talker import Qwen2_5OmniTalker, TalkerConfig
     from .qwen2_5_omni.thinker import Qwen2_5OmniThinker, ThinkerConfig
 
     return {
@@ -51,11 +53,38 @@ def _qwen2_5_omni_stages() -> dict[str, StageSpec]:
             build=lambda cfg, dtype, rngs: Qwen2_5OmniThinker(cfg, dtype=dtype, param_dtype=dtype, rngs=rngs),
             renames=_prefixed(getattr(vision_encoder, "HF_RENAMES", ()), "visual"),
         ),
+        "talker": StageSpec(
+            name="talker", hf_prefix="talker.", config_key="talker_config",
+            parse_config=TalkerConfig.from_hf,
+            build=lambda cfg, dtype, rngs: Qwen2_5OmniTalker(cfg, dtype=dtype, param_dtype=dtype, rngs=rngs),
+        ),
     }
+
+
+def _qwen2_5_omni_side_files(hf_dir: str | None, get_tensor, hf_config: dict, out_dir: str,
+                             speakers: dict | None = None) -> None:
+    """voices.safetensors from spk_dict.pt (or `speakers`) and the embedding tables."""
+    from .qwen2_5_omni.talker import TalkerConfig
+    from .qwen2_5_omni.voices import read_spk_dict, write_voices
+
+    if speakers is None and hf_dir is not None:
+        speakers = read_spk_dict(hf_dir)
+    if not speakers or "talker_config" not in hf_config:
+        return
+    talker_cfg = TalkerConfig.from_hf(hf_config["talker_config"])
+    thinker_table = get_tensor("thinker.model.embed_tokens.weight")
+    talker_table = get_tensor("talker.model.embed_tokens.weight")
+    write_voices(out_dir, speakers, lambda ids: np.asarray(thinker_table[list(ids)], np.float32),
+                 lambda ids: np.asarray(talker_table[list(ids)], np.float32), talker_cfg)
 
 
 FAMILIES: dict[str, Callable[[], dict[str, StageSpec]]] = {
     "qwen2_5_omni": _qwen2_5_omni_stages,
+}
+
+# Files a family writes beside the stage checkpoints: (hf_dir, get_tensor(name), hf_config, out_dir).
+SIDE_FILES: dict[str, Callable] = {
+    "qwen2_5_omni": _qwen2_5_omni_side_files,
 }
 
 

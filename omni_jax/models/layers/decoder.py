@@ -39,6 +39,7 @@ class DecoderConfig:
     hidden_act: str = "silu"
     max_position_embeddings: int = 32768
     sliding_window: int | None = None
+    embedding_size: int | None = None  # width of embed_tokens when it differs (the talker's codec table)
 
     @classmethod
     def from_hf(cls, d: dict) -> "DecoderConfig":
@@ -59,6 +60,7 @@ class DecoderConfig:
             hidden_act=d.get("hidden_act", "silu"),
             max_position_embeddings=d.get("max_position_embeddings", 32768),
             sliding_window=d.get("sliding_window") if d.get("use_sliding_window") else None,
+            embedding_size=d.get("embedding_size"),
         )
 
     @property
@@ -90,7 +92,7 @@ class TextDecoder(nnx.Module):
     def __init__(self, cfg: DecoderConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg = cfg
         self.dtype = dtype
-        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.embedding_size or cfg.hidden_size, dtype=dtype,
                                       param_dtype=param_dtype, rngs=rngs)
         self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
                                 for _ in range(cfg.num_layers)])

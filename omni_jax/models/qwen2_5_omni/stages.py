@@ -24,6 +24,26 @@ def load_tokenizer(ckpt_dir: str):
     return AutoTokenizer.from_pretrained(ckpt_dir)
 
 
+def build_talker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | None = None,
+                        warmup: bool = True, progress: bool = True) -> AREngine:
+    """Load the talker stage (codec tokens from thinker states) and warm it up.
+
+    Its prompts are embeddings, so prefix caching is off.
+    """
+    import dataclasses
+
+    model, cfg = load_checkpoint(ckpt_dir, stage="talker", dtype=dtype)
+    text = cfg.text
+    engine = AREngine(
+        model, EngineConfig(runner=dataclasses.replace(runner, rich_inputs=True), enable_prefix_caching=False,
+                            eos_token_ids=cfg.eos_token_ids, vocab_size=text.vocab_size),
+        num_layers=text.num_layers, num_kv_heads=text.num_kv_heads, head_dim=text.head_dim,
+        hidden_size=cfg.embedding_size)
+    if warmup:
+        engine.warmup(progress=progress)
+    return engine
+
+
 def build_thinker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | None = None,
                          media_buckets: MediaBuckets = MediaBuckets(), enable_prefix_caching: bool = True,
                          eos_token_ids=THINKER_EOS, warmup: bool = True, progress: bool = True) -> AREngine:

@@ -17,7 +17,7 @@ import tempfile
 
 import numpy as np
 
-TINY_VERSION = 1
+TINY_VERSION = 2
 
 
 def tiny_config() -> dict:
@@ -49,6 +49,15 @@ def tiny_config() -> dict:
                 enable_audio_output=True)
 
 
+def tiny_speakers(hf_config: dict, seed: int = 0) -> dict:
+    """Two random voices shaped like the real ones (bos token, cond vector, reference mel)."""
+    dit = hf_config["token2wav_config"]["dit_config"]
+    rng = np.random.default_rng(seed)
+    return {name: {"bos_token": bos, "cond": rng.standard_normal((1, dit["enc_emb_dim"])).astype(np.float32),
+                   "ref_mel": rng.standard_normal((1, 40, dit["mel_dim"])).astype(np.float32)}
+            for name, bos in (("Chelsie", 151870), ("Ethan", 151871))}
+
+
 def default_cache_dir() -> str:
     root = os.environ.get("OMNI_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "omni-jax"))
     return os.path.join(root, f"tiny-qwen2_5_omni-v{TINY_VERSION}")
@@ -61,20 +70,22 @@ def build_tiny_checkpoint(out_dir: str, seed: int = 0) -> str:
 
     from ...checkpoint import CONFIG_FILE, FORMAT_VERSION, save_stage
     from ...inputs.qwen_tokenizer import build_qwen2_5_omni_tokenizer
-    from ..registry import stages_of
+    from ..registry import SIDE_FILES, stages_of
 
     hf_config = tiny_config()
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".omni-jax-tiny-", dir=parent)
     try:
-        stages = []
+        stages, tables = [], {}
         for name, spec in stages_of("qwen2_5_omni").items():
             module = spec.build(spec.parse_config(hf_config[spec.config_key]), jnp.float32, nnx.Rngs(seed))
             _, params, _ = nnx.split(module, nnx.Param, ...)
             arrays = {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(params)}
             save_stage(os.path.join(tmp, name), arrays)
+            tables[f"{name}.model.embed_tokens.weight"] = arrays[("model", "embed_tokens", "embedding")]
             stages.append(name)
+        SIDE_FILES["qwen2_5_omni"](None, tables.__getitem__, hf_config, tmp, speakers=tiny_speakers(hf_config, seed))
         build_qwen2_5_omni_tokenizer(tmp)
         with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
             json.dump({"format_version": FORMAT_VERSION, "family": "qwen2_5_omni", "dtype": "float32",

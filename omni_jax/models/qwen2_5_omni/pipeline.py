@@ -1,0 +1,122 @@
+"""Stage-input functions of Qwen2.5-Omni: thinker -> talker -> token2wav.
+
+They run in the orchestrator and follow transformers'
+`Qwen2_5OmniForConditionalGeneration.generate` (vLLM-Omni's thinker2talker omits the
+embedding term; transformers adds it, and we follow transformers):
+
+talker prompt (P prompt tokens + 2):
+    embeds = [hidden_L + embeds_0 of the prompt (media positions of embeds_0 zeroed),
+              thinker_embed(voice bos) + codec_embed(pad),
+              hidden_L + embeds_0 of generated token 1 + codec_embed(bos)]
+    ids    = [codec_mask] * P + [codec_pad, codec_bos]
+each talker decode step adds the next "reply part" row to its codec embedding:
+    reply = [hidden_L + embeds_0 of generated tokens 2..N-1, embed(tts_text_end), embed(tts_text_pad)]
+with tts_text_pad repeated once the reply is used up. hidden_L is the thinker's last
+hidden state (after the final norm), embeds_0 its input embeddings (layer 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ...engine.protocol import AddRequest, StageInputs
+from ...inputs.rope_index import RopeIndexConfig, get_rope_index
+from .talker import TalkerConfig
+from .voices import Voices
+
+
+def assemble_hidden(chunks: list[tuple[int, np.ndarray]]) -> np.ndarray:
+    """Rows sent in (position, rows) pieces -> one array; resent positions overwrite."""
+    end = max(off + len(rows) for off, rows in chunks)
+    out = np.zeros((end, chunks[0][1].shape[1]), np.float32)
+    seen = np.zeros(end, bool)
+    for off, rows in chunks:
+        out[off:off + len(rows)] = rows
+        seen[off:off + len(rows)] = True
+    if not seen.all():
+        raise ValueError(f"thinker hidden states are missing for positions {np.flatnonzero(~seen)[:5].tolist()}...")
+    return out
+
+
+@dataclasses.dataclass
+class Qwen2_5OmniHandoff:
+    """Everything thinker2talker needs that is fixed per checkpoint."""
+
+    voices: Voices
+    talker: TalkerConfig
+    rope: RopeIndexConfig
+    media_token_ids: tuple[int, ...]
+    thinker_eos: tuple[int, ...]
+    hidden_layers: tuple[int, int]  # (0, num thinker layers): embeddings and final hidden state
+
+    def thinker2talker(self, first: AddRequest, generated: list[int], hidden: dict, params, voice: str | None,
+                       request_id: str) -> AddRequest:
+        """The talker request built from the thinker's prompt, output tokens and hidden states."""
+        v = self.voices.get(voice)
+        prompt = np.asarray(first.prompt_token_ids, np.int64)
+        p = len(prompt)
+        lo, hi = self.hidden_layers
+        embeds = assemble_hidden(hidden[lo])
+        states = assemble_hidden(hidden[hi])
+        n_fed = p + max(len(generated) - 1, 0)  # the last generated token is never fed back
+        if len(embeds) < n_fed or len(states) < n_fed:
+            raise ValueError(f"thinker returned hidden states for {min(len(embeds), len(states))} of {n_fed} tokens")
+        embeds, states = embeds[:n_fed].copy(), states[:n_fed]
+        embeds[:p][np.isin(prompt, self.media_token_ids)] = 0.0
+        both = states + embeds
+        prompt_part, reply = both[:p], both[p:]
+        eos_row, pad_row = self.voices.row("text_eos_embed"), self.voices.row("text_pad_embed")
+        if len(reply) == 0:
+            # The thinker produced one token: transformers has no reply row to start with.
+            reply = eos_row[None]
+        first_reply = reply[0]
+        tail = np.concatenate([reply[1:], eos_row[None], pad_row[None]])
+        # transformers rewrites the tail so tts_text_end follows the first thinker eos.
+        gen = np.asarray(generated)
+        is_eos = np.isin(gen, self.thinker_eos)
+        first_eos = int(np.argmax(is_eos)) if is_eos.any() else len(gen)
+        first_eos = min(max(first_eos, 1), max(len(gen) - 1, 1))
+        pos = np.arange(len(tail))
+        tail = np.where((pos >= first_eos)[:, None], pad_row[None], tail)
+        tail = np.where((pos == first_eos - 1)[:, None], eos_row[None], tail)
+
+        overlay = np.concatenate([
+            prompt_part,
+            (v.bos_embed + self.voices.row("codec_pad_embed"))[None],
+            (first_reply + self.voices.row("codec_bos_embed"))[None]]).astype(np.float32)
+        ids = np.concatenate([np.full(p, self.talker.codec_mask), [self.talker.codec_pad, self.talker.codec_bos]])
+        text_ids = np.concatenate([prompt, [v.bos_token, generated[0] if generated else v.bos_token]])
+        positions, delta = self._positions(text_ids, first)
+        inputs = StageInputs(mrope_positions=positions, mrope_delta=delta, overlay_rows=overlay,
+                             overlay_index=np.arange(p + 2, dtype=np.int32), extra_embeds=tail.astype(np.float32),
+                             extra_embeds_pad=pad_row.astype(np.float32))
+        suppress = sorted(set(params.suppress_token_ids) | {self.talker.codec_bos})
+        return AddRequest(request_id=request_id, prompt_token_ids=ids.astype(np.int32),
+                          sampling_params=params.updated(suppress_token_ids=suppress), inputs=inputs,
+                          arrival_time=first.arrival_time, voice=v.name)
+
+    def _positions(self, text_ids: np.ndarray, first: AddRequest):
+        """The talker's M-RoPE positions: the thinker prompt's, continued by two text tokens."""
+        mm = first.multi_modal
+        if mm is None:
+            return None, 0
+        lens = np.array([a.shape[1] for a in mm.audio_features], np.int64) if mm.audio_features else None
+        positions, delta = get_rope_index(text_ids, self.rope, image_grid_thw=mm.image_grid_thw,
+                                          video_grid_thw=mm.video_grid_thw, audio_seqlens=lens,
+                                          second_per_grids=mm.video_second_per_grid,
+                                          use_audio_in_video=mm.use_audio_in_video)
+        return positions.astype(np.int32), int(delta)
+
+    def talker2token2wav(self, first: AddRequest, codes: list[int], params, voice: str | None,
+                         request_id: str) -> AddRequest:
+        """The vocoder request: the codec tokens up to the first talker eos, and the voice."""
+        codes = np.asarray(codes, np.int64)
+        stop = np.isin(codes, self.talker.eos_token_ids)
+        if stop.any():
+            codes = codes[:int(np.argmax(stop))]
+        if len(codes) == 0:
+            raise ValueError("the talker produced no codec tokens before its end token")
+        return AddRequest(request_id=request_id, prompt_token_ids=codes.astype(np.int32), sampling_params=params,
+                          arrival_time=first.arrival_time, voice=self.voices.get(voice).name)

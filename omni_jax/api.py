@@ -26,7 +26,7 @@ import numpy as np
 from .checkpoint import read_config
 from .config import ConfigError, PipelineConfig, default_pipeline_for, load_pipeline_config
 from .engine.orchestrator import Orchestrator, OrchestratorRequest
-from .engine.protocol import AddRequest, MultiModalPayload
+from .engine.protocol import AddRequest, MultiModalPayload, StageInputs
 from .engine.sampling import SamplingParams
 from .inputs.processor import InputProcessor, PromptError
 from .outputs import OmniRequestOutput, RequestMetrics
@@ -61,7 +61,12 @@ class _Frontend:
         vocab = hf.get("thinker_config", hf).get("text_config", {}).get("vocab_size", 0) or 2 ** 31 - 1
         self.tokenizer = load_tokenizer(self.checkpoint)
         self.processor = InputProcessor(self.tokenizer, vocab)
-        self._orch = Orchestrator(self.pipeline, self.checkpoint, [s.name for s in self._stages])
+        self._route = None
+        if len(self._stages) > 1:
+            from .models.qwen2_5_omni.pipeline import make_router
+
+            self._route = make_router(self.checkpoint, self.pipeline)
+        self._orch = Orchestrator(self.pipeline, self.checkpoint, [s.name for s in self._stages], route=self._route)
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ helpers
@@ -85,18 +90,26 @@ class _Frontend:
             raise ValueError(f"{len(given)} sampling params for a chain of {len(chain)} stages ({chain})")
         return [g if g is not None else d for g, d in itertools.zip_longest(given, per_stage)]
 
-    def _request(self, prompt, params: list[SamplingParams], chain, request_id: str, sink) -> OrchestratorRequest:
+    def _request(self, prompt, params: list[SamplingParams], chain, request_id: str, sink,
+                 voice: str | None = None) -> OrchestratorRequest:
         """Process the prompt (raises PromptError) and build the orchestrator request."""
         p = self.processor.process(prompt)
         mm = p.multi_modal
         if mm is not None and not isinstance(mm, MultiModalPayload):
             raise PromptError(f"'multi_modal_data' must be a MultiModalPayload, got {type(mm).__name__}")
+        speech = len(chain) > 1
+        if speech:
+            try:
+                voice = self._route.voices.get(voice).name
+            except ValueError as e:
+                raise PromptError(str(e)) from None
         first = AddRequest(request_id=request_id, prompt_token_ids=p.prompt_token_ids, sampling_params=params[0],
-                           multi_modal=mm, arrival_time=time.monotonic())
+                           multi_modal=mm, arrival_time=time.monotonic(),
+                           inputs=StageInputs(capture_hidden=True) if speech else None)
         out = OmniRequestOutput(request_id=request_id, prompt_token_ids=p.prompt_token_ids.tolist(),
                                 metrics=RequestMetrics(arrival_time=first.arrival_time))
         return OrchestratorRequest(first=first, chain=chain, sink=sink, output=out,
-                                   stage_params=params)
+                                   stage_params=params, voice=voice)
 
     def _new_id(self) -> str:
         return f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
@@ -122,11 +135,12 @@ class OmniJax(_Frontend):
     """Synchronous front end: `generate` takes a batch and returns finished outputs."""
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 output_modalities: Sequence[str] | None = None) -> list[OmniRequestOutput]:
+                 output_modalities: Sequence[str] | None = None, voice: str | None = None) -> list[OmniRequestOutput]:
         """Run every prompt to completion; outputs in prompt order.
 
         A prompt that cannot be processed gets an output with `error` set and
-        finish_reason "error"; the rest of the batch still runs.
+        finish_reason "error"; the rest of the batch still runs. `voice` picks the
+        speaker of speech replies (an unknown one is such an error, naming the voices).
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -139,7 +153,7 @@ class OmniJax(_Frontend):
             rid = self._new_id()
             order.append(rid)
             try:
-                req = self._request(prompt, params, chain, rid, lambda o: o.finished and done.put(o))
+                req = self._request(prompt, params, chain, rid, lambda o: o.finished and done.put(o), voice)
             except PromptError as e:
                 results[rid] = OmniRequestOutput(request_id=rid, finished=True, finish_reason="error",
                                                  error=f"bad prompt: {e}")
@@ -163,8 +177,8 @@ class AsyncOmniJax(_Frontend):
     """Asynchronous front end: `generate` is an async generator of updates (text deltas, audio chunks)."""
 
     async def generate(self, prompt, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                       request_id: str | None = None,
-                       output_modalities: Sequence[str] | None = None) -> AsyncIterator[OmniRequestOutput]:
+                       request_id: str | None = None, output_modalities: Sequence[str] | None = None,
+                       voice: str | None = None) -> AsyncIterator[OmniRequestOutput]:
         """Yield an OmniRequestOutput per update until the request finishes.
 
         Raises PromptError (a ValueError) for a prompt that cannot be processed.
@@ -175,7 +189,7 @@ class AsyncOmniJax(_Frontend):
         chain = self._chain(output_modalities)
         rid = request_id or self._new_id()
         req = self._request(prompt, self._stage_params(sampling_params, chain), chain, rid,
-                            lambda o: loop.call_soon_threadsafe(updates.put_nowait, o))
+                            lambda o: loop.call_soon_threadsafe(updates.put_nowait, o), voice)
         self._orch.submit(req)
         finished = False
         try:

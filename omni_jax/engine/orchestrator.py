@@ -46,6 +46,7 @@ class OrchestratorRequest:
     sink: Callable[[OmniRequestOutput], None]  # called from the orchestrator thread
     output: OmniRequestOutput = None
     stage_params: list = dataclasses.field(default_factory=list)  # SamplingParams per chain stage
+    voice: str | None = None
     stage_index: int = 0
     stage_outputs: dict = dataclasses.field(default_factory=dict)  # stage -> accumulated data for routing
 
@@ -283,9 +284,9 @@ class Orchestrator:
 
     def _collect(self, req: OrchestratorRequest, stage: str, o) -> None:
         """Keep what the next stage of the chain will need from this one."""
+        acc = req.stage_outputs.setdefault(stage, {"token_ids": [], "hidden": {}})
         if req.stage_index + 1 >= len(req.chain):
             return
-        acc = req.stage_outputs.setdefault(stage, {"token_ids": [], "hidden": {}})
         acc["token_ids"].extend(o.new_token_ids)
         for layer, arr in (o.hidden_states or {}).items():
             # (position, rows): a recompute after preemption sends the same positions again.

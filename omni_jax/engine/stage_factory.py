@@ -34,8 +34,15 @@ def _qwen2_5_omni_thinker(stage: dict, ckpt_dir: str):
                                 enable_prefix_caching=stage.get("enable_prefix_caching", True), progress=False)
 
 
+def _qwen2_5_omni_talker(stage: dict, ckpt_dir: str):
+    from ..models.qwen2_5_omni.stages import build_talker_engine
+
+    return build_talker_engine(ckpt_dir, runner_config(stage), dtype=stage.get("dtype"), progress=False)
+
+
 BUILDERS: dict[tuple[str, str], Callable[[dict, str], Any]] = {
     ("qwen2_5_omni", "thinker"): _qwen2_5_omni_thinker,
+    ("qwen2_5_omni", "talker"): _qwen2_5_omni_talker,
 }
 
 

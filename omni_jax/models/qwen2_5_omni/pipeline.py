@@ -120,3 +120,31 @@ class Qwen2_5OmniHandoff:
             raise ValueError("the talker produced no codec tokens before its end token")
         return AddRequest(request_id=request_id, prompt_token_ids=codes.astype(np.int32), sampling_params=params,
                           arrival_time=first.arrival_time, voice=self.voices.get(voice).name)
+
+
+def make_router(ckpt_dir: str, pipeline):
+    """The orchestrator's route(request, from_stage, to_stage) for a Qwen2.5-Omni checkpoint."""
+    from ...checkpoint import read_config
+    from .stages import THINKER_EOS
+
+    hf = read_config(ckpt_dir)["hf_config"]
+    thinker = hf["thinker_config"]
+    layers = thinker["text_config"]["num_hidden_layers"]
+    handoff = Qwen2_5OmniHandoff(
+        Voices.load(ckpt_dir), TalkerConfig.from_hf(hf["talker_config"]), RopeIndexConfig.from_hf(hf),
+        (thinker.get("audio_token_index", 151646), thinker.get("image_token_index", 151655),
+         thinker.get("video_token_index", 151656)), THINKER_EOS, (0, layers))
+    kinds = {s.name: (s.model_stage or s.name) for s in pipeline.stages}
+
+    def route(req, from_stage: str, to_stage: str) -> AddRequest:
+        acc = req.stage_outputs[from_stage]
+        params = req.stage_params[req.chain.index(to_stage)]
+        if kinds[to_stage] == "talker":
+            return handoff.thinker2talker(req.first, acc["token_ids"], acc["hidden"], params, req.voice,
+                                          req.request_id)
+        if kinds[to_stage] == "token2wav":
+            return handoff.talker2token2wav(req.first, acc["token_ids"], params, req.voice, req.request_id)
+        raise ValueError(f"no route from {from_stage!r} to {to_stage!r}")
+
+    route.voices = handoff.voices
+    return route

@@ -52,15 +52,11 @@ class _Frontend:
 
     def __init__(self, model: str = "tiny", pipeline: str | PipelineConfig | None = None,
                  output_modalities: Sequence[str] = ("text",)):
-        from .models.qwen2_5_omni.stages import load_tokenizer
-
         self.checkpoint, self.pipeline = _resolve(model, pipeline)
         self.output_modalities = tuple(output_modalities)
         self._stages = self.pipeline.stages_for(self.output_modalities)
-        hf = read_config(self.checkpoint)["hf_config"]
-        vocab = hf.get("thinker_config", hf).get("text_config", {}).get("vocab_size", 0) or 2 ** 31 - 1
-        self.tokenizer = load_tokenizer(self.checkpoint)
-        self.processor = InputProcessor(self.tokenizer, vocab)
+        self.processor = InputProcessor.from_checkpoint(self.checkpoint)
+        self.tokenizer = self.processor.tokenizer
         self._route = None
         if len(self._stages) > 1:
             from .models.qwen2_5_omni.pipeline import make_router
@@ -93,7 +89,7 @@ class _Frontend:
     def _request(self, prompt, params: list[SamplingParams], chain, request_id: str, sink,
                  voice: str | None = None) -> OrchestratorRequest:
         """Process the prompt (raises PromptError) and build the orchestrator request."""
-        p = self.processor.process(prompt)
+        p = self.processor.process(prompt, speech_output=len(chain) > 1)
         mm = p.multi_modal
         if mm is not None and not isinstance(mm, MultiModalPayload):
             raise PromptError(f"'multi_modal_data' must be a MultiModalPayload, got {type(mm).__name__}")

@@ -3,19 +3,52 @@
 Accepted prompt forms (as vLLM):
 * a plain string: the raw prompt, tokenized as is (no chat template);
 * {"prompt_token_ids": [...]}: already tokenized;
-* {"prompt": str} or {"prompt_token_ids": ...} with "multi_modal_data": a
-  `MultiModalPayload` of processed encoder inputs;
-* {"messages": [...]}: chat messages, rendered with the checkpoint's chat template
-  (text content; media parts arrive with the omni inputs issue).
-Every problem raises `PromptError` naming it.
+* {"messages": [...]}: OpenAI-style chat messages, rendered with the checkpoint's chat
+  template. Content is a string or a list of parts: {"type": "text", "text"},
+  {"type": "image", "image": path|PIL|array} (or OpenAI {"type": "image_url", "image_url":
+  {"url": path|file://|data:}}), {"type": "audio", "audio": path|(waveform, sample_rate)}
+  (or {"type": "input_audio", "input_audio": {"data": base64, "format"}}, {"type":
+  "audio_url", ...}), {"type": "video", "video": path|list of frames, "fps"?, "audio"?}
+  (or {"type": "video_url", ...});
+* {"prompt": str} or {"prompt_token_ids": [...]} with "multi_modal_data": {"image": ...,
+  "audio": ..., "video": ...} (one item or a list each) where the prompt already holds one
+  `<|vision_bos|><|IMAGE|><|vision_eos|>` / `<|audio_bos|><|AUDIO|><|audio_eos|>` /
+  `<|vision_bos|><|VIDEO|><|vision_eos|>` per item, or a ready `MultiModalPayload` (passed on
+  untouched: the prompt must then hold the expanded placeholders already).
+A dict prompt may also carry "use_audio_in_video" (or "mm_processor_kwargs":
+{"use_audio_in_video": ...}) to override the processor's default.
+
+Media are loaded (inputs/media.py) and turned into encoder inputs with transformers' own
+parts, configured as Qwen2.5-Omni's `preprocessor_config.json`: `WhisperFeatureExtractor`
+(128-bin log-mel at 16 kHz, one [128, frames] array per audio) and `Qwen2VLImageProcessorPil`
+(patches [N, 1176] + grids; video frames go through the same resize and normalisation and are
+grouped in temporal pairs like the Qwen2-VL video processor). Each placeholder is then
+expanded to as many tokens as its encoder produces, as `Qwen2_5OmniProcessor` does (with
+`use_audio_in_video`, a video's frames and audio track interleave in 2 s chunks). Every problem
+raises `PromptError` naming it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from typing import Any
 
 import numpy as np
+
+from ..engine.protocol import MultiModalPayload
+from .media import MediaError, VideoClip, load_audio, load_image, load_video
+from .qwen_tokenizer import DEFAULT_SYSTEM_PROMPT, QWEN2_5_OMNI_CHAT_TEMPLATE
+from .rope_index import RopeIndexConfig, _chunk_ids, audio_output_lengths
+
+__all__ = [
+    "InputProcessor",
+    "ProcessedPrompt",
+    "PromptError",
+    "QWEN2_5_OMNI_PREPROCESSOR_CONFIG",
+    "QWEN2_5_OMNI_VIDEO_CONFIG",
+]
 
 
 class PromptError(ValueError):
@@ -30,13 +63,210 @@ class ProcessedPrompt:
     multi_modal: Any = None
 
 
-class InputProcessor:
-    """Prompt -> ProcessedPrompt for one checkpoint (its tokenizer and chat template)."""
+# Qwen/Qwen2.5-Omni-7B preprocessor_config.json (audio + image settings).
+QWEN2_5_OMNI_PREPROCESSOR_CONFIG = {
+    "feature_size": 128, "sampling_rate": 16000, "hop_length": 160, "n_fft": 400,
+    "chunk_length": 300, "padding_value": 0.0, "dither": 0.0,
+    "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+}
+# The checkpoint has no video_preprocessor_config.json: these are Qwen2_5OmniProcessor's video
+# defaults (pixel range), Qwen2-VL's frame sampling defaults and Qwen's 2 fps.
+QWEN2_5_OMNI_VIDEO_CONFIG = {
+    "min_pixels": 128 * 28 * 28, "max_pixels": 768 * 28 * 28, "fps": 2.0, "min_frames": 4, "max_frames": 768,
+    # Per-frame pixels are also capped by an even share of this many tokens (qwen-omni-utils'
+    # VIDEO_TOTAL_PIXELS, transformers' `cap_pixels_per_frame`), so long videos stay bounded.
+    "max_video_tokens": 128000,
+}
 
-    def __init__(self, tokenizer, vocab_size: int):
+_PART_KINDS = {
+    "text": "text", "image": "image", "image_url": "image", "audio": "audio", "input_audio": "audio",
+    "audio_url": "audio", "video": "video", "video_url": "video",
+}
+_PROMPT_KEYS = {"prompt", "prompt_token_ids", "messages", "multi_modal_data", "use_audio_in_video",
+                "mm_processor_kwargs"}
+
+
+@dataclasses.dataclass
+class _Item:
+    """One media item of a prompt before loading: its kind, source, options and where it came from."""
+
+    kind: str
+    src: Any
+    where: str
+    fps: float | None = None
+    audio: Any = None
+
+
+def _size_range(cfg: dict, lo_default: int, hi_default: int) -> tuple[int, int]:
+    size = cfg.get("size") or {}
+    lo = cfg.get("min_pixels", size.get("shortest_edge", size.get("min_pixels", lo_default)))
+    hi = cfg.get("max_pixels", size.get("longest_edge", size.get("max_pixels", hi_default)))
+    return int(lo), int(hi)
+
+
+def _merged(defaults: dict, given: dict | None) -> dict:
+    """`given` over `defaults`; a given `size` dict replaces the default pixel range."""
+    out = dict(defaults)
+    given = dict(given or {})
+    if "size" in given:
+        for k in ("min_pixels", "max_pixels"):
+            if k not in given:
+                out.pop(k, None)
+    out.update(given)
+    return out
+
+
+def _read_json(path: str) -> dict | None:
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+class InputProcessor:
+    """Prompt -> ProcessedPrompt for one checkpoint: tokenizer, chat template and media processors.
+
+    tokenizer: a transformers tokenizer (None: only pre-tokenized prompts). vocab_size: ids must be
+    below it. preprocessor_config / video_preprocessor_config: the checkpoint's JSON files as dicts
+    (default: Qwen2.5-Omni-7B's values). token_config: placeholder ids and TMRoPE timing (default:
+    Qwen2.5-Omni's). use_audio_in_video: default for prompts that do not say. max_audio_seconds /
+    max_video_seconds: longer media are refused. video_fps / video_min_frames / video_max_frames:
+    frame sampling of video files (defaults from the video config).
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, *, preprocessor_config: dict | None = None,
+                 video_preprocessor_config: dict | None = None, token_config: RopeIndexConfig | None = None,
+                 use_audio_in_video: bool = False, max_audio_seconds: float = 300.0,
+                 max_video_seconds: float = 300.0, video_fps: float | None = None,
+                 video_min_frames: int | None = None, video_max_frames: int | None = None,
+                 chat_template: str | None = None):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.tokens = token_config or RopeIndexConfig()
+        self.use_audio_in_video = bool(use_audio_in_video)
+        self.max_audio_seconds = max_audio_seconds
+        self.max_video_seconds = max_video_seconds
+        self.chat_template = chat_template
+        pre = _merged(QWEN2_5_OMNI_PREPROCESSOR_CONFIG, preprocessor_config)
+        self.preprocessor_config = pre
+        vid = _merged(QWEN2_5_OMNI_VIDEO_CONFIG, video_preprocessor_config)
+        self.video_fps = float(video_fps if video_fps is not None else vid["fps"])
+        self.video_min_frames = int(video_min_frames if video_min_frames is not None else vid["min_frames"])
+        self.video_max_frames = int(video_max_frames if video_max_frames is not None else vid["max_frames"])
+        self.video_pixels = _size_range(vid, QWEN2_5_OMNI_VIDEO_CONFIG["min_pixels"],
+                                        QWEN2_5_OMNI_VIDEO_CONFIG["max_pixels"])
+        self.max_video_tokens = int(vid["max_video_tokens"])
+        self.sampling_rate = int(pre["sampling_rate"])
+        self.patch_size = int(vid.get("patch_size", pre["patch_size"]))
+        self.temporal_patch_size = int(vid.get("temporal_patch_size", pre["temporal_patch_size"]))
+        self.merge_size = int(vid.get("merge_size", pre["merge_size"]))
+        self._feature_extractor = None
+        self._image_processor = None
 
+    @classmethod
+    def from_checkpoint(cls, ckpt_dir: str, vocab_size: int | None = None, **options) -> "InputProcessor":
+        """The processor of a converted checkpoint (or an HF directory): its tokenizer, config and
+        preprocessor_config.json / video_preprocessor_config.json / chat_template.json when present."""
+        cfg = _read_json(os.path.join(ckpt_dir, "omni_jax_config.json"))
+        hf = cfg.get("hf_config", {}) if cfg is not None else (_read_json(os.path.join(ckpt_dir, "config.json")) or {})
+        thinker = hf.get("thinker_config", hf)
+        if vocab_size is None:
+            vocab_size = (thinker.get("text_config") or {}).get("vocab_size") or thinker.get("vocab_size") or 2 ** 31 - 1
+        tokenizer = None
+        if any(os.path.isfile(os.path.join(ckpt_dir, f)) for f in ("tokenizer.json", "vocab.json")):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(ckpt_dir)
+        template = (_read_json(os.path.join(ckpt_dir, "chat_template.json")) or {}).get("chat_template")
+        options.setdefault("chat_template", template)
+        options.setdefault("preprocessor_config", _read_json(os.path.join(ckpt_dir, "preprocessor_config.json")))
+        options.setdefault("video_preprocessor_config",
+                           _read_json(os.path.join(ckpt_dir, "video_preprocessor_config.json")))
+        options.setdefault("token_config", RopeIndexConfig.from_hf(hf) if hf else None)
+        return cls(tokenizer, int(vocab_size), **options)
+
+    # ------------------------------------------------------------------ media processors
+    @property
+    def feature_extractor(self):
+        """transformers' WhisperFeatureExtractor with the checkpoint's audio settings."""
+        if self._feature_extractor is None:
+            from transformers import WhisperFeatureExtractor
+
+            p = self.preprocessor_config
+            self._feature_extractor = WhisperFeatureExtractor(
+                feature_size=int(p["feature_size"]), sampling_rate=int(p["sampling_rate"]),
+                hop_length=int(p["hop_length"]), chunk_length=int(p["chunk_length"]), n_fft=int(p["n_fft"]),
+                padding_value=float(p["padding_value"]), dither=float(p["dither"]), return_attention_mask=True)
+        return self._feature_extractor
+
+    @property
+    def image_processor(self):
+        """transformers' Qwen2VLImageProcessorPil with the checkpoint's image settings."""
+        if self._image_processor is None:
+            from transformers import Qwen2VLImageProcessorPil
+
+            p = self.preprocessor_config
+            lo, hi = _size_range(p, 3136, 12845056)
+            self._image_processor = Qwen2VLImageProcessorPil(
+                min_pixels=lo, max_pixels=hi, patch_size=int(p["patch_size"]),
+                temporal_patch_size=int(p["temporal_patch_size"]), merge_size=int(p["merge_size"]),
+                image_mean=list(p["image_mean"]), image_std=list(p["image_std"]))
+        return self._image_processor
+
+    def audio_features(self, wave: np.ndarray) -> np.ndarray:
+        """Log-mel features [feature_size, frames] of one 16 kHz mono waveform.
+
+        Equal to the valid frames of the feature extractor's output with Qwen's padding to
+        `chunk_length` seconds: padding a little past the end gives the same frames (the
+        normalisation's maximum sees the same zero-padding floor) at a fraction of the cost.
+        """
+        fe = self.feature_extractor
+        n = int(wave.shape[0])
+        hop = fe.hop_length
+        max_length = -(-(n + 2 * fe.n_fft) // hop) * hop
+        out = fe(wave, sampling_rate=fe.sampling_rate, padding="max_length", max_length=max_length,
+                 truncation=False, return_attention_mask=True, return_tensors="np")
+        frames = int(out["attention_mask"][0].sum())
+        return np.ascontiguousarray(out["input_features"][0][:, :frames], np.float32)
+
+    def image_inputs(self, images: list) -> tuple[np.ndarray, np.ndarray]:
+        """(pixel_values [patches, C*T*P*P] float32, image_grid_thw [N, 3] int64) of RGB PIL images."""
+        out = self.image_processor(images=list(images), return_tensors="np")
+        return np.asarray(out["pixel_values"], np.float32), np.asarray(out["image_grid_thw"], np.int64)
+
+    def video_inputs(self, clip: VideoClip) -> tuple[np.ndarray, np.ndarray, float]:
+        """(pixel_values_videos, grid_thw [3], seconds per temporal grid step) of one sampled video.
+
+        Frames are resized (pixel range of the video config, per-frame cap from the total
+        token budget), rescaled and normalised by the image processor, then grouped in
+        `temporal_patch_size` consecutive frames per patch (the last frame repeated to fill the
+        last group), in the layout of transformers' Qwen2-VL video processor.
+        """
+        from PIL import Image
+
+        frames = clip.frames
+        t = frames.shape[0]
+        tps, ps = self.temporal_patch_size, self.patch_size
+        factor = ps * self.merge_size
+        lo, hi = self.video_pixels
+        budget = int(self.max_video_tokens * factor * factor * 0.9)
+        hi = max(min(hi, budget * tps // t), int(lo * 1.05))
+        out = self.image_processor(images=[Image.fromarray(f) for f in frames],
+                                   size={"shortest_edge": lo, "longest_edge": hi}, return_tensors="np")
+        grid = np.asarray(out["image_grid_thw"])
+        gh, gw = int(grid[0, 1]), int(grid[0, 2])
+        c = frames.shape[-1]
+        # Image patches repeat each frame over the temporal axis; keep one copy per frame.
+        per_frame = np.asarray(out["pixel_values"], np.float32).reshape(t, gh * gw, c, tps, ps, ps)[:, :, :, 0]
+        if t % tps:
+            per_frame = np.concatenate([per_frame, np.repeat(per_frame[-1:], tps - t % tps, axis=0)])
+        gt = per_frame.shape[0] // tps
+        patches = per_frame.reshape(gt, tps, gh * gw, c, ps, ps).transpose(0, 2, 3, 1, 4, 5)
+        return (np.ascontiguousarray(patches.reshape(gt * gh * gw, c * tps * ps * ps)),
+                np.array([gt, gh, gw], np.int64), tps / clip.fps)
+
+    # ------------------------------------------------------------------ text
     def _need_tokenizer(self, what: str):
         if self.tokenizer is None:
             raise PromptError(f"{what} needs a tokenizer, and this checkpoint has none; "
@@ -47,60 +277,339 @@ class InputProcessor:
         ids = self._need_tokenizer("a text prompt")(text, add_special_tokens=False)["input_ids"]
         return np.asarray(ids, np.int32)
 
-    def render_chat(self, messages: list) -> str:
-        """The chat template applied to text-only messages, with the assistant turn opened."""
-        tok = self._need_tokenizer("a chat prompt")
+    def _normalize_messages(self, messages: Any, speech_output: bool,
+                            need_source: bool = True) -> tuple[list, list[_Item]]:
+        """Messages with media parts reduced to {"type": kind} for the template, and the media items in order."""
         if not isinstance(messages, list) or not messages:
             raise PromptError("'messages' must be a non-empty list of {'role', 'content'} dicts")
+        canonical, items = [], []
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise PromptError(f"messages[{i}] must be a dict with 'role' and 'content'")
             content = m["content"]
-            if isinstance(content, list):
-                for j, part in enumerate(content):
-                    if not isinstance(part, dict) or part.get("type") != "text":
-                        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                        raise PromptError(f"messages[{i}].content[{j}]: {kind!r} parts are not supported yet; "
-                                          f"pass processed media in 'multi_modal_data'")
-            elif not isinstance(content, str):
+            if isinstance(content, str):
+                canonical.append({"role": m["role"], "content": content})
+                continue
+            if not isinstance(content, list):
                 raise PromptError(f"messages[{i}].content must be a string or a list of parts")
-        return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            parts = []
+            for j, part in enumerate(content):
+                where = f"messages[{i}].content[{j}]"
+                kind, item = _parse_part(part, where, need_source)
+                if kind == "text":
+                    parts.append({"type": "text", "text": item})
+                else:
+                    parts.append({"type": kind})
+                    items.append(item)
+            canonical.append({"role": m["role"], "content": parts})
+        if speech_output and not any(m["role"] == "system" for m in canonical):
+            # Qwen2.5-Omni's talker is trained to speak only under this system prompt.
+            canonical.insert(0, {"role": "system", "content": DEFAULT_SYSTEM_PROMPT})
+        return canonical, items
 
-    def process(self, prompt: Any) -> ProcessedPrompt:
-        """Validate and tokenize one prompt (see module docstring)."""
+    def render_chat(self, messages: list, speech_output: bool = False) -> str:
+        """The chat template applied to the messages (one placeholder triple per media part),
+        with the assistant turn opened; `speech_output` adds the speech system prompt when
+        there is no system message."""
+        canonical, _ = self._normalize_messages(messages, speech_output, need_source=False)
+        return self._render(canonical)
+
+    def _render(self, canonical: list) -> str:
+        tok = self._need_tokenizer("a chat prompt")
+        template = self.chat_template or getattr(tok, "chat_template", None) or QWEN2_5_OMNI_CHAT_TEMPLATE
+        return tok.apply_chat_template(canonical, chat_template=template, add_generation_prompt=True,
+                                       tokenize=False)
+
+    # ------------------------------------------------------------------ entry point
+    def process(self, prompt: Any, speech_output: bool = False) -> ProcessedPrompt:
+        """Validate, tokenize and expand one prompt (see module docstring).
+
+        speech_output: the caller wants audio out; chat messages without a system message
+        then get Qwen2.5-Omni's speech system prompt (raw prompts are left as given).
+        """
+        items: list[_Item] | None = None
         mm = None
+        use_aiv = self.use_audio_in_video
+        by_kind = False
         if isinstance(prompt, str):
             ids = self._encode(prompt)
         elif isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids", "messages", "multi_modal_data"}
+            unknown = set(prompt) - _PROMPT_KEYS
             if unknown:
                 raise PromptError(f"unknown prompt key(s) {sorted(unknown)}; use 'prompt', "
-                                  f"'prompt_token_ids', 'messages' or 'multi_modal_data'")
+                                  f"'prompt_token_ids', 'messages', 'multi_modal_data' or 'use_audio_in_video'")
             given = [k for k in ("prompt", "prompt_token_ids", "messages") if k in prompt]
             if len(given) != 1:
                 raise PromptError(f"a prompt dict needs exactly one of 'prompt', 'prompt_token_ids', "
                                   f"'messages'; got {given or 'none'}")
+            use_aiv = _use_audio_in_video(prompt, use_aiv)
             if "messages" in prompt:
-                ids = self._encode(self.render_chat(prompt["messages"]))
+                if "multi_modal_data" in prompt:
+                    raise PromptError("with 'messages', put the media in the message parts, not in 'multi_modal_data'")
+                canonical, items = self._normalize_messages(prompt["messages"], speech_output)
+                ids = self._encode(self._render(canonical))
             elif "prompt" in prompt:
                 if not isinstance(prompt["prompt"], str):
                     raise PromptError("'prompt' must be a string")
                 ids = self._encode(prompt["prompt"])
             else:
-                raw = prompt["prompt_token_ids"]
-                try:
-                    ids = np.asarray(raw)
-                except Exception:
-                    raise PromptError("'prompt_token_ids' must be a list of ints") from None
-                if ids.size and (ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer)):
-                    raise PromptError("'prompt_token_ids' must be a flat list of ints")
-                ids = ids.astype(np.int32) if ids.size else np.zeros(0, np.int32)
-            mm = prompt.get("multi_modal_data")
+                ids = _token_ids(prompt["prompt_token_ids"])
+            raw = prompt.get("multi_modal_data")
+            if isinstance(raw, MultiModalPayload) or raw is None:
+                mm = raw
+            elif isinstance(raw, dict):
+                items, by_kind = _mm_items(raw), True
+            else:
+                raise PromptError(f"'multi_modal_data' must be a dict of 'image' / 'audio' / 'video' items or a "
+                                  f"MultiModalPayload, got {type(raw).__name__}")
         else:
             raise PromptError(f"a prompt must be a string or a dict, got {type(prompt).__name__}")
         if ids.size == 0:
             raise PromptError("empty prompt")
+        if items is not None:
+            ids, mm = self._expand(ids, items, by_kind, use_aiv)
         bad = (ids < 0) | (ids >= self.vocab_size)
         if bad.any():
             raise PromptError(f"token id {int(ids[bad][0])} is out of range [0, {self.vocab_size})")
         return ProcessedPrompt(ids, mm)
+
+    # ------------------------------------------------------------------ placeholders
+    def _expand(self, ids: np.ndarray, items: list[_Item], by_kind: bool,
+                use_audio_in_video: bool) -> tuple[np.ndarray, MultiModalPayload | None]:
+        """Load the media, run the feature extractors and expand each placeholder token."""
+        c = self.tokens
+        kind_of = {c.image_token_id: "image", c.audio_token_id: "audio", c.video_token_id: "video"}
+        where = np.flatnonzero(np.isin(ids, list(kind_of)))
+        kinds = [kind_of[int(ids[p])] for p in where]
+        if by_kind:
+            # multi_modal_data: the i-th placeholder of a kind takes the i-th item of that kind.
+            pools = {k: [it for it in items if it.kind == k] for k in ("image", "audio", "video")}
+            for k, pool in pools.items():
+                have = kinds.count(k)
+                if have != len(pool):
+                    tok = {"image": "<|IMAGE|>", "audio": "<|AUDIO|>", "video": "<|VIDEO|>"}[k]
+                    raise PromptError(f"the prompt has {have} {tok} placeholder(s) but multi_modal_data gives "
+                                      f"{len(pool)} {k} item(s); write one placeholder per item")
+            ordered = [pools[k].pop(0) for k in kinds]
+        else:
+            if kinds != [it.kind for it in items]:
+                raise PromptError(f"the rendered prompt has placeholders {kinds} but the messages hold media "
+                                  f"{[it.kind for it in items]}; is a placeholder token written in the text?")
+            ordered = items
+        if not ordered:
+            return ids, None
+        self._check_brackets(ids, where, kinds)
+
+        audio_feats: list[np.ndarray] = []
+        image_pixels, image_grids = [], []
+        video_pixels, video_grids, video_spg = [], [], []
+        pieces: list[np.ndarray] = []
+        cursor = 0
+        for pos, item in zip(where, ordered):
+            pieces.append(ids[cursor:pos])
+            cursor = pos + 1
+            try:
+                if item.kind == "image":
+                    pix, grid = self.image_inputs([load_image(item.src)])
+                    image_pixels.append(pix)
+                    image_grids.append(grid[0])
+                    pieces.append(np.full(int(np.prod(grid[0])) // self.merge_size ** 2, c.image_token_id, np.int32))
+                elif item.kind == "audio":
+                    wave = load_audio(item.src, max_seconds=self.max_audio_seconds,
+                                      target_rate=self.sampling_rate)
+                    feats = self.audio_features(wave)
+                    n = self._audio_tokens(feats, wave, "audio")
+                    audio_feats.append(feats)
+                    pieces.append(np.full(n, c.audio_token_id, np.int32))
+                else:
+                    clip = load_video(item.src, fps=item.fps or self.video_fps, min_frames=self.video_min_frames,
+                                      max_frames=self.video_max_frames, temporal_patch_size=self.temporal_patch_size,
+                                      with_audio=use_audio_in_video, audio=item.audio,
+                                      max_seconds=self.max_video_seconds, target_rate=self.sampling_rate)
+                    pix, grid, spg = self.video_inputs(clip)
+                    video_pixels.append(pix)
+                    video_grids.append(grid)
+                    video_spg.append(spg)
+                    n_video = int(np.prod(grid)) // self.merge_size ** 2
+                    if use_audio_in_video and clip.audio is not None:
+                        feats = self.audio_features(clip.audio)
+                        n_audio = self._audio_tokens(feats, clip.audio, "the video's audio track")
+                        audio_feats.append(feats)
+                        pieces.append(self._interleave(grid, spg, n_audio))
+                    else:
+                        pieces.append(np.full(n_video, c.video_token_id, np.int32))
+            except MediaError as e:
+                raise PromptError(f"{item.where}: {e}") from None
+            except PromptError as e:
+                raise PromptError(f"{item.where}: {e}") from None
+            except ValueError as e:  # e.g. the image processor refusing an extreme aspect ratio
+                raise PromptError(f"{item.where}: cannot process this {item.kind}: {e}") from None
+        pieces.append(ids[cursor:])
+
+        payload = MultiModalPayload(audio_features=audio_feats, use_audio_in_video=use_audio_in_video)
+        if image_pixels:
+            payload.pixel_values = np.concatenate(image_pixels)
+            payload.image_grid_thw = np.stack(image_grids)
+        if video_pixels:
+            payload.pixel_values_videos = np.concatenate(video_pixels)
+            payload.video_grid_thw = np.stack(video_grids)
+            payload.video_second_per_grid = np.asarray(video_spg, np.float32)
+        return np.concatenate(pieces).astype(np.int32), payload
+
+    def _audio_tokens(self, feats: np.ndarray, wave: np.ndarray, what: str) -> int:
+        n = int(audio_output_lengths(np.array([feats.shape[1]]))[0])
+        if n < 1:
+            raise PromptError(f"{what} is too short: {wave.shape[0] / self.sampling_rate * 1000:.1f} ms "
+                              f"gives no audio token")
+        return n
+
+    def _interleave(self, grid: np.ndarray, spg: float, n_audio: int) -> np.ndarray:
+        """<|audio_bos|> video and audio tokens in alternating time chunks <|audio_eos|>.
+
+        Qwen2_5OmniProcessor.replace_video_with_audio_token: a video token's time is its frame
+        group index * seconds per group * position ids per second (float64, as the processor),
+        an audio token's time is its index; both streams are cut every `seconds_per_chunk`
+        seconds, and chunk j of the video precedes chunk j of the audio.
+        """
+        c = self.tokens
+        gt, gh, gw = (int(x) for x in grid)
+        per_frame = (gh // self.merge_size) * (gw // self.merge_size)
+        per_chunk = int(c.position_id_per_seconds * c.seconds_per_chunk)
+        v_time = np.repeat(np.arange(gt), per_frame) * spg * c.position_id_per_seconds
+        v_chunk = _chunk_ids(np.floor(v_time).astype(np.int64), per_chunk)
+        a_chunk = _chunk_ids(np.arange(n_audio, dtype=np.int64), per_chunk)
+        order = np.argsort(np.concatenate([v_chunk * 2, a_chunk * 2 + 1]), kind="stable")
+        body = np.concatenate([np.full(len(v_chunk), c.video_token_id), np.full(n_audio, c.audio_token_id)])[order]
+        return np.concatenate([[c.audio_start_token_id], body, [c.audio_end_token_id]]).astype(np.int32)
+
+    def _check_brackets(self, ids: np.ndarray, where: np.ndarray, kinds: list[str]) -> None:
+        """Each placeholder must sit between its start and end tokens (the encoders' layout relies on it)."""
+        c = self.tokens
+        pairs = {"image": (c.vision_start_token_id, c.vision_end_token_id),
+                 "video": (c.vision_start_token_id, c.vision_end_token_id),
+                 "audio": (c.audio_start_token_id, c.audio_end_token_id)}
+        names = {"image": "<|vision_bos|><|IMAGE|><|vision_eos|>", "video": "<|vision_bos|><|VIDEO|><|vision_eos|>",
+                 "audio": "<|audio_bos|><|AUDIO|><|audio_eos|>"}
+        for pos, kind in zip(where, kinds):
+            bos, eos = pairs[kind]
+            if pos == 0 or pos + 1 >= len(ids) or ids[pos - 1] != bos or ids[pos + 1] != eos:
+                raise PromptError(f"the {kind} placeholder at token {int(pos)} must be written as {names[kind]}")
+
+
+# ---------------------------------------------------------------------- prompt parsing helpers
+
+def _token_ids(raw: Any) -> np.ndarray:
+    try:
+        ids = np.asarray(raw)
+    except Exception:
+        raise PromptError("'prompt_token_ids' must be a list of ints") from None
+    if ids.size and (ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer)):
+        raise PromptError("'prompt_token_ids' must be a flat list of ints")
+    return ids.astype(np.int32) if ids.size else np.zeros(0, np.int32)
+
+
+def _use_audio_in_video(prompt: dict, default: bool) -> bool:
+    value = prompt.get("use_audio_in_video")
+    kw = prompt.get("mm_processor_kwargs")
+    if kw is not None:
+        if not isinstance(kw, dict):
+            raise PromptError("'mm_processor_kwargs' must be a dict")
+        unknown = set(kw) - {"use_audio_in_video"}
+        if unknown:
+            raise PromptError(f"unknown mm_processor_kwargs {sorted(unknown)}; supported: 'use_audio_in_video'")
+        if value is None:
+            value = kw.get("use_audio_in_video")
+    if value is None:
+        return default
+    if not isinstance(value, (bool, np.bool_)):
+        raise PromptError(f"'use_audio_in_video' must be true or false, got {value!r}")
+    return bool(value)
+
+
+def _url_of(value: Any, where: str, key: str) -> Any:
+    """The `url` of an OpenAI `{"url": ...}` object (or the value itself when it is a plain string)."""
+    if isinstance(value, dict):
+        if "url" not in value:
+            raise PromptError(f"{where}: '{key}' must be {{'url': ...}}")
+        return value["url"]
+    return value
+
+
+def _parse_part(part: Any, where: str, need_source: bool = True) -> tuple[str, Any]:
+    """('text', str) or (kind, _Item) for one content part (a media part may lack its source
+    only when just rendering the template)."""
+    if isinstance(part, str):
+        return "text", part
+    if not isinstance(part, dict):
+        raise PromptError(f"{where}: a content part must be a dict, got {type(part).__name__}")
+    ptype = part.get("type")
+    if ptype is None:  # as the chat template: a part is known by its key
+        ptype = next((k for k in _PART_KINDS if k in part), None)
+    kind = _PART_KINDS.get(ptype)
+    if kind is None:
+        raise PromptError(f"{where}: unknown part type {ptype!r}; expected one of {sorted(_PART_KINDS)}")
+    if kind == "text":
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise PromptError(f"{where}: a text part needs a string 'text'")
+        return "text", text
+    if ptype == "input_audio":
+        payload = part.get("input_audio")
+        if not isinstance(payload, dict) or not isinstance(payload.get("data"), str):
+            raise PromptError(f"{where}: 'input_audio' must be {{'data': base64 string, 'format': ...}}")
+        import base64
+        import binascii
+
+        try:
+            src = base64.b64decode(payload["data"], validate=False)
+        except (binascii.Error, ValueError) as e:
+            raise PromptError(f"{where}: 'input_audio' data is not valid base64 ({e})") from None
+    elif ptype.endswith("_url"):
+        src = _url_of(part.get(ptype), where, ptype)
+    else:
+        src = next((part[k] for k in (kind, "url", "path") if part.get(k) is not None), None)
+    if src is None and need_source:
+        raise PromptError(f"{where}: the {kind} part has no source (expected key {kind!r})")
+    fps = part.get("fps")
+    if fps is not None and (kind != "video" or not isinstance(fps, (int, float)) or fps <= 0):
+        raise PromptError(f"{where}: 'fps' must be a positive number on a video part")
+    audio = part.get("audio") if kind == "video" else None
+    return kind, _Item(kind, src, where, fps=fps, audio=audio)
+
+
+def _is_video_source(x: Any) -> bool:
+    """A whole video (file, URL, bytes, frame list / 4-D array, options dict), as opposed to one frame."""
+    if isinstance(x, (str, os.PathLike, bytes, bytearray, dict, list, tuple)):
+        return True
+    return isinstance(x, np.ndarray) and x.ndim == 4
+
+
+def _mm_items(mm: dict) -> list[_Item]:
+    """The items of a raw multi_modal_data dict, per kind in order."""
+    unknown = set(mm) - {"image", "audio", "video"}
+    if unknown:
+        raise PromptError(f"unknown multi_modal_data key(s) {sorted(unknown)}; use 'image', 'audio', 'video'")
+    items: list[_Item] = []
+    for kind in ("image", "audio", "video"):
+        if kind not in mm or mm[kind] is None:
+            continue
+        value = mm[kind]
+        if kind == "image":
+            many = isinstance(value, (list, tuple))
+        elif kind == "audio":
+            # (waveform, rate) and {"array", "sampling_rate"} are one audio; a list holds several.
+            many = isinstance(value, list)
+        else:
+            # A list of files / frame lists is several videos; a list of frames is one.
+            many = isinstance(value, (list, tuple)) and len(value) > 0 and all(_is_video_source(v) for v in value)
+        for n, v in enumerate(value if many else [value]):
+            where = f"multi_modal_data[{kind!r}]" + (f"[{n}]" if many else "")
+            fps = audio = None
+            if kind == "video" and isinstance(v, dict):
+                src = v.get("video", v.get("frames"))
+                fps, audio = v.get("fps"), v.get("audio")
+                if src is None:
+                    raise PromptError(f"{where}: a video dict needs 'video' (or 'frames')")
+                v = src
+            items.append(_Item(kind, v, where, fps=fps, audio=audio))
+    return items

@@ -1,0 +1,392 @@
+"""Load the media of a prompt into plain arrays: RGB images, 16 kHz mono audio, sampled video frames.
+
+Sources accepted (what a caller of a chat API hands over):
+* images: a local path (or `file://` URL), a `data:` URL, raw bytes, a PIL image, or a numpy
+  array [H, W], [H, W, 1|3|4] (uint8, or float in [0, 1]);
+* audio: a path, `data:` URL or bytes of any format FFmpeg reads (PyAV), or `(array, sample_rate)`
+  / `{"array", "sampling_rate"}` with a [n] or [n, channels] / [channels, n] array; downmixed to
+  mono (channel mean, as librosa) and resampled to 16 kHz with soxr (librosa's default resampler);
+* video: a path / `data:` URL / bytes decoded with PyAV and sampled at a target fps (the rule of
+  transformers' Qwen2-VL video processor), or a list / array of frames already sampled at `fps`.
+  Its audio track is decoded too when asked (for Qwen's `use_audio_in_video`).
+
+Every problem raises `MediaError` naming the file and the numbers; the input processor adds
+where in the prompt the item sits.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import io
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "MediaError",
+    "VideoClip",
+    "load_image",
+    "load_audio",
+    "load_video",
+    "resample",
+    "sample_frame_indices",
+]
+
+TARGET_SAMPLE_RATE = 16000
+
+
+class MediaError(ValueError):
+    """A media item cannot be loaded; the message names the source and the reason."""
+
+
+@dataclasses.dataclass
+class VideoClip:
+    """Frames sampled from a video and, when asked for, its audio track.
+
+    frames: [T, H, W, 3] uint8 RGB. fps: frames per second of the *sampled* frames (what the
+    temporal position ids are derived from). audio: 16 kHz mono float32 track, or None when
+    not asked for or the video is silent. duration: seconds covered by the video.
+    """
+
+    frames: np.ndarray
+    fps: float
+    duration: float
+    audio: np.ndarray | None = None
+
+
+# ---------------------------------------------------------------------------------------
+# sources
+# ---------------------------------------------------------------------------------------
+
+def _describe(src: Any) -> str:
+    if isinstance(src, (str, os.PathLike)):
+        s = os.fspath(src)
+        return repr(s if len(s) <= 80 else s[:60] + "...")
+    return type(src).__name__
+
+
+def _read_source(src: Any, what: str) -> tuple[Any, str]:
+    """A path or a binary buffer for a path / file:// / data: URL / bytes source, and its name for errors."""
+    if isinstance(src, (bytes, bytearray, memoryview)):
+        return io.BytesIO(bytes(src)), f"{what} bytes"
+    if isinstance(src, os.PathLike):
+        src = os.fspath(src)
+    if not isinstance(src, str):
+        raise MediaError(f"unsupported {what} source of type {type(src).__name__}")
+    if src.startswith("data:"):
+        head, sep, payload = src.partition(",")
+        if not sep:
+            raise MediaError(f"malformed {what} data: URL (no ',' after the media type)")
+        try:
+            if head.endswith(";base64"):
+                data = base64.b64decode(payload, validate=False)
+            else:
+                from urllib.parse import unquote_to_bytes
+
+                data = unquote_to_bytes(payload)
+        except (binascii.Error, ValueError) as e:
+            raise MediaError(f"{what} data: URL is not valid base64 ({e})") from None
+        return io.BytesIO(data), f"{what} data: URL"
+    if src.startswith("file://"):
+        from urllib.parse import unquote, urlparse
+
+        src = unquote(urlparse(src).path)
+    elif "://" in src[:16]:
+        raise MediaError(f"{what} {_describe(src)}: remote URLs are not fetched; pass a local path or a data: URL")
+    if not os.path.isfile(src):
+        raise MediaError(f"{what} file {src!r} does not exist or is not a file")
+    return src, repr(src)
+
+
+def _b64_bytes(data: str, what: str) -> bytes:
+    try:
+        return base64.b64decode(data, validate=False)
+    except (binascii.Error, ValueError) as e:
+        raise MediaError(f"{what} is not valid base64 ({e})") from None
+
+
+# ---------------------------------------------------------------------------------------
+# images
+# ---------------------------------------------------------------------------------------
+
+def _array_to_pil(arr: np.ndarray, what: str):
+    from PIL import Image
+
+    a = np.asarray(arr)
+    if a.ndim == 3 and a.shape[0] in (1, 3, 4) and a.shape[-1] not in (1, 3, 4):
+        a = np.moveaxis(a, 0, -1)  # channels-first
+    if a.ndim == 3 and a.shape[-1] == 1:
+        a = a[..., 0]
+    if a.ndim not in (2, 3) or (a.ndim == 3 and a.shape[-1] not in (3, 4)) or min(a.shape[:2]) < 1:
+        raise MediaError(f"{what}: expected an array [H, W], [H, W, 1|3|4] or [C, H, W], got shape {a.shape}")
+    if a.dtype == np.uint8:
+        pass
+    elif a.dtype == np.bool_:
+        a = a.astype(np.uint8) * 255
+    elif np.issubdtype(a.dtype, np.floating):
+        if not np.isfinite(a).all() or a.min() < 0.0 or a.max() > 1.0:
+            raise MediaError(f"{what}: a float array must hold values in [0, 1]")
+        a = np.round(a * 255.0).astype(np.uint8)
+    else:
+        raise MediaError(f"{what}: unsupported array dtype {a.dtype} (use uint8, or float in [0, 1])")
+    img = Image.fromarray(np.ascontiguousarray(a))
+    return img.convert("RGB")
+
+
+def load_image(src: Any, what: str = "image"):
+    """An RGB PIL image from a path / URL / bytes / PIL image / numpy array (EXIF rotation applied to files)."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    if isinstance(src, Image.Image):
+        return src.convert("RGB")
+    if isinstance(src, np.ndarray):
+        return _array_to_pil(src, what)
+    handle, name = _read_source(src, what)
+    try:
+        with Image.open(handle) as img:
+            img.load()
+            img = ImageOps.exif_transpose(img)
+            return img.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+        raise MediaError(f"cannot read {what} {name}: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------
+# audio
+# ---------------------------------------------------------------------------------------
+
+def _to_mono_float(arr: np.ndarray, what: str) -> np.ndarray:
+    a = np.asarray(arr)
+    if a.ndim not in (1, 2):
+        raise MediaError(f"{what}: expected a waveform [n] or [n, channels], got shape {a.shape}")
+    if np.issubdtype(a.dtype, np.integer):
+        info = np.iinfo(a.dtype)
+        if info.min == 0:  # unsigned PCM is offset by half the range
+            a = (a.astype(np.float64) - (info.max + 1) / 2) / ((info.max + 1) / 2)
+        else:
+            a = a.astype(np.float64) / float(-info.min)
+    elif not np.issubdtype(a.dtype, np.floating):
+        raise MediaError(f"{what}: unsupported waveform dtype {a.dtype}")
+    if a.ndim == 2:
+        # Channels are the short axis: [n, C] (soundfile) or [C, n] (torchaudio / PyAV); mean as librosa.
+        a = a.mean(axis=0 if a.shape[0] < a.shape[1] else 1, dtype=np.float64)
+    a = a.astype(np.float32)
+    if not np.isfinite(a).all():
+        raise MediaError(f"{what}: the waveform has NaN or infinite samples")
+    return a
+
+
+def resample(wave: np.ndarray, rate: float, target: int = TARGET_SAMPLE_RATE) -> np.ndarray:
+    """Resample a mono float32 waveform with soxr (high quality)."""
+    if rate == target:
+        return np.ascontiguousarray(wave, np.float32)
+    import soxr
+
+    return soxr.resample(np.ascontiguousarray(wave, np.float32), float(rate), float(target)).astype(np.float32)
+
+
+def _check_seconds(n: int, rate: float, max_seconds: float | None, what: str) -> None:
+    if max_seconds is not None and n / rate > max_seconds + 1e-6:
+        raise MediaError(f"{what} lasts {n / rate:.2f} s, longer than the limit of {max_seconds:g} s")
+
+
+def _decode_audio_stream(container, stream, name: str, what: str, max_seconds: float | None,
+                         target_rate: int) -> np.ndarray:
+    """Decode one PyAV audio stream to mono float32 at `target_rate`."""
+    import av
+
+    meta = float(stream.duration * stream.time_base) if stream.duration else (
+        container.duration / 1e6 if container.duration else None)
+    if max_seconds is not None and meta is not None and meta > max_seconds + 0.5:
+        raise MediaError(f"{what} {name} lasts {meta:.2f} s, longer than the limit of {max_seconds:g} s")
+    # Planar float keeps every channel apart whatever the codec's sample format; rate and layout unchanged.
+    converter = av.AudioResampler(format="fltp")
+    chunks, rate = [], None
+    try:
+        for frame in container.decode(stream):
+            rate = rate or frame.sample_rate
+            for out in converter.resample(frame):
+                chunks.append(out.to_ndarray())
+        for out in converter.resample(None):
+            chunks.append(out.to_ndarray())
+    except av.error.FFmpegError as e:
+        raise MediaError(f"cannot decode {what} {name}: {e}") from None
+    if not chunks or rate is None:
+        raise MediaError(f"{what} {name} has no audio samples")
+    wave = np.concatenate(chunks, axis=1).mean(axis=0, dtype=np.float64).astype(np.float32)
+    _check_seconds(wave.shape[0], rate, max_seconds, f"{what} {name}")
+    return resample(wave, rate, target_rate)
+
+
+def _open_av(src: Any, what: str):
+    import av
+
+    handle, name = _read_source(src, what)
+    try:
+        return av.open(handle, "r"), name
+    except (av.error.FFmpegError, OSError, ValueError) as e:
+        raise MediaError(f"cannot read {what} {name}: {e}") from None
+
+
+def load_audio(src: Any, max_seconds: float | None = None, what: str = "audio",
+               target_rate: int = TARGET_SAMPLE_RATE) -> np.ndarray:
+    """Mono float32 waveform at `target_rate` (16 kHz) of an audio source (see module docstring)."""
+    if isinstance(src, dict) and "array" in src:
+        src = (src["array"], src.get("sampling_rate", src.get("sample_rate")))
+    if isinstance(src, tuple):
+        if len(src) != 2 or src[1] is None:
+            raise MediaError(f"{what}: give a (waveform, sample_rate) pair")
+        arr, rate = src
+        try:
+            rate = float(rate)
+        except (TypeError, ValueError):
+            raise MediaError(f"{what}: sample rate {rate!r} is not a number") from None
+        if not rate > 0:
+            raise MediaError(f"{what}: sample rate must be positive, got {rate:g}")
+        wave = _to_mono_float(arr, what)
+        _check_seconds(wave.shape[0], rate, max_seconds, what)
+        wave = resample(wave, rate, target_rate)
+    elif isinstance(src, np.ndarray):
+        raise MediaError(f"{what}: a bare array has no sample rate; pass (waveform, sample_rate)")
+    else:
+        container, name = _open_av(src, what)
+        with container:
+            if not container.streams.audio:
+                raise MediaError(f"{what} {name} has no audio stream")
+            wave = _decode_audio_stream(container, container.streams.audio[0], name, what, max_seconds,
+                                        target_rate)
+    if wave.shape[0] == 0:
+        raise MediaError(f"{what} is empty")
+    return wave
+
+
+# ---------------------------------------------------------------------------------------
+# video
+# ---------------------------------------------------------------------------------------
+
+def sample_frame_indices(total: int, video_fps: float, fps: float, min_frames: int, max_frames: int,
+                         temporal_patch_size: int = 2) -> np.ndarray:
+    """Indices of the frames to keep: `fps` frames per second, clamped to [min_frames, max_frames].
+
+    The rule of transformers' Qwen2-VL `sample_frames`: the count is rounded down to a
+    multiple of the temporal patch size and the frames are spread uniformly (floor of
+    k * total / n). A video too short for one temporal patch keeps all its frames.
+    """
+    tps = temporal_patch_size
+    cap = math.floor(min(max_frames, total) / tps) * tps
+    n = min(max(total / video_fps * fps, min_frames), cap, total)
+    n = math.floor(n / tps) * tps
+    if n < tps:
+        return np.arange(total, dtype=np.int64)
+    return (np.arange(n, dtype=np.int64) * total) // n
+
+
+def _frames_array(frames: Any, what: str) -> np.ndarray:
+    """[T, H, W, 3] uint8 from a list of images/arrays or a 4-D array."""
+    if isinstance(frames, np.ndarray) and frames.ndim == 4 and frames.dtype == np.uint8 and frames.shape[-1] == 3:
+        if frames.shape[0] == 0 or min(frames.shape[1:3]) < 1:
+            raise MediaError(f"{what} has no frames (shape {frames.shape})")
+        return np.ascontiguousarray(frames)
+    items = list(frames)
+    if not items:
+        raise MediaError(f"{what} has no frames")
+    arrs = [np.asarray(load_image(f, f"{what} frame {i}")) for i, f in enumerate(items)]
+    shapes = {a.shape for a in arrs}
+    if len(shapes) != 1:
+        raise MediaError(f"{what}: all frames must have the same size, got {sorted(shapes)}")
+    return np.stack(arrs)
+
+
+def _decode_video(src: Any, what: str, fps: float, min_frames: int, max_frames: int, tps: int,
+                  with_audio: bool, max_seconds: float | None, target_rate: int) -> VideoClip:
+    import av
+
+    container, name = _open_av(src, what)
+    with container:
+        if not container.streams.video:
+            raise MediaError(f"{what} {name} has no video stream")
+        stream = container.streams.video[0]
+        rate = stream.average_rate or stream.guessed_rate
+        if not rate:
+            raise MediaError(f"{what} {name}: the frame rate is unknown")
+        video_fps = float(rate)
+        total = int(stream.frames or 0)
+        if total <= 0:  # containers without a frame count: estimate from the duration
+            if stream.duration:
+                seconds = float(stream.duration * stream.time_base)
+            elif container.duration:
+                seconds = container.duration / 1e6
+            else:
+                seconds = 0.0
+            total = int(round(seconds * video_fps))
+        if total <= 0:
+            raise MediaError(f"{what} {name}: cannot tell how many frames it has")
+        duration = total / video_fps
+        if max_seconds is not None and duration > max_seconds + 1e-6:
+            raise MediaError(f"{what} {name} lasts {duration:.2f} s, longer than the limit of {max_seconds:g} s")
+        wanted = sample_frame_indices(total, video_fps, fps, min_frames, max_frames, tps)
+        stream.thread_type = "AUTO"
+        picked: list[np.ndarray] = []
+        k = 0
+        try:
+            for i, frame in enumerate(container.decode(stream)):
+                if k >= len(wanted):
+                    break
+                if i == wanted[k]:
+                    img = frame.to_ndarray(format="rgb24")
+                    while k < len(wanted) and wanted[k] == i:
+                        picked.append(img)
+                        k += 1
+        except av.error.FFmpegError as e:
+            raise MediaError(f"cannot decode {what} {name}: {e}") from None
+        if not picked:
+            raise MediaError(f"{what} {name} has no decodable frames")
+        # The container's frame count can overstate what decodes; repeat the last frame for the rest.
+        picked += [picked[-1]] * (len(wanted) - len(picked))
+        has_audio = bool(container.streams.audio)
+    audio = None
+    if with_audio and has_audio:
+        # A second pass over the file: the video pass stops early, after the last sampled frame.
+        container, name = _open_av(src, what)
+        with container:
+            audio = _decode_audio_stream(container, container.streams.audio[0], name, f"{what} audio track",
+                                         max_seconds, target_rate)
+    frames = np.stack(picked)
+    return VideoClip(frames=frames, fps=len(wanted) / duration, duration=duration, audio=audio)
+
+
+def load_video(src: Any, *, fps: float = 2.0, min_frames: int = 4, max_frames: int = 768,
+               temporal_patch_size: int = 2, with_audio: bool = False, audio: Any = None,
+               max_seconds: float | None = None, what: str = "video",
+               target_rate: int = TARGET_SAMPLE_RATE) -> VideoClip:
+    """Sampled frames (and optionally the audio track) of a video; see the module docstring.
+
+    For a file, `fps` is the sampling rate to aim for. For a list of frames, `fps` is the rate
+    they were sampled at; more than `max_frames` frames are thinned out uniformly. `audio`
+    gives the track of a frame list (any `load_audio` source); it is used when `with_audio`.
+    """
+    if fps <= 0:
+        raise MediaError(f"{what}: fps must be positive, got {fps:g}")
+    is_frames = (isinstance(src, np.ndarray) and src.ndim == 4) or isinstance(src, (list, tuple))
+    if not is_frames:
+        if audio is not None:
+            raise MediaError(f"{what}: 'audio' goes with a list of frames; a video file brings its own track")
+        return _decode_video(src, what, fps, min_frames, max_frames, temporal_patch_size, with_audio, max_seconds,
+                             target_rate)
+    frames = _frames_array(src, what)
+    total = frames.shape[0]
+    duration = total / fps
+    if max_seconds is not None and duration > max_seconds + 1e-6:
+        raise MediaError(f"{what}: {total} frames at {fps:g} fps last {duration:.2f} s, longer than the limit "
+                         f"of {max_seconds:g} s")
+    if total > max_frames:
+        keep = sample_frame_indices(total, fps, fps, 1, max_frames, temporal_patch_size)
+        frames = frames[keep]
+    track = None
+    if with_audio and audio is not None:
+        track = load_audio(audio, max_seconds=max_seconds, what=f"{what} audio track", target_rate=target_rate)
+    return VideoClip(frames=frames, fps=frames.shape[0] / duration, duration=duration, audio=track)

@@ -45,6 +45,7 @@ class EngineOutput:
     hidden_states: dict[int, np.ndarray] | None = None  # capture layer -> [tokens computed this step, H]
     hidden_offset: int = 0  # position of the first of those tokens (a recompute after preemption resends rows)
     num_cached_tokens: int = 0
+    audio: np.ndarray | None = None  # waveform (vocoder stages)
 
 
 @dataclasses.dataclass(frozen=True)

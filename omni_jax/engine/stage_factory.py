@@ -73,6 +73,10 @@ def to_engine_request(msg) -> dict:
                             image_grid_thw=m.image_grid_thw, pixel_values_videos=m.pixel_values_videos,
                             video_grid_thw=m.video_grid_thw, video_second_per_grid=m.video_second_per_grid,
                             use_audio_in_video=m.use_audio_in_video)
-    return dict(request_id=msg.request_id, prompt_token_ids=np.asarray(msg.prompt_token_ids),
-                sampling_params=msg.sampling_params, inputs=inputs, multi_modal_data=mm,
-                arrival_time=msg.arrival_time or None)
+    kw = dict(request_id=msg.request_id, prompt_token_ids=np.asarray(msg.prompt_token_ids),
+              sampling_params=msg.sampling_params, arrival_time=msg.arrival_time or None)
+    if msg.voice is not None:  # vocoder stages
+        kw["voice"] = msg.voice
+    else:
+        kw.update(inputs=inputs, multi_modal_data=mm)
+    return kw

@@ -95,7 +95,7 @@ class Qwen2_5OmniHandoff:
         suppress = sorted(set(params.suppress_token_ids) | {self.talker.codec_bos})
         return AddRequest(request_id=request_id, prompt_token_ids=ids.astype(np.int32),
                           sampling_params=params.updated(suppress_token_ids=suppress), inputs=inputs,
-                          arrival_time=first.arrival_time, voice=v.name)
+                          arrival_time=first.arrival_time)
 
     def _positions(self, text_ids: np.ndarray, first: AddRequest):
         """The talker's M-RoPE positions: the thinker prompt's, continued by two text tokens."""

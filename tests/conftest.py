@@ -31,3 +31,19 @@ def converted_thinker_fp32(qwen2_5_omni_hf_dir, tmp_path_factory) -> str:
 
     return convert(qwen2_5_omni_hf_dir, str(tmp_path_factory.mktemp("omni_jax") / "tiny_fp32"),
                    dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="session")
+def qwen3_omni_hf_dir(tmp_path_factory) -> str:
+    """Directory of a tiny random Qwen3-Omni checkpoint."""
+    import hf_tiny_qwen3
+
+    return hf_tiny_qwen3.build_qwen3_omni(str(tmp_path_factory.mktemp("qwen3_omni_hf")))
+
+
+@pytest.fixture(scope="session")
+def qwen3_omni_hf_model(qwen3_omni_hf_dir):
+    """The transformers reference Qwen3-Omni (fp32, eval, talker audio_config fixed)."""
+    import hf_tiny_qwen3
+
+    return hf_tiny_qwen3.load_qwen3_omni(qwen3_omni_hf_dir)

@@ -77,9 +77,10 @@ def convert(hf_dir: str, out_dir: str, dtype: str = "bfloat16", overwrite: bool 
         for name, spec in present.items():
             stage_cfg = spec.parse_config(hf_config[spec.config_key])
             shapes = param_shapes(abstract_stage(spec, stage_cfg))
-            plan = map_hf_tensors(weights.keys(), shapes, spec.hf_prefix, spec.renames, spec.ignore)
+            source = spec.tensor_view(weights) if spec.tensor_view else weights
+            plan = map_hf_tensors(source.keys(), shapes, spec.hf_prefix, spec.renames, spec.ignore)
             bar = tqdm(total=len(plan), desc=f"converting {name}", unit="tensor", disable=not progress)
-            arrays = convert_tensors(weights.get, plan, shapes, NP_DTYPES[dtype], on_tensor=bar.update)
+            arrays = convert_tensors(source.get, plan, shapes, NP_DTYPES[dtype], on_tensor=bar.update)
             bar.close()
             save_stage(os.path.join(tmp, name), arrays)
         if family in SIDE_FILES:

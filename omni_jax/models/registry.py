@@ -30,6 +30,9 @@ class StageSpec:
     build: Callable[..., nnx.Module]
     renames: tuple[tuple[str, str], ...] = ()
     ignore: tuple[str, ...] = ()
+    # Wraps the checkpoint (keys()/get()) when the stage's names are not 1:1 with the
+    # files, e.g. per-expert tensors presented fused (conversion/moe.py FusedExperts).
+    tensor_view: Callable[[Any], Any] | None = None
 
 
 def _prefixed(renames, sub: str):

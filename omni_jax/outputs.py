@@ -74,6 +74,7 @@ class OmniRequestOutput:
     text_delta: str = ""
     new_token_ids: list[int] = dataclasses.field(default_factory=list)
     audio_delta: np.ndarray | None = None
+    stage_token_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # e.g. the talker's codec ids
 
     def save_audio(self, path: str) -> None:
         """Write the reply's speech as a 16-bit PCM mono WAV file."""
@@ -89,5 +90,6 @@ class OmniRequestOutput:
     def snapshot(self) -> "OmniRequestOutput":
         """A copy safe to hand to another thread."""
         return dataclasses.replace(self, token_ids=list(self.token_ids), new_token_ids=list(self.new_token_ids),
+                                   stage_token_ids={k: list(v) for k, v in self.stage_token_ids.items()},
                                    metrics=dataclasses.replace(self.metrics,
                                                                stage_time=dict(self.metrics.stage_time)))

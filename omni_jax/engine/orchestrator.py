@@ -272,6 +272,7 @@ class Orchestrator:
                 m.audio_seconds = len(out.audio) / out.sample_rate
                 self._emit(req, audio_delta=o.audio)
             if o.finished:
+                out.stage_token_ids[stage] = list(req.stage_outputs.get(stage, {}).get("token_ids", ()))
                 if o.finish_reason == "abort":
                     self._finish(req, reason="abort")
                 elif req.stage_index + 1 < len(req.chain):

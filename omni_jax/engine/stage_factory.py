@@ -40,9 +40,28 @@ def _qwen2_5_omni_talker(stage: dict, ckpt_dir: str):
     return build_talker_engine(ckpt_dir, runner_config(stage), dtype=stage.get("dtype"), progress=False)
 
 
+def _qwen2_5_omni_token2wav(stage: dict, ckpt_dir: str):
+    from ..models.qwen2_5_omni.stages import build_token2wav_engine
+
+    # For a vocoder, token_buckets are code-length buckets and decode_buckets batch sizes.
+    return build_token2wav_engine(ckpt_dir, length_buckets=tuple(stage["token_buckets"] or (64, 256, 1024)),
+                                  batch_buckets=tuple(stage["decode_buckets"] or (1, 2, 4)))
+
+
+def _qwen3_omni_thinker(stage: dict, ckpt_dir: str):
+    from ..models.qwen3_omni.media import MediaBuckets
+    from ..models.qwen3_omni.stages import build_thinker_engine
+
+    buckets = MediaBuckets(tuple(stage["audio_chunk_buckets"]), tuple(stage["vision_patch_buckets"]))
+    return build_thinker_engine(ckpt_dir, runner_config(stage), dtype=stage.get("dtype"), media_buckets=buckets,
+                                enable_prefix_caching=stage.get("enable_prefix_caching", True), progress=False)
+
+
 BUILDERS: dict[tuple[str, str], Callable[[dict, str], Any]] = {
     ("qwen2_5_omni", "thinker"): _qwen2_5_omni_thinker,
     ("qwen2_5_omni", "talker"): _qwen2_5_omni_talker,
+    ("qwen3_omni", "thinker"): _qwen3_omni_thinker,
+    ("qwen2_5_omni", "token2wav"): _qwen2_5_omni_token2wav,
 }
 
 

@@ -45,8 +45,9 @@ def _prefixed(renames, sub: str):
 
 
 def _qwen2_5_omni_stages() -> dict[str, StageSpec]:
-    from .qwen2_5_omni import vision_encoder
+    from .qwen2_5_omni import token2wav_bigvgan, token2wav_dit, vision_encoder
     from .qwen2_5_omni.talker import Qwen2_5OmniTalker, TalkerConfig
+    from .qwen2_5_omni.token2wav import Qwen2_5OmniToken2Wav, Token2WavConfig
     from .qwen2_5_omni.thinker import Qwen2_5OmniThinker, ThinkerConfig
 
     return {
@@ -60,6 +61,14 @@ def _qwen2_5_omni_stages() -> dict[str, StageSpec]:
             name="talker", hf_prefix="talker.", config_key="talker_config",
             parse_config=TalkerConfig.from_hf,
             build=lambda cfg, dtype, rngs: Qwen2_5OmniTalker(cfg, dtype=dtype, param_dtype=dtype, rngs=rngs),
+        ),
+        # The vocoder always runs in fp32 (as transformers does), whatever the checkpoint dtype.
+        "token2wav": StageSpec(
+            name="token2wav", hf_prefix="token2wav.", config_key="token2wav_config",
+            parse_config=Token2WavConfig.from_hf,
+            build=lambda cfg, dtype, rngs: Qwen2_5OmniToken2Wav(cfg, rngs=rngs),
+            renames=_prefixed(token2wav_dit.HF_RENAMES, "code2wav_dit_model")
+            + _prefixed(token2wav_bigvgan.HF_RENAMES, "code2wav_bigvgan_model"),
         ),
     }
 
@@ -81,9 +90,35 @@ def _qwen2_5_omni_side_files(hf_dir: str | None, get_tensor, hf_config: dict, ou
                  lambda ids: np.asarray(talker_table[list(ids)], np.float32), talker_cfg)
 
 
+def _fused_experts(weights):
+    # Imported on use: only conversion needs it, and `conversion` is a sibling package.
+    from conversion.moe import FusedExperts
+
+    return FusedExperts(weights)
+
+
+def _qwen3_omni_stages() -> dict[str, StageSpec]:
+    from .qwen3_omni import vision_encoder
+    from .qwen3_omni.thinker import Qwen3OmniThinker, ThinkerConfig
+
+    return {
+        "thinker": StageSpec(
+            name="thinker", hf_prefix="thinker.", config_key="thinker_config",
+            parse_config=ThinkerConfig.from_hf,
+            build=lambda cfg, dtype, rngs: Qwen3OmniThinker(cfg, dtype=dtype, param_dtype=dtype, rngs=rngs),
+            renames=_prefixed(vision_encoder.HF_RENAMES, "visual"),
+            tensor_view=_fused_experts,
+        ),
+    }
+
+
 FAMILIES: dict[str, Callable[[], dict[str, StageSpec]]] = {
     "qwen2_5_omni": _qwen2_5_omni_stages,
+    "qwen3_omni": _qwen3_omni_stages,
 }
+
+# HF `model_type`s whose family name differs.
+MODEL_TYPES: dict[str, str] = {"qwen3_omni_moe": "qwen3_omni"}
 
 # Files a family writes beside the stage checkpoints: (hf_dir, get_tensor(name), hf_config, out_dir).
 SIDE_FILES: dict[str, Callable] = {
@@ -94,8 +129,9 @@ SIDE_FILES: dict[str, Callable] = {
 def family_of(hf_config: dict) -> str:
     """The OmniJax family of an HF config, or a clear error naming what was found."""
     model_type = hf_config.get("model_type")
-    if model_type in FAMILIES:
-        return model_type
+    family = MODEL_TYPES.get(model_type, model_type)
+    if family in FAMILIES:
+        return family
     arch = hf_config.get("architectures")
     raise UnknownModelError(
         f"unsupported model: model_type={model_type!r}, architectures={arch!r}; "

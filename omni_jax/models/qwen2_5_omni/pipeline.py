@@ -50,6 +50,7 @@ class Qwen2_5OmniHandoff:
     media_token_ids: tuple[int, ...]
     thinker_eos: tuple[int, ...]
     hidden_layers: tuple[int, int]  # (0, num thinker layers): embeddings and final hidden state
+    codebook_size: int | None = None  # codes the vocoder embeds (DiT num_embeds); None: no limit
 
     def thinker2talker(self, first: AddRequest, generated: list[int], hidden: dict, params, voice: str | None,
                        request_id: str) -> AddRequest:
@@ -92,7 +93,12 @@ class Qwen2_5OmniHandoff:
         inputs = StageInputs(mrope_positions=positions, mrope_delta=delta, overlay_rows=overlay,
                              overlay_index=np.arange(p + 2, dtype=np.int32), extra_embeds=tail.astype(np.float32),
                              extra_embeds_pad=pad_row.astype(np.float32))
-        suppress = sorted(set(params.suppress_token_ids) | {self.talker.codec_bos})
+        suppress = set(params.suppress_token_ids) | {self.talker.codec_bos}
+        if self.codebook_size is not None:
+            # Ids past the vocoder's codebook (other than the end tokens) would fail in
+            # token2wav (transformers' too); a trained talker never picks them.
+            suppress |= set(range(self.codebook_size, self.talker.text.vocab_size)) - set(self.talker.eos_token_ids)
+        suppress = sorted(suppress)
         return AddRequest(request_id=request_id, prompt_token_ids=ids.astype(np.int32),
                           sampling_params=params.updated(suppress_token_ids=suppress), inputs=inputs,
                           arrival_time=first.arrival_time)
@@ -133,7 +139,8 @@ def make_router(ckpt_dir: str, pipeline):
     handoff = Qwen2_5OmniHandoff(
         Voices.load(ckpt_dir), TalkerConfig.from_hf(hf["talker_config"]), RopeIndexConfig.from_hf(hf),
         (thinker.get("audio_token_index", 151646), thinker.get("image_token_index", 151655),
-         thinker.get("video_token_index", 151656)), THINKER_EOS, (0, layers))
+         thinker.get("video_token_index", 151656)), THINKER_EOS, (0, layers),
+        codebook_size=hf.get("token2wav_config", {}).get("dit_config", {}).get("num_embeds"))
     kinds = {s.name: (s.model_stage or s.name) for s in pipeline.stages}
 
     def route(req, from_stage: str, to_stage: str) -> AddRequest:

@@ -36,7 +36,9 @@ def build_talker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | Non
     text = cfg.text
     engine = AREngine(
         model, EngineConfig(runner=dataclasses.replace(runner, rich_inputs=True), enable_prefix_caching=False,
-                            eos_token_ids=cfg.eos_token_ids, vocab_size=text.vocab_size),
+                            eos_token_ids=cfg.eos_token_ids, vocab_size=text.vocab_size,
+                            # room for the ids past the vocoder's codebook (see pipeline.py)
+                            banned_width=512),
         num_layers=text.num_layers, num_kv_heads=text.num_kv_heads, head_dim=text.head_dim,
         hidden_size=cfg.embedding_size)
     if warmup:
@@ -64,4 +66,24 @@ def build_thinker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | No
     if warmup:
         media.warmup()
         engine.warmup(progress=progress)
+    return engine
+
+
+def build_token2wav_engine(ckpt_dir: str, *, length_buckets=(64, 256, 1024), batch_buckets=(1, 2, 4),
+                           max_num_batched_tokens: int | None = None, warmup: bool = True):
+    """The vocoder stage: whole requests batched through DiT + BigVGAN (fp32, no KV cache)."""
+    from ...engine.oneshot_engine import OneShotEngine
+    from .token2wav import Token2WavSynthesizer
+    from .voices import Voices
+
+    model, cfg = load_checkpoint(ckpt_dir, stage="token2wav", dtype="float32")
+    synth = Token2WavSynthesizer(model, Voices.load(ckpt_dir), length_buckets=length_buckets,
+                                 batch_buckets=batch_buckets)
+    engine = OneShotEngine(synth, max_num_seqs=batch_buckets[-1],
+                           max_num_batched_tokens=max_num_batched_tokens or batch_buckets[-1] * length_buckets[-1],
+                           max_model_len=length_buckets[-1] + 1, vocab_size=cfg.dit.num_embeds,
+                           validate=synth.validate, warmup_fn=synth.warmup)
+    engine.synthesizer = synth
+    if warmup:
+        engine.warmup()
     return engine

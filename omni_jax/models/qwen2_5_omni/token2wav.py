@@ -1,0 +1,136 @@
+"""Token2wav stage: codec tokens -> mel (DiT flow matching) -> 24 kHz waveform (BigVGAN).
+
+`Qwen2_5OmniToken2Wav` holds both models under their checkpoint names
+(`token2wav.code2wav_dit_model`, `token2wav.code2wav_bigvgan_model`).
+`Token2WavSynthesizer` serves batches of whole requests for the `OneShotEngine`:
+requests are padded to a (batch, code length) bucket and run through one jitted
+function; padded frames are masked in the DiT's attention and BigVGAN's borders,
+so every request's waveform equals its unpadded result. Each request's initial
+noise is drawn from its own seed for its own length (or passed in explicitly),
+so batching never changes its audio. Speaker embeddings are computed once per voice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ...engine.buckets import pick_bucket
+from .token2wav_bigvgan import BigVGANConfig, Qwen2_5OmniBigVGAN
+from .token2wav_dit import DiTConfig, Qwen2_5OmniDiT
+from .voices import Voices
+
+
+@dataclasses.dataclass(frozen=True)
+class Token2WavConfig:
+    dit: DiTConfig
+    bigvgan: BigVGANConfig
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "Token2WavConfig":
+        return cls(DiTConfig.from_hf(d["dit_config"]), BigVGANConfig.from_hf(d["bigvgan_config"]))
+
+
+def initial_noise(num_codes: int, seed: int, repeats: int = 2, mel_dim: int = 80) -> np.ndarray:
+    """A request's initial noise [repeats * num_codes, mel_dim] from its seed (independent of batching)."""
+    key = jax.random.key(seed % (2 ** 32))
+    return np.asarray(jax.random.normal(key, (num_codes * repeats, mel_dim), jnp.float32))
+
+
+class Qwen2_5OmniToken2Wav(nnx.Module):
+    """DiT + BigVGAN, always in fp32 (as transformers runs them)."""
+
+    def __init__(self, cfg: Token2WavConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.code2wav_dit_model = Qwen2_5OmniDiT(cfg.dit, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.code2wav_bigvgan_model = Qwen2_5OmniBigVGAN(cfg.bigvgan, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, codes, code_lens, cond, spk, spk_uncond, noise, *, num_steps: int = 10,
+                 guidance_scale: float = 0.5, sway_coefficient: float = -1.0):
+        """codes [B, T] (padded), code_lens [B], cond [B, E], spk/spk_uncond [B, enc_dim],
+        noise [B, repeats*T, mel] -> waveform [B, samples] (zero past each row's length)."""
+        repeats = self.cfg.dit.repeats
+        frames = code_lens * repeats
+        frame_mask = jnp.arange(noise.shape[1])[None, :] < frames[:, None]
+        mel = self.code2wav_dit_model.solve(codes, cond, None, noise, num_steps=num_steps,
+                                            guidance_scale=guidance_scale, sway_coefficient=sway_coefficient,
+                                            frame_mask=frame_mask, speaker_embeds=(spk, spk_uncond))
+        return self.code2wav_bigvgan_model(mel, frames, channels_last=True)
+
+
+class Token2WavSynthesizer:
+    """Bucketed, jitted batches of whole token2wav requests (see module docstring)."""
+
+    def __init__(self, model: Qwen2_5OmniToken2Wav, voices: Voices, *, length_buckets, batch_buckets,
+                 num_steps: int = 10, guidance_scale: float = 0.5, sway_coefficient: float = -1.0):
+        self.cfg = model.cfg
+        self.voices = voices
+        self.length_buckets = tuple(length_buckets)
+        self.batch_buckets = tuple(batch_buckets)
+        self.kw = dict(num_steps=num_steps, guidance_scale=guidance_scale, sway_coefficient=sway_coefficient)
+        self.graphdef, self.state = nnx.split(model)
+        self._fn = jax.jit(lambda s, *a: nnx.merge(self.graphdef, s)(*a, **self.kw))
+        dit = model.code2wav_dit_model
+        spk_fn = jax.jit(lambda s, m: nnx.merge(*nnx.split(dit)[:1], s).speaker_embedding(m))
+        dit_state = nnx.split(dit)[1]
+        self._speakers = {}
+        for name in voices.names:
+            v = voices.get(name)
+            self._speakers[name] = (v.cond[0], np.asarray(spk_fn(dit_state, v.ref_mel))[0],
+                                    np.asarray(spk_fn(dit_state, np.zeros_like(v.ref_mel)))[0])
+
+    @property
+    def max_codes(self) -> int:
+        return self.length_buckets[-1]
+
+    def validate(self, req) -> None:
+        if req.num_prompt_tokens > self.max_codes:
+            raise ValueError(f"{req.num_prompt_tokens} codec tokens exceed the largest vocoder bucket "
+                             f"({self.max_codes})")
+        self.voices.get(req.data.voice)  # unknown voice -> ValueError listing the voices
+        if req.data.noise is not None and req.data.noise.shape != (req.num_prompt_tokens * self.cfg.dit.repeats,
+                                                                    self.cfg.dit.mel_dim):
+            raise ValueError(f"noise of shape {req.data.noise.shape} does not fit {req.num_prompt_tokens} codes")
+
+    def __call__(self, reqs) -> list[np.ndarray]:
+        """Waveforms of whole requests, batched by bucket."""
+        out = []
+        cap = self.batch_buckets[-1]
+        for i in range(0, len(reqs), cap):
+            out.extend(self._batch(reqs[i:i + cap]))
+        return out
+
+    def _batch(self, reqs) -> list[np.ndarray]:
+        b = pick_bucket(len(reqs), self.batch_buckets)
+        t = pick_bucket(max(r.num_prompt_tokens for r in reqs), self.length_buckets)
+        rep, mel_dim = self.cfg.dit.repeats, self.cfg.dit.mel_dim
+        codes = np.zeros((b, t), np.int32)
+        lens = np.ones(b, np.int32)
+        noise = np.zeros((b, t * rep, mel_dim), np.float32)
+        cond = np.zeros((b, self.cfg.dit.enc_emb_dim), np.float32)
+        spk = np.zeros((b, self.cfg.dit.enc_dim), np.float32)
+        spk_u = np.zeros_like(spk)
+        for j, r in enumerate(reqs):
+            n = r.num_prompt_tokens
+            codes[j, :n] = r.prompt_token_ids
+            lens[j] = n
+            noise[j, :n * rep] = r.data.noise if r.data.noise is not None else \
+                initial_noise(n, r.sampling_params.seed, rep, mel_dim)
+            cond[j], spk[j], spk_u[j] = self._speakers[self.voices.get(r.data.voice).name]
+        wav = np.asarray(self._fn(self.state, codes, lens, cond, spk, spk_u, noise))
+        return [wav[j, :self.cfg.bigvgan.num_samples(lens[j] * rep)] for j in range(len(reqs))]
+
+    def warmup(self) -> None:
+        rep, mel_dim = self.cfg.dit.repeats, self.cfg.dit.mel_dim
+        for b in self.batch_buckets:
+            for t in self.length_buckets:
+                z = np.zeros
+                jax.block_until_ready(self._fn(self.state, z((b, t), np.int32), np.ones(b, np.int32),
+                                               z((b, self.cfg.dit.enc_emb_dim), np.float32),
+                                               z((b, self.cfg.dit.enc_dim), np.float32),
+                                               z((b, self.cfg.dit.enc_dim), np.float32),
+                                               z((b, t * rep, mel_dim), np.float32)))

@@ -24,29 +24,63 @@ token-expert pairs:
 
 1. sort the P pairs by expert (``argsort`` of P int32 keys: O(P log P), negligible),
    gather the token rows into expert order ``[P, H]``, count the pairs per expert;
-2. two grouped matmuls over the sorted rows (``ragged_dot`` with the per-expert
-   group sizes): ``[P, H] x [E, 2I, H] -> [P, 2I]``, SiLU-gate, ``[P, I] x [E, H, I] -> [P, H]``;
+2. two grouped matmuls over the sorted rows (:func:`grouped_matmul` with the
+   per-expert group sizes): ``[P, H] x [E, 2I, H] -> [P, 2I]``, SiLU-gate,
+   ``[P, I] x [E, H, I] -> [P, H]``;
 3. un-permute and sum each token's k rows weighted by its routing weights (the
    scatter-add, written as a gather + k-term sum: no atomics, deterministic).
 
-Cost: FLOPs ~ 2 * P * 3 * H * I = 2 * T * k * 3 * H * I (+ 2*T*H*E for the router,
-+ 2*T*3*H*I_shared for a shared expert). Memory traffic: the weights of the experts
-that receive a token (at most min(E, P) of them, 3*H*I elements each; with P a few
-times E nearly every expert is hit, so a large decode batch reads the whole expert
-table once per step), plus O(P*(H + 2I)) activations for the gathered rows and
-intermediates. Those figures hold only where ``ragged_dot`` lowers to a real grouped
-matmul (TPU; a grouped-GEMM kernel on GPU). JAX's own CPU lowering of ``ragged_dot``
-expands the rows into a zero-masked ``[E, P, H]`` batch (E times the FLOPs and an
-``E*P*H`` temporary), and XLA:GPU by default rewrites the ``chlo.ragged_dot`` this
-emits the same way unless a grouped-GEMM backend (cuDNN ragged-dot fusion, behind
-an XLA flag) takes it, per XLA's own description; not measured here (no GPU).
-Fine for the tiny test models, not for a 128-expert prefill: :func:`grouped_matmul`
-is the one place to plug a grouped-GEMM kernel in.
+Grouped matmul implementations (``impl``; the default is chosen per lowering
+platform with ``lax.platform_dependent``, see ``DEFAULT_IMPL``):
+
+* ``"blocked"`` (CPU, GPU): each expert's run of sorted rows is cut into blocks
+  of ``B`` rows (the last block of a group is partial; the plan is built on device
+  from a cumsum of the per-expert block counts, no host sync), and a while loop
+  with a *dynamic* trip count = the number of used blocks runs one
+  ``[B, in] x [in, out]`` matmul per block against that block's expert weights
+  (a dynamic slice of the weight table, never a gathered ``[n_blocks, out, in]``
+  copy) and writes the block's rows back under a mask. Used blocks
+  ``sum_e ceil(s_e / B) <= ceil(P / B) + E'`` (E' = experts that got a row), so
+  FLOPs = used_blocks * 2*B*in*out <= 2*(P + E'*(B-1))*in*out: proportional to the
+  routed rows plus at most one partial block per hit expert. Weights are read
+  once per used block (once per hit expert when its group fits one block).
+  The block size defaults to ~ the mean group size (:func:`default_block_rows`,
+  8..128), so a decode step (P a few times E or less: 1-3 rows per hit expert)
+  pays up to B/(rows per expert) x the routed FLOPs in padding, which is harmless
+  there (weight reads dominate) and vanishes relative to P for prefill. Blocks run
+  one after another (no cross-block parallelism) and, as a while loop, forward only
+  (no reverse-mode AD): an inference path. On GPU expect each block to be its own
+  few small kernels (slice, dot, select, update; not measured): launch-bound for
+  many small blocks, hence a stopgap there.
+* ``"ragged_dot"`` (TPU): ``jax.lax.ragged_dot_general``, meant to be a real grouped
+  GEMM where the backend has one (TPU; not verified here, no TPU). JAX's own CPU
+  lowering expands it into a zero-masked ``[E, P, in]`` batch (E times the FLOPs of
+  the routed work and an ``E*P*in`` temporary), and XLA:GPU by default rewrites
+  the ``chlo.ragged_dot`` it emits the same way unless a grouped-GEMM backend takes
+  it (not measured here: no GPU). Hence GPU defaults to ``"blocked"`` until a
+  Pallas grouped-GEMM kernel is plugged in as another ``impl``; the next step on
+  Hopper is ``jax.experimental.pallas.ops.gpu.ragged_dot_mgpu.ragged_dot`` (same
+  (rows, weights, group_sizes) contract; takes this [G, out, in] weight orientation
+  with ``transpose_rhs=True``; ``blackwell_ragged_dot_mgpu`` sits beside it).
+
+Measured (benchmarks/moe.py, 2-core shared CPU, fp32, H=512 I=256 E=32 k=4, whole
+block incl. routing, best of 5): T=16: blocked 6.6 ms, ragged_dot 70 ms (10.5x),
+dense every-expert 42 ms (6.3x); T=256: 28 / 317 (11x) / 112 ms (4x); T=2048:
+117 / 2261 (19x) / 1078 ms (9x).
+
+Cost of the block (routed work, blocked or a real grouped GEMM): FLOPs ~
+2 * P * 3 * H * I = 2 * T * k * 3 * H * I (+ blocked's partial-block padding, at
+most E*(B-1) rows; + 2*T*H*E for the router; + 2*T*3*H*I_shared for a shared
+expert). Memory traffic: the weights of the experts that receive a token (at most
+min(E, P) of them, 3*H*I elements each; with P a few times E nearly every expert
+is hit, so a large decode batch reads the whole expert table once per step), plus
+O(P*(H + 2I)) activations for the gathered rows and intermediates.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -75,16 +109,116 @@ class MoEConfig:
     hidden_act: str = "silu"
 
 
+# Grouped-matmul implementation per lowering platform (module docstring); anything
+# not listed uses "blocked". Swap "cuda" to a grouped-GEMM kernel once one is wired in.
+DEFAULT_IMPL = {"cpu": "blocked", "cuda": "blocked", "rocm": "blocked", "tpu": "ragged_dot"}
+IMPLS = ("blocked", "ragged_dot")
+
+
+def default_block_rows(num_rows: int, num_groups: int) -> int:
+    """Static row-block size for :func:`blocked_grouped_matmul`: ~ the mean group size.
+
+    A power of two in [8, 128], at most num_rows: big enough that a block is a real
+    matmul, small enough that the <= 1 partial block per group (E*(B-1) padded rows
+    at worst) stays small next to the P routed rows.
+    """
+    mean = -(-num_rows // max(num_groups, 1))
+    b = 8
+    while b < mean and b < 128:
+        b *= 2
+    return max(1, min(b, num_rows))
+
+
+def max_blocks(num_rows: int, num_groups: int, block_rows: int) -> int:
+    """Static bound on used blocks: sum_g ceil(s_g/B) <= (P + G*(B-1)) // B, and <= P."""
+    return max(1, min(num_rows, (num_rows + num_groups * (block_rows - 1)) // block_rows))
+
+
+def blocked_plan(group_sizes: jnp.ndarray, num_rows: int, block_rows: int):
+    """Per-block (expert, first row, end row) arrays [max_blocks] and the used-block count.
+
+    Block j belongs to group e_j with cum_blocks[e_j - 1] <= j < cum_blocks[e_j]; it
+    covers rows [start_j, end_j) of the sorted rows, end_j - start_j <= block_rows.
+    Entries past the used count are junk and never read.
+    """
+    sizes = group_sizes.astype(jnp.int32)
+    n = max_blocks(num_rows, sizes.shape[0], block_rows)
+    blocks = (sizes + block_rows - 1) // block_rows
+    cum_blocks = jnp.cumsum(blocks)
+    row_start = jnp.cumsum(sizes) - sizes
+    j = jnp.arange(n, dtype=jnp.int32)
+    expert = jnp.minimum(jnp.searchsorted(cum_blocks, j, side="right"), sizes.shape[0] - 1)
+    expert = expert.astype(jnp.int32)
+    start = row_start[expert] + (j - (cum_blocks[expert] - blocks[expert])) * block_rows
+    end = jnp.minimum(start + block_rows, row_start[expert] + sizes[expert])
+    return expert, start, end, cum_blocks[-1]
+
+
+def blocked_grouped_matmul(rows, weights, group_sizes, out_dtype=jnp.float32, block_rows=None,
+                           count_blocks=False):
+    """Grouped matmul doing (used blocks) x block_rows x in x out work (module docstring).
+
+    Same contract as :func:`grouped_matmul`; rows past sum(group_sizes) come out zero.
+    count_blocks=True also returns the number of loop iterations actually executed
+    (a debug/cost check: it equals the plan's used-block count).
+    """
+    p, n_out = rows.shape[0], weights.shape[1]
+    if p == 0:
+        out = jnp.zeros((0, n_out), out_dtype)
+        return (out, jnp.zeros((), jnp.int32)) if count_blocks else out
+    b = default_block_rows(p, weights.shape[0]) if block_rows is None else min(block_rows, p)
+    expert, start, end, used = blocked_plan(group_sizes, p, b)
+    offs = jnp.arange(b, dtype=jnp.int32)
+
+    def body(j, carry):
+        out, count = carry
+        lo, hi = start[j], end[j]
+        # dynamic_slice clamps a block that would run past row P back inside; shift
+        # the mask with it so only rows [lo, hi) are written.
+        first = jnp.minimum(lo, p - b)
+        blk = jax.lax.dynamic_slice_in_dim(rows, first, b, axis=0)
+        w = jax.lax.dynamic_index_in_dim(weights, expert[j], axis=0, keepdims=False)  # [out, in]
+        res = jax.lax.dot_general(blk, w, (((1,), (1,)), ((), ())), preferred_element_type=out_dtype)
+        idx = first + offs
+        mask = ((idx >= lo) & (idx < hi))[:, None]
+        cur = jax.lax.dynamic_slice_in_dim(out, first, b, axis=0)
+        out = jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mask, res.astype(out_dtype), cur),
+                                                  first, axis=0)
+        return out, count + 1
+
+    init = (jnp.zeros((p, n_out), out_dtype), jnp.zeros((), jnp.int32))
+    # Dynamic upper bound: a while loop whose trip count is the used-block count.
+    out, count = jax.lax.fori_loop(0, used, body, init)
+    return (out, count) if count_blocks else out
+
+
+def ragged_dot_grouped_matmul(rows, weights, group_sizes, out_dtype=jnp.float32):
+    """:func:`grouped_matmul` through ``jax.lax.ragged_dot_general`` (a grouped GEMM on TPU only)."""
+    return jax.lax.ragged_dot_general(
+        rows, weights, group_sizes.astype(jnp.int32), _GROUPED_DIMS,
+        preferred_element_type=out_dtype)
+
+
 def grouped_matmul(rows: jnp.ndarray, weights: jnp.ndarray, group_sizes: jnp.ndarray,
-                   out_dtype=jnp.float32) -> jnp.ndarray:
+                   out_dtype=jnp.float32, *, impl: str | None = None,
+                   block_rows: int | None = None) -> jnp.ndarray:
     """rows [P, in], sorted by group; weights [G, out, in]; group_sizes [G] -> [P, out].
 
     Row r uses the weights of the group whose cumulative range holds r; rows past
     sum(group_sizes) belong to no group and must be ignored by the caller.
+    impl: "blocked" | "ragged_dot" | None (per lowering platform, ``DEFAULT_IMPL``).
     """
-    return jax.lax.ragged_dot_general(
-        rows, weights, group_sizes.astype(jnp.int32), _GROUPED_DIMS,
-        preferred_element_type=out_dtype)
+    blocked = functools.partial(blocked_grouped_matmul, out_dtype=out_dtype, block_rows=block_rows)
+    ragged = functools.partial(ragged_dot_grouped_matmul, out_dtype=out_dtype)
+    fns = {"blocked": blocked, "ragged_dot": ragged}
+    if impl is not None:
+        if impl not in fns:
+            raise ValueError(f"unknown grouped matmul impl {impl!r}; expected one of {IMPLS}")
+        return fns[impl](rows, weights, group_sizes)
+    # Chosen at lowering time, so an AOT lowering for another platform gets that
+    # platform's implementation (only the selected branch is compiled).
+    return jax.lax.platform_dependent(rows, weights, group_sizes, default=blocked,
+                                      **{plat: fns[name] for plat, name in DEFAULT_IMPL.items()})
 
 
 def route(router_logits: jnp.ndarray, top_k: int, norm_topk_prob: bool):
@@ -96,12 +230,15 @@ def route(router_logits: jnp.ndarray, top_k: int, norm_topk_prob: bool):
     return weights, experts.astype(jnp.int32)
 
 
-def moe_experts(x, routing_weights, experts, gate_up_proj, down_proj, act=jax.nn.silu, valid=None):
+def moe_experts(x, routing_weights, experts, gate_up_proj, down_proj, act=jax.nn.silu, valid=None,
+                *, impl: str | None = None, block_rows: int | None = None):
     """Sorted grouped-matmul dispatch (module docstring): x [T, H] -> [T, H] in x's dtype.
 
     routing_weights [T, k], experts [T, k] int; gate_up_proj [E, 2I, H]; down_proj [E, H, I];
     valid [T] bool or None: invalid tokens (bucket padding) are routed to no expert, so
     a grouped-GEMM kernel skips them, and their output is zero.
+    impl, block_rows: grouped-matmul implementation and blocked row-block size
+    (:func:`grouped_matmul`); None = per platform / :func:`default_block_rows`.
     """
     t, k = experts.shape
     num_experts = gate_up_proj.shape[0]
@@ -116,9 +253,11 @@ def moe_experts(x, routing_weights, experts, gate_up_proj, down_proj, act=jax.nn
 
     # Intermediate in the compute dtype (as transformers); the down projection in fp32
     # so the k-way weighted sum below adds unrounded expert outputs.
-    h = grouped_matmul(rows, gate_up_proj.astype(x.dtype), group_sizes, out_dtype=x.dtype)
+    h = grouped_matmul(rows, gate_up_proj.astype(x.dtype), group_sizes, out_dtype=x.dtype,
+                       impl=impl, block_rows=block_rows)
     h = act(h[:, :inter]) * h[:, inter:]
-    y = grouped_matmul(h, down_proj.astype(x.dtype), group_sizes)  # [P, H] fp32
+    y = grouped_matmul(h, down_proj.astype(x.dtype), group_sizes, impl=impl,
+                       block_rows=block_rows)  # [P, H] fp32
 
     # Pair p = token * k + slot sits at sorted position inverse[p].
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype),

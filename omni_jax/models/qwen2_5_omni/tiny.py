@@ -83,7 +83,8 @@ def build_tiny_checkpoint(out_dir: str, seed: int = 0) -> str:
             _, params, _ = nnx.split(module, nnx.Param, ...)
             arrays = {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(params)}
             save_stage(os.path.join(tmp, name), arrays)
-            tables[f"{name}.model.embed_tokens.weight"] = arrays[("model", "embed_tokens", "embedding")]
+            if ("model", "embed_tokens", "embedding") in arrays:
+                tables[f"{name}.model.embed_tokens.weight"] = arrays[("model", "embed_tokens", "embedding")]
             stages.append(name)
         SIDE_FILES["qwen2_5_omni"](None, tables.__getitem__, hf_config, tmp, speakers=tiny_speakers(hf_config, seed))
         build_qwen2_5_omni_tokenizer(tmp)

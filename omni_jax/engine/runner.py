@@ -11,7 +11,9 @@ logits indices), pads them to a shape bucket and calls one of two jitted functio
 
 Each comes in a "plain" variant (token embeddings only) and, for stages that need it, a
 "rich" one that overlays per-token embeddings (encoder features, prompt embeddings) and
-adds per-step extra embeddings (the talker's thinker reply part). The KV cache is donated,
+adds per-step extra embeddings (the talker's thinker reply part). Stages whose model takes
+DeepStack features (Qwen3-Omni thinker: `deepstack_layers` > 0) also get a "deepstack"
+prefill variant, used only by steps that hold visual prompt tokens. The KV cache is donated,
 so pages are updated in place. Sampling is a third jitted function over the logits,
 which never leave the device. Warm-up compiles every variant before serving.
 """
@@ -75,6 +77,7 @@ class RunnerConfig:
     backend: str | None = None                     # "pallas" | "reference"; default from the platform
     capture_layers: tuple[int, ...] = ()           # hidden states returned per token (HF indexing)
     rich_inputs: bool = False                      # compile overlay/extra-embedding variants
+    deepstack_layers: int = 0                      # DeepStack feature levels the model takes (0: none)
     kv_dtype: Any = None                           # default: the model's dtype
     kv_memory_fraction: float = 0.9                # share of free device memory for KV, when num_blocks is None
 
@@ -124,6 +127,9 @@ class RequestInputs:
     embedding when overlay_index[i] >= 0 (encoder features, prompt embeddings).
     Extra: the input of the token at absolute index P + k gets `extra_embeds[k]` added
     (`extra_embeds_pad` past the end), as the talker's per-step reply part.
+    DeepStack: `deepstack_rows [K, N, H]` follow the overlay rows; prompt token i with
+    overlay row r gets `deepstack_rows[k, r]` added after decoder layer k (zero rows for
+    overlay entries without DeepStack features, e.g. audio: adding zero changes nothing).
     """
 
     mrope_positions: np.ndarray | None = None
@@ -133,6 +139,7 @@ class RequestInputs:
     extra_embeds: np.ndarray | None = None
     extra_embeds_pad: np.ndarray | None = None
     capture_hidden: bool = False
+    deepstack_rows: np.ndarray | None = None
 
     @property
     def is_rich(self) -> bool:
@@ -179,16 +186,17 @@ class ModelRunner:
         shape = (self.cfg.num_blocks, self.cfg.block_size, num_kv_heads, head_dim)
         self.kv_caches = [(jnp.zeros(shape, kv_dtype), jnp.zeros(shape, kv_dtype)) for _ in range(num_layers)]
         self.kv_bytes = 2 * num_layers * int(np.prod(shape)) * jnp.dtype(kv_dtype).itemsize
-        self._step_fn = jax.jit(self._forward, static_argnames=("rich",), donate_argnums=(1,))
+        self._step_fn = jax.jit(self._forward, static_argnames=("rich", "deepstack"), donate_argnums=(1,))
 
     # -------------------------------------------------------------- jitted body
     def _forward(self, state, kv_caches, token_ids, positions, meta, logits_indices,
-                 overlay, overlay_mask, extra, *, rich: bool):
+                 overlay, overlay_mask, extra, deepstack_feats, *, rich: bool, deepstack: bool = False):
         model = nnx.merge(self.graphdef, state)
         x = model.embed(token_ids)
         if rich:
             x = jnp.where(overlay_mask[:, None], overlay.astype(x.dtype), x) + extra.astype(x.dtype)
-        hidden, kv_caches, captured = model(x, positions, meta, kv_caches, self.cfg.capture_layers)
+        kw = {"deepstack": (overlay_mask, deepstack_feats)} if deepstack else {}
+        hidden, kv_caches, captured = model(x, positions, meta, kv_caches, self.cfg.capture_layers, **kw)
         logits = model.compute_logits(jnp.take(hidden, logits_indices, axis=0))
         return logits, kv_caches, captured
 
@@ -207,7 +215,18 @@ class ModelRunner:
         out[:, ~in_prompt] = (idx[~in_prompt] + inp.mrope_delta)[None]
         return out
 
-    def _rich_rows(self, chunk: ScheduledChunk, overlay, overlay_mask, extra, offset: int) -> None:
+    def _has_deepstack(self, chunk: ScheduledChunk) -> bool:
+        """Whether the chunk holds prompt tokens with DeepStack features (visual placeholders)."""
+        inp = chunk.request.data
+        if not (self.cfg.deepstack_layers and self.cfg.rich_inputs) or inp is None or inp.deepstack_rows is None:
+            return False
+        p = chunk.request.num_prompt_tokens
+        if chunk.start >= p:
+            return False
+        return bool((inp.overlay_index[chunk.start:min(chunk.start + chunk.num_tokens, p)] >= 0).any())
+
+    def _rich_rows(self, chunk: ScheduledChunk, overlay, overlay_mask, extra, offset: int,
+                   deepstack=None) -> None:
         req, inp = chunk.request, chunk.request.data
         if inp is None:
             return
@@ -220,6 +239,8 @@ class ModelRunner:
             sel = rows >= 0
             overlay[offset + np.nonzero(sel)[0]] = inp.overlay_rows[rows[sel]]
             overlay_mask[offset:offset + idx.size] = sel
+            if deepstack is not None and inp.deepstack_rows is not None:
+                deepstack[:, offset + np.nonzero(sel)[0]] = inp.deepstack_rows[:, rows[sel]]
         if inp.extra_embeds is not None or inp.extra_embeds_pad is not None:
             k = idx - p
             gen = k >= 0
@@ -243,7 +264,9 @@ class ModelRunner:
         n_chunks = len(chunks)
         lens = np.fromiter((c.num_tokens for c in chunks), np.int64, n_chunks)
         total = int(lens.sum())
-        decode = all(c.num_tokens == 1 for c in chunks)
+        with_deepstack = any(self._has_deepstack(c) for c in chunks)
+        # DeepStack steps always take the prefill path (its only compiled variant).
+        decode = all(c.num_tokens == 1 for c in chunks) and not with_deepstack
         if decode:
             bucket = pick_bucket(n_chunks, cfg.decode_buckets)
             t_pad, s_pad = bucket, bucket
@@ -263,6 +286,8 @@ class ModelRunner:
         overlay = np.zeros((t_pad, self.hidden_size), np.float32) if rich else None
         overlay_mask = np.zeros(t_pad, bool) if rich else None
         extra = np.zeros((t_pad, self.hidden_size), np.float32) if rich else None
+        deepstack = rich and with_deepstack
+        ds = np.zeros((cfg.deepstack_layers, t_pad, self.hidden_size), np.float32) if deepstack else None
         for i, c in enumerate(chunks):
             a, b = offsets[i], offsets[i + 1]
             token_ids[a:b] = c.request.all_token_ids[c.start:c.start + c.num_tokens]
@@ -270,7 +295,7 @@ class ModelRunner:
             req_index[a:b] = i
             abs_pos[a:b] = np.arange(c.start, c.start + c.num_tokens)
             if rich:
-                self._rich_rows(c, overlay, overlay_mask, extra, a)
+                self._rich_rows(c, overlay, overlay_mask, extra, a, ds)
 
         width = cfg.max_blocks_per_seq
         tables = np.zeros((s_pad, width), np.int32)
@@ -294,8 +319,8 @@ class ModelRunner:
                                  cu_q_lens=cu_q_lens)
         return dict(token_ids=token_ids, positions=positions, meta=meta, logits_indices=logits_indices,
                     overlay=overlay, overlay_mask=overlay_mask, extra=extra, rich=rich,
-                    kind="decode" if decode else "prefill", bucket=bucket, offsets=offsets,
-                    sample_rows=sample_rows, total=total)
+                    deepstack_feats=ds, deepstack=deepstack, kind="decode" if decode else "prefill",
+                    bucket=bucket, offsets=offsets, sample_rows=sample_rows, total=total)
 
     # -------------------------------------------------------------- execution
     def execute(self, chunks: Sequence[ScheduledChunk], block_tables: np.ndarray,
@@ -307,8 +332,9 @@ class ModelRunner:
         in the ragged path would score every decode row against a whole block.
         Each part's `sample_rows` index into `chunks`.
         """
-        single = [i for i, c in enumerate(chunks) if c.num_tokens == 1]
-        multi = [i for i, c in enumerate(chunks) if c.num_tokens > 1]
+        # A one-token prompt chunk at a visual token needs DeepStack: prefill path.
+        single = [i for i, c in enumerate(chunks) if c.num_tokens == 1 and not self._has_deepstack(c)]
+        multi = sorted(set(range(len(chunks))) - set(single))
         parts = []
         for idx in (multi, single):
             if not idx:
@@ -330,9 +356,11 @@ class ModelRunner:
             overlay, overlay_mask, extra = b["overlay"], b["overlay_mask"], b["extra"]
         else:
             overlay = overlay_mask = extra = None
+        deepstack = b.get("deepstack", False)
         logits, self.kv_caches, captured = self._step_fn(
             self.state, self.kv_caches, b["token_ids"], b["positions"], b["meta"], b["logits_indices"],
-            overlay, overlay_mask, extra, rich=b["rich"])
+            overlay, overlay_mask, extra, b.get("deepstack_feats") if deepstack else None,
+            rich=b["rich"], deepstack=deepstack)
         return logits, captured
 
     # -------------------------------------------------------------- warm-up
@@ -342,15 +370,17 @@ class ModelRunner:
 
         cfg = self.cfg
         variants = [False, True] if cfg.rich_inputs else [False]
-        jobs = [("prefill", t, r) for t in cfg.token_buckets for r in variants]
-        jobs += [("decode", b, r) for b in cfg.decode_buckets for r in variants]
+        jobs = [("prefill", t, r, False) for t in cfg.token_buckets for r in variants]
+        if cfg.rich_inputs and cfg.deepstack_layers:
+            jobs += [("prefill", t, True, True) for t in cfg.token_buckets]
+        jobs += [("decode", b, r, False) for b in cfg.decode_buckets for r in variants]
         t0 = time.perf_counter()
-        for kind, size, rich in tqdm(jobs, desc="compiling buckets", unit="bucket", disable=not progress):
-            self._run(self._dummy_batch(kind, size, rich))
+        for kind, size, rich, ds in tqdm(jobs, desc="compiling buckets", unit="bucket", disable=not progress):
+            self._run(self._dummy_batch(kind, size, rich, ds))
         jax.block_until_ready(self.kv_caches)
         return time.perf_counter() - t0
 
-    def _dummy_batch(self, kind: str, size: int, rich: bool):
+    def _dummy_batch(self, kind: str, size: int, rich: bool, deepstack: bool = False):
         """All-padding inputs of one bucket: every write lands in the dummy block."""
         cfg = self.cfg
         s_pad = size if kind == "decode" else cfg.max_num_seqs
@@ -364,4 +394,6 @@ class ModelRunner:
                     logits_indices=np.zeros(s_pad, np.int32),
                     overlay=np.zeros((size, h), np.float32) if rich else None,
                     overlay_mask=np.zeros(size, bool) if rich else None,
-                    extra=np.zeros((size, h), np.float32) if rich else None, rich=rich)
+                    extra=np.zeros((size, h), np.float32) if rich else None, rich=rich,
+                    deepstack=deepstack,
+                    deepstack_feats=np.zeros((cfg.deepstack_layers, size, h), np.float32) if deepstack else None)

@@ -1,0 +1,387 @@
+"""The Qwen3-Omni thinker end to end against transformers.
+
+Conversion of the tiny checkpoint (every thinker tensor round-trips through the fused
+expert view), M-RoPE positions against `get_rope_index`, logits on text / audio /
+image (+ video) prompts with DeepStack, in-process engine greedy generation (chunked
+prefill, concurrent text and media requests, no compilation after warm-up) and one
+multi-process `OmniJax` run.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors.numpy as stnp
+import torch
+
+import hf_tiny_qwen3 as tiny
+from omni_jax import load_checkpoint
+from omni_jax.engine.runner import RunnerConfig
+from omni_jax.engine.sampling import SamplingParams
+from omni_jax.inputs.rope_index_qwen3 import get_rope_index_qwen3
+from omni_jax.models.layers.attention import AttentionMetadata
+from omni_jax.models.qwen3_omni.audio_encoder import audio_output_lengths
+from omni_jax.models.qwen3_omni.media import MediaBuckets, MultiModalData, Qwen3ThinkerMediaEncoder
+
+pytestmark = pytest.mark.parity
+
+TOL = 1e-4
+MAX_TOKENS = 6
+BUCKETS = MediaBuckets(audio_chunks=(4,), vision_patches=(256,))
+T_PAD = 128  # every logits test runs one compiled shape; the rest is junk padding
+
+
+@pytest.fixture(scope="module")
+def converted(qwen3_omni_hf_dir, tmp_path_factory) -> str:
+    from conversion.convert import convert
+
+    return convert(qwen3_omni_hf_dir, str(tmp_path_factory.mktemp("omni_jax_q3") / "tiny_fp32"),
+                   dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def thinker(converted):
+    model, cfg = load_checkpoint(converted, stage="thinker")
+    return model, cfg, Qwen3ThinkerMediaEncoder(model, cfg, BUCKETS)
+
+
+# ---------------------------------------------------------------- prompts
+class Prompt:
+    """Token ids plus the media a processor would return with them (Qwen3-Omni layout)."""
+
+    def __init__(self, seed: int = 0):
+        self.rng = np.random.default_rng(seed)
+        self.ids: list[int] = [tiny.IM_START, tiny.USER_TOKEN, 198]
+        self.mm = MultiModalData()
+        self.images: list[np.ndarray] = []
+        self.videos: list[np.ndarray] = []
+        self.image_grids: list[tuple] = []
+        self.video_grids: list[tuple] = []
+        self.patch_dim = 3 * 2 * 16 * 16
+
+    def text(self, n: int) -> "Prompt":
+        self.ids += self.rng.integers(0, 151000, n).tolist()
+        return self
+
+    def _pixels(self, grid):
+        return self.rng.standard_normal((int(np.prod(grid)), self.patch_dim)).astype(np.float32)
+
+    def _mel(self, frames):
+        mel = self.rng.standard_normal((128, frames)).astype(np.float32)
+        self.mm.audio_features.append(mel)
+        return int(audio_output_lengths([frames])[0])
+
+    def image(self, grid) -> "Prompt":
+        self.images.append(self._pixels(grid))
+        self.image_grids.append(tuple(grid))
+        self.ids += [tiny.VISION_START] + [tiny.IMAGE_TOKEN] * (int(np.prod(grid)) // 4) + [tiny.VISION_END]
+        return self
+
+    def audio(self, frames) -> "Prompt":
+        n = self._mel(frames)
+        self.ids += [tiny.AUDIO_START] + [tiny.AUDIO_TOKEN] * n + [tiny.AUDIO_END]
+        return self
+
+    def video(self, grid, with_audio_frames: int | None = None) -> "Prompt":
+        self.videos.append(self._pixels(grid))
+        self.video_grids.append(tuple(grid))
+        n_v = int(np.prod(grid)) // 4
+        if with_audio_frames is None:
+            self.ids += [tiny.VISION_START] + [tiny.VIDEO_TOKEN] * n_v + [tiny.VISION_END]
+            return self
+        # Qwen3OmniMoeProcessor.replace_video_with_audio_token: merge by temporal position.
+        n_a = self._mel(with_audio_frames)
+        t_video = np.repeat(np.arange(grid[0]) * 1.0 * 13, n_v // grid[0])
+        merged, i, j = [], 0, 0
+        while i < n_v and j < n_a:
+            if t_video[i] <= j:
+                merged.append(tiny.VIDEO_TOKEN)
+                i += 1
+            else:
+                merged.append(tiny.AUDIO_TOKEN)
+                j += 1
+        merged += [tiny.VIDEO_TOKEN] * (n_v - i) + [tiny.AUDIO_TOKEN] * (n_a - j)
+        self.ids += [tiny.VISION_START, tiny.AUDIO_START] + merged + [tiny.AUDIO_END, tiny.VISION_END]
+        self.mm.use_audio_in_video = True
+        return self
+
+    def done(self) -> "Prompt":
+        self.ids += [tiny.IM_END, 198, tiny.IM_START, tiny.ASSISTANT_TOKEN, 198]
+        if self.images:
+            self.mm.pixel_values = np.concatenate(self.images)
+            self.mm.image_grid_thw = np.array(self.image_grids)
+        if self.videos:
+            self.mm.pixel_values_videos = np.concatenate(self.videos)
+            self.mm.video_grid_thw = np.array(self.video_grids)
+            self.mm.video_second_per_grid = np.ones(len(self.videos))
+        return self
+
+    def hf_kwargs(self) -> dict:
+        """The media arguments of transformers' thinker forward / generate."""
+        kw = {}
+        if self.mm.audio_features:
+            frames = [f.shape[1] for f in self.mm.audio_features]
+            feats = np.zeros((len(frames), 128, max(frames)), np.float32)
+            mask = np.zeros((len(frames), max(frames)), np.int64)
+            for i, f in enumerate(self.mm.audio_features):
+                feats[i, :, :f.shape[1]] = f
+                mask[i, :f.shape[1]] = 1
+            kw.update(input_features=torch.tensor(feats), feature_attention_mask=torch.tensor(mask))
+        if self.images:
+            kw.update(pixel_values=torch.tensor(self.mm.pixel_values),
+                      image_grid_thw=torch.tensor(self.mm.image_grid_thw))
+        if self.videos:
+            kw.update(pixel_values_videos=torch.tensor(self.mm.pixel_values_videos),
+                      video_grid_thw=torch.tensor(self.mm.video_grid_thw),
+                      video_second_per_grid=torch.tensor(self.mm.video_second_per_grid))
+        if self.mm.use_audio_in_video:
+            kw["use_audio_in_video"] = True
+        return kw
+
+
+def _close(ours, ref, tol=TOL, rel=1e-3):
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    err = np.abs(ours - ref).max()
+    assert err <= tol, f"max abs error {err:.3g} > {tol}"
+    assert err <= rel * np.abs(ref).max(), f"max abs error {err:.3g} vs reference scale {np.abs(ref).max():.3g}"
+    return err
+
+
+# ---------------------------------------------------------------- conversion
+def test_conversion_round_trips_every_thinker_tensor(converted, qwen3_omni_hf_dir):
+    import orbax.checkpoint as ocp
+
+    from conversion.mapping import inverse_transform_for, map_hf_tensors
+    from conversion.moe import FusedExperts, split_fused_experts
+    from omni_jax.checkpoint import read_config
+    from omni_jax.models.registry import abstract_stage, param_shapes, stages_of
+
+    cfg = read_config(converted)
+    assert cfg["family"] == "qwen3_omni" and cfg["stages"] == ["thinker"]
+    disk = stnp.load_file(os.path.join(qwen3_omni_hf_dir, "model.safetensors"))
+    spec = stages_of("qwen3_omni")["thinker"]
+    shapes = param_shapes(abstract_stage(spec, spec.parse_config(cfg["hf_config"]["thinker_config"])))
+    view = FusedExperts(disk)
+    plan = map_hf_tensors(view.keys(), shapes, spec.hf_prefix, spec.renames)
+    stored = ocp.StandardCheckpointer().restore(os.path.abspath(os.path.join(converted, "thinker")))
+    assert len(stored) == len(plan)
+    seen = set()
+    for path, (key, leaf) in plan.items():
+        back = inverse_transform_for(leaf, np.asarray(stored[".".join(map(str, path))]))
+        pieces = split_fused_experts(key, back) if key.endswith(("experts.gate_up_proj", "experts.down_proj")) \
+            else {key: back}
+        for k, v in pieces.items():
+            np.testing.assert_array_equal(v, disk[k], err_msg=k)
+            seen.add(k)
+    assert seen == {k for k in disk if k.startswith("thinker.")}
+
+
+# ---------------------------------------------------------------- positions
+@pytest.mark.parametrize("case", ["mixed", "audio_in_video", "audio_in_video_long_video"])
+def test_rope_index_matches_transformers(case, thinker, qwen3_omni_hf_model):
+    _, cfg, _ = thinker
+    p = Prompt(seed=1).text(3)
+    if case == "mixed":
+        p.image((1, 8, 12)).text(2).audio(250).text(4).video((2, 4, 8)).image((2, 4, 4)).text(1)
+    elif case == "audio_in_video":
+        p.video((3, 4, 4), with_audio_frames=300).text(2).audio(130)
+    else:  # the video outlasts its audio: the end tokens follow a video run
+        p.image((1, 4, 4)).video((4, 4, 4), with_audio_frames=100).text(3)
+    p.done()
+    mm = p.mm
+    frames = [f.shape[1] for f in mm.audio_features]
+    ours, delta = get_rope_index_qwen3(
+        np.array(p.ids), cfg.rope_index, image_grid_thw=mm.image_grid_thw, video_grid_thw=mm.video_grid_thw,
+        audio_seqlens=np.array(frames), second_per_grids=mm.video_second_per_grid,
+        use_audio_in_video=mm.use_audio_in_video, n_window=cfg.audio.n_window)
+
+    def t(a):
+        return None if a is None else torch.tensor(a)
+
+    ref, ref_delta = qwen3_omni_hf_model.thinker.get_rope_index(
+        torch.tensor(p.ids)[None], t(mm.image_grid_thw), t(mm.video_grid_thw),
+        torch.ones(1, len(p.ids), dtype=torch.long), mm.use_audio_in_video, torch.tensor(frames),
+        t(mm.video_second_per_grid))
+    np.testing.assert_array_equal(ours, ref[:, 0].numpy())
+    assert delta == int(ref_delta.item())
+
+
+# ---------------------------------------------------------------- logits
+@functools.partial(jax.jit, static_argnames=("capture",))
+def _forward(model, ids, overlay, overlay_mask, positions, segment_ids, ds_mask, ds_feats, capture):
+    x = jnp.where(overlay_mask[:, None], overlay, model.embed(ids))
+    h, _, captured = model(x, positions, AttentionMetadata.dense(ids.shape[0], segment_ids),
+                           capture_layers=capture, deepstack=(ds_mask, ds_feats))
+    return model.compute_logits(h), captured
+
+
+def _logits(thinker, ids, mm=None, deepstack=True, pad_seed=0):
+    """Logits and hidden states (0, last) of one prompt, run as the first segment of T_PAD tokens."""
+    model, cfg, media = thinker
+    ids = np.asarray(ids)
+    t, h, k = len(ids), cfg.text.hidden_size, cfg.num_deepstack_layers
+    junk = np.random.default_rng(pad_seed).integers(0, 151000, T_PAD - t)
+    overlay = np.zeros((T_PAD, h), np.float32)
+    mask = np.zeros(T_PAD, bool)
+    ds_mask = np.zeros(T_PAD, bool)
+    ds_feats = np.zeros((k, T_PAD, h), np.float32)
+    positions = np.zeros((3, T_PAD), np.int32)
+    positions[:, :t] = np.arange(t)
+    positions[:, t:] = np.arange(T_PAD - t)
+    if mm is not None:
+        inp, _ = media.prepare(ids, mm)
+        rows = np.maximum(inp.overlay_index, 0)
+        mask[:t] = inp.overlay_index >= 0
+        overlay[:t] = inp.overlay_rows[rows]
+        positions[:, :t] = inp.mrope_positions
+        if inp.deepstack_rows is not None and deepstack:
+            ds_mask[:t] = mask[:t]
+            ds_feats[:, :t] = inp.deepstack_rows[:, rows]
+    segments = np.where(np.arange(T_PAD) < t, 0, -1).astype(np.int32)
+    logits, captured = _forward(model, jnp.asarray(np.concatenate([ids, junk]), jnp.int32), overlay, mask,
+                                positions, segments, ds_mask, ds_feats, capture=(0, cfg.text.num_layers))
+    return np.asarray(logits)[:t], {i: np.asarray(v)[:t] for i, v in captured.items()}
+
+
+def test_text_logits_match_transformers(thinker, qwen3_omni_hf_model):
+    ids = np.array(tiny.text_prompt_ids() + np.random.default_rng(2).integers(0, 151000, 9).tolist())
+    with torch.no_grad():
+        ref = qwen3_omni_hf_model.thinker(input_ids=torch.tensor(ids)[None], output_hidden_states=True)
+    logits, hidden = _logits(thinker, ids)
+    _close(logits, ref.logits[0].numpy())
+    _close(hidden[0], ref.hidden_states[0][0].numpy())
+    _close(hidden[3], ref.hidden_states[-1][0].numpy())
+
+
+@pytest.mark.parametrize("case", ["audio", "image", "image_video"])
+def test_media_logits_match_transformers(case, thinker, qwen3_omni_hf_model):
+    p = Prompt(seed=3).text(4)
+    if case == "audio":
+        p.audio(250).text(2).audio(60)       # two audios: 2.5 chunks and a short one
+    elif case == "image":
+        p.image((1, 8, 12)).text(3)
+    else:                                    # joint DeepStack rows over images and videos
+        p.video((2, 4, 8)).text(2).image((1, 8, 8))
+    p.done()
+    ids = np.array(p.ids)
+    with torch.no_grad():
+        ref = qwen3_omni_hf_model.thinker(input_ids=torch.tensor(ids)[None], output_hidden_states=True,
+                                          attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                          **p.hf_kwargs())
+    logits, hidden = _logits(thinker, ids, p.mm)
+    _close(logits, ref.logits[0].numpy())
+    _close(hidden[0], ref.hidden_states[0][0].numpy())
+    if case != "audio":
+        # DeepStack matters: leaving it out moves the logits far beyond the tolerance.
+        plain, _ = _logits(thinker, ids, p.mm, deepstack=False)
+        assert np.abs(plain - ref.logits[0].numpy()).max() > 100 * TOL
+
+
+def test_padding_tokens_do_not_change_real_rows(thinker):
+    """Padding tokens (segment -1) go through the MoE too: other junk, bit-identical real rows."""
+    ids = np.array(tiny.text_prompt_ids())
+    a, _ = _logits(thinker, ids, pad_seed=1)
+    b, _ = _logits(thinker, ids, pad_seed=2)
+    np.testing.assert_array_equal(a, b)
+
+
+# ---------------------------------------------------------------- engine
+@pytest.fixture(scope="module")
+def engine(converted):
+    from omni_jax.models.qwen3_omni.stages import build_thinker_engine
+
+    # Small KV pool and token budget: chunked prefill splits the media prompts.
+    runner = RunnerConfig(num_blocks=48, block_size=16, max_num_seqs=8, max_num_batched_tokens=32,
+                          max_model_len=160, token_buckets=(32,), decode_buckets=(8,))
+    return build_thinker_engine(converted, runner, media_buckets=BUCKETS, progress=False)
+
+
+def _hf_greedy(hf, ids, **kw):
+    with torch.no_grad():
+        out = hf.thinker.generate(input_ids=torch.tensor(ids)[None],
+                                  attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                  max_new_tokens=MAX_TOKENS, do_sample=False, **kw)
+    return out[0, len(ids):].tolist()
+
+
+def test_engine_greedy_matches_transformers(engine, qwen3_omni_hf_model):
+    rng = np.random.default_rng(5)
+    texts = [rng.integers(0, 151000, n) for n in (5, 23, 40, 9)]
+    image = Prompt(seed=6).text(21).image((1, 8, 12)).text(2).done()
+    audio = Prompt(seed=7).text(2).audio(130).done()
+    c0 = engine.num_compilations
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    for i, p in enumerate(texts):
+        engine.add_request(f"t{i}", p, greedy)
+    engine.add_request("image", np.array(image.ids), greedy, multi_modal_data=image.mm)
+    engine.add_request("audio", np.array(audio.ids), greedy, multi_modal_data=audio.mm)
+    got = {}
+    for _ in range(300):
+        if not engine.has_unfinished():
+            break
+        for o in engine.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert not engine.has_unfinished()
+    assert engine.num_compilations == c0, "a step compiled after warm-up"
+    hf = qwen3_omni_hf_model
+    for i, p in enumerate(texts):
+        assert got[f"t{i}"] == _hf_greedy(hf, p), f"request t{i}"
+    assert got["image"] == _hf_greedy(hf, image.ids, **image.hf_kwargs())
+    assert got["audio"] == _hf_greedy(hf, audio.ids, **audio.hf_kwargs())
+    kv = engine.scheduler.kv_cache_manager
+    assert kv.is_idle_and_leak_free()
+
+
+def test_one_token_chunk_at_a_visual_token_gets_deepstack(engine, qwen3_omni_hf_model):
+    """Chunked prefill text | 1 image token | rest: the lone visual token takes the prefill path."""
+    import dataclasses
+
+    from flax import nnx
+
+    from omni_jax.engine.request import Request
+    from omni_jax.engine.runner import ModelRunner, ScheduledChunk
+
+    p = Prompt(seed=9).text(3).image((1, 8, 8)).text(2).done()
+    ids = np.array(p.ids)
+    inputs, _ = engine.media_encoder.prepare(ids, p.mm)
+    text = engine.media_encoder.cfg.text
+    model = nnx.merge(engine.runner.graphdef, engine.runner.state)
+    runner = ModelRunner(model, dataclasses.replace(engine.runner.cfg, num_blocks=8), num_layers=text.num_layers,
+                         num_kv_heads=text.num_kv_heads, head_dim=text.head_dim, hidden_size=text.hidden_size)
+    req = Request("r", ids, SamplingParams(temperature=0.0), data=inputs)
+    tables = np.arange(1, 8, dtype=np.int32)[None]
+    v = int(np.flatnonzero(ids == tiny.IMAGE_TOKEN)[0])
+    kinds = []
+    for start, n in ((0, v), (v, 1), (v + 1, len(ids) - v - 1)):
+        part, = runner.execute([ScheduledChunk(req, start, n, sample=start + n == len(ids))], tables)
+        kinds.append(part.kind)
+    assert kinds == ["prefill"] * 3
+    with torch.no_grad():
+        ref = qwen3_omni_hf_model.thinker(input_ids=torch.tensor(ids)[None],
+                                          attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                          **p.hf_kwargs()).logits[0, -1].numpy()
+    _close(np.asarray(part.logits)[0], ref)
+
+
+# ---------------------------------------------------------------- multi-process
+@pytest.mark.pipeline
+def test_omnijax_text_generation_matches_transformers(converted, qwen3_omni_hf_model):
+    from omni_jax import OmniJax
+    from omni_jax.config import load_pipeline_config
+
+    rng = np.random.default_rng(8)
+    batch = [rng.integers(0, 151000, n).tolist() for n in (7, 30)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    # The preset with one bucket per shape axis: a quick warm-up in the stage process.
+    pipeline = load_pipeline_config("qwen3_omni_tiny").with_overrides(thinker=dict(
+        token_buckets=[64], decode_buckets=[8], audio_chunk_buckets=[1], vision_patch_buckets=[64]))
+    with OmniJax(model=converted, pipeline=pipeline) as omni:
+        outs = omni.generate([{"prompt_token_ids": p} for p in batch], sampling_params=params)
+    for p, out in zip(batch, outs):
+        assert out.error is None and out.finish_reason == "length"
+        assert out.token_ids == _hf_greedy(qwen3_omni_hf_model, p)

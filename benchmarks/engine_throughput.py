@@ -95,12 +95,12 @@ def run_hf(hf, prompts, new, batch):
     return useful, time.perf_counter() - t0
 
 
-def make_engine(model, dcfg, max_num_seqs=64):
+def make_engine(model, dcfg, max_num_seqs=64, token_budget=512):
     from omni_jax.engine.ar_engine import AREngine, EngineConfig
     from omni_jax.engine.runner import RunnerConfig
 
     rc = RunnerConfig(num_blocks=max_num_seqs * 41 + 8, block_size=16, max_num_seqs=max_num_seqs,
-                      max_num_batched_tokens=512, max_model_len=656)
+                      max_num_batched_tokens=token_budget, max_model_len=656)
     eng = AREngine(model, EngineConfig(runner=rc, vocab_size=dcfg.vocab_size),
                    num_layers=dcfg.num_layers, num_kv_heads=dcfg.num_kv_heads, head_dim=dcfg.head_dim,
                    hidden_size=dcfg.hidden_size)
@@ -166,6 +166,7 @@ def main():
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--hf-batch", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="8 requests, for a smoke run")
+    ap.add_argument("--token-budget", type=int, default=1024, help="engine max_num_batched_tokens")
     args = ap.parse_args()
     n = 8 if args.quick else args.requests
 
@@ -176,7 +177,7 @@ def main():
           f"{min(new)}-{max(new)} new tokens, greedy")
 
     t = time.perf_counter()
-    eng = make_engine(ours, dcfg)
+    eng = make_engine(ours, dcfg, token_budget=args.token_budget)
     print(f"omnijax warm-up (compile every bucket): {time.perf_counter() - t:.1f}s")
     tok_e, dt_e = run_engine(eng, prompts, new)
     tok_h, dt_h = run_hf(hf, prompts, new, min(args.hf_batch, n))

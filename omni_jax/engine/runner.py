@@ -177,6 +177,9 @@ class ModelRunner:
                  head_dim: int, hidden_size: int, dtype=None):
         self.cfg = cfg.resolved()
         self.graphdef, self.state = nnx.split(model)
+        # The step takes the parameters as a flat list of arrays: flattening the NNX state
+        # (one Variable node per parameter) on every call costs milliseconds of host time.
+        self._param_leaves, self._param_def = jax.tree.flatten(self.state)
         self.hidden_size = hidden_size
         self.dtype = dtype or jax.tree_util.tree_leaves(self.state)[0].dtype
         kv_dtype = self.cfg.kv_dtype or self.dtype
@@ -189,9 +192,9 @@ class ModelRunner:
         self._step_fn = jax.jit(self._forward, static_argnames=("rich", "deepstack"), donate_argnums=(1,))
 
     # -------------------------------------------------------------- jitted body
-    def _forward(self, state, kv_caches, token_ids, positions, meta, logits_indices,
+    def _forward(self, param_leaves, kv_caches, token_ids, positions, meta, logits_indices,
                  overlay, overlay_mask, extra, deepstack_feats, *, rich: bool, deepstack: bool = False):
-        model = nnx.merge(self.graphdef, state)
+        model = nnx.merge(self.graphdef, jax.tree.unflatten(self._param_def, param_leaves))
         x = model.embed(token_ids)
         if rich:
             x = jnp.where(overlay_mask[:, None], overlay.astype(x.dtype), x) + extra.astype(x.dtype)
@@ -258,6 +261,32 @@ class ModelRunner:
                         vals[~have] = inp.extra_embeds_pad
                 extra[offset + np.nonzero(gen)[0]] = vals
 
+    def _pack_decode(self, chunks, token_ids, positions, req_index, abs_pos) -> None:
+        """One token per chunk: fill the step arrays with one pass of plain Python reads.
+
+        The decode step is the hot path: per-chunk numpy calls would cost more than the
+        arithmetic (host overhead per step is what bounds small models).
+        """
+        n = len(chunks)
+        starts = [c.start for c in chunks]
+        ids, pos = [], []
+        for c, start in zip(chunks, starts):
+            req = c.request
+            ids.append(req.all_token_ids[start])
+            inp = req.data
+            if start < req.num_prompt_tokens:  # a one-token prompt chunk
+                if inp is not None and inp.mrope_positions is not None:
+                    pos.append(tuple(int(x) for x in inp.mrope_positions[:, start]))
+                else:
+                    pos.append((start, start, start))
+            else:
+                p = start + (inp.mrope_delta if inp is not None else 0)
+                pos.append((p, p, p))
+        token_ids[:n] = ids
+        positions[:, :n] = np.asarray(pos, np.int64).T
+        req_index[:n] = np.arange(n)
+        abs_pos[:n] = starts
+
     def prepare(self, chunks: Sequence[ScheduledChunk], block_tables: np.ndarray):
         """Pack and pad one step's chunks. `block_tables[i]` belongs to chunks[i]."""
         cfg = self.cfg
@@ -288,14 +317,17 @@ class ModelRunner:
         extra = np.zeros((t_pad, self.hidden_size), np.float32) if rich else None
         deepstack = rich and with_deepstack
         ds = np.zeros((cfg.deepstack_layers, t_pad, self.hidden_size), np.float32) if deepstack else None
-        for i, c in enumerate(chunks):
-            a, b = offsets[i], offsets[i + 1]
-            token_ids[a:b] = c.request.all_token_ids[c.start:c.start + c.num_tokens]
-            positions[:, a:b] = self._positions(c)
-            req_index[a:b] = i
-            abs_pos[a:b] = np.arange(c.start, c.start + c.num_tokens)
-            if rich:
-                self._rich_rows(c, overlay, overlay_mask, extra, a, ds)
+        if decode and not rich:
+            self._pack_decode(chunks, token_ids, positions, req_index, abs_pos)
+        else:
+            for i, c in enumerate(chunks):
+                a, b = offsets[i], offsets[i + 1]
+                token_ids[a:b] = c.request.all_token_ids[c.start:c.start + c.num_tokens]
+                positions[:, a:b] = self._positions(c)
+                req_index[a:b] = i
+                abs_pos[a:b] = np.arange(c.start, c.start + c.num_tokens)
+                if rich:
+                    self._rich_rows(c, overlay, overlay_mask, extra, a, ds)
 
         width = cfg.max_blocks_per_seq
         tables = np.zeros((s_pad, width), np.int32)
@@ -358,7 +390,7 @@ class ModelRunner:
             overlay = overlay_mask = extra = None
         deepstack = b.get("deepstack", False)
         logits, self.kv_caches, captured = self._step_fn(
-            self.state, self.kv_caches, b["token_ids"], b["positions"], b["meta"], b["logits_indices"],
+            self._param_leaves, self.kv_caches, b["token_ids"], b["positions"], b["meta"], b["logits_indices"],
             overlay, overlay_mask, extra, b.get("deepstack_feats") if deepstack else None,
             rich=b["rich"], deepstack=deepstack)
         return logits, captured

@@ -142,6 +142,12 @@ def make_router(ckpt_dir: str, pipeline):
          thinker.get("video_token_index", 151656)), THINKER_EOS, (0, layers),
         codebook_size=hf.get("token2wav_config", {}).get("dit_config", {}).get("num_embeds"))
     kinds = {s.name: (s.model_stage or s.name) for s in pipeline.stages}
+    for s in pipeline.stages:
+        if kinds[s.name] == "thinker" and not {0, layers} <= set(s.hidden_layers):
+            from ...config import ConfigError
+
+            raise ConfigError(f"stage {s.name!r}: hidden_layers must include 0 and {layers} (the thinker's "
+                              f"embeddings and last layer feed the talker), got {list(s.hidden_layers)}")
 
     def route(req, from_stage: str, to_stage: str) -> AddRequest:
         acc = req.stage_outputs[from_stage]

@@ -1,0 +1,148 @@
+"""Text-to-speech end to end: OmniJax vs transformers on the same small random Qwen2.5-Omni.
+
+    python benchmarks/e2e_speech.py [--requests 16] [--thinker-tokens 16] [--talker-tokens 64]
+
+Both sides answer the same 16 prompts with text and 24 kHz speech: greedy thinker,
+greedy talker (repetition penalty 1.05), DiT + BigVGAN vocoder.
+* OmniJax: three stage processes (thinker, talker, token2wav), requests in flight
+  together through `AsyncOmniJax`;
+* transformers: `Qwen2_5OmniForConditionalGeneration.generate(return_audio=True)` on one
+  left-padded batch of all requests (its batched path), CPU threads = cores.
+Prints requests/s, mean real-time factor (processing time / audio seconds) and the ratio.
+The model is a random Qwen2.5-Omni a few times larger than the test one (its vocoder
+embeds the whole talker vocabulary, so random codec ids cannot crash transformers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+
+def small_config() -> dict:
+    import hf_tiny
+
+    cfg = hf_tiny.qwen2_5_omni_config_dict()
+    text = cfg["thinker_config"]["text_config"]
+    text.update(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+                num_key_value_heads=4)
+    text["rope_parameters"]["mrope_section"] = [4, 6, 6]
+    cfg["thinker_config"]["audio_config"]["output_dim"] = 256
+    cfg["thinker_config"]["vision_config"]["out_hidden_size"] = 256
+    talker = cfg["talker_config"]
+    talker.update(embedding_size=256, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    talker["rope_parameters"] = dict(talker["rope_parameters"], mrope_section=[4, 6, 6])
+    cfg["token2wav_config"]["dit_config"].update(num_embeds=8448, hidden_size=64, num_hidden_layers=4,
+                                                 num_attention_heads=4, head_dim=16)
+    return cfg
+
+
+def build(tmp: str) -> tuple[str, str]:
+    """Random HF checkpoint (saved with transformers) and its OmniJax conversion."""
+    import torch
+    from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
+
+    import hf_tiny
+    from conversion.convert import convert
+
+    torch.manual_seed(0)
+    model = Qwen2_5OmniForConditionalGeneration(Qwen2_5OmniConfig(**small_config())).eval().float()
+    hf_dir = os.path.join(tmp, "hf")
+    model.save_pretrained(hf_dir)
+    hf_tiny._write_speakers(hf_dir, small_config()["token2wav_config"]["dit_config"])
+    out = convert(hf_dir, os.path.join(tmp, "omni"), dtype="float32", progress=False)
+    return hf_dir, out
+
+
+def run_transformers(hf_dir, prompts, thinker_tokens, talker_tokens):
+    import torch
+    from transformers import Qwen2_5OmniForConditionalGeneration
+
+    torch.set_num_threads(os.cpu_count())
+    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(hf_dir, dtype="float32").eval()
+    L = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), L, dtype=torch.long)
+    mask = torch.zeros(len(prompts), L, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, L - len(p):] = torch.tensor(p)
+        mask[i, L - len(p):] = 1
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        _, wavs = model.generate(input_ids=ids, attention_mask=mask, speaker="Chelsie",
+                                 thinker_max_new_tokens=thinker_tokens, thinker_do_sample=False,
+                                 thinker_min_new_tokens=thinker_tokens,
+                                 talker_do_sample=False, talker_max_new_tokens=talker_tokens)
+    dt = time.perf_counter() - t0
+    wavs = wavs if isinstance(wavs, list) else [wavs]
+    seconds = [len(w) / 24000 for w in wavs]
+    return dt, seconds, [dt / max(s, 1e-9) for s in seconds]
+
+
+def run_omnijax(ckpt, prompts, thinker_tokens, talker_tokens):
+    from omni_jax import AsyncOmniJax, SamplingParams
+    from omni_jax.config import load_pipeline_config
+
+    n = len(prompts)
+    pipeline = load_pipeline_config("qwen2_5_omni_tiny").with_overrides(
+        thinker=dict(max_num_seqs=n, decode_buckets=[1, 4, n], token_buckets=[16, 64], max_num_batched_tokens=64,
+                     hidden_layers=[0, 4]),
+        talker=dict(max_num_seqs=n, decode_buckets=[1, 4, n], token_buckets=[16, 64], max_num_batched_tokens=64,
+                    num_blocks=n * (1024 // 16) + 1),
+        token2wav=dict(max_num_seqs=n, decode_buckets=[1, 4, n], token_buckets=[talker_tokens],
+                       max_num_batched_tokens=talker_tokens))
+    params = [SamplingParams(temperature=0.0, max_tokens=thinker_tokens, ignore_eos=True),
+              SamplingParams(temperature=0.0, repetition_penalty=1.05, max_tokens=talker_tokens), None]
+
+    async def go():
+        async with AsyncOmniJax(model=ckpt, pipeline=pipeline, output_modalities=["text", "audio"]) as omni:
+            async def one(i, p):
+                last = None
+                async for out in omni.generate({"prompt_token_ids": p}, params, request_id=f"s{i}",
+                                               output_modalities=["text", "audio"], voice="Chelsie"):
+                    last = out
+                return last
+            t0 = time.perf_counter()
+            outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+            return time.perf_counter() - t0, outs
+
+    dt, outs = asyncio.run(go())
+    errors = [o.error for o in outs if o.error]
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed, e.g. {errors[0]}")
+    seconds = [o.metrics.audio_seconds for o in outs]
+    return dt, seconds, [o.metrics.rtf for o in outs], [o.metrics.time_to_first_audio for o in outs]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--thinker-tokens", type=int, default=16)
+    ap.add_argument("--talker-tokens", type=int, default=64)
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 151000, int(rng.integers(8, 40))).tolist() for _ in range(args.requests)]
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_dir, ckpt = build(tmp)
+        dt_o, sec_o, rtf_o, ttfa = run_omnijax(ckpt, prompts, args.thinker_tokens, args.talker_tokens)
+        dt_h, sec_h, rtf_h = run_transformers(hf_dir, prompts, args.thinker_tokens, args.talker_tokens)
+    n = args.requests
+    print(f"{n} text+speech requests, thinker {args.thinker_tokens} tokens, talker <= {args.talker_tokens} codes, "
+          f"CPU ({os.cpu_count()} cores), fp32")
+    print(f"omnijax:      {dt_o:7.2f}s  {n / dt_o:6.2f} req/s  audio {sum(sec_o):6.1f}s  mean RTF {np.mean(rtf_o):.2f}  "
+          f"mean time to first audio {np.mean(ttfa):.2f}s")
+    print(f"transformers: {dt_h:7.2f}s  {n / dt_h:6.2f} req/s  audio {sum(sec_h):6.1f}s  mean RTF {np.mean(rtf_h):.2f}")
+    print(f"ratio omnijax / transformers (req/s): {dt_h / dt_o:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -77,9 +77,9 @@ class ThinkerMediaEncoder:
         self._vision_fn = jax.jit(lambda g, s, *a: nnx.merge(g, s)(*a), static_argnums=0)
         self.dtype = jax.tree_util.tree_leaves(self._audio[1])[0].dtype
 
-    # ------------------------------------------------------------------ encoders
-    def encode_audio(self, features: Sequence[np.ndarray]) -> np.ndarray:
-        """Audio embeddings [tokens, hidden] of all audios, in order."""
+    # ------------------------------------------------------------------ host-side planning (shared)
+    def _audio_input(self, features: Sequence[np.ndarray]) -> tuple[np.ndarray, int, np.ndarray]:
+        """Checked audio lengths, their chunk bucket, and the features padded to it [mel, chunks*W]."""
         acfg = self.cfg.audio
         for i, f in enumerate(features):
             f = np.asarray(f)
@@ -87,22 +87,21 @@ class ThinkerMediaEncoder:
                 raise ValueError(f"audio {i}: expected log-mel features [{acfg.num_mel_bins}, frames], "
                                  f"got shape {f.shape}")
         lens = np.array([np.asarray(f).shape[1] for f in features], np.int64)
-        need = num_chunks_for(lens, acfg.n_window)
+        need = self._num_chunks(lens)
         try:
             chunks = pick_bucket(need, self.buckets.audio_chunks)
         except ValueError:
             raise ValueError(f"audio too long: {int(lens.sum())} mel frames need {need} encoder chunks, "
                              f"more than the largest bucket {self.buckets.audio_chunks[-1]}") from None
-        w = acfg.chunk_frames
-        s = acfg.chunk_tokens
-        batch = prepare_audio_batch(lens, acfg.n_window, num_chunks=chunks, num_tokens=chunks * (s // 2 + 1))
-        feats = np.zeros((acfg.num_mel_bins, chunks * w), np.float32)
+        feats = np.zeros((acfg.num_mel_bins, chunks * acfg.chunk_frames), self.dtype)
         feats[:, :lens.sum()] = np.concatenate([np.asarray(f, np.float32) for f in features], axis=1)
-        out = self._audio_fn(self._audio[0], self._audio[1], feats.astype(self.dtype), *batch.arrays())
-        return np.asarray(out)[:batch.num_tokens]
+        return lens, chunks, feats
 
-    def encode_vision(self, pixel_values: np.ndarray, grid_thw: np.ndarray, what: str) -> np.ndarray:
-        """Image or video features [merged tokens, hidden] of all items of `grid_thw`."""
+    def _num_chunks(self, lens: np.ndarray) -> int:
+        return num_chunks_for(lens, self.cfg.audio.n_window)
+
+    def _vision_input(self, pixel_values, grid_thw, what: str):
+        """Checked grids, patch count, its bucket, and the patches padded to it."""
         vcfg = self.cfg.vision
         pixel_values = np.asarray(pixel_values)
         grid_thw = np.asarray(grid_thw, np.int64).reshape(-1, 3)
@@ -115,53 +114,83 @@ class ThinkerMediaEncoder:
         except ValueError:
             raise ValueError(f"{what} too large: {n} patches, more than the largest bucket "
                              f"{self.buckets.vision_patches[-1]}") from None
-        meta = vision_metadata(grid_thw, vcfg, patches)
         padded = np.zeros((patches, vcfg.patch_dim), self.dtype)
         padded[:n] = pixel_values
-        out = self._vision_fn(self._vision[0], self._vision[1], padded, meta)
-        return np.asarray(out)[:n // vcfg.merge_unit]
+        return grid_thw, n, patches, padded
 
-    # ------------------------------------------------------------------ requests
-    def prepare(self, token_ids: np.ndarray, mm: MultiModalData) -> tuple[RequestInputs, list]:
-        """RequestInputs (overlay rows + M-RoPE positions) and prefix-cache media ranges."""
+    def _encode_media(self, ids: np.ndarray, mm: MultiModalData) -> list[tuple[str, np.ndarray, object]]:
+        """(kind, features, extra) per media kind present, in (audio, image, video) order,
+        each checked against the prompt's placeholder count. `extra` is what the family's
+        `_encode` returns beside the features (Qwen3: DeepStack features)."""
         cfg = self.cfg
-        ids = np.asarray(token_ids)
-        parts, order = [], []
-        for kind, tok, produce in (
-                ("audio", cfg.audio_token_id,
-                 lambda: self.encode_audio(mm.audio_features) if mm.audio_features else None),
-                ("image", cfg.image_token_id,
-                 lambda: None if mm.pixel_values is None else self.encode_vision(mm.pixel_values, mm.image_grid_thw, "image")),
-                ("video", cfg.video_token_id,
-                 lambda: None if mm.pixel_values_videos is None else self.encode_vision(mm.pixel_values_videos, mm.video_grid_thw, "video"))):
+        out = []
+        for kind, tok in (("audio", cfg.audio_token_id), ("image", cfg.image_token_id),
+                          ("video", cfg.video_token_id)):
+            feats, extra = self._encode(kind, mm)
             placeholders = int((ids == tok).sum())
-            feats = produce()
             have = 0 if feats is None else len(feats)
             if placeholders != have:
                 raise ValueError(f"the prompt has {placeholders} {kind} placeholder tokens but the {kind} "
                                  f"inputs give {have} features")
             if feats is not None:
-                parts.append(feats)
-                order.append(kind)
-        if not parts:
+                out.append((kind, feats, extra))
+        return out
+
+    @staticmethod
+    def _media_ranges(index: np.ndarray, mm: MultiModalData) -> list:
+        """One prefix-cache range over all placeholders, keyed by the media content."""
+        where = np.flatnonzero(index >= 0)
+        return [(int(where[0]), int(where[-1] - where[0] + 1), mm.content_hash())]
+
+    # ------------------------------------------------------------------ encoders
+    def encode_audio(self, features: Sequence[np.ndarray]) -> np.ndarray:
+        """Audio embeddings [tokens, hidden] of all audios, in order."""
+        lens, chunks, feats = self._audio_input(features)
+        s = self.cfg.audio.chunk_tokens
+        batch = prepare_audio_batch(lens, self.cfg.audio.n_window, num_chunks=chunks, num_tokens=chunks * (s // 2 + 1))
+        out = self._audio_fn(self._audio[0], self._audio[1], feats, *batch.arrays())
+        return np.asarray(out)[:batch.num_tokens]
+
+    def encode_vision(self, pixel_values: np.ndarray, grid_thw: np.ndarray, what: str) -> np.ndarray:
+        """Image or video features [merged tokens, hidden] of all items of `grid_thw`."""
+        grid_thw, n, patches, padded = self._vision_input(pixel_values, grid_thw, what)
+        meta = vision_metadata(grid_thw, self.cfg.vision, patches)
+        out = self._vision_fn(self._vision[0], self._vision[1], padded, meta)
+        return np.asarray(out)[:n // self.cfg.vision.merge_unit]
+
+    def _encode(self, kind: str, mm: MultiModalData):
+        if kind == "audio":
+            return (self.encode_audio(mm.audio_features) if mm.audio_features else None), None
+        pix, grid = (mm.pixel_values, mm.image_grid_thw) if kind == "image" else \
+            (mm.pixel_values_videos, mm.video_grid_thw)
+        return (None if pix is None else self.encode_vision(pix, grid, kind)), None
+
+    # ------------------------------------------------------------------ requests
+    def prepare(self, token_ids: np.ndarray, mm: MultiModalData) -> tuple[RequestInputs, list]:
+        """RequestInputs (overlay rows + M-RoPE positions) and prefix-cache media ranges."""
+        ids = np.asarray(token_ids)
+        media = self._encode_media(ids, mm)
+        if not media:
             return RequestInputs(), []
         audio_lens = np.array([np.asarray(f).shape[1] for f in mm.audio_features], np.int64) if mm.audio_features else None
         positions, delta = get_rope_index(
             ids, self.rope_cfg, image_grid_thw=mm.image_grid_thw, video_grid_thw=mm.video_grid_thw,
             audio_seqlens=audio_lens, second_per_grids=mm.video_second_per_grid,
             use_audio_in_video=mm.use_audio_in_video)
-        index = media_index(ids, cfg, order)
-        where = np.flatnonzero(index >= 0)
-        ranges = [(int(where[0]), int(where[-1] - where[0] + 1), mm.content_hash())]
+        index = media_index(ids, self.cfg, [kind for kind, _, _ in media])
         return RequestInputs(mrope_positions=positions, mrope_delta=int(delta),
-                             overlay_rows=np.concatenate(parts).astype(np.float32), overlay_index=index), ranges
+                             overlay_rows=np.concatenate([f for _, f, _ in media]).astype(np.float32),
+                             overlay_index=index), self._media_ranges(index, mm)
 
     def warmup(self) -> None:
         """Compile every encoder bucket."""
         acfg, vcfg = self.cfg.audio, self.cfg.vision
         for c in self.buckets.audio_chunks:
             self.encode_audio([np.zeros((acfg.num_mel_bins, c * acfg.chunk_frames), np.float32)])
+        m = vcfg.spatial_merge_size
         for p in self.buckets.vision_patches:
-            side = int(np.sqrt(p // 4)) * 2
-            grid = np.array([[1, side, p // side]]) if p % side == 0 else np.array([[1, 2, p // 2]])
+            # A one-image grid of exactly p patches whose sides are multiples of the merge size.
+            side = max(m, int(np.sqrt(p // (m * m))) * m)
+            grid = np.array([[1, side, p // side]]) if p % side == 0 and (p // side) % m == 0 \
+                else np.array([[1, m, p // m]])
             self.encode_vision(np.zeros((int(np.prod(grid)), vcfg.patch_dim), np.float32), grid, "image")

@@ -164,27 +164,36 @@ def get_rope_index(
     mrope_delta: add it to a token's 1-D index to get its position after the prompt.
     """
     ids = np.asarray(input_ids).reshape(-1)
+    audio_lens = None if audio_seqlens is None else audio_output_lengths(np.asarray(audio_seqlens).reshape(-1))
+    per_chunk = int(config.position_id_per_seconds * config.seconds_per_chunk)
+
+    def with_audio(video, is_video, n_audio, start):
+        # TMRoPE: video and audio interleaved in chunks of seconds_per_chunk.
+        return _interleaved_positions(video, n_audio, start, per_chunk)
+
+    return walk_positions(ids, config, image_grid_thw, video_grid_thw, audio_lens, audio_seqlens,
+                          second_per_grids, use_audio_in_video, with_audio, distinct_marks=False)
+
+
+def walk_positions(ids, config, image_grid_thw, video_grid_thw, audio_lens, audio_seqlens, second_per_grids,
+                   use_audio_in_video, with_audio_block, *, distinct_marks: bool) -> tuple[np.ndarray, int]:
+    """The prompt walk shared by the Qwen-Omni families: text and audio tokens get three
+    equal consecutive ids, images/videos `start + (t, h, w)`, each media block between its
+    start and end tokens. Families differ in how a video carrying its audio is laid out
+    (`with_audio_block(video_positions, is_video_mask, n_audio, start) -> (block, last_max)`)
+    and in whether the two start/end tokens of such a video share one id or take two
+    (`distinct_marks`). audio_lens: tokens per audio (the family's encoder lengths).
+    """
     n_tokens = ids.shape[0]
     images = np.zeros((0, 3), np.int64) if image_grid_thw is None else np.asarray(image_grid_thw).reshape(-1, 3)
     videos = np.zeros((0, 3), np.int64) if video_grid_thw is None else np.asarray(video_grid_thw).reshape(-1, 3)
-    audio_lens = None if audio_seqlens is None else audio_output_lengths(np.asarray(audio_seqlens).reshape(-1))
     spg = np.ones(len(videos)) if second_per_grids is None else np.asarray(second_per_grids, np.float64).reshape(-1)
     if len(spg) != len(videos):
         raise ValueError(f"second_per_grids has {len(spg)} entries for {len(videos)} videos")
 
     c = config
     merge = c.spatial_merge_size
-    per_chunk = int(c.position_id_per_seconds * c.seconds_per_chunk)
-    where = {
-        "image": np.flatnonzero(ids == c.image_token_id),
-        "video": np.flatnonzero(ids == c.video_token_id),
-        "audio": np.flatnonzero(ids == c.audio_token_id),
-    }
-
-    def next_at(kind: str, cursor: int) -> int:
-        arr = where[kind]
-        k = np.searchsorted(arr, cursor)
-        return int(arr[k]) if k < len(arr) else n_tokens + 1
+    media = np.flatnonzero(np.isin(ids, [c.image_token_id, c.video_token_id, c.audio_token_id]))
 
     def audio_len(idx: int, start: int) -> int:
         if audio_lens is None:
@@ -201,30 +210,47 @@ def get_rope_index(
         if len(span) != n or not np.isin(span, allowed).all():
             raise ValueError(f"{what} at token {start} expects {n} placeholder tokens")
 
+    def video_positions(start_pos: int) -> np.ndarray:
+        if n_vid >= len(videos):
+            raise ValueError(f"prompt has more videos than video_grid_thw ({len(videos)})")
+        t_ids = _temporal_ids(int(videos[n_vid][0]), spg[n_vid], c.position_id_per_seconds)
+        return _vision_positions(videos[n_vid], merge, t_ids, start_pos)
+
     positions = np.empty((3, n_tokens), np.int64)
     cursor = 0    # first token not yet given a position
-    next_pos = 0  # position id for the next token: last chunk's max + 1
+    next_pos = 0  # position id for the next token: last block's max + 1
     n_img = n_vid = n_aud = 0
     while True:
-        start = min(next_at("image", cursor), next_at("video", cursor), next_at("audio", cursor))
-        if start > n_tokens:
+        k = np.searchsorted(media, cursor)
+        if k >= len(media):
             break
-        kind = "image" if ids[start] == c.image_token_id else "video" if ids[start] == c.video_token_id else "audio"
-        with_audio = (
-            kind == "video" and use_audio_in_video and start >= 2
-            and ids[start - 1] == c.audio_start_token_id and ids[start - 2] == c.vision_start_token_id
-        )
+        start = int(media[k])
+        tok = ids[start]
+        kind = "image" if tok == c.image_token_id else "video" if tok == c.video_token_id else "audio"
+        with_audio = (use_audio_in_video and kind != "image" and start >= 2
+                      and ids[start - 1] == c.audio_start_token_id and ids[start - 2] == c.vision_start_token_id)
         n_bos = 2 if with_audio else 1
+        n_marks = n_bos if distinct_marks else 1  # ids taken by the start (and the end) tokens
         text_end = start - n_bos
         if text_end < cursor:
             raise ValueError(f"{kind} placeholder at token {start} is not preceded by its start token")
-        # Text, then the start token(s): consecutive ids; <vision_bos><audio_bos> share one id.
         positions[:, cursor:text_end] = np.arange(next_pos, next_pos + text_end - cursor)
         next_pos += text_end - cursor
-        positions[:, text_end:start] = next_pos
-        next_pos += 1
+        positions[:, text_end:start] = next_pos + (np.arange(n_bos) if distinct_marks else 0)
+        next_pos += n_marks
 
-        if kind == "audio":
+        if with_audio:
+            video = video_positions(next_pos)
+            n_v, n_a = video.shape[1], audio_len(n_aud, start)
+            check(start, n_v + n_a, [c.video_token_id, c.audio_token_id], "video with audio")
+            is_video = ids[start:start + n_v + n_a] == c.video_token_id
+            if is_video.sum() != n_v:
+                raise ValueError(f"video at token {start} expects {n_v} video and {n_a} audio tokens, "
+                                 f"got {int(is_video.sum())} and {int((~is_video).sum())}")
+            block, last_max = with_audio_block(video, is_video, n_a, next_pos)
+            n_vid += 1
+            n_aud += 1
+        elif kind == "audio":
             n = audio_len(n_aud, start)
             check(start, n, [c.audio_token_id], "audio")
             block = np.broadcast_to(np.arange(next_pos, next_pos + n), (3, n))
@@ -239,31 +265,18 @@ def get_rope_index(
             last_max = int(block.max())
             n_img += 1
         else:
-            if n_vid >= len(videos):
-                raise ValueError(f"prompt has more videos than video_grid_thw ({len(videos)})")
-            t_ids = _temporal_ids(int(videos[n_vid][0]), spg[n_vid], c.position_id_per_seconds)
-            block = _vision_positions(videos[n_vid], merge, t_ids, next_pos)
-            if with_audio:
-                n_a = audio_len(n_aud, start)
-                n_v = block.shape[1]
-                check(start, n_v + n_a, [c.video_token_id, c.audio_token_id], "video with audio")
-                if (ids[start:start + n_v + n_a] == c.audio_token_id).sum() != n_a:
-                    raise ValueError(f"video at token {start} expects {n_a} audio tokens")
-                block, last_max = _interleaved_positions(block, n_a, next_pos, per_chunk)
-                n_aud += 1
-            else:
-                check(start, block.shape[1], [c.video_token_id], "video")
-                last_max = int(block.max())
+            block = video_positions(next_pos)
+            check(start, block.shape[1], [c.video_token_id], "video")
+            last_max = int(block.max())
             n_vid += 1
 
         n = block.shape[1]
         positions[:, start:start + n] = block
-        # End token(s) share one id, right after the last chunk.
         end = start + n + n_bos
         if end > n_tokens:
             raise ValueError(f"{kind} at token {start} has no end token")
-        positions[:, start + n:end] = last_max + 1
-        next_pos = last_max + 2
+        positions[:, start + n:end] = last_max + 1 + (np.arange(n_bos) if distinct_marks else 0)
+        next_pos = last_max + 1 + n_marks
         cursor = end
 
     positions[:, cursor:] = np.arange(next_pos, next_pos + n_tokens - cursor)

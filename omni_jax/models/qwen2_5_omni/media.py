@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from ...engine.buckets import pick_bucket, pow2_buckets
+from ...engine.buckets import pick_bucket
 from ...engine.runner import RequestInputs
 from ...inputs.rope_index import RopeIndexConfig, get_rope_index
 from .audio_encoder import num_chunks_for, prepare_audio_batch

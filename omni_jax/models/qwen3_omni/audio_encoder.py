@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from omni_jax.models.qwen2_5_omni.audio_encoder import AudioEncoderConfig as _Qwen25AudioEncoderConfig
 from omni_jax.models.qwen2_5_omni.audio_encoder import (
     _ACTIVATIONS,
     _LN_EPS,
@@ -52,35 +53,14 @@ from omni_jax.models.qwen2_5_omni.audio_encoder import (
 
 
 @dataclasses.dataclass(frozen=True)
-class AudioEncoderConfig:
-    """Hyper-parameters of the Qwen3-Omni audio encoder (the HF ``audio_config``)."""
+class AudioEncoderConfig(_Qwen25AudioEncoderConfig):
+    """Hyper-parameters of the Qwen3-Omni audio encoder (the HF ``audio_config``): the
+    Qwen2.5 fields (same ``from_hf``, ``chunk_frames``) plus the attention window of
+    inference and the conv width."""
 
-    num_mel_bins: int = 128
-    encoder_layers: int = 32
-    encoder_attention_heads: int = 20
-    encoder_ffn_dim: int = 5120
-    d_model: int = 1280
-    max_source_positions: int = 1500
     n_window: int = 50
     n_window_infer: int = 800
-    output_dim: int = 3584
     downsample_hidden_size: int = 480
-    activation: str = "gelu"
-
-    @classmethod
-    def from_hf(cls, d: dict) -> "AudioEncoderConfig":
-        """Build from the ``thinker_config.audio_config`` dict of an HF config.json."""
-        names = {f.name for f in dataclasses.fields(cls)} - {"activation"}
-        kwargs = {k: d[k] for k in names if k in d}
-        act = d.get("activation_function", d.get("activation"))
-        if act is not None:
-            kwargs["activation"] = act
-        return cls(**kwargs)
-
-    @property
-    def chunk_frames(self) -> int:
-        """Mel frames per conv chunk (``W``)."""
-        return 2 * self.n_window
 
     @property
     def chunk_tokens(self) -> int:

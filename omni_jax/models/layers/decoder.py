@@ -71,12 +71,17 @@ class DecoderConfig:
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm attention + gated MLP block, names as in transformers."""
+    """Pre-norm attention + feed-forward block, names as in transformers.
 
-    def __init__(self, cfg: DecoderConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    The feed-forward is a gated MLP unless `mlp` is given (e.g. a MoE block).
+    """
+
+    def __init__(self, cfg, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs,
+                 mlp: nnx.Module | None = None):
         kw = dict(dtype=dtype, param_dtype=param_dtype)
         self.self_attn = Attention(cfg.attention, rngs=rngs, **kw)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, act=cfg.hidden_act, rngs=rngs, **kw)
+        self.mlp = mlp if mlp is not None else GatedMLP(cfg.hidden_size, cfg.intermediate_size,
+                                                        act=cfg.hidden_act, rngs=rngs, **kw)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
 

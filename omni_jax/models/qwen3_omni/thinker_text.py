@@ -27,8 +27,8 @@ from typing import Sequence
 import jax.numpy as jnp
 from flax import nnx
 
-from ..layers.attention import Attention, AttentionConfig, AttentionMetadata
-from ..layers.mlp import GatedMLP
+from ..layers.attention import AttentionConfig, AttentionMetadata
+from ..layers.decoder import DecoderLayer
 from ..layers.moe import MoEConfig, SparseMoeBlock
 from ..layers.norms import RMSNorm
 from ..layers.rope import inv_frequencies, mrope_band_rows, rope_cos_sin
@@ -111,24 +111,14 @@ class Qwen3TextConfig:
                          self.shared_expert_intermediate_size, self.hidden_act)
 
 
-class Qwen3DecoderLayer(nnx.Module):
+class Qwen3DecoderLayer(DecoderLayer):
     """Pre-norm attention (q/k norm) + MoE (or dense) feed-forward, names as in transformers."""
 
     def __init__(self, cfg: Qwen3TextConfig, layer_idx: int, *, dtype=jnp.float32,
                  param_dtype=jnp.float32, rngs: nnx.Rngs):
-        kw = dict(dtype=dtype, param_dtype=param_dtype)
-        self.self_attn = Attention(cfg.attention, rngs=rngs, **kw)
-        if cfg.is_moe_layer(layer_idx):
-            self.mlp = SparseMoeBlock(cfg.moe, rngs=rngs, **kw)
-        else:
-            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, act=cfg.hidden_act, rngs=rngs, **kw)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
-
-    def __call__(self, x, cos, sin, meta, kv_cache=None):
-        h, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
+        mlp = SparseMoeBlock(cfg.moe, dtype=dtype, param_dtype=param_dtype, rngs=rngs) \
+            if cfg.is_moe_layer(layer_idx) else None
+        super().__init__(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs, mlp=mlp)
 
 
 class Qwen3TextDecoder(nnx.Module):

@@ -46,8 +46,26 @@ HF_RENAMES = [
 PADDING_SEGMENT = -1
 
 
+class PatchSizes:
+    """Sizes derived from a ViT config's heads, patches and merge (shared by the Qwen-Omni ViTs)."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def merge_unit(self) -> int:
+        """Patches per merged token (m*m)."""
+        return self.spatial_merge_size ** 2
+
+    @property
+    def patch_dim(self) -> int:
+        """Length of one pixel_values row: C * temporal_patch * patch * patch."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+
 @dataclasses.dataclass(frozen=True)
-class VisionEncoderConfig:
+class VisionEncoderConfig(PatchSizes):
     """Sizes of the vision encoder (the HF `thinker_config.vision_config`)."""
 
     depth: int = 32
@@ -84,20 +102,6 @@ class VisionEncoderConfig:
             hidden_act=d.get("hidden_act", "silu"),
             rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
         )
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def merge_unit(self) -> int:
-        """Patches per merged token (m*m)."""
-        return self.spatial_merge_size ** 2
-
-    @property
-    def patch_dim(self) -> int:
-        """Length of one pixel_values row: C * temporal_patch * patch * patch."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
 
     @property
     def window_merged_side(self) -> int:

@@ -42,6 +42,7 @@ from omni_jax.models.layers.rope import apply_rope, inv_frequencies
 from omni_jax.models.qwen2_5_omni.audio_encoder import _ACTIVATIONS
 from omni_jax.models.qwen2_5_omni.vision_encoder import (
     PADDING_SEGMENT,
+    PatchSizes,
     MergerMLP,
     VisionPatchEmbed,
     num_merged_tokens,
@@ -61,7 +62,7 @@ _LN_EPS = 1e-6  # every LayerNorm of the HF vision tower
 
 
 @dataclasses.dataclass(frozen=True)
-class VisionEncoderConfig:
+class VisionEncoderConfig(PatchSizes):
     """Sizes of the Qwen3-Omni vision encoder (the HF ``thinker_config.vision_config``)."""
 
     depth: int = 27
@@ -88,20 +89,6 @@ class VisionEncoderConfig:
             kwargs["deepstack_visual_indexes"] = tuple(int(i) for i in d["deepstack_visual_indexes"])
         kwargs["rope_theta"] = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
         return cls(**kwargs)
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def merge_unit(self) -> int:
-        """Patches per merged token (m*m)."""
-        return self.spatial_merge_size ** 2
-
-    @property
-    def patch_dim(self) -> int:
-        """Length of one pixel_values row: C * temporal_patch * patch * patch."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
 
     @property
     def num_grid_per_side(self) -> int:

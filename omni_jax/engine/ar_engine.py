@@ -134,6 +134,7 @@ class AREngine:
         self.sampling_builder = SamplingMetadataBuilder(banned_min_width=cfg.banned_width,
                                                         history_min_width=history)
         self._history_width = history
+        self._empty_histories: dict[int, jax.Array] = {}
         self._sample_fn = jax.jit(sample, static_argnames=("flags",))
         self._detok: dict[str, _Detokenizer] = {}
         self._pending: list[EngineOutput] = []
@@ -264,7 +265,7 @@ class AREngine:
             eos_token_ids=self.cfg.eos_token_ids)
         flags = _canonical(flags)
         if flags.any_penalties and md.history_ids is None:
-            md = md.replace(history_ids=np.full((bucket, self._history_width), PAD_TOKEN_ID, np.int32))
+            md = md.replace(history_ids=self._empty_history(bucket))
         res = self._sample_fn(result.logits, md, flags=flags)
         tokens = np.asarray(res.token_ids)
         sampled = {r.request_id: int(tokens[j]) for j, r in enumerate(reqs)}
@@ -281,6 +282,14 @@ class AREngine:
                     "rank": int(host.sampled_rank[j]),
                     "top": list(zip(host.top_token_ids[j, :n].tolist(), host.top_logprobs[j, :n].tolist()))}
         return sampled, lp
+
+    def _empty_history(self, bucket: int):
+        """An all-padding penalty history on the device, made once per batch bucket: the full
+        sampler variant needs one even when no request of the batch has penalties."""
+        if bucket not in self._empty_histories:
+            self._empty_histories[bucket] = jax.device_put(
+                np.full((bucket, self._history_width), PAD_TOKEN_ID, np.int32))
+        return self._empty_histories[bucket]
 
     def _detokenize(self, eo: EngineOutput) -> None:
         det = self._detok.get(eo.request_id)
@@ -312,7 +321,7 @@ class AREngine:
                 md, _ = self.sampling_builder.build(params, [[]], [[0]], b, vocab,
                                                     eos_token_ids=self.cfg.eos_token_ids)
                 if flags.any_penalties and md.history_ids is None:
-                    md = md.replace(history_ids=np.full((b, self._history_width), PAD_TOKEN_ID, np.int32))
+                    md = md.replace(history_ids=self._empty_history(b))
                 jax.block_until_ready(self._sample_fn(jax.numpy.zeros((b, vocab), jax.numpy.float32),
                                                       md, flags=flags))
         return t + time.perf_counter() - t0

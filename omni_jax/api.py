@@ -47,6 +47,16 @@ def _resolve(model: str, pipeline) -> tuple[str, PipelineConfig]:
     return ckpt, pipeline
 
 
+def _make_router(pipeline: PipelineConfig, ckpt: str):
+    """The family's stage-input functions (models/<family>/pipeline.py) for multi-stage chains."""
+    if pipeline.family == "qwen2_5_omni":
+        from .models.qwen2_5_omni.pipeline import make_router
+
+        return make_router(ckpt, pipeline)
+    raise ConfigError(f"{pipeline.family!r} has no stage-input functions yet: only text output "
+                      f"(output_modalities=['text']) is served for it")
+
+
 class _Frontend:
     """Shared set-up: checkpoint, pipeline, prompt processing, orchestrator."""
 
@@ -59,9 +69,7 @@ class _Frontend:
         self.tokenizer = self.processor.tokenizer
         self._route = None
         if len(self._stages) > 1:
-            from .models.qwen2_5_omni.pipeline import make_router
-
-            self._route = make_router(self.checkpoint, self.pipeline)
+            self._route = _make_router(self.pipeline, self.checkpoint)
         self._orch = Orchestrator(self.pipeline, self.checkpoint, [s.name for s in self._stages], route=self._route)
         self._ids = itertools.count()
 

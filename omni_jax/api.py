@@ -19,9 +19,7 @@ import itertools
 import queue
 import time
 import uuid
-from typing import Any, AsyncIterator, Sequence
-
-import numpy as np
+from typing import AsyncIterator, Sequence
 
 from .checkpoint import read_config
 from .config import ConfigError, PipelineConfig, default_pipeline_for, load_pipeline_config

@@ -383,7 +383,6 @@ class ModelRunner:
         return parts
 
     def _run(self, b):
-        t_pad = b["token_ids"].shape[0]
         if b["rich"]:
             overlay, overlay_mask, extra = b["overlay"], b["overlay_mask"], b["extra"]
         else:

@@ -144,10 +144,14 @@ def test_sigkill_stage_fails_requests_fast_and_later_calls_raise(converted_think
     import threading
 
     t = threading.Thread(target=lambda: results.extend(engine.generate(
-        [{"prompt_token_ids": [3, 4, 5]}], sampling_params=SamplingParams(temperature=0.0, max_tokens=400,
+        [{"prompt_token_ids": [3, 4, 5]}], sampling_params=SamplingParams(temperature=0.0, max_tokens=500,
                                                                           ignore_eos=True))))
     t.start()
-    time.sleep(1.0)
+    # Kill while the request is surely in flight (500 decode steps take well over 0.2 s).
+    deadline = time.monotonic() + 30
+    while not engine._orch._requests and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
     killed_at = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     t.join(15)

@@ -99,6 +99,8 @@ def _fused_experts(weights):
 
 def _qwen3_omni_stages() -> dict[str, StageSpec]:
     from .qwen3_omni import vision_encoder
+    from .qwen3_omni.code2wav import Code2WavConfig, Qwen3OmniCode2Wav
+    from .qwen3_omni.talker import Qwen3OmniTalker, TalkerConfig
     from .qwen3_omni.thinker import Qwen3OmniThinker, ThinkerConfig
 
     return {
@@ -108,6 +110,18 @@ def _qwen3_omni_stages() -> dict[str, StageSpec]:
             build=lambda cfg, dtype, rngs: Qwen3OmniThinker(cfg, dtype=dtype, param_dtype=dtype, rngs=rngs),
             renames=_prefixed(vision_encoder.HF_RENAMES, "visual"),
             tensor_view=_fused_experts,
+        ),
+        "talker": StageSpec(
+            name="talker", hf_prefix="talker.", config_key="talker_config",
+            parse_config=TalkerConfig.from_hf,
+            build=lambda cfg, dtype, rngs: Qwen3OmniTalker(cfg, dtype=dtype, param_dtype=dtype, rngs=rngs),
+            tensor_view=_fused_experts,
+        ),
+        # The vocoder runs in fp32 whatever the checkpoint dtype (as Qwen2.5's token2wav).
+        "code2wav": StageSpec(
+            name="code2wav", hf_prefix="code2wav.", config_key="code2wav_config",
+            parse_config=Code2WavConfig.from_hf,
+            build=lambda cfg, dtype, rngs: Qwen3OmniCode2Wav(cfg, rngs=rngs),
         ),
     }
 

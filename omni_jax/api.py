@@ -51,6 +51,10 @@ def _make_router(pipeline: PipelineConfig, ckpt: str):
         from .models.qwen2_5_omni.pipeline import make_router
 
         return make_router(ckpt, pipeline)
+    if pipeline.family == "qwen3_omni":
+        from .models.qwen3_omni.pipeline import make_router
+
+        return make_router(ckpt, pipeline)
     raise ConfigError(f"{pipeline.family!r} has no stage-input functions yet: only text output "
                       f"(output_modalities=['text']) is served for it")
 

@@ -46,6 +46,7 @@ class EngineOutput:
     hidden_offset: int = 0  # position of the first of those tokens (a recompute after preemption resends rows)
     num_cached_tokens: int = 0
     audio: np.ndarray | None = None  # waveform (vocoder stages)
+    codes: np.ndarray | None = None  # [len(new_token_ids), K] residual codes of the new tokens (after_sample stages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +118,8 @@ class AREngine:
 
     def __init__(self, model, cfg: EngineConfig, *, num_layers: int, num_kv_heads: int, head_dim: int,
                  hidden_size: int, tokenizer=None,
-                 prepare_inputs: Callable[[np.ndarray, Any], tuple[RequestInputs, list]] | None = None):
+                 prepare_inputs: Callable[[np.ndarray, Any], tuple[RequestInputs, list]] | None = None,
+                 project_inputs: Callable[[RequestInputs], RequestInputs] | None = None):
         self.cfg = cfg
         self.runner = ModelRunner(model, cfg.runner, num_layers=num_layers, num_kv_heads=num_kv_heads,
                                   head_dim=head_dim, hidden_size=hidden_size)
@@ -130,6 +132,7 @@ class AREngine:
             eos_token_ids=tuple(cfg.eos_token_ids)))
         self.tokenizer = tokenizer
         self.prepare_inputs = prepare_inputs
+        self.project_inputs = project_inputs
         history = 1 << max(6, (rc.max_model_len - 1).bit_length())
         self.sampling_builder = SamplingMetadataBuilder(banned_min_width=cfg.banned_width,
                                                         history_min_width=history)
@@ -170,17 +173,31 @@ class AREngine:
         if multi_modal_data is not None:
             if self.prepare_inputs is None:
                 raise RequestError(f"request {request_id!r}: this stage takes no multimodal data")
+            capture = inputs is not None and inputs.capture_hidden
             try:
                 inputs, mm_hashes = self.prepare_inputs(ids, multi_modal_data)
             except ValueError as e:
                 raise RequestError(f"request {request_id!r}: {e}") from None
+            inputs.capture_hidden = capture  # a speech request's thinker feeds the talker
         if inputs is not None and inputs.overlay_rows is not None and self.runner.cfg.rich_inputs is False:
             raise RequestError(f"request {request_id!r}: this stage was not built for embedding inputs")
+        if inputs is not None and inputs.needs_projection:
+            if self.project_inputs is None:
+                raise RequestError(f"request {request_id!r}: this stage has no input projection")
+            try:
+                inputs = self.project_inputs(inputs)
+            except ValueError as e:
+                raise RequestError(f"request {request_id!r}: {e}") from None
         # Token ids alone do not determine the KV of embedding inputs; and a request that
         # returns hidden states must compute every token (a prefix-cache hit skips some).
+        if self.runner.cfg.after_sample:
+            inputs = inputs if inputs is not None else RequestInputs()
+            # Each output token's input gets its after-sample embedding: the KV is not a
+            # function of the token ids, so the request is never prefix-cached.
+            inputs.feedback_embeds = np.zeros((16, self.runner.hidden_size), np.float32)
         rich = inputs is not None and (inputs.extra_embeds is not None or inputs.extra_embeds_pad is not None
                                        or (inputs.overlay_rows is not None and not mm_hashes)
-                                       or inputs.capture_hidden)
+                                       or inputs.capture_hidden or inputs.feedback_embeds is not None)
         req = Request(request_id, ids, params, arrival_time=arrival_time, mm_hashes=mm_hashes,
                       has_prompt_embeds=rich, eos_token_ids=self.cfg.eos_token_ids, data=inputs)
         try:
@@ -212,11 +229,12 @@ class AREngine:
         try:
             tables = sched.block_table_array(self.runner.cfg.max_blocks_per_seq)
             parts = self.runner.execute(chunks, tables, want_hidden=want_hidden)
-            sampled, logprobs = {}, {}
+            sampled, logprobs, codes = {}, {}, {}
             for part in parts:
-                s, lp = self._sample(part, chunks)
+                s, lp, c = self._sample(part, chunks)
                 sampled.update(s)
                 logprobs.update(lp or {})
+                codes.update(c)
         except Exception as e:  # fail this step's requests, keep serving
             for o in self.scheduler.fail_scheduled(sched, f"{type(e).__name__}: {e}"):
                 out.append(EngineOutput(o.request_id, [], True, "error", error=o.error))
@@ -243,6 +261,8 @@ class AREngine:
                 eo.hidden_offset, eo.hidden_states = hidden_of[o.request_id]
             if o.request_id in logprobs:
                 eo.logprobs = [logprobs[o.request_id]] if eo.new_token_ids else None
+            if o.request_id in codes and eo.new_token_ids:
+                eo.codes = codes[o.request_id][None]
             self._detokenize(eo)
             out.append(eo)
         # A prefill chunk that ends mid-prompt samples nothing but still has hidden states.
@@ -253,10 +273,13 @@ class AREngine:
         return out
 
     def _sample(self, result, chunks):
-        """Sample one token per logits row; returns ({request_id: token}, logprobs or None)."""
+        """Sample one token per logits row.
+
+        Returns ({request_id: token}, logprobs or None, {request_id: after-sample codes}).
+        """
         rows = result.sample_rows
         if not rows:
-            return {}, None
+            return {}, None, {}
         reqs = [chunks[i].request for i in rows]
         bucket = result.logits.shape[0]
         md, flags = self.sampling_builder.build(
@@ -269,6 +292,7 @@ class AREngine:
         res = self._sample_fn(result.logits, md, flags=flags)
         tokens = np.asarray(res.token_ids)
         sampled = {r.request_id: int(tokens[j]) for j, r in enumerate(reqs)}
+        codes = self._after_sample(result, res.token_ids, reqs) if self.runner.cfg.after_sample else {}
         lp = None
         if res.logprobs is not None:
             lp = {}
@@ -281,7 +305,26 @@ class AREngine:
                     "token_id": int(tokens[j]), "logprob": float(host.sampled_logprob[j]),
                     "rank": int(host.sampled_rank[j]),
                     "top": list(zip(host.top_token_ids[j, :n].tolist(), host.top_logprobs[j, :n].tolist()))}
-        return sampled, lp
+        return sampled, lp, codes
+
+    def _after_sample(self, result, token_ids, reqs) -> dict[str, np.ndarray]:
+        """Run the model's after-sample hook on the sampled rows; keep each row's feedback
+        embedding for the token's next input and return its codes."""
+        bucket = result.logits.shape[0]
+        greedy = np.ones(bucket, bool)
+        seeds = np.zeros(bucket, np.int32)
+        steps = np.zeros(bucket, np.int32)
+        for j, r in enumerate(reqs):
+            p = r.sampling_params
+            greedy[j] = p.is_greedy
+            seeds[j] = (p.seed or 0) & 0x7FFFFFFF
+            steps[j] = len(r.output_token_ids)
+        codes, embeds = self.runner.after_sample(result.sample_hidden, token_ids, greedy, seeds, steps)
+        out = {}
+        for j, r in enumerate(reqs):
+            r.data.set_feedback(len(r.output_token_ids), embeds[j])
+            out[r.request_id] = codes[j]
+        return out
 
     def _empty_history(self, bucket: int):
         """An all-padding penalty history on the device, made once per batch bucket: the full
@@ -324,6 +367,10 @@ class AREngine:
                     md = md.replace(history_ids=self._empty_history(b))
                 jax.block_until_ready(self._sample_fn(jax.numpy.zeros((b, vocab), jax.numpy.float32),
                                                       md, flags=flags))
+            if self.runner.cfg.after_sample:
+                z = np.zeros(b, np.int32)
+                self.runner.after_sample(jax.numpy.zeros((b, self.runner.hidden_size), self.runner.dtype), z,
+                                         np.ones(b, bool), z, z)
         return t + time.perf_counter() - t0
 
     @property

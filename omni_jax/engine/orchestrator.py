@@ -289,6 +289,8 @@ class Orchestrator:
         if req.stage_index + 1 >= len(req.chain):
             return
         acc["token_ids"].extend(o.new_token_ids)
+        if o.codes is not None:
+            acc.setdefault("codes", []).append(np.array(o.codes))
         for layer, arr in (o.hidden_states or {}).items():
             # (position, rows): a recompute after preemption sends the same positions again.
             acc["hidden"].setdefault(layer, []).append((o.hidden_offset, np.array(arr)))

@@ -63,6 +63,10 @@ class StageInputs(_Message):
     thinker's hidden states fed to the talker). extra_embeds [S, H] + extra_embeds_pad [H]:
     per-decode-step additive embeddings, and the row used once they run out.
     capture_hidden: return this request's hidden states (the stage config says which layers).
+    overlay_proj [N] int8: the overlay rows are in the previous stage's space and row i goes
+    through the stage's input projection overlay_proj[i] (stage-defined; Qwen3-Omni talker:
+    0 text, 1 hidden), then gets the embedding of the stage's token overlay_add_ids[i]
+    added (-1: none); extra_proj >= 0 projects the extra rows the same way.
     """
 
     mrope_positions: np.ndarray | None = None
@@ -72,6 +76,9 @@ class StageInputs(_Message):
     extra_embeds: np.ndarray | None = None
     extra_embeds_pad: np.ndarray | None = None
     capture_hidden: bool = False
+    overlay_proj: np.ndarray | None = None
+    overlay_add_ids: np.ndarray | None = None
+    extra_proj: int = -1
 
 
 class MultiModalPayload(_Message):
@@ -145,6 +152,7 @@ class StageOutput(_Message):
     stop token id or string that ended it. hidden_states maps a layer index to the
     [num_new_tokens, H] hidden states of the new tokens (requests with capture_hidden).
     logprobs: one dict per new token. audio: a waveform chunk (vocoder stages).
+    codes [num_new_tokens, K]: the residual code groups of each new token (Qwen3-Omni talker).
     """
 
     request_id: str
@@ -159,6 +167,7 @@ class StageOutput(_Message):
     num_cached_tokens: int = 0
     logprobs: list[dict] | None = None
     audio: np.ndarray | None = None
+    codes: np.ndarray | None = None
 
 
 class StageOutputs(_Message):

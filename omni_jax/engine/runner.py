@@ -15,7 +15,10 @@ adds per-step extra embeddings (the talker's thinker reply part). Stages whose m
 DeepStack features (Qwen3-Omni thinker: `deepstack_layers` > 0) also get a "deepstack"
 prefill variant, used only by steps that hold visual prompt tokens. The KV cache is donated,
 so pages are updated in place. Sampling is a third jitted function over the logits,
-which never leave the device. Warm-up compiles every variant before serving.
+which never leave the device. Stages whose model defines `after_sample` (Qwen3-Omni's
+talker: its code predictor) also get the hidden state of every sampled row back and a
+fourth jitted function, run on the sampled tokens, whose per-row embedding is fed
+into that token's input at the next step. Warm-up compiles every variant before serving.
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ class RunnerConfig:
     capture_layers: tuple[int, ...] = ()           # hidden states returned per token (HF indexing)
     rich_inputs: bool = False                      # compile overlay/extra-embedding variants
     deepstack_layers: int = 0                      # DeepStack feature levels the model takes (0: none)
+    after_sample: bool = False                     # run the model's after_sample hook on sampled tokens
     kv_dtype: Any = None                           # default: the model's dtype
     kv_memory_fraction: float = 0.9                # share of free device memory for KV, when num_blocks is None
 
@@ -130,6 +134,14 @@ class RequestInputs:
     DeepStack: `deepstack_rows [K, N, H]` follow the overlay rows; prompt token i with
     overlay row r gets `deepstack_rows[k, r]` added after decoder layer k (zero rows for
     overlay entries without DeepStack features, e.g. audio: adding zero changes nothing).
+    Feedback: `feedback_embeds[k]` (first `num_feedback` rows) is what the model's
+    after_sample hook returned when output token k was sampled; it is added to that
+    token's input too (Qwen3-Omni talker: the residual code groups' embeddings), and kept
+    so a recompute after preemption rebuilds the same inputs.
+    Projection: when `overlay_proj` is set, the overlay rows (and, with `extra_proj` >= 0,
+    the extra rows) are in the previous stage's space; the stage's input projector maps
+    row i with its projection `overlay_proj[i]` and adds the embedding of the stage's own
+    token `overlay_add_ids[i]` (-1: none) when the request is added.
     """
 
     mrope_positions: np.ndarray | None = None
@@ -140,10 +152,31 @@ class RequestInputs:
     extra_embeds_pad: np.ndarray | None = None
     capture_hidden: bool = False
     deepstack_rows: np.ndarray | None = None
+    feedback_embeds: np.ndarray | None = None
+    num_feedback: int = 0
+    overlay_proj: np.ndarray | None = None
+    overlay_add_ids: np.ndarray | None = None
+    extra_proj: int = -1
 
     @property
     def is_rich(self) -> bool:
-        return self.overlay_rows is not None or self.extra_embeds is not None or self.extra_embeds_pad is not None
+        return (self.overlay_rows is not None or self.extra_embeds is not None or self.extra_embeds_pad is not None
+                or self.feedback_embeds is not None)
+
+    @property
+    def needs_projection(self) -> bool:
+        return self.overlay_proj is not None or self.extra_proj >= 0
+
+    def set_feedback(self, k: int, row: np.ndarray) -> None:
+        """Store the after-sample embedding of output token k (grows the buffer)."""
+        buf = self.feedback_embeds
+        if buf is None or k >= len(buf):
+            grown = np.zeros((max(16, 2 * (k + 1)), row.shape[-1]), np.float32)
+            if buf is not None:
+                grown[:len(buf)] = buf
+            self.feedback_embeds = buf = grown
+        buf[k] = row
+        self.num_feedback = max(self.num_feedback, k + 1)
 
 
 @dataclasses.dataclass
@@ -161,6 +194,7 @@ class StepResult:
     """Device results of one step, aligned with the scheduled chunks."""
 
     logits: jax.Array               # [S_pad, V] on device; rows [0, num_sampled) are real
+    sample_hidden: jax.Array | None  # [S_pad, H] final hidden state of each logits row (after_sample stages)
     sample_rows: list[int]          # index into the step's chunks of each real logits row
     hidden: dict[int, np.ndarray]   # capture layer -> [num_real_tokens, H] on host (if asked)
     token_offsets: np.ndarray       # [len(chunk_indices) + 1] start of each chunk in the packed tokens
@@ -190,6 +224,7 @@ class ModelRunner:
         self.kv_caches = [(jnp.zeros(shape, kv_dtype), jnp.zeros(shape, kv_dtype)) for _ in range(num_layers)]
         self.kv_bytes = 2 * num_layers * int(np.prod(shape)) * jnp.dtype(kv_dtype).itemsize
         self._step_fn = jax.jit(self._forward, static_argnames=("rich", "deepstack"), donate_argnums=(1,))
+        self._after_sample_fn = jax.jit(self._after_sample)
 
     # -------------------------------------------------------------- jitted body
     def _forward(self, param_leaves, kv_caches, token_ids, positions, meta, logits_indices,
@@ -200,8 +235,25 @@ class ModelRunner:
             x = jnp.where(overlay_mask[:, None], overlay.astype(x.dtype), x) + extra.astype(x.dtype)
         kw = {"deepstack": (overlay_mask, deepstack_feats)} if deepstack else {}
         hidden, kv_caches, captured = model(x, positions, meta, kv_caches, self.cfg.capture_layers, **kw)
-        logits = model.compute_logits(jnp.take(hidden, logits_indices, axis=0))
+        sample_hidden = jnp.take(hidden, logits_indices, axis=0)
+        logits = model.compute_logits(sample_hidden)
+        if self.cfg.after_sample:
+            captured = dict(captured, sample_hidden=sample_hidden)
         return logits, kv_caches, captured
+
+    def _after_sample(self, param_leaves, sample_hidden, token_ids, greedy, seeds, steps):
+        model = nnx.merge(self.graphdef, jax.tree.unflatten(self._param_def, param_leaves))
+        return model.after_sample(sample_hidden, token_ids, greedy, seeds, steps)
+
+    def after_sample(self, sample_hidden, token_ids, greedy, seeds, steps):
+        """The model's after-sample hook on one step's sampled rows (all [S_pad] arrays).
+
+        Returns (per-row codes [S_pad, K] int32, per-row next-input embeddings [S_pad, H]),
+        on the host. `greedy` [S_pad] bool, `seeds` / `steps` [S_pad] int: a sampled row's
+        randomness is a function of its request's seed and output index alone.
+        """
+        codes, embeds = self._after_sample_fn(self._param_leaves, sample_hidden, token_ids, greedy, seeds, steps)
+        return np.asarray(codes), np.asarray(embeds)
 
     # -------------------------------------------------------------- host-side packing
     def _positions(self, chunk: ScheduledChunk) -> np.ndarray:
@@ -260,6 +312,11 @@ class ModelRunner:
                     else:
                         vals[~have] = inp.extra_embeds_pad
                 extra[offset + np.nonzero(gen)[0]] = vals
+        if inp.num_feedback:
+            k = idx - p
+            fed = (k >= 0) & (k < inp.num_feedback)
+            if fed.any():
+                extra[offset + np.nonzero(fed)[0]] += inp.feedback_embeds[k[fed]]
 
     def _pack_decode(self, chunks, token_ids, positions, req_index, abs_pos) -> None:
         """One token per chunk: fill the step arrays with one pass of plain Python reads.
@@ -374,10 +431,12 @@ class ModelRunner:
             sub = [chunks[i] for i in idx]
             b = self.prepare(sub, block_tables[idx])
             logits, captured = self._run(b)
+            sample_hidden = captured.pop("sample_hidden", None)
             hidden = {}
             if want_hidden and captured:
                 hidden = {k: np.asarray(v)[:b["total"]] for k, v in captured.items()}
-            parts.append(StepResult(logits=logits, sample_rows=[idx[j] for j in b["sample_rows"]],
+            parts.append(StepResult(logits=logits, sample_hidden=sample_hidden,
+                                    sample_rows=[idx[j] for j in b["sample_rows"]],
                                     hidden=hidden, token_offsets=b["offsets"], kind=b["kind"],
                                     bucket=b["bucket"], chunk_indices=idx))
         return parts

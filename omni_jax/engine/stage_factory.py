@@ -57,10 +57,26 @@ def _qwen3_omni_thinker(stage: dict, ckpt_dir: str):
                                 enable_prefix_caching=stage.get("enable_prefix_caching", True), progress=False)
 
 
+def _qwen3_omni_talker(stage: dict, ckpt_dir: str):
+    from ..models.qwen3_omni.stages import build_talker_engine
+
+    return build_talker_engine(ckpt_dir, runner_config(stage), dtype=stage.get("dtype"), progress=False)
+
+
+def _qwen3_omni_code2wav(stage: dict, ckpt_dir: str):
+    from ..models.qwen3_omni.code2wav_stage import build_code2wav_engine
+
+    # For a vocoder, token_buckets are frame-length buckets and decode_buckets batch sizes.
+    return build_code2wav_engine(ckpt_dir, length_buckets=tuple(stage["token_buckets"] or (64, 256, 325)),
+                                 batch_buckets=tuple(stage["decode_buckets"] or (1, 2, 4)))
+
+
 BUILDERS: dict[tuple[str, str], Callable[[dict, str], Any]] = {
     ("qwen2_5_omni", "thinker"): _qwen2_5_omni_thinker,
     ("qwen2_5_omni", "talker"): _qwen2_5_omni_talker,
     ("qwen3_omni", "thinker"): _qwen3_omni_thinker,
+    ("qwen3_omni", "talker"): _qwen3_omni_talker,
+    ("qwen3_omni", "code2wav"): _qwen3_omni_code2wav,
     ("qwen2_5_omni", "token2wav"): _qwen2_5_omni_token2wav,
 }
 
@@ -84,7 +100,8 @@ def to_engine_request(msg) -> dict:
         inputs = RequestInputs(mrope_positions=i.mrope_positions, mrope_delta=i.mrope_delta,
                                overlay_rows=i.overlay_rows, overlay_index=i.overlay_index,
                                extra_embeds=i.extra_embeds, extra_embeds_pad=i.extra_embeds_pad,
-                               capture_hidden=i.capture_hidden)
+                               capture_hidden=i.capture_hidden, overlay_proj=i.overlay_proj,
+                               overlay_add_ids=i.overlay_add_ids, extra_proj=i.extra_proj)
     mm = None
     if msg.multi_modal is not None:
         m = msg.multi_modal

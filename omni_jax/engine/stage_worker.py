@@ -146,7 +146,7 @@ def to_stage_output(o):
                        finish_reason=o.finish_reason, stop_reason=o.stop_reason, error=o.error,
                        text_delta=o.text_delta, hidden_states=o.hidden_states, hidden_offset=o.hidden_offset,
                        num_cached_tokens=o.num_cached_tokens, logprobs=o.logprobs,
-                       audio=o.audio)
+                       audio=o.audio, codes=o.codes)
 
 
 def main(argv=None) -> None:

@@ -134,9 +134,18 @@ FAMILIES: dict[str, Callable[[], dict[str, StageSpec]]] = {
 # HF `model_type`s whose family name differs.
 MODEL_TYPES: dict[str, str] = {"qwen3_omni_moe": "qwen3_omni"}
 
+def _qwen3_omni_side_files(hf_dir: str | None, get_tensor, hf_config: dict, out_dir: str, **unused) -> None:
+    """The thinker embedding rows of the tts special tokens (pipeline.py's handoff needs them)."""
+    from .qwen3_omni.pipeline import write_tts_rows
+
+    if "talker_config" in hf_config:
+        write_tts_rows(out_dir, hf_config, get_tensor("thinker.model.embed_tokens.weight"))
+
+
 # Files a family writes beside the stage checkpoints: (hf_dir, get_tensor(name), hf_config, out_dir).
 SIDE_FILES: dict[str, Callable] = {
     "qwen2_5_omni": _qwen2_5_omni_side_files,
+    "qwen3_omni": _qwen3_omni_side_files,
 }
 
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+import numpy as np
+
 from ...checkpoint import load_checkpoint
 from ...engine.ar_engine import AREngine, EngineConfig
-from ...engine.runner import RunnerConfig
+from ...engine.runner import RequestInputs, RunnerConfig
 from ..qwen2_5_omni.stages import load_tokenizer
 from .media import MediaBuckets, Qwen3ThinkerMediaEncoder
 
@@ -39,5 +42,120 @@ def build_thinker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | No
     engine.media_encoder = media
     if warmup:
         media.warmup()
+        engine.warmup(progress=progress)
+    return engine
+
+
+class TalkerInputProjector:
+    """Maps the thinker-space rows of a talker request into the talker's input space.
+
+    pipeline.py sends the talker prompt and trailing text as thinker embeddings / hidden
+    states with a projection index per row (0: text_projection, 1: hidden_projection)
+    and a codec id to add (-1: none); the MLPs are talker weights, so this runs in the
+    talker stage, jitted over row-count buckets (warmed up with the engine).
+    """
+
+    def __init__(self, model, cfg, max_rows: int):
+        from flax import nnx
+
+        from ...engine.buckets import pow2_buckets
+
+        self.cfg = cfg
+        self.buckets = tuple(pow2_buckets(16, max(16, max_rows)))
+        self._model = model
+        self._fn = nnx.jit(_project_rows)
+
+    def _project(self, rows: np.ndarray, proj: np.ndarray, add_ids: np.ndarray) -> np.ndarray:
+        from ...engine.buckets import pick_bucket
+
+        out, step = [], self.buckets[-1]
+        for a in range(0, len(rows), step):
+            n = min(step, len(rows) - a)
+            b = pick_bucket(n, self.buckets)
+            r = np.zeros((b, rows.shape[1]), np.float32)
+            r[:n] = rows[a:a + n]
+            k = np.zeros(b, np.int32)
+            k[:n] = proj[a:a + n]
+            i = np.full(b, -1, np.int32)
+            i[:n] = add_ids[a:a + n]
+            out.append(np.asarray(self._fn(self._model, r, k, i))[:n])
+        return np.concatenate(out)
+
+    def __call__(self, inputs: RequestInputs) -> RequestInputs:
+        cfg = self.cfg
+        parts, proj, add = [], [], []
+        if inputs.overlay_proj is not None:
+            rows = np.asarray(inputs.overlay_rows, np.float32)
+            if rows.ndim != 2 or rows.shape[1] != cfg.thinker_hidden_size:
+                raise ValueError(f"talker overlay rows must be [N, {cfg.thinker_hidden_size}], got {rows.shape}")
+            k = np.asarray(inputs.overlay_proj)
+            ids = np.full(len(rows), -1) if inputs.overlay_add_ids is None else np.asarray(inputs.overlay_add_ids)
+            if k.shape != (len(rows),) or ids.shape != (len(rows),):
+                raise ValueError("overlay_proj / overlay_add_ids need one entry per overlay row")
+            if not np.isin(k, (0, 1)).all():
+                raise ValueError("overlay_proj entries must be 0 (text) or 1 (hidden) for the talker")
+            if ((ids < -1) | (ids >= cfg.text.vocab_size)).any():
+                raise ValueError(f"overlay_add_ids must be -1 or codec ids in [0, {cfg.text.vocab_size})")
+            parts.append(rows)
+            proj.append(k)
+            add.append(ids)
+        n_overlay = sum(len(x) for x in parts)
+        extra = []
+        if inputs.extra_proj >= 0:
+            if inputs.extra_proj not in (0, 1):
+                raise ValueError("extra_proj must be 0 (text) or 1 (hidden) for the talker")
+            extra = [np.asarray(x, np.float32).reshape(-1, cfg.thinker_hidden_size)
+                     for x in (inputs.extra_embeds, inputs.extra_embeds_pad) if x is not None]
+            for x in extra:
+                parts.append(x)
+                proj.append(np.full(len(x), inputs.extra_proj))
+                add.append(np.full(len(x), -1))
+        if not parts:
+            return inputs
+        out = self._project(np.concatenate(parts), np.concatenate(proj), np.concatenate(add))
+        new = dataclasses.replace(inputs, overlay_proj=None, overlay_add_ids=None, extra_proj=-1)
+        if inputs.overlay_proj is not None:
+            new.overlay_rows = out[:n_overlay]
+        if extra:
+            rest = out[n_overlay:]
+            if inputs.extra_embeds is not None:
+                new.extra_embeds, rest = rest[:len(inputs.extra_embeds)], rest[len(inputs.extra_embeds):]
+            if inputs.extra_embeds_pad is not None:
+                new.extra_embeds_pad = rest[0]
+        return new
+
+    def warmup(self) -> None:
+        for b in self.buckets:
+            self._fn(self._model, np.zeros((b, self.cfg.thinker_hidden_size), np.float32),
+                     np.zeros(b, np.int32), np.full(b, -1, np.int32))
+
+
+def _project_rows(model, rows, proj, add_ids):
+    text = model.project_text(rows)
+    hidden = model.project_hidden(rows)
+    out = jnp.where((proj == 1)[:, None], hidden, text)
+    codec = model.embed(jnp.maximum(add_ids, 0))
+    return (out + jnp.where((add_ids >= 0)[:, None], codec, 0)).astype(jnp.float32)
+
+
+def build_talker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | None = None,
+                        warmup: bool = True, progress: bool = True) -> AREngine:
+    """Load the talker stage (group-0 codes, code predictor for the rest) and warm it up.
+
+    Its prompts are embeddings and every step's input depends on the code predictor,
+    so prefix caching is off. The banned-id width covers the 1023 suppressed ids.
+    """
+    model, cfg = load_checkpoint(ckpt_dir, stage="talker", dtype=dtype)
+    text = cfg.text
+    projector = TalkerInputProjector(model, cfg, runner.max_model_len)
+    engine = AREngine(
+        model, EngineConfig(runner=dataclasses.replace(runner, rich_inputs=True, after_sample=True),
+                            enable_prefix_caching=False, eos_token_ids=(cfg.codec_eos_token_id,),
+                            vocab_size=text.vocab_size, banned_width=len(cfg.suppressed_token_ids) + 64),
+        num_layers=text.num_layers, num_kv_heads=text.num_kv_heads, head_dim=text.head_dim,
+        hidden_size=text.hidden_size, project_inputs=projector)
+    engine.projector = projector
+    if warmup:
+        projector.warmup()
         engine.warmup(progress=progress)
     return engine

@@ -257,14 +257,19 @@ def _row_keys(key, b: int):
     return key if key.ndim == per_row_ndim else jax.random.split(key, b)
 
 
-def _choose(logits, keys, temperature, top_k, top_p):
-    """Greedy argmax (keys None) or one seeded draw per row after temperature/top-k/top-p."""
+def _choose(logits, keys, temperature, top_k, top_p, greedy=None):
+    """Greedy argmax (keys None) or one seeded draw per row after temperature/top-k/top-p.
+
+    `greedy` [B] bool (with keys): those rows take the argmax instead of a draw.
+    """
+    best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if keys is None:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return best
     b = logits.shape[0]
     logits = logits / jnp.asarray(temperature, jnp.float32)
     logits = apply_top_k_top_p(logits, jnp.full((b,), top_k, jnp.int32), jnp.full((b,), top_p, jnp.float32))
-    return jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, logits).astype(jnp.int32)
+    drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, logits).astype(jnp.int32)
+    return drawn if greedy is None else jnp.where(greedy, best, drawn)
 
 
 class Qwen3OmniTalker(nnx.Module):
@@ -307,6 +312,22 @@ class Qwen3OmniTalker(nnx.Module):
         """Thinker layer-`accept_hidden_layer` states (multimodal positions) -> talker hidden."""
         return self.hidden_projection(thinker_hidden)
 
+    def after_sample(self, talker_hidden, group0_ids, greedy, seeds, steps):
+        """The AR engine's after-sample hook (engine/runner.py): residual codes of each
+        sampled row and what they add to that token's next input.
+
+        A row is greedy when its talker sampling is (transformers mirrors the talker's
+        do_sample onto the code predictor); otherwise its key is its request's seed
+        folded with the output index, so it does not depend on the rest of the batch.
+        Returns (codes [B, G-1] int32, sum of their G-1 embeddings [B, hidden]); the
+        group-0 embedding is the token's own input embedding.
+        """
+        keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(seeds, steps)
+        codes = self.predict_residual_codes(talker_hidden, group0_ids, keys, greedy=greedy)
+        pred = self.code_predictor.model
+        embeds = sum(pred.embed(g, codes[:, g - 1]) for g in range(1, self.cfg.num_code_groups))
+        return codes, embeds.astype(jnp.float32)
+
     # --- residual code groups -----------------------------------------------------------
 
     def codec_input_embeds(self, codes):
@@ -323,7 +344,7 @@ class Qwen3OmniTalker(nnx.Module):
                                temperature: float = CODE_PREDICTOR_SAMPLING["temperature"],
                                top_k: int = CODE_PREDICTOR_SAMPLING["top_k"],
                                top_p: float = CODE_PREDICTOR_SAMPLING["top_p"],
-                               return_logits: bool = False):
+                               greedy=None, return_logits: bool = False):
         """Codes of groups 1..G-1 [B, G-1] (int32) for one talker step of a batch.
 
         talker_hidden [B, H]: the talker's final normed hidden state at the position
@@ -331,7 +352,7 @@ class Qwen3OmniTalker(nnx.Module):
         key (one per batch: split per row) or keys [B] (one per row, so a row's draws do
         not depend on the rest of the batch), folded in with the group index per step.
         Sampling defaults are transformers' for the code predictor (temperature 1,
-        top_k 50, top_p 0.8). Jittable: static shapes, the G-1 steps are unrolled.
+        top_k 50, top_p 0.8); `greedy` [B] bool makes those rows argmax. Jittable: static shapes, the G-1 steps are unrolled.
         With return_logits, also returns the per-step logits [B, G-1, vocab] (fp32).
         """
         pred = self.code_predictor
@@ -350,7 +371,7 @@ class Qwen3OmniTalker(nnx.Module):
             hidden = pred.model(x, positions, meta).reshape(b, length, h)[:, -1]
             logits = pred.lm_head[s - 1](hidden).astype(jnp.float32)
             step_keys = None if keys is None else jax.vmap(lambda k: jax.random.fold_in(k, s))(keys)
-            code = _choose(logits, step_keys, temperature, top_k, top_p)
+            code = _choose(logits, step_keys, temperature, top_k, top_p, greedy)
             codes.append(code)
             all_logits.append(logits)
             if s < groups - 1:

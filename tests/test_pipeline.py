@@ -97,9 +97,6 @@ def test_200_concurrent_async_requests(converted_thinker_fp32):
 
 
 def test_abort_mid_generation_frees_everything(omni):
-    async def scenario():
-        pass
-
     import threading
 
     done = []
@@ -114,9 +111,12 @@ def test_abort_mid_generation_frees_everything(omni):
     rid = None
     while rid is None and time.monotonic() < deadline:
         rid = next(iter(omni._orch._requests), None)
-        time.sleep(0.01)
+        time.sleep(0.001)
     assert rid is not None
-    time.sleep(0.3)
+    # Abort once tokens flow (a fixed sleep races the engine: 400 tokens can take < 0.3 s).
+    req = omni._orch._requests.get(rid)
+    while req is not None and not req.output.token_ids and time.monotonic() < deadline:
+        time.sleep(0.001)
     omni.abort(rid)
     t.join(30)
     assert done and done[0].finish_reason == "abort" and len(done[0].token_ids) < 400

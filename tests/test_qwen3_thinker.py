@@ -60,7 +60,8 @@ def _close(ours, ref, tol=TOL, rel=1e-3):
 
 
 # ---------------------------------------------------------------- conversion
-def test_conversion_round_trips_every_thinker_tensor(converted, qwen3_omni_hf_dir):
+def test_conversion_round_trips_every_tensor(converted, qwen3_omni_hf_dir):
+    """Thinker, talker (per-expert keys fused) and code2wav: every HF tensor comes back."""
     import orbax.checkpoint as ocp
 
     from conversion.mapping import inverse_transform_for, map_hf_tensors
@@ -69,23 +70,24 @@ def test_conversion_round_trips_every_thinker_tensor(converted, qwen3_omni_hf_di
     from omni_jax.models.registry import abstract_stage, param_shapes, stages_of
 
     cfg = read_config(converted)
-    assert cfg["family"] == "qwen3_omni" and cfg["stages"] == ["thinker"]
+    assert cfg["family"] == "qwen3_omni" and sorted(cfg["stages"]) == ["code2wav", "talker", "thinker"]
     disk = stnp.load_file(os.path.join(qwen3_omni_hf_dir, "model.safetensors"))
-    spec = stages_of("qwen3_omni")["thinker"]
-    shapes = param_shapes(abstract_stage(spec, spec.parse_config(cfg["hf_config"]["thinker_config"])))
     view = FusedExperts(disk)
-    plan = map_hf_tensors(view.keys(), shapes, spec.hf_prefix, spec.renames)
-    stored = ocp.StandardCheckpointer().restore(os.path.abspath(os.path.join(converted, "thinker")))
-    assert len(stored) == len(plan)
     seen = set()
-    for path, (key, leaf) in plan.items():
-        back = inverse_transform_for(leaf, np.asarray(stored[".".join(map(str, path))]))
-        pieces = split_fused_experts(key, back) if key.endswith(("experts.gate_up_proj", "experts.down_proj")) \
-            else {key: back}
-        for k, v in pieces.items():
-            np.testing.assert_array_equal(v, disk[k], err_msg=k)
-            seen.add(k)
-    assert seen == {k for k in disk if k.startswith("thinker.")}
+    for name in cfg["stages"]:
+        spec = stages_of("qwen3_omni")[name]
+        shapes = param_shapes(abstract_stage(spec, spec.parse_config(cfg["hf_config"][spec.config_key])))
+        plan = map_hf_tensors(view.keys(), shapes, spec.hf_prefix, spec.renames)
+        stored = ocp.StandardCheckpointer().restore(os.path.abspath(os.path.join(converted, name)))
+        assert len(stored) == len(plan), name
+        for path, (key, leaf) in plan.items():
+            back = inverse_transform_for(leaf, np.asarray(stored[".".join(map(str, path))]))
+            pieces = split_fused_experts(key, back) if key.endswith(("experts.gate_up_proj", "experts.down_proj")) \
+                else {key: back}
+            for k, v in pieces.items():
+                np.testing.assert_array_equal(v, disk[k], err_msg=k)
+                seen.add(k)
+    assert seen == set(disk)
 
 
 # ---------------------------------------------------------------- positions

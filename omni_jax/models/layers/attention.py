@@ -45,6 +45,15 @@ class AttentionMetadata:
             segment_ids = jnp.zeros((num_tokens,), jnp.int32)
         return AttentionMetadata(mode="dense", segment_ids=jnp.asarray(segment_ids, jnp.int32))
 
+    def valid_tokens(self, num_tokens: int) -> jnp.ndarray | None:
+        """[T] bool: the real (not bucket-padding) tokens of a paged step; None in dense mode.
+
+        The runner packs real tokens first and pads `cu_q_lens` with their total.
+        """
+        if self.mode != "paged" or self.cu_q_lens is None:
+            return None
+        return jnp.arange(num_tokens) < self.cu_q_lens[-1]
+
 
 def dense_causal_attention(q, k, v, segment_ids, sm_scale, sliding_window=None):
     """Reference attention: q [T,Hq,D], k/v [T,Hkv,D]; causal within equal segment ids."""

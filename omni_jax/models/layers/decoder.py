@@ -88,7 +88,10 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, cos, sin, meta, kv_cache=None):
         h, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
+        return x + self._feed_forward(self.post_attention_layernorm(x), meta), kv_cache
+
+    def _feed_forward(self, h, meta):
+        return self.mlp(h)
 
 
 class TextDecoder(nnx.Module):

@@ -25,10 +25,8 @@ def build_thinker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | No
     The runner gets the overlay variants (encoder features) and, when the vision
     encoder has DeepStack taps, the DeepStack prefill variant.
 
-    MoE and bucket padding: padding tokens of a step go through the experts like real
-    ones (the decoder does not pass a valid-token mask to the MoE block yet). Routing,
-    expert matmuls and the weighted combine are all per token and attention never reads
-    padding keys, so padding costs compute but cannot change a real token's output.
+    MoE and bucket padding: the decoder layers route padding tokens to no expert
+    (AttentionMetadata.valid_tokens), so expert work follows the real tokens.
     """
     model, cfg = load_checkpoint(ckpt_dir, stage="thinker", dtype=dtype)
     media = Qwen3ThinkerMediaEncoder(model, cfg, media_buckets)

@@ -120,6 +120,12 @@ class Qwen3DecoderLayer(DecoderLayer):
             if cfg.is_moe_layer(layer_idx) else None
         super().__init__(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs, mlp=mlp)
 
+    def _feed_forward(self, h, meta):
+        # Bucket padding is routed to no expert: MoE work stays proportional to real tokens.
+        if isinstance(self.mlp, SparseMoeBlock):
+            return self.mlp(h, meta.valid_tokens(h.shape[0]))
+        return self.mlp(h)
+
 
 class Qwen3TextDecoder(nnx.Module):
     """embed_tokens -> layers -> norm over a packed token batch [T] (same contract as TextDecoder)."""

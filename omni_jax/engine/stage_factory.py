@@ -67,8 +67,11 @@ def _qwen3_omni_code2wav(stage: dict, ckpt_dir: str):
     from ..models.qwen3_omni.code2wav_stage import build_code2wav_engine
 
     # For a vocoder, token_buckets are frame-length buckets and decode_buckets batch sizes.
+    # max_num_batched_tokens / max_model_len are codec frames here.
     return build_code2wav_engine(ckpt_dir, length_buckets=tuple(stage["token_buckets"] or (64, 256, 325)),
-                                 batch_buckets=tuple(stage["decode_buckets"] or (1, 2, 4)))
+                                 batch_buckets=tuple(stage["decode_buckets"] or (1, 2, 4)),
+                                 max_num_batched_tokens=stage.get("max_num_batched_tokens"),
+                                 max_model_len=stage.get("max_model_len"))
 
 
 BUILDERS: dict[tuple[str, str], Callable[[dict, str], Any]] = {

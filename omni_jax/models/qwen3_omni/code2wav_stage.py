@@ -1,0 +1,183 @@
+"""Qwen3-Omni code2wav as a one-shot serving stage: codec codes -> 24 kHz waveform.
+
+Request format: a request's `prompt_token_ids` are its codec codes flattened
+frame-major: frame t's `num_quantizers` (Q) codes sit at `[t*Q:(t+1)*Q]`, group 0 first.
+
+Each request is decoded as transformers' ``Qwen3OmniMoeCode2Wav.chunked_decode`` does:
+windows of `chunk_size` frames, each with up to `left_context` frames of left context
+whose samples are dropped. Windows carry their own context, so they are independent:
+the windows of every request of a step are pooled, sorted by length and packed into
+padded (batch bucket, frame-length bucket) calls of one jitted function per bucket.
+The model is causal (a transposed conv looks one frame ahead, and transformers drops
+the samples that would need it), so right padding leaves a window's real samples
+unchanged; each window is cropped to the length decoding it alone gives
+(``num_samples``, derived from the model's output shapes). No noise: deterministic.
+
+Units: the `OneShotEngine` counts prompt tokens, i.e. Q x frames. The builder takes
+its limits in codec frames (the unit of the stage config) and hands the engine Q times
+those numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ...engine.buckets import pick_bucket
+from .code2wav import Qwen3OmniCode2Wav
+
+
+def plan_windows(num_frames: int, chunk_size: int, left_context: int) -> list[tuple[int, int, int]]:
+    """(first frame incl. context, context frames, end frame) of each chunk, as transformers' chunked_decode."""
+    out, start = [], 0
+    while start < num_frames:
+        end = min(start + chunk_size, num_frames)
+        context = min(start, left_context)  # transformers: the whole prefix when shorter than the context
+        out.append((start - context, context, end))
+        start = end
+    return out
+
+
+class Code2WavSynthesizer:
+    """Bucketed, jitted, chunked decoding of whole code2wav requests (see module docstring)."""
+
+    def __init__(self, model: Qwen3OmniCode2Wav, *, length_buckets: Sequence[int], batch_buckets: Sequence[int],
+                 chunk_size: int = 300, left_context: int = 25, max_frames: int | None = None):
+        self.cfg = model.cfg
+        self.num_quantizers = self.cfg.num_quantizers
+        self.codebook_size = self.cfg.codebook_size
+        self.total_upsample = self.cfg.total_upsample
+        length_buckets, batch_buckets = tuple(int(b) for b in length_buckets), tuple(int(b) for b in batch_buckets)
+        for name, b in (("length_buckets", length_buckets), ("batch_buckets", batch_buckets)):
+            if not b or b[0] < 1 or list(b) != sorted(set(b)):
+                raise ValueError(f"{name} must be positive, increasing and non-empty, got {b}")
+        if chunk_size < 1 or left_context < 0:
+            raise ValueError(f"need chunk_size >= 1 and left_context >= 0, got {chunk_size}, {left_context}")
+        # The longest window: a chunk with its left context, or a whole request when none is that long.
+        window = chunk_size + left_context if max_frames is None else min(chunk_size + left_context, max_frames)
+        if window > length_buckets[-1]:
+            raise ValueError(f"the largest length bucket ({length_buckets[-1]} frames) must hold the longest "
+                             f"window: min(chunk {chunk_size} + left context {left_context}, longest request "
+                             f"{max_frames}) = {window} frames")
+        # No window is longer than chunk + context: larger buckets would only cost compilations.
+        self.length_buckets = length_buckets[:length_buckets.index(pick_bucket(window, length_buckets)) + 1]
+        self.batch_buckets = batch_buckets
+        self.chunk_size, self.left_context = chunk_size, left_context
+        self.max_frames = max_frames
+        self.graphdef, self.state = nnx.split(model)
+        self._fn = jax.jit(self._decode)
+        self._trailing = self._trailing_samples()
+
+    def _decode(self, state, codes):
+        return nnx.merge(self.graphdef, state)(codes)
+
+    def _trailing_samples(self) -> int:
+        """Samples a decode of T frames falls short of T * total_upsample, from the model's output shapes.
+
+        Every stage maps a length L to a*L or a*(L - 1), so the output length is affine in T;
+        the slope is checked, and every padded call checks the result again.
+        """
+        lens = [jax.eval_shape(self._fn, self.state,
+                               jax.ShapeDtypeStruct((1, self.num_quantizers, t), jnp.int32)).shape[-1]
+                for t in (1, 2)]
+        if lens[1] - lens[0] != self.total_upsample:
+            raise RuntimeError(f"code2wav output lengths {lens} for 1 and 2 frames do not grow by "
+                               f"total_upsample ({self.total_upsample})")
+        return self.total_upsample - lens[0]
+
+    def num_samples(self, num_frames: int) -> int:
+        """Waveform samples of decoding `num_frames` frames in one call (as transformers' forward)."""
+        return num_frames * self.total_upsample - self._trailing
+
+    def request_samples(self, num_frames: int) -> int:
+        """Waveform samples of a whole request of `num_frames` frames (each chunk falls a little short)."""
+        return sum(self.num_samples(e - a) - c * self.total_upsample
+                   for a, c, e in plan_windows(num_frames, self.chunk_size, self.left_context))
+
+    def validate(self, req) -> None:
+        """ValueError naming the problem when a request is not a servable code sequence."""
+        n, q = req.num_prompt_tokens, self.num_quantizers
+        if n % q:
+            raise ValueError(f"{n} codec tokens are not whole frames: the length must be a multiple of "
+                             f"num_quantizers={q} (frame t's codes at [t*{q}:(t+1)*{q}])")
+        if self.max_frames is not None and n // q > self.max_frames:
+            raise ValueError(f"{n // q} codec frames exceed this stage's longest request ({self.max_frames} frames)")
+        ids = np.asarray(req.prompt_token_ids)
+        bad = np.flatnonzero((ids < 0) | (ids >= self.codebook_size))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"code {int(ids[i])} (frame {i // q}, group {i % q}) is outside the codebook "
+                             f"[0, {self.codebook_size})")
+
+    def __call__(self, reqs) -> list[np.ndarray]:
+        """One float32 waveform per request, equal to chunked_decode of that request alone."""
+        q = self.num_quantizers
+        codes = [np.asarray(r.prompt_token_ids, np.int32).reshape(-1, q).T for r in reqs]  # [Q, frames]
+        windows = [(i, k, a, c, e) for i, x in enumerate(codes)
+                   for k, (a, c, e) in enumerate(plan_windows(x.shape[1], self.chunk_size, self.left_context))]
+        pieces: list[dict[int, np.ndarray]] = [{} for _ in reqs]
+        windows.sort(key=lambda w: w[4] - w[2], reverse=True)  # similar lengths share a bucket
+        cap = self.batch_buckets[-1]
+        for g in range(0, len(windows), cap):
+            group = windows[g:g + cap]
+            b = pick_bucket(len(group), self.batch_buckets)
+            t = pick_bucket(max(e - a for _, _, a, _, e in group), self.length_buckets)
+            batch = np.zeros((b, q, t), np.int32)
+            for j, (i, _, a, _, e) in enumerate(group):
+                batch[j, :, :e - a] = codes[i][:, a:e]
+            wav = self._run(batch)
+            for j, (i, k, a, c, e) in enumerate(group):
+                pieces[i][k] = wav[j, c * self.total_upsample:self.num_samples(e - a)]
+        return [np.concatenate([p[k] for k in range(len(p))]).astype(np.float32, copy=False) for p in pieces]
+
+    def _run(self, batch: np.ndarray) -> np.ndarray:
+        wav = np.asarray(self._fn(self.state, batch))
+        if wav.shape[-1] != self.num_samples(batch.shape[-1]):
+            raise RuntimeError(f"code2wav gave {wav.shape[-1]} samples for {batch.shape[-1]} frames, "
+                               f"expected {self.num_samples(batch.shape[-1])}")
+        return wav
+
+    def warmup(self) -> None:
+        """Compile (and check) every (batch, length) bucket."""
+        for b in self.batch_buckets:
+            for t in self.length_buckets:
+                self._run(np.zeros((b, self.num_quantizers, t), np.int32))
+
+
+def build_code2wav_engine(ckpt_dir: str, *, length_buckets=(64, 256, 325), batch_buckets=(1, 2, 4),
+                          chunk_size: int = 300, left_context: int = 25, max_num_batched_tokens: int | None = None,
+                          max_model_len: int | None = None, warmup: bool = True):
+    """The Qwen3-Omni vocoder stage: whole requests chunk-decoded in padded batches (fp32, no KV cache).
+
+    `length_buckets` are window lengths in codec frames (the largest must hold
+    chunk_size + left_context; larger ones are dropped as unused), `batch_buckets`
+    windows per call. Requests longer than a chunk are decoded chunk by chunk.
+    `max_num_batched_tokens` (codec frames per step, default one full padded call:
+    batch_buckets[-1] * length_buckets[-1]) and `max_model_len` (codec frames of the
+    longest request, default max_num_batched_tokens) are in frames, as in the stage
+    config; the engine, which counts prompt tokens, gets num_quantizers times them.
+    """
+    from ...checkpoint import load_checkpoint
+    from ...engine.oneshot_engine import OneShotEngine
+
+    model, cfg = load_checkpoint(ckpt_dir, stage="code2wav", dtype="float32")
+    frames_per_step = max_num_batched_tokens or batch_buckets[-1] * length_buckets[-1]
+    max_frames = max_model_len or frames_per_step
+    if max_frames > frames_per_step:
+        raise ValueError(f"max_model_len ({max_frames} frames) exceeds max_num_batched_tokens "
+                         f"({frames_per_step} frames): such a request could never be scheduled")
+    synth = Code2WavSynthesizer(model, length_buckets=length_buckets, batch_buckets=batch_buckets,
+                                chunk_size=chunk_size, left_context=left_context, max_frames=max_frames)
+    q = cfg.num_quantizers
+    # vocab_size=0: `validate` checks the code range itself and names the offending frame and group.
+    engine = OneShotEngine(synth, max_num_seqs=batch_buckets[-1], max_num_batched_tokens=q * frames_per_step,
+                           max_model_len=q * max_frames, vocab_size=0, validate=synth.validate,
+                           warmup_fn=synth.warmup)
+    engine.synthesizer = synth
+    if warmup:
+        engine.warmup()
+    return engine

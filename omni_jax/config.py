@@ -263,7 +263,11 @@ class StageConfig:
         if self.runner == "ar" and self.num_blocks is None and self.kv_memory_fraction is None:
             raise _invalid("kv_memory_fraction", "must be set when num_blocks is null (an 'ar' "
                                                  "stage needs a KV cache size)")
-        if self.token_buckets is not None:
+        if self.token_buckets is not None and self.runner == "oneshot":
+            # A vocoder's buckets are request or window lengths (it may decode in chunks):
+            # its stage builder checks them against what it decodes.
+            set_("token_buckets", _int_tuple("token_buckets", self.token_buckets, increasing=True, minimum=1))
+        elif self.token_buckets is not None:
             set_("token_buckets", _buckets("token_buckets", self.token_buckets,
                                            reach=self.max_num_batched_tokens,
                                            reach_name="max_num_batched_tokens"))

@@ -154,7 +154,8 @@ def tiny_speech_pipeline():
                      vision_patch_buckets=[64]),
         talker=dict(token_buckets=[64], decode_buckets=[1, 4], max_num_seqs=4, max_model_len=256,
                     default_sampling=dict(temperature=0.0, repetition_penalty=1.05, max_tokens=TALKER_TOKENS)),
-        code2wav=dict(token_buckets=[32], decode_buckets=[1, 4], max_num_seqs=4))
+        code2wav=dict(token_buckets=[16], decode_buckets=[1, 4], max_num_seqs=4, max_model_len=TALKER_TOKENS,
+                      max_num_batched_tokens=4 * TALKER_TOKENS))
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,10 @@ Accepted prompt forms (as vLLM):
   (or {"type": "video_url", ...});
 * {"prompt": str} or {"prompt_token_ids": [...]} with "multi_modal_data": {"image": ...,
   "audio": ..., "video": ...} (one item or a list each) where the prompt already holds one
-  `<|vision_bos|><|IMAGE|><|vision_eos|>` / `<|audio_bos|><|AUDIO|><|audio_eos|>` /
-  `<|vision_bos|><|VIDEO|><|vision_eos|>` per item, or a ready `MultiModalPayload` (passed on
-  untouched: the prompt must then hold the expanded placeholders already).
+  placeholder triple per item (Qwen2.5-Omni: `<|vision_bos|><|IMAGE|><|vision_eos|>` /
+  `<|audio_bos|><|AUDIO|><|audio_eos|>` / `<|vision_bos|><|VIDEO|><|vision_eos|>`; Qwen3-Omni:
+  see processor_qwen3.py), or a ready `MultiModalPayload` (passed on untouched: the prompt must
+  then hold the expanded placeholders already).
 A dict prompt may also carry "use_audio_in_video" (or "mm_processor_kwargs":
 {"use_audio_in_video": ...}) to override the processor's default.
 
@@ -26,6 +27,11 @@ grouped in temporal pairs like the Qwen2-VL video processor). Each placeholder i
 expanded to as many tokens as its encoder produces, as `Qwen2_5OmniProcessor` does (with
 `use_audio_in_video`, a video's frames and audio track interleave in 2 s chunks). Every problem
 raises `PromptError` naming it.
+
+`InputProcessor` is Qwen2.5-Omni's; what a model family does differently (defaults, audio token
+counts, audio padding, the audio-in-video layout, speech system prompt) sits in class attributes
+and small hook methods, which `processor_qwen3.Qwen3InputProcessor` overrides.
+`InputProcessor.from_checkpoint` picks the class from the checkpoint's family.
 """
 
 from __future__ import annotations
@@ -79,6 +85,9 @@ QWEN2_5_OMNI_VIDEO_CONFIG = {
     "max_video_tokens": 128000,
 }
 
+# HF model_type -> OmniJax family, for HF directories (converted checkpoints name their family).
+_FAMILY_OF_MODEL_TYPE = {"qwen2_5_omni": "qwen2_5_omni", "qwen3_omni_moe": "qwen3_omni"}
+
 _PART_KINDS = {
     "text": "text", "image": "image", "image_url": "image", "audio": "audio", "input_audio": "audio",
     "audio_url": "audio", "video": "video", "video_url": "video",
@@ -129,11 +138,28 @@ class InputProcessor:
 
     tokenizer: a transformers tokenizer (None: only pre-tokenized prompts). vocab_size: ids must be
     below it. preprocessor_config / video_preprocessor_config: the checkpoint's JSON files as dicts
-    (default: Qwen2.5-Omni-7B's values). token_config: placeholder ids and TMRoPE timing (default:
-    Qwen2.5-Omni's). use_audio_in_video: default for prompts that do not say. max_audio_seconds /
-    max_video_seconds: longer media are refused. video_fps / video_min_frames / video_max_frames:
-    frame sampling of video files (defaults from the video config).
+    (default: the family's released values, Qwen2.5-Omni-7B's here). token_config: placeholder ids
+    and TMRoPE timing (default: the family's). use_audio_in_video: default for prompts that do not
+    say. max_audio_seconds / max_video_seconds: longer media are refused. video_fps /
+    video_min_frames / video_max_frames: frame sampling of video files (defaults from the video config).
     """
+
+    family = "qwen2_5_omni"
+    DEFAULT_PREPROCESSOR_CONFIG: dict = QWEN2_5_OMNI_PREPROCESSOR_CONFIG
+    DEFAULT_VIDEO_CONFIG: dict = QWEN2_5_OMNI_VIDEO_CONFIG
+    DEFAULT_CHAT_TEMPLATE: str = QWEN2_5_OMNI_CHAT_TEMPLATE
+    # Put first when the caller wants speech and the chat has no system message (None: nothing).
+    SPEECH_SYSTEM_PROMPT: str | None = DEFAULT_SYSTEM_PROMPT
+    # Placeholder token and the triple a prompt writes per media item (for error messages).
+    PLACEHOLDER_TOKENS = {"image": "<|IMAGE|>", "audio": "<|AUDIO|>", "video": "<|VIDEO|>"}
+    PLACEHOLDER_TRIPLES = {"image": "<|vision_bos|><|IMAGE|><|vision_eos|>",
+                           "audio": "<|audio_bos|><|AUDIO|><|audio_eos|>",
+                           "video": "<|vision_bos|><|VIDEO|><|vision_eos|>"}
+
+    @classmethod
+    def default_token_config(cls) -> RopeIndexConfig:
+        """Placeholder ids and timing when the checkpoint gives none."""
+        return RopeIndexConfig()
 
     def __init__(self, tokenizer, vocab_size: int, *, preprocessor_config: dict | None = None,
                  video_preprocessor_config: dict | None = None, token_config: RopeIndexConfig | None = None,
@@ -143,19 +169,19 @@ class InputProcessor:
                  chat_template: str | None = None):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.tokens = token_config or RopeIndexConfig()
+        self.tokens = token_config or self.default_token_config()
         self.use_audio_in_video = bool(use_audio_in_video)
         self.max_audio_seconds = max_audio_seconds
         self.max_video_seconds = max_video_seconds
         self.chat_template = chat_template
-        pre = _merged(QWEN2_5_OMNI_PREPROCESSOR_CONFIG, preprocessor_config)
+        pre = _merged(self.DEFAULT_PREPROCESSOR_CONFIG, preprocessor_config)
         self.preprocessor_config = pre
-        vid = _merged(QWEN2_5_OMNI_VIDEO_CONFIG, video_preprocessor_config)
+        vid = _merged(self.DEFAULT_VIDEO_CONFIG, video_preprocessor_config)
         self.video_fps = float(video_fps if video_fps is not None else vid["fps"])
         self.video_min_frames = int(video_min_frames if video_min_frames is not None else vid["min_frames"])
         self.video_max_frames = int(video_max_frames if video_max_frames is not None else vid["max_frames"])
-        self.video_pixels = _size_range(vid, QWEN2_5_OMNI_VIDEO_CONFIG["min_pixels"],
-                                        QWEN2_5_OMNI_VIDEO_CONFIG["max_pixels"])
+        self.video_pixels = _size_range(vid, self.DEFAULT_VIDEO_CONFIG["min_pixels"],
+                                        self.DEFAULT_VIDEO_CONFIG["max_pixels"])
         self.max_video_tokens = int(vid["max_video_tokens"])
         self.sampling_rate = int(pre["sampling_rate"])
         self.patch_size = int(vid.get("patch_size", pre["patch_size"]))
@@ -167,9 +193,18 @@ class InputProcessor:
     @classmethod
     def from_checkpoint(cls, ckpt_dir: str, vocab_size: int | None = None, **options) -> "InputProcessor":
         """The processor of a converted checkpoint (or an HF directory): its tokenizer, config and
-        preprocessor_config.json / video_preprocessor_config.json / chat_template.json when present."""
+        preprocessor_config.json / video_preprocessor_config.json / chat_template.json when present.
+
+        Called on `InputProcessor`, the class follows the checkpoint's family (omni_jax_config.json
+        "family", or the HF model_type): Qwen3-Omni gets `processor_qwen3.Qwen3InputProcessor`.
+        """
         cfg = _read_json(os.path.join(ckpt_dir, "omni_jax_config.json"))
         hf = cfg.get("hf_config", {}) if cfg is not None else (_read_json(os.path.join(ckpt_dir, "config.json")) or {})
+        family = (cfg or {}).get("family") or _FAMILY_OF_MODEL_TYPE.get(hf.get("model_type"))
+        if cls is InputProcessor and family == "qwen3_omni":
+            from .processor_qwen3 import Qwen3InputProcessor
+
+            return Qwen3InputProcessor.from_checkpoint(ckpt_dir, vocab_size, **options)
         thinker = hf.get("thinker_config", hf)
         if vocab_size is None:
             vocab_size = (thinker.get("text_config") or {}).get("vocab_size") or thinker.get("vocab_size") or 2 ** 31 - 1
@@ -183,8 +218,14 @@ class InputProcessor:
         options.setdefault("preprocessor_config", _read_json(os.path.join(ckpt_dir, "preprocessor_config.json")))
         options.setdefault("video_preprocessor_config",
                            _read_json(os.path.join(ckpt_dir, "video_preprocessor_config.json")))
-        options.setdefault("token_config", RopeIndexConfig.from_hf(hf) if hf else None)
+        for k, v in cls._options_from_hf(hf).items():
+            options.setdefault(k, v)
         return cls(tokenizer, int(vocab_size), **options)
+
+    @classmethod
+    def _options_from_hf(cls, hf: dict) -> dict:
+        """Constructor options the family reads off the HF config (a whole config dict, maybe empty)."""
+        return {"token_config": RopeIndexConfig.from_hf(hf) if hf else None}
 
     # ------------------------------------------------------------------ media processors
     @property
@@ -214,17 +255,21 @@ class InputProcessor:
                 image_mean=list(p["image_mean"]), image_std=list(p["image_std"]))
         return self._image_processor
 
-    def audio_features(self, wave: np.ndarray) -> np.ndarray:
+    def audio_features(self, wave: np.ndarray, pad_to: int | None = None) -> np.ndarray:
         """Log-mel features [feature_size, frames] of one 16 kHz mono waveform.
 
-        Equal to the valid frames of the feature extractor's output with Qwen's padding to
-        `chunk_length` seconds: padding a little past the end gives the same frames (the
-        normalisation's maximum sees the same zero-padding floor) at a fraction of the cost.
+        Equal to the valid frames of the feature extractor's output for the waveform zero-padded
+        to `pad_to` samples (default: `chunk_length` seconds, Qwen2.5-Omni's padding): padding
+        only a little past the end gives the same frames (the normalisation's maximum sees the
+        same zero-padding floor) at a fraction of the cost. The frame count is the extractor's
+        mask: min(ceil(n / hop), pad_to // hop).
         """
         fe = self.feature_extractor
         n = int(wave.shape[0])
         hop = fe.hop_length
-        max_length = -(-(n + 2 * fe.n_fft) // hop) * hop
+        if pad_to is None:
+            pad_to = int(self.preprocessor_config["chunk_length"]) * fe.sampling_rate
+        max_length = max(n, min(int(pad_to), -(-(n + 2 * fe.n_fft) // hop) * hop))
         out = fe(wave, sampling_rate=fe.sampling_rate, padding="max_length", max_length=max_length,
                  truncation=False, return_attention_mask=True, return_tensors="np")
         frames = int(out["attention_mask"][0].sum())
@@ -302,21 +347,21 @@ class InputProcessor:
                     parts.append({"type": kind})
                     items.append(item)
             canonical.append({"role": m["role"], "content": parts})
-        if speech_output and not any(m["role"] == "system" for m in canonical):
+        if speech_output and self.SPEECH_SYSTEM_PROMPT and not any(m["role"] == "system" for m in canonical):
             # Qwen2.5-Omni's talker is trained to speak only under this system prompt.
-            canonical.insert(0, {"role": "system", "content": DEFAULT_SYSTEM_PROMPT})
+            canonical.insert(0, {"role": "system", "content": self.SPEECH_SYSTEM_PROMPT})
         return canonical, items
 
     def render_chat(self, messages: list, speech_output: bool = False) -> str:
         """The chat template applied to the messages (one placeholder triple per media part),
-        with the assistant turn opened; `speech_output` adds the speech system prompt when
-        there is no system message."""
+        with the assistant turn opened; `speech_output` adds the family's speech system prompt
+        (if it has one) when there is no system message."""
         canonical, _ = self._normalize_messages(messages, speech_output, need_source=False)
         return self._render(canonical)
 
     def _render(self, canonical: list) -> str:
         tok = self._need_tokenizer("a chat prompt")
-        template = self.chat_template or getattr(tok, "chat_template", None) or QWEN2_5_OMNI_CHAT_TEMPLATE
+        template = self.chat_template or getattr(tok, "chat_template", None) or self.DEFAULT_CHAT_TEMPLATE
         return tok.apply_chat_template(canonical, chat_template=template, add_generation_prompt=True,
                                        tokenize=False)
 
@@ -325,7 +370,7 @@ class InputProcessor:
         """Validate, tokenize and expand one prompt (see module docstring).
 
         speech_output: the caller wants audio out; chat messages without a system message
-        then get Qwen2.5-Omni's speech system prompt (raw prompts are left as given).
+        then get the family's speech system prompt, if any (raw prompts are left as given).
         """
         items: list[_Item] | None = None
         mm = None
@@ -387,7 +432,7 @@ class InputProcessor:
             for k, pool in pools.items():
                 have = kinds.count(k)
                 if have != len(pool):
-                    tok = {"image": "<|IMAGE|>", "audio": "<|AUDIO|>", "video": "<|VIDEO|>"}[k]
+                    tok = self.PLACEHOLDER_TOKENS[k]
                     raise PromptError(f"the prompt has {have} {tok} placeholder(s) but multi_modal_data gives "
                                       f"{len(pool)} {k} item(s); write one placeholder per item")
             ordered = [pools[k].pop(0) for k in kinds]
@@ -400,50 +445,42 @@ class InputProcessor:
             return ids, None
         self._check_brackets(ids, where, kinds)
 
+        # Load every item first: the audio padding may depend on all the prompt's clips.
+        loaded = [self._guarded(item, self._load, item, use_audio_in_video) for item in ordered]
+        waves = [x.audio if isinstance(x, VideoClip) else x for it, x in zip(ordered, loaded)
+                 if it.kind == "audio" or (isinstance(x, VideoClip) and use_audio_in_video and x.audio is not None)]
+        pad_to = self._audio_pad_length(waves)
+
         audio_feats: list[np.ndarray] = []
         image_pixels, image_grids = [], []
         video_pixels, video_grids, video_spg = [], [], []
         pieces: list[np.ndarray] = []
         cursor = 0
-        for pos, item in zip(where, ordered):
+        for pos, item, media in zip(where, ordered, loaded):
             pieces.append(ids[cursor:pos])
             cursor = pos + 1
-            try:
-                if item.kind == "image":
-                    pix, grid = self.image_inputs([load_image(item.src)])
-                    image_pixels.append(pix)
-                    image_grids.append(grid[0])
-                    pieces.append(np.full(int(np.prod(grid[0])) // self.merge_size ** 2, c.image_token_id, np.int32))
-                elif item.kind == "audio":
-                    wave = load_audio(item.src, max_seconds=self.max_audio_seconds,
-                                      target_rate=self.sampling_rate)
-                    feats = self.audio_features(wave)
-                    n = self._audio_tokens(feats, wave, "audio")
+            if item.kind == "image":
+                pix, grid = self._guarded(item, self.image_inputs, [media])
+                image_pixels.append(pix)
+                image_grids.append(grid[0])
+                pieces.append(np.full(int(np.prod(grid[0])) // self.merge_size ** 2, c.image_token_id, np.int32))
+            elif item.kind == "audio":
+                feats = self._guarded(item, self.audio_features, media, pad_to)
+                n = self._guarded(item, self._audio_tokens, feats, media, "audio")
+                audio_feats.append(feats)
+                pieces.append(np.full(n, c.audio_token_id, np.int32))
+            else:
+                pix, grid, spg = self._guarded(item, self.video_inputs, media)
+                video_pixels.append(pix)
+                video_grids.append(grid)
+                video_spg.append(spg)
+                if use_audio_in_video and media.audio is not None:
+                    feats = self._guarded(item, self.audio_features, media.audio, pad_to)
+                    n_audio = self._guarded(item, self._audio_tokens, feats, media.audio, "the video's audio track")
                     audio_feats.append(feats)
-                    pieces.append(np.full(n, c.audio_token_id, np.int32))
+                    pieces.append(self._video_with_audio(grid, spg, n_audio))
                 else:
-                    clip = load_video(item.src, fps=item.fps or self.video_fps, min_frames=self.video_min_frames,
-                                      max_frames=self.video_max_frames, temporal_patch_size=self.temporal_patch_size,
-                                      with_audio=use_audio_in_video, audio=item.audio,
-                                      max_seconds=self.max_video_seconds, target_rate=self.sampling_rate)
-                    pix, grid, spg = self.video_inputs(clip)
-                    video_pixels.append(pix)
-                    video_grids.append(grid)
-                    video_spg.append(spg)
-                    n_video = int(np.prod(grid)) // self.merge_size ** 2
-                    if use_audio_in_video and clip.audio is not None:
-                        feats = self.audio_features(clip.audio)
-                        n_audio = self._audio_tokens(feats, clip.audio, "the video's audio track")
-                        audio_feats.append(feats)
-                        pieces.append(self._interleave(grid, spg, n_audio))
-                    else:
-                        pieces.append(np.full(n_video, c.video_token_id, np.int32))
-            except MediaError as e:
-                raise PromptError(f"{item.where}: {e}") from None
-            except PromptError as e:
-                raise PromptError(f"{item.where}: {e}") from None
-            except ValueError as e:  # e.g. the image processor refusing an extreme aspect ratio
-                raise PromptError(f"{item.where}: cannot process this {item.kind}: {e}") from None
+                    pieces.append(np.full(int(np.prod(grid)) // self.merge_size ** 2, c.video_token_id, np.int32))
         pieces.append(ids[cursor:])
 
         payload = MultiModalPayload(audio_features=audio_feats, use_audio_in_video=use_audio_in_video)
@@ -456,12 +493,47 @@ class InputProcessor:
             payload.video_second_per_grid = np.asarray(video_spg, np.float32)
         return np.concatenate(pieces).astype(np.int32), payload
 
+    @staticmethod
+    def _guarded(item: _Item, fn, *args):
+        """fn(*args), with any media / processing problem raised as a PromptError naming the item."""
+        try:
+            return fn(*args)
+        except (MediaError, PromptError) as e:
+            raise PromptError(f"{item.where}: {e}") from None
+        except ValueError as e:  # e.g. the image processor refusing an extreme aspect ratio
+            raise PromptError(f"{item.where}: cannot process this {item.kind}: {e}") from None
+
+    def _load(self, item: _Item, use_audio_in_video: bool):
+        """The loaded media of one item: an RGB PIL image, a waveform at the model's rate, or a VideoClip."""
+        if item.kind == "image":
+            return load_image(item.src)
+        if item.kind == "audio":
+            return load_audio(item.src, max_seconds=self.max_audio_seconds, target_rate=self.sampling_rate)
+        return load_video(item.src, fps=item.fps or self.video_fps, min_frames=self.video_min_frames,
+                          max_frames=self.video_max_frames, temporal_patch_size=self.temporal_patch_size,
+                          with_audio=use_audio_in_video, audio=item.audio, max_seconds=self.max_video_seconds,
+                          target_rate=self.sampling_rate)
+
+    # ------------------------------------------------------------------ family hooks
+    def _audio_pad_length(self, waves: list[np.ndarray]) -> int:
+        """Samples every clip of a prompt is zero-padded to before feature extraction
+        (Qwen2_5OmniProcessor pads to `chunk_length` seconds, whatever the clips)."""
+        return int(self.preprocessor_config["chunk_length"]) * self.sampling_rate
+
+    def _num_audio_tokens(self, frames: int) -> int:
+        """Audio encoder output tokens of `frames` mel frames (Qwen2.5: conv stride 2, avg-pool 2)."""
+        return int(audio_output_lengths(np.array([frames]))[0])
+
     def _audio_tokens(self, feats: np.ndarray, wave: np.ndarray, what: str) -> int:
-        n = int(audio_output_lengths(np.array([feats.shape[1]]))[0])
+        n = self._num_audio_tokens(int(feats.shape[1]))
         if n < 1:
             raise PromptError(f"{what} is too short: {wave.shape[0] / self.sampling_rate * 1000:.1f} ms "
                               f"gives no audio token")
         return n
+
+    def _video_with_audio(self, grid: np.ndarray, spg: float, n_audio: int) -> np.ndarray:
+        """The tokens replacing a video placeholder when its audio track comes along."""
+        return self._interleave(grid, spg, n_audio)
 
     def _interleave(self, grid: np.ndarray, spg: float, n_audio: int) -> np.ndarray:
         """<|audio_bos|> video and audio tokens in alternating time chunks <|audio_eos|>.
@@ -488,8 +560,7 @@ class InputProcessor:
         pairs = {"image": (c.vision_start_token_id, c.vision_end_token_id),
                  "video": (c.vision_start_token_id, c.vision_end_token_id),
                  "audio": (c.audio_start_token_id, c.audio_end_token_id)}
-        names = {"image": "<|vision_bos|><|IMAGE|><|vision_eos|>", "video": "<|vision_bos|><|VIDEO|><|vision_eos|>",
-                 "audio": "<|audio_bos|><|AUDIO|><|audio_eos|>"}
+        names = self.PLACEHOLDER_TRIPLES
         for pos, kind in zip(where, kinds):
             bos, eos = pairs[kind]
             if pos == 0 or pos + 1 >= len(ids) or ids[pos - 1] != bos or ids[pos + 1] != eos:

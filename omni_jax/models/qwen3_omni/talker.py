@@ -232,11 +232,40 @@ class CodePredictorModel(nnx.Module):
         """Embedding of residual group `group` (1..G-1) codes [...] -> [..., hidden]."""
         return jnp.take(self.codec_embedding[group - 1].embedding[...], codes, axis=0).astype(self.dtype)
 
-    def __call__(self, inputs_embeds, positions, meta: AttentionMetadata):
-        """Full-sequence forward: inputs [T, hidden], positions [T] -> normed hidden [T, hidden]."""
-        x, _, _ = _run_layers(self.layers, inputs_embeds, positions, meta, self.cfg, None, (),
-                              interleaved=False)
-        return self.norm(x)
+    def __call__(self, inputs_embeds, positions, meta: AttentionMetadata, kv_caches=None):
+        """inputs [T, hidden], positions [T] -> normed hidden [T, hidden] (dense metadata), or
+        (hidden, updated caches) with per-layer paged `kv_caches` and paged metadata."""
+        x, caches, _ = _run_layers(self.layers, inputs_embeds, positions, meta, self.cfg, kv_caches, (),
+                                   interleaved=False)
+        return self.norm(x) if kv_caches is None else (self.norm(x), caches)
+
+
+class _CachedSteps:
+    """The code predictor's steps over a small paged KV cache built for one call.
+
+    Row r of the batch owns page r + 1 (page 0 is never written, as the engine's dummy
+    block); a page holds the whole sequence (<= G tokens). The XLA reference attention
+    serves it on every platform: at most G keys per row.
+    """
+
+    def __init__(self, model: CodePredictorModel, batch: int, groups: int, dtype):
+        cfg = model.cfg
+        self.model, self.b, self.page = model, batch, groups
+        shape = (batch + 1, groups, cfg.num_kv_heads, cfg.head_dim)
+        self.caches = [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
+        self.tables = jnp.arange(1, batch + 1, dtype=jnp.int32)[:, None]
+
+    def __call__(self, rows, s: int):
+        """rows [B, n, H]: the new tokens (positions s+1-n .. s) -> hidden of the last one [B, H]."""
+        b, n, h = rows.shape
+        positions = jnp.tile(jnp.arange(s + 1 - n, s + 1, dtype=jnp.int32), b)
+        meta = AttentionMetadata(
+            mode="paged", backend="reference", decode_only=n == 1,
+            slot_mapping=jnp.repeat(self.tables[:, 0], n) * self.page + positions,
+            block_tables=self.tables, kv_lens=jnp.full((b,), s + 1, jnp.int32),
+            cu_q_lens=jnp.arange(b + 1, dtype=jnp.int32) * n)
+        hidden, self.caches = self.model(rows.reshape(b * n, h), positions, meta, self.caches)
+        return hidden.reshape(b, n, h)[:, -1]
 
 
 class Qwen3OmniCodePredictor(nnx.Module):
@@ -344,7 +373,7 @@ class Qwen3OmniTalker(nnx.Module):
                                temperature: float = CODE_PREDICTOR_SAMPLING["temperature"],
                                top_k: int = CODE_PREDICTOR_SAMPLING["top_k"],
                                top_p: float = CODE_PREDICTOR_SAMPLING["top_p"],
-                               greedy=None, return_logits: bool = False):
+                               greedy=None, return_logits: bool = False, cache: bool = True):
         """Codes of groups 1..G-1 [B, G-1] (int32) for one talker step of a batch.
 
         talker_hidden [B, H]: the talker's final normed hidden state at the position
@@ -352,8 +381,14 @@ class Qwen3OmniTalker(nnx.Module):
         key (one per batch: split per row) or keys [B] (one per row, so a row's draws do
         not depend on the rest of the batch), folded in with the group index per step.
         Sampling defaults are transformers' for the code predictor (temperature 1,
-        top_k 50, top_p 0.8); `greedy` [B] bool makes those rows argmax. Jittable: static shapes, the G-1 steps are unrolled.
-        With return_logits, also returns the per-step logits [B, G-1, vocab] (fp32).
+        top_k 50, top_p 0.8); `greedy` [B] bool makes those rows argmax. Jittable: static
+        shapes, the G-1 steps are unrolled. With return_logits, also returns the per-step
+        logits [B, G-1, vocab] (fp32).
+
+        cache=True keeps each layer's K/V in a one-page-per-row paged cache local to the
+        call: the first step runs the two input rows, each later one only the new code's
+        row (G rows per request in all). cache=False re-runs the whole sequence every
+        step (G(G+1)/2 - 1 rows); benchmarks/code_predictor.py measures both.
         """
         pred = self.code_predictor
         b, h = talker_hidden.shape
@@ -361,14 +396,18 @@ class Qwen3OmniTalker(nnx.Module):
         keys = None if key is None else _row_keys(key, b)
         dtype = pred.model.dtype
         seq = [talker_hidden.astype(dtype), self.model.embed(group0_ids).astype(dtype)]
+        step = _CachedSteps(pred.model, b, groups, dtype) if cache else None
         codes, all_logits = [], []
         for s in range(1, groups):
-            length = s + 1
-            x = jnp.stack(seq, axis=1).reshape(b * length, h)
-            positions = jnp.tile(jnp.arange(length, dtype=jnp.int32), b)
-            # Rows of the batch are packed segments of one dense causal attention.
-            meta = AttentionMetadata.dense(b * length, jnp.repeat(jnp.arange(b, dtype=jnp.int32), length))
-            hidden = pred.model(x, positions, meta).reshape(b, length, h)[:, -1]
+            if step is not None:
+                hidden = step(jnp.stack(seq, axis=1) if s == 1 else seq[-1][:, None], s)
+            else:
+                length = s + 1
+                x = jnp.stack(seq, axis=1).reshape(b * length, h)
+                positions = jnp.tile(jnp.arange(length, dtype=jnp.int32), b)
+                # Rows of the batch are packed segments of one dense causal attention.
+                meta = AttentionMetadata.dense(b * length, jnp.repeat(jnp.arange(b, dtype=jnp.int32), length))
+                hidden = pred.model(x, positions, meta).reshape(b, length, h)[:, -1]
             logits = pred.lm_head[s - 1](hidden).astype(jnp.float32)
             step_keys = None if keys is None else jax.vmap(lambda k: jax.random.fold_in(k, s))(keys)
             code = _choose(logits, step_keys, temperature, top_k, top_p, greedy)

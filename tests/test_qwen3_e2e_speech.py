@@ -196,3 +196,12 @@ def test_unknown_voice_lists_voices(speech_omni):
     out = speech_omni.generate([{"prompt_token_ids": tiny.text_prompt_ids()}], output_modalities=["text", "audio"],
                                voice="Nobody")[0]
     assert out.finish_reason == "error" and "aiden, chelsie, ethan" in out.error
+
+
+def test_router_needs_the_talker_hidden_layers(converted):
+    from omni_jax.config import ConfigError
+    from omni_jax.models.qwen3_omni.pipeline import make_router
+
+    pipeline = tiny_speech_pipeline().with_overrides(thinker=dict(hidden_layers=[0]))
+    with pytest.raises(ConfigError, match=r"stage 'thinker': hidden_layers must include \[0, 2\]"):
+        make_router(converted, pipeline)

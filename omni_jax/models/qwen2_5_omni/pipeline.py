@@ -21,23 +21,11 @@ import dataclasses
 
 import numpy as np
 
+from ...engine.handoff import assemble_hidden, kind_router, require_thinker_layers
 from ...engine.protocol import AddRequest, StageInputs
 from ...inputs.rope_index import RopeIndexConfig, get_rope_index
 from .talker import TalkerConfig
 from .voices import Voices
-
-
-def assemble_hidden(chunks: list[tuple[int, np.ndarray]]) -> np.ndarray:
-    """Rows sent in (position, rows) pieces -> one array; resent positions overwrite."""
-    end = max(off + len(rows) for off, rows in chunks)
-    out = np.zeros((end, chunks[0][1].shape[1]), np.float32)
-    seen = np.zeros(end, bool)
-    for off, rows in chunks:
-        out[off:off + len(rows)] = rows
-        seen[off:off + len(rows)] = True
-    if not seen.all():
-        raise ValueError(f"thinker hidden states are missing for positions {np.flatnonzero(~seen)[:5].tolist()}...")
-    return out
 
 
 @dataclasses.dataclass
@@ -141,23 +129,11 @@ def make_router(ckpt_dir: str, pipeline):
         (thinker.get("audio_token_index", 151646), thinker.get("image_token_index", 151655),
          thinker.get("video_token_index", 151656)), THINKER_EOS, (0, layers),
         codebook_size=hf.get("token2wav_config", {}).get("dit_config", {}).get("num_embeds"))
-    kinds = {s.name: (s.model_stage or s.name) for s in pipeline.stages}
-    for s in pipeline.stages:
-        if kinds[s.name] == "thinker" and not {0, layers} <= set(s.hidden_layers):
-            from ...config import ConfigError
-
-            raise ConfigError(f"stage {s.name!r}: hidden_layers must include 0 and {layers} (the thinker's "
-                              f"embeddings and last layer feed the talker), got {list(s.hidden_layers)}")
-
-    def route(req, from_stage: str, to_stage: str) -> AddRequest:
-        acc = req.stage_outputs[from_stage]
-        params = req.stage_params[req.chain.index(to_stage)]
-        if kinds[to_stage] == "talker":
-            return handoff.thinker2talker(req.first, acc["token_ids"], acc["hidden"], params, req.voice,
-                                          req.request_id)
-        if kinds[to_stage] == "token2wav":
-            return handoff.talker2token2wav(req.first, acc["token_ids"], params, req.voice, req.request_id)
-        raise ValueError(f"no route from {from_stage!r} to {to_stage!r}")
-
+    require_thinker_layers(pipeline, {0, layers}, "the thinker's embeddings and last layer feed the talker")
+    route = kind_router(pipeline, {
+        "talker": lambda req, acc, params: handoff.thinker2talker(
+            req.first, acc["token_ids"], acc["hidden"], params, req.voice, req.request_id),
+        "token2wav": lambda req, acc, params: handoff.talker2token2wav(
+            req.first, acc["token_ids"], params, req.voice, req.request_id)})
     route.voices = handoff.voices
     return route

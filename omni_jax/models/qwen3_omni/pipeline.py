@@ -33,10 +33,10 @@ import os
 
 import numpy as np
 
+from ...engine.handoff import assemble_hidden, kind_router, require_thinker_layers
 from ...engine.protocol import AddRequest, StageInputs
 from ...inputs.rope_index import RopeIndexConfig
 from ...inputs.rope_index_qwen3 import get_rope_index_qwen3
-from ..qwen2_5_omni.pipeline import assemble_hidden
 from .talker import TalkerConfig
 
 TTS_ROWS_FILE = "tts_rows.safetensors"
@@ -196,25 +196,12 @@ def load_handoff(ckpt_dir: str) -> Qwen3OmniHandoff:
 
 def make_router(ckpt_dir: str, pipeline):
     """The orchestrator's route(request, from_stage, to_stage) for a Qwen3-Omni checkpoint."""
-    from ...config import ConfigError
-
     handoff = load_handoff(ckpt_dir)
-    kinds = {s.name: (s.model_stage or s.name) for s in pipeline.stages}
-    need = set(handoff.hidden_layers)
-    for s in pipeline.stages:
-        if kinds[s.name] == "thinker" and not need <= set(s.hidden_layers):
-            raise ConfigError(f"stage {s.name!r}: hidden_layers must include {sorted(need)} (the thinker's "
-                              f"embeddings and accept_hidden_layer feed the talker), got {list(s.hidden_layers)}")
-
-    def route(req, from_stage: str, to_stage: str) -> AddRequest:
-        acc = req.stage_outputs[from_stage]
-        params = req.stage_params[req.chain.index(to_stage)]
-        if kinds[to_stage] == "talker":
-            return handoff.thinker2talker(req.first, acc["token_ids"], acc["hidden"], params, req.voice,
-                                          req.request_id)
-        if kinds[to_stage] == "code2wav":
-            return handoff.talker2code2wav(req.first, acc, params, req.request_id)
-        raise ValueError(f"no route from {from_stage!r} to {to_stage!r}")
-
+    require_thinker_layers(pipeline, set(handoff.hidden_layers),
+                           "the thinker's embeddings and accept_hidden_layer feed the talker")
+    route = kind_router(pipeline, {
+        "talker": lambda req, acc, params: handoff.thinker2talker(
+            req.first, acc["token_ids"], acc["hidden"], params, req.voice, req.request_id),
+        "code2wav": lambda req, acc, params: handoff.talker2code2wav(req.first, acc, params, req.request_id)})
     route.voices = Speakers(handoff.talker)
     return route

@@ -177,13 +177,14 @@ def _randomise(model, seed: int) -> None:
                 normal(p, 0.1)
 
 
-def build_qwen3_omni(path: str, seed: int = 0) -> str:
-    """Build, check and save (`save_pretrained`) a tiny random Qwen3-Omni checkpoint under `path`."""
+def build_qwen3_omni(path: str, seed: int = 0, config_dict: dict | None = None) -> str:
+    """Build, check and save (`save_pretrained`) a random Qwen3-Omni checkpoint under `path`
+    (the tiny one unless `config_dict` gives other sizes)."""
     import torch
     from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 
     torch.manual_seed(seed)
-    config = Qwen3OmniMoeConfig(**qwen3_omni_config_dict())
+    config = Qwen3OmniMoeConfig(**(config_dict or qwen3_omni_config_dict()))
     model = Qwen3OmniMoeForConditionalGeneration(config).eval().float()
     _randomise(model, seed)
     _assert_finite(model)

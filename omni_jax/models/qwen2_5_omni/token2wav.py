@@ -36,9 +36,12 @@ class Token2WavConfig:
 
 
 def initial_noise(num_codes: int, seed: int, repeats: int = 2, mel_dim: int = 80) -> np.ndarray:
-    """A request's initial noise [repeats * num_codes, mel_dim] from its seed (independent of batching)."""
-    key = jax.random.key(seed % (2 ** 32))
-    return np.asarray(jax.random.normal(key, (num_codes * repeats, mel_dim), jnp.float32))
+    """A request's initial noise [repeats * num_codes, mel_dim] from its seed (independent of batching).
+
+    Drawn with numpy: a jax.random draw compiles once per distinct length, i.e. while serving.
+    """
+    rng = np.random.Generator(np.random.Philox(seed % (2 ** 64)))
+    return rng.standard_normal((num_codes * repeats, mel_dim), dtype=np.float32)
 
 
 class Qwen2_5OmniToken2Wav(nnx.Module):
@@ -60,6 +63,10 @@ class Qwen2_5OmniToken2Wav(nnx.Module):
                                             guidance_scale=guidance_scale, sway_coefficient=sway_coefficient,
                                             frame_mask=frame_mask, speaker_embeds=(spk, spk_uncond))
         return self.code2wav_bigvgan_model(mel, frames, channels_last=True)
+
+
+# See Token2WavSynthesizer.batch_split.
+MIN_BUCKET_FILL = 0.75
 
 
 class Token2WavSynthesizer:
@@ -99,10 +106,26 @@ class Token2WavSynthesizer:
     def __call__(self, reqs) -> list[np.ndarray]:
         """Waveforms of whole requests, batched by bucket."""
         out = []
-        cap = self.batch_buckets[-1]
-        for i in range(0, len(reqs), cap):
-            out.extend(self._batch(reqs[i:i + cap]))
+        for lo, hi in self.batch_split(len(reqs)):
+            out.extend(self._batch(reqs[lo:hi]))
         return out
+
+    def batch_split(self, n: int) -> list[tuple[int, int]]:
+        """(start, end) of the runs that serve n requests.
+
+        A padding row costs as much as a real one (on CPU the vocoder's time grows linearly
+        with the batch), so a run pads up to a bucket only when it fills at least
+        MIN_BUCKET_FILL of it, and otherwise takes the largest bucket that fits.
+        """
+        runs, i = [], 0
+        while i < n:
+            left = n - i
+            up = pick_bucket(min(left, self.batch_buckets[-1]), self.batch_buckets)
+            down = max([b for b in self.batch_buckets if b <= left], default=None)
+            take = min(left, up) if down is None or min(left, up) >= MIN_BUCKET_FILL * up else down
+            runs.append((i, i + take))
+            i += take
+        return runs
 
     def _batch(self, reqs) -> list[np.ndarray]:
         b = pick_bucket(len(reqs), self.batch_buckets)

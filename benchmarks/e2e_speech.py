@@ -1,6 +1,7 @@
 """Text-to-speech end to end: OmniJax vs transformers on the same small random Qwen2.5-Omni.
 
-    python benchmarks/e2e_speech.py [--requests 16] [--thinker-tokens 16] [--talker-tokens 64]
+    python benchmarks/e2e_speech.py [--family qwen2_5_omni|qwen3_omni] [--requests 16]
+                                    [--thinker-tokens 16] [--talker-tokens 64]
 
 Both sides answer the same 16 prompts with text and 24 kHz speech: greedy thinker,
 greedy talker (repetition penalty 1.05), DiT + BigVGAN vocoder.
@@ -13,6 +14,8 @@ greedy talker (repetition penalty 1.05), DiT + BigVGAN vocoder.
 Prints requests/s, mean real-time factor (processing time / audio seconds) and the ratio.
 The model is a random Qwen2.5-Omni a few times larger than the test one (its vocoder
 embeds the whole talker vocabulary, so random codec ids cannot crash transformers).
+`--family qwen3_omni`: the same with a small random Qwen3-Omni (benchmarks/speech_qwen3.py:
+MoE thinker and talker, 16 code groups, code2wav), chat prompts, voice "ethan".
 """
 
 from __future__ import annotations
@@ -127,19 +130,26 @@ def run_omnijax(ckpt, prompts, thinker_tokens, talker_tokens):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--family", choices=("qwen2_5_omni", "qwen3_omni"), default="qwen2_5_omni")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--thinker-tokens", type=int, default=16)
     ap.add_argument("--talker-tokens", type=int, default=64)
     args = ap.parse_args()
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 151000, int(rng.integers(8, 40))).tolist() for _ in range(args.requests)]
+    if args.family == "qwen3_omni":
+        import speech_qwen3 as family
+
+        prompts = [family.chat(rng, int(rng.integers(8, 40))) for _ in range(args.requests)]
+    else:
+        family = sys.modules[__name__]
+        prompts = [rng.integers(0, 151000, int(rng.integers(8, 40))).tolist() for _ in range(args.requests)]
     with tempfile.TemporaryDirectory() as tmp:
-        hf_dir, ckpt = build(tmp)
-        dt_o, sec_o, rtf_o, ttfa = run_omnijax(ckpt, prompts, args.thinker_tokens, args.talker_tokens)
-        dt_h, sec_h, rtf_h = run_transformers(hf_dir, prompts, args.thinker_tokens, args.talker_tokens)
+        hf_dir, ckpt = family.build(tmp)
+        dt_o, sec_o, rtf_o, ttfa = family.run_omnijax(ckpt, prompts, args.thinker_tokens, args.talker_tokens)
+        dt_h, sec_h, rtf_h = family.run_transformers(hf_dir, prompts, args.thinker_tokens, args.talker_tokens)
     n = args.requests
-    print(f"{n} text+speech requests, thinker {args.thinker_tokens} tokens, talker <= {args.talker_tokens} codes, "
-          f"CPU ({os.cpu_count()} cores), fp32")
+    print(f"{args.family}: {n} text+speech requests, thinker {args.thinker_tokens} tokens, talker <= "
+          f"{args.talker_tokens} codes, CPU ({os.cpu_count()} cores), fp32")
     print(f"omnijax:      {dt_o:7.2f}s  {n / dt_o:6.2f} req/s  audio {sum(sec_o):6.1f}s  mean RTF {np.mean(rtf_o):.2f}  "
           f"mean time to first audio {np.mean(ttfa):.2f}s")
     print(f"transformers: {dt_h:7.2f}s  {n / dt_h:6.2f} req/s  audio {sum(sec_h):6.1f}s  mean RTF {np.mean(rtf_h):.2f}")

@@ -10,6 +10,12 @@ A random Qwen2 decoder of ~40M parameters (fp32, CPU) serves the same 64 request
 It prints output tokens/s of both and their ratio, then the host overhead of a decode
 step (engine step wall time minus the device time of the same jitted computations)
 at batch 1, 8 and 64.
+
+OmniJax is configured as a user serving this workload on CPU would: every request
+running at once (max_num_seqs 64), a 1024-token step budget (--token-budget),
+16-token blocks, max_model_len 656 (longest prompt + most new tokens). Attention runs
+through the XLA reference path (kernels_pallas/reference.py), the CPU backend.
+The machine is usually shared: compare runs taken under the same load.
 """
 
 from __future__ import annotations

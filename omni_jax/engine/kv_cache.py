@@ -313,9 +313,13 @@ class KVCacheManager:
         hits prepended to the request's block table. Returns True, or None (and changes
         nothing) if the pool has too few free blocks.
         """
-        new_computed_blocks = new_computed_blocks or []
         rid = request.request_id
         blocks = self.req_to_blocks.get(rid)
+        # Fast path, most decode steps: the new tokens fit the blocks already held.
+        if (not new_computed_blocks and blocks
+                and request.num_computed_tokens + num_new_tokens <= len(blocks) * self.block_size):
+            return True
+        new_computed_blocks = new_computed_blocks or []
         if new_computed_blocks and blocks:
             raise ValueError(f"request {rid!r}: prefix-cache hits can only be added at admission")
         num_held = len(blocks) if blocks else 0

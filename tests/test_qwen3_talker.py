@@ -263,6 +263,35 @@ def test_code_predictor_sampling(talker):
     np.testing.assert_array_equal(np.asarray(_residual_sampled(talker, hidden, group0, keys, top_k=1)), greedy)
 
 
+def test_code_predictor_sampling_static_top_k(talker):
+    """The serving path (static top_k: sampling among the k candidates) draws inside the
+    nucleus, reproducibly and independently of the batch."""
+    rng = np.random.default_rng(5)
+    b = 4
+    hidden = jnp.asarray(rng.standard_normal((b, 32)).astype(np.float32))
+    group0 = jnp.asarray(rng.integers(0, CODEBOOK, b), jnp.int32)
+    keys = jax.random.split(jax.random.key(9), b)
+    draw = nnx.jit(lambda m, h, g, k: m.predict_residual_codes(h, g, k, top_k=20, top_p=0.8))
+    codes = np.asarray(draw(talker, hidden, group0, keys))
+    np.testing.assert_array_equal(codes[::-1], np.asarray(draw(talker, hidden[::-1], group0[::-1], keys[::-1])))
+    logits = _teacher_forced_logits(talker, hidden, group0, jnp.asarray(codes))
+    for s in range(GROUPS - 1):
+        kept = np.asarray(apply_top_k_top_p(logits[:, s], jnp.full((b,), 20, jnp.int32), jnp.full((b,), 0.8)))
+        assert np.isfinite(kept[np.arange(b), codes[:, s]]).all()
+
+
+def test_top_k_top_p_candidates_equal_the_full_mask():
+    from omni_jax.engine.sampling import top_k_top_p_candidates
+
+    logits = jnp.asarray(np.random.default_rng(6).standard_normal((6, 300)).astype(np.float32) * 3)
+    top_p = jnp.asarray([1.0, 0.9, 0.5, 0.1, 0.8, 0.99], jnp.float32)
+    full = np.asarray(apply_top_k_top_p(logits, jnp.full((6,), 40, jnp.int32), top_p))
+    vals, ids = top_k_top_p_candidates(logits, 40, top_p)
+    want = np.full_like(full, -np.inf)
+    np.put_along_axis(want, np.asarray(ids), np.asarray(vals), axis=-1)
+    np.testing.assert_array_equal(want, full)
+
+
 def test_row_keys():
     from omni_jax.models.qwen3_omni.talker import _row_keys
 

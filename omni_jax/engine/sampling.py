@@ -781,6 +781,24 @@ def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
     return jnp.where(logits < thr, -jnp.inf, logits)
 
 
+def top_k_top_p_candidates(logits: jax.Array, top_k: int, top_p) -> tuple[jax.Array, jax.Array]:
+    """The top-k / top-p candidates of each row for one static k < V: (logits [B, k] with
+    -inf outside the nucleus, their token ids [B, k]).
+
+    Sampling among these k instead of the whole masked row skips a full vocabulary sort
+    and draws k random numbers per row instead of V (threefry dominates on CPU). Same
+    nucleus as `apply_top_k_top_p` except where logits tie exactly with the k-th largest.
+    """
+    vals, ids = jax.lax.top_k(logits, top_k)  # descending
+    top_p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), logits.shape[:1])
+    # transformers' TopP: drop the low tokens whose cumulative probability is <= 1 - top_p.
+    asc = vals[:, ::-1]
+    cum = jnp.cumsum(jax.nn.softmax(asc, axis=-1), axis=-1)
+    remove = (cum <= (1.0 - top_p)[:, None]).at[:, -1].set(False)
+    thr = jnp.take_along_axis(asc, jnp.sum(remove, axis=-1, keepdims=True), axis=-1)
+    return jnp.where(vals < thr, -jnp.inf, vals), ids
+
+
 def apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
     """Mask tokens with prob < min_p * max prob, i.e. logit < max logit + log(min_p)."""
     thr = jnp.max(logits, axis=-1, keepdims=True) + jnp.log(min_p)[:, None]

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ...engine.sampling import apply_top_k_top_p
+from ...engine.sampling import apply_top_k_top_p, top_k_top_p_candidates
 from ..layers.attention import AttentionMetadata
 from ..layers.mlp import ACTIVATIONS
 from ..layers.norms import RMSNorm
@@ -295,10 +295,20 @@ def _choose(logits, keys, temperature, top_k, top_p, greedy=None):
     if keys is None:
         return best
     b = logits.shape[0]
-    logits = logits / jnp.asarray(temperature, jnp.float32)
-    logits = apply_top_k_top_p(logits, jnp.full((b,), top_k, jnp.int32), jnp.full((b,), top_p, jnp.float32))
-    drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, logits).astype(jnp.int32)
-    return drawn if greedy is None else jnp.where(greedy, best, drawn)
+
+    def draw():
+        scaled = logits / jnp.asarray(temperature, jnp.float32)
+        categorical = jax.vmap(lambda k, row: jax.random.categorical(k, row))
+        if isinstance(top_k, int) and 0 < top_k < logits.shape[-1]:
+            kept, ids = top_k_top_p_candidates(scaled, top_k, top_p)
+            return jnp.take_along_axis(ids, categorical(keys, kept)[:, None], axis=-1)[:, 0].astype(jnp.int32)
+        kept = apply_top_k_top_p(scaled, jnp.full((b,), top_k, jnp.int32), jnp.full((b,), top_p, jnp.float32))
+        return categorical(keys, kept).astype(jnp.int32)
+
+    if greedy is None:
+        return draw()
+    # An all-greedy batch skips the vocabulary sort and the draws (most of the step's cost on CPU).
+    return jax.lax.cond(jnp.all(greedy), lambda: best, lambda: jnp.where(greedy, best, draw()))
 
 
 class Qwen3OmniTalker(nnx.Module):

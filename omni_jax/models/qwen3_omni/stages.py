@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -60,8 +61,12 @@ class TalkerInputProjector:
 
         self.cfg = cfg
         self.buckets = tuple(pow2_buckets(16, max(16, max_rows)))
-        self._model = model
-        self._fn = nnx.jit(_project_rows)
+        # Parameters as a flat leaf list (as the runner): nnx.jit would walk the whole
+        # talker graph on every request (~20 ms).
+        graphdef, state = nnx.split(model)
+        self._leaves, treedef = jax.tree.flatten(state)
+        self._fn = jax.jit(lambda leaves, *args: _project_rows(
+            nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves)), *args))
 
     def _project(self, rows: np.ndarray, proj: np.ndarray, add_ids: np.ndarray) -> np.ndarray:
         from ...engine.buckets import pick_bucket
@@ -76,7 +81,7 @@ class TalkerInputProjector:
             k[:n] = proj[a:a + n]
             i = np.full(b, -1, np.int32)
             i[:n] = add_ids[a:a + n]
-            out.append(np.asarray(self._fn(self._model, r, k, i))[:n])
+            out.append(np.asarray(self._fn(self._leaves, r, k, i))[:n])
         return np.concatenate(out)
 
     def __call__(self, inputs: RequestInputs) -> RequestInputs:
@@ -124,7 +129,7 @@ class TalkerInputProjector:
 
     def warmup(self) -> None:
         for b in self.buckets:
-            self._fn(self._model, np.zeros((b, self.cfg.thinker_hidden_size), np.float32),
+            self._fn(self._leaves, np.zeros((b, self.cfg.thinker_hidden_size), np.float32),
                      np.zeros(b, np.int32), np.full(b, -1, np.int32))
 
 

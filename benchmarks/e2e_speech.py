@@ -94,7 +94,7 @@ def run_transformers(hf_dir, prompts, thinker_tokens, talker_tokens):
 
 
 def run_omnijax(ckpt, prompts, thinker_tokens, talker_tokens):
-    from omni_jax import AsyncOmniJax, SamplingParams
+    from omni_jax import SamplingParams
     from omni_jax.config import load_pipeline_config
 
     n = len(prompts)
@@ -107,13 +107,19 @@ def run_omnijax(ckpt, prompts, thinker_tokens, talker_tokens):
                        max_num_batched_tokens=4 * talker_tokens))
     params = [SamplingParams(temperature=0.0, max_tokens=thinker_tokens, ignore_eos=True),
               SamplingParams(temperature=0.0, repetition_penalty=1.05, max_tokens=talker_tokens), None]
+    return serve_speech(ckpt, pipeline, prompts, params, voice="Chelsie")
+
+
+def serve_speech(ckpt, pipeline, prompts, params, voice):
+    """All prompts in flight through AsyncOmniJax; (seconds, audio s, RTFs, times to first audio)."""
+    from omni_jax import AsyncOmniJax
 
     async def go():
         async with AsyncOmniJax(model=ckpt, pipeline=pipeline, output_modalities=["text", "audio"]) as omni:
             async def one(i, p):
                 last = None
                 async for out in omni.generate({"prompt_token_ids": p}, params, request_id=f"s{i}",
-                                               output_modalities=["text", "audio"], voice="Chelsie"):
+                                               output_modalities=["text", "audio"], voice=voice):
                     last = out
                 return last
             t0 = time.perf_counter()

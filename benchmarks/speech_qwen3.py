@@ -7,11 +7,8 @@ hidden 256, talker 4 MoE layers of hidden 128, code predictor 2 layers, code2wav
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
-
-import numpy as np
 
 
 def small_config() -> dict:
@@ -81,36 +78,19 @@ def run_transformers(hf_dir, prompts, thinker_tokens, talker_tokens):
 
 
 def run_omnijax(ckpt, prompts, thinker_tokens, talker_tokens):
-    """All requests in flight through AsyncOmniJax; (seconds, audio s, RTFs, times to first audio)."""
-    from omni_jax import AsyncOmniJax, SamplingParams
+    """All requests in flight (e2e_speech.serve_speech); (seconds, audio s, RTFs, times to first audio)."""
+    from e2e_speech import serve_speech
+    from omni_jax import SamplingParams
     from omni_jax.config import load_pipeline_config
 
     n = len(prompts)
     pipeline = load_pipeline_config("qwen3_omni_tiny").with_overrides(
-        thinker=dict(max_num_seqs=n, decode_buckets=sorted({1, 4, n}), token_buckets=[16, 64], max_num_batched_tokens=64,
-                     audio_chunk_buckets=[1], vision_patch_buckets=[64]),
-        talker=dict(max_num_seqs=n, decode_buckets=sorted({1, 4, n}), token_buckets=[16, 64], max_num_batched_tokens=64,
-                    max_model_len=256, num_blocks=n * (256 // 16) + 1),
+        thinker=dict(max_num_seqs=n, decode_buckets=sorted({1, 4, n}), token_buckets=[16, 64],
+                     max_num_batched_tokens=64, audio_chunk_buckets=[1], vision_patch_buckets=[64]),
+        talker=dict(max_num_seqs=n, decode_buckets=sorted({1, 4, n}), token_buckets=[16, 64],
+                    max_num_batched_tokens=64, max_model_len=256, num_blocks=n * (256 // 16) + 1),
         code2wav=dict(max_num_seqs=4, decode_buckets=[1, 4], token_buckets=[talker_tokens],
                       max_model_len=talker_tokens, max_num_batched_tokens=4 * talker_tokens))
     params = [SamplingParams(temperature=0.0, max_tokens=thinker_tokens, ignore_eos=True),
               SamplingParams(temperature=0.0, repetition_penalty=1.05, max_tokens=talker_tokens), None]
-
-    async def go():
-        async with AsyncOmniJax(model=ckpt, pipeline=pipeline, output_modalities=["text", "audio"]) as omni:
-            async def one(i, p):
-                last = None
-                async for out in omni.generate({"prompt_token_ids": p}, params, request_id=f"s{i}",
-                                               output_modalities=["text", "audio"], voice="ethan"):
-                    last = out
-                return last
-            t0 = time.perf_counter()
-            outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-            return time.perf_counter() - t0, outs
-
-    dt, outs = asyncio.run(go())
-    errors = [o.error for o in outs if o.error]
-    if errors:
-        raise RuntimeError(f"{len(errors)} requests failed, e.g. {errors[0]}")
-    return (dt, [o.metrics.audio_seconds for o in outs], [o.metrics.rtf for o in outs],
-            [o.metrics.time_to_first_audio for o in outs])
+    return serve_speech(ckpt, pipeline, prompts, params, voice="ethan")

@@ -28,6 +28,18 @@ def assemble_hidden(chunks: list[tuple[int, np.ndarray]]) -> np.ndarray:
     return out
 
 
+def media_positions(text_ids: np.ndarray, mm, rope_index, **kw) -> tuple[np.ndarray | None, int]:
+    """M-RoPE positions of a next-stage prompt given the request's media (`MultiModalPayload`)
+    through the family's `rope_index(ids, image_grid_thw=..., ...)`; (None, 0) without media."""
+    if mm is None:
+        return None, 0
+    lens = np.array([a.shape[1] for a in mm.audio_features], np.int64) if mm.audio_features else None
+    positions, delta = rope_index(text_ids, image_grid_thw=mm.image_grid_thw, video_grid_thw=mm.video_grid_thw,
+                                  audio_seqlens=lens, second_per_grids=mm.video_second_per_grid,
+                                  use_audio_in_video=mm.use_audio_in_video, **kw)
+    return positions.astype(np.int32), int(delta)
+
+
 def require_thinker_layers(pipeline, layers: set[int], why: str) -> None:
     """ConfigError unless every thinker stage returns the hidden `layers` the talker needs."""
     from ..config import ConfigError

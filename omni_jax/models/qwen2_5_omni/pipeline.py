@@ -21,7 +21,7 @@ import dataclasses
 
 import numpy as np
 
-from ...engine.handoff import assemble_hidden, kind_router, require_thinker_layers
+from ...engine.handoff import assemble_hidden, kind_router, media_positions, require_thinker_layers
 from ...engine.protocol import AddRequest, StageInputs
 from ...inputs.rope_index import RopeIndexConfig, get_rope_index
 from .talker import TalkerConfig
@@ -93,15 +93,7 @@ class Qwen2_5OmniHandoff:
 
     def _positions(self, text_ids: np.ndarray, first: AddRequest):
         """The talker's M-RoPE positions: the thinker prompt's, continued by two text tokens."""
-        mm = first.multi_modal
-        if mm is None:
-            return None, 0
-        lens = np.array([a.shape[1] for a in mm.audio_features], np.int64) if mm.audio_features else None
-        positions, delta = get_rope_index(text_ids, self.rope, image_grid_thw=mm.image_grid_thw,
-                                          video_grid_thw=mm.video_grid_thw, audio_seqlens=lens,
-                                          second_per_grids=mm.video_second_per_grid,
-                                          use_audio_in_video=mm.use_audio_in_video)
-        return positions.astype(np.int32), int(delta)
+        return media_positions(text_ids, first.multi_modal, get_rope_index, config=self.rope)
 
     def talker2token2wav(self, first: AddRequest, codes: list[int], params, voice: str | None,
                          request_id: str) -> AddRequest:

@@ -33,7 +33,7 @@ import os
 
 import numpy as np
 
-from ...engine.handoff import assemble_hidden, kind_router, require_thinker_layers
+from ...engine.handoff import assemble_hidden, kind_router, media_positions, require_thinker_layers
 from ...engine.protocol import AddRequest, StageInputs
 from ...inputs.rope_index import RopeIndexConfig
 from ...inputs.rope_index_qwen3 import get_rope_index_qwen3
@@ -149,15 +149,7 @@ class Qwen3OmniHandoff:
 
     def _positions(self, text_ids: np.ndarray, first: AddRequest):
         """The talker's M-RoPE positions over its own prompt ids (None: 0..L-1 on all rows)."""
-        mm = first.multi_modal
-        if mm is None:
-            return None, 0
-        lens = np.array([a.shape[1] for a in mm.audio_features], np.int64) if mm.audio_features else None
-        positions, delta = get_rope_index_qwen3(
-            text_ids, self.rope, image_grid_thw=mm.image_grid_thw, video_grid_thw=mm.video_grid_thw,
-            audio_seqlens=lens, second_per_grids=mm.video_second_per_grid,
-            use_audio_in_video=mm.use_audio_in_video, n_window=self.audio_n_window)
-        return positions.astype(np.int32), int(delta)
+        return media_positions(text_ids, first.multi_modal, get_rope_index_qwen3, config=self.rope, n_window=self.audio_n_window)
 
     def talker2code2wav(self, first: AddRequest, acc: dict, params, request_id: str) -> AddRequest:
         """The vocoder request: frames of all code groups, flattened frame-major."""

@@ -75,6 +75,13 @@ def run_transformers(hf_dir, prompts, thinker_tokens, talker_tokens):
 
     torch.set_num_threads(os.cpu_count())
     model = Qwen2_5OmniForConditionalGeneration.from_pretrained(hf_dir, dtype="float32").eval()
+    return time_hf_generate(model, prompts, "Chelsie", thinker_tokens, talker_tokens)
+
+
+def time_hf_generate(model, prompts, speaker, thinker_tokens, talker_tokens):
+    """One left-padded batch through generate(return_audio=True), greedy; (seconds, audio s, RTFs)."""
+    import torch
+
     L = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), L, dtype=torch.long)
     mask = torch.zeros(len(prompts), L, dtype=torch.long)
@@ -83,12 +90,12 @@ def run_transformers(hf_dir, prompts, thinker_tokens, talker_tokens):
         mask[i, L - len(p):] = 1
     t0 = time.perf_counter()
     with torch.no_grad():
-        _, wavs = model.generate(input_ids=ids, attention_mask=mask, speaker="Chelsie",
-                                 thinker_max_new_tokens=thinker_tokens, thinker_do_sample=False,
-                                 thinker_min_new_tokens=thinker_tokens,
-                                 talker_do_sample=False, talker_max_new_tokens=talker_tokens)
+        _, wavs = model.generate(input_ids=ids, attention_mask=mask, speaker=speaker,
+                                 thinker_max_new_tokens=thinker_tokens, thinker_min_new_tokens=thinker_tokens,
+                                 thinker_do_sample=False, talker_do_sample=False,
+                                 talker_max_new_tokens=talker_tokens)
     dt = time.perf_counter() - t0
-    wavs = wavs if isinstance(wavs, list) else [wavs]
+    wavs = wavs if isinstance(wavs, list) else [wavs.reshape(-1)]
     seconds = [len(w) / 24000 for w in wavs]
     return dt, seconds, [dt / max(s, 1e-9) for s in seconds]
 
@@ -99,9 +106,9 @@ def run_omnijax(ckpt, prompts, thinker_tokens, talker_tokens):
 
     n = len(prompts)
     pipeline = load_pipeline_config("qwen2_5_omni_tiny").with_overrides(
-        thinker=dict(max_num_seqs=n, decode_buckets=[1, 4, n], token_buckets=[16, 64], max_num_batched_tokens=64,
+        thinker=dict(max_num_seqs=n, decode_buckets=sorted({1, 4, n}), token_buckets=[16, 64], max_num_batched_tokens=64,
                      hidden_layers=[0, 4]),
-        talker=dict(max_num_seqs=n, decode_buckets=[1, 4, n], token_buckets=[16, 64], max_num_batched_tokens=64,
+        talker=dict(max_num_seqs=n, decode_buckets=sorted({1, 4, n}), token_buckets=[16, 64], max_num_batched_tokens=64,
                     num_blocks=n * (1024 // 16) + 1),
         token2wav=dict(max_num_seqs=4, decode_buckets=[1, 4], token_buckets=[talker_tokens],
                        max_num_batched_tokens=4 * talker_tokens))

@@ -8,7 +8,6 @@ hidden 256, talker 4 MoE layers of hidden 128, code predictor 2 layers, code2wav
 from __future__ import annotations
 
 import os
-import time
 
 
 def small_config() -> dict:
@@ -56,25 +55,10 @@ def run_transformers(hf_dir, prompts, thinker_tokens, talker_tokens):
     import torch
 
     import hf_tiny_qwen3
+    from e2e_speech import time_hf_generate
 
     torch.set_num_threads(os.cpu_count())
-    model = hf_tiny_qwen3.load_qwen3_omni(hf_dir)
-    L = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), L, dtype=torch.long)
-    mask = torch.zeros(len(prompts), L, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, L - len(p):] = torch.tensor(p)
-        mask[i, L - len(p):] = 1
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        _, wavs = model.generate(input_ids=ids, attention_mask=mask, speaker="ethan",
-                                 thinker_max_new_tokens=thinker_tokens, thinker_min_new_tokens=thinker_tokens,
-                                 thinker_do_sample=False, talker_do_sample=False,
-                                 talker_max_new_tokens=talker_tokens)
-    dt = time.perf_counter() - t0
-    wavs = wavs if isinstance(wavs, list) else [wavs.reshape(-1)]
-    seconds = [len(w) / 24000 for w in wavs]
-    return dt, seconds, [dt / max(s, 1e-9) for s in seconds]
+    return time_hf_generate(hf_tiny_qwen3.load_qwen3_omni(hf_dir), prompts, "ethan", thinker_tokens, talker_tokens)
 
 
 def run_omnijax(ckpt, prompts, thinker_tokens, talker_tokens):

@@ -17,6 +17,7 @@ from omni_jax.engine.sampling import (
     SamplingMetadata,
     SamplingMetadataBuilder,
     SamplingParams,
+    TOP_K_CANDIDATES,
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
@@ -322,14 +323,14 @@ def test_min_p_mask_matches_numpy_and_transformers(min_p):
     np.testing.assert_array_equal(got, hf)
 
 
+@pytest.mark.parametrize("V", [64, 4 * TOP_K_CANDIDATES])  # top-k candidates: never / when top_k is small
 @pytest.mark.parametrize(
     "kw",
     [dict(top_k=4), dict(top_p=0.6), dict(min_p=0.2), dict(top_k=10, top_p=0.5, min_p=0.1),
-     dict(top_k=6, temperature=0.5)],
+     dict(top_k=6, temperature=0.5), dict(top_k=TOP_K_CANDIDATES + 1, top_p=0.3)],
 )
-def test_sampling_stays_inside_allowed_set(kw):
+def test_sampling_stays_inside_allowed_set(kw, V):
     rng = np.random.default_rng(4)
-    V = 64
     x = (rng.normal(size=V) * 1.5).astype(np.float32)
     kw = {"temperature": 1.0, **kw}
     t = kw["temperature"]
@@ -344,13 +345,15 @@ def test_sampling_stays_inside_allowed_set(kw):
         assert (seen == allowed).all()
 
 
-def test_temperature_distribution_matches_softmax():
+@pytest.mark.parametrize("V,top_k", [(16, 0), (4 * TOP_K_CANDIDATES, 12)])
+def test_temperature_distribution_matches_softmax(V, top_k):
     rng = np.random.default_rng(5)
-    V, t = 16, 0.7
+    t = 0.7
     x = rng.normal(size=V).astype(np.float32)
-    tokens = _draws(x, lambda s: SamplingParams(temperature=t, seed=s), num_seeds=1024, steps=8)
+    tokens = _draws(x, lambda s: SamplingParams(temperature=t, top_k=top_k, seed=s), num_seeds=1024, steps=8)
     n = tokens.size
-    expected = _np_softmax(x / t) * n
+    kept = _np_top_k_top_p_keep(x, top_k, 1.0)
+    expected = _np_softmax(np.where(kept, x / t, -np.inf)) * n
     observed = np.bincount(tokens, minlength=V)
     ok = expected >= 5
     chi2 = (((observed - expected) ** 2 / expected)[ok]).sum()
@@ -360,10 +363,12 @@ def test_temperature_distribution_matches_softmax():
 # --- per-request PRNG ------------------------------------------------------------------
 
 
-def test_same_seed_same_tokens_alone_and_in_batch():
+# The target draws from the whole vocabulary / among its top-k candidates; the batch mixes both.
+@pytest.mark.parametrize("target", [SamplingParams(temperature=0.9, top_p=0.95, seed=1234),
+                                    SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=1234)])
+def test_same_seed_same_tokens_alone_and_in_batch(target):
     rng = np.random.default_rng(6)
     V, steps = 100, 12
-    target = SamplingParams(temperature=0.9, top_p=0.95, seed=1234)
     row_logits = rng.normal(size=(steps, V)).astype(np.float32) * 2
     others = [SamplingParams(temperature=1.2, top_k=7), SamplingParams(temperature=0.0),
               SamplingParams(min_p=0.1, seed=5), SamplingParams(top_p=0.5),

@@ -781,15 +781,19 @@ def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
     return jnp.where(logits < thr, -jnp.inf, logits)
 
 
-def top_k_top_p_candidates(logits: jax.Array, top_k: int, top_p) -> tuple[jax.Array, jax.Array]:
+def top_k_top_p_candidates(logits: jax.Array, top_k: int, top_p,
+                           row_k: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The top-k / top-p candidates of each row for one static k < V: (logits [B, k] with
-    -inf outside the nucleus, their token ids [B, k]).
+    -inf outside the nucleus, their token ids [B, k]). `row_k` [B] (each <= k): a smaller
+    top-k per row.
 
     Sampling among these k instead of the whole masked row skips a full vocabulary sort
     and draws k random numbers per row instead of V (threefry dominates on CPU). Same
     nucleus as `apply_top_k_top_p` except where logits tie exactly with the k-th largest.
     """
     vals, ids = jax.lax.top_k(logits, top_k)  # descending
+    if row_k is not None:
+        vals = jnp.where(jnp.arange(top_k)[None, :] < row_k[:, None], vals, -jnp.inf)
     top_p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), logits.shape[:1])
     # transformers' TopP: drop the low tokens whose cumulative probability is <= 1 - top_p.
     asc = vals[:, ::-1]
@@ -812,6 +816,45 @@ def request_keys(md: SamplingMetadata) -> jax.Array:
     return jax.vmap(jax.random.fold_in)(keys, md.step)
 
 
+# Rows whose top_k is at most this draw among their top-k candidates: no vocabulary sort,
+# k random numbers instead of V. Covers transformers' default (50) and the talkers' (40).
+TOP_K_CANDIDATES = 64
+
+
+def _draw(logits: jax.Array, md: SamplingMetadata, flags: SamplingFlags, greedy_tokens: jax.Array) -> jax.Array:
+    """One token per row: greedy rows their argmax, the others a seeded draw.
+
+    Gumbel-max with each row's own key: row-local, so batch composition and row position
+    cannot change a seeded request's draw. Which of the two draws a row takes depends
+    only on its own top_k, for the same reason.
+    """
+    V = logits.shape[-1]
+    x = logits / md.temperature[:, None]
+    keys = request_keys(md)
+
+    def full_vocab():
+        y = apply_top_k_top_p(x, md.top_k, md.top_p) if flags.any_top_k_top_p else x
+        if flags.any_min_p:
+            y = apply_min_p(y, md.min_p)
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
+        return jnp.argmax(y + gumbel, axis=-1).astype(jnp.int32)
+
+    k = TOP_K_CANDIDATES
+    if not flags.any_top_k_top_p or k >= V:
+        return jnp.where(md.is_greedy, greedy_tokens, full_vocab())
+    capped = (md.top_k > 0) & (md.top_k <= k)
+    vals, ids = top_k_top_p_candidates(x, k, md.top_p, row_k=jnp.where(capped, md.top_k, k))
+    if flags.any_min_p:  # the row's max logit is among its candidates
+        vals = apply_min_p(vals, md.min_p)
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (k,), jnp.float32))(keys)
+    pick = jnp.argmax(vals + gumbel, axis=-1)
+    from_candidates = jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    # The vocabulary sort runs only when a sampled row has no small top_k.
+    need_full = jnp.any(~capped & ~md.is_greedy)
+    from_vocab = jax.lax.cond(need_full, full_vocab, lambda: greedy_tokens)
+    return jnp.where(md.is_greedy, greedy_tokens, jnp.where(capped, from_candidates, from_vocab))
+
+
 def sample(logits: jax.Array, metadata: SamplingMetadata, *, flags: SamplingFlags) -> SamplerOutput:
     """Choose one token per row of `logits` [B, V]; pure, for use inside a jitted step.
 
@@ -820,7 +863,6 @@ def sample(logits: jax.Array, metadata: SamplingMetadata, *, flags: SamplingFlag
     """
     md = metadata
     logits = logits.astype(jnp.float32)
-    V = logits.shape[-1]
     logits = apply_banned(logits, md.banned_ids)
     if flags.any_penalties:
         logits = apply_penalties(logits, md)
@@ -830,17 +872,10 @@ def sample(logits: jax.Array, metadata: SamplingMetadata, *, flags: SamplingFlag
     if flags.all_greedy:
         tokens = greedy_tokens
     else:
-        x = logits / md.temperature[:, None]
-        if flags.any_top_k_top_p:
-            x = apply_top_k_top_p(x, md.top_k, md.top_p)
-        if flags.any_min_p:
-            x = apply_min_p(x, md.min_p)
-        # Gumbel-max with each row's own key: row-local, so batch composition and row
-        # position cannot change a seeded request's draw.
-        keys = request_keys(md)
-        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
-        sampled = jnp.argmax(x + gumbel, axis=-1).astype(jnp.int32)
-        tokens = jnp.where(md.is_greedy, greedy_tokens, sampled)
+        # A batch whose real rows are all greedy (e.g. greedy with a repetition penalty)
+        # skips the draws: on CPU they cost far more than the rest of a small model's step.
+        tokens = jax.lax.cond(jnp.all(md.is_greedy), lambda: greedy_tokens,
+                              lambda: _draw(logits, md, flags, greedy_tokens))
 
     lp_out = None
     if flags.need_logprobs:

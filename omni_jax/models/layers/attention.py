@@ -79,19 +79,17 @@ def paged_attention_step(q, k, v, kv_cache, meta: AttentionMetadata, sm_scale, s
     """Write k/v into the pages, then attend through the block tables. Returns (out, kv_cache)."""
     if meta.backend == "pallas":
         import kernels_pallas as ops
-        kw = {}
     else:
         from kernels_pallas import reference as ops
-        kw = {}
     k_pages, v_pages = kv_cache
     k_pages, v_pages = ops.write_kv_pages(k_pages, v_pages, k, v, meta.slot_mapping)
     if meta.decode_only:
         out = ops.paged_attention(q, k_pages, v_pages, meta.block_tables, meta.kv_lens,
-                                  sm_scale=sm_scale, sliding_window=sliding_window, **kw)
+                                  sm_scale=sm_scale, sliding_window=sliding_window)
     else:
         out = ops.ragged_paged_attention(q, k_pages, v_pages, meta.block_tables, meta.kv_lens,
                                          meta.cu_q_lens, sm_scale=sm_scale,
-                                         sliding_window=sliding_window, **kw)
+                                         sliding_window=sliding_window)
     return out, (k_pages, v_pages)
 
 

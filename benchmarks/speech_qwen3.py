@@ -50,15 +50,16 @@ def chat(rng, n: int) -> list[int]:
     return hf_tiny_qwen3.text_prompt_ids(tuple(rng.integers(0, 151000, n).tolist()))
 
 
-def run_transformers(hf_dir, prompts, thinker_tokens, talker_tokens):
-    """One left-padded batch through generate(return_audio=True); (seconds, audio s, RTFs)."""
+def run_transformers(hf_dir, prompts, thinker_tokens, talker_tokens, batches):
+    """generate(return_audio=True) on left-padded batches, the fastest size; (seconds, audio s, RTFs)."""
     import torch
 
     import hf_tiny_qwen3
-    from e2e_speech import time_hf_generate
+    from e2e_speech import fastest_hf_batching
 
     torch.set_num_threads(os.cpu_count())
-    return time_hf_generate(hf_tiny_qwen3.load_qwen3_omni(hf_dir), prompts, "ethan", thinker_tokens, talker_tokens)
+    return fastest_hf_batching(hf_tiny_qwen3.load_qwen3_omni(hf_dir), prompts, "ethan", thinker_tokens,
+                               talker_tokens, batches)
 
 
 def run_omnijax(ckpt, prompts, thinker_tokens, talker_tokens):

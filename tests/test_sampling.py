@@ -547,3 +547,17 @@ def test_metadata_build_classmethod_is_a_pytree():
     leaves = jax.tree_util.tree_leaves(md)
     assert len(leaves) == 3  # floats, ints, banned_ids: few host->device copies
     assert math.isclose(float(md.top_p[0]), 1.0)
+
+
+def test_every_sampler_variant_lowers_for_cuda():
+    """The engine's compiled sampler variants (with their lax.cond branches) lower for GPUs."""
+    from omni_jax.engine.ar_engine import _VARIANTS
+
+    B, V = 8, 152064
+    md, _ = _build([SamplingParams(seed=0, top_k=40, repetition_penalty=1.1)] * B, vocab=V)
+    md = md.replace(history_ids=np.zeros((B, 64), np.int32))
+    spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), md)
+    for flags in _VARIANTS:
+        text = (_sample.trace(jax.ShapeDtypeStruct((B, V), jnp.float32), spec, flags=flags)
+                .lower(lowering_platforms=("cuda",)).as_text())
+        assert "func.func public @main" in text

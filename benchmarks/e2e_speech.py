@@ -6,9 +6,9 @@
 Both sides answer the same 16 prompts with text and 24 kHz speech: greedy thinker,
 greedy talker (repetition penalty 1.05), DiT + BigVGAN vocoder.
 * OmniJax: three stage processes (thinker, talker, token2wav), requests in flight
-  together through `AsyncOmniJax`; prefill steps of up to 1024 tokens; the vocoder runs
-  batches of at most 8 (on CPU its time grows almost linearly with the batch: 8 was
-  measured faster than 4 or 16 in requests/s, at about the same time to first audio);
+  together through `AsyncOmniJax`; prefill steps of up to 1024 tokens; the vocoder takes
+  every waiting request in a step, in calls of at most 8 run side by side (its DiT runs
+  on one core per call);
 * transformers: `Qwen2_5OmniForConditionalGeneration.generate(return_audio=True)` on
   left-padded batches (its batched path), CPU threads = cores; batches of 4, 8 and 16 are
   timed and the fastest is compared.
@@ -126,8 +126,8 @@ def run_omnijax(ckpt, prompts, thinker_tokens, talker_tokens):
                      max_num_batched_tokens=1024, hidden_layers=[0, 4]),
         talker=dict(max_num_seqs=n, decode_buckets=sorted({1, 4, n}), token_buckets=[16, 64, 1024],
                     max_num_batched_tokens=1024, num_blocks=n * (1024 // 16) + 1),
-        token2wav=dict(max_num_seqs=8, decode_buckets=[1, 4, 8], token_buckets=[talker_tokens],
-                       max_num_batched_tokens=8 * talker_tokens))
+        token2wav=dict(max_num_seqs=n, decode_buckets=[1, 4, 8], token_buckets=[talker_tokens],
+                       max_num_batched_tokens=n * talker_tokens))
     params = [SamplingParams(temperature=0.0, max_tokens=thinker_tokens, ignore_eos=True),
               SamplingParams(temperature=0.0, repetition_penalty=1.05, max_tokens=talker_tokens), None]
     return serve_speech(ckpt, pipeline, prompts, params, voice="Chelsie")

@@ -271,7 +271,11 @@ class StageConfig:
             set_("token_buckets", _buckets("token_buckets", self.token_buckets,
                                            reach=self.max_num_batched_tokens,
                                            reach_name="max_num_batched_tokens"))
-        if self.decode_buckets is not None:
+        if self.decode_buckets is not None and self.runner == "oneshot":
+            # A vocoder's are batch sizes per device call; a step's max_num_seqs requests may
+            # take several calls, run side by side (see engine/oneshot_engine.py).
+            set_("decode_buckets", _int_tuple("decode_buckets", self.decode_buckets, increasing=True, minimum=1))
+        elif self.decode_buckets is not None:
             set_("decode_buckets", _buckets("decode_buckets", self.decode_buckets,
                                             reach=self.max_num_seqs, reach_name="max_num_seqs"))
         for name in ("audio_chunk_buckets", "vision_patch_buckets"):

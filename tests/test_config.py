@@ -248,6 +248,10 @@ def test_bad_buckets():
     assert "decode_buckets: must contain only positive integers" in msg
     msg = error_of(with_stage(0, token_buckets=[]))
     assert "token_buckets: must not be empty" in msg
+    # A vocoder's decode buckets are batch sizes per call: a step may take several calls.
+    vocoder = pipeline_config_from_dict(with_stage(2, max_num_seqs=16, decode_buckets=[1, 4, 8])).stages[2]
+    assert (vocoder.max_num_seqs, vocoder.decode_buckets) == (16, (1, 4, 8))
+    assert "decode_buckets: must be strictly increasing" in error_of(with_stage(2, decode_buckets=[4, 1]))
 
 
 def test_unknown_field_suggests():

@@ -66,15 +66,19 @@ def hf_generate(model, ids, voice, thinker_tokens, talker_tokens):
     return seq[0, len(ids):].tolist(), captured["codes"]
 
 
-def test_token2wav_waveform_matches_transformers(converted_thinker_fp32, qwen2_5_omni_hf_model):
-    engine = build_token2wav_engine(converted_thinker_fp32, length_buckets=(32,), batch_buckets=(1, 2),
-                                    warmup=False)
+# One padded batch of two, or two one-request calls side by side in the same step.
+@pytest.mark.parametrize("batch_buckets,max_num_seqs", [((1, 2), None), ((1,), 2)])
+def test_token2wav_waveform_matches_transformers(converted_thinker_fp32, qwen2_5_omni_hf_model, batch_buckets,
+                                                 max_num_seqs):
+    engine = build_token2wav_engine(converted_thinker_fp32, length_buckets=(32,), batch_buckets=batch_buckets,
+                                    max_num_seqs=max_num_seqs, warmup=False)
+    assert engine.synthesizer.calls.workers == (max_num_seqs or 1)
     rng = np.random.default_rng(0)
     codes = [rng.integers(0, 8192, n).tolist() for n in (19, 27)]
     noises = [rng.standard_normal((2 * len(c), 80)).astype(np.float32) for c in codes]
     for i, (c, n) in enumerate(zip(codes, noises)):
         engine.add_request(f"w{i}", c, voice="Chelsie" if i == 0 else "Ethan", noise=n)
-    outs = {o.request_id: o for o in engine.step()}  # both in one padded batch
+    outs = {o.request_id: o for o in engine.step()}  # both in one step
     for i, (c, n) in enumerate(zip(codes, noises)):
         ref = hf_token2wav(qwen2_5_omni_hf_model, c, "Chelsie" if i == 0 else "Ethan", n)
         got = outs[f"w{i}"].audio

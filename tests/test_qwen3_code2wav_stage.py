@@ -159,6 +159,19 @@ def test_long_request_decoded_chunk_by_chunk(engine, hf_code2wav):
     assert len(outs["long"].audio) == synth.request_samples(100) == 100 * synth.total_upsample - 3 * short_by
 
 
+def test_calls_side_by_side_match_transformers(converted, hf_code2wav):
+    """More windows in a step than the largest batch: one-window calls run in parallel threads."""
+    engine = build_code2wav_engine(converted, length_buckets=LENGTH_BUCKETS, batch_buckets=(1,), chunk_size=CHUNK,
+                                   left_context=CONTEXT, max_num_batched_tokens=FRAMES_PER_STEP,
+                                   max_model_len=MAX_FRAMES, max_num_seqs=2, warmup=False)
+    assert engine.synthesizer.calls.workers == 2 and engine.scheduler.max_num_seqs == 2
+    codes = {"long": random_codes(2, 100), "short": random_codes(3, 7)}  # 4 windows, 4 calls
+    outs = run(engine, codes)
+    assert engine.stats["steps"] == 1
+    for rid, c in codes.items():
+        assert_close(outs[rid].audio, hf_chunked(hf_code2wav, c, CHUNK, CONTEXT))
+
+
 def test_bad_requests_refused_others_served(engine):
     with pytest.raises(RequestError, match=f"multiple of num_quantizers={Q}"):
         engine.add_request("odd", list(range(Q * 3 + 1)))

@@ -4,13 +4,16 @@ Whole requests are batched by the `OneShotScheduler` and each finishes in the st
 that runs it. The model side is a `synthesize(requests) -> list[np.ndarray]`
 callable (one waveform per request) that owns its jitted functions and buckets.
 The same add_request / step / abort / has_unfinished interface as `AREngine`, so
-the stage worker serves either.
+the stage worker serves either. A step's requests may need several device calls
+(more requests than the largest batch bucket); `CallPool` runs them side by side.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -20,6 +23,24 @@ from .request import Request
 from .runner import compilation_count
 from .sampling import SamplingParams
 from .scheduler import OneShotScheduler, SchedulerConfig
+
+
+class CallPool:
+    """Runs one step's independent device calls in parallel threads (JAX releases the GIL).
+
+    On CPU, XLA runs the many small ops of a vocoder call (the DiT's above all) on one
+    core, so calls in separate threads use the others: two Qwen2.5 DiT batches of 8
+    took 0.38 s side by side against 0.76 s one after the other (2 cores).
+    """
+
+    def __init__(self, max_num_seqs: int, max_batch: int):
+        self.workers = max(1, math.ceil(max_num_seqs / max_batch))
+        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="call") if self.workers > 1 else None
+
+    def map(self, fn: Callable[[Any], Any], jobs: Sequence[Any]) -> list:
+        if self._pool is None or len(jobs) < 2:
+            return [fn(j) for j in jobs]
+        return list(self._pool.map(fn, jobs))
 
 
 @dataclasses.dataclass

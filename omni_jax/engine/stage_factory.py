@@ -45,7 +45,8 @@ def _qwen2_5_omni_token2wav(stage: dict, ckpt_dir: str):
 
     # For a vocoder, token_buckets are code-length buckets and decode_buckets batch sizes.
     return build_token2wav_engine(ckpt_dir, length_buckets=tuple(stage["token_buckets"] or (64, 256, 1024)),
-                                  batch_buckets=tuple(stage["decode_buckets"] or (1, 2, 4)))
+                                  batch_buckets=tuple(stage["decode_buckets"] or (1, 2, 4)),
+                                  max_num_seqs=stage["max_num_seqs"])
 
 
 def _qwen3_omni_thinker(stage: dict, ckpt_dir: str):
@@ -71,7 +72,7 @@ def _qwen3_omni_code2wav(stage: dict, ckpt_dir: str):
     return build_code2wav_engine(ckpt_dir, length_buckets=tuple(stage["token_buckets"] or (64, 256, 325)),
                                  batch_buckets=tuple(stage["decode_buckets"] or (1, 2, 4)),
                                  max_num_batched_tokens=stage.get("max_num_batched_tokens"),
-                                 max_model_len=stage.get("max_model_len"))
+                                 max_model_len=stage.get("max_model_len"), max_num_seqs=stage["max_num_seqs"])
 
 
 BUILDERS: dict[tuple[str, str], Callable[[dict, str], Any]] = {

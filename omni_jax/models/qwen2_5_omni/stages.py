@@ -70,17 +70,23 @@ def build_thinker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | No
 
 
 def build_token2wav_engine(ckpt_dir: str, *, length_buckets=(64, 256, 1024), batch_buckets=(1, 2, 4),
-                           max_num_batched_tokens: int | None = None, warmup: bool = True):
-    """The vocoder stage: whole requests batched through DiT + BigVGAN (fp32, no KV cache)."""
+                           max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
+                           warmup: bool = True):
+    """The vocoder stage: whole requests batched through DiT + BigVGAN (fp32, no KV cache).
+
+    `max_num_seqs` requests per step (default batch_buckets[-1]); more than the largest
+    batch take several calls, run side by side.
+    """
     from ...engine.oneshot_engine import OneShotEngine
     from .token2wav import Token2WavSynthesizer
     from .voices import Voices
 
     model, cfg = load_checkpoint(ckpt_dir, stage="token2wav", dtype="float32")
+    max_num_seqs = max_num_seqs or batch_buckets[-1]
     synth = Token2WavSynthesizer(model, Voices.load(ckpt_dir), length_buckets=length_buckets,
-                                 batch_buckets=batch_buckets)
-    engine = OneShotEngine(synth, max_num_seqs=batch_buckets[-1],
-                           max_num_batched_tokens=max_num_batched_tokens or batch_buckets[-1] * length_buckets[-1],
+                                 batch_buckets=batch_buckets, max_num_seqs=max_num_seqs)
+    engine = OneShotEngine(synth, max_num_seqs=max_num_seqs,
+                           max_num_batched_tokens=max_num_batched_tokens or max_num_seqs * length_buckets[-1],
                            max_model_len=length_buckets[-1] + 1, vocab_size=cfg.dit.num_embeds,
                            validate=synth.validate, warmup_fn=synth.warmup)
     engine.synthesizer = synth

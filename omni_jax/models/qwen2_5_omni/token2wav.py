@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from ...engine.buckets import pick_bucket
+from ...engine.oneshot_engine import CallPool
 from .token2wav_bigvgan import BigVGANConfig, Qwen2_5OmniBigVGAN
 from .token2wav_dit import DiTConfig, Qwen2_5OmniDiT
 from .voices import Voices
@@ -73,11 +74,14 @@ class Token2WavSynthesizer:
     """Bucketed, jitted batches of whole token2wav requests (see module docstring)."""
 
     def __init__(self, model: Qwen2_5OmniToken2Wav, voices: Voices, *, length_buckets, batch_buckets,
-                 num_steps: int = 10, guidance_scale: float = 0.5, sway_coefficient: float = -1.0):
+                 num_steps: int = 10, guidance_scale: float = 0.5, sway_coefficient: float = -1.0,
+                 max_num_seqs: int | None = None):
         self.cfg = model.cfg
         self.voices = voices
         self.length_buckets = tuple(length_buckets)
         self.batch_buckets = tuple(batch_buckets)
+        # Requests per call: one call per batch run of a step, side by side when there are several.
+        self.calls = CallPool(max_num_seqs or self.batch_buckets[-1], self.batch_buckets[-1])
         self.kw = dict(num_steps=num_steps, guidance_scale=guidance_scale, sway_coefficient=sway_coefficient)
         self.graphdef, self.state = nnx.split(model)
         self._fn = jax.jit(lambda s, *a: nnx.merge(self.graphdef, s)(*a, **self.kw))
@@ -105,10 +109,8 @@ class Token2WavSynthesizer:
 
     def __call__(self, reqs) -> list[np.ndarray]:
         """Waveforms of whole requests, batched by bucket."""
-        out = []
-        for lo, hi in self.batch_split(len(reqs)):
-            out.extend(self._batch(reqs[lo:hi]))
-        return out
+        runs = self.calls.map(lambda r: self._batch(reqs[r[0]:r[1]]), self.batch_split(len(reqs)))
+        return [wav for run in runs for wav in run]
 
     def batch_split(self, n: int) -> list[tuple[int, int]]:
         """(start, end) of the runs that serve n requests.

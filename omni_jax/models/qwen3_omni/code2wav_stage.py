@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from ...engine.buckets import pick_bucket
+from ...engine.oneshot_engine import CallPool
 from .code2wav import Qwen3OmniCode2Wav
 
 
@@ -46,7 +47,8 @@ class Code2WavSynthesizer:
     """Bucketed, jitted, chunked decoding of whole code2wav requests (see module docstring)."""
 
     def __init__(self, model: Qwen3OmniCode2Wav, *, length_buckets: Sequence[int], batch_buckets: Sequence[int],
-                 chunk_size: int = 300, left_context: int = 25, max_frames: int | None = None):
+                 chunk_size: int = 300, left_context: int = 25, max_frames: int | None = None,
+                 max_num_seqs: int | None = None):
         self.cfg = model.cfg
         self.num_quantizers = self.cfg.num_quantizers
         self.codebook_size = self.cfg.codebook_size
@@ -66,6 +68,8 @@ class Code2WavSynthesizer:
         # No window is longer than chunk + context: larger buckets would only cost compilations.
         self.length_buckets = length_buckets[:length_buckets.index(pick_bucket(window, length_buckets)) + 1]
         self.batch_buckets = batch_buckets
+        # Windows per call: a step's calls run side by side when its requests need several.
+        self.calls = CallPool(max_num_seqs or batch_buckets[-1], batch_buckets[-1])
         self.chunk_size, self.left_context = chunk_size, left_context
         self.max_frames = max_frames
         self.graphdef, self.state = nnx.split(model)
@@ -122,14 +126,16 @@ class Code2WavSynthesizer:
         pieces: list[dict[int, np.ndarray]] = [{} for _ in reqs]
         windows.sort(key=lambda w: w[4] - w[2], reverse=True)  # similar lengths share a bucket
         cap = self.batch_buckets[-1]
-        for g in range(0, len(windows), cap):
-            group = windows[g:g + cap]
+        groups = [windows[g:g + cap] for g in range(0, len(windows), cap)]
+        batches = []
+        for group in groups:
             b = pick_bucket(len(group), self.batch_buckets)
             t = pick_bucket(max(e - a for _, _, a, _, e in group), self.length_buckets)
             batch = np.zeros((b, q, t), np.int32)
             for j, (i, _, a, _, e) in enumerate(group):
                 batch[j, :, :e - a] = codes[i][:, a:e]
-            wav = self._run(batch)
+            batches.append(batch)
+        for group, wav in zip(groups, self.calls.map(self._run, batches)):
             for j, (i, k, a, c, e) in enumerate(group):
                 pieces[i][k] = wav[j, c * self.total_upsample:self.num_samples(e - a)]
         return [np.concatenate([p[k] for k in range(len(p))]).astype(np.float32, copy=False) for p in pieces]
@@ -150,31 +156,34 @@ class Code2WavSynthesizer:
 
 def build_code2wav_engine(ckpt_dir: str, *, length_buckets=(64, 256, 325), batch_buckets=(1, 2, 4),
                           chunk_size: int = 300, left_context: int = 25, max_num_batched_tokens: int | None = None,
-                          max_model_len: int | None = None, warmup: bool = True):
+                          max_model_len: int | None = None, max_num_seqs: int | None = None, warmup: bool = True):
     """The Qwen3-Omni vocoder stage: whole requests chunk-decoded in padded batches (fp32, no KV cache).
 
     `length_buckets` are window lengths in codec frames (the largest must hold
     chunk_size + left_context; larger ones are dropped as unused), `batch_buckets`
     windows per call. Requests longer than a chunk are decoded chunk by chunk.
-    `max_num_batched_tokens` (codec frames per step, default one full padded call:
-    batch_buckets[-1] * length_buckets[-1]) and `max_model_len` (codec frames of the
-    longest request, default max_num_batched_tokens) are in frames, as in the stage
-    config; the engine, which counts prompt tokens, gets num_quantizers times them.
+    `max_num_seqs` requests per step (default batch_buckets[-1]; more take several calls,
+    run side by side). `max_num_batched_tokens` (codec frames per step, default
+    max_num_seqs * length_buckets[-1]) and `max_model_len` (codec frames of the longest
+    request, default max_num_batched_tokens) are in frames, as in the stage config; the
+    engine, which counts prompt tokens, gets num_quantizers times them.
     """
     from ...checkpoint import load_checkpoint
     from ...engine.oneshot_engine import OneShotEngine
 
     model, cfg = load_checkpoint(ckpt_dir, stage="code2wav", dtype="float32")
-    frames_per_step = max_num_batched_tokens or batch_buckets[-1] * length_buckets[-1]
+    max_num_seqs = max_num_seqs or batch_buckets[-1]
+    frames_per_step = max_num_batched_tokens or max_num_seqs * length_buckets[-1]
     max_frames = max_model_len or frames_per_step
     if max_frames > frames_per_step:
         raise ValueError(f"max_model_len ({max_frames} frames) exceeds max_num_batched_tokens "
                          f"({frames_per_step} frames): such a request could never be scheduled")
     synth = Code2WavSynthesizer(model, length_buckets=length_buckets, batch_buckets=batch_buckets,
-                                chunk_size=chunk_size, left_context=left_context, max_frames=max_frames)
+                                chunk_size=chunk_size, left_context=left_context, max_frames=max_frames,
+                                max_num_seqs=max_num_seqs)
     q = cfg.num_quantizers
     # vocab_size=0: `validate` checks the code range itself and names the offending frame and group.
-    engine = OneShotEngine(synth, max_num_seqs=batch_buckets[-1], max_num_batched_tokens=q * frames_per_step,
+    engine = OneShotEngine(synth, max_num_seqs=max_num_seqs, max_num_batched_tokens=q * frames_per_step,
                            max_model_len=q * max_frames, vocab_size=0, validate=synth.validate,
                            warmup_fn=synth.warmup)
     engine.synthesizer = synth

@@ -263,21 +263,21 @@ class StageConfig:
         if self.runner == "ar" and self.num_blocks is None and self.kv_memory_fraction is None:
             raise _invalid("kv_memory_fraction", "must be set when num_blocks is null (an 'ar' "
                                                  "stage needs a KV cache size)")
-        if self.token_buckets is not None and self.runner == "oneshot":
-            # A vocoder's buckets are request or window lengths (it may decode in chunks):
-            # its stage builder checks them against what it decodes.
-            set_("token_buckets", _int_tuple("token_buckets", self.token_buckets, increasing=True, minimum=1))
-        elif self.token_buckets is not None:
-            set_("token_buckets", _buckets("token_buckets", self.token_buckets,
-                                           reach=self.max_num_batched_tokens,
-                                           reach_name="max_num_batched_tokens"))
-        if self.decode_buckets is not None and self.runner == "oneshot":
-            # A vocoder's are batch sizes per device call; a step's max_num_seqs requests may
-            # take several calls, run side by side (see engine/oneshot_engine.py).
-            set_("decode_buckets", _int_tuple("decode_buckets", self.decode_buckets, increasing=True, minimum=1))
-        elif self.decode_buckets is not None:
-            set_("decode_buckets", _buckets("decode_buckets", self.decode_buckets,
-                                            reach=self.max_num_seqs, reach_name="max_num_seqs"))
+        if self.runner == "oneshot":
+            # A vocoder's buckets are request (or window) lengths and batch sizes per device
+            # call: a step's max_num_seqs requests may take several calls, run side by side
+            # (engine/oneshot_engine.py), and its stage builder checks the lengths.
+            for name in ("token_buckets", "decode_buckets"):
+                if getattr(self, name) is not None:
+                    set_(name, _int_tuple(name, getattr(self, name), increasing=True, minimum=1))
+        else:
+            if self.token_buckets is not None:
+                set_("token_buckets", _buckets("token_buckets", self.token_buckets,
+                                               reach=self.max_num_batched_tokens,
+                                               reach_name="max_num_batched_tokens"))
+            if self.decode_buckets is not None:
+                set_("decode_buckets", _buckets("decode_buckets", self.decode_buckets,
+                                                reach=self.max_num_seqs, reach_name="max_num_seqs"))
         for name in ("audio_chunk_buckets", "vision_patch_buckets"):
             value = _int_tuple(name, getattr(self, name), increasing=True, minimum=1)
             if not value:

@@ -816,6 +816,13 @@ def request_keys(md: SamplingMetadata) -> jax.Array:
     return jax.vmap(jax.random.fold_in)(keys, md.step)
 
 
+def gumbel_argmax(x: jax.Array, keys: jax.Array) -> jax.Array:
+    """One seeded draw per row of logits x [B, N] (Gumbel-max, as jax.random.categorical):
+    row-local, so a row's draw depends only on its own key and logits."""
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, x.shape[-1:], jnp.float32))(keys)
+    return jnp.argmax(x + gumbel, axis=-1).astype(jnp.int32)
+
+
 # Rows whose top_k is at most this draw among their top-k candidates: no vocabulary sort,
 # k random numbers instead of V. Covers transformers' default (50) and the talkers' (40).
 TOP_K_CANDIDATES = 64
@@ -828,7 +835,6 @@ def _draw(logits: jax.Array, md: SamplingMetadata, flags: SamplingFlags, greedy_
     cannot change a seeded request's draw. Which of the two draws a row takes depends
     only on its own top_k, for the same reason.
     """
-    V = logits.shape[-1]
     x = logits / md.temperature[:, None]
     keys = request_keys(md)
 
@@ -836,18 +842,16 @@ def _draw(logits: jax.Array, md: SamplingMetadata, flags: SamplingFlags, greedy_
         y = apply_top_k_top_p(x, md.top_k, md.top_p) if flags.any_top_k_top_p else x
         if flags.any_min_p:
             y = apply_min_p(y, md.min_p)
-        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
-        return jnp.argmax(y + gumbel, axis=-1).astype(jnp.int32)
+        return gumbel_argmax(y, keys)
 
     k = TOP_K_CANDIDATES
-    if not flags.any_top_k_top_p or k >= V:
+    if not flags.any_top_k_top_p or k >= logits.shape[-1]:
         return jnp.where(md.is_greedy, greedy_tokens, full_vocab())
     capped = (md.top_k > 0) & (md.top_k <= k)
     vals, ids = top_k_top_p_candidates(x, k, md.top_p, row_k=jnp.where(capped, md.top_k, k))
     if flags.any_min_p:  # the row's max logit is among its candidates
         vals = apply_min_p(vals, md.min_p)
-    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (k,), jnp.float32))(keys)
-    pick = jnp.argmax(vals + gumbel, axis=-1)
+    pick = gumbel_argmax(vals, keys)
     from_candidates = jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
     # The vocabulary sort runs only when a sampled row has no small top_k.
     need_full = jnp.any(~capped & ~md.is_greedy)

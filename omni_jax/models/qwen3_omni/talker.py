@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ...engine.sampling import apply_top_k_top_p, top_k_top_p_candidates
+from ...engine.sampling import apply_top_k_top_p, gumbel_argmax, top_k_top_p_candidates
 from ..layers.attention import AttentionMetadata
 from ..layers.mlp import ACTIVATIONS
 from ..layers.norms import RMSNorm
@@ -298,12 +298,11 @@ def _choose(logits, keys, temperature, top_k, top_p, greedy=None):
 
     def draw():
         scaled = logits / jnp.asarray(temperature, jnp.float32)
-        categorical = jax.vmap(lambda k, row: jax.random.categorical(k, row))
         if isinstance(top_k, int) and 0 < top_k < logits.shape[-1]:
             kept, ids = top_k_top_p_candidates(scaled, top_k, top_p)
-            return jnp.take_along_axis(ids, categorical(keys, kept)[:, None], axis=-1)[:, 0].astype(jnp.int32)
+            return jnp.take_along_axis(ids, gumbel_argmax(kept, keys)[:, None], axis=-1)[:, 0].astype(jnp.int32)
         kept = apply_top_k_top_p(scaled, jnp.full((b,), top_k, jnp.int32), jnp.full((b,), top_p, jnp.float32))
-        return categorical(keys, kept).astype(jnp.int32)
+        return gumbel_argmax(kept, keys)
 
     if greedy is None:
         return draw()

@@ -218,11 +218,16 @@ def upsample1d(x: jax.Array, ratio: int = _AA_RATIO, kernel_size: int | None = N
     return jax.lax.slice_in_dim(y, crop_left, crop_left + ratio * T, axis=1)
 
 
+@functools.lru_cache(maxsize=None)
+def _downsample_plan(ratio: int, kernel_size: int):
+    """transformers' DownSample1d filter: (kaiser-sinc taps, left and right edge padding)."""
+    taps = kaiser_sinc_filter1d(0.5 / ratio, 0.6 / ratio, kernel_size)
+    return taps, kernel_size // 2 - int(kernel_size % 2 == 0), kernel_size // 2
+
+
 def downsample1d(x: jax.Array, ratio: int = _AA_RATIO, kernel_size: int = _AA_KERNEL) -> jax.Array:
     """transformers' ``DownSample1d`` on ``[B, T, C]``: edge padding, low-pass, stride ``ratio``."""
-    taps = kaiser_sinc_filter1d(0.5 / ratio, 0.6 / ratio, kernel_size)
-    pad_left = kernel_size // 2 - int(kernel_size % 2 == 0)
-    pad_right = kernel_size // 2
+    taps, pad_left, pad_right = _downsample_plan(ratio, kernel_size)
     return _fir(_edge_pad(x, pad_left, pad_right), taps, ratio)
 
 
@@ -330,8 +335,7 @@ def anti_aliased(x: jax.Array, act, n: jax.Array | None = None, ratio: int = _AA
         last = jnp.take_along_axis(streams[-1], last_idx, axis=1)
         keep = jnp.arange(T, dtype=jnp.int32)[None, :, None] < n[:, None, None]
         streams = [jnp.where(keep, s, last) for s in streams]
-    taps = kaiser_sinc_filter1d(0.5 / ratio, 0.6 / ratio, kernel_size)
-    pad_left = kernel_size // 2 - int(kernel_size % 2 == 0)
+    taps, pad_left, _ = _downsample_plan(ratio, kernel_size)
     # The down-sampler's edge padding repeats the first and last sample of the whole signal,
     # which are stream 0's first and the last stream's last element.
     lo = -((-pad_left) // ratio)

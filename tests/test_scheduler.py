@@ -79,8 +79,12 @@ class FakeRunner:
         sampled = {}
         for row, s in enumerate(out.scheduled):
             req = s.request
+            if req.is_finished:  # scheduled ahead, then finished by the step before: thrown away
+                sampled[s.request_id] = [0]
+                continue
             assert s.num_scheduled_tokens > 0
-            assert np.array_equal(s.token_ids, req.all_token_ids[s.start : s.start + s.num_tokens])
+            if s.fed_by_row < 0:  # else its token was not known when it was scheduled
+                assert np.array_equal(s.token_ids, req.all_token_ids[s.start : s.start + s.num_tokens])
             assert (s.start, s.num_tokens, s.sample) == (s.num_computed_tokens, s.num_scheduled_tokens, s.needs_logits)
             assert len(s.block_ids) * self.bs >= s.kv_len
             if s.is_new or s.is_resumed:
@@ -447,7 +451,7 @@ def test_update_from_output_forms_and_protocol_errors():
     assert [(r.request_id, r.new_token_ids, r.finish_reason) for r in res] == [
         ("a", [4, 5, 6], "length"), ("b", [5], None)]
     assert a.output_token_ids == [7, 8, 4, 5, 6] and a.is_finished
-    with pytest.raises(RuntimeError, match="not the pending step"):
+    with pytest.raises(RuntimeError, match="not the oldest pending step"):
         sched.update_from_output(out, {"a": 1, "b": 1})  # applied twice
     assert sched.abort_request("b")
     assert_no_leak(sched)
@@ -594,3 +598,79 @@ def test_random_workloads(seed):
             continue
         assert got == exp, rid
         assert finals[rid].finish_reason == reason and finals[rid].stop_reason == stop_reason
+
+
+def run_pipelined(sched, runner, arrivals=(), max_steps=2000):
+    """Drive the scheduler as the engine does with async scheduling: the next decode step is
+    scheduled ahead, before the current one's output is applied. `arrivals`: (step, request)
+    pairs added at that step. Returns ({rid: tokens}, {rid: final output}, steps scheduled ahead)."""
+    tokens, finals, ahead_steps = {}, {}, 0
+    arrivals = list(arrivals)
+    in_flight = None
+    for step in range(max_steps):
+        for when, req in [a for a in arrivals if a[0] == step]:
+            sched.add_request(req)
+        if in_flight is None:
+            if not sched.has_unfinished_requests() and step > max((a[0] for a in arrivals), default=-1):
+                break
+            in_flight = sched.schedule()
+            if in_flight.is_empty:
+                sched.update_from_output(in_flight, {})
+                in_flight = None
+                continue
+        current = in_flight
+        in_flight = sched.schedule_ahead(current)
+        ahead_steps += in_flight is not None
+        for o in sched.update_from_output(current, runner.step(current)):
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                finals[o.request_id] = o
+    assert in_flight is None and not sched.has_unfinished_requests()
+    return tokens, finals, ahead_steps
+
+
+@pytest.mark.parametrize("num_blocks", [64, 14])
+def test_schedule_ahead_gives_the_same_outputs(num_blocks):
+    """Steps scheduled ahead (eos, stop ids, lengths, new blocks, arrivals, a short pool that
+    also preempts) produce exactly the reference outputs and leak nothing."""
+    sched = make_sched(num_blocks=num_blocks, max_num_batched_tokens=16)
+    runner = FakeRunner(sched, eos_every=29)
+    reqs = []
+    for i, (n, max_tokens) in enumerate([(5, 3), (9, 7), (3, 12), (14, 20), (6, 25), (11, 18)]):
+        rid = f"r{i}"
+        # r4 stops on its 5th token's id; r5 also waits for min_tokens first.
+        stop = [next_token(hash_seed(rid), n + 4)] if i >= 4 else []
+        reqs.append(new_req(rid, n, SP(max_tokens=max_tokens, stop_token_ids=stop, min_tokens=6 if i == 5 else 0)))
+    late = [(9, new_req("late0", 7, SP(max_tokens=9))), (20, new_req("late1", 4, SP(max_tokens=5)))]
+    tokens, finals, ahead_steps = run_pipelined(sched, runner, [(0, r) for r in reqs] + late)
+    assert ahead_steps > 5
+    for req in reqs + [r for _, r in late]:
+        exp, reason, stop_reason = expected_output(hash_seed(req.request_id), req.num_prompt_tokens,
+                                                   req.sampling_params, sched.max_len, eos_every=29)
+        assert tokens[req.request_id] == exp, req.request_id
+        assert (finals[req.request_id].finish_reason, finals[req.request_id].stop_reason) == (reason, stop_reason)
+    assert_no_leak(sched)
+
+
+def test_schedule_ahead_conditions_and_order():
+    sched = make_sched(num_blocks=64)
+    runner = FakeRunner(sched)
+    sched.add_request(new_req("a", 6, SP(max_tokens=10)))
+    prefill = sched.schedule()
+    ahead = sched.schedule_ahead(prefill)  # a whole prompt with logits: its next step is one decode
+    assert [(s.request_id, s.num_computed_tokens, s.fed_by_row) for s in ahead.scheduled] == [("a", 6, 0)]
+    assert sched.schedule_ahead(ahead) is None  # only right behind the one pending step
+    with pytest.raises(RuntimeError, match="before update_from_output"):
+        sched.schedule()
+    with pytest.raises(RuntimeError, match="oldest pending"):
+        sched.update_from_output(ahead, {"a": [5]})
+    sched.update_from_output(prefill, runner.step(prefill))
+    sched.add_request(new_req("b", 3))
+    assert sched.schedule_ahead(ahead) is None  # b waits: the next step must admit it
+    sched.update_from_output(ahead, runner.step(ahead))
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"a": 1, "b": 3}
+    sched.update_from_output(out, runner.step(out))
+    sched.abort_request("a")
+    sched.abort_request("b")
+    assert_no_leak(sched)

@@ -6,8 +6,10 @@ the token budget, `max_num_seqs` and free KV blocks allow. When a running reques
 block and none is free, the latest-arrived running request is preempted by recompute.
 `OneShotScheduler` (vocoder-like stages, no KV): whole requests in batches, done in one step.
 
-The engine loop is: `schedule()` -> run the model -> `update_from_output()`, strictly
-alternating; aborts and stop-string finishes may come in between.
+The engine loop is: `schedule()` -> run the model -> `update_from_output()`; aborts and
+stop-string finishes may come in between. With async scheduling, `schedule_ahead()` may
+schedule the next decode step while the previous one is still pending (its tokens not yet
+known); outputs are then applied in the order the steps were scheduled.
 """
 
 from __future__ import annotations
@@ -67,7 +69,10 @@ class ScheduledRequest:
     needs_logits: bool  # the chunk ends at the last known token, so one token is sampled
     block_ids: list[int]  # the whole block table after this step's allocation
     new_block_ids: list[int]  # blocks appended this step (all of them if new or resumed)
-    token_ids: np.ndarray  # int32 ids of the scheduled positions
+    token_ids: np.ndarray  # int32 ids of the scheduled positions (empty when fed_by_row >= 0)
+    # Scheduled ahead (async scheduling): the token is the one the previous step samples for
+    # its entry at this index of `scheduled`, still on the device when this step is scheduled.
+    fed_by_row: int = -1
 
     @property
     def is_prefill(self) -> bool:
@@ -178,7 +183,7 @@ class _QueueScheduler:
         self.running: list[Request] = []
         self._finished_ids: list[str] = []
         self._arrivals = itertools.count()
-        self._pending: Optional[SchedulerOutput] = None
+        self._pending: deque[SchedulerOutput] = deque()  # scheduled, output not applied yet
 
     def _validate_common(self, request: Request) -> None:
         rid = request.request_id
@@ -195,14 +200,19 @@ class _QueueScheduler:
         self.waiting.append(request)
 
     def _check_not_pending(self) -> None:
-        if self._pending is not None:
+        if self._pending:
             raise RuntimeError("schedule() called again before update_from_output() of the previous step")
 
     def _check_is_pending(self, scheduler_output: SchedulerOutput) -> None:
-        # Tokens are appended on update: applying an output twice (or a stale one) would corrupt requests.
-        if scheduler_output.scheduled and scheduler_output is not self._pending:
-            raise RuntimeError("update_from_output() got a SchedulerOutput that is not the pending step "
-                               "(already updated or failed)")
+        # Tokens are appended on update: applying an output twice, a stale one or one out of
+        # order would corrupt requests.
+        if scheduler_output.scheduled and not (self._pending and scheduler_output is self._pending[0]):
+            raise RuntimeError("update_from_output() got a SchedulerOutput that is not the oldest pending "
+                               "step (already updated, failed, or out of order)")
+
+    def _pop_pending(self, scheduler_output: SchedulerOutput) -> None:
+        if self._pending and self._pending[0] is scheduler_output:
+            self._pending.popleft()
 
     def _take_finished_ids(self) -> list[str]:
         ids, self._finished_ids = self._finished_ids, []
@@ -246,8 +256,8 @@ class _QueueScheduler:
 
     def fail_scheduled(self, scheduler_output: SchedulerOutput, error: str) -> list[RequestStepOutput]:
         """The model step of `scheduler_output` raised: fail its requests with the error text."""
-        if self._pending is scheduler_output:
-            self._pending = None
+        if scheduler_output in self._pending:
+            self._pending.remove(scheduler_output)
         outputs = []
         for s in scheduler_output.scheduled:
             if self.finish_request(s.request_id, reason="error", error=error):
@@ -402,7 +412,55 @@ class ARScheduler(_QueueScheduler):
             preempted_request_ids=preempted,
         )
         if scheduled:
-            self._pending = out
+            self._pending.append(out)
+        return out
+
+    def schedule_ahead(self, prev: SchedulerOutput) -> Optional[SchedulerOutput]:
+        """Schedule the decode step that follows `prev` before `prev`'s tokens are known.
+
+        Async scheduling, as in vLLM: the engine runs this step on the device right behind
+        `prev` and applies `prev`'s output meanwhile. Possible only when `prev` is the one
+        pending step, nobody waits, and `prev` ran every running request with logits: then
+        each request's next step is one token at a known position, the token `prev` samples
+        for it (`fed_by_row`: the request's index in `prev.scheduled`). A request whose `prev`
+        token is its last by length is left out; one that `prev` finishes by eos or a stop
+        is skipped when this step's output is applied (its token is thrown away). Returns
+        None, changing nothing, when a condition fails or the free blocks are too few.
+        """
+        if len(self._pending) != 1 or self._pending[0] is not prev or self.waiting:
+            return None
+        steps = prev.scheduled
+        if len(steps) != len(self.running) or not all(
+                s.needs_logits and s.request.status == RequestStatus.RUNNING for s in steps):
+            return None
+        kv, bs = self.kv_cache_manager, self.block_size
+        nexts = []  # (request, its index in prev.scheduled)
+        for row, s in enumerate(steps):
+            req = s.request
+            # After prev's token: output count + 1, length + 1.
+            if (req.max_tokens is not None and req.num_output_tokens + 1 >= req.max_tokens) \
+                    or req.num_tokens + 1 >= self.max_len:
+                continue
+            nexts.append((req, row))
+        if not nexts:
+            return None
+        need = sum(req.num_computed_tokens + 1 > kv.num_held_blocks(req.request_id) * bs for req, _ in nexts)
+        if need > kv.num_free_blocks:
+            return None
+        scheduled = []
+        for req, row in nexts:
+            held = kv.num_held_blocks(req.request_id)
+            kv.allocate_slots(req, 1)  # cannot fail: counted above
+            start = req.num_computed_tokens
+            block_ids = kv.get_block_table(req.request_id)
+            scheduled.append(ScheduledRequest(
+                request_id=req.request_id, request=req, num_scheduled_tokens=1, num_computed_tokens=start,
+                is_new=False, is_resumed=False, needs_logits=True, block_ids=block_ids,
+                new_block_ids=block_ids[held:], token_ids=np.empty(0, np.int32), fed_by_row=row))
+            req.num_computed_tokens = start + 1
+        out = SchedulerOutput(scheduled=scheduled, total_num_scheduled_tokens=len(scheduled),
+                              finished_request_ids=self._take_finished_ids())
+        self._pending.append(out)
         return out
 
     # -- results -------------------------------------------------------------------------------
@@ -440,7 +498,7 @@ class ARScheduler(_QueueScheduler):
         self._check_is_pending(scheduler_output)
         # Validate every entry before touching any request, so a bad call changes nothing.
         sampled = self._sampled_per_request(scheduler_output, sampled_token_ids)
-        self._pending = None
+        self._pop_pending(scheduler_output)
         outputs: list[RequestStepOutput] = []
         any_finished = False
         for s, tokens in zip(scheduler_output.scheduled, sampled):
@@ -552,13 +610,13 @@ class OneShotScheduler(_QueueScheduler):
             total += n
         out = SchedulerOutput(scheduled, total, self._take_finished_ids(), [])
         if scheduled:
-            self._pending = out
+            self._pending.append(out)
         return out
 
     def update_from_output(self, scheduler_output: SchedulerOutput, results: Any = None) -> list[RequestStepOutput]:
         """Finish every request of the step ("stop"); `results` is the engine's and ignored here."""
         self._check_is_pending(scheduler_output)
-        self._pending = None
+        self._pop_pending(scheduler_output)
         outputs = []
         for s in scheduler_output.scheduled:
             req = self.requests.get(s.request_id)

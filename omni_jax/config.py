@@ -214,6 +214,9 @@ class StageConfig:
     audio_chunk_buckets: tuple[int, ...] = (1, 4, 16, 64)
     vision_patch_buckets: tuple[int, ...] = (1024, 4096, 16384)
     enable_prefix_caching: bool = True
+    # Launch the next decode step before this one's tokens reach the host (vLLM's async
+    # scheduling); it applies to thinker stages, whose decodes need nothing from the host.
+    async_scheduling: bool = True
     backend: str | None = None  # None -> from the platform ("pallas" on GPU)
     dtype: str | None = None  # None -> as stored in the checkpoint
     # Not hashed: a dict; configs hash by their sizes and names.
@@ -283,8 +286,9 @@ class StageConfig:
             if not value:
                 raise _invalid(name, "must not be empty")
             set_(name, value)
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise _invalid("enable_prefix_caching", f"must be true or false, got {self.enable_prefix_caching!r}")
+        for name in ("enable_prefix_caching", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise _invalid(name, f"must be true or false, got {getattr(self, name)!r}")
         _choice("backend", self.backend, (None, *BACKENDS))
         _choice("dtype", self.dtype, (None, *DTYPES))
         set_("default_sampling", _default_sampling(self.default_sampling))

@@ -197,3 +197,67 @@ def test_bad_media_fails_only_that_request(engine):
     toks, final = run_all(engine)
     assert set(final) == {"ok"}
     assert_pool_empty(engine)
+
+
+def test_async_scheduling_same_outputs_as_sync(engine):
+    """The next decode step launched before this one's tokens reach the host (the default)
+    gives exactly the synchronous engine's outputs: lengths, stop ids, min_tokens, seeded
+    sampling and logprobs. An abort while such a step is in flight (the path a stop string
+    takes too) changes nothing else and leaks nothing."""
+    import dataclasses
+
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, 151000, n) for n in (4, 9, 15, 6, 11, 7)]
+
+    def run(async_scheduling, params, abort=None):
+        engine.cfg = dataclasses.replace(engine.cfg, async_scheduling=async_scheduling)
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                engine.add_request(f"as{i}", p, sp)
+            before = engine.stats["ahead_steps"]
+            tokens, final, texts = {}, {}, {}
+            for step in range(500):
+                if not engine.has_unfinished():
+                    break
+                if abort and engine.stats["ahead_steps"] > before + 2 and abort not in final:
+                    assert engine.abort(abort)  # the step launched last was scheduled ahead
+                    final[abort] = None
+                for o in engine.step():
+                    tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+                    texts[o.request_id] = texts.get(o.request_id, "") + o.text_delta
+                    if o.finished:
+                        final[o.request_id] = o
+            assert_pool_empty(engine)
+            return tokens, final, texts, engine.stats["ahead_steps"] - before
+        finally:
+            engine.cfg = dataclasses.replace(engine.cfg, async_scheduling=True)
+
+    plain = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (3, 6, 9, 12, 14, 16)]
+    ref, _, _, _ = run(False, plain)
+    params = [
+        plain[0],
+        SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=[ref["as1"][3]]),
+        SamplingParams(temperature=0.0, max_tokens=9, stop_token_ids=[ref["as2"][1]], min_tokens=5),
+        SamplingParams(temperature=0.0, max_tokens=12, logprobs=3),
+        SamplingParams(temperature=0.9, top_k=20, seed=5, max_tokens=14, logprobs=2),
+        SamplingParams(temperature=0.7, seed=9, max_tokens=16, ignore_eos=True),
+    ]
+    sync = run(False, params)
+    tokens, final, texts, ahead_steps = run(True, params)
+    assert sync[3] == 0 and ahead_steps > 0
+    assert tokens == sync[0] and texts == sync[2]
+    for rid, o in final.items():
+        s = sync[1][rid]
+        assert (o.finish_reason, o.stop_reason) == (s.finish_reason, s.stop_reason), rid
+        # Batches may pad to other buckets: the same tokens, logprobs equal to fp32 rounding.
+        for a, b in zip(o.logprobs or [], s.logprobs or []):
+            assert (a["token_id"], a["rank"], [t for t, _ in a["top"]]) == (b["token_id"], b["rank"], [t for t, _ in b["top"]])
+            np.testing.assert_allclose([a["logprob"]] + [v for _, v in a["top"]],
+                                       [b["logprob"]] + [v for _, v in b["top"]], atol=1e-4)
+        assert (o.logprobs is None) == (s.logprobs is None)
+    assert final["as1"].stop_reason == ref["as1"][3] and len(tokens["as1"]) == 4
+
+    # An abort while a step scheduled ahead is in flight: the others are unchanged.
+    tokens, final, _, ahead_steps = run(True, plain, abort="as5")
+    assert final["as5"] is None and len(tokens["as5"]) < len(ref["as5"])
+    assert {k: v for k, v in tokens.items() if k != "as5"} == {k: v for k, v in ref.items() if k != "as5"}

@@ -59,6 +59,9 @@ class EngineConfig:
     eos_token_ids: tuple[int, ...] = ()
     vocab_size: int = 0
     banned_width: int = 64  # suppress + eos/stop ids per request covered by the compiled sampler
+    # Schedule and launch the next decode step before this one's tokens reach the host, so
+    # that the host work of a step runs while the device computes the next (see AREngine.step).
+    async_scheduling: bool = True
 
 
 # Every batch runs one of four sampler variants, so warm-up can compile them all:
@@ -113,6 +116,23 @@ class _Detokenizer:
         return delta
 
 
+def _needs_host_token(req: Request) -> bool:
+    """Whether a request's next step needs its last sampled token on the host: penalty
+    histories are built there, and embedding inputs are packed there."""
+    d = req.data
+    return req.sampling_params.uses_penalties or (d is not None and (d.is_rich or d.capture_hidden))
+
+
+@dataclasses.dataclass
+class _Launched:
+    """A step whose device work is launched and whose outputs are not applied yet."""
+
+    sched: Any               # SchedulerOutput
+    parts: list              # runner StepResults
+    draws: list              # per part: (requests, device SampleResult) or None
+    host_time: float         # seconds spent launching it
+
+
 class AREngine:
     """One AR stage in this process: scheduler + runner + sampler (see module docstring)."""
 
@@ -141,7 +161,9 @@ class AREngine:
         self._sample_fn = jax.jit(sample, static_argnames=("flags",))
         self._detok: dict[str, _Detokenizer] = {}
         self._pending: list[EngineOutput] = []
-        self.stats = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "step_time": 0.0, "preemptions": 0}
+        self._in_flight: _Launched | None = None  # launched, outputs not applied yet
+        self.stats = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "ahead_steps": 0, "step_time": 0.0,
+                      "preemptions": 0}
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids, sampling_params: SamplingParams | None = None,
@@ -213,40 +235,102 @@ class AREngine:
         return self.scheduler.abort_request(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._pending)
+        return self.scheduler.has_unfinished_requests() or bool(self._pending) or self._in_flight is not None
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[EngineOutput]:
-        """Run one scheduling step; returns outputs of the requests that made progress."""
+        """Run one scheduling step; returns outputs of the requests that made progress.
+
+        With async scheduling a step launches the next decode step on the device before
+        it applies its own tokens (stop checks, outputs): the host work then overlaps the
+        device work, and each call returns the outputs of the step launched before it.
+        """
         out, self._pending = self._pending, []
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
-            self.scheduler.update_from_output(sched, {})
-            return out
+        if self._in_flight is None:
+            sched = self.scheduler.schedule()
+            if sched.is_empty:
+                self.scheduler.update_from_output(sched, {})
+                return out
+            launched = self._launch(sched)
+            if isinstance(launched, list):  # the step failed
+                return out + launched
+            self._in_flight = launched
+        current, self._in_flight = self._in_flight, None
+        ahead = self._launch_ahead(current)
+        if isinstance(ahead, list):
+            out += ahead
+        else:
+            self._in_flight = ahead
+        return out + self._finish(current)
+
+    def _launch(self, sched, fed=None, output_offset: int = 0) -> "_Launched | list[EngineOutput]":
+        """Run a scheduled step's model calls and sampler on the device, without waiting.
+
+        `fed`/`output_offset`: a step scheduled ahead takes its tokens from the previous
+        step's sampled tokens on the device, and each of its requests has `output_offset`
+        more output tokens than the host knows yet. A failure fails the step's requests.
+        """
         t0 = time.perf_counter()
         chunks = sched.scheduled
         want_hidden = any(c.request.data is not None and c.request.data.capture_hidden for c in chunks)
         try:
             tables = sched.block_table_array(self.runner.cfg.max_blocks_per_seq)
-            parts = self.runner.execute(chunks, tables, want_hidden=want_hidden)
+            parts = self.runner.execute(chunks, tables, want_hidden=want_hidden, fed=fed)
+            draws = [self._draw(part, chunks, output_offset) for part in parts]
+        except Exception as e:  # fail this step's requests, keep serving
+            return self._fail(sched, e)
+        return _Launched(sched, parts, draws, time.perf_counter() - t0)
+
+    def _launch_ahead(self, current: "_Launched") -> "_Launched | list[EngineOutput] | None":
+        """Launch the decode step after `current`, fed by its tokens on the device, if the
+        step allows (see ARScheduler.schedule_ahead); None if not."""
+        if not self.cfg.async_scheduling or len(current.parts) != 1:
+            return None
+        part, draw = current.parts[0], current.draws[0]
+        chunks = current.sched.scheduled
+        # Only plain decodes: whatever needs the sampled token on the host before the next
+        # step (penalty histories, after-sample feedback, rich inputs, hidden states) waits.
+        if (part.kind != "decode" or draw is None or part.sample_rows != list(range(len(chunks)))
+                or self.runner.cfg.after_sample
+                or any(_needs_host_token(c.request) for c in chunks)):
+            return None
+        nxt = self.scheduler.schedule_ahead(current.sched)
+        if nxt is None:
+            return None
+        launched = self._launch(nxt, fed=draw[1].token_ids, output_offset=1)
+        if not isinstance(launched, list):
+            self.stats["ahead_steps"] += 1
+        return launched
+
+    def _fail(self, sched, error: Exception) -> list[EngineOutput]:
+        out = []
+        for o in self.scheduler.fail_scheduled(sched, f"{type(error).__name__}: {error}"):
+            out.append(EngineOutput(o.request_id, [], True, "error", error=o.error))
+            self._detok.pop(o.request_id, None)
+        return out
+
+    def _finish(self, launched: "_Launched") -> list[EngineOutput]:
+        """Wait for a launched step's tokens and apply them: finish checks, outputs."""
+        t0 = time.perf_counter()
+        sched, parts = launched.sched, launched.parts
+        chunks = sched.scheduled
+        try:
             sampled, logprobs, codes = {}, {}, {}
-            for part in parts:
-                s, lp, c = self._sample(part, chunks)
+            for part, draw in zip(parts, launched.draws):
+                s, lp, c = self._collect(part, draw)
                 sampled.update(s)
                 logprobs.update(lp or {})
                 codes.update(c)
-        except Exception as e:  # fail this step's requests, keep serving
-            for o in self.scheduler.fail_scheduled(sched, f"{type(e).__name__}: {e}"):
-                out.append(EngineOutput(o.request_id, [], True, "error", error=o.error))
-                self._detok.pop(o.request_id, None)
-            return out
+        except Exception as e:
+            return self._fail(sched, e)
         step_outputs = self.scheduler.update_from_output(sched, sampled)
         self.stats["steps"] += 1
         self.stats["preemptions"] += len(sched.preempted_request_ids)
         for part in parts:
             self.stats[f"{part.kind}_steps"] += 1
-        self.stats["step_time"] += time.perf_counter() - t0
+        self.stats["step_time"] += launched.host_time + time.perf_counter() - t0
 
+        out = []
         hidden_of = {}  # request id -> (first position, {layer: [tokens of this step, H]})
         for part in parts:
             for j, ci in enumerate(part.chunk_indices):
@@ -272,24 +356,29 @@ class AREngine:
                 out.append(EngineOutput(rid, [], hidden_states=hidden, hidden_offset=offset))
         return out
 
-    def _sample(self, result, chunks):
-        """Sample one token per logits row.
-
-        Returns ({request_id: token}, logprobs or None, {request_id: after-sample codes}).
-        """
+    def _draw(self, result, chunks, output_offset: int = 0):
+        """Launch the sampler on one part's logits rows: (requests, device result), or None."""
         rows = result.sample_rows
         if not rows:
-            return {}, None, {}
+            return None
         reqs = [chunks[i].request for i in rows]
         bucket = result.logits.shape[0]
         md, flags = self.sampling_builder.build(
             [r.sampling_params for r in reqs], [r.output_token_ids for r in reqs],
             [r.prompt_token_ids for r in reqs], bucket, result.logits.shape[1],
-            eos_token_ids=self.cfg.eos_token_ids)
+            eos_token_ids=self.cfg.eos_token_ids,
+            num_output_tokens=[len(r.output_token_ids) + output_offset for r in reqs] if output_offset else None)
         flags = _canonical(flags)
         if flags.any_penalties and md.history_ids is None:
             md = md.replace(history_ids=self._empty_history(bucket))
-        res = self._sample_fn(result.logits, md, flags=flags)
+        return reqs, self._sample_fn(result.logits, md, flags=flags)
+
+    def _collect(self, result, draw):
+        """One part's sampled tokens on the host: ({request_id: token}, logprobs or None,
+        {request_id: after-sample codes})."""
+        if draw is None:
+            return {}, None, {}
+        reqs, res = draw
         tokens = np.asarray(res.token_ids)
         sampled = {r.request_id: int(tokens[j]) for j, r in enumerate(reqs)}
         codes = self._after_sample(result, res.token_ids, reqs) if self.runner.cfg.after_sample else {}

@@ -187,6 +187,7 @@ class ScheduledChunk:
     start: int
     num_tokens: int
     sample: bool
+    fed_by_row: int = -1  # >= 0: a decode whose token is still on the device (see execute's `fed`)
 
 
 @dataclasses.dataclass
@@ -225,6 +226,7 @@ class ModelRunner:
         self.kv_bytes = 2 * num_layers * int(np.prod(shape)) * jnp.dtype(kv_dtype).itemsize
         self._step_fn = jax.jit(self._forward, static_argnames=("rich", "deepstack"), donate_argnums=(1,))
         self._after_sample_fn = jax.jit(self._after_sample)
+        self._feed_fn = jax.jit(lambda fed, rows: jnp.take(fed, rows, axis=0))
 
     # -------------------------------------------------------------- jitted body
     def _forward(self, param_leaves, kv_caches, token_ids, positions, meta, logits_indices,
@@ -329,7 +331,8 @@ class ModelRunner:
         ids, pos = [], []
         for c, start in zip(chunks, starts):
             req = c.request
-            ids.append(req.all_token_ids[start])
+            # A token still on the device is filled in by `execute`.
+            ids.append(0 if c.fed_by_row >= 0 else req.all_token_ids[start])
             inp = req.data
             if start < req.num_prompt_tokens:  # a one-token prompt chunk
                 if inp is not None and inp.mrope_positions is not None:
@@ -413,13 +416,17 @@ class ModelRunner:
 
     # -------------------------------------------------------------- execution
     def execute(self, chunks: Sequence[ScheduledChunk], block_tables: np.ndarray,
-                want_hidden: bool = False) -> list[StepResult]:
+                want_hidden: bool = False, fed: jax.Array | None = None) -> list[StepResult]:
         """Run one step on the device; the KV cache is updated in place.
 
         One-token chunks (decodes) and longer chunks (prefills) go to separate
         device calls, each through the attention path made for it: a mixed batch
         in the ragged path would score every decode row against a whole block.
         Each part's `sample_rows` index into `chunks`.
+
+        `fed`: the previous step's sampled tokens, still on the device, for a step
+        scheduled ahead (async scheduling): chunk i's token is `fed[chunks[i].fed_by_row]`
+        (then every chunk is such a decode).
         """
         # A one-token prompt chunk at a visual token needs DeepStack: prefill path.
         single = [i for i, c in enumerate(chunks) if c.num_tokens == 1 and not self._has_deepstack(c)]
@@ -430,6 +437,10 @@ class ModelRunner:
                 continue
             sub = [chunks[i] for i in idx]
             b = self.prepare(sub, block_tables[idx])
+            if fed is not None:
+                rows = np.zeros(b["bucket"], np.int32)  # padding rows read row 0: any valid id
+                rows[:len(sub)] = [c.fed_by_row for c in sub]
+                b["token_ids"] = self._feed_fn(fed, rows)
             logits, captured = self._run(b)
             sample_hidden = captured.pop("sample_hidden", None)
             hidden = {}
@@ -464,8 +475,14 @@ class ModelRunner:
         if cfg.rich_inputs and cfg.deepstack_layers:
             jobs += [("prefill", t, True, True) for t in cfg.token_buckets]
         jobs += [("decode", b, r, False) for b in cfg.decode_buckets for r in variants]
+        # Async scheduling feeds a decode step of bucket b from the sampled tokens of one of
+        # bucket >= b: requests only leave between the two.
+        jobs += [("feed", (p, b), False, False) for p in cfg.decode_buckets for b in cfg.decode_buckets if b <= p]
         t0 = time.perf_counter()
         for kind, size, rich, ds in tqdm(jobs, desc="compiling buckets", unit="bucket", disable=not progress):
+            if kind == "feed":
+                self._feed_fn(jnp.zeros(size[0], jnp.int32), np.zeros(size[1], np.int32))
+                continue
             self._run(self._dummy_batch(kind, size, rich, ds))
         jax.block_until_ready(self.kv_caches)
         return time.perf_counter() - t0

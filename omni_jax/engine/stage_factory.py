@@ -31,7 +31,8 @@ def _qwen2_5_omni_thinker(stage: dict, ckpt_dir: str):
 
     buckets = MediaBuckets(tuple(stage["audio_chunk_buckets"]), tuple(stage["vision_patch_buckets"]))
     return build_thinker_engine(ckpt_dir, runner_config(stage), dtype=stage.get("dtype"), media_buckets=buckets,
-                                enable_prefix_caching=stage.get("enable_prefix_caching", True), progress=False)
+                                enable_prefix_caching=stage.get("enable_prefix_caching", True),
+                                async_scheduling=stage.get("async_scheduling", True), progress=False)
 
 
 def _qwen2_5_omni_talker(stage: dict, ckpt_dir: str):
@@ -55,7 +56,8 @@ def _qwen3_omni_thinker(stage: dict, ckpt_dir: str):
 
     buckets = MediaBuckets(tuple(stage["audio_chunk_buckets"]), tuple(stage["vision_patch_buckets"]))
     return build_thinker_engine(ckpt_dir, runner_config(stage), dtype=stage.get("dtype"), media_buckets=buckets,
-                                enable_prefix_caching=stage.get("enable_prefix_caching", True), progress=False)
+                                enable_prefix_caching=stage.get("enable_prefix_caching", True),
+                                async_scheduling=stage.get("async_scheduling", True), progress=False)
 
 
 def _qwen3_omni_talker(stage: dict, ckpt_dir: str):

@@ -20,7 +20,8 @@ THINKER_EOS = (151643, 151645)
 
 def build_thinker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | None = None,
                          media_buckets: MediaBuckets = MediaBuckets(), enable_prefix_caching: bool = True,
-                         eos_token_ids=THINKER_EOS, warmup: bool = True, progress: bool = True) -> AREngine:
+                         async_scheduling: bool = True, eos_token_ids=THINKER_EOS, warmup: bool = True,
+                         progress: bool = True) -> AREngine:
     """Load the Qwen3-Omni thinker, its media encoders and tokenizer, and warm everything up.
 
     The runner gets the overlay variants (encoder features) and, when the vision
@@ -35,7 +36,8 @@ def build_thinker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | No
     runner = dataclasses.replace(runner, rich_inputs=True, deepstack_layers=cfg.num_deepstack_layers)
     engine = AREngine(
         model, EngineConfig(runner=runner, enable_prefix_caching=enable_prefix_caching,
-                            eos_token_ids=tuple(eos_token_ids), vocab_size=text.vocab_size),
+                            async_scheduling=async_scheduling, eos_token_ids=tuple(eos_token_ids),
+                            vocab_size=text.vocab_size),
         num_layers=text.num_layers, num_kv_heads=text.num_kv_heads, head_dim=text.head_dim,
         hidden_size=text.hidden_size, tokenizer=load_tokenizer(ckpt_dir), prepare_inputs=media.prepare)
     engine.media_encoder = media

@@ -261,3 +261,55 @@ def test_async_scheduling_same_outputs_as_sync(engine):
     tokens, final, _, ahead_steps = run(True, plain, abort="as5")
     assert final["as5"] is None and len(tokens["as5"]) < len(ref["as5"])
     assert {k: v for k, v in tokens.items() if k != "as5"} == {k: v for k, v in ref.items() if k != "as5"}
+
+
+def test_streamed_text_and_stop_strings(tmp_path_factory):
+    """With a real tokenizer (the built-in tiny model): the text deltas add up to the decoded
+    tokens, the last token's text included; a stop string cuts the text and finishes the
+    request; async scheduling changes none of it."""
+    import dataclasses
+
+    from omni_jax.models.qwen2_5_omni.tiny import tiny_checkpoint
+
+    ckpt = tiny_checkpoint(str(tmp_path_factory.mktemp("tiny") / "model"))
+    eng = build_thinker_engine(ckpt, RunnerConfig(num_blocks=32, block_size=16, max_num_seqs=4,
+                                                  max_num_batched_tokens=64, max_model_len=96),
+                               media_buckets=MediaBuckets((1,), (64,)), progress=False)
+
+    def run(async_scheduling, params):
+        eng.cfg = dataclasses.replace(eng.cfg, async_scheduling=async_scheduling)
+        for i, sp in enumerate(params):
+            eng.add_request(f"t{i}", [100 + i, 200, 300, 400], sp)
+        tokens, texts, final = run_all_text(eng)
+        assert_pool_empty(eng)
+        return tokens, texts, final
+
+    plain = [SamplingParams(temperature=0.0, max_tokens=n) for n in (6, 9, 12)]
+    tokens, texts, _ = run(False, plain)
+    for rid, toks in tokens.items():
+        assert texts[rid] == eng.tokenizer.decode(toks, skip_special_tokens=True), rid
+    assert run(True, plain)[:2] == (tokens, texts)
+
+    full = texts["t2"]
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    stopped = [plain[0], plain[1], SamplingParams(temperature=0.0, max_tokens=12, stop=[stop])]
+    sync = run(False, stopped)
+    tokens, texts, final = run(True, stopped)
+    assert (tokens, texts) == sync[:2]
+    assert final["t2"].finish_reason == "stop" and final["t2"].stop_reason == stop
+    assert texts["t2"] == full[:full.find(stop)] and len(tokens["t2"]) < 12
+
+
+def run_all_text(engine, max_steps=500):
+    """Step until idle; returns ({rid: tokens}, {rid: text}, {rid: final output})."""
+    tokens, texts, final = {}, {}, {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            break
+        for o in engine.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            texts[o.request_id] = texts.get(o.request_id, "") + o.text_delta
+            if o.finished:
+                final[o.request_id] = o
+    assert not engine.has_unfinished(), "engine did not finish"
+    return tokens, texts, final

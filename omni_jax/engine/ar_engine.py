@@ -90,12 +90,16 @@ class _Detokenizer:
 
     def __init__(self, tokenizer, stops: Sequence[str], include_stop: bool):
         self.tokenizer, self.stops, self.include_stop = tokenizer, list(stops), include_stop
+        # Its own copy of the output ids: a request that finishes is released by the
+        # scheduler before its last token's text is made.
+        self.token_ids: list[int] = []
         self.text = ""
         self.sent = 0
 
-    def update(self, token_ids: Sequence[int]) -> tuple[str, str | None]:
-        """New text since the last call (held back while it may still grow into a stop string)."""
-        full = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+    def update(self, new_token_ids: Sequence[int]) -> tuple[str, str | None]:
+        """New text after these tokens (held back while it may still grow into a stop string)."""
+        self.token_ids.extend(new_token_ids)
+        full = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
         # A trailing replacement char means an incomplete multi-byte sequence: wait.
         if full.endswith("\ufffd"):
             full = full[:-1]
@@ -427,10 +431,8 @@ class AREngine:
         det = self._detok.get(eo.request_id)
         if det is None:
             return
-        req = self.scheduler.get_request(eo.request_id)
-        tokens = req.output_token_ids if req is not None else None
-        if tokens is not None and eo.new_token_ids:
-            delta, stop = det.update(tokens)
+        if eo.new_token_ids:
+            delta, stop = det.update(eo.new_token_ids)
             eo.text_delta = delta
             if stop is not None and not eo.finished:
                 self.scheduler.finish_request(eo.request_id, reason="stop", stop_reason=stop)

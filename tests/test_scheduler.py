@@ -674,3 +674,22 @@ def test_schedule_ahead_conditions_and_order():
     sched.abort_request("a")
     sched.abort_request("b")
     assert_no_leak(sched)
+
+
+def test_failed_step_scheduled_ahead():
+    """A step scheduled ahead that fails (its launch raised) fails its requests; the step
+    before it is still applied, skipping them, and nothing leaks."""
+    sched = make_sched(num_blocks=64)
+    runner = FakeRunner(sched)
+    for rid in ("a", "b"):
+        sched.add_request(new_req(rid, 5, SP(max_tokens=10)))
+    prev = sched.schedule()
+    sched.update_from_output(prev, runner.step(prev))
+    prev = sched.schedule()  # two decodes
+    ahead = sched.schedule_ahead(prev)
+    failed = sched.fail_scheduled(ahead, "boom")
+    assert sorted(o.request_id for o in failed) == ["a", "b"]
+    assert all(o.finish_reason == "error" and o.error == "boom" for o in failed)
+    assert sched.update_from_output(prev, runner.step(prev)) == []
+    assert not sched.has_unfinished_requests()
+    assert_no_leak(sched)

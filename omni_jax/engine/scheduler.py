@@ -256,8 +256,8 @@ class _QueueScheduler:
 
     def fail_scheduled(self, scheduler_output: SchedulerOutput, error: str) -> list[RequestStepOutput]:
         """The model step of `scheduler_output` raised: fail its requests with the error text."""
-        if scheduler_output in self._pending:
-            self._pending.remove(scheduler_output)
+        # By identity: outputs compare by value, and their token arrays do not compare as bools.
+        self._pending = deque(p for p in self._pending if p is not scheduler_output)
         outputs = []
         for s in scheduler_output.scheduled:
             if self.finish_request(s.request_id, reason="error", error=error):

@@ -145,7 +145,8 @@ class _Detokenizer:
 
 def _needs_host_token(req: Request) -> bool:
     """Whether a request's next step needs its last sampled token on the host: penalty
-    histories are built there, and embedding inputs are packed there."""
+    histories are built there, and embedding inputs are packed there (an after-sample
+    stage gives every request its feedback embeddings, so its steps never go ahead)."""
     d = req.data
     return req.sampling_params.uses_penalties or (d is not None and (d.is_rich or d.capture_hidden))
 
@@ -316,9 +317,9 @@ class AREngine:
         part, draw = current.parts[0], current.draws[0]
         chunks = current.sched.scheduled
         # Only plain decodes: whatever needs the sampled token on the host before the next
-        # step (penalty histories, after-sample feedback, rich inputs, hidden states) waits.
+        # step (penalty histories, embedding inputs such as after-sample feedback, hidden
+        # states) waits.
         if (part.kind != "decode" or draw is None or part.sample_rows != list(range(len(chunks)))
-                or self.runner.cfg.after_sample
                 or any(_needs_host_token(c.request) for c in chunks)):
             return None
         nxt = self.scheduler.schedule_ahead(current.sched)

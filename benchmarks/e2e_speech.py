@@ -22,13 +22,13 @@ MoE thinker and talker, 16 code groups, code2wav), chat prompts, voice "ethan".
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
 import tempfile
-import time
 
 import numpy as np
+
+from speech_serving import fastest_hf_batching, serve_speech
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
@@ -79,43 +79,6 @@ def run_transformers(hf_dir, prompts, thinker_tokens, talker_tokens, batches):
     return fastest_hf_batching(model, prompts, "Chelsie", thinker_tokens, talker_tokens, batches)
 
 
-def fastest_hf_batching(model, prompts, speaker, thinker_tokens, talker_tokens, batches):
-    """The prompts (sorted by length) through `time_hf_generate` in batches of each size in
-    `batches`; prints each and returns the fastest's (seconds, audio s, RTFs)."""
-    order = np.argsort([len(p) for p in prompts], kind="stable")
-    best = None
-    for size in sorted({min(b, len(prompts)) for b in batches}):
-        runs = [time_hf_generate(model, [prompts[i] for i in order[s:s + size]], speaker, thinker_tokens,
-                                 talker_tokens) for s in range(0, len(prompts), size)]
-        dt = sum(r[0] for r in runs)
-        print(f"transformers, batches of {size:2d}: {dt:7.2f}s")
-        if best is None or dt < best[0]:
-            best = (dt, [x for r in runs for x in r[1]], [x for r in runs for x in r[2]])
-    return best
-
-
-def time_hf_generate(model, prompts, speaker, thinker_tokens, talker_tokens):
-    """One left-padded batch through generate(return_audio=True), greedy; (seconds, audio s, RTFs)."""
-    import torch
-
-    L = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), L, dtype=torch.long)
-    mask = torch.zeros(len(prompts), L, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, L - len(p):] = torch.tensor(p)
-        mask[i, L - len(p):] = 1
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        _, wavs = model.generate(input_ids=ids, attention_mask=mask, speaker=speaker,
-                                 thinker_max_new_tokens=thinker_tokens, thinker_min_new_tokens=thinker_tokens,
-                                 thinker_do_sample=False, talker_do_sample=False,
-                                 talker_max_new_tokens=talker_tokens)
-    dt = time.perf_counter() - t0
-    wavs = wavs if isinstance(wavs, list) else [wavs.reshape(-1)]
-    seconds = [len(w) / 24000 for w in wavs]
-    return dt, seconds, [dt / max(s, 1e-9) for s in seconds]
-
-
 def run_omnijax(ckpt, prompts, thinker_tokens, talker_tokens):
     from omni_jax import SamplingParams
     from omni_jax.config import load_pipeline_config
@@ -131,30 +94,6 @@ def run_omnijax(ckpt, prompts, thinker_tokens, talker_tokens):
     params = [SamplingParams(temperature=0.0, max_tokens=thinker_tokens, ignore_eos=True),
               SamplingParams(temperature=0.0, repetition_penalty=1.05, max_tokens=talker_tokens), None]
     return serve_speech(ckpt, pipeline, prompts, params, voice="Chelsie")
-
-
-def serve_speech(ckpt, pipeline, prompts, params, voice):
-    """All prompts in flight through AsyncOmniJax; (seconds, audio s, RTFs, times to first audio)."""
-    from omni_jax import AsyncOmniJax
-
-    async def go():
-        async with AsyncOmniJax(model=ckpt, pipeline=pipeline, output_modalities=["text", "audio"]) as omni:
-            async def one(i, p):
-                last = None
-                async for out in omni.generate({"prompt_token_ids": p}, params, request_id=f"s{i}",
-                                               output_modalities=["text", "audio"], voice=voice):
-                    last = out
-                return last
-            t0 = time.perf_counter()
-            outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-            return time.perf_counter() - t0, outs
-
-    dt, outs = asyncio.run(go())
-    errors = [o.error for o in outs if o.error]
-    if errors:
-        raise RuntimeError(f"{len(errors)} requests failed, e.g. {errors[0]}")
-    seconds = [o.metrics.audio_seconds for o in outs]
-    return dt, seconds, [o.metrics.rtf for o in outs], [o.metrics.time_to_first_audio for o in outs]
 
 
 def main():

@@ -46,7 +46,7 @@ def hidden_message():
 
 def sender(data_addr: str, control_addr: str) -> None:
     """Child: for each (mode, count) order on the control socket, push that many messages."""
-    from omni_jax.engine.transport import Channel, encode
+    from omni_jax.runtime.transport import Channel, encode
 
     msg = hidden_message()
     frames = encode(msg)  # the bare rounds send exactly these frames
@@ -73,7 +73,7 @@ def sender(data_addr: str, control_addr: str) -> None:
 def transfer(messages: int, rounds: int) -> None:
     """Run the alternating bare / codec rounds and print GB/s of each and the ratio."""
     from omni_jax.engine.protocol import StageReply
-    from omni_jax.engine.transport import Channel, ipc_address, private_ipc_dir
+    from omni_jax.runtime.transport import Channel, ipc_address, private_ipc_dir
 
     ipc_dir = private_ipc_dir()
     ctx = zmq.Context()
@@ -133,7 +133,7 @@ def per_message_overhead() -> None:
     """Microseconds to encode / decode the orchestrator's small, frequent messages."""
     from omni_jax.engine.protocol import (AddRequest, SamplingParams, StageOutput,
                                           StageOutputs, StageReply, StageRequest)
-    from omni_jax.engine.transport import decode, encode
+    from omni_jax.runtime.transport import decode, encode
 
     def us(fn, number):
         return min(timeit.repeat(fn, number=number, repeat=5)) / number * 1e6

@@ -55,7 +55,7 @@ def run_transformers(hf_dir, prompts, thinker_tokens, talker_tokens, batches):
     import torch
 
     import hf_tiny_qwen3
-    from e2e_speech import fastest_hf_batching
+    from speech_serving import fastest_hf_batching
 
     torch.set_num_threads(os.cpu_count())
     return fastest_hf_batching(hf_tiny_qwen3.load_qwen3_omni(hf_dir), prompts, "ethan", thinker_tokens,
@@ -63,8 +63,8 @@ def run_transformers(hf_dir, prompts, thinker_tokens, talker_tokens, batches):
 
 
 def run_omnijax(ckpt, prompts, thinker_tokens, talker_tokens):
-    """All requests in flight (e2e_speech.serve_speech); (seconds, audio s, RTFs, times to first audio)."""
-    from e2e_speech import serve_speech
+    """All requests in flight (speech_serving.serve_speech); (seconds, audio s, RTFs, times to first audio)."""
+    from speech_serving import serve_speech
     from omni_jax import SamplingParams
     from omni_jax.config import load_pipeline_config
 

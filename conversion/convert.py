@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from omni_jax.checkpoint import CONFIG_FILE, FORMAT_VERSION, save_stage
 from omni_jax.errors import CheckpointError
-from omni_jax.models.registry import SIDE_FILES, UnknownModelError, abstract_stage, family_of, param_shapes, stages_of
+from omni_jax.models.registry import UnknownModelError, abstract_stage, family_of, get_family, param_shapes
 
 from .mapping import convert_tensors, map_hf_tensors
 from .safetensors_reader import SafetensorsCheckpoint
@@ -60,8 +60,9 @@ def convert(hf_dir: str, out_dir: str, dtype: str = "bfloat16", overwrite: bool 
         raise ValueError(f"--dtype must be one of {sorted(NP_DTYPES)}, got {dtype!r}")
     hf_config = read_hf_config(hf_dir)
     family = family_of(hf_config)
+    model_family = get_family(family)
     weights = SafetensorsCheckpoint(hf_dir)
-    specs = stages_of(family)
+    specs = model_family.stages
     present = {n: s for n, s in specs.items()
                if s.config_key in hf_config and any(k.startswith(s.hf_prefix) for k in weights)}
     if not present:
@@ -83,8 +84,8 @@ def convert(hf_dir: str, out_dir: str, dtype: str = "bfloat16", overwrite: bool 
             arrays = convert_tensors(source.get, plan, shapes, NP_DTYPES[dtype], on_tensor=bar.update)
             bar.close()
             save_stage(os.path.join(tmp, name), arrays)
-        if family in SIDE_FILES:
-            SIDE_FILES[family](hf_dir, weights.get, hf_config, tmp)
+        if model_family.side_files is not None:
+            model_family.side_files(hf_dir, weights.get, hf_config, tmp)
         for fname in TOKENIZER_FILES:
             src = os.path.join(hf_dir, fname)
             if os.path.isfile(src):

@@ -56,7 +56,7 @@ def speak(model: str, voice: str | None, max_tokens: int, out_path: str):
 
 
 def _checkpoint(model: str) -> str:
-    from omni_jax.demo import resolve_model
+    from omni_jax.models.registry import resolve_model
 
     return resolve_model(model)
 

@@ -8,8 +8,8 @@ __all__ = ["OmniJax", "AsyncOmniJax", "SamplingParams", "OmniRequestOutput", "lo
 
 
 def __getattr__(name):
-    # The front ends pull in ZMQ and the process machinery; import them on first use.
     if name in ("OmniJax", "AsyncOmniJax"):
+        # The front ends pull in ZMQ and the process machinery: imported on first use.
         from . import api
 
         return getattr(api, name)

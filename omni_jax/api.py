@@ -23,16 +23,15 @@ from typing import AsyncIterator, Sequence
 
 from .checkpoint import read_config
 from .config import ConfigError, PipelineConfig, default_pipeline_for, load_pipeline_config
-from .engine.orchestrator import Orchestrator, OrchestratorRequest
 from .engine.protocol import AddRequest, MultiModalPayload, StageInputs
 from .engine.sampling import SamplingParams
-from .inputs.processor import InputProcessor, PromptError
+from .inputs.processor import PromptError
+from .models.registry import get_family, resolve_model
 from .outputs import OmniRequestOutput, RequestMetrics
+from .runtime.orchestrator import Orchestrator, OrchestratorRequest
 
 
 def _resolve(model: str, pipeline) -> tuple[str, PipelineConfig]:
-    from .demo import resolve_model
-
     ckpt = resolve_model(model)
     family = read_config(ckpt)["family"]
     if pipeline is None:
@@ -45,20 +44,6 @@ def _resolve(model: str, pipeline) -> tuple[str, PipelineConfig]:
     return ckpt, pipeline
 
 
-def _make_router(pipeline: PipelineConfig, ckpt: str):
-    """The family's stage-input functions (models/<family>/pipeline.py) for multi-stage chains."""
-    if pipeline.family == "qwen2_5_omni":
-        from .models.qwen2_5_omni.pipeline import make_router
-
-        return make_router(ckpt, pipeline)
-    if pipeline.family == "qwen3_omni":
-        from .models.qwen3_omni.pipeline import make_router
-
-        return make_router(ckpt, pipeline)
-    raise ConfigError(f"{pipeline.family!r} has no stage-input functions yet: only text output "
-                      f"(output_modalities=['text']) is served for it")
-
-
 class _Frontend:
     """Shared set-up: checkpoint, pipeline, prompt processing, orchestrator."""
 
@@ -67,11 +52,12 @@ class _Frontend:
         self.checkpoint, self.pipeline = _resolve(model, pipeline)
         self.output_modalities = tuple(output_modalities)
         self._stages = self.pipeline.stages_for(self.output_modalities)
-        self.processor = InputProcessor.from_checkpoint(self.checkpoint)
+        family = get_family(self.pipeline.family)
+        self.processor = family.prompt_processor(self.checkpoint)
         self.tokenizer = self.processor.tokenizer
         self._route = None
         if len(self._stages) > 1:
-            self._route = _make_router(self.pipeline, self.checkpoint)
+            self._route = family.make_router(self.checkpoint, self.pipeline)
         self._orch = Orchestrator(self.pipeline, self.checkpoint, [s.name for s in self._stages], route=self._route)
         self._ids = itertools.count()
 

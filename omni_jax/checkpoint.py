@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from .errors import CheckpointError
-from .models.registry import abstract_stage, stages_of
+from .models.registry import abstract_stage, get_family
 
 CONFIG_FILE = "omni_jax_config.json"
 FORMAT_VERSION = 1
@@ -71,7 +71,7 @@ def load_checkpoint(path: str, stage: str = "thinker", dtype: str | None = None)
     import orbax.checkpoint as ocp
 
     cfg = read_config(path)
-    specs = stages_of(cfg["family"])
+    specs = get_family(cfg["family"]).stages
     if stage not in specs or stage not in cfg["stages"]:
         raise CheckpointError(f"checkpoint {path} has no stage {stage!r}; it has {cfg['stages']}")
     spec = specs[stage]

@@ -9,18 +9,18 @@ from __future__ import annotations
 import argparse
 import sys
 
+from conversion import convert as convert_mod
+
+from . import demo
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="omni-jax", description="Serve Qwen-Omni models with JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from conversion import convert as convert_mod
-
     p_convert = sub.add_parser("convert", help="convert a Hugging Face checkpoint")
     convert_mod.add_arguments(p_convert)
     p_convert.set_defaults(func=convert_mod.run)
-
-    from . import demo
 
     p_gen = sub.add_parser("generate", help="generate a reply to a prompt")
     demo.add_arguments(p_gen)

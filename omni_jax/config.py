@@ -24,14 +24,18 @@ import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+import msgspec.structs
 import yaml
+
+from .engine.runner import RunnerConfig
+from .engine.sampling import SamplingParams
+from .models.registry import family_names
 
 __all__ = [
     "ConfigError",
     "UnknownStageError",
     "StageConfig",
     "PipelineConfig",
-    "FAMILIES",
     "RUNNERS",
     "BACKENDS",
     "DTYPES",
@@ -43,7 +47,6 @@ __all__ = [
     "default_pipeline_for",
 ]
 
-FAMILIES = ("qwen2_5_omni", "qwen3_omni")
 RUNNERS = ("ar", "oneshot")
 BACKENDS = ("pallas", "reference")
 DTYPES = ("float32", "bfloat16")
@@ -161,10 +164,6 @@ def _check_keys(d: Mapping[str, Any], known: Sequence[str]) -> None:
 
 
 def _sampling_field_names() -> tuple[str, ...]:
-    import msgspec.structs
-
-    from .engine.sampling import SamplingParams
-
     return tuple(f.name for f in msgspec.structs.fields(SamplingParams))
 
 
@@ -172,10 +171,6 @@ def _default_sampling(value: Any) -> dict[str, Any]:
     field = "default_sampling"
     if not isinstance(value, Mapping):
         raise _invalid(field, f"must be a mapping of SamplingParams fields, got {value!r}")
-    # Imported here, not at the top: engine modules import this one, and sampling pulls
-    # in jax, which reading a config should not require.
-    from .engine.sampling import SamplingParams
-
     names = _sampling_field_names()
     for key in value:
         if key not in names:
@@ -338,10 +333,16 @@ class StageConfig:
         return n
 
     def sampling_params(self, **overrides: Any):
-        """This stage's default SamplingParams, with `overrides` applied."""
-        from .engine.sampling import SamplingParams
-
+        """This stage's default SamplingParams (the preset is their one source), with `overrides` applied."""
         return SamplingParams(**{**self.default_sampling, **overrides})
+
+    def runner_config(self, **changes: Any) -> RunnerConfig:
+        """The engine's RunnerConfig of an "ar" stage (its sizes, buckets, backend and captured layers)."""
+        return RunnerConfig(
+            num_blocks=self.num_blocks, block_size=self.block_size, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
+            token_buckets=self.token_buckets, decode_buckets=self.decode_buckets, backend=self.backend,
+            capture_layers=self.hidden_layers, kv_memory_fraction=self.kv_memory_fraction or 0.9, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain YAML/JSON-ready form (lists, not tuples); `from_dict` reads it back."""
@@ -389,8 +390,8 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise self._error("name", f"must be a non-empty string, got {self.name!r}")
-        if self.family not in FAMILIES or isinstance(self.family, bool):
-            raise self._error("family", f"must be one of {', '.join(map(repr, FAMILIES))}, "
+        if self.family not in family_names() or isinstance(self.family, bool):
+            raise self._error("family", f"must be one of {', '.join(map(repr, family_names()))}, "
                                         f"got {self.family!r}")
         stages = self.stages
         if isinstance(stages, (str, bytes, Mapping)) or not isinstance(stages, Sequence) or not stages:
@@ -608,8 +609,8 @@ def load_pipeline_config(name_or_path: str | os.PathLike | PipelineConfig) -> Pi
 
 def default_pipeline_for(family: str, tiny: bool = False) -> PipelineConfig:
     """The bundled preset of a model family (the tiny one for the built-in test model)."""
-    if family not in FAMILIES:
-        raise ConfigError(f"unknown model family {family!r}; families: {list(FAMILIES)}")
+    if family not in family_names():
+        raise ConfigError(f"unknown model family {family!r}; families: {list(family_names())}")
     name = f"{family}_tiny" if tiny else family
     if name not in list_presets():
         raise ConfigError(f"no {'tiny ' if tiny else ''}preset for {family!r}; presets: {list_presets()}")

@@ -11,6 +11,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .api import OmniJax
+from .config import ConfigError
+from .engine.sampling import SamplingParams
+from .errors import CheckpointError
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="converted checkpoint directory, or 'tiny' (default)")
@@ -24,21 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--voice", default=None, help="speaker of the spoken reply")
 
 
-def resolve_model(model: str) -> str:
-    """A checkpoint directory for `--model` ('tiny' builds the demo model on first use)."""
-    if model == "tiny":
-        from .models.qwen2_5_omni.tiny import tiny_checkpoint
-
-        return tiny_checkpoint()
-    return model
-
-
 def run(args: argparse.Namespace) -> int:
-    from .api import OmniJax
-    from .config import ConfigError
-    from .engine.sampling import SamplingParams
-    from .errors import CheckpointError
-
     modalities = ["text", "audio"] if args.output_audio else ["text"]
     messages = [{"role": "user", "content": args.prompt}]
     if args.system:

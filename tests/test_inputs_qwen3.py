@@ -23,8 +23,9 @@ import torch
 
 from omni_jax.engine.protocol import MultiModalPayload
 from omni_jax.inputs.processor import InputProcessor, PromptError
-from omni_jax.inputs.processor_qwen3 import QWEN3_OMNI_CHAT_TEMPLATE, Qwen3InputProcessor
-from omni_jax.inputs.rope_index_qwen3 import get_rope_index_qwen3
+from omni_jax.models.registry import prompt_processor
+from omni_jax.models.qwen3_omni.processor import QWEN3_OMNI_CHAT_TEMPLATE, Qwen3InputProcessor
+from omni_jax.models.qwen3_omni.rope_index import get_rope_index_qwen3
 
 VOCAB = 152064
 MERGE = 2
@@ -305,7 +306,7 @@ def test_from_checkpoint_picks_the_family(tmp_path, tok, qwen3_omni_hf_dir):
     (hf_dir / "preprocessor_config.json").write_text(json.dumps({"patch_size": 16, "max_pixels": 32 * 32 * 6,
                                                                  "image_mean": [0.5] * 3, "image_std": [0.5] * 3}))
     for d in (conv, hf_dir):
-        p = InputProcessor.from_checkpoint(str(d))
+        p = prompt_processor(str(d))
         assert isinstance(p, Qwen3InputProcessor) and p.vocab_size == VOCAB and p.n_window == 50
         assert (p.tokens.audio_token_id, p.tokens.audio_start_token_id, p.tokens.position_id_per_seconds) == (
             AUDIO, 151669, 13)
@@ -321,7 +322,7 @@ def test_from_checkpoint_picks_the_family(tmp_path, tok, qwen3_omni_hf_dir):
     old.mkdir()
     (old / "omni_jax_config.json").write_text(json.dumps({"format_version": 1, "family": "qwen2_5_omni",
                                                           "hf_config": tiny_config()}))
-    assert type(InputProcessor.from_checkpoint(str(old))) is InputProcessor
+    assert type(prompt_processor(str(old))) is InputProcessor
 
 
 # ---------------------------------------------------------------------------------------- end to end

@@ -10,7 +10,7 @@ import hf_tiny_qwen3 as tiny
 from omni_jax.engine.protocol import AddRequest
 from omni_jax.engine.runner import RequestInputs, RunnerConfig
 from omni_jax.engine.sampling import SamplingParams
-from omni_jax.engine.stage_factory import to_engine_request
+from omni_jax.runtime.stage_factory import to_engine_request
 from qwen3_prompt import Prompt
 
 pytestmark = pytest.mark.e2e

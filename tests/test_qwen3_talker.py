@@ -139,7 +139,7 @@ def test_config(talker):
 
 def test_load_from_checkpoint_layout(talker, hf_talker, hf_code2wav):
     """On disk the talker is `talker.*` with per-expert keys, code2wav `code2wav.*`: both load."""
-    from conversion.moe import FusedExperts, split_fused_experts
+    from omni_jax.models.qwen3_omni.expert_keys import FusedExperts, split_fused_experts
 
     disk = {}
     for key, value in _state(hf_talker).items():

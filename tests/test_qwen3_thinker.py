@@ -24,7 +24,7 @@ from qwen3_prompt import Prompt
 from omni_jax import load_checkpoint
 from omni_jax.engine.runner import RunnerConfig
 from omni_jax.engine.sampling import SamplingParams
-from omni_jax.inputs.rope_index_qwen3 import get_rope_index_qwen3
+from omni_jax.models.qwen3_omni.rope_index import get_rope_index_qwen3
 from omni_jax.models.layers.attention import AttentionMetadata
 from omni_jax.models.qwen3_omni.media import MediaBuckets, Qwen3ThinkerMediaEncoder
 
@@ -65,7 +65,7 @@ def test_conversion_round_trips_every_tensor(converted, qwen3_omni_hf_dir):
     import orbax.checkpoint as ocp
 
     from conversion.mapping import inverse_transform_for, map_hf_tensors
-    from conversion.moe import FusedExperts, split_fused_experts
+    from omni_jax.models.qwen3_omni.expert_keys import FusedExperts, split_fused_experts
     from omni_jax.checkpoint import read_config
     from omni_jax.models.registry import abstract_stage, param_shapes, stages_of
 

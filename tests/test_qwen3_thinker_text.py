@@ -16,7 +16,7 @@ from safetensors.numpy import load_file
 
 import hf_tiny_qwen3 as tiny
 from conversion.mapping import load_hf_into, map_hf_tensors
-from conversion.moe import FusedExperts, fuse_expert_keys, fused_expert_getter, split_fused_experts
+from omni_jax.models.qwen3_omni.expert_keys import FusedExperts, fuse_expert_keys, fused_expert_getter, split_fused_experts
 from omni_jax.errors import CheckpointError
 from omni_jax.models.layers.attention import AttentionMetadata
 from omni_jax.models.layers.moe import MoEConfig, SparseMoeBlock, dense_moe_reference

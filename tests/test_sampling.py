@@ -24,8 +24,9 @@ from omni_jax.engine.sampling import (
     assign_seed,
     request_keys,
     sample,
-    stage_default_sampling_params,
 )
+
+from omni_jax.config import default_pipeline_for
 
 pytestmark = pytest.mark.engine
 
@@ -198,13 +199,14 @@ def test_seed_helpers_and_stage_defaults():
     seeded = assign_seed(p)
     assert p.seed is None and isinstance(seeded.seed, int) and 0 <= seeded.seed < 2**32
     assert assign_seed(seeded) is seeded
-    talker = stage_default_sampling_params("qwen2_5_omni", "talker")
+    # A stage's default sampling has one source: its family's pipeline preset.
+    talker = default_pipeline_for("qwen2_5_omni").stage("talker").sampling_params()
     assert (talker.top_k, talker.top_p, talker.temperature, talker.repetition_penalty) == (40, 0.8, 0.9, 1.05)
-    assert stage_default_sampling_params("qwen3_omni", "thinker").is_greedy
-    custom = SamplingParams.for_stage("qwen3_omni", "talker", suppress_token_ids=[3000])
+    assert default_pipeline_for("qwen3_omni").stage("thinker").sampling_params().is_greedy
+    custom = default_pipeline_for("qwen3_omni").stage("talker").sampling_params(suppress_token_ids=[3000])
     assert custom.top_k == 50 and custom.suppress_token_ids == (3000,)
-    with pytest.raises(ValueError, match="no default"):
-        stage_default_sampling_params("llama", "thinker")
+    with pytest.raises(ValueError, match="unknown model family"):
+        default_pipeline_for("llama")
 
 
 # --- metadata and flags ----------------------------------------------------------------

@@ -32,7 +32,7 @@ from omni_jax.engine.protocol import (
     StageReply,
     StageRequest,
 )
-from omni_jax.engine.transport import (
+from omni_jax.runtime.transport import (
     Channel,
     Codec,
     ProtocolError,

@@ -7,7 +7,7 @@ decoder per direction turns a frame into the right class and rejects anything el
 * stage -> orchestrator: `StageReply` = `StageOutputs | Ready | StageFailure | HealthReply`
 
 Fields typed `np.ndarray` (anywhere, including inside lists and dicts) do not go through
-msgpack: `omni_jax.engine.transport` sends each array as its own ZMQ frame and rebuilds it
+msgpack: `omni_jax.runtime.transport` sends each array as its own ZMQ frame and rebuilds it
 on the other side without a copy. Nothing here is pickled.
 
 Decoded arrays are views of the received frames: treat them as owned by the message, and

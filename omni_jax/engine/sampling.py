@@ -61,7 +61,6 @@ __all__ = [
     "apply_min_p",
     "request_keys",
     "assign_seed",
-    "stage_default_sampling_params",
     "MAX_LOGPROBS",
     "LOGPROBS_BUCKETS",
     "PAD_TOKEN_ID",
@@ -220,47 +219,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tr
         """This instance if it has a seed, else a copy with a fresh random 32-bit seed."""
         return self if self.seed is not None else self.updated(seed=secrets.randbits(32))
 
-    @classmethod
-    def for_stage(cls, family: str, stage: str, **overrides: Any) -> "SamplingParams":
-        """The default params of a model family's stage, with `overrides` applied."""
-        return stage_default_sampling_params(family, stage).updated(**overrides)
-
 
 def assign_seed(params: SamplingParams) -> SamplingParams:
     """Give an unseeded request a random seed at creation, so its draws are replayable."""
     return params.with_seed()
-
-
-# Defaults per (model family, stage), from transformers' Qwen2_5Omni / Qwen3OmniMoe
-# `generate`. The thinker is greedy (parity target: greedy output equal to transformers);
-# the vocoder stage (token2wav / code2wav) does not sample. Token ids (talker eos,
-# suppressed specials) depend on the checkpoint's config and are added by the pipeline
-# from it, not hard-coded here.
-_VOCODER = dict(temperature=0.0)
-_STAGE_DEFAULTS: dict[tuple[str, str], dict[str, Any]] = {
-    ("qwen2_5_omni", "thinker"): dict(temperature=0.0, max_tokens=1024),
-    ("qwen2_5_omni", "talker"): dict(
-        temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05, max_tokens=4096),
-    ("qwen2_5_omni", "vocoder"): _VOCODER,
-    ("qwen2_5_omni", "token2wav"): _VOCODER,
-    ("qwen3_omni", "thinker"): dict(temperature=0.0, max_tokens=1024),
-    ("qwen3_omni", "talker"): dict(
-        temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05, max_tokens=4096),
-    ("qwen3_omni", "vocoder"): _VOCODER,
-    ("qwen3_omni", "code2wav"): _VOCODER,
-}
-
-
-def stage_default_sampling_params(family: str, stage: str) -> SamplingParams:
-    """Default SamplingParams of `family`'s `stage` ("thinker", "talker", "vocoder").
-
-    `family` is "qwen2_5_omni" or "qwen3_omni"; unknown pairs raise ValueError.
-    """
-    try:
-        return SamplingParams(**_STAGE_DEFAULTS[(family, stage)])
-    except KeyError:
-        known = sorted(f"{f}/{s}" for f, s in _STAGE_DEFAULTS)
-        raise ValueError(f"no default sampling params for {family}/{stage}; known: {known}") from None
 
 
 # ---------------------------------------------------------------------------------------

@@ -30,8 +30,8 @@ raises `PromptError` naming it.
 
 `InputProcessor` is Qwen2.5-Omni's; what a model family does differently (defaults, audio token
 counts, audio padding, the audio-in-video layout, speech system prompt) sits in class attributes
-and small hook methods, which `processor_qwen3.Qwen3InputProcessor` overrides.
-`InputProcessor.from_checkpoint` picks the class from the checkpoint's family.
+and small hook methods, which `models/qwen3_omni/processor.py`'s `Qwen3InputProcessor` overrides.
+`models.registry.prompt_processor(ckpt_dir)` picks the class from the checkpoint's family.
 """
 
 from __future__ import annotations
@@ -84,9 +84,6 @@ QWEN2_5_OMNI_VIDEO_CONFIG = {
     # VIDEO_TOTAL_PIXELS, transformers' `cap_pixels_per_frame`), so long videos stay bounded.
     "max_video_tokens": 128000,
 }
-
-# HF model_type -> OmniJax family, for HF directories (converted checkpoints name their family).
-_FAMILY_OF_MODEL_TYPE = {"qwen2_5_omni": "qwen2_5_omni", "qwen3_omni_moe": "qwen3_omni"}
 
 _PART_KINDS = {
     "text": "text", "image": "image", "image_url": "image", "audio": "audio", "input_audio": "audio",
@@ -195,16 +192,11 @@ class InputProcessor:
         """The processor of a converted checkpoint (or an HF directory): its tokenizer, config and
         preprocessor_config.json / video_preprocessor_config.json / chat_template.json when present.
 
-        Called on `InputProcessor`, the class follows the checkpoint's family (omni_jax_config.json
-        "family", or the HF model_type): Qwen3-Omni gets `processor_qwen3.Qwen3InputProcessor`.
+        Each family's processor class is its `ModelFamily.prompt_processor` (see
+        `models.registry.prompt_processor`, which picks it from the checkpoint).
         """
         cfg = _read_json(os.path.join(ckpt_dir, "omni_jax_config.json"))
         hf = cfg.get("hf_config", {}) if cfg is not None else (_read_json(os.path.join(ckpt_dir, "config.json")) or {})
-        family = (cfg or {}).get("family") or _FAMILY_OF_MODEL_TYPE.get(hf.get("model_type"))
-        if cls is InputProcessor and family == "qwen3_omni":
-            from .processor_qwen3 import Qwen3InputProcessor
-
-            return Qwen3InputProcessor.from_checkpoint(ckpt_dir, vocab_size, **options)
         thinker = hf.get("thinker_config", hf)
         if vocab_size is None:
             vocab_size = (thinker.get("text_config") or {}).get("vocab_size") or thinker.get("vocab_size") or 2 ** 31 - 1

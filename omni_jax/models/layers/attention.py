@@ -21,6 +21,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+import kernels_pallas
+from kernels_pallas import reference
+
 from .norms import RMSNorm
 from .rope import apply_rope
 
@@ -77,10 +80,7 @@ def dense_causal_attention(q, k, v, segment_ids, sm_scale, sliding_window=None):
 
 def paged_attention_step(q, k, v, kv_cache, meta: AttentionMetadata, sm_scale, sliding_window=None):
     """Write k/v into the pages, then attend through the block tables. Returns (out, kv_cache)."""
-    if meta.backend == "pallas":
-        import kernels_pallas as ops
-    else:
-        from kernels_pallas import reference as ops
+    ops = kernels_pallas if meta.backend == "pallas" else reference
     k_pages, v_pages = kv_cache
     k_pages, v_pages = ops.write_kv_pages(k_pages, v_pages, k, v, meta.slot_mapping)
     if meta.decode_only:

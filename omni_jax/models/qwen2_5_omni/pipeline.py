@@ -21,9 +21,11 @@ import dataclasses
 
 import numpy as np
 
-from ...engine.handoff import assemble_hidden, kind_router, media_positions, require_thinker_layers
+from ..handoff import assemble_hidden, kind_router, media_positions, require_thinker_layers
+from ...checkpoint import read_config
 from ...engine.protocol import AddRequest, StageInputs
 from ...inputs.rope_index import RopeIndexConfig, get_rope_index
+from .stages import THINKER_EOS
 from .talker import TalkerConfig
 from .voices import Voices
 
@@ -110,9 +112,6 @@ class Qwen2_5OmniHandoff:
 
 def make_router(ckpt_dir: str, pipeline):
     """The orchestrator's route(request, from_stage, to_stage) for a Qwen2.5-Omni checkpoint."""
-    from ...checkpoint import read_config
-    from .stages import THINKER_EOS
-
     hf = read_config(ckpt_dir)["hf_config"]
     thinker = hf["thinker_config"]
     layers = thinker["text_config"]["num_hidden_layers"]

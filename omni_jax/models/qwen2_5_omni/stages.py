@@ -6,9 +6,12 @@ import os
 
 from ...checkpoint import load_checkpoint, read_config
 from ...engine.ar_engine import AREngine, EngineConfig
+from ...engine.oneshot_engine import OneShotEngine
 from ...engine.runner import RunnerConfig
 from ...inputs.rope_index import RopeIndexConfig
 from .media import MediaBuckets, ThinkerMediaEncoder
+from .token2wav import Token2WavSynthesizer
+from .voices import Voices
 
 # <|endoftext|> and <|im_end|>: the thinker stops at either (generation_config of the real model).
 THINKER_EOS = (151643, 151645)
@@ -78,10 +81,6 @@ def build_token2wav_engine(ckpt_dir: str, *, length_buckets=(64, 256, 1024), bat
     `max_num_seqs` requests per step (default batch_buckets[-1]); more than the largest
     batch take several calls, run side by side.
     """
-    from ...engine.oneshot_engine import OneShotEngine
-    from .token2wav import Token2WavSynthesizer
-    from .voices import Voices
-
     model, cfg = load_checkpoint(ckpt_dir, stage="token2wav", dtype="float32")
     max_num_seqs = max_num_seqs or batch_buckets[-1]
     synth = Token2WavSynthesizer(model, Voices.load(ckpt_dir), length_buckets=length_buckets,

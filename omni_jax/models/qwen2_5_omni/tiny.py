@@ -15,7 +15,13 @@ import shutil
 import sys
 import tempfile
 
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+
+from ...checkpoint import CONFIG_FILE, FORMAT_VERSION, save_stage
+from ...inputs.qwen_tokenizer import build_qwen2_5_omni_tokenizer
+from .specs import STAGES, write_side_files
 
 TINY_VERSION = 2
 
@@ -65,20 +71,13 @@ def default_cache_dir() -> str:
 
 def build_tiny_checkpoint(out_dir: str, seed: int = 0) -> str:
     """Write a random-initialised tiny checkpoint (OmniJax format, fp32) with a real Qwen tokenizer."""
-    from flax import nnx
-    import jax.numpy as jnp
-
-    from ...checkpoint import CONFIG_FILE, FORMAT_VERSION, save_stage
-    from ...inputs.qwen_tokenizer import build_qwen2_5_omni_tokenizer
-    from ..registry import SIDE_FILES, stages_of
-
     hf_config = tiny_config()
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".omni-jax-tiny-", dir=parent)
     try:
         stages, tables = [], {}
-        for name, spec in stages_of("qwen2_5_omni").items():
+        for name, spec in STAGES.items():
             module = spec.build(spec.parse_config(hf_config[spec.config_key]), jnp.float32, nnx.Rngs(seed))
             _, params, _ = nnx.split(module, nnx.Param, ...)
             arrays = {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(params)}
@@ -86,7 +85,7 @@ def build_tiny_checkpoint(out_dir: str, seed: int = 0) -> str:
             if ("model", "embed_tokens", "embedding") in arrays:
                 tables[f"{name}.model.embed_tokens.weight"] = arrays[("model", "embed_tokens", "embedding")]
             stages.append(name)
-        SIDE_FILES["qwen2_5_omni"](None, tables.__getitem__, hf_config, tmp, speakers=tiny_speakers(hf_config, seed))
+        write_side_files(None, tables.__getitem__, hf_config, tmp, speakers=tiny_speakers(hf_config, seed))
         build_qwen2_5_omni_tokenizer(tmp)
         with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
             json.dump({"format_version": FORMAT_VERSION, "family": "qwen2_5_omni", "dtype": "float32",

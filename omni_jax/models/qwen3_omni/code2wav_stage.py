@@ -28,7 +28,8 @@ import numpy as np
 from flax import nnx
 
 from ...engine.buckets import pick_bucket
-from ...engine.oneshot_engine import CallPool
+from ...checkpoint import load_checkpoint
+from ...engine.oneshot_engine import CallPool, OneShotEngine
 from .code2wav import Qwen3OmniCode2Wav
 
 
@@ -168,9 +169,6 @@ def build_code2wav_engine(ckpt_dir: str, *, length_buckets=(64, 256, 325), batch
     request, default max_num_batched_tokens) are in frames, as in the stage config; the
     engine, which counts prompt tokens, gets num_quantizers times them.
     """
-    from ...checkpoint import load_checkpoint
-    from ...engine.oneshot_engine import OneShotEngine
-
     model, cfg = load_checkpoint(ckpt_dir, stage="code2wav", dtype="float32")
     max_num_seqs = max_num_seqs or batch_buckets[-1]
     frames_per_step = max_num_batched_tokens or max_num_seqs * length_buckets[-1]

@@ -29,7 +29,7 @@ from typing import Sequence
 import numpy as np
 
 from ...engine.runner import RequestInputs
-from ...inputs.rope_index_qwen3 import get_rope_index_qwen3
+from .rope_index import get_rope_index_qwen3
 from ..qwen2_5_omni.media import MediaBuckets, MultiModalData, ThinkerMediaEncoder
 from ..qwen2_5_omni.thinker import media_index
 from .audio_encoder import num_chunks_for, prepare_audio_batch

@@ -32,24 +32,18 @@ import dataclasses
 import os
 
 import numpy as np
+import safetensors.numpy
 
-from ...engine.handoff import assemble_hidden, kind_router, media_positions, require_thinker_layers
+from ..handoff import assemble_hidden, kind_router, media_positions, require_thinker_layers
+from ...checkpoint import read_config
 from ...engine.protocol import AddRequest, StageInputs
 from ...inputs.rope_index import RopeIndexConfig
-from ...inputs.rope_index_qwen3 import get_rope_index_qwen3
+from .rope_index import get_rope_index_qwen3
+from .specs import TTS_ROWS_FILE
+from .stages import THINKER_EOS
 from .talker import TalkerConfig
 
-TTS_ROWS_FILE = "tts_rows.safetensors"
 _TEXT, _HIDDEN = 0, 1  # overlay_proj values: the talker's text_projection / hidden_projection
-
-
-def write_tts_rows(out_dir: str, hf_config: dict, thinker_table) -> None:
-    """Save the thinker embeddings of tts_bos / tts_eos / tts_pad beside the checkpoint."""
-    import safetensors.numpy
-
-    rows = {name: np.asarray(thinker_table[int(hf_config[f"{name}_token_id"])], np.float32)
-            for name in ("tts_bos", "tts_eos", "tts_pad")}
-    safetensors.numpy.save_file(rows, os.path.join(out_dir, TTS_ROWS_FILE))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,11 +159,6 @@ class Qwen3OmniHandoff:
 
 def load_handoff(ckpt_dir: str) -> Qwen3OmniHandoff:
     """The handoff of a converted Qwen3-Omni checkpoint (needs its tts_rows side file)."""
-    import safetensors.numpy
-
-    from ...checkpoint import read_config
-    from .stages import THINKER_EOS
-
     hf = read_config(ckpt_dir)["hf_config"]
     path = os.path.join(ckpt_dir, TTS_ROWS_FILE)
     if not os.path.isfile(path):

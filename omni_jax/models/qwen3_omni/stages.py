@@ -7,9 +7,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from ...checkpoint import load_checkpoint
 from ...engine.ar_engine import AREngine, EngineConfig
+from ...engine.buckets import pick_bucket, pow2_buckets
 from ...engine.runner import RequestInputs, RunnerConfig
 from ..qwen2_5_omni.stages import load_tokenizer
 from .media import MediaBuckets, Qwen3ThinkerMediaEncoder
@@ -57,10 +59,6 @@ class TalkerInputProjector:
     """
 
     def __init__(self, model, cfg, max_rows: int):
-        from flax import nnx
-
-        from ...engine.buckets import pow2_buckets
-
         self.cfg = cfg
         self.buckets = tuple(pow2_buckets(16, max(16, max_rows)))
         # Parameters as a flat leaf list (as the runner): nnx.jit would walk the whole
@@ -71,8 +69,6 @@ class TalkerInputProjector:
             nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves)), *args))
 
     def _project(self, rows: np.ndarray, proj: np.ndarray, add_ids: np.ndarray) -> np.ndarray:
-        from ...engine.buckets import pick_bucket
-
         out, step = [], self.buckets[-1]
         for a in range(0, len(rows), step):
             n = min(step, len(rows) - a)

@@ -33,8 +33,9 @@ import dataclasses
 
 import numpy as np
 
-from .processor import InputProcessor, PromptError
-from .rope_index import RopeIndexConfig
+from ...inputs.processor import InputProcessor, PromptError
+from ...inputs.rope_index import RopeIndexConfig
+from .audio_encoder import audio_output_lengths
 
 __all__ = [
     "QWEN3_OMNI_CHAT_TEMPLATE",
@@ -168,8 +169,6 @@ class Qwen3InputProcessor(InputProcessor):
         return max((int(w.shape[0]) for w in waves), default=0)
 
     def _num_audio_tokens(self, frames: int) -> int:
-        from ..models.qwen3_omni.audio_encoder import audio_output_lengths
-
         return int(audio_output_lengths(np.array([frames]), self.n_window)[0])
 
     def _audio_tokens(self, feats: np.ndarray, wave: np.ndarray, what: str) -> int:

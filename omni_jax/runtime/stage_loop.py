@@ -1,24 +1,25 @@
-"""The stage process: load one stage, warm it up, then receive -> schedule -> run -> send.
+"""The loop of a stage process: load the stage's engine, say Ready, then receive -> step -> send.
 
-Started by `StageClient` as a fresh interpreter (`python -m omni_jax.engine.stage_worker
-CONFIG_JSON`): spawn semantics, never a fork after JAX is imported, and unlike
-multiprocessing's spawn it does not re-import the caller's main module.
-It connects to the two ipc sockets the orchestrator bound, loads its stage of the
-checkpoint, compiles every bucket, and only then says `Ready`. A request the engine
-rejects comes back as a `StageFailure` naming it; a malformed message is logged and
-dropped; an exception in a step fails that step's requests (inside the engine) and
-the loop goes on. The process exits on `Shutdown`, and also when its parent dies
-(a watchdog thread notices the parent pid change, also during warm-up).
+A request the engine rejects comes back as a `StageFailure` naming it; a malformed
+message is logged and dropped; an exception in a step fails that step's requests
+(inside the engine) and the loop goes on.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
 import time
 import traceback
+
+import zmq
+
+from ..config import StageConfig
+from ..engine.protocol import (AbortRequests, AddRequest, HealthCheck, HealthReply, Ready, Shutdown, StageFailure,
+                               StageOutput, StageOutputs, StageRequest)
+from .stage_factory import build_stage_engine, to_engine_request
+from .transport import Channel, ProtocolError
 
 log = logging.getLogger("omni_jax.stage")
 
@@ -26,52 +27,15 @@ log = logging.getLogger("omni_jax.stage")
 IDLE_POLL_MS = 20
 
 
-def _exit_with_parent(parent_pid: int, period_s: float = 0.5) -> None:
-    """Exit at once when the parent process is gone (no orphan stages), even mid-compile."""
-    import threading
-
-    def watch():
-        while True:
-            time.sleep(period_s)
-            if os.getppid() != parent_pid:
-                os._exit(0)
-
-    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
-
-
-def _configure_device(stage: dict) -> None:
-    """Per-stage device choice and memory fraction, before JAX is imported."""
-    if stage.get("device") is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(stage["device"])
-    if stage.get("memory_fraction") is not None:
-        os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(stage["memory_fraction"])
-        os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-
-
-def stage_main(stage_json: str, ckpt_dir: str, family: str, in_addr: str, out_addr: str,
-               parent_pid: int) -> None:
-    """Entry point of a stage process (arguments are plain strings: nothing is unpickled)."""
-    _exit_with_parent(parent_pid)
-    stage = json.loads(stage_json)
+def serve_stage(stage: dict, ckpt_dir: str, family: str, in_addr: str, out_addr: str) -> None:
+    """Serve one stage until `Shutdown` (exits the process if the stage cannot start)."""
     name = stage["name"]
-    logging.basicConfig(level=os.environ.get("OMNI_JAX_LOG_LEVEL", "WARNING"),
-                        format=f"[omni-jax {name} %(levelname)s] %(message)s")
-    _configure_device(stage)
-
-    import zmq
-
-    from .protocol import (AbortRequests, AddRequest, HealthCheck, HealthReply, Ready, Shutdown,
-                           StageFailure, StageOutputs, StageRequest)
-    from .transport import Channel, ProtocolError
-
     ctx = zmq.Context()
     inbox = Channel(zmq.PULL, in_addr, bind=False, decode_type=StageRequest, context=ctx)
     outbox = Channel(zmq.PUSH, out_addr, bind=False, context=ctx)
     try:
         t0 = time.perf_counter()
-        from .stage_factory import build_stage_engine
-
-        engine = build_stage_engine(family, stage, ckpt_dir)
+        engine = build_stage_engine(family, StageConfig.from_dict(stage), ckpt_dir)
         outbox.send(Ready(stage=name, pid=os.getpid(), warmup_seconds=time.perf_counter() - t0,
                           num_compilations=engine.num_compilations))
     except BaseException as e:  # report why the stage could not start, then exit
@@ -80,8 +44,6 @@ def stage_main(stage_json: str, ckpt_dir: str, family: str, in_addr: str, out_ad
         log.error("startup failed:\n%s", traceback.format_exc())
         _flush_and_close(outbox, inbox, ctx)
         sys.exit(1)
-
-    from .stage_factory import to_engine_request
 
     running = True
     while running:
@@ -120,8 +82,6 @@ def stage_main(stage_json: str, ckpt_dir: str, family: str, in_addr: str, out_ad
 
 def _flush_and_close(outbox, inbox, ctx) -> None:
     """Give queued replies a moment to leave (channels close with LINGER 0), then close."""
-    import zmq
-
     outbox.socket.setsockopt(zmq.LINGER, 2000)
     outbox.socket.close()
     inbox.close()
@@ -140,8 +100,6 @@ def engine_stats(engine) -> dict:
 
 def to_stage_output(o):
     """EngineOutput -> the wire's StageOutput."""
-    from .protocol import StageOutput
-
     return StageOutput(request_id=o.request_id, new_token_ids=list(o.new_token_ids), finished=o.finished,
                        finish_reason=o.finish_reason, stop_reason=o.stop_reason, error=o.error,
                        text_delta=o.text_delta, hidden_states=o.hidden_states, hidden_offset=o.hidden_offset,
@@ -149,11 +107,3 @@ def to_stage_output(o):
                        audio=o.audio, codes=o.codes)
 
 
-def main(argv=None) -> None:
-    """`python -m omni_jax.engine.stage_worker JSON`: JSON holds stage_main's keyword arguments."""
-    args = json.loads((argv or sys.argv[1:])[0])
-    stage_main(**args)
-
-
-if __name__ == "__main__":
-    main()

@@ -23,9 +23,9 @@ import numpy as np
 import zmq
 
 from ..outputs import OmniRequestOutput
-from .protocol import AddRequest, HealthCheck, HealthReply, StageFailure, StageOutputs
+from ..engine.protocol import AddRequest, HealthCheck, HealthReply, StageFailure, StageOutputs
 from .stage_client import StageClient
-from .transport import private_ipc_dir
+from .transport import ProtocolError, private_ipc_dir
 
 log = logging.getLogger("omni_jax.orchestrator")
 
@@ -215,8 +215,6 @@ class Orchestrator:
         self.clients[req.chain[0]].add(req.first)
 
     def _drain_replies(self, client: StageClient) -> None:
-        from .transport import ProtocolError
-
         while True:
             try:
                 msg = client.replies.recv(timeout_ms=0)

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..models.qwen3_omni.audio_encoder import audio_output_lengths
-from .rope_index import RopeIndexConfig, decode_positions, walk_positions
+from .audio_encoder import audio_output_lengths
+from ...inputs.rope_index import RopeIndexConfig, decode_positions, walk_positions
 
 __all__ = ["get_rope_index_qwen3", "decode_positions"]
 

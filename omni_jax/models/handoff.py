@@ -12,7 +12,8 @@ from typing import Callable
 
 import numpy as np
 
-from .protocol import AddRequest
+from ..config import ConfigError
+from ..engine.protocol import AddRequest
 
 
 def assemble_hidden(chunks: list[tuple[int, np.ndarray]]) -> np.ndarray:
@@ -42,8 +43,6 @@ def media_positions(text_ids: np.ndarray, mm, rope_index, **kw) -> tuple[np.ndar
 
 def require_thinker_layers(pipeline, layers: set[int], why: str) -> None:
     """ConfigError unless every thinker stage returns the hidden `layers` the talker needs."""
-    from ..config import ConfigError
-
     for s in pipeline.stages:
         if (s.model_stage or s.name) == "thinker" and not layers <= set(s.hidden_layers):
             raise ConfigError(f"stage {s.name!r}: hidden_layers must include {sorted(layers)} ({why}), "

@@ -27,7 +27,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from omni_jax.errors import CheckpointError
+from ...errors import CheckpointError
 
 _EXPERT_KEY = re.compile(r"^(?P<block>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 _PROJS = ("gate_proj", "up_proj", "down_proj")

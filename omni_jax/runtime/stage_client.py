@@ -16,7 +16,7 @@ import time
 
 import zmq
 
-from .protocol import AbortRequests, AddRequest, Ready, Shutdown, StageFailure, StageReply
+from ..engine.protocol import AbortRequests, AddRequest, Ready, Shutdown, StageFailure, StageReply
 from .transport import Channel, stage_addresses
 
 
@@ -33,7 +33,7 @@ class StageClient:
         in_addr, out_addr = stage_addresses(ipc_dir, self.name)
         self.requests = Channel(zmq.PUSH, in_addr, bind=True, context=zmq_ctx)
         self.replies = Channel(zmq.PULL, out_addr, bind=True, decode_type=StageReply, context=zmq_ctx)
-        self._argv = [sys.executable, "-m", "omni_jax.engine.stage_worker", json.dumps(dict(
+        self._argv = [sys.executable, "-m", "omni_jax.runtime.stage_worker", json.dumps(dict(
             stage_json=json.dumps(stage_cfg.to_dict()), ckpt_dir=ckpt_dir, family=family,
             in_addr=in_addr, out_addr=out_addr, parent_pid=os.getpid()))]
         self.process: subprocess.Popen | None = None

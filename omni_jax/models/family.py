@@ -1,0 +1,65 @@
+"""What a model family is: the one object that describes it (`ModelFamily`) and its stages' checkpoint specs.
+
+Each family package (`models/<family>/family.py`) defines one `FAMILY`; the registry
+(`models/registry.py`) finds it by name or by the HF `model_type`. Everything family-specific
+that the layers above need comes from that object: how to build each stage's engine, the
+stage-input processors that turn one stage's output into the next stage's request, the prompt
+processor, the conversion mapping and side files, and the built-in tiny model if there is one.
+Default sampling per stage lives in the family's pipeline presets (`omni_jax/configs/*.yaml`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from flax import nnx
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSpec:
+    """How one stage of a family is built and where its weights live in the HF checkpoint."""
+
+    name: str
+    hf_prefix: str
+    config_key: str
+    parse_config: Callable[[dict], Any]
+    build: Callable[..., nnx.Module]
+    renames: tuple[tuple[str, str], ...] = ()
+    ignore: tuple[str, ...] = ()
+    # Wraps the checkpoint (keys()/get()) when the stage's names are not 1:1 with the
+    # files, e.g. per-expert tensors presented fused (models/qwen3_omni/expert_keys.py).
+    tensor_view: Callable[[Any], Any] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFamily:
+    """Everything OmniJax knows about one model family, in one place.
+
+    stages: checkpoint stage name -> StageSpec (the conversion mapping and the module builder).
+    engines: model stage name -> `build(stage_config, ckpt_dir)`, the warmed-up engine of a
+        stage process (runs inside that process).
+    make_router: `(ckpt_dir, pipeline) -> route(request, from_stage, to_stage)`, the stage-input
+        processors of multi-stage chains; `route.voices` resolves speaker names.
+    prompt_processor: `ckpt_dir -> InputProcessor` (chat template, media, token ids).
+    side_files: `(hf_dir, get_tensor, hf_config, out_dir, **kw)` writes the files a family keeps
+        beside the stage checkpoints (voices, embedding rows).
+    tiny_checkpoint: builds (once) and returns the built-in tiny checkpoint, if the family has one.
+    """
+
+    name: str
+    stages: dict[str, StageSpec]
+    engines: dict[str, Callable[[Any, str], Any]]
+    make_router: Callable[[str, Any], Callable]
+    prompt_processor: Callable[[str], Any]
+    side_files: Callable[..., None] | None = None
+    tiny_checkpoint: Callable[[], str] | None = None
+
+
+def prefixed_renames(renames, sub: str) -> tuple[tuple[str, str], ...]:
+    """Re-anchor a sub-module's key renames (written relative to `sub.`) at the stage level."""
+    out = []
+    for pattern, repl in renames:
+        anchored = pattern[1:] if pattern.startswith("^") else pattern
+        out.append(("^" + sub.replace(".", r"\.") + r"\." + anchored, sub + "." + repl))
+    return tuple(out)

@@ -1,0 +1,40 @@
+"""Qwen2.5-Omni as one object: its stages, engines, stage-input processors, prompt processor,
+conversion mapping and the built-in tiny model (see `models/family.py`)."""
+
+from __future__ import annotations
+
+from ...inputs.processor import InputProcessor
+from ..family import ModelFamily
+from .media import MediaBuckets
+from .pipeline import make_router
+from .specs import STAGES, write_side_files
+from .stages import build_talker_engine, build_thinker_engine, build_token2wav_engine
+from .tiny import tiny_checkpoint
+
+
+def _thinker(stage, ckpt_dir: str):
+    buckets = MediaBuckets(stage.audio_chunk_buckets, stage.vision_patch_buckets)
+    return build_thinker_engine(ckpt_dir, stage.runner_config(), dtype=stage.dtype, media_buckets=buckets,
+                                enable_prefix_caching=stage.enable_prefix_caching,
+                                async_scheduling=stage.async_scheduling, progress=False)
+
+
+def _talker(stage, ckpt_dir: str):
+    return build_talker_engine(ckpt_dir, stage.runner_config(), dtype=stage.dtype, progress=False)
+
+
+def _token2wav(stage, ckpt_dir: str):
+    # For a vocoder, token_buckets are code-length buckets and decode_buckets batch sizes.
+    return build_token2wav_engine(ckpt_dir, length_buckets=stage.token_buckets or (64, 256, 1024),
+                                  batch_buckets=stage.decode_buckets or (1, 2, 4), max_num_seqs=stage.max_num_seqs)
+
+
+FAMILY = ModelFamily(
+    name="qwen2_5_omni",
+    stages=STAGES,
+    engines={"thinker": _thinker, "talker": _talker, "token2wav": _token2wav},
+    make_router=make_router,
+    prompt_processor=InputProcessor.from_checkpoint,
+    side_files=write_side_files,
+    tiny_checkpoint=tiny_checkpoint,
+)

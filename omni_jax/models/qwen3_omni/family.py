@@ -1,0 +1,42 @@
+"""Qwen3-Omni as one object: its stages, engines, stage-input processors, prompt processor and
+conversion mapping (see `models/family.py`)."""
+
+from __future__ import annotations
+
+from ..family import ModelFamily
+from .code2wav_stage import build_code2wav_engine
+from .media import MediaBuckets
+from .pipeline import make_router
+from .processor import Qwen3InputProcessor
+from .specs import STAGES, write_side_files
+from .stages import build_talker_engine, build_thinker_engine
+
+
+def _thinker(stage, ckpt_dir: str):
+    buckets = MediaBuckets(stage.audio_chunk_buckets, stage.vision_patch_buckets)
+    return build_thinker_engine(ckpt_dir, stage.runner_config(), dtype=stage.dtype, media_buckets=buckets,
+                                enable_prefix_caching=stage.enable_prefix_caching,
+                                async_scheduling=stage.async_scheduling, progress=False)
+
+
+def _talker(stage, ckpt_dir: str):
+    return build_talker_engine(ckpt_dir, stage.runner_config(), dtype=stage.dtype, progress=False)
+
+
+def _code2wav(stage, ckpt_dir: str):
+    # For a vocoder, token_buckets are frame-length buckets and decode_buckets batch sizes;
+    # max_num_batched_tokens / max_model_len are codec frames here.
+    return build_code2wav_engine(ckpt_dir, length_buckets=stage.token_buckets or (64, 256, 325),
+                                 batch_buckets=stage.decode_buckets or (1, 2, 4),
+                                 max_num_batched_tokens=stage.max_num_batched_tokens,
+                                 max_model_len=stage.max_model_len, max_num_seqs=stage.max_num_seqs)
+
+
+FAMILY = ModelFamily(
+    name="qwen3_omni",
+    stages=STAGES,
+    engines={"thinker": _thinker, "talker": _talker, "code2wav": _code2wav},
+    make_router=make_router,
+    prompt_processor=Qwen3InputProcessor.from_checkpoint,
+    side_files=write_side_files,
+)

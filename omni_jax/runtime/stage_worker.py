@@ -1,0 +1,65 @@
+"""The stage process: load one stage, warm it up, then receive -> schedule -> run -> send.
+
+Started by `StageClient` as a fresh interpreter (`python -m omni_jax.runtime.stage_worker
+CONFIG_JSON`): spawn semantics, never a fork after JAX is imported, and unlike
+multiprocessing's spawn it does not re-import the caller's main module.
+It connects to the two ipc sockets the orchestrator bound, loads its stage of the
+checkpoint, compiles every bucket, and only then says `Ready` (stage_loop.py). The process exits on `Shutdown`, and also when its parent dies
+(a watchdog thread notices the parent pid change, also during warm-up). This module
+imports nothing heavy: the device is chosen before JAX is imported (stage_loop.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+
+
+def _exit_with_parent(parent_pid: int, period_s: float = 0.5) -> None:
+    """Exit at once when the parent process is gone (no orphan stages), even mid-compile."""
+    def watch():
+        while True:
+            time.sleep(period_s)
+            if os.getppid() != parent_pid:
+                os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+def _configure_device(stage: dict) -> None:
+    """Per-stage device choice and memory fraction, before JAX is imported."""
+    if stage.get("device") is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(stage["device"])
+    if stage.get("memory_fraction") is not None:
+        os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(stage["memory_fraction"])
+        os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+
+
+def stage_main(stage_json: str, ckpt_dir: str, family: str, in_addr: str, out_addr: str,
+               parent_pid: int) -> None:
+    """Entry point of a stage process (arguments are plain strings: nothing is unpickled)."""
+    _exit_with_parent(parent_pid)
+    stage = json.loads(stage_json)
+    name = stage["name"]
+    logging.basicConfig(level=os.environ.get("OMNI_JAX_LOG_LEVEL", "WARNING"),
+                        format=f"[omni-jax {name} %(levelname)s] %(message)s")
+    _configure_device(stage)
+
+    # Imported only now: JAX reads the device variables set above when it is first imported.
+    from .stage_loop import serve_stage
+
+    serve_stage(stage, ckpt_dir, family, in_addr, out_addr)
+
+
+def main(argv=None) -> None:
+    """`python -m omni_jax.runtime.stage_worker JSON`: JSON holds stage_main's keyword arguments."""
+    args = json.loads((argv or sys.argv[1:])[0])
+    stage_main(**args)
+
+
+if __name__ == "__main__":
+    main()

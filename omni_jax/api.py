@@ -55,10 +55,11 @@ class _Frontend:
         family = get_family(self.pipeline.family)
         self.processor = family.prompt_processor(self.checkpoint)
         self.tokenizer = self.processor.tokenizer
-        self._route = None
+        self._handoff = None
         if len(self._stages) > 1:
-            self._route = family.make_router(self.checkpoint, self.pipeline)
-        self._orch = Orchestrator(self.pipeline, self.checkpoint, [s.name for s in self._stages], route=self._route)
+            self._handoff = family.handoff(self.checkpoint)
+            self._handoff.check_pipeline(self.pipeline)
+        self._orch = Orchestrator(self.pipeline, self.checkpoint, [s.name for s in self._stages])
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ helpers
@@ -92,7 +93,7 @@ class _Frontend:
         speech = len(chain) > 1
         if speech:
             try:
-                voice = self._route.voices.get(voice).name
+                voice = self._handoff.voices.get(voice).name
             except ValueError as e:
                 raise PromptError(str(e)) from None
         first = AddRequest(request_id=request_id, prompt_token_ids=p.prompt_token_ids, sampling_params=params[0],

@@ -7,7 +7,7 @@ import torch
 
 import hf_tiny_qwen3 as tiny
 from omni_jax.models.qwen3_omni.audio_encoder import audio_output_lengths
-from omni_jax.models.qwen3_omni.media import MultiModalData
+from omni_jax.engine.protocol import MultiModalPayload
 
 
 class Prompt:
@@ -16,7 +16,7 @@ class Prompt:
     def __init__(self, seed: int = 0):
         self.rng = np.random.default_rng(seed)
         self.ids: list[int] = [tiny.IM_START, tiny.USER_TOKEN, 198]
-        self.mm = MultiModalData()
+        self.mm = MultiModalPayload()
         self.images: list[np.ndarray] = []
         self.videos: list[np.ndarray] = []
         self.image_grids: list[tuple] = []

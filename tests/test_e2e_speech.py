@@ -139,3 +139,29 @@ def test_unknown_voice_lists_voices(speech_omni):
     out = speech_omni.generate([{"prompt_token_ids": [1, 2, 3]}], output_modalities=["text", "audio"],
                                voice="Nobody")[0]
     assert out.finish_reason == "error" and "Chelsie, Ethan" in out.error
+
+
+def test_hidden_states_go_stage_to_stage(speech_omni):
+    """The thinker's hidden states reach the talker directly: none pass through the caller's process."""
+    ids = np.random.default_rng(13).integers(0, 151000, 11).tolist()
+    out = speech_omni.generate([{"prompt_token_ids": ids}], sampling_params=SamplingParams(temperature=0.0,
+                               max_tokens=5), output_modalities=["text", "audio"])[0]
+    assert out.error is None and len(out.audio) > 0 and out.stage_token_ids["talker"]
+    assert speech_omni._orch.hidden_state_bytes == 0
+    # What this process sent: the prompt ids, once to each of the three stages.
+    assert out.metrics.bytes_moved <= 3 * 8 * len(ids)
+
+
+def test_failed_thinker_frees_the_waiting_stages(speech_omni):
+    """A speech request the thinker rejects is dropped by the talker and vocoder waiting for it."""
+    too_long = [1] * 600  # the tiny thinker's max_model_len is 512
+    ok = np.random.default_rng(14).integers(0, 151000, 9).tolist()
+    outs = speech_omni.generate([{"prompt_token_ids": too_long}, {"prompt_token_ids": ok}],
+                                sampling_params=SamplingParams(temperature=0.0, max_tokens=4),
+                                output_modalities=["text", "audio"])
+    assert outs[0].finish_reason == "error" and "512" in outs[0].error
+    assert outs[1].error is None and len(outs[1].audio) > 0
+    stats = speech_omni.stage_stats()
+    assert stats["talker"]["num_waiting_for_input"] == 0 and stats["token2wav"]["num_waiting_for_input"] == 0
+    for name in ("thinker", "talker"):
+        assert stats[name]["num_running"] == 0 and stats[name]["kv_cache_usage"] == 0.0

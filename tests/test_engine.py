@@ -15,7 +15,8 @@ from omni_jax.engine.ar_engine import RequestError
 from omni_jax.engine.runner import RunnerConfig
 from omni_jax.engine.sampling import SamplingParams
 from omni_jax.models.qwen2_5_omni.audio_encoder import audio_output_lengths
-from omni_jax.models.qwen2_5_omni.media import MediaBuckets, MultiModalData
+from omni_jax.engine.protocol import MultiModalPayload
+from omni_jax.models.qwen2_5_omni.media import MediaBuckets
 from omni_jax.models.qwen2_5_omni.stages import build_thinker_engine
 
 pytestmark = pytest.mark.engine
@@ -82,9 +83,9 @@ def test_concurrent_greedy_matches_transformers(engine, qwen2_5_omni_hf_model):
     for i, p in enumerate(prompts):
         engine.add_request(f"t{i}", p, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     engine.add_request("audio", a_ids, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
-                       multi_modal_data=MultiModalData(audio_features=[mel]))
+                       multi_modal_data=MultiModalPayload(audio_features=[mel]))
     engine.add_request("image", i_ids, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
-                       multi_modal_data=MultiModalData(pixel_values=pix, image_grid_thw=np.array([[1, 8, 12]])))
+                       multi_modal_data=MultiModalPayload(pixel_values=pix, image_grid_thw=np.array([[1, 8, 12]])))
     got, final = run_all(engine)
 
     assert engine.stats["preemptions"] > pre0, "the KV pool was meant to force preemption"
@@ -122,7 +123,7 @@ def test_same_media_tokens_different_image_do_not_share_cache(engine):
         pix = rng.standard_normal((64, 1176)).astype(np.float32)
         hits0 = engine.scheduler.kv_cache_manager.prefix_cache_stats.hits
         engine.add_request(name, ids, SamplingParams(temperature=0.0, max_tokens=3),
-                           multi_modal_data=MultiModalData(pixel_values=pix, image_grid_thw=grid))
+                           multi_modal_data=MultiModalPayload(pixel_values=pix, image_grid_thw=grid))
         toks, _ = run_all(engine)
         outs[name] = toks[name]
         # Only the block before the first placeholder (if full) may be shared.
@@ -189,11 +190,11 @@ def test_bad_media_fails_only_that_request(engine):
     engine.add_request("ok", [11, 12, 13, 14], SamplingParams(temperature=0.0, max_tokens=2))
     with pytest.raises(RequestError, match="placeholder"):
         engine.add_request("mismatch", image_prompt((1, 8, 8)), SamplingParams(),
-                           multi_modal_data=MultiModalData(pixel_values=np.zeros((16, 1176), np.float32),
+                           multi_modal_data=MultiModalPayload(pixel_values=np.zeros((16, 1176), np.float32),
                                                            image_grid_thw=np.array([[1, 4, 4]])))
     with pytest.raises(RequestError, match="too long|too large"):
         engine.add_request("long", audio_prompt(4000), SamplingParams(),
-                           multi_modal_data=MultiModalData(audio_features=[np.zeros((128, 4000), np.float32)]))
+                           multi_modal_data=MultiModalPayload(audio_features=[np.zeros((128, 4000), np.float32)]))
     toks, final = run_all(engine)
     assert set(final) == {"ok"}
     assert_pool_empty(engine)

@@ -8,7 +8,8 @@ import torch
 
 import hf_tiny_qwen3 as tiny
 from omni_jax.engine.protocol import AddRequest
-from omni_jax.engine.runner import RequestInputs, RunnerConfig
+from omni_jax.engine.protocol import StageInputs
+from omni_jax.engine.runner import RunnerConfig
 from omni_jax.engine.sampling import SamplingParams
 from omni_jax.runtime.stage_factory import to_engine_request
 from qwen3_prompt import Prompt
@@ -94,7 +95,7 @@ def test_talker_engine_codes_match_transformers(converted, qwen3_omni_hf_model):
     greedy = SamplingParams(temperature=0.0, max_tokens=THINKER_TOKENS)
     text, _, hidden = _run(thinker, [
         dict(request_id=k, prompt_token_ids=np.array(p.ids), sampling_params=greedy,
-             inputs=RequestInputs(capture_hidden=True), multi_modal_data=p.mm if k != "text" else None)
+             inputs=StageInputs(capture_hidden=True), multi_modal_data=p.mm if k != "text" else None)
         for k, p in prompts.items()])
 
     handoff = load_handoff(converted)
@@ -198,10 +199,10 @@ def test_unknown_voice_lists_voices(speech_omni):
     assert out.finish_reason == "error" and "aiden, chelsie, ethan" in out.error
 
 
-def test_router_needs_the_talker_hidden_layers(converted):
+def test_handoff_needs_the_talker_hidden_layers(converted):
     from omni_jax.config import ConfigError
-    from omni_jax.models.qwen3_omni.pipeline import make_router
+    from omni_jax.models.qwen3_omni.pipeline import load_handoff
 
     pipeline = tiny_speech_pipeline().with_overrides(thinker=dict(hidden_layers=[0]))
     with pytest.raises(ConfigError, match=r"stage 'thinker': hidden_layers must include \[0, 2\]"):
-        make_router(converted, pipeline)
+        load_handoff(converted).check_pipeline(pipeline)

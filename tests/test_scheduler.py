@@ -11,10 +11,10 @@ import pytest
 
 from omni_jax.engine.kv_cache import compute_slot_mapping
 from omni_jax.engine.request import Request, RequestStatus
+from omni_jax.engine.protocol import StageOutput
 from omni_jax.engine.scheduler import (
     ARScheduler,
     OneShotScheduler,
-    RequestStepOutput,
     SchedulerConfig,
     SchedulerOutput,
 )
@@ -137,7 +137,7 @@ def hash_seed(rid: str) -> int:
 
 def run_to_end(sched, runner, max_steps=1000, on_step=None):
     """Drive schedule -> fake model -> update until idle. Returns {rid: final output} and step outputs."""
-    finals: dict[str, RequestStepOutput] = {}
+    finals: dict[str, StageOutput] = {}
     tokens: dict[str, list[int]] = {}
     steps = []
     for _ in range(max_steps):
@@ -508,7 +508,7 @@ def test_random_workloads(seed):
     specs: dict[str, tuple] = {}
     aborted, stopped_outside = set(), set()
     tokens: dict[str, list[int]] = {}
-    finals: dict[str, RequestStepOutput] = {}
+    finals: dict[str, StageOutput] = {}
     arrivals = sorted(rng.randrange(40) for _ in range(rng.randint(5, 25)))
     step = 0
     num_invalid = 0

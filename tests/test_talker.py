@@ -86,10 +86,10 @@ def test_thinker_talker_handoff_matches_transformers(converted_thinker_fp32, qwe
     ids = np.random.default_rng(3).integers(0, 151000, 21)
     first = AddRequest(request_id="r", prompt_token_ids=ids.astype(np.int32),
                        sampling_params=SamplingParams(temperature=0.0, max_tokens=7))
-    from omni_jax.engine.runner import RequestInputs
+    from omni_jax.engine.protocol import StageInputs
 
     toks, hidden = run_engine(thinker, [dict(request_id="r", prompt_token_ids=ids, sampling_params=first.sampling_params,
-                                             inputs=RequestInputs(capture_hidden=True))])
+                                             inputs=StageInputs(capture_hidden=True))])
     talker_params = SamplingParams(temperature=0.0, repetition_penalty=1.05, max_tokens=30)
     msg = handoff.thinker2talker(first, toks["r"], hidden["r"], talker_params, "Ethan", "r")
     codes, _ = run_engine(talker, [to_engine_request(msg)])

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import zmq
 
-from omni_jax.engine import protocol, transport
+from omni_jax.engine import protocol
+from omni_jax.runtime import transport
 from omni_jax.engine.protocol import (
     AbortRequests,
     AddRequest,
@@ -365,6 +366,7 @@ def test_private_ipc_dir_mode_and_addresses(ipc_dir):
     addrs = stage_addresses(ipc_dir, "talker")
     assert addrs.requests == f"ipc://{ipc_dir}/talker-requests"
     assert addrs.replies == f"ipc://{ipc_dir}/talker-replies"
+    assert addrs.data == f"ipc://{ipc_dir}/talker-data"
     with pytest.raises(ValueError, match="name"):
         ipc_address(ipc_dir, "../evil")
     with pytest.raises(ValueError, match="bytes"):

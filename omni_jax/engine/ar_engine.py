@@ -1,6 +1,6 @@
 """AREngine: the in-process engine of one autoregressive stage.
 
-`add_request` -> `step()` (schedule, run, sample, update) -> `EngineOutput`s, with
+`add_request` -> `step()` (schedule, run, sample, update) -> `StageOutput`s, with
 `abort` at any moment. The stage worker process wraps exactly this object; tests
 drive it directly.
 
@@ -20,33 +20,15 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
+from .protocol import StageInputs, StageOutput
 from .request import Request
-from .runner import ModelRunner, RequestInputs, RunnerConfig, compilation_count
+from .runner import ModelRunner, RunnerConfig, compilation_count
 from .sampling import MAX_LOGPROBS, PAD_TOKEN_ID, SamplingFlags, SamplingMetadataBuilder, SamplingParams, sample
 from .scheduler import ARScheduler, SchedulerConfig
 
 
 class RequestError(ValueError):
     """A request was rejected: the message says what is wrong with it."""
-
-
-@dataclasses.dataclass
-class EngineOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool = False
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    error: str | None = None
-    text_delta: str = ""
-    logprobs: list[dict] | None = None
-    hidden_states: dict[int, np.ndarray] | None = None  # capture layer -> [tokens computed this step, H]
-    hidden_offset: int = 0  # position of the first of those tokens (a recompute after preemption resends rows)
-    num_cached_tokens: int = 0
-    audio: np.ndarray | None = None  # waveform (vocoder stages)
-    codes: np.ndarray | None = None  # [len(new_token_ids), K] residual codes of the new tokens (after_sample stages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,8 +148,8 @@ class AREngine:
 
     def __init__(self, model, cfg: EngineConfig, *, num_layers: int, num_kv_heads: int, head_dim: int,
                  hidden_size: int, tokenizer=None,
-                 prepare_inputs: Callable[[np.ndarray, Any], tuple[RequestInputs, list]] | None = None,
-                 project_inputs: Callable[[RequestInputs], RequestInputs] | None = None):
+                 prepare_inputs: Callable[[np.ndarray, Any], tuple[StageInputs, list]] | None = None,
+                 project_inputs: Callable[[StageInputs], StageInputs] | None = None):
         self.cfg = cfg
         self.runner = ModelRunner(model, cfg.runner, num_layers=num_layers, num_kv_heads=num_kv_heads,
                                   head_dim=head_dim, hidden_size=hidden_size)
@@ -188,14 +170,14 @@ class AREngine:
         self._empty_histories: dict[int, jax.Array] = {}
         self._sample_fn = jax.jit(sample, static_argnames=("flags",))
         self._detok: dict[str, _Detokenizer] = {}
-        self._pending: list[EngineOutput] = []
+        self._pending: list[StageOutput] = []
         self._in_flight: _Launched | None = None  # launched, outputs not applied yet
         self.stats = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "ahead_steps": 0, "step_time": 0.0,
                       "preemptions": 0}
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids, sampling_params: SamplingParams | None = None,
-                    *, inputs: RequestInputs | None = None, multi_modal_data: Any = None,
+                    *, inputs: StageInputs | None = None, multi_modal_data: Any = None,
                     arrival_time: float | None = None) -> None:
         """Queue a request, or raise RequestError saying why it cannot be served."""
         params = sampling_params or SamplingParams()
@@ -241,7 +223,7 @@ class AREngine:
         # Token ids alone do not determine the KV of embedding inputs; and a request that
         # returns hidden states must compute every token (a prefix-cache hit skips some).
         if self.runner.cfg.after_sample:
-            inputs = inputs if inputs is not None else RequestInputs()
+            inputs = inputs if inputs is not None else StageInputs()
             # Each output token's input gets its after-sample embedding: the KV is not a
             # function of the token ids, so the request is never prefix-cached.
             inputs.feedback_embeds = np.zeros((16, self.runner.hidden_size), np.float32)
@@ -266,7 +248,7 @@ class AREngine:
         return self.scheduler.has_unfinished_requests() or bool(self._pending) or self._in_flight is not None
 
     # ------------------------------------------------------------------ the step
-    def step(self) -> list[EngineOutput]:
+    def step(self) -> list[StageOutput]:
         """Run one scheduling step; returns outputs of the requests that made progress.
 
         With async scheduling a step launches the next decode step on the device before
@@ -291,7 +273,7 @@ class AREngine:
             self._in_flight = ahead
         return out + self._finish(current)
 
-    def _launch(self, sched, fed=None, output_offset: int = 0) -> "_Launched | list[EngineOutput]":
+    def _launch(self, sched, fed=None, output_offset: int = 0) -> "_Launched | list[StageOutput]":
         """Run a scheduled step's model calls and sampler on the device, without waiting.
 
         `fed`/`output_offset`: a step scheduled ahead takes its tokens from the previous
@@ -309,7 +291,7 @@ class AREngine:
             return self._fail(sched, e)
         return _Launched(sched, parts, draws, time.perf_counter() - t0)
 
-    def _launch_ahead(self, current: "_Launched") -> "_Launched | list[EngineOutput] | None":
+    def _launch_ahead(self, current: "_Launched") -> "_Launched | list[StageOutput] | None":
         """Launch the decode step after `current`, fed by its tokens on the device, if the
         step allows (see ARScheduler.schedule_ahead); None if not."""
         if not self.cfg.async_scheduling or len(current.parts) != 1:
@@ -330,14 +312,14 @@ class AREngine:
             self.stats["ahead_steps"] += 1
         return launched
 
-    def _fail(self, sched, error: Exception) -> list[EngineOutput]:
+    def _fail(self, sched, error: Exception) -> list[StageOutput]:
         out = []
         for o in self.scheduler.fail_scheduled(sched, f"{type(error).__name__}: {error}"):
-            out.append(EngineOutput(o.request_id, [], True, "error", error=o.error))
+            out.append(o)
             self._detok.pop(o.request_id, None)
         return out
 
-    def _finish(self, launched: "_Launched") -> list[EngineOutput]:
+    def _finish(self, launched: "_Launched") -> list[StageOutput]:
         """Wait for a launched step's tokens and apply them: finish checks, outputs."""
         t0 = time.perf_counter()
         sched, parts = launched.sched, launched.parts
@@ -367,21 +349,19 @@ class AREngine:
                     a, b = part.token_offsets[j], part.token_offsets[j + 1]
                     hidden_of[c.request_id] = (c.start, {k: v[a:b] for k, v in part.hidden.items()})
         for o in step_outputs:
-            eo = EngineOutput(o.request_id, list(o.new_token_ids), o.finished, o.finish_reason,
-                              o.stop_reason, o.error, num_cached_tokens=o.num_cached_tokens)
             if o.request_id in hidden_of:
-                eo.hidden_offset, eo.hidden_states = hidden_of[o.request_id]
+                o.hidden_offset, o.hidden_states = hidden_of[o.request_id]
             if o.request_id in logprobs:
-                eo.logprobs = [logprobs[o.request_id]] if eo.new_token_ids else None
-            if o.request_id in codes and eo.new_token_ids:
-                eo.codes = codes[o.request_id][None]
-            self._detokenize(eo)
-            out.append(eo)
+                o.logprobs = [logprobs[o.request_id]] if o.new_token_ids else None
+            if o.request_id in codes and o.new_token_ids:
+                o.codes = codes[o.request_id][None]
+            self._detokenize(o)
+            out.append(o)
         # A prefill chunk that ends mid-prompt samples nothing but still has hidden states.
         emitted = {o.request_id for o in step_outputs}
         for rid, (offset, hidden) in hidden_of.items():
             if rid not in emitted:
-                out.append(EngineOutput(rid, [], hidden_states=hidden, hidden_offset=offset))
+                out.append(StageOutput(request_id=rid, hidden_states=hidden, hidden_offset=offset))
         return out
 
     def _draw(self, result, chunks, output_offset: int = 0):
@@ -451,7 +431,7 @@ class AREngine:
                 np.full((bucket, self._history_width), PAD_TOKEN_ID, np.int32))
         return self._empty_histories[bucket]
 
-    def _detokenize(self, eo: EngineOutput) -> None:
+    def _detokenize(self, eo: StageOutput) -> None:
         det = self._detok.get(eo.request_id)
         if det is None:
             return

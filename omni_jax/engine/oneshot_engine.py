@@ -18,7 +18,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .ar_engine import EngineOutput, RequestError
+from .ar_engine import RequestError
+from .protocol import StageOutput
 from .request import Request
 from .runner import compilation_count
 from .sampling import SamplingParams
@@ -64,7 +65,7 @@ class OneShotEngine:
         self.scheduler = OneShotScheduler(SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             num_blocks=2, enable_prefix_caching=False))
-        self._pending: list[EngineOutput] = []
+        self._pending: list[StageOutput] = []
         self.stats = {"steps": 0, "step_time": 0.0, "requests": 0}
 
     def add_request(self, request_id: str, prompt_token_ids, sampling_params: SamplingParams | None = None, *,
@@ -96,7 +97,7 @@ class OneShotEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._pending)
 
-    def step(self) -> list[EngineOutput]:
+    def step(self) -> list[StageOutput]:
         """Run the next batch of whole requests; one finished output (with audio) each."""
         out, self._pending = self._pending, []
         sched = self.scheduler.schedule()
@@ -107,14 +108,11 @@ class OneShotEngine:
         try:
             waves = self.synthesize(reqs)
         except Exception as e:  # fail this batch, keep serving
-            for o in self.scheduler.fail_scheduled(sched, f"{type(e).__name__}: {e}"):
-                out.append(EngineOutput(o.request_id, [], True, "error", error=o.error))
-            return out
+            return out + self.scheduler.fail_scheduled(sched, f"{type(e).__name__}: {e}")
         by_id = {r.request_id: w for r, w in zip(reqs, waves)}
         for o in self.scheduler.update_from_output(sched):
-            eo = EngineOutput(o.request_id, [], True, o.finish_reason)
-            eo.audio = np.asarray(by_id[o.request_id], np.float32)
-            out.append(eo)
+            o.audio = np.asarray(by_id[o.request_id], np.float32)
+            out.append(o)
         self.stats["steps"] += 1
         self.stats["requests"] += len(reqs)
         self.stats["step_time"] += time.perf_counter() - t0

@@ -5,6 +5,7 @@ decoder per direction turns a frame into the right class and rejects anything el
 
 * orchestrator -> stage: `StageRequest` = `AddRequest | AbortRequests | HealthCheck | Shutdown`
 * stage -> orchestrator: `StageReply` = `StageOutputs | Ready | StageFailure | HealthReply`
+* stage -> next stage (direct, never through the orchestrator): `StageData`
 
 Fields typed `np.ndarray` (anywhere, including inside lists and dicts) do not go through
 msgpack: `omni_jax.runtime.transport` sends each array as its own ZMQ frame and rebuilds it
@@ -17,6 +18,8 @@ the message has left (ZMQ sends them without a copy).
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import msgspec
 import numpy as np
@@ -33,6 +36,7 @@ __all__ = [
     "StageRequest",
     "StageOutput",
     "StageOutputs",
+    "StageData",
     "Ready",
     "StageFailure",
     "HealthReply",
@@ -55,18 +59,27 @@ class _Message(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
 
 
 class StageInputs(_Message):
-    """Per-request model inputs beyond the token ids, prepared by the orchestrator.
+    """What the runner needs of a request beyond its token ids (kept in `Request.data`).
 
-    mrope_positions [3, T] int and mrope_delta: M-RoPE position ids of the prompt and the
-    offset decode positions continue from. overlay_rows [N, H] + overlay_index [N] int:
-    embedding rows that replace the token embeddings at those prompt positions (e.g. the
-    thinker's hidden states fed to the talker). extra_embeds [S, H] + extra_embeds_pad [H]:
-    per-decode-step additive embeddings, and the row used once they run out.
+    Positions: `mrope_positions [3, P]` for the prompt (None: 0..P-1 on all rows);
+    generated token j (absolute index >= P) sits at j + mrope_delta on all rows.
+    Overlay: prompt token i takes `overlay_rows[overlay_index[i]]` instead of its token
+    embedding when overlay_index[i] >= 0 (encoder features, prompt embeddings, the
+    thinker's hidden states fed to the talker).
+    Extra: the input of the token at absolute index P + k gets `extra_embeds[k]` added
+    (`extra_embeds_pad` past the end), as the talker's per-step reply part.
     capture_hidden: return this request's hidden states (the stage config says which layers).
-    overlay_proj [N] int8: the overlay rows are in the previous stage's space and row i goes
-    through the stage's input projection overlay_proj[i] (stage-defined; Qwen3-Omni talker:
-    0 text, 1 hidden), then gets the embedding of the stage's token overlay_add_ids[i]
-    added (-1: none); extra_proj >= 0 projects the extra rows the same way.
+    Projection: when `overlay_proj` [N] int8 is set, the overlay rows (and, with `extra_proj`
+    >= 0, the extra rows) are in the previous stage's space; the stage's input projector
+    maps row i with its projection `overlay_proj[i]` (Qwen3-Omni talker: 0 text, 1 hidden)
+    and adds the embedding of the stage's own token `overlay_add_ids[i]` (-1: none) when the
+    request is added.
+    Set inside the stage, never sent: DeepStack `deepstack_rows [K, N, H]` follow the overlay
+    rows (prompt token i with overlay row r gets `deepstack_rows[k, r]` added after decoder
+    layer k); feedback `feedback_embeds[k]` (first `num_feedback` rows) is what the model's
+    after_sample hook returned when output token k was sampled, added to that token's input
+    too (Qwen3-Omni talker: the residual code groups' embeddings) and kept so a recompute
+    after preemption rebuilds the same inputs.
     """
 
     mrope_positions: np.ndarray | None = None
@@ -79,6 +92,30 @@ class StageInputs(_Message):
     overlay_proj: np.ndarray | None = None
     overlay_add_ids: np.ndarray | None = None
     extra_proj: int = -1
+    deepstack_rows: np.ndarray | None = None
+    feedback_embeds: np.ndarray | None = None
+    num_feedback: int = 0
+
+    @property
+    def is_rich(self) -> bool:
+        """True when the inputs change the embeddings (the runner's overlay/extra variants)."""
+        return (self.overlay_rows is not None or self.extra_embeds is not None or self.extra_embeds_pad is not None
+                or self.feedback_embeds is not None)
+
+    @property
+    def needs_projection(self) -> bool:
+        return self.overlay_proj is not None or self.extra_proj >= 0
+
+    def set_feedback(self, k: int, row: np.ndarray) -> None:
+        """Store the after-sample embedding of output token k (grows the buffer)."""
+        buf = self.feedback_embeds
+        if buf is None or k >= len(buf):
+            grown = np.zeros((max(16, 2 * (k + 1)), row.shape[-1]), np.float32)
+            if buf is not None:
+                grown[:len(buf)] = buf
+            self.feedback_embeds = buf = grown
+        buf[k] = row
+        self.num_feedback = max(self.num_feedback, k + 1)
 
 
 class MultiModalPayload(_Message):
@@ -98,6 +135,18 @@ class MultiModalPayload(_Message):
     video_second_per_grid: np.ndarray | None = None
     use_audio_in_video: bool = False
 
+    def content_hash(self) -> str:
+        """Digest of all media bytes: the prefix-cache key of the placeholder blocks."""
+        h = hashlib.blake2b(digest_size=16)
+        for a in [*self.audio_features, self.pixel_values, self.image_grid_thw, self.pixel_values_videos,
+                  self.video_grid_thw, self.video_second_per_grid]:
+            if a is not None:
+                a = np.ascontiguousarray(a)
+                h.update(str((a.shape, a.dtype.str)).encode())
+                h.update(a.tobytes())
+        h.update(b"aiv" if self.use_audio_in_video else b"-")
+        return h.hexdigest()
+
 
 # ---------------------------------------------------------------------------------------
 # Orchestrator -> stage
@@ -109,6 +158,12 @@ class AddRequest(_Message):
 
     A stage that cannot take it (bad params, prompt too long) answers with a
     `StageFailure` carrying the request id.
+
+    inputs_from: this stage's input is another stage's output (a talker's is the thinker's):
+    the message carries the user's prompt, media and this stage's sampling params, and the
+    stage builds its own request with its family's stage-input function once the `StageData`
+    of `inputs_from` for this request is complete. forward_to: send this request's outputs
+    (tokens, hidden states, codes) as `StageData` to that stage.
     """
 
     request_id: str
@@ -117,7 +172,9 @@ class AddRequest(_Message):
     inputs: StageInputs | None = None
     multi_modal: MultiModalPayload | None = None
     arrival_time: float = 0.0
-    voice: str | None = None  # speaker of a speech request (vocoder stages)
+    voice: str | None = None  # speaker of a speech request (talker and vocoder stages)
+    inputs_from: str | None = None
+    forward_to: str | None = None
 
 
 class AbortRequests(_Message):
@@ -206,3 +263,26 @@ class HealthReply(_Message):
 
 StageReply = StageOutputs | Ready | StageFailure | HealthReply
 """Everything a stage sends to the orchestrator (the orchestrator's decode type)."""
+
+
+# ---------------------------------------------------------------------------------------
+# Stage -> next stage
+# ---------------------------------------------------------------------------------------
+
+
+class StageData(_Message):
+    """A request's new outputs in one step, sent by a stage to the stage that takes them as input.
+
+    token_ids, hidden_states (layer -> [n, H], first row at absolute position hidden_offset;
+    a recompute after preemption sends the same positions again) and codes [n, K] as in
+    `StageOutput`; finished with finish_reason once the sending stage is done with it
+    ("abort" / "error": the receiver drops what it holds for the request).
+    """
+
+    request_id: str
+    token_ids: list[int] = []
+    hidden_states: dict[int, np.ndarray] | None = None
+    hidden_offset: int = 0
+    codes: np.ndarray | None = None
+    finished: bool = False
+    finish_reason: str | None = None

@@ -122,64 +122,6 @@ def resolve_num_blocks(cfg: RunnerConfig, bytes_per_block: int) -> int:
 
 
 @dataclasses.dataclass
-class RequestInputs:
-    """What the runner needs of a request beyond its token ids (kept in `Request.data`).
-
-    Positions: `mrope_positions [3, P]` for the prompt (None: 0..P-1 on all rows);
-    generated token j (absolute index >= P) sits at j + mrope_delta on all rows.
-    Overlay: prompt token i takes `overlay_rows[overlay_index[i]]` instead of its token
-    embedding when overlay_index[i] >= 0 (encoder features, prompt embeddings).
-    Extra: the input of the token at absolute index P + k gets `extra_embeds[k]` added
-    (`extra_embeds_pad` past the end), as the talker's per-step reply part.
-    DeepStack: `deepstack_rows [K, N, H]` follow the overlay rows; prompt token i with
-    overlay row r gets `deepstack_rows[k, r]` added after decoder layer k (zero rows for
-    overlay entries without DeepStack features, e.g. audio: adding zero changes nothing).
-    Feedback: `feedback_embeds[k]` (first `num_feedback` rows) is what the model's
-    after_sample hook returned when output token k was sampled; it is added to that
-    token's input too (Qwen3-Omni talker: the residual code groups' embeddings), and kept
-    so a recompute after preemption rebuilds the same inputs.
-    Projection: when `overlay_proj` is set, the overlay rows (and, with `extra_proj` >= 0,
-    the extra rows) are in the previous stage's space; the stage's input projector maps
-    row i with its projection `overlay_proj[i]` and adds the embedding of the stage's own
-    token `overlay_add_ids[i]` (-1: none) when the request is added.
-    """
-
-    mrope_positions: np.ndarray | None = None
-    mrope_delta: int = 0
-    overlay_rows: np.ndarray | None = None
-    overlay_index: np.ndarray | None = None
-    extra_embeds: np.ndarray | None = None
-    extra_embeds_pad: np.ndarray | None = None
-    capture_hidden: bool = False
-    deepstack_rows: np.ndarray | None = None
-    feedback_embeds: np.ndarray | None = None
-    num_feedback: int = 0
-    overlay_proj: np.ndarray | None = None
-    overlay_add_ids: np.ndarray | None = None
-    extra_proj: int = -1
-
-    @property
-    def is_rich(self) -> bool:
-        return (self.overlay_rows is not None or self.extra_embeds is not None or self.extra_embeds_pad is not None
-                or self.feedback_embeds is not None)
-
-    @property
-    def needs_projection(self) -> bool:
-        return self.overlay_proj is not None or self.extra_proj >= 0
-
-    def set_feedback(self, k: int, row: np.ndarray) -> None:
-        """Store the after-sample embedding of output token k (grows the buffer)."""
-        buf = self.feedback_embeds
-        if buf is None or k >= len(buf):
-            grown = np.zeros((max(16, 2 * (k + 1)), row.shape[-1]), np.float32)
-            if buf is not None:
-                grown[:len(buf)] = buf
-            self.feedback_embeds = buf = grown
-        buf[k] = row
-        self.num_feedback = max(self.num_feedback, k + 1)
-
-
-@dataclasses.dataclass
 class ScheduledChunk:
     """One request's share of a step: tokens [start, start + num_tokens) of all_token_ids."""
 

@@ -23,6 +23,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from omni_jax.engine.kv_cache import DUMMY_BLOCK_ID, KVCacheManager, cdiv
+from omni_jax.engine.protocol import StageOutput
 from omni_jax.engine.request import FINISH_REASON_TO_STATUS, Request, RequestStatus
 
 
@@ -140,21 +141,10 @@ class SchedulerOutput:
         return table
 
 
-@dataclass(slots=True)
-class RequestStepOutput:
-    """What one step did for one request: the tokens it produced and whether it is done."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: Optional[str] = None  # "stop", "length", "abort", "error"
-    stop_reason: Optional[int | str] = None  # the stop token id (or stop string) that ended it
-    num_cached_tokens: int = 0
-    error: Optional[str] = None
-
-
-def _step_output(req: Request, new_token_ids: list[int]) -> RequestStepOutput:
-    return RequestStepOutput(
+def _step_output(req: Request, new_token_ids: list[int]) -> StageOutput:
+    """What one step did for one request: the tokens it produced and whether it is done (the
+    engine adds text, logprobs, hidden states, codes or audio to the same object)."""
+    return StageOutput(
         request_id=req.request_id,
         new_token_ids=new_token_ids,
         finished=req.is_finished,
@@ -254,7 +244,7 @@ class _QueueScheduler:
         """Abort a waiting, running or partially prefilled request; frees its blocks."""
         return self.finish_request(request_id, reason="abort")
 
-    def fail_scheduled(self, scheduler_output: SchedulerOutput, error: str) -> list[RequestStepOutput]:
+    def fail_scheduled(self, scheduler_output: SchedulerOutput, error: str) -> list[StageOutput]:
         """The model step of `scheduler_output` raised: fail its requests with the error text."""
         # By identity: outputs compare by value, and their token arrays do not compare as bools.
         self._pending = deque(p for p in self._pending if p is not scheduler_output)
@@ -488,7 +478,7 @@ class ARScheduler(_QueueScheduler):
         self,
         scheduler_output: SchedulerOutput,
         sampled_token_ids: Mapping[str, Any] | Sequence[Any] | np.ndarray | None = None,
-    ) -> list[RequestStepOutput]:
+    ) -> list[StageOutput]:
         """Take the step's sampled tokens, check finish conditions, free finished requests.
 
         `sampled_token_ids` is a dict request_id -> token id(s), or a sequence/array aligned
@@ -499,7 +489,7 @@ class ARScheduler(_QueueScheduler):
         # Validate every entry before touching any request, so a bad call changes nothing.
         sampled = self._sampled_per_request(scheduler_output, sampled_token_ids)
         self._pop_pending(scheduler_output)
-        outputs: list[RequestStepOutput] = []
+        outputs: list[StageOutput] = []
         any_finished = False
         for s, tokens in zip(scheduler_output.scheduled, sampled):
             req = self.requests.get(s.request_id)
@@ -613,7 +603,7 @@ class OneShotScheduler(_QueueScheduler):
             self._pending.append(out)
         return out
 
-    def update_from_output(self, scheduler_output: SchedulerOutput, results: Any = None) -> list[RequestStepOutput]:
+    def update_from_output(self, scheduler_output: SchedulerOutput, results: Any = None) -> list[StageOutput]:
         """Finish every request of the step ("stop"); `results` is the engine's and ignored here."""
         self._check_is_pending(scheduler_output)
         self._pop_pending(scheduler_output)

@@ -39,8 +39,11 @@ class ModelFamily:
     stages: checkpoint stage name -> StageSpec (the conversion mapping and the module builder).
     engines: model stage name -> `build(stage_config, ckpt_dir)`, the warmed-up engine of a
         stage process (runs inside that process).
-    make_router: `(ckpt_dir, pipeline) -> route(request, from_stage, to_stage)`, the stage-input
-        processors of multi-stage chains; `route.voices` resolves speaker names.
+    handoff: `ckpt_dir -> handoff`, the stage-input functions of speech chains, which run in the
+        receiving stage: `handoff.stage_input(kind, control, upstream)` builds the request of a
+        stage of model kind `kind` from the stage before it; `handoff.voices.get(name)` resolves a
+        speaker; `handoff.check_pipeline(pipeline)` checks the thinker returns the hidden layers
+        the talker needs.
     prompt_processor: `ckpt_dir -> InputProcessor` (chat template, media, token ids).
     side_files: `(hf_dir, get_tensor, hf_config, out_dir, **kw)` writes the files a family keeps
         beside the stage checkpoints (voices, embedding rows).
@@ -50,7 +53,7 @@ class ModelFamily:
     name: str
     stages: dict[str, StageSpec]
     engines: dict[str, Callable[[Any, str], Any]]
-    make_router: Callable[[str, Any], Callable]
+    handoff: Callable[[str], Any]
     prompt_processor: Callable[[str], Any]
     side_files: Callable[..., None] | None = None
     tiny_checkpoint: Callable[[], str] | None = None

@@ -1,19 +1,41 @@
 """Shared plumbing of the families' stage-input functions (models/<family>/pipeline.py).
 
-A family's `make_router` returns the orchestrator's `route(request, from_stage, to_stage)`;
-what differs per family is how each next-stage request is built, given the request, what
-the previous stage produced (its accumulated outputs) and the next stage's sampling
-params. `kind_router` does the dispatch on the next stage's model kind.
+A stage whose input is another stage's output (talker, vocoder) collects that stage's
+`StageData` for each request in an `UpstreamOutputs`; once it is complete, the family's
+handoff object builds the stage's own request from it (`handoff.stage_input(kind, control,
+upstream)`, in the receiving stage's process), and the hidden states never leave the stages.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
 
 import numpy as np
 
 from ..config import ConfigError
-from ..engine.protocol import AddRequest
+from ..engine.protocol import StageData
+
+
+@dataclasses.dataclass
+class UpstreamOutputs:
+    """What a stage has received so far of one request's outputs in the stage before it."""
+
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    hidden: dict[int, list[tuple[int, np.ndarray]]] = dataclasses.field(default_factory=dict)  # layer -> pieces
+    codes: list[np.ndarray] = dataclasses.field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+
+    def add(self, data: StageData) -> None:
+        """Append one step's data (arrays are copied: received ones are views of the frames)."""
+        self.token_ids.extend(data.token_ids)
+        if data.codes is not None:
+            self.codes.append(np.array(data.codes))
+        for layer, rows in (data.hidden_states or {}).items():
+            # (position, rows): a recompute after preemption sends the same positions again.
+            self.hidden.setdefault(layer, []).append((data.hidden_offset, np.array(rows)))
+        if data.finished:
+            self.finished, self.finish_reason = True, data.finish_reason
 
 
 def assemble_hidden(chunks: list[tuple[int, np.ndarray]]) -> np.ndarray:
@@ -47,16 +69,3 @@ def require_thinker_layers(pipeline, layers: set[int], why: str) -> None:
         if (s.model_stage or s.name) == "thinker" and not layers <= set(s.hidden_layers):
             raise ConfigError(f"stage {s.name!r}: hidden_layers must include {sorted(layers)} ({why}), "
                               f"got {list(s.hidden_layers)}")
-
-
-def kind_router(pipeline, builders: dict[str, Callable[..., AddRequest]]):
-    """route(req, from_stage, to_stage) calling `builders[kind of to_stage](req, outputs, params)`."""
-    kinds = {s.name: (s.model_stage or s.name) for s in pipeline.stages}
-
-    def route(req, from_stage: str, to_stage: str) -> AddRequest:
-        build = builders.get(kinds[to_stage])
-        if build is None:
-            raise ValueError(f"no route from {from_stage!r} to {to_stage!r}")
-        return build(req, req.stage_outputs[from_stage], req.stage_params[req.chain.index(to_stage)])
-
-    return route

@@ -1,12 +1,14 @@
 """The orchestrator: one background thread that owns every stage socket.
 
 Callers (the sync and async front ends, any thread) hand it requests through a
-queue and get updates through a sink callable. The thread sends each request to
-the first stage of its chain, polls all stages, streams text deltas back, routes
-finished stage outputs to the next stage through the model family's stage-input
-functions (`models/<family>/pipeline.py`), propagates aborts to every stage, and
-records metrics. If a stage process dies, every request it holds fails with an
-error naming the stage within a second, and later submissions raise.
+queue and get updates through a sink callable. The thread routes control only: it
+sends each request to every stage of its chain at once (the first stage gets the
+prompt; each later stage is told which stage its input comes from), polls all stages,
+streams text deltas and audio back, propagates aborts and failures to every stage, and
+records metrics. What one stage feeds the next (hidden states, codes) goes stage to
+stage over direct channels and never reaches this process. If a stage process dies,
+every request it holds fails with an error naming the stage within a second, and
+later submissions raise.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import threading
 import time
 from typing import Callable
 
+import msgspec.structs
 import numpy as np
 import zmq
 
@@ -47,16 +50,29 @@ class OrchestratorRequest:
     output: OmniRequestOutput = None
     stage_params: list = dataclasses.field(default_factory=list)  # SamplingParams per chain stage
     voice: str | None = None
-    stage_index: int = 0
-    stage_outputs: dict = dataclasses.field(default_factory=dict)  # stage -> accumulated data for routing
+    stage_tokens: dict = dataclasses.field(default_factory=dict)  # stage -> its output token ids so far
+    finished_stages: set = dataclasses.field(default_factory=set)
 
     @property
     def request_id(self) -> str:
         return self.first.request_id
 
-    @property
-    def stage(self) -> str:
-        return self.chain[self.stage_index]
+    def stage_messages(self) -> list[AddRequest]:
+        """What each stage of the chain is sent: the prompt to the first, to each later one the
+        user's prompt and media (for its positions; pixels stay out) and where its input comes from."""
+        first, n = self.first, len(self.chain)
+        msgs = [msgspec.structs.replace(first, forward_to=self.chain[1] if n > 1 else None)]
+        if n > 1:
+            mm = first.multi_modal
+            if mm is not None:
+                mm = msgspec.structs.replace(mm, pixel_values=None, pixel_values_videos=None)
+            for i in range(1, n):
+                msgs.append(AddRequest(request_id=first.request_id, prompt_token_ids=first.prompt_token_ids,
+                                       sampling_params=self.stage_params[i], multi_modal=mm,
+                                       arrival_time=first.arrival_time, voice=self.voice,
+                                       inputs_from=self.chain[i - 1],
+                                       forward_to=self.chain[i + 1] if i + 1 < n else None))
+        return msgs
 
 
 def _array_bytes(obj) -> int:
@@ -78,14 +94,12 @@ def _array_bytes(obj) -> int:
 class Orchestrator:
     """Starts the stage processes and routes requests between them (see module docstring)."""
 
-    def __init__(self, pipeline, ckpt_dir: str, stage_names: list[str] | None = None,
-                 route: Callable | None = None):
+    def __init__(self, pipeline, ckpt_dir: str, stage_names: list[str] | None = None):
         self.pipeline = pipeline
         self.ipc_dir = private_ipc_dir()
         self._zmq = zmq.Context()
         names = stage_names or [s.name for s in pipeline.stages]
         self.clients: dict[str, StageClient] = {}
-        self.route = route  # (request, from_stage, to_stage) -> AddRequest for the next stage
         self.dead: str | None = None
         self._requests: dict[str, OrchestratorRequest] = {}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -98,6 +112,8 @@ class Orchestrator:
         self._stop = threading.Event()
         self._health: dict = {}
         self._health_nonce = 0
+        # Bytes of hidden states that reached this process: stages exchange them directly, so 0.
+        self.hidden_state_bytes = 0
         try:
             for name in names:
                 self.clients[name] = StageClient(pipeline.stage(name), pipeline.family, ckpt_dir, self.ipc_dir,
@@ -198,9 +214,6 @@ class Orchestrator:
             elif kind == "abort":
                 req = self._requests.get(arg)
                 if req is not None:
-                    for name in set(req.chain):
-                        if self.clients[name].is_alive():
-                            self.clients[name].abort([arg])
                     self._finish(req, reason="abort")
 
     def _start(self, req: OrchestratorRequest) -> None:
@@ -211,8 +224,9 @@ class Orchestrator:
             self._finish(req, error=f"request id {req.request_id!r} is already in flight")
             return
         self._requests[req.request_id] = req
-        req.output.metrics.bytes_moved += _array_bytes(req.first)
-        self.clients[req.chain[0]].add(req.first)
+        for name, msg in zip(req.chain, req.stage_messages()):
+            req.output.metrics.bytes_moved += _array_bytes(msg)
+            self.clients[name].add(msg)
 
     def _drain_replies(self, client: StageClient) -> None:
         while True:
@@ -243,14 +257,15 @@ class Orchestrator:
         now = time.monotonic()
         for o in msg.outputs:
             req = self._requests.get(o.request_id)
-            if req is None or req.stage != stage:
+            if req is None or stage not in req.chain:
                 continue  # aborted or already failed
             out = req.output
             m = out.metrics
             m.stage_time[stage] = m.stage_time.get(stage, 0.0) + msg.step_time
             if o.hidden_states:
+                self.hidden_state_bytes += sum(a.nbytes for a in o.hidden_states.values())
                 m.bytes_moved += sum(a.nbytes for a in o.hidden_states.values())
-            self._collect(req, stage, o)
+            req.stage_tokens.setdefault(stage, []).extend(o.new_token_ids)
             if o.error is not None:
                 self._finish(req, error=o.error)
                 continue
@@ -270,41 +285,15 @@ class Orchestrator:
                 m.audio_seconds = len(out.audio) / out.sample_rate
                 self._emit(req, audio_delta=o.audio)
             if o.finished:
-                out.stage_token_ids[stage] = list(req.stage_outputs.get(stage, {}).get("token_ids", ()))
+                req.finished_stages.add(stage)
+                out.stage_token_ids[stage] = list(req.stage_tokens.get(stage, ()))
                 if o.finish_reason == "abort":
                     self._finish(req, reason="abort")
-                elif req.stage_index + 1 < len(req.chain):
-                    self._advance(req, stage)
-                else:
+                elif stage == req.chain[-1]:
                     self._finish(req, reason=out.finish_reason or o.finish_reason)
 
     def _delivers_text(self, req: OrchestratorRequest, stage: str) -> bool:
         return self.pipeline.stage(stage).final_output == "text"
-
-    def _collect(self, req: OrchestratorRequest, stage: str, o) -> None:
-        """Keep what the next stage of the chain will need from this one."""
-        acc = req.stage_outputs.setdefault(stage, {"token_ids": [], "hidden": {}})
-        if req.stage_index + 1 >= len(req.chain):
-            return
-        acc["token_ids"].extend(o.new_token_ids)
-        if o.codes is not None:
-            acc.setdefault("codes", []).append(np.array(o.codes))
-        for layer, arr in (o.hidden_states or {}).items():
-            # (position, rows): a recompute after preemption sends the same positions again.
-            acc["hidden"].setdefault(layer, []).append((o.hidden_offset, np.array(arr)))
-
-    def _advance(self, req: OrchestratorRequest, stage: str) -> None:
-        nxt = req.chain[req.stage_index + 1]
-        try:
-            if self.route is None:
-                raise RuntimeError(f"no stage-input function to go from {stage!r} to {nxt!r}")
-            msg = self.route(req, stage, nxt)
-        except Exception as e:
-            self._finish(req, error=f"building the {nxt!r} input failed: {type(e).__name__}: {e}")
-            return
-        req.stage_index += 1
-        req.output.metrics.bytes_moved += _array_bytes(msg)
-        self.clients[nxt].add(msg)
 
     def _emit(self, req: OrchestratorRequest, *, new_token_ids=(), text_delta="", audio_delta=None) -> None:
         out = req.output
@@ -319,11 +308,12 @@ class Orchestrator:
         out.finish_reason = "error" if error is not None else (reason or out.finish_reason)
         out.error = error
         out.metrics.finish_time = time.monotonic()
-        if error is not None:
-            for name in set(req.chain):
-                c = self.clients.get(name)
-                if c is not None and c.is_alive():
-                    c.abort([req.request_id])
+        # Every stage that has not finished the request may hold it (running, or waiting for
+        # its input): free it there.
+        for name in req.chain:
+            c = self.clients.get(name)
+            if name not in req.finished_stages and c is not None and c.is_alive():
+                c.abort([req.request_id])
         req.sink(out.snapshot())
 
     def _check_liveness(self) -> None:

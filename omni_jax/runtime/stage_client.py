@@ -30,12 +30,12 @@ class StageClient:
     def __init__(self, stage_cfg, family: str, ckpt_dir: str, ipc_dir: str, zmq_ctx: zmq.Context):
         self.cfg = stage_cfg
         self.name = stage_cfg.name
-        in_addr, out_addr = stage_addresses(ipc_dir, self.name)
-        self.requests = Channel(zmq.PUSH, in_addr, bind=True, context=zmq_ctx)
-        self.replies = Channel(zmq.PULL, out_addr, bind=True, decode_type=StageReply, context=zmq_ctx)
+        addrs = stage_addresses(ipc_dir, self.name)
+        self.requests = Channel(zmq.PUSH, addrs.requests, bind=True, context=zmq_ctx)
+        self.replies = Channel(zmq.PULL, addrs.replies, bind=True, decode_type=StageReply, context=zmq_ctx)
         self._argv = [sys.executable, "-m", "omni_jax.runtime.stage_worker", json.dumps(dict(
-            stage_json=json.dumps(stage_cfg.to_dict()), ckpt_dir=ckpt_dir, family=family,
-            in_addr=in_addr, out_addr=out_addr, parent_pid=os.getpid()))]
+            stage_json=json.dumps(stage_cfg.to_dict()), ckpt_dir=ckpt_dir, family=family, ipc_dir=ipc_dir,
+            parent_pid=os.getpid()))]
         self.process: subprocess.Popen | None = None
         self.ready: Ready | None = None
         self.dead_reason: str | None = None

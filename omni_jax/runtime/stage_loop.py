@@ -1,41 +1,203 @@
 """The loop of a stage process: load the stage's engine, say Ready, then receive -> step -> send.
 
-A request the engine rejects comes back as a `StageFailure` naming it; a malformed
-message is logged and dropped; an exception in a step fails that step's requests
-(inside the engine) and the loop goes on.
+Three sockets: requests from the orchestrator (add, abort, health, shutdown), replies to
+it (outputs, failures), and this stage's data inbox, where the stage before it sends the
+`StageData` of the requests this stage takes as input. Such a request waits here (not in
+the engine) until its input is complete; then the family's stage-input function builds its
+engine request in this process. Outputs of a request with `forward_to` go to that stage's
+inbox as `StageData`; the orchestrator gets them without hidden states and codes.
+
+A request the engine rejects, or whose input cannot be built, comes back as a
+`StageFailure` naming it; a malformed message is logged and dropped; an exception in a
+step fails that step's requests (inside the engine) and the loop goes on.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import sys
 import time
 import traceback
 
+import msgspec.structs
 import zmq
 
 from ..config import StageConfig
-from ..engine.protocol import (AbortRequests, AddRequest, HealthCheck, HealthReply, Ready, Shutdown, StageFailure,
-                               StageOutput, StageOutputs, StageRequest)
+from ..engine.protocol import (AbortRequests, AddRequest, HealthCheck, HealthReply, Ready, Shutdown, StageData,
+                               StageFailure, StageOutputs, StageRequest)
+from ..models.handoff import UpstreamOutputs
+from ..models.registry import get_family
 from .stage_factory import build_stage_engine, to_engine_request
-from .transport import Channel, ProtocolError
+from .transport import Channel, ProtocolError, stage_addresses
 
 log = logging.getLogger("omni_jax.stage")
 
 # How long the loop sleeps in poll when the engine has nothing to do (ms).
 IDLE_POLL_MS = 20
+# Ids of aborted requests remembered, so that their late input data is dropped.
+ABORTED_MEMORY = 4096
 
 
-def serve_stage(stage: dict, ckpt_dir: str, family: str, in_addr: str, out_addr: str) -> None:
+class StageServer:
+    """One stage's engine behind its sockets (see module docstring)."""
+
+    def __init__(self, stage: StageConfig, engine, family: str, ckpt_dir: str, ipc_dir: str, ctx: zmq.Context,
+                 inbox: Channel, outbox: Channel):
+        self.name, self.stage, self.engine = stage.name, stage, engine
+        self.family, self.ckpt_dir, self.ipc_dir, self.ctx = family, ckpt_dir, ipc_dir, ctx
+        self.inbox, self.outbox = inbox, outbox
+        self.data_inbox = Channel(zmq.PULL, stage_addresses(ipc_dir, self.name).data, bind=True,
+                                  decode_type=StageData, context=ctx)
+        self._handoff = None                       # the family's stage-input functions, on first use
+        self._peers: dict[str, Channel] = {}       # stage -> its data inbox
+        self.forward: dict[str, str] = {}          # request id -> stage its outputs go to
+        self.waiting: dict[str, AddRequest] = {}   # request id -> add message waiting for its input
+        self.upstream: dict[str, UpstreamOutputs] = {}
+        self.aborted: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.poller = zmq.Poller()
+        self.poller.register(inbox.socket, zmq.POLLIN)
+        self.poller.register(self.data_inbox.socket, zmq.POLLIN)
+
+    def serve(self) -> None:
+        """Receive, step and send until Shutdown."""
+        running = True
+        while running:
+            self.poller.poll(0 if self.engine.has_unfinished() else IDLE_POLL_MS)
+            running = self._drain(self.inbox, self._on_request)
+            self._drain(self.data_inbox, self._on_data)
+            if running and self.engine.has_unfinished():
+                self._step()
+
+    def _drain(self, channel: Channel, handle) -> bool:
+        """Handle every queued message; False once Shutdown arrived."""
+        while True:
+            try:
+                msg = channel.recv(timeout_ms=0)
+            except ProtocolError as e:
+                log.warning("dropped a malformed message: %s", e)
+                continue
+            if msg is None:
+                return True
+            if handle(msg) is False:
+                return False
+
+    # ------------------------------------------------------------------ control
+    def _on_request(self, msg) -> bool:
+        if isinstance(msg, AddRequest):
+            if msg.inputs_from is not None:
+                self.waiting[msg.request_id] = msg
+                self._start_if_ready(msg.request_id)
+            else:
+                self._add(msg)
+        elif isinstance(msg, AbortRequests):
+            for rid in msg.request_ids:
+                self._abort(rid)
+        elif isinstance(msg, HealthCheck):
+            stats = engine_stats(self.engine) | {"num_waiting_for_input": float(len(self.waiting))}
+            self.outbox.send(HealthReply(stage=self.name, nonce=msg.nonce, stats=stats))
+        elif isinstance(msg, Shutdown):
+            return False
+        return True
+
+    def _add(self, msg: AddRequest) -> None:
+        try:
+            self.engine.add_request(**to_engine_request(msg))
+        except ValueError as e:
+            self._fail(msg.request_id, str(e))
+            return
+        if msg.forward_to is not None:
+            self.forward[msg.request_id] = msg.forward_to
+
+    def _abort(self, rid: str) -> None:
+        self.engine.abort(rid)
+        self.waiting.pop(rid, None)
+        self.upstream.pop(rid, None)
+        self.aborted[rid] = None
+        while len(self.aborted) > ABORTED_MEMORY:
+            self.aborted.popitem(last=False)
+
+    def _fail(self, rid: str, message: str) -> None:
+        self.outbox.send(StageFailure(stage=self.name, message=message, request_id=rid))
+
+    # ------------------------------------------------------------------ input from the stage before
+    def _on_data(self, data: StageData) -> None:
+        rid = data.request_id
+        if rid in self.aborted:
+            return
+        if data.finish_reason in ("abort", "error"):
+            # The orchestrator fails or aborts the request everywhere; nothing to build.
+            self.waiting.pop(rid, None)
+            self.upstream.pop(rid, None)
+            return
+        self.upstream.setdefault(rid, UpstreamOutputs()).add(data)
+        self._start_if_ready(rid)
+
+    def _start_if_ready(self, rid: str) -> None:
+        """Build and add the request once both its add message and its whole input are here."""
+        msg, upstream = self.waiting.get(rid), self.upstream.get(rid)
+        if msg is None or upstream is None or not upstream.finished:
+            return
+        del self.waiting[rid], self.upstream[rid]
+        try:
+            built = self.handoff.stage_input(self.stage.model_stage, msg, upstream)
+        except Exception as e:  # a family's input function failing is this request's error
+            self._fail(rid, f"building the {self.name!r} input failed: {type(e).__name__}: {e}")
+            return
+        self._add(msgspec.structs.replace(built, forward_to=msg.forward_to))
+
+    @property
+    def handoff(self):
+        if self._handoff is None:
+            self._handoff = get_family(self.family).handoff(self.ckpt_dir)
+        return self._handoff
+
+    # ------------------------------------------------------------------ step
+    def _step(self) -> None:
+        t = time.perf_counter()
+        outputs = self.engine.step()
+        if not outputs:
+            return
+        replies = []
+        for o in outputs:
+            target = self.forward.get(o.request_id)
+            if target is not None:
+                self._peer(target).send(StageData(
+                    request_id=o.request_id, token_ids=o.new_token_ids, hidden_states=o.hidden_states,
+                    hidden_offset=o.hidden_offset, codes=o.codes, finished=o.finished,
+                    finish_reason=o.finish_reason))
+                o.hidden_states = o.codes = None  # the next stage has them; the orchestrator needs neither
+                if o.finished:
+                    del self.forward[o.request_id]
+            if o.new_token_ids or o.finished or o.text_delta or o.audio is not None:
+                replies.append(o)
+        if replies:
+            self.outbox.send(StageOutputs(stage=self.name, outputs=replies, step_time=time.perf_counter() - t))
+
+    def _peer(self, stage: str) -> Channel:
+        if stage not in self._peers:
+            self._peers[stage] = Channel(zmq.PUSH, stage_addresses(self.ipc_dir, stage).data, bind=False,
+                                         context=self.ctx)
+        return self._peers[stage]
+
+    def close(self) -> None:
+        for c in (self.data_inbox, *self._peers.values()):
+            c.close()
+
+
+def serve_stage(stage: dict, ckpt_dir: str, family: str, ipc_dir: str) -> None:
     """Serve one stage until `Shutdown` (exits the process if the stage cannot start)."""
     name = stage["name"]
+    addrs = stage_addresses(ipc_dir, name)
     ctx = zmq.Context()
-    inbox = Channel(zmq.PULL, in_addr, bind=False, decode_type=StageRequest, context=ctx)
-    outbox = Channel(zmq.PUSH, out_addr, bind=False, context=ctx)
+    inbox = Channel(zmq.PULL, addrs.requests, bind=False, decode_type=StageRequest, context=ctx)
+    outbox = Channel(zmq.PUSH, addrs.replies, bind=False, context=ctx)
     try:
         t0 = time.perf_counter()
-        engine = build_stage_engine(family, StageConfig.from_dict(stage), ckpt_dir)
+        config = StageConfig.from_dict(stage)
+        engine = build_stage_engine(family, config, ckpt_dir)
+        server = StageServer(config, engine, family, ckpt_dir, ipc_dir, ctx, inbox, outbox)
         outbox.send(Ready(stage=name, pid=os.getpid(), warmup_seconds=time.perf_counter() - t0,
                           num_compilations=engine.num_compilations))
     except BaseException as e:  # report why the stage could not start, then exit
@@ -44,39 +206,8 @@ def serve_stage(stage: dict, ckpt_dir: str, family: str, in_addr: str, out_addr:
         log.error("startup failed:\n%s", traceback.format_exc())
         _flush_and_close(outbox, inbox, ctx)
         sys.exit(1)
-
-    running = True
-    while running:
-        try:
-            msg = inbox.recv(timeout_ms=0 if engine.has_unfinished() else IDLE_POLL_MS)
-        except ProtocolError as e:
-            log.warning("dropped a malformed message: %s", e)
-            continue
-        while msg is not None:
-            if isinstance(msg, AddRequest):
-                try:
-                    engine.add_request(**to_engine_request(msg))
-                except ValueError as e:
-                    outbox.send(StageFailure(stage=name, message=str(e), request_id=msg.request_id))
-            elif isinstance(msg, AbortRequests):
-                for rid in msg.request_ids:
-                    engine.abort(rid)
-            elif isinstance(msg, HealthCheck):
-                outbox.send(HealthReply(stage=name, nonce=msg.nonce, stats=engine_stats(engine)))
-            elif isinstance(msg, Shutdown):
-                running = False
-                break
-            try:
-                msg = inbox.recv(timeout_ms=0)
-            except ProtocolError as e:
-                log.warning("dropped a malformed message: %s", e)
-                msg = None
-        if running and engine.has_unfinished():
-            t = time.perf_counter()
-            outputs = engine.step()
-            if outputs:
-                outbox.send(StageOutputs(stage=name, outputs=[to_stage_output(o) for o in outputs],
-                                         step_time=time.perf_counter() - t))
+    server.serve()
+    server.close()
     _flush_and_close(outbox, inbox, ctx)
 
 
@@ -96,14 +227,3 @@ def engine_stats(engine) -> dict:
     if sched is not None and hasattr(sched, "make_stats"):
         stats.update(sched.make_stats())
     return {k: float(v) for k, v in stats.items() if isinstance(v, (int, float))}
-
-
-def to_stage_output(o):
-    """EngineOutput -> the wire's StageOutput."""
-    return StageOutput(request_id=o.request_id, new_token_ids=list(o.new_token_ids), finished=o.finished,
-                       finish_reason=o.finish_reason, stop_reason=o.stop_reason, error=o.error,
-                       text_delta=o.text_delta, hidden_states=o.hidden_states, hidden_offset=o.hidden_offset,
-                       num_cached_tokens=o.num_cached_tokens, logprobs=o.logprobs,
-                       audio=o.audio, codes=o.codes)
-
-

@@ -4,9 +4,10 @@ Started by `StageClient` as a fresh interpreter (`python -m omni_jax.runtime.sta
 CONFIG_JSON`): spawn semantics, never a fork after JAX is imported, and unlike
 multiprocessing's spawn it does not re-import the caller's main module.
 It connects to the two ipc sockets the orchestrator bound, loads its stage of the
-checkpoint, compiles every bucket, and only then says `Ready` (stage_loop.py). The process exits on `Shutdown`, and also when its parent dies
-(a watchdog thread notices the parent pid change, also during warm-up). This module
-imports nothing heavy: the device is chosen before JAX is imported (stage_loop.py).
+checkpoint, compiles every bucket, and only then says `Ready` (stage_loop.py). The
+process exits on `Shutdown`, and also when its parent dies (a watchdog thread notices
+the parent pid change, also during warm-up). This module imports nothing heavy: the
+device is chosen before JAX is imported.
 """
 
 from __future__ import annotations
@@ -39,8 +40,7 @@ def _configure_device(stage: dict) -> None:
         os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
 
 
-def stage_main(stage_json: str, ckpt_dir: str, family: str, in_addr: str, out_addr: str,
-               parent_pid: int) -> None:
+def stage_main(stage_json: str, ckpt_dir: str, family: str, ipc_dir: str, parent_pid: int) -> None:
     """Entry point of a stage process (arguments are plain strings: nothing is unpickled)."""
     _exit_with_parent(parent_pid)
     stage = json.loads(stage_json)
@@ -52,7 +52,7 @@ def stage_main(stage_json: str, ckpt_dir: str, family: str, in_addr: str, out_ad
     # Imported only now: JAX reads the device variables set above when it is first imported.
     from .stage_loop import serve_stage
 
-    serve_stage(stage, ckpt_dir, family, in_addr, out_addr)
+    serve_stage(stage, ckpt_dir, family, ipc_dir)
 
 
 def main(argv=None) -> None:

@@ -356,16 +356,17 @@ def tcp_address(host: str = "127.0.0.1", port: int | None = None) -> str:
 
 
 class StageAddresses(NamedTuple):
-    """The two endpoints of one stage: requests (orchestrator -> stage) and replies."""
+    """The endpoints of one stage: requests (orchestrator -> stage), data (earlier stage -> this
+    stage, bound by the stage) and replies (stage -> orchestrator)."""
 
     requests: str
+    data: str
     replies: str
 
 
 def stage_addresses(ipc_dir: str, stage: str) -> StageAddresses:
     """The ipc endpoints of `stage` inside the orchestrator's private dir."""
-    return StageAddresses(ipc_address(ipc_dir, f"{stage}-requests"),
-                          ipc_address(ipc_dir, f"{stage}-replies"))
+    return StageAddresses(*(ipc_address(ipc_dir, f"{stage}-{kind}") for kind in StageAddresses._fields))
 
 
 # ---------------------------------------------------------------------------------------

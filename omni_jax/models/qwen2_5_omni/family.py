@@ -6,7 +6,7 @@ from __future__ import annotations
 from ...inputs.processor import InputProcessor
 from ..family import ModelFamily
 from .media import MediaBuckets
-from .pipeline import make_router
+from .pipeline import load_handoff
 from .specs import STAGES, write_side_files
 from .stages import build_talker_engine, build_thinker_engine, build_token2wav_engine
 from .tiny import tiny_checkpoint
@@ -33,7 +33,7 @@ FAMILY = ModelFamily(
     name="qwen2_5_omni",
     stages=STAGES,
     engines={"thinker": _thinker, "talker": _talker, "token2wav": _token2wav},
-    make_router=make_router,
+    handoff=load_handoff,
     prompt_processor=InputProcessor.from_checkpoint,
     side_files=write_side_files,
     tiny_checkpoint=tiny_checkpoint,

@@ -1,7 +1,7 @@
 """Thinker-side media handling: run the encoders once per request and plan the merge.
 
 `ThinkerMediaEncoder.prepare(token_ids, mm)` turns a request's multimodal data into
-the runner's `RequestInputs`: the encoder features (audio, image, video, each in
+the runner's `StageInputs`: the encoder features (audio, image, video, each in
 prompt order) become overlay rows placed at their placeholder tokens, and the 3-row
 M-RoPE positions come from `get_rope_index`. The encoders are jitted over their own
 shape buckets (audio chunks, vision patches), padded on the host with numpy, so
@@ -11,7 +11,6 @@ serving never compiles after warm-up.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from typing import Sequence
 
 import jax
@@ -19,42 +18,11 @@ import numpy as np
 from flax import nnx
 
 from ...engine.buckets import pick_bucket
-from ...engine.runner import RequestInputs
+from ...engine.protocol import MultiModalPayload, StageInputs
 from ...inputs.rope_index import RopeIndexConfig, get_rope_index
 from .audio_encoder import num_chunks_for, prepare_audio_batch
 from .thinker import ThinkerConfig, media_index
 from .vision_encoder import vision_metadata
-
-
-@dataclasses.dataclass
-class MultiModalData:
-    """Encoder inputs of one request, as the processor parts produce them.
-
-    audio_features: log-mel arrays [num_mel_bins, frames], one per audio in prompt order
-    (audio tracks of videos included when use_audio_in_video). pixel_values /
-    pixel_values_videos: flattened patches [patches, C*T*P*P] of all images / videos,
-    with their grids [N, 3]; video_second_per_grid: seconds per temporal grid step.
-    """
-
-    audio_features: list[np.ndarray] = dataclasses.field(default_factory=list)
-    pixel_values: np.ndarray | None = None
-    image_grid_thw: np.ndarray | None = None
-    pixel_values_videos: np.ndarray | None = None
-    video_grid_thw: np.ndarray | None = None
-    video_second_per_grid: np.ndarray | None = None
-    use_audio_in_video: bool = False
-
-    def content_hash(self) -> str:
-        """Digest of all media bytes: the prefix-cache key of the placeholder blocks."""
-        h = hashlib.blake2b(digest_size=16)
-        for a in [*self.audio_features, self.pixel_values, self.image_grid_thw, self.pixel_values_videos,
-                  self.video_grid_thw, self.video_second_per_grid]:
-            if a is not None:
-                a = np.ascontiguousarray(a)
-                h.update(str((a.shape, a.dtype.str)).encode())
-                h.update(a.tobytes())
-        h.update(b"aiv" if self.use_audio_in_video else b"-")
-        return h.hexdigest()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +86,7 @@ class ThinkerMediaEncoder:
         padded[:n] = pixel_values
         return grid_thw, n, patches, padded
 
-    def _encode_media(self, ids: np.ndarray, mm: MultiModalData) -> list[tuple[str, np.ndarray, object]]:
+    def _encode_media(self, ids: np.ndarray, mm: MultiModalPayload) -> list[tuple[str, np.ndarray, object]]:
         """(kind, features, extra) per media kind present, in (audio, image, video) order,
         each checked against the prompt's placeholder count. `extra` is what the family's
         `_encode` returns beside the features (Qwen3: DeepStack features)."""
@@ -137,7 +105,7 @@ class ThinkerMediaEncoder:
         return out
 
     @staticmethod
-    def _media_ranges(index: np.ndarray, mm: MultiModalData) -> list:
+    def _media_ranges(index: np.ndarray, mm: MultiModalPayload) -> list:
         """One prefix-cache range over all placeholders, keyed by the media content."""
         where = np.flatnonzero(index >= 0)
         return [(int(where[0]), int(where[-1] - where[0] + 1), mm.content_hash())]
@@ -158,7 +126,7 @@ class ThinkerMediaEncoder:
         out = self._vision_fn(self._vision[0], self._vision[1], padded, meta)
         return np.asarray(out)[:n // self.cfg.vision.merge_unit]
 
-    def _encode(self, kind: str, mm: MultiModalData):
+    def _encode(self, kind: str, mm: MultiModalPayload):
         if kind == "audio":
             return (self.encode_audio(mm.audio_features) if mm.audio_features else None), None
         pix, grid = (mm.pixel_values, mm.image_grid_thw) if kind == "image" else \
@@ -166,19 +134,19 @@ class ThinkerMediaEncoder:
         return (None if pix is None else self.encode_vision(pix, grid, kind)), None
 
     # ------------------------------------------------------------------ requests
-    def prepare(self, token_ids: np.ndarray, mm: MultiModalData) -> tuple[RequestInputs, list]:
-        """RequestInputs (overlay rows + M-RoPE positions) and prefix-cache media ranges."""
+    def prepare(self, token_ids: np.ndarray, mm: MultiModalPayload) -> tuple[StageInputs, list]:
+        """StageInputs (overlay rows + M-RoPE positions) and prefix-cache media ranges."""
         ids = np.asarray(token_ids)
         media = self._encode_media(ids, mm)
         if not media:
-            return RequestInputs(), []
+            return StageInputs(), []
         audio_lens = np.array([np.asarray(f).shape[1] for f in mm.audio_features], np.int64) if mm.audio_features else None
         positions, delta = get_rope_index(
             ids, self.rope_cfg, image_grid_thw=mm.image_grid_thw, video_grid_thw=mm.video_grid_thw,
             audio_seqlens=audio_lens, second_per_grids=mm.video_second_per_grid,
             use_audio_in_video=mm.use_audio_in_video)
         index = media_index(ids, self.cfg, [kind for kind, _, _ in media])
-        return RequestInputs(mrope_positions=positions, mrope_delta=int(delta),
+        return StageInputs(mrope_positions=positions, mrope_delta=int(delta),
                              overlay_rows=np.concatenate([f for _, f, _ in media]).astype(np.float32),
                              overlay_index=index), self._media_ranges(index, mm)
 

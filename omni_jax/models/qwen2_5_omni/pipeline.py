@@ -1,6 +1,6 @@
 """Stage-input functions of Qwen2.5-Omni: thinker -> talker -> token2wav.
 
-They run in the orchestrator and follow transformers'
+They run in the receiving stage's process (runtime/stage_loop.py) and follow transformers'
 `Qwen2_5OmniForConditionalGeneration.generate` (vLLM-Omni's thinker2talker omits the
 embedding term; transformers adds it, and we follow transformers):
 
@@ -21,7 +21,7 @@ import dataclasses
 
 import numpy as np
 
-from ..handoff import assemble_hidden, kind_router, media_positions, require_thinker_layers
+from ..handoff import UpstreamOutputs, assemble_hidden, media_positions, require_thinker_layers
 from ...checkpoint import read_config
 from ...engine.protocol import AddRequest, StageInputs
 from ...inputs.rope_index import RopeIndexConfig, get_rope_index
@@ -93,6 +93,21 @@ class Qwen2_5OmniHandoff:
                           sampling_params=params.updated(suppress_token_ids=suppress), inputs=inputs,
                           arrival_time=first.arrival_time)
 
+    def check_pipeline(self, pipeline) -> None:
+        """ConfigError unless the pipeline's thinker returns the hidden layers the talker reads."""
+        require_thinker_layers(pipeline, set(self.hidden_layers),
+                               "the thinker's embeddings and last layer feed the talker")
+
+    def stage_input(self, kind: str, control: AddRequest, upstream: UpstreamOutputs) -> AddRequest:
+        """The request of a `kind` stage ("talker", "token2wav") from the stage before it."""
+        if kind == "talker":
+            return self.thinker2talker(control, upstream.token_ids, upstream.hidden, control.sampling_params,
+                                       control.voice, control.request_id)
+        if kind == "token2wav":
+            return self.talker2token2wav(control, upstream.token_ids, control.sampling_params, control.voice,
+                                         control.request_id)
+        raise ValueError(f"Qwen2.5-Omni has no stage {kind!r} that takes another stage's output")
+
     def _positions(self, text_ids: np.ndarray, first: AddRequest):
         """The talker's M-RoPE positions: the thinker prompt's, continued by two text tokens."""
         return media_positions(text_ids, first.multi_modal, get_rope_index, config=self.rope)
@@ -110,21 +125,13 @@ class Qwen2_5OmniHandoff:
                           arrival_time=first.arrival_time, voice=self.voices.get(voice).name)
 
 
-def make_router(ckpt_dir: str, pipeline):
-    """The orchestrator's route(request, from_stage, to_stage) for a Qwen2.5-Omni checkpoint."""
+def load_handoff(ckpt_dir: str) -> Qwen2_5OmniHandoff:
+    """The stage-input functions of a converted Qwen2.5-Omni checkpoint."""
     hf = read_config(ckpt_dir)["hf_config"]
     thinker = hf["thinker_config"]
     layers = thinker["text_config"]["num_hidden_layers"]
-    handoff = Qwen2_5OmniHandoff(
+    return Qwen2_5OmniHandoff(
         Voices.load(ckpt_dir), TalkerConfig.from_hf(hf["talker_config"]), RopeIndexConfig.from_hf(hf),
         (thinker.get("audio_token_index", 151646), thinker.get("image_token_index", 151655),
          thinker.get("video_token_index", 151656)), THINKER_EOS, (0, layers),
         codebook_size=hf.get("token2wav_config", {}).get("dit_config", {}).get("num_embeds"))
-    require_thinker_layers(pipeline, {0, layers}, "the thinker's embeddings and last layer feed the talker")
-    route = kind_router(pipeline, {
-        "talker": lambda req, acc, params: handoff.thinker2talker(
-            req.first, acc["token_ids"], acc["hidden"], params, req.voice, req.request_id),
-        "token2wav": lambda req, acc, params: handoff.talker2token2wav(
-            req.first, acc["token_ids"], params, req.voice, req.request_id)})
-    route.voices = handoff.voices
-    return route

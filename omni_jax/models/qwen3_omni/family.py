@@ -6,7 +6,7 @@ from __future__ import annotations
 from ..family import ModelFamily
 from .code2wav_stage import build_code2wav_engine
 from .media import MediaBuckets
-from .pipeline import make_router
+from .pipeline import load_handoff
 from .processor import Qwen3InputProcessor
 from .specs import STAGES, write_side_files
 from .stages import build_talker_engine, build_thinker_engine
@@ -36,7 +36,7 @@ FAMILY = ModelFamily(
     name="qwen3_omni",
     stages=STAGES,
     engines={"thinker": _thinker, "talker": _talker, "code2wav": _code2wav},
-    make_router=make_router,
+    handoff=load_handoff,
     prompt_processor=Qwen3InputProcessor.from_checkpoint,
     side_files=write_side_files,
 )

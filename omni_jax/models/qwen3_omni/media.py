@@ -1,7 +1,7 @@
 """Qwen3-Omni thinker media: run the encoders once per request and plan the merge.
 
 `Qwen3ThinkerMediaEncoder.prepare(token_ids, mm)` turns a request's multimodal data
-(the same `MultiModalData` as Qwen2.5-Omni) into the runner's `RequestInputs`:
+(the same `MultiModalPayload` as Qwen2.5-Omni) into the runner's `StageInputs`:
 
 * encoder features (audio, image, video, each in prompt order) become overlay rows
   placed at their placeholder tokens (`overlay_index`);
@@ -28,15 +28,15 @@ from typing import Sequence
 
 import numpy as np
 
-from ...engine.runner import RequestInputs
+from ...engine.protocol import StageInputs
 from .rope_index import get_rope_index_qwen3
-from ..qwen2_5_omni.media import MediaBuckets, MultiModalData, ThinkerMediaEncoder
+from ..qwen2_5_omni.media import MediaBuckets, ThinkerMediaEncoder
 from ..qwen2_5_omni.thinker import media_index
 from .audio_encoder import num_chunks_for, prepare_audio_batch
 from .thinker import ThinkerConfig
 from .vision_encoder import vision_metadata
 
-__all__ = ["MediaBuckets", "MultiModalData", "Qwen3ThinkerMediaEncoder"]
+__all__ = ["MediaBuckets", "Qwen3ThinkerMediaEncoder"]
 
 
 class Qwen3ThinkerMediaEncoder(ThinkerMediaEncoder):
@@ -67,7 +67,7 @@ class Qwen3ThinkerMediaEncoder(ThinkerMediaEncoder):
         m = n // self.cfg.vision.merge_unit
         return np.asarray(feats)[:m], np.asarray(deepstack)[:, :m]
 
-    def _encode(self, kind: str, mm: MultiModalData):
+    def _encode(self, kind: str, mm: MultiModalPayload):
         k, h = self.cfg.num_deepstack_layers, self.cfg.text.hidden_size
         if kind == "audio":
             if not mm.audio_features:
@@ -79,13 +79,13 @@ class Qwen3ThinkerMediaEncoder(ThinkerMediaEncoder):
         return (None, None) if pix is None else self.encode_vision(pix, grid, kind)
 
     # ------------------------------------------------------------------ requests
-    def prepare(self, token_ids: np.ndarray, mm: MultiModalData) -> tuple[RequestInputs, list]:
-        """RequestInputs (overlay + DeepStack rows, M-RoPE positions) and prefix-cache media ranges."""
+    def prepare(self, token_ids: np.ndarray, mm: MultiModalPayload) -> tuple[StageInputs, list]:
+        """StageInputs (overlay + DeepStack rows, M-RoPE positions) and prefix-cache media ranges."""
         cfg = self.cfg
         ids = np.asarray(token_ids)
         media = self._encode_media(ids, mm)
         if not media:
-            return RequestInputs(), []
+            return StageInputs(), []
         audio_lens = np.array([np.asarray(f).shape[1] for f in mm.audio_features], np.int64) \
             if mm.audio_features else None
         positions, delta = get_rope_index_qwen3(
@@ -96,6 +96,6 @@ class Qwen3ThinkerMediaEncoder(ThinkerMediaEncoder):
         index = media_index(ids, cfg, order)
         visual = cfg.num_deepstack_layers > 0 and any(kind != "audio" for kind in order)
         deepstack_rows = np.concatenate([d for _, _, d in media], axis=1).astype(np.float32) if visual else None
-        return RequestInputs(mrope_positions=positions, mrope_delta=int(delta),
+        return StageInputs(mrope_positions=positions, mrope_delta=int(delta),
                              overlay_rows=np.concatenate([f for _, f, _ in media]).astype(np.float32),
                              overlay_index=index, deepstack_rows=deepstack_rows), self._media_ranges(index, mm)

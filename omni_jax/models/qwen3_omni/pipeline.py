@@ -1,6 +1,6 @@
 """Stage-input functions of Qwen3-Omni: thinker -> talker -> code2wav.
 
-They run in the orchestrator and follow transformers'
+They run in the receiving stage's process (runtime/stage_loop.py) and follow transformers'
 `Qwen3OmniMoeForConditionalGeneration.generate`. The talker prompt is built from the
 thinker's layer-0 embeddings (E) and its `accept_hidden_layer` states (S):
 
@@ -34,7 +34,7 @@ import os
 import numpy as np
 import safetensors.numpy
 
-from ..handoff import assemble_hidden, kind_router, media_positions, require_thinker_layers
+from ..handoff import UpstreamOutputs, assemble_hidden, media_positions, require_thinker_layers
 from ...checkpoint import read_config
 from ...engine.protocol import AddRequest, StageInputs
 from ...inputs.rope_index import RopeIndexConfig
@@ -89,6 +89,24 @@ class Qwen3OmniHandoff:
     @property
     def hidden_layers(self) -> tuple[int, int]:
         return 0, self.talker.accept_hidden_layer
+
+    @property
+    def voices(self) -> Speakers:
+        return Speakers(self.talker)
+
+    def check_pipeline(self, pipeline) -> None:
+        """ConfigError unless the pipeline's thinker returns the hidden layers the talker reads."""
+        require_thinker_layers(pipeline, set(self.hidden_layers),
+                               "the thinker's embeddings and accept_hidden_layer feed the talker")
+
+    def stage_input(self, kind: str, control: AddRequest, upstream: UpstreamOutputs) -> AddRequest:
+        """The request of a `kind` stage ("talker", "code2wav") from the stage before it."""
+        if kind == "talker":
+            return self.thinker2talker(control, upstream.token_ids, upstream.hidden, control.sampling_params,
+                                       control.voice, control.request_id)
+        if kind == "code2wav":
+            return self.talker2code2wav(control, upstream, control.sampling_params, control.request_id)
+        raise ValueError(f"Qwen3-Omni has no stage {kind!r} that takes another stage's output")
 
     def thinker2talker(self, first: AddRequest, generated: list[int], hidden: dict, params, voice: str | None,
                        request_id: str) -> AddRequest:
@@ -145,13 +163,13 @@ class Qwen3OmniHandoff:
         """The talker's M-RoPE positions over its own prompt ids (None: 0..L-1 on all rows)."""
         return media_positions(text_ids, first.multi_modal, get_rope_index_qwen3, config=self.rope, n_window=self.audio_n_window)
 
-    def talker2code2wav(self, first: AddRequest, acc: dict, params, request_id: str) -> AddRequest:
+    def talker2code2wav(self, first: AddRequest, acc: UpstreamOutputs, params, request_id: str) -> AddRequest:
         """The vocoder request: frames of all code groups, flattened frame-major."""
-        tokens = np.asarray(acc["token_ids"], np.int64)
+        tokens = np.asarray(acc.token_ids, np.int64)
         frames = len(tokens) - 1
         if frames < 1:
             raise ValueError("the talker produced no codec frames before its end token")
-        residual = np.concatenate(acc["codes"])[:frames]
+        residual = np.concatenate(acc.codes)[:frames]
         codes = np.concatenate([tokens[:frames, None], residual], axis=1)
         return AddRequest(request_id=request_id, prompt_token_ids=codes.reshape(-1).astype(np.int32),
                           sampling_params=params, arrival_time=first.arrival_time)
@@ -173,16 +191,3 @@ def load_handoff(ckpt_dir: str) -> Qwen3OmniHandoff:
         media_token_ids=(thinker.get("audio_token_id", 151675), thinker.get("image_token_id", 151655),
                          thinker.get("video_token_id", 151656)),
         thinker_eos=THINKER_EOS)
-
-
-def make_router(ckpt_dir: str, pipeline):
-    """The orchestrator's route(request, from_stage, to_stage) for a Qwen3-Omni checkpoint."""
-    handoff = load_handoff(ckpt_dir)
-    require_thinker_layers(pipeline, set(handoff.hidden_layers),
-                           "the thinker's embeddings and accept_hidden_layer feed the talker")
-    route = kind_router(pipeline, {
-        "talker": lambda req, acc, params: handoff.thinker2talker(
-            req.first, acc["token_ids"], acc["hidden"], params, req.voice, req.request_id),
-        "code2wav": lambda req, acc, params: handoff.talker2code2wav(req.first, acc, params, req.request_id)})
-    route.voices = Speakers(handoff.talker)
-    return route

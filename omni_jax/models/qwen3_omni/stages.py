@@ -6,13 +6,15 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import msgspec.structs
 import numpy as np
 from flax import nnx
 
 from ...checkpoint import load_checkpoint
 from ...engine.ar_engine import AREngine, EngineConfig
 from ...engine.buckets import pick_bucket, pow2_buckets
-from ...engine.runner import RequestInputs, RunnerConfig
+from ...engine.protocol import StageInputs
+from ...engine.runner import RunnerConfig
 from ..qwen2_5_omni.stages import load_tokenizer
 from .media import MediaBuckets, Qwen3ThinkerMediaEncoder
 
@@ -82,7 +84,7 @@ class TalkerInputProjector:
             out.append(np.asarray(self._fn(self._leaves, r, k, i))[:n])
         return np.concatenate(out)
 
-    def __call__(self, inputs: RequestInputs) -> RequestInputs:
+    def __call__(self, inputs: StageInputs) -> StageInputs:
         cfg = self.cfg
         parts, proj, add = [], [], []
         if inputs.overlay_proj is not None:
@@ -114,7 +116,7 @@ class TalkerInputProjector:
         if not parts:
             return inputs
         out = self._project(np.concatenate(parts), np.concatenate(proj), np.concatenate(add))
-        new = dataclasses.replace(inputs, overlay_proj=None, overlay_add_ids=None, extra_proj=-1)
+        new = msgspec.structs.replace(inputs, overlay_proj=None, overlay_add_ids=None, extra_proj=-1)
         if inputs.overlay_proj is not None:
             new.overlay_rows = out[:n_overlay]
         if extra:

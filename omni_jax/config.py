@@ -198,10 +198,10 @@ class StageConfig:
     name: str
     model_stage: str | None = None  # the checkpoint stage it loads; None -> name
     runner: str = "ar"  # "ar": paged-KV autoregressive engine; "oneshot": no KV (vocoders)
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 8192
-    block_size: int = 16
+    max_num_seqs: int = RunnerConfig.max_num_seqs
+    max_num_batched_tokens: int = RunnerConfig.max_num_batched_tokens
+    max_model_len: int = RunnerConfig.max_model_len
+    block_size: int = RunnerConfig.block_size
     num_blocks: int | None = None  # None -> derived from kv_memory_fraction at load time
     kv_memory_fraction: float | None = 0.9  # of the memory left after weights
     token_buckets: tuple[int, ...] | None = None

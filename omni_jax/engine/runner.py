@@ -68,13 +68,14 @@ compilation_count()  # start counting at import
 # ------------------------------------------------------------------ configuration
 @dataclasses.dataclass(frozen=True)
 class RunnerConfig:
-    """Sizes of one stage's KV cache and step shapes."""
+    """Sizes of one stage's KV cache and step shapes (the one place of their defaults: the
+    scheduler's and the stage config's refer to these)."""
 
     num_blocks: int | None = None                  # None: from kv_memory_fraction of free device memory
     block_size: int = 16
     max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    max_model_len: int = 2048
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
     token_buckets: tuple[int, ...] | None = None   # prefill; default powers of two from 16
     decode_buckets: tuple[int, ...] | None = None  # decode batch sizes; default powers of two from 1
     backend: str | None = None                     # "pallas" | "reference"; default from the platform

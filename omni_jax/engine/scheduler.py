@@ -25,16 +25,17 @@ import numpy as np
 from omni_jax.engine.kv_cache import DUMMY_BLOCK_ID, KVCacheManager, cdiv
 from omni_jax.engine.protocol import StageOutput
 from omni_jax.engine.request import FINISH_REASON_TO_STATUS, Request, RequestStatus
+from omni_jax.engine.runner import RunnerConfig
 
 
 @dataclass
 class SchedulerConfig:
     """Scheduler knobs of one stage (any object with these attribute names works too)."""
 
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 2048  # token budget of one step
-    max_model_len: int = 4096
-    block_size: int = 16
+    max_num_seqs: int = RunnerConfig.max_num_seqs
+    max_num_batched_tokens: int = RunnerConfig.max_num_batched_tokens  # token budget of one step
+    max_model_len: int = RunnerConfig.max_model_len
+    block_size: int = RunnerConfig.block_size
     num_blocks: int = 1024  # block 0 is the dummy block
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -161,8 +162,8 @@ class _QueueScheduler:
 
     def __init__(self, config: Any) -> None:
         self.config = config
-        self.max_num_seqs = int(_cfg(config, "max_num_seqs", 16))
-        self.max_num_batched_tokens = int(_cfg(config, "max_num_batched_tokens", 2048))
+        self.max_num_seqs = int(_cfg(config, "max_num_seqs", RunnerConfig.max_num_seqs))
+        self.max_num_batched_tokens = int(_cfg(config, "max_num_batched_tokens", RunnerConfig.max_num_batched_tokens))
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_seqs ({self.max_num_seqs}) and max_num_batched_tokens "
@@ -270,8 +271,8 @@ class ARScheduler(_QueueScheduler):
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
-        self.max_model_len = int(_cfg(config, "max_model_len", 4096))
-        self.block_size = int(_cfg(config, "block_size", 16))
+        self.max_model_len = int(_cfg(config, "max_model_len", RunnerConfig.max_model_len))
+        self.block_size = int(_cfg(config, "block_size", RunnerConfig.block_size))
         self.num_blocks = int(_cfg(config, "num_blocks", 1024))
         self.enable_chunked_prefill = bool(_cfg(config, "enable_chunked_prefill", True))
         self.long_prefill_token_threshold = int(_cfg(config, "long_prefill_token_threshold", 0))

@@ -12,15 +12,19 @@ from .stages import build_talker_engine, build_thinker_engine, build_token2wav_e
 from .tiny import tiny_checkpoint
 
 
-def _thinker(stage, ckpt_dir: str):
-    buckets = MediaBuckets(stage.audio_chunk_buckets, stage.vision_patch_buckets)
-    return build_thinker_engine(ckpt_dir, stage.runner_config(), dtype=stage.dtype, media_buckets=buckets,
-                                enable_prefix_caching=stage.enable_prefix_caching,
-                                async_scheduling=stage.async_scheduling, progress=False)
+def thinker_engine(build):
+    """The `engines` entry of a thinker built by `build(ckpt_dir, runner_config, ...)` (both families')."""
+    def make(stage, ckpt_dir: str):
+        buckets = MediaBuckets(stage.audio_chunk_buckets, stage.vision_patch_buckets)
+        return build(ckpt_dir, stage.runner_config(), dtype=stage.dtype, media_buckets=buckets,
+                     enable_prefix_caching=stage.enable_prefix_caching, async_scheduling=stage.async_scheduling,
+                     progress=False)
+    return make
 
 
-def _talker(stage, ckpt_dir: str):
-    return build_talker_engine(ckpt_dir, stage.runner_config(), dtype=stage.dtype, progress=False)
+def talker_engine(build):
+    """The `engines` entry of a talker built by `build(ckpt_dir, runner_config, ...)` (both families')."""
+    return lambda stage, ckpt_dir: build(ckpt_dir, stage.runner_config(), dtype=stage.dtype, progress=False)
 
 
 def _token2wav(stage, ckpt_dir: str):
@@ -32,7 +36,8 @@ def _token2wav(stage, ckpt_dir: str):
 FAMILY = ModelFamily(
     name="qwen2_5_omni",
     stages=STAGES,
-    engines={"thinker": _thinker, "talker": _talker, "token2wav": _token2wav},
+    engines={"thinker": thinker_engine(build_thinker_engine), "talker": talker_engine(build_talker_engine),
+             "token2wav": _token2wav},
     handoff=load_handoff,
     prompt_processor=InputProcessor.from_checkpoint,
     side_files=write_side_files,

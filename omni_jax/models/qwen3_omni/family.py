@@ -4,23 +4,12 @@ conversion mapping (see `models/family.py`)."""
 from __future__ import annotations
 
 from ..family import ModelFamily
+from ..qwen2_5_omni.family import talker_engine, thinker_engine
 from .code2wav_stage import build_code2wav_engine
-from .media import MediaBuckets
 from .pipeline import load_handoff
 from .processor import Qwen3InputProcessor
 from .specs import STAGES, write_side_files
 from .stages import build_talker_engine, build_thinker_engine
-
-
-def _thinker(stage, ckpt_dir: str):
-    buckets = MediaBuckets(stage.audio_chunk_buckets, stage.vision_patch_buckets)
-    return build_thinker_engine(ckpt_dir, stage.runner_config(), dtype=stage.dtype, media_buckets=buckets,
-                                enable_prefix_caching=stage.enable_prefix_caching,
-                                async_scheduling=stage.async_scheduling, progress=False)
-
-
-def _talker(stage, ckpt_dir: str):
-    return build_talker_engine(ckpt_dir, stage.runner_config(), dtype=stage.dtype, progress=False)
 
 
 def _code2wav(stage, ckpt_dir: str):
@@ -35,7 +24,8 @@ def _code2wav(stage, ckpt_dir: str):
 FAMILY = ModelFamily(
     name="qwen3_omni",
     stages=STAGES,
-    engines={"thinker": _thinker, "talker": _talker, "code2wav": _code2wav},
+    engines={"thinker": thinker_engine(build_thinker_engine), "talker": talker_engine(build_talker_engine),
+             "code2wav": _code2wav},
     handoff=load_handoff,
     prompt_processor=Qwen3InputProcessor.from_checkpoint,
     side_files=write_side_files,

@@ -24,10 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .errors import CheckpointError
+from .errors import CheckpointError, ConfigKeyError, require
 from .models.registry import abstract_stage, get_family
 
 CONFIG_FILE = "omni_jax_config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"  # copied from the HF checkpoint
 FORMAT_VERSION = 1
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -62,6 +63,25 @@ def read_config(ckpt_dir: str) -> dict:
     return cfg
 
 
+def eos_token_ids(ckpt_dir: str) -> tuple[int, ...]:
+    """The ids that end the thinker's reply: `eos_token_id` of the checkpoint's generation config."""
+    path = os.path.join(ckpt_dir, GENERATION_CONFIG_FILE)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path} is missing: it names the thinker's end-of-reply ids (eos_token_id); "
+                              f"reconvert the checkpoint from a Hugging Face directory that has it")
+    with open(path) as f:
+        eos = require(json.load(f), "eos_token_id", section=path)
+    return tuple(int(i) for i in (eos if isinstance(eos, list) else [eos]))
+
+
+def parse_stage_config(ckpt_dir: str, spec, hf_config: dict):
+    """A stage's config from the checkpoint's HF config; a missing value names the file."""
+    try:
+        return spec.parse_config(hf_config[spec.config_key])
+    except ConfigKeyError as e:
+        raise ConfigKeyError(f"{os.path.join(ckpt_dir, CONFIG_FILE)} (hf_config.{e})") from None
+
+
 def load_checkpoint(path: str, stage: str = "thinker", dtype: str | None = None) -> tuple[nnx.Module, Any]:
     """Load one stage of a converted checkpoint: returns (module, stage config).
 
@@ -75,7 +95,7 @@ def load_checkpoint(path: str, stage: str = "thinker", dtype: str | None = None)
     if stage not in specs or stage not in cfg["stages"]:
         raise CheckpointError(f"checkpoint {path} has no stage {stage!r}; it has {cfg['stages']}")
     spec = specs[stage]
-    stage_cfg = spec.parse_config(cfg["hf_config"][spec.config_key])
+    stage_cfg = parse_stage_config(path, spec, cfg["hf_config"])
     stored = DTYPES[cfg["dtype"]]
     want = DTYPES[dtype] if dtype else stored
 

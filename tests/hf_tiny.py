@@ -78,6 +78,8 @@ def build_qwen2_5_omni(path: str, seed: int = 0) -> str:
                 elif name.endswith("bias"):
                     p.copy_(0.02 * torch.randn_like(p))
     _assert_finite(model)
+    # As the released checkpoint's generation_config.json: the thinker ends at either id.
+    model.generation_config.eos_token_id = [ENDOFTEXT, IM_END]
     model.save_pretrained(path)
     _write_speakers(path, cfg_dict["token2wav_config"]["dit_config"])
     return path

@@ -188,6 +188,8 @@ def build_qwen3_omni(path: str, seed: int = 0, config_dict: dict | None = None) 
     model = Qwen3OmniMoeForConditionalGeneration(config).eval().float()
     _randomise(model, seed)
     _assert_finite(model)
+    # As the released checkpoint's generation_config.json: the thinker ends at either id.
+    model.generation_config.eos_token_id = [ENDOFTEXT, IM_END]
     model.save_pretrained(path)
     return path
 

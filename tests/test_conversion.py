@@ -13,8 +13,8 @@ import safetensors.numpy as stnp
 from conversion.convert import convert, main as convert_main
 from conversion.mapping import inverse_transform_for, map_hf_tensors
 from omni_jax import load_checkpoint
-from omni_jax.checkpoint import CONFIG_FILE, read_config
-from omni_jax.errors import CheckpointError
+from omni_jax.checkpoint import CONFIG_FILE, eos_token_ids, read_config
+from omni_jax.errors import CheckpointError, ConfigKeyError
 from omni_jax.models.registry import UnknownModelError, abstract_stage, param_shapes, stages_of
 
 pytestmark = pytest.mark.conversion
@@ -184,3 +184,28 @@ def test_load_rejects_mismatched_checkpoint(converted_fp32, tmp_path):
 def test_load_rejects_non_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match="not an OmniJax checkpoint"):
         load_checkpoint(str(tmp_path))
+
+
+def test_converted_checkpoint_keeps_the_generation_config(converted_fp32):
+    assert eos_token_ids(converted_fp32) == (151643, 151645)
+
+
+def test_missing_token_ids_name_the_key_and_the_file(converted_fp32, tmp_path):
+    """Token ids come from the checkpoint's configs; a missing one is an error, never a built-in number."""
+    bad = str(tmp_path / "bad")
+    shutil.copytree(converted_fp32, bad)
+    cfg_path = os.path.join(bad, CONFIG_FILE)
+    cfg = json.load(open(cfg_path))
+    del cfg["hf_config"]["talker_config"]["tts_codec_pad_token_id"]
+    json.dump(cfg, open(cfg_path, "w"))
+    with pytest.raises(ConfigKeyError, match=r"omni_jax_config\.json.*talker_config.*'tts_codec_pad_token_id'"):
+        load_checkpoint(bad, stage="talker")
+    gen_path = os.path.join(bad, "generation_config.json")
+    gen = json.load(open(gen_path))
+    del gen["eos_token_id"]
+    json.dump(gen, open(gen_path, "w"))
+    with pytest.raises(ConfigKeyError, match=r"generation_config\.json.*'eos_token_id'"):
+        eos_token_ids(bad)
+    os.remove(gen_path)
+    with pytest.raises(CheckpointError, match=r"generation_config\.json is missing.*eos_token_id"):
+        eos_token_ids(bad)

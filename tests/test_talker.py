@@ -17,7 +17,8 @@ from omni_jax.runtime.stage_factory import to_engine_request
 from omni_jax.inputs.rope_index import RopeIndexConfig
 from omni_jax.models.layers.attention import AttentionMetadata
 from omni_jax.models.qwen2_5_omni.pipeline import Qwen2_5OmniHandoff
-from omni_jax.models.qwen2_5_omni.stages import THINKER_EOS, build_talker_engine, build_thinker_engine
+from omni_jax.checkpoint import eos_token_ids
+from omni_jax.models.qwen2_5_omni.stages import build_talker_engine, build_thinker_engine
 from omni_jax.models.qwen2_5_omni.voices import Voices
 
 pytestmark = pytest.mark.parity
@@ -82,7 +83,8 @@ def test_thinker_talker_handoff_matches_transformers(converted_thinker_fp32, qwe
     from omni_jax.models.qwen2_5_omni.talker import TalkerConfig
 
     handoff = Qwen2_5OmniHandoff(Voices.load(converted_thinker_fp32), TalkerConfig.from_hf(cfg["talker_config"]),
-                                 RopeIndexConfig.from_hf(cfg), (151646, 151655, 151656), THINKER_EOS, (0, 3))
+                                 RopeIndexConfig.from_hf(cfg), (151646, 151655, 151656),
+                                 eos_token_ids(converted_thinker_fp32), (0, 3))
     ids = np.random.default_rng(3).integers(0, 151000, 21)
     first = AddRequest(request_id="r", prompt_token_ids=ids.astype(np.int32),
                        sampling_params=SamplingParams(temperature=0.0, max_tokens=7))

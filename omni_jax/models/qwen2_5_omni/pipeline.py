@@ -22,10 +22,10 @@ import dataclasses
 import numpy as np
 
 from ..handoff import UpstreamOutputs, assemble_hidden, media_positions, require_thinker_layers
-from ...checkpoint import read_config
+from ...checkpoint import eos_token_ids, parse_stage_config, read_config
 from ...engine.protocol import AddRequest, StageInputs
 from ...inputs.rope_index import RopeIndexConfig, get_rope_index
-from .stages import THINKER_EOS
+from .specs import STAGES
 from .talker import TalkerConfig
 from .voices import Voices
 
@@ -128,10 +128,8 @@ class Qwen2_5OmniHandoff:
 def load_handoff(ckpt_dir: str) -> Qwen2_5OmniHandoff:
     """The stage-input functions of a converted Qwen2.5-Omni checkpoint."""
     hf = read_config(ckpt_dir)["hf_config"]
-    thinker = hf["thinker_config"]
-    layers = thinker["text_config"]["num_hidden_layers"]
+    thinker = parse_stage_config(ckpt_dir, STAGES["thinker"], hf)
     return Qwen2_5OmniHandoff(
-        Voices.load(ckpt_dir), TalkerConfig.from_hf(hf["talker_config"]), RopeIndexConfig.from_hf(hf),
-        (thinker.get("audio_token_index", 151646), thinker.get("image_token_index", 151655),
-         thinker.get("video_token_index", 151656)), THINKER_EOS, (0, layers),
+        Voices.load(ckpt_dir), parse_stage_config(ckpt_dir, STAGES["talker"], hf), RopeIndexConfig.from_hf(hf),
+        thinker.media_token_ids, eos_token_ids(ckpt_dir), (0, thinker.text.num_layers),
         codebook_size=hf.get("token2wav_config", {}).get("dit_config", {}).get("num_embeds"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from ...checkpoint import load_checkpoint, read_config
+from ...checkpoint import eos_token_ids, load_checkpoint, read_config
 from ...engine.ar_engine import AREngine, EngineConfig
 from ...engine.oneshot_engine import OneShotEngine
 from ...engine.runner import RunnerConfig
@@ -13,8 +13,6 @@ from .media import MediaBuckets, ThinkerMediaEncoder
 from .token2wav import Token2WavSynthesizer
 from .voices import Voices
 
-# <|endoftext|> and <|im_end|>: the thinker stops at either (generation_config of the real model).
-THINKER_EOS = (151643, 151645)
 
 
 def load_tokenizer(ckpt_dir: str):
@@ -51,7 +49,7 @@ def build_talker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | Non
 
 def build_thinker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | None = None,
                          media_buckets: MediaBuckets = MediaBuckets(), enable_prefix_caching: bool = True,
-                         async_scheduling: bool = True, eos_token_ids=THINKER_EOS, warmup: bool = True,
+                         async_scheduling: bool = True, warmup: bool = True,
                          progress: bool = True) -> AREngine:
     """Load the thinker stage, its media encoders and tokenizer, and warm everything up."""
     import dataclasses
@@ -63,7 +61,7 @@ def build_thinker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | No
     engine = AREngine(
         model, EngineConfig(runner=dataclasses.replace(runner, rich_inputs=True),
                             enable_prefix_caching=enable_prefix_caching, async_scheduling=async_scheduling,
-                            eos_token_ids=tuple(eos_token_ids), vocab_size=text.vocab_size),
+                            eos_token_ids=eos_token_ids(ckpt_dir), vocab_size=text.vocab_size),
         num_layers=text.num_layers, num_kv_heads=text.num_kv_heads, head_dim=text.head_dim,
         hidden_size=text.hidden_size, tokenizer=load_tokenizer(ckpt_dir), prepare_inputs=media.prepare)
     engine.media_encoder = media

@@ -14,8 +14,12 @@ from typing import Sequence
 import jax.numpy as jnp
 from flax import nnx
 
+from ...errors import require
 from ..layers.attention import AttentionMetadata
 from ..layers.decoder import DecoderConfig, TextDecoder
+
+# Where from_hf reads its token ids (errors name it).
+SECTION = "talker_config"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,10 +40,13 @@ class TalkerConfig:
     def from_hf(cls, d: dict) -> "TalkerConfig":
         return cls(
             text=DecoderConfig.from_hf(d), embedding_size=d["embedding_size"],
-            codec_bos=d.get("tts_codec_start_token_id", 8293), codec_eos=d.get("tts_codec_end_token_id", 8294),
-            codec_pad=d.get("tts_codec_pad_token_id", 8292), codec_mask=d.get("tts_codec_mask_token_id", 8296),
-            text_bos=d.get("tts_text_start_token_id", 151860), text_eos=d.get("tts_text_end_token_id", 151861),
-            text_pad=d.get("tts_text_pad_token_id", 151859))
+            codec_bos=require(d, "tts_codec_start_token_id", section=SECTION),
+            codec_eos=require(d, "tts_codec_end_token_id", section=SECTION),
+            codec_pad=require(d, "tts_codec_pad_token_id", section=SECTION),
+            codec_mask=require(d, "tts_codec_mask_token_id", section=SECTION),
+            text_bos=require(d, "tts_text_start_token_id", section=SECTION),
+            text_eos=require(d, "tts_text_end_token_id", section=SECTION),
+            text_pad=require(d, "tts_text_pad_token_id", section=SECTION))
 
     @property
     def eos_token_ids(self) -> tuple[int, int]:

@@ -17,10 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ...errors import require
 from ..layers.attention import AttentionMetadata
 from ..layers.decoder import DecoderConfig, TextDecoder
 from .audio_encoder import AudioEncoderConfig, Qwen2_5OmniAudioEncoder
 from .vision_encoder import Qwen2_5OmniVisionEncoder, VisionEncoderConfig
+
+# Where from_hf reads its token ids (errors name it).
+SECTION = "thinker_config"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,12 +49,12 @@ class ThinkerConfig:
             text=DecoderConfig.from_hf(d["text_config"]),
             audio=AudioEncoderConfig.from_hf(d["audio_config"]),
             vision=VisionEncoderConfig.from_hf(d["vision_config"]),
-            audio_token_id=d.get("audio_token_index", d.get("audio_token_id", 151646)),
-            image_token_id=d.get("image_token_index", d.get("image_token_id", 151655)),
-            video_token_id=d.get("video_token_index", d.get("video_token_id", 151656)),
-            audio_start_token_id=d.get("audio_start_token_id", 151647),
-            audio_end_token_id=d.get("audio_end_token_id", 151648),
-            vision_start_token_id=d.get("vision_start_token_id", 151652),
+            audio_token_id=require(d, "audio_token_index", "audio_token_id", section=SECTION),
+            image_token_id=require(d, "image_token_index", "image_token_id", section=SECTION),
+            video_token_id=require(d, "video_token_index", "video_token_id", section=SECTION),
+            audio_start_token_id=require(d, "audio_start_token_id", section=SECTION),
+            audio_end_token_id=require(d, "audio_end_token_id", section=SECTION),
+            vision_start_token_id=require(d, "vision_start_token_id", section=SECTION),
             position_id_per_seconds=d.get("position_id_per_seconds", 25),
             seconds_per_chunk=d.get("seconds_per_chunk", 2),
         )

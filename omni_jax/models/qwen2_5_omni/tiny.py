@@ -19,11 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ...checkpoint import CONFIG_FILE, FORMAT_VERSION, save_stage
+from ...checkpoint import CONFIG_FILE, FORMAT_VERSION, GENERATION_CONFIG_FILE, save_stage
 from ...inputs.qwen_tokenizer import build_qwen2_5_omni_tokenizer
 from .specs import STAGES, write_side_files
 
-TINY_VERSION = 2
+TINY_VERSION = 3
+# <|endoftext|> and <|im_end|> end the reply, as in the released checkpoint's generation config.
+TINY_GENERATION_CONFIG = {"eos_token_id": [151643, 151645], "pad_token_id": 151643}
 
 
 def tiny_config() -> dict:
@@ -31,6 +33,9 @@ def tiny_config() -> dict:
     rope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]}
     ids = dict(audio_token_index=151646, image_token_index=151655, video_token_index=151656,
                audio_start_token_id=151647, audio_end_token_id=151648, vision_start_token_id=151652)
+    tts = dict(tts_codec_start_token_id=8293, tts_codec_end_token_id=8294, tts_codec_pad_token_id=8292,
+               tts_codec_mask_token_id=8296, tts_text_start_token_id=151860, tts_text_end_token_id=151861,
+               tts_text_pad_token_id=151859)
     thinker = dict(
         text_config=dict(vocab_size=152064, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                          num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
@@ -43,7 +48,7 @@ def tiny_config() -> dict:
         position_id_per_seconds=25, seconds_per_chunk=2, **ids)
     talker = dict(vocab_size=8448, embedding_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-                  spatial_merge_size=2, rope_parameters=rope, **ids)
+                  spatial_merge_size=2, rope_parameters=rope, **ids, **tts)
     dit = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, head_dim=16, ff_mult=2, emb_dim=16,
                block_size=24, look_ahead_layers=[1], look_backward_layers=[0], repeats=2, num_embeds=8193,
                mel_dim=80, enc_emb_dim=16, enc_dim=16, enc_channels=[32, 32, 32, 32, 96],
@@ -87,6 +92,8 @@ def build_tiny_checkpoint(out_dir: str, seed: int = 0) -> str:
             stages.append(name)
         write_side_files(None, tables.__getitem__, hf_config, tmp, speakers=tiny_speakers(hf_config, seed))
         build_qwen2_5_omni_tokenizer(tmp)
+        with open(os.path.join(tmp, GENERATION_CONFIG_FILE), "w") as f:
+            json.dump(TINY_GENERATION_CONFIG, f)
         with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
             json.dump({"format_version": FORMAT_VERSION, "family": "qwen2_5_omni", "dtype": "float32",
                        "stages": stages, "hf_config": hf_config}, f, indent=1)

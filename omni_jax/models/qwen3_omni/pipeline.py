@@ -35,12 +35,12 @@ import numpy as np
 import safetensors.numpy
 
 from ..handoff import UpstreamOutputs, assemble_hidden, media_positions, require_thinker_layers
-from ...checkpoint import read_config
+from ...checkpoint import CONFIG_FILE, eos_token_ids, parse_stage_config, read_config
+from ...errors import require
 from ...engine.protocol import AddRequest, StageInputs
 from ...inputs.rope_index import RopeIndexConfig
 from .rope_index import get_rope_index_qwen3
-from .specs import TTS_ROWS_FILE
-from .stages import THINKER_EOS
+from .specs import STAGES, TTS_ROWS_FILE
 from .talker import TalkerConfig
 
 _TEXT, _HIDDEN = 0, 1  # overlay_proj values: the talker's text_projection / hidden_projection
@@ -182,12 +182,13 @@ def load_handoff(ckpt_dir: str) -> Qwen3OmniHandoff:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{ckpt_dir} has no {TTS_ROWS_FILE}: reconvert the checkpoint for speech output")
     thinker = hf["thinker_config"]
+    where = f"{os.path.join(ckpt_dir, CONFIG_FILE)} (hf_config)"
+    thinker_cfg = parse_stage_config(ckpt_dir, STAGES["thinker"], hf)
     return Qwen3OmniHandoff(
-        talker=TalkerConfig.from_hf(hf["talker_config"]), rope=RopeIndexConfig.from_hf(thinker),
-        audio_n_window=thinker.get("audio_config", {}).get("n_window", 50),
-        tts_rows=safetensors.numpy.load_file(path), im_start_id=hf.get("im_start_token_id", 151644),
-        user_id=hf.get("user_token_id", 872), assistant_id=hf.get("assistant_token_id", 77091),
-        tts_pad_id=hf.get("tts_pad_token_id", 151671),
-        media_token_ids=(thinker.get("audio_token_id", 151675), thinker.get("image_token_id", 151655),
-                         thinker.get("video_token_id", 151656)),
-        thinker_eos=THINKER_EOS)
+        talker=parse_stage_config(ckpt_dir, STAGES["talker"], hf), rope=RopeIndexConfig.from_hf(thinker),
+        audio_n_window=thinker_cfg.audio.n_window,
+        tts_rows=safetensors.numpy.load_file(path), im_start_id=require(hf, "im_start_token_id", section=where),
+        user_id=require(hf, "user_token_id", section=where), assistant_id=require(hf, "assistant_token_id", section=where),
+        tts_pad_id=require(hf, "tts_pad_token_id", section=where),
+        media_token_ids=(thinker_cfg.audio_token_id, thinker_cfg.image_token_id, thinker_cfg.video_token_id),
+        thinker_eos=eos_token_ids(ckpt_dir))

@@ -10,7 +10,7 @@ import msgspec.structs
 import numpy as np
 from flax import nnx
 
-from ...checkpoint import load_checkpoint
+from ...checkpoint import eos_token_ids, load_checkpoint
 from ...engine.ar_engine import AREngine, EngineConfig
 from ...engine.buckets import pick_bucket, pow2_buckets
 from ...engine.protocol import StageInputs
@@ -18,13 +18,11 @@ from ...engine.runner import RunnerConfig
 from ..qwen2_5_omni.stages import load_tokenizer
 from .media import MediaBuckets, Qwen3ThinkerMediaEncoder
 
-# <|endoftext|> and <|im_end|>: the thinker stops at either (as Qwen2.5-Omni's).
-THINKER_EOS = (151643, 151645)
 
 
 def build_thinker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | None = None,
                          media_buckets: MediaBuckets = MediaBuckets(), enable_prefix_caching: bool = True,
-                         async_scheduling: bool = True, eos_token_ids=THINKER_EOS, warmup: bool = True,
+                         async_scheduling: bool = True, warmup: bool = True,
                          progress: bool = True) -> AREngine:
     """Load the Qwen3-Omni thinker, its media encoders and tokenizer, and warm everything up.
 
@@ -40,7 +38,7 @@ def build_thinker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | No
     runner = dataclasses.replace(runner, rich_inputs=True, deepstack_layers=cfg.num_deepstack_layers)
     engine = AREngine(
         model, EngineConfig(runner=runner, enable_prefix_caching=enable_prefix_caching,
-                            async_scheduling=async_scheduling, eos_token_ids=tuple(eos_token_ids),
+                            async_scheduling=async_scheduling, eos_token_ids=eos_token_ids(ckpt_dir),
                             vocab_size=text.vocab_size),
         num_layers=text.num_layers, num_kv_heads=text.num_kv_heads, head_dim=text.head_dim,
         hidden_size=text.hidden_size, tokenizer=load_tokenizer(ckpt_dir), prepare_inputs=media.prepare)

@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ...errors import require
 from ...engine.sampling import apply_top_k_top_p, gumbel_argmax, top_k_top_p_candidates
 from ..layers.attention import AttentionMetadata
 from ..layers.mlp import ACTIVATIONS
@@ -56,6 +57,9 @@ _DEFAULT_MROPE_SECTION = (24, 20, 20)
 # HF's code predictor samples with top_k 50 / top_p 0.8 (prepare_inputs_for_generation)
 # and its own generation config's temperature (1.0).
 CODE_PREDICTOR_SAMPLING = dict(temperature=1.0, top_k=50, top_p=0.8)
+
+# Where from_hf reads its token ids (errors name it).
+SECTION = "talker_config"
 
 
 def talker_text_config(d: dict) -> Qwen3TextConfig:
@@ -124,17 +128,18 @@ class TalkerConfig:
             text=text, code_predictor=predictor, num_code_groups=groups,
             thinker_hidden_size=d.get("thinker_hidden_size", 2048),
             accept_hidden_layer=d.get("accept_hidden_layer", 24),
-            codec_eos_token_id=d.get("codec_eos_token_id", 2150),
-            codec_pad_id=d.get("codec_pad_id", 2148), codec_bos_id=d.get("codec_bos_id", 2149),
-            codec_nothink_id=d.get("codec_nothink_id", 2155),
-            codec_think_bos_id=d.get("codec_think_bos_id", 2156),
-            codec_think_eos_id=d.get("codec_think_eos_id", 2157),
+            codec_eos_token_id=require(d, "codec_eos_token_id", section=SECTION),
+            codec_pad_id=require(d, "codec_pad_id", section=SECTION),
+            codec_bos_id=require(d, "codec_bos_id", section=SECTION),
+            codec_nothink_id=require(d, "codec_nothink_id", section=SECTION),
+            codec_think_bos_id=require(d, "codec_think_bos_id", section=SECTION),
+            codec_think_eos_id=require(d, "codec_think_eos_id", section=SECTION),
             speaker_ids=tuple(sorted((k.lower(), int(v)) for k, v in (d.get("speaker_id") or {}).items())),
-            audio_token_id=d.get("audio_token_id", 151675),
-            image_token_id=d.get("image_token_id", 151655),
-            video_token_id=d.get("video_token_id", 151656),
-            vision_start_token_id=d.get("vision_start_token_id", 151652),
-            audio_start_token_id=d.get("audio_start_token_id", 151669),
+            audio_token_id=require(d, "audio_token_id", section=SECTION),
+            image_token_id=require(d, "image_token_id", section=SECTION),
+            video_token_id=require(d, "video_token_id", section=SECTION),
+            vision_start_token_id=require(d, "vision_start_token_id", section=SECTION),
+            audio_start_token_id=require(d, "audio_start_token_id", section=SECTION),
             position_id_per_seconds=d.get("position_id_per_seconds", 25),
             spatial_merge_size=d.get("spatial_merge_size", 2),
         )

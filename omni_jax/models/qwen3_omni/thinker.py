@@ -20,11 +20,15 @@ from typing import Sequence
 import jax.numpy as jnp
 from flax import nnx
 
+from ...errors import require
 from ...inputs.rope_index import RopeIndexConfig
 from ..layers.attention import AttentionMetadata
 from .audio_encoder import AudioEncoderConfig, Qwen3OmniAudioEncoder
 from .thinker_text import Qwen3TextConfig, Qwen3TextDecoder
 from .vision_encoder import Qwen3OmniVisionEncoder, VisionEncoderConfig
+
+# Where from_hf reads its token ids (errors name it).
+SECTION = "thinker_config"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,13 +66,13 @@ class ThinkerConfig:
             text=Qwen3TextConfig.from_hf(d["text_config"]),
             audio=AudioEncoderConfig.from_hf(d["audio_config"]),
             vision=VisionEncoderConfig.from_hf(d["vision_config"]),
-            audio_token_id=int(pick("audio_token_id", "audio_token_index")),
-            image_token_id=int(pick("image_token_id", "image_token_index")),
-            video_token_id=int(pick("video_token_id", "video_token_index")),
-            audio_start_token_id=int(pick("audio_start_token_id")),
-            audio_end_token_id=int(pick("audio_end_token_id")),
-            vision_start_token_id=int(pick("vision_start_token_id")),
-            vision_end_token_id=int(pick("vision_end_token_id")),
+            audio_token_id=int(require(d, "audio_token_id", "audio_token_index", section=SECTION)),
+            image_token_id=int(require(d, "image_token_id", "image_token_index", section=SECTION)),
+            video_token_id=int(require(d, "video_token_id", "video_token_index", section=SECTION)),
+            audio_start_token_id=int(require(d, "audio_start_token_id", section=SECTION)),
+            audio_end_token_id=int(require(d, "audio_end_token_id", section=SECTION)),
+            vision_start_token_id=int(require(d, "vision_start_token_id", section=SECTION)),
+            vision_end_token_id=int(require(d, "vision_end_token_id", section=SECTION)),
             position_id_per_seconds=pick("position_id_per_seconds"),
             seconds_per_chunk=pick("seconds_per_chunk"),
         )

@@ -86,7 +86,12 @@ class _Frontend:
     def _request(self, prompt, params: list[SamplingParams], chain, request_id: str, sink,
                  voice: str | None = None) -> OrchestratorRequest:
         """Process the prompt (raises PromptError) and build the orchestrator request."""
-        p = self.processor.process(prompt, speech_output=len(chain) > 1)
+        try:
+            p = self.processor.process(prompt, speech_output=len(chain) > 1)
+        except PromptError:
+            raise
+        except Exception as e:  # whatever a hostile prompt trips over is that prompt's error
+            raise PromptError(f"{type(e).__name__}: {e}") from e
         mm = p.multi_modal
         if mm is not None and not isinstance(mm, MultiModalPayload):
             raise PromptError(f"'multi_modal_data' must be a MultiModalPayload, got {type(mm).__name__}")
@@ -141,22 +146,27 @@ class OmniJax(_Frontend):
         params = self._stage_params(sampling_params, chain)
         done: queue.SimpleQueue = queue.SimpleQueue()
         results: dict[str, OmniRequestOutput] = {}
-        order, pending = [], 0
-        for prompt in prompts:
-            rid = self._new_id()
-            order.append(rid)
-            try:
-                req = self._request(prompt, params, chain, rid, lambda o: o.finished and done.put(o), voice)
-            except PromptError as e:
-                results[rid] = OmniRequestOutput(request_id=rid, finished=True, finish_reason="error",
-                                                 error=f"bad prompt: {e}")
-                continue
-            self._orch.submit(req)
-            pending += 1
-        while pending:
-            out = done.get()
-            results[out.request_id] = out
-            pending -= 1
+        order, submitted = [], set()
+        try:
+            for prompt in prompts:
+                rid = self._new_id()
+                order.append(rid)
+                try:
+                    req = self._request(prompt, params, chain, rid, lambda o: o.finished and done.put(o), voice)
+                except PromptError as e:
+                    results[rid] = OmniRequestOutput(request_id=rid, finished=True, finish_reason="error",
+                                                     error=f"bad prompt: {e}")
+                    continue
+                self._orch.submit(req)
+                submitted.add(rid)
+            while submitted - results.keys():
+                out = done.get()
+                results[out.request_id] = out
+        except BaseException:
+            # Ctrl-C or a dead engine: nothing this call started may keep running.
+            for rid in submitted - results.keys():
+                self._orch.abort(rid)
+            raise
         return [results[r] for r in order]
 
     def __enter__(self):

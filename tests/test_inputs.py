@@ -425,6 +425,16 @@ def _user(*parts):
     return {"messages": [{"role": "user", "content": list(parts)}]}
 
 
+def test_hostile_numbers_fail_fast(proc):
+    """Values that used to wrap or hang are refused with an error naming them."""
+    for rate in (float("inf"), 1e30, float("nan"), -16000):
+        with pytest.raises(PromptError, match="sample rate"):
+            proc.process(_user({"type": "audio", "audio": (np.zeros(1600, np.float32), rate)}))
+    for ids in ([2**31], [1, 2**40], np.array([2**63], np.uint64), [-1]):
+        with pytest.raises(PromptError, match="out of range"):
+            proc.process({"prompt_token_ids": ids})
+
+
 def test_bad_inputs(proc, media_dir, tmp_path):
     missing = str(tmp_path / "nope.png")
     with pytest.raises(PromptError, match=re.escape(missing)):

@@ -76,6 +76,46 @@ def test_bad_prompt_fails_alone(omni):
     assert outs[4].error is None and len(outs[4].token_ids) == 6
 
 
+def test_any_prompt_failure_fails_only_that_prompt(omni):
+    """A prompt whose processing raises anything (here a TypeError in the chat template) is its own error."""
+    outs = omni.generate([{"messages": [{"role": 7, "content": "hi"}]}, {"prompt_token_ids": [4, 5, 6]},
+                          {"prompt_token_ids": [2**31]}], sampling_params=GREEDY)
+    assert outs[0].finish_reason == "error" and "bad prompt" in outs[0].error
+    assert outs[1].error is None and len(outs[1].token_ids) == 6
+    assert outs[2].finish_reason == "error" and "out of range" in outs[2].error
+
+
+def test_undecodable_payload_fails_its_request(omni):
+    """A raw payload with a list where an array belongs cannot be read by the stage: that request
+    fails with an error saying so (it used to be dropped, and generate waited for ever)."""
+    from omni_jax.engine.protocol import MultiModalPayload
+
+    bad = {"prompt_token_ids": [1, 2, 3], "multi_modal_data": MultiModalPayload(pixel_values=[[0.5] * 4])}
+    outs = omni.generate([bad, {"prompt_token_ids": [4, 5, 6]}], sampling_params=GREEDY)
+    assert outs[0].finish_reason == "error" and "could not read the request" in outs[0].error
+    assert outs[1].error is None and len(outs[1].token_ids) == 6
+
+
+def test_duplicate_request_id_is_refused_without_touching_the_original(converted_thinker_fp32):
+    async def run():
+        async with AsyncOmniJax(model=converted_thinker_fp32, pipeline=tiny_pipeline()) as engine:
+            params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+            async def collect(rid):
+                outs = [o async for o in engine.generate({"prompt_token_ids": [3, 4, 5]}, params, request_id=rid)]
+                return outs[-1]
+
+            original = asyncio.create_task(collect("same"))
+            while "same" not in engine._orch._requests:
+                await asyncio.sleep(0.001)
+            duplicate = await asyncio.wait_for(collect("same"), 30)
+            return await asyncio.wait_for(original, 60), duplicate
+
+    original, duplicate = asyncio.run(run())
+    assert duplicate.finish_reason == "error" and "already in flight" in duplicate.error
+    assert original.error is None and original.finish_reason == "length" and len(original.token_ids) == 40
+
+
 def test_200_concurrent_async_requests(converted_thinker_fp32):
     async def run():
         async with AsyncOmniJax(model=converted_thinker_fp32, pipeline=tiny_pipeline()) as engine:
@@ -171,11 +211,13 @@ def test_no_orphan_stage_when_parent_is_killed(converted_thinker_fp32, tmp_path)
         p = load_pipeline_config("qwen2_5_omni_tiny").with_overrides(
             thinker=dict(token_buckets=[16], decode_buckets=[1], max_num_batched_tokens=16, max_num_seqs=1))
         omni = OmniJax(model={converted_thinker_fp32!r}, pipeline=p)
-        print(omni.stage_pids()["thinker"], flush=True)
+        print(omni.stage_pids()["thinker"], omni._orch.ipc_dir, flush=True)
         time.sleep(600)
     """))
     parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
-    stage_pid = int(parent.stdout.readline())
+    pid, ipc_dir = parent.stdout.readline().split()
+    stage_pid = int(pid)
+    assert os.path.isdir(ipc_dir)
     parent.kill()
     parent.wait()
     deadline = time.monotonic() + 10
@@ -188,3 +230,5 @@ def test_no_orphan_stage_when_parent_is_killed(converted_thinker_fp32, tmp_path)
     else:
         os.kill(stage_pid, signal.SIGKILL)
         pytest.fail("the stage process outlived its parent")
+    # The stage took the private socket directory with it.
+    assert not os.path.exists(ipc_dir)

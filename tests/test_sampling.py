@@ -140,6 +140,14 @@ def _np_penalties(logits, prompt, output, rep, pres, freq):
         ("logprobs", -1),
         ("logprobs", 21),
         ("ignore_eos", "yes"),
+        # Values that would wrap in the int32 device arrays or not encode for the wire.
+        ("max_tokens", 10**30),
+        ("max_tokens", 2**31),
+        ("top_k", 2**31),
+        ("seed", 2**64),
+        ("seed", -(2**63) - 1),
+        ("stop_token_ids", [2**31]),
+        ("suppress_token_ids", [10**30]),
     ],
 )
 def test_validation_names_field(field, value):

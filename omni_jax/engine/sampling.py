@@ -70,6 +70,7 @@ __all__ = [
 # them only amplifies float noise.
 _SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
+INT32_MAX = 2**31 - 1
 # Widths the top-logprobs output is padded to, so a batch asking for 3 and one asking
 # for 4 share a compiled variant.
 LOGPROBS_BUCKETS = (0, 5, MAX_LOGPROBS)
@@ -156,8 +157,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tr
         t = self.temperature
         if not _is_real(t) or not (0.0 <= t < math.inf):
             raise _bad("temperature", t, "a finite number >= 0")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise _bad("top_k", self.top_k, "an int >= -1 (0 or -1 disables it)")
+        # Counts and ids go to the device as int32 and seeds through msgpack as uint64: a
+        # larger value must fail here, not wrap or fail to encode inside the engine.
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= INT32_MAX:
+            raise _bad("top_k", self.top_k, f"an int in [-1, {INT32_MAX}] (0 or -1 disables it)")
         if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise _bad("top_p", self.top_p, "a number in (0, 1]")
         if not _is_real(self.min_p) or not (0.0 <= self.min_p <= 1.0):
@@ -169,16 +172,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tr
             v = getattr(self, name)
             if not _is_real(v) or not (-2.0 <= v <= 2.0):
                 raise _bad(name, v, "a number in [-2, 2]")
-        if self.seed is not None and not _is_int(self.seed):
-            raise _bad("seed", self.seed, "None or an int")
+        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
+            raise _bad("seed", self.seed, "None or an int in [-2**63, 2**64)")
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise _bad("stop", self.stop, "a list of non-empty strings")
         for name in ("stop_token_ids", "suppress_token_ids"):
             ids = getattr(self, name)
-            if not isinstance(ids, tuple) or not all(_is_int(i) and i >= 0 for i in ids):
-                raise _bad(name, ids, "a list of token ids (ints >= 0)")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise _bad("max_tokens", self.max_tokens, "an int >= 1")
+            if not isinstance(ids, tuple) or not all(_is_int(i) and 0 <= i <= INT32_MAX for i in ids):
+                raise _bad(name, ids, f"a list of token ids (ints in [0, {INT32_MAX}])")
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT32_MAX:
+            raise _bad("max_tokens", self.max_tokens, f"an int in [1, {INT32_MAX}]")
         if not _is_int(self.min_tokens) or not (0 <= self.min_tokens <= self.max_tokens):
             raise _bad("min_tokens", self.min_tokens,
                        f"an int in [0, max_tokens={self.max_tokens}]")

@@ -38,6 +38,9 @@ __all__ = [
 
 TARGET_SAMPLE_RATE = 16000
 
+# The highest sample rate accepted for an audio array (Hz): studio audio goes to 384 kHz.
+MAX_SAMPLE_RATE = 384_000
+
 
 class MediaError(ValueError):
     """A media item cannot be loaded; the message names the source and the reason."""
@@ -245,8 +248,9 @@ def load_audio(src: Any, max_seconds: float | None = None, what: str = "audio",
             rate = float(rate)
         except (TypeError, ValueError):
             raise MediaError(f"{what}: sample rate {rate!r} is not a number") from None
-        if not rate > 0:
-            raise MediaError(f"{what}: sample rate must be positive, got {rate:g}")
+        if not 0 < rate <= MAX_SAMPLE_RATE:
+            # An absurd rate (inf, 1e30) would make the resampler run for ever.
+            raise MediaError(f"{what}: sample rate must be in (0, {MAX_SAMPLE_RATE}] Hz, got {rate:g}")
         wave = _to_mono_float(arr, what)
         _check_seconds(wave.shape[0], rate, max_seconds, what)
         wave = resample(wave, rate, target_rate)

@@ -568,7 +568,13 @@ def _token_ids(raw: Any) -> np.ndarray:
         raise PromptError("'prompt_token_ids' must be a list of ints") from None
     if ids.size and (ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer)):
         raise PromptError("'prompt_token_ids' must be a flat list of ints")
-    return ids.astype(np.int32) if ids.size else np.zeros(0, np.int32)
+    if not ids.size:
+        return np.zeros(0, np.int32)
+    # Range-check the values given, before the int32 cast could wrap them to valid ids.
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi > np.iinfo(np.int32).max:
+        raise PromptError(f"token id {lo if lo < 0 else hi} is out of range")
+    return ids.astype(np.int32)
 
 
 def _use_audio_in_video(prompt: dict, default: bool) -> bool:

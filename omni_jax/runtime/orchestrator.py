@@ -221,7 +221,11 @@ class Orchestrator:
             self._finish(req, error=self.dead)
             return
         if req.request_id in self._requests:
-            self._finish(req, error=f"request id {req.request_id!r} is already in flight")
+            # Refused without touching the request already in flight under that id.
+            out = req.output
+            out.finished, out.finish_reason = True, "error"
+            out.error = f"request id {req.request_id!r} is already in flight"
+            req.sink(out.snapshot())
             return
         self._requests[req.request_id] = req
         for name, msg in zip(req.chain, req.stage_messages()):

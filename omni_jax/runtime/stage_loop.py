@@ -77,6 +77,8 @@ class StageServer:
                 msg = channel.recv(timeout_ms=0)
             except ProtocolError as e:
                 log.warning("dropped a malformed message: %s", e)
+                if e.request_id is not None and channel is self.inbox:
+                    self._fail(e.request_id, f"stage {self.name!r} could not read the request: {e}")
                 continue
             if msg is None:
                 return True

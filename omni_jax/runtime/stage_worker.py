@@ -15,17 +15,20 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import sys
 import threading
 import time
 
 
-def _exit_with_parent(parent_pid: int, period_s: float = 0.5) -> None:
-    """Exit at once when the parent process is gone (no orphan stages), even mid-compile."""
+def _exit_with_parent(parent_pid: int, ipc_dir: str, period_s: float = 0.5) -> None:
+    """Exit at once when the parent process is gone (no orphan stages), even mid-compile,
+    removing the parent's socket directory (a killed parent could not)."""
     def watch():
         while True:
             time.sleep(period_s)
             if os.getppid() != parent_pid:
+                shutil.rmtree(ipc_dir, ignore_errors=True)
                 os._exit(0)
 
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
@@ -42,7 +45,7 @@ def _configure_device(stage: dict) -> None:
 
 def stage_main(stage_json: str, ckpt_dir: str, family: str, ipc_dir: str, parent_pid: int) -> None:
     """Entry point of a stage process (arguments are plain strings: nothing is unpickled)."""
-    _exit_with_parent(parent_pid)
+    _exit_with_parent(parent_pid, ipc_dir)
     stage = json.loads(stage_json)
     name = stage["name"]
     logging.basicConfig(level=os.environ.get("OMNI_JAX_LOG_LEVEL", "WARNING"),

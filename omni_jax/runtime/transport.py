@@ -83,7 +83,15 @@ logger = logging.getLogger(__name__)
 
 
 class ProtocolError(ValueError):
-    """A message could not be encoded, or frames received do not form a valid message."""
+    """A message could not be encoded, or frames received do not form a valid message.
+
+    `request_id`: the request a malformed message was about, when it could still be read,
+    so the receiver can fail that request instead of leaving it unanswered.
+    """
+
+    def __init__(self, message: str, request_id: str | None = None):
+        super().__init__(message)
+        self.request_id = request_id
 
 
 # ---------------------------------------------------------------------------------------
@@ -235,9 +243,9 @@ class Codec:
         except ProtocolError:
             raise
         except msgspec.DecodeError as e:  # includes ValidationError (wrong type / values)
-            raise ProtocolError(f"invalid message: {e}") from None
+            raise ProtocolError(f"invalid message: {e}", _request_id_of(bufs[0])) from None
         except (ValueError, TypeError, OverflowError) as e:
-            raise ProtocolError(f"invalid message: {_type_name(e)}: {e}") from None
+            raise ProtocolError(f"invalid message: {_type_name(e)}: {e}", _request_id_of(bufs[0])) from None
         finally:
             local.frames = outer
 
@@ -264,6 +272,16 @@ class Codec:
             # the message buffer.
             return _array_from_buffer(data[offset:], dtype, shape).copy()
         raise ProtocolError(f"unknown msgpack extension type {code}")
+
+
+def _request_id_of(frame: memoryview) -> str | None:
+    """The `request_id` string of an undecodable message, if its top level still reads as a map."""
+    try:
+        msg = msgspec.msgpack.decode(frame, ext_hook=lambda code, data: None)
+    except Exception:  # not even msgpack: nothing to recover
+        return None
+    rid = msg.get("request_id") if isinstance(msg, dict) else None
+    return rid if isinstance(rid, str) else None
 
 
 def _type_name(obj: Any) -> str:

@@ -222,6 +222,9 @@ class StageConfig:
     device: int | None = None
     memory_fraction: float | None = None  # share of the device this stage's process may use
     ready_timeout_s: float = 600.0
+    # A ready stage that answers nothing (not even the orchestrator's heartbeat) for this
+    # long is declared unhealthy: its requests fail, naming it, until it answers again.
+    health_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         try:
@@ -296,10 +299,11 @@ class StageConfig:
         if self.device is not None:
             set_("device", int(self.device))
         set_("memory_fraction", _fraction("memory_fraction", self.memory_fraction, optional=True))
-        t = self.ready_timeout_s
-        if not isinstance(t, numbers.Real) or isinstance(t, bool) or not 0 < t < math.inf:
-            raise _invalid("ready_timeout_s", f"must be a positive number of seconds, got {t!r}")
-        set_("ready_timeout_s", float(t))
+        for name in ("ready_timeout_s", "health_timeout_s"):
+            t = getattr(self, name)
+            if not isinstance(t, numbers.Real) or isinstance(t, bool) or not 0 < t < math.inf:
+                raise _invalid(name, f"must be a positive number of seconds, got {t!r}")
+            set_(name, float(t))
 
     # ------------------------------------------------------------------ derived values
     @property

@@ -136,6 +136,7 @@ def test_stage_defaults():
     assert s.audio_chunk_buckets == (1, 4, 16, 64) and s.vision_patch_buckets == (1024, 4096, 16384)
     assert s.enable_prefix_caching and s.backend is None and s.dtype is None
     assert s.default_sampling == {} and s.hidden_layers == () and s.ready_timeout_s == 600.0
+    assert s.health_timeout_s == 30.0
     assert s.resolved_token_buckets == (16, 32, 64, 128, 256, 512, 1024, 2048)
     assert s.resolved_decode_buckets == (1, 2, 4, 8, 16, 32)
     assert s.blocks_per_seq == 512
@@ -213,6 +214,8 @@ def test_negative_value_names_pipeline_stage_and_field():
     ("kv_memory_fraction", 1.5, "in (0, 1]"),
     ("memory_fraction", 0, "in (0, 1]"),
     ("ready_timeout_s", -1, "positive number of seconds"),
+    ("health_timeout_s", 0, "positive number of seconds"),
+    ("health_timeout_s", float("inf"), "positive number of seconds"),
     ("runner", "diffusion", "must be one of 'ar', 'oneshot'"),
     ("backend", "triton", "must be one of null, 'pallas', 'reference'"),
     ("dtype", "float16", "must be one of null, 'float32', 'bfloat16'"),

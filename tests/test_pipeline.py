@@ -202,6 +202,49 @@ def test_sigkill_stage_fails_requests_fast_and_later_calls_raise(converted_think
     engine.shutdown()
 
 
+def test_silent_stage_fails_its_requests_and_recovers(converted_thinker_fp32):
+    """A stage that stops answering without dying (SIGSTOP) is declared unhealthy after its
+    health_timeout_s: its requests fail naming it, stats say so at once, and once it answers
+    again (SIGCONT) new requests succeed and nothing leaks."""
+    import threading
+
+    limit = 2.0
+    engine = OmniJax(model=converted_thinker_fp32, pipeline=tiny_pipeline(health_timeout_s=limit))
+    try:
+        pid = engine.stage_pids()["thinker"]
+        results = []
+        t = threading.Thread(target=lambda: results.extend(engine.generate(
+            [{"prompt_token_ids": [3, 4, 5]}], sampling_params=SamplingParams(temperature=0.0, max_tokens=500,
+                                                                              ignore_eos=True))))
+        t.start()
+        deadline = time.monotonic() + 30
+        while not engine._orch._requests and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        try:
+            t.join(limit + 5)
+            assert not t.is_alive(), "generate hung on a silent stage"
+            assert results[0].finish_reason == "error" and "'thinker' stopped answering" in results[0].error
+            t0 = time.monotonic()
+            assert engine.stage_stats()["thinker"] == {"healthy": 0.0}
+            assert time.monotonic() - t0 < 1.0
+            refused = engine.generate([{"prompt_token_ids": [1, 2]}], sampling_params=GREEDY)[0]
+            assert refused.finish_reason == "error" and "stopped answering" in refused.error
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert time.monotonic() - stopped_at < limit + 5 + 5
+        deadline = time.monotonic() + 30
+        while engine.stage_stats()["thinker"]["healthy"] != 1.0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        out = engine.generate([{"prompt_token_ids": [1, 2]}], sampling_params=GREEDY)[0]
+        assert out.error is None and len(out.token_ids) == 6
+        stats = engine.stage_stats()["thinker"]
+        assert stats["kv_cache_usage"] == 0.0 and stats["num_running"] == 0
+    finally:
+        engine.shutdown()
+
+
 def test_no_orphan_stage_when_parent_is_killed(converted_thinker_fp32, tmp_path):
     script = tmp_path / "parent.py"
     script.write_text(textwrap.dedent(f"""

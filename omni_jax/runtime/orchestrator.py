@@ -13,6 +13,7 @@ later submissions raise.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import queue
@@ -25,8 +26,8 @@ import msgspec.structs
 import numpy as np
 import zmq
 
-from ..outputs import OmniRequestOutput
 from ..engine.protocol import AddRequest, HealthCheck, HealthReply, StageFailure, StageOutputs
+from ..outputs import OmniRequestOutput
 from .stage_client import StageClient
 from .transport import ProtocolError, private_ipc_dir
 
@@ -34,6 +35,11 @@ log = logging.getLogger("omni_jax.orchestrator")
 
 # How often stage processes are checked for liveness (s).
 LIVENESS_PERIOD = 0.2
+# How often each stage is sent a heartbeat (s); its answer, or any other message, shows it
+# is responsive (see StageConfig.health_timeout_s).
+HEARTBEAT_PERIOD = 1.0
+# The nonce of heartbeats (stats requests count from 1).
+HEARTBEAT_NONCE = 0
 
 
 class EngineDeadError(RuntimeError):
@@ -144,13 +150,16 @@ class Orchestrator:
         self._wake()
 
     def stage_stats(self, timeout_s: float = 10.0) -> dict[str, dict]:
-        """Ask every stage for its engine stats (KV usage, running requests, compilations...)."""
-        import concurrent.futures
-
+        """Every stage's engine stats (KV usage, running requests, compilations...) and `healthy`
+        (1.0, or 0.0 with nothing else for a stage that died or stopped answering)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(("health", fut))
         self._wake()
-        return fut.result(timeout_s)
+        try:
+            return fut.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"no stage stats within {timeout_s:g} s: a stage is busy, or silent for less "
+                               f"than its health_timeout_s so far") from None
 
     def shutdown(self) -> None:
         """Stop the thread and every stage process; safe to call twice."""
@@ -176,6 +185,7 @@ class Orchestrator:
             poller.register(c.replies.socket, zmq.POLLIN)
             by_socket[c.replies.socket] = c
         next_check = time.monotonic() + LIVENESS_PERIOD
+        next_heartbeat = time.monotonic()
         while not self._stop.is_set():
             try:
                 events = dict(poller.poll(timeout=int(LIVENESS_PERIOD * 1000)))
@@ -189,6 +199,11 @@ class Orchestrator:
                 for sock, client in by_socket.items():
                     if sock in events:
                         self._drain_replies(client)
+                if time.monotonic() >= next_heartbeat:
+                    for c in self.clients.values():
+                        if c.dead_reason is None:
+                            c.requests.send(HealthCheck(nonce=HEARTBEAT_NONCE))
+                    next_heartbeat = time.monotonic() + HEARTBEAT_PERIOD
                 if time.monotonic() >= next_check:
                     self._check_liveness()
                     next_check = time.monotonic() + LIVENESS_PERIOD
@@ -208,9 +223,9 @@ class Orchestrator:
             elif kind == "health":
                 self._health_nonce += 1
                 self._health[self._health_nonce] = (arg, {})
-                for c in self.clients.values():
-                    if c.is_alive():
-                        c.requests.send(HealthCheck(nonce=self._health_nonce))
+                for c in self._responsive():
+                    c.requests.send(HealthCheck(nonce=self._health_nonce))
+                self._resolve_stats()
             elif kind == "abort":
                 req = self._requests.get(arg)
                 if req is not None:
@@ -219,6 +234,10 @@ class Orchestrator:
     def _start(self, req: OrchestratorRequest) -> None:
         if self.dead is not None:
             self._finish(req, error=self.dead)
+            return
+        silent = [self.clients[n].unhealthy_reason for n in req.chain if self.clients[n].unhealthy_reason]
+        if silent:
+            self._finish(req, error=silent[0])
             return
         if req.request_id in self._requests:
             # Refused without touching the request already in flight under that id.
@@ -241,6 +260,10 @@ class Orchestrator:
                 continue
             if msg is None:
                 return
+            client.last_heard = time.monotonic()
+            if client.unhealthy_reason is not None:
+                log.warning("stage %r answers again", client.name)
+                client.unhealthy_reason = None
             if isinstance(msg, StageOutputs):
                 self._on_outputs(client.name, msg)
             elif isinstance(msg, StageFailure):
@@ -249,13 +272,20 @@ class Orchestrator:
                     self._finish(req, error=msg.message)
                 elif msg.request_id is None:
                     log.error("stage %r reported: %s", client.name, msg.message)
-            elif isinstance(msg, HealthReply):
-                fut, got = self._health.get(msg.nonce, (None, None))
-                if fut is not None:
-                    got[msg.stage] = msg.stats
-                    if len(got) == sum(c.is_alive() for c in self.clients.values()):
-                        del self._health[msg.nonce]
-                        fut.set_result(got)
+            elif isinstance(msg, HealthReply) and msg.nonce in self._health:
+                self._health[msg.nonce][1][msg.stage] = msg.stats | {"healthy": 1.0}
+                self._resolve_stats()
+
+    def _responsive(self) -> list[StageClient]:
+        return [c for c in self.clients.values() if c.dead_reason is None and c.unhealthy_reason is None]
+
+    def _resolve_stats(self) -> None:
+        """Answer the stats requests every responsive stage has replied to (the others: healthy 0)."""
+        names = {c.name for c in self._responsive()}
+        for nonce, (fut, got) in list(self._health.items()):
+            if names <= got.keys():
+                del self._health[nonce]
+                fut.set_result({n: got[n] if n in names else {"healthy": 0.0} for n in self.clients})
 
     def _on_outputs(self, stage: str, msg: StageOutputs) -> None:
         now = time.monotonic()
@@ -321,15 +351,25 @@ class Orchestrator:
         req.sink(out.snapshot())
 
     def _check_liveness(self) -> None:
+        now = time.monotonic()
         for name, c in self.clients.items():
             if c.dead_reason is None and not c.is_alive():
                 c.dead_reason = (f"stage {name!r} died (exit code {c.exitcode}); "
                                  f"restart the engine")
                 self.dead = c.dead_reason
                 log.error(c.dead_reason)
+            elif c.dead_reason is None and c.unhealthy_reason is None and now - c.last_heard > c.cfg.health_timeout_s:
+                c.unhealthy_reason = (f"stage {name!r} stopped answering (nothing for {now - c.last_heard:.0f} s, "
+                                      f"health_timeout_s={c.cfg.health_timeout_s:g})")
+                log.error(c.unhealthy_reason)
         if self.dead is not None:
             for req in list(self._requests.values()):
                 self._finish(req, error=self.dead)
+        for c in self.clients.values():
+            if c.unhealthy_reason is not None:
+                for req in [r for r in self._requests.values() if c.name in r.chain]:
+                    self._finish(req, error=c.unhealthy_reason)
+        self._resolve_stats()
 
     def _close_all(self) -> None:
         for c in self.clients.values():

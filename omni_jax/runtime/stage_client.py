@@ -38,7 +38,9 @@ class StageClient:
             parent_pid=os.getpid()))]
         self.process: subprocess.Popen | None = None
         self.ready: Ready | None = None
-        self.dead_reason: str | None = None
+        self.dead_reason: str | None = None       # the process exited
+        self.unhealthy_reason: str | None = None  # alive but silent for longer than health_timeout_s
+        self.last_heard = 0.0                     # time.monotonic() of its last message
 
     def start(self) -> None:
         self.process = subprocess.Popen(self._argv, stdin=subprocess.DEVNULL)
@@ -54,6 +56,7 @@ class StageClient:
             msg = self.replies.recv(timeout_ms=200)
             if isinstance(msg, Ready):
                 self.ready = msg
+                self.last_heard = time.monotonic()
                 return msg
             if isinstance(msg, StageFailure):
                 self.kill()

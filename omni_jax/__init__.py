@@ -2,9 +2,9 @@
 
 from .checkpoint import load_checkpoint
 from .engine.sampling import SamplingParams
-from .outputs import OmniRequestOutput
+from .outputs import Logprob, OmniRequestOutput
 
-__all__ = ["OmniJax", "AsyncOmniJax", "SamplingParams", "OmniRequestOutput", "load_checkpoint"]
+__all__ = ["OmniJax", "AsyncOmniJax", "SamplingParams", "OmniRequestOutput", "Logprob", "load_checkpoint"]
 
 
 def __getattr__(name):

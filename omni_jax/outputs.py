@@ -52,12 +52,31 @@ class RequestMetrics:
         return (self.finish_time - self.arrival_time) / self.audio_seconds
 
 
+@dataclasses.dataclass(frozen=True)
+class Logprob:
+    """A token's log-probability and its rank in the distribution (1: the most likely), as vLLM's."""
+
+    logprob: float
+    rank: int
+
+
+def logprobs_of(entry: dict) -> dict[int, Logprob]:
+    """The engine's logprobs of one position -> {token id: Logprob}: the sampled token first, then
+    the top ones (vLLM's `SampleLogprobs` element)."""
+    out = {entry["token_id"]: Logprob(entry["logprob"], entry["rank"])}
+    for rank, (token, logprob) in enumerate(entry["top"], start=1):
+        out.setdefault(token, Logprob(logprob, rank))
+    return out
+
+
 @dataclasses.dataclass
 class OmniRequestOutput:
     """The state of one request: cumulative text/tokens/audio, plus this update's deltas.
 
     `generate()` returns finished outputs; the async generator yields one per update,
     with `text_delta`, `new_token_ids` and `audio_delta` holding what is new.
+    `logprobs` (when the thinker's SamplingParams ask for them): one {token id: Logprob} per
+    output token, aligned with `token_ids`.
     """
 
     request_id: str
@@ -75,6 +94,7 @@ class OmniRequestOutput:
     new_token_ids: list[int] = dataclasses.field(default_factory=list)
     audio_delta: np.ndarray | None = None
     stage_token_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # e.g. the talker's codec ids
+    logprobs: list[dict[int, Logprob]] | None = None
 
     def save_audio(self, path: str) -> None:
         """Write the reply's speech as a 16-bit PCM mono WAV file."""
@@ -90,6 +110,7 @@ class OmniRequestOutput:
     def snapshot(self) -> "OmniRequestOutput":
         """A copy safe to hand to another thread."""
         return dataclasses.replace(self, token_ids=list(self.token_ids), new_token_ids=list(self.new_token_ids),
+                                   logprobs=None if self.logprobs is None else list(self.logprobs),
                                    stage_token_ids={k: list(v) for k, v in self.stage_token_ids.items()},
                                    metrics=dataclasses.replace(self.metrics,
                                                                stage_time=dict(self.metrics.stage_time)))

@@ -65,6 +65,27 @@ def test_generate_matches_transformers_and_engine(omni, qwen2_5_omni_hf_model, c
         assert out.metrics.ttft is not None and out.metrics.ttft >= 0
 
 
+def test_logprobs_reach_the_caller_equal_to_transformers(omni, qwen2_5_omni_hf_model):
+    """logprobs=3: per output token the sampled token's log-softmax and rank, and the top 3,
+    equal to transformers' log-softmax of the logits (greedy and seeded sampling)."""
+    p = prompts(1, seed=5)[0]
+    for params in (SamplingParams(temperature=0.0, max_tokens=5, logprobs=3),
+                   SamplingParams(temperature=0.8, seed=11, max_tokens=5, logprobs=3)):
+        out = omni.generate([{"prompt_token_ids": p}], sampling_params=params)[0]
+        assert out.error is None and len(out.logprobs) == len(out.token_ids) == 5
+        with torch.no_grad():
+            logits = qwen2_5_omni_hf_model.thinker(input_ids=torch.tensor(p + out.token_ids)[None]).logits[0]
+        ref = torch.log_softmax(logits.double(), -1)[len(p) - 1:-1].numpy()
+        for pos, (token, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+            assert abs(lp[token].logprob - ref[pos, token]) <= 1e-4
+            assert lp[token].rank == 1 + int((ref[pos] > ref[pos, token]).sum())
+            top = np.argsort(-ref[pos])[:3]
+            for rank, t in enumerate(top, start=1):
+                assert t in lp and lp[t].rank == rank and abs(lp[t].logprob - ref[pos, t]) <= 1e-4
+        if params.temperature == 0.0:
+            assert all(lp[t].rank == 1 for t, lp in zip(out.token_ids, out.logprobs))
+
+
 def test_bad_prompt_fails_alone(omni):
     outs = omni.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": []},
                           {"prompt_token_ids": list(range(600))}, "text without a tokenizer",

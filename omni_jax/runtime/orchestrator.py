@@ -27,7 +27,7 @@ import numpy as np
 import zmq
 
 from ..engine.protocol import AddRequest, HealthCheck, HealthReply, StageFailure, StageOutputs
-from ..outputs import OmniRequestOutput
+from ..outputs import OmniRequestOutput, logprobs_of
 from .stage_client import StageClient
 from .transport import ProtocolError, private_ipc_dir
 
@@ -307,6 +307,8 @@ class Orchestrator:
                 if m.first_token_time is None:
                     m.first_token_time = now
                 out.token_ids.extend(o.new_token_ids)
+                if o.logprobs:
+                    out.logprobs = (out.logprobs or []) + [logprobs_of(e) for e in o.logprobs]
                 out.text += o.text_delta
                 m.num_output_tokens = len(out.token_ids)
                 if o.finished:

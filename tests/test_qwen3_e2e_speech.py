@@ -11,7 +11,7 @@ from omni_jax.engine.protocol import AddRequest
 from omni_jax.engine.protocol import StageInputs
 from omni_jax.engine.runner import RunnerConfig
 from omni_jax.engine.sampling import SamplingParams
-from omni_jax.runtime.stage_factory import to_engine_request
+from omni_jax.runtime.stage_loop import to_engine_request
 from qwen3_prompt import Prompt
 
 pytestmark = pytest.mark.e2e

@@ -1,4 +1,6 @@
-"""The loop of a stage process: load the stage's engine, say Ready, then receive -> step -> send.
+"""The loop of a stage process: build the stage's engine (the family object maps each model
+stage to a builder that loads its checkpoint part and warms it up), say Ready, then
+receive -> step -> send.
 
 Three sockets: requests from the orchestrator (add, abort, health, shutdown), replies to
 it (outputs, failures), and this stage's data inbox, where the stage before it sends the
@@ -22,6 +24,7 @@ import time
 import traceback
 
 import msgspec.structs
+import numpy as np
 import zmq
 
 from ..config import StageConfig
@@ -29,7 +32,6 @@ from ..engine.protocol import (AbortRequests, AddRequest, HealthCheck, HealthRep
                                StageFailure, StageOutputs, StageRequest)
 from ..models.handoff import UpstreamOutputs
 from ..models.registry import get_family
-from .stage_factory import build_stage_engine, to_engine_request
 from .transport import Channel, ProtocolError, stage_addresses
 
 log = logging.getLogger("omni_jax.stage")
@@ -38,6 +40,26 @@ log = logging.getLogger("omni_jax.stage")
 IDLE_POLL_MS = 20
 # Ids of aborted requests remembered, so that their late input data is dropped.
 ABORTED_MEMORY = 4096
+
+
+def build_stage_engine(family: str, stage: StageConfig, ckpt_dir: str):
+    """The warmed-up engine of one stage, or a clear error if OmniJax cannot serve it."""
+    engines = get_family(family).engines
+    if stage.model_stage not in engines:
+        known = ", ".join(f"{family}/{s}" for s in engines)
+        raise ValueError(f"no engine for stage {stage.model_stage!r} of {family!r} yet (available: {known})")
+    return engines[stage.model_stage](stage, ckpt_dir)
+
+
+def to_engine_request(msg) -> dict:
+    """AddRequest -> keyword arguments of the engine's `add_request` (the same inputs and media types)."""
+    kw = dict(request_id=msg.request_id, prompt_token_ids=np.asarray(msg.prompt_token_ids),
+              sampling_params=msg.sampling_params, arrival_time=msg.arrival_time or None)
+    if msg.voice is not None:  # vocoder stages
+        kw["voice"] = msg.voice
+    else:
+        kw.update(inputs=msg.inputs, multi_modal_data=msg.multi_modal)
+    return kw
 
 
 class StageServer:

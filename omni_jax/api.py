@@ -21,6 +21,8 @@ import time
 import uuid
 from typing import AsyncIterator, Sequence
 
+from tqdm import tqdm
+
 from .checkpoint import read_config
 from .config import ConfigError, PipelineConfig, default_pipeline_for, load_pipeline_config
 from .engine.protocol import AddRequest, MultiModalPayload, StageInputs
@@ -133,12 +135,14 @@ class OmniJax(_Frontend):
     """Synchronous front end: `generate` takes a batch and returns finished outputs."""
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 output_modalities: Sequence[str] | None = None, voice: str | None = None) -> list[OmniRequestOutput]:
+                 output_modalities: Sequence[str] | None = None, voice: str | None = None,
+                 use_tqdm: bool = True) -> list[OmniRequestOutput]:
         """Run every prompt to completion; outputs in prompt order.
 
         A prompt that cannot be processed gets an output with `error` set and
         finish_reason "error"; the rest of the batch still runs. `voice` picks the
         speaker of speech replies (an unknown one is such an error, naming the voices).
+        `use_tqdm` shows a progress bar of finished requests on stderr, as vLLM's.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -159,9 +163,12 @@ class OmniJax(_Frontend):
                     continue
                 self._orch.submit(req)
                 submitted.add(rid)
-            while submitted - results.keys():
-                out = done.get()
-                results[out.request_id] = out
+            with tqdm(total=len(order), desc="generate", unit="req", disable=not use_tqdm) as bar:
+                bar.update(len(results))
+                while submitted - results.keys():
+                    out = done.get()
+                    results[out.request_id] = out
+                    bar.update(1)
         except BaseException:
             # Ctrl-C or a dead engine: nothing this call started may keep running.
             for rid in submitted - results.keys():

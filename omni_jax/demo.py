@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
         with OmniJax(model=args.model, pipeline=args.pipeline, output_modalities=modalities) as omni:
-            out = omni.generate({"messages": messages}, sampling_params=params, voice=args.voice)[0]
+            out = omni.generate({"messages": messages}, sampling_params=params, voice=args.voice, use_tqdm=False)[0]
     except (CheckpointError, ConfigError, ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"omni-jax generate: error: {e}", file=sys.stderr)
         return 1

@@ -86,6 +86,14 @@ def test_logprobs_reach_the_caller_equal_to_transformers(omni, qwen2_5_omni_hf_m
             assert all(lp[t].rank == 1 for t, lp in zip(out.token_ids, out.logprobs))
 
 
+def test_generate_shows_progress_unless_asked_not_to(omni, capsys):
+    batch = [{"prompt_token_ids": p} for p in prompts(3, seed=6)]
+    omni.generate(batch, sampling_params=GREEDY)
+    assert "3/3" in capsys.readouterr().err
+    omni.generate(batch, sampling_params=GREEDY, use_tqdm=False)
+    assert "3/3" not in capsys.readouterr().err
+
+
 def test_bad_prompt_fails_alone(omni):
     outs = omni.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": []},
                           {"prompt_token_ids": list(range(600))}, "text without a tokenizer",

@@ -95,6 +95,7 @@ class ChatHandler:
         finally:
             self.metrics.in_flight.dec()
         if out is None:  # the client left; nobody reads this
+            self.metrics.aborted("chat")
             return JSONResponse({}, status_code=499)
         self.metrics.finished("chat", out)
         if out.error:
@@ -158,4 +159,6 @@ class ChatHandler:
             yield "data: [DONE]\n\n"
         finally:
             self.metrics.in_flight.dec()
+            if out is None or not out.finished:  # the client left mid-stream
+                self.metrics.aborted("chat")
             await gen.close()

@@ -98,9 +98,10 @@ class ServedEngine:
         return self.state == "ready", self.reason
 
     def shutdown(self) -> None:
-        """Stop every stage process (waits for a load in progress first, briefly)."""
+        """Stop every stage process. A load still in progress is left behind: its stage
+        processes exit on their own when this process does (they watch their parent)."""
         self.state, self.reason = "stopped", "the server is shutting down"
         if self._thread is not None and self._thread.is_alive():
-            self._thread.join(30.0)
+            self._thread.join(1.0)
         if self.omni is not None:
             self.omni.shutdown()

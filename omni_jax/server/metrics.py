@@ -65,6 +65,10 @@ class Metrics:
     def error(self, status: int) -> None:
         self.errors.labels(ERROR_TYPES.get(status, str(status))).inc()
 
+    def aborted(self, endpoint: str) -> None:
+        """Record a request its client left before it finished (it is aborted in every stage)."""
+        self.requests.labels(endpoint, "abort").inc()
+
     def finished(self, endpoint: str, out) -> None:
         """Record a finished OmniRequestOutput."""
         self.requests.labels(endpoint, out.finish_reason or "unknown").inc()

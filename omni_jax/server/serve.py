@@ -10,7 +10,9 @@ SIGINT / SIGTERM stop the HTTP server and every stage process.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import socket
 import sys
 
@@ -50,6 +52,20 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, minus its re-raising of SIGINT / SIGTERM after the graceful shutdown
+    (a KeyboardInterrupt traceback, or death by SIGTERM): the command exits 0 instead."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
 def run(args: argparse.Namespace) -> int:
     mods = [m.strip() for m in args.modalities.split(",") if m.strip()]
     if mods not in (["text"], ["text", "audio"]):
@@ -71,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
           f"(model {engine.served_name!r}; loading and compiling the stages, /health is 503 until ready)",
           flush=True)
     engine.start()
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
+    server = _Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
                                            access_log=args.log_level == "debug"))
     server.run(sockets=[sock])  # returns on SIGINT / SIGTERM, after the app's shutdown stopped the stages
     return 1 if engine.state == "failed" else 0

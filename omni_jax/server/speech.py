@@ -67,6 +67,7 @@ class SpeechHandler:
         finally:
             self.metrics.in_flight.dec()
         if out is None:  # the client left; nobody reads this
+            self.metrics.aborted("speech")
             return Response(status_code=499)
         self.metrics.finished("speech", out)
         if out.error:
@@ -82,6 +83,8 @@ class SpeechHandler:
             self.metrics.finished("speech", out)
         finally:
             self.metrics.in_flight.dec()
+            if out is None or not out.finished:  # the client left mid-stream
+                self.metrics.aborted("speech")
             await gen.close()
 
     async def _sse(self, req: SpeechRequest, gen: Generation):
@@ -109,4 +112,6 @@ class SpeechHandler:
                          "usage": {"input_tokens": n_in, "output_tokens": n_out, "total_tokens": n_in + n_out}})
         finally:
             self.metrics.in_flight.dec()
+            if out is None or not out.finished:  # the client left mid-stream
+                self.metrics.aborted("speech")
             await gen.close()

@@ -119,8 +119,20 @@ def pipeline_yaml(tmp_path_factory) -> str:
 def media_dir(tmp_path_factory):
     from PIL import Image
 
+    import av
+
     d = tmp_path_factory.mktemp("media")
-    Image.fromarray(np.random.default_rng(0).integers(0, 255, (56, 56, 3), np.uint8)).save(d / "cat.png")
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 255, (56, 56, 3), np.uint8)).save(d / "cat.png")
+    with av.open(str(d / "clip.mp4"), "w") as out:
+        stream = out.add_stream("mpeg4", rate=4)
+        stream.width, stream.height, stream.pix_fmt = 64, 64, "yuv420p"
+        for _ in range(8):
+            frame = av.VideoFrame.from_ndarray(rng.integers(0, 255, (64, 64, 3), np.uint8), format="rgb24")
+            for packet in stream.encode(frame):
+                out.mux(packet)
+        for packet in stream.encode(None):
+            out.mux(packet)
     return d
 
 
@@ -376,6 +388,35 @@ def test_image_from_allowed_dir_and_data_url(client, library, media_dir):
         assert r.choices[0].message.content == want.text
 
 
+def test_input_audio_and_video_parts(client, library, media_dir):
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000)
+        w.writeframes((np.sin(np.arange(8000) * 0.05) * 8000).astype("<i2").tobytes())  # 0.5 s: tiny buckets
+    part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(buf.getvalue()).decode(),
+                                                   "format": "wav"}}
+    question = {"type": "text", "text": "What is this?"}
+    params = SamplingParams(temperature=0.0, max_tokens=5)
+    want = library.generate({"messages": [{"role": "user", "content": [part, question]}]}, params,
+                            output_modalities=["text"])[0]
+    assert want.error is None and want.text
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [part, question]}],
+                                       max_tokens=5, temperature=0.0)
+    assert r.choices[0].message.content == want.text
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+
+    # A video reaches the engine; at the tiny model's few vision buckets it is refused as too large,
+    # which is the requester's problem (400), with the library's own words.
+    video = str(media_dir / "clip.mp4")
+    want = library.generate({"messages": [{"role": "user", "content": [{"type": "video", "video": video}, question]}]},
+                            params, output_modalities=["text"])[0]
+    assert want.error and "video" in want.error
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": video}}, question]}])
+    assert want.error.split(": ", 1)[1] in e.value.body["message"]
+
+
 # ---------------------------------------------------------------------------------------- speech
 
 def test_speech_wav_and_sse(server, library):
@@ -598,3 +639,10 @@ def test_sigterm_while_loading_leaves_no_process(env, pipeline_yaml, tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0
     assert _wait_gone(kids) == []
+
+
+def test_a_model_that_cannot_load_ends_the_command(env, tmp_path):
+    proc, url = _start_server(["--model", str(tmp_path)], env, str(tmp_path / "log"))
+    assert proc.wait(120) == 1
+    log = (tmp_path / "log").read_text()
+    assert "error" in log and "not an OmniJax checkpoint" in log

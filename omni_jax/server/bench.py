@@ -56,8 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run the requests through AsyncOmniJax(model=MODEL) in this process instead of a server")
     p.add_argument("--model", default=None, help="model name to request (default: the server's first)")
     p.add_argument("--api-key", default=None)
-    p.add_argument("--concurrency", type=int, default=1)
-    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--concurrency", default="1", help="clients in flight; a comma list runs each in turn (1,16,64)")
+    p.add_argument("--num-requests", type=int, default=32, help="requests per run")
     p.add_argument("--modalities", default="text", help="'text' or 'text,audio'")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--prompt", default="Tell me about the weather today.")
@@ -175,8 +175,10 @@ def _print(summary: dict, label: str) -> None:
         print(f"  error: {e}")
 
 
-async def _run(args) -> dict:
+async def _run(args, levels: list[int]) -> list[dict]:
+    """One summary per concurrency level."""
     mods = [m.strip() for m in args.modalities.split(",") if m.strip()]
+    summaries = []
     if args.library:
         from omni_jax import AsyncOmniJax
 
@@ -184,14 +186,16 @@ async def _run(args) -> dict:
         try:
             for i in range(args.warmup):
                 await _library_one(omni, args, mods, -1 - i)
-            results, wall = await _closed_loop(lambda i: _library_one(omni, args, mods, i), args.num_requests,
-                                               args.concurrency)
+            for level in levels:
+                results, wall = await _closed_loop(lambda i: _library_one(omni, args, mods, i), args.num_requests,
+                                                   level)
+                summaries.append(summarize(results, wall))
         finally:
             omni.shutdown()
-        return summarize(results, wall)
+        return summaries
     base = args.base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=args.concurrency + 4, max_keepalive_connections=args.concurrency + 4)
+    limits = httpx.Limits(max_connections=max(levels) + 4, max_keepalive_connections=max(levels) + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         model = args.model
         if model is None:
@@ -201,21 +205,32 @@ async def _run(args) -> dict:
         url = f"{base}/v1/chat/completions"
         for i in range(args.warmup):
             await _http_one(client, url, _body(args, model, mods, -1 - i), headers)
-        results, wall = await _closed_loop(lambda i: _http_one(client, url, _body(args, model, mods, i), headers),
-                                           args.num_requests, args.concurrency)
-    return summarize(results, wall)
+        for level in levels:
+            results, wall = await _closed_loop(
+                lambda i: _http_one(client, url, _body(args, model, mods, i), headers), args.num_requests, level)
+            summaries.append(summarize(results, wall))
+    return summaries
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        summary = asyncio.run(_run(args))
+        levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
+        assert levels and min(levels) >= 1
+    except (ValueError, AssertionError):
+        print("omni-jax bench: error: --concurrency must be a positive int or a comma list of them", file=sys.stderr)
+        return 2
+    try:
+        summaries = asyncio.run(_run(args, levels))
     except (httpx.HTTPError, OSError) as e:
         print(f"omni-jax bench: error: cannot reach {args.base_url}: {e}", file=sys.stderr)
         return 1
-    label = f"{'library ' + args.library if args.library else args.base_url} [{args.modalities}] " \
-            f"concurrency {args.concurrency}"
-    _print(summary, label)
+    target = f"library {args.library}" if args.library else args.base_url
+    report = []
+    for level, summary in zip(levels, summaries):
+        label = f"{target} [{args.modalities}] concurrency {level}"
+        _print(summary, label)
+        report.append({"label": label, "concurrency": level, **summary})
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"label": label, **summary}, f, indent=2)
-    return 0 if summary["failed"] == 0 else 1
+            json.dump(report, f, indent=2)
+    return 0 if all(s["failed"] == 0 for s in summaries) else 1

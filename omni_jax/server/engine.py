@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 log = logging.getLogger("omni_jax.server")
 
@@ -36,8 +37,9 @@ class ServedEngine:
     """One AsyncOmniJax under a served model name, and the server's view of its health."""
 
     def __init__(self, model: str, served_name: str, pipeline: str | None = None,
-                 output_modalities: Sequence[str] = ("text", "audio")):
+                 output_modalities: Sequence[str] = ("text", "audio"), on_failed: Callable[[], None] | None = None):
         self.model, self.served_name, self.pipeline = model, served_name, pipeline
+        self.on_failed = on_failed  # e.g. stop the HTTP server: a server that can never serve should exit
         self.output_modalities = list(output_modalities)
         self.omni = None
         self.state = "loading"          # loading -> ready -> dead | stopped; or failed
@@ -61,7 +63,9 @@ class ServedEngine:
         except Exception as e:  # the server stays up to report it on /health
             self.state, self.reason = "failed", f"the engine failed to start: {type(e).__name__}: {e}"
             log.error(self.reason)
-            print(f"omni-jax serve: {self.reason}", flush=True)
+            print(f"omni-jax serve: error: {self.reason}", file=sys.stderr, flush=True)
+            if self.on_failed is not None:
+                self.on_failed()
         else:
             if self.state == "loading":
                 self.state, self.reason = "ready", ""
@@ -100,7 +104,8 @@ class ServedEngine:
     def shutdown(self) -> None:
         """Stop every stage process. A load still in progress is left behind: its stage
         processes exit on their own when this process does (they watch their parent)."""
-        self.state, self.reason = "stopped", "the server is shutting down"
+        if self.state != "failed":
+            self.state, self.reason = "stopped", "the server is shutting down"
         if self._thread is not None and self._thread.is_alive():
             self._thread.join(1.0)
         if self.omni is not None:

@@ -103,8 +103,8 @@ def failure(engine: ServedEngine, error: str) -> APIError:
     if not ok or "died" in error:
         engine.mark_dead(error)
         return APIError(503, f"the request failed because a stage is dead: {error}", None, "service_unavailable")
-    if error.startswith("bad prompt") or "max_model_len" in error or "too long" in error:
-        return bad_request(error, "messages")
+    if error.startswith("bad prompt") or any(w in error for w in ("max_model_len", "too long", "too large")):
+        return bad_request(error, "messages")  # the prompt exceeds what this deployment was sized for
     return APIError(500, f"the request failed: {error}", None, "internal_error")
 
 

@@ -79,15 +79,22 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"omni-jax serve: error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 1
-    engine = ServedEngine(args.model, args.served_model_name or args.model, args.pipeline, mods)
+    server: _Server | None = None
+
+    def stop_server():
+        if server is not None:
+            server.should_exit = True
+
+    engine = ServedEngine(args.model, args.served_model_name or args.model, args.pipeline, mods,
+                          on_failed=stop_server)
     app = build_app(engine, api_key=args.api_key, max_body_bytes=int(args.max_request_body_mb * (1 << 20)),
                     allowed_media_dir=args.allowed_local_media_path)
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"omni-jax serve: listening on http://{host}:{sock.getsockname()[1]} "
           f"(model {engine.served_name!r}; loading and compiling the stages, /health is 503 until ready)",
           flush=True)
-    engine.start()
     server = _Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
-                                           access_log=args.log_level == "debug"))
+                                    access_log=args.log_level == "debug"))
+    engine.start()
     server.run(sockets=[sock])  # returns on SIGINT / SIGTERM, after the app's shutdown stopped the stages
     return 1 if engine.state == "failed" else 0

@@ -54,6 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (default %(default)s)")
     p.add_argument("--library", default=None, metavar="MODEL",
                    help="run the requests through AsyncOmniJax(model=MODEL) in this process instead of a server")
+    p.add_argument("--pipeline", default=None, help="with --library: pipeline preset or YAML (default: the model's)")
     p.add_argument("--model", default=None, help="model name to request (default: the server's first)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--concurrency", default="1", help="clients in flight; a comma list runs each in turn (1,16,64)")
@@ -182,7 +183,7 @@ async def _run(args, levels: list[int]) -> list[dict]:
     if args.library:
         from omni_jax import AsyncOmniJax
 
-        omni = AsyncOmniJax(model=args.library, output_modalities=mods)
+        omni = AsyncOmniJax(model=args.library, pipeline=args.pipeline, output_modalities=mods)
         try:
             for i in range(args.warmup):
                 await _library_one(omni, args, mods, -1 - i)

@@ -52,6 +52,14 @@ class ServedEngine:
         """Build the engine in a daemon thread (stage processes exit with their parent if we do)."""
         self._thread = threading.Thread(target=self._load, name="omni-jax-server-load", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._report_loading, name="omni-jax-server-progress", daemon=True).start()
+
+    def _report_loading(self, period_s: float = 20.0) -> None:
+        """A line now and then while the stages compile (minutes for a real model), so a silent
+        console does not look like a hang."""
+        t0 = time.monotonic()
+        while not self._ready.wait(period_s):
+            print(f"omni-jax serve: still loading and compiling ({time.monotonic() - t0:.0f}s)", flush=True)
 
     def _load(self) -> None:
         from omni_jax import AsyncOmniJax
@@ -62,7 +70,6 @@ class ServedEngine:
                                      output_modalities=self.output_modalities)
         except Exception as e:  # the server stays up to report it on /health
             self.state, self.reason = "failed", f"the engine failed to start: {type(e).__name__}: {e}"
-            log.error(self.reason)
             print(f"omni-jax serve: error: {self.reason}", file=sys.stderr, flush=True)
             if self.on_failed is not None:
                 self.on_failed()

@@ -549,7 +549,14 @@ def test_client_disconnect_frees_every_kv_block(server):
         m = _metrics(server)
         assert m['omni_jax_stage_kv_cache_usage{stage="thinker"}'] > 0  # mid-stream: blocks are held
     m = _idle(server)  # the stream was closed: the request must be aborted and its blocks freed
-    assert m['omni_jax_requests_total{endpoint="chat",finish_reason="abort"}'] >= 1
+    aborted = m['omni_jax_requests_total{endpoint="chat",finish_reason="abort"}']
+    assert aborted >= 1
+    # a client of a whole (non-streamed) reply that gives up is noticed too
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.url}/v1/chat/completions", headers=_auth(), timeout=0.5,
+                   json={**body, "stream": False, "modalities": ["text", "audio"]})
+    m = _idle(server)
+    assert m['omni_jax_requests_total{endpoint="chat",finish_reason="abort"}'] == aborted + 1
 
 
 def test_64_concurrent_streams_complete_without_leak(server, library):

@@ -53,7 +53,7 @@ class Generation:
     async def close(self) -> None:
         await self._agen.aclose()
 
-    async def result(self, request, poll_s: float = 0.5):
+    async def result(self, request, poll_s: float = 0.25):
         """The finished output, or None if the client disconnected first (the request is then aborted)."""
 
         async def collect():
@@ -74,6 +74,8 @@ class Generation:
         finally:
             if not task.done():
                 task.cancel()
+                # the generator may only be closed once the cancelled task has left it
+                await asyncio.wait({task})
             await self.close()
 
 

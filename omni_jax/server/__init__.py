@@ -7,6 +7,7 @@ Modules, one job each:
     sampling.py   request fields -> per-stage SamplingParams
     audio.py      waveform -> wav / pcm / mp3 / flac / opus / aac bytes
     engine.py     the served engine: start-up in the background, readiness, stage death
+    generation.py one request on the engine: submit, stream its updates, abort, map failures to HTTP
     chat.py       POST /v1/chat/completions (whole and streamed)
     speech.py     POST /v1/audio/speech
     metrics.py    Prometheus metrics

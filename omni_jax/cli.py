@@ -2,6 +2,8 @@
 
     omni-jax convert --hf-dir HF_DIR --out OUT_DIR [--dtype bfloat16|float32]
     omni-jax generate --model OUT_DIR|tiny --prompt TEXT
+    omni-jax serve --model OUT_DIR|tiny [--port 8000]     (OpenAI-compatible server)
+    omni-jax bench --base-url URL [--concurrency N]      (load run against a server)
 """
 
 from __future__ import annotations
@@ -25,6 +27,15 @@ def main(argv=None) -> int:
     p_gen = sub.add_parser("generate", help="generate a reply to a prompt")
     demo.add_arguments(p_gen)
     p_gen.set_defaults(func=demo.run)
+
+    from .server import bench, serve
+
+    p_serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    serve.add_arguments(p_serve)
+    p_serve.set_defaults(func=serve.run)
+    p_bench = sub.add_parser("bench", help="measure a running server under concurrent streaming load")
+    bench.add_arguments(p_bench)
+    p_bench.set_defaults(func=bench.run)
 
     args = parser.parse_args(argv)
     return args.func(args)

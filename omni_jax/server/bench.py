@@ -1,0 +1,237 @@
+"""`omni-jax bench`: a closed-loop streaming load run against a running server (vLLM's
+`bench serve --omni`), or the same requests through `AsyncOmniJax` in this process.
+
+    omni-jax bench --base-url http://127.0.0.1:8000 --concurrency 16 --num-requests 64 --modalities text,audio
+    omni-jax bench --library tiny --concurrency 16 --num-requests 64      # the library, no HTTP
+
+`--concurrency` clients each send their next request when the last one ends. Every
+request is streamed; it reports req/s and, with p50/p90/p99, TTFT, TPOT (from the
+server's usage counts), time to first audio and RTF (request time / seconds of speech).
+Replies are forced to `--max-tokens` tokens (`ignore_eos`) and the talker is seeded per
+request, so the server run and the library run do the same work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import dataclasses
+import json
+import sys
+import time
+
+import httpx
+import numpy as np
+
+SAMPLE_RATE = 24000
+
+
+@dataclasses.dataclass
+class Result:
+    """What one request measured (seconds from its start)."""
+
+    ok: bool = False
+    error: str | None = None
+    ttft: float | None = None
+    latency: float | None = None
+    tokens: int = 0
+    ttfa: float | None = None
+    audio_seconds: float = 0.0
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or self.latency is None or self.tokens < 2:
+            return None
+        return (self.latency - self.ttft) / (self.tokens - 1)
+
+    @property
+    def rtf(self) -> float | None:
+        return self.latency / self.audio_seconds if self.audio_seconds > 0 else None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (default %(default)s)")
+    p.add_argument("--library", default=None, metavar="MODEL",
+                   help="run the requests through AsyncOmniJax(model=MODEL) in this process instead of a server")
+    p.add_argument("--pipeline", default=None, help="with --library: pipeline preset or YAML (default: the model's)")
+    p.add_argument("--model", default=None, help="model name to request (default: the server's first)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--concurrency", default="1", help="clients in flight; a comma list runs each in turn (1,16,64)")
+    p.add_argument("--num-requests", type=int, default=32, help="requests per run")
+    p.add_argument("--modalities", default="text", help="'text' or 'text,audio'")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--prompt", default="Tell me about the weather today.")
+    p.add_argument("--warmup", type=int, default=1, help="requests sent before timing (default 1)")
+    p.add_argument("--json", default=None, help="also write the summary to this JSON file")
+
+
+def _body(args, model: str, mods: list[str], i: int) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": args.prompt}], "modalities": mods,
+            "max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if "audio" in mods:
+        body["audio"] = {"format": "pcm16"}
+        body["sampling_params_list"] = [None, {"seed": 1000 + i}]
+    return body
+
+
+async def _http_one(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -> Result:
+    res, t0 = Result(), time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            audio_bytes = 0
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    break
+                event = json.loads(line[6:])
+                if "error" in event:
+                    res.error = event["error"].get("message")
+                    return res
+                if event.get("usage"):
+                    res.tokens = event["usage"]["completion_tokens"]
+                for choice in event.get("choices", ()):
+                    delta = choice.get("delta", {})
+                    if delta.get("content") and res.ttft is None:
+                        res.ttft = time.perf_counter() - t0
+                    data = (delta.get("audio") or {}).get("data")
+                    if data:
+                        if res.ttfa is None:
+                            res.ttfa = time.perf_counter() - t0
+                        audio_bytes += len(base64.b64decode(data))
+            res.audio_seconds = audio_bytes / 2 / SAMPLE_RATE
+    except httpx.HTTPError as e:
+        res.error = f"{type(e).__name__}: {e}"
+        return res
+    res.latency, res.ok = time.perf_counter() - t0, True
+    return res
+
+
+async def _library_one(omni, args, mods: list[str], i: int) -> Result:
+    names = [s.name for s in omni.pipeline.stages_for(tuple(mods))]
+    params = [omni.pipeline.stage(n).sampling_params() for n in names]
+    params[0] = params[0].updated(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    if len(params) > 1:
+        params[1] = params[1].updated(seed=1000 + i)
+    res, t0, out = Result(), time.perf_counter(), None
+    async for out in omni.generate({"messages": [{"role": "user", "content": args.prompt}]}, sampling_params=params,
+                                   output_modalities=mods):
+        if out.text_delta and res.ttft is None:
+            res.ttft = time.perf_counter() - t0
+        if out.audio_delta is not None and len(out.audio_delta) and res.ttfa is None:
+            res.ttfa = time.perf_counter() - t0
+    if out.error:
+        res.error = out.error
+        return res
+    res.tokens, res.audio_seconds = len(out.token_ids), 0.0 if out.audio is None else len(out.audio) / SAMPLE_RATE
+    res.latency, res.ok = time.perf_counter() - t0, True
+    return res
+
+
+async def _closed_loop(send, n: int, concurrency: int) -> tuple[list[Result], float]:
+    """`concurrency` workers sending `n` requests in all; (results, wall seconds)."""
+    results: list[Result] = []
+    counter = iter(range(n))
+
+    async def worker():
+        for i in counter:
+            results.append(await send(i))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return results, time.perf_counter() - t0
+
+
+def summarize(results: list[Result], wall: float) -> dict:
+    """req/s and mean / p50 / p90 / p99 of each latency measure over the successful requests."""
+    ok = [r for r in results if r.ok]
+    out = {"requests": len(results), "failed": len(results) - len(ok), "wall_s": wall,
+           "req_per_s": len(ok) / wall if wall > 0 else 0.0,
+           "output_tok_per_s": sum(r.tokens for r in ok) / wall if wall > 0 else 0.0,
+           "errors": sorted({r.error for r in results if r.error})[:5]}
+    for name in ("ttft", "tpot", "ttfa", "rtf", "latency"):
+        values = [v for v in (getattr(r, name) for r in ok) if v is not None]
+        if values:
+            a = np.asarray(values)
+            out[name] = {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)),
+                         "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99))}
+    return out
+
+
+def _print(summary: dict, label: str) -> None:
+    print(f"{label}: {summary['requests']} requests ({summary['failed']} failed) in {summary['wall_s']:.2f} s: "
+          f"{summary['req_per_s']:.2f} req/s, {summary['output_tok_per_s']:.1f} output tok/s")
+    for name, unit, scale in (("ttft", "ms", 1e3), ("tpot", "ms", 1e3), ("ttfa", "ms", 1e3), ("rtf", "", 1.0),
+                              ("latency", "ms", 1e3)):
+        if name in summary:
+            s = summary[name]
+            print(f"  {name:8s} mean {s['mean'] * scale:9.2f}  p50 {s['p50'] * scale:9.2f}  "
+                  f"p90 {s['p90'] * scale:9.2f}  p99 {s['p99'] * scale:9.2f} {unit}")
+    for e in summary["errors"]:
+        print(f"  error: {e}")
+
+
+async def _run(args, levels: list[int]) -> list[dict]:
+    """One summary per concurrency level."""
+    mods = [m.strip() for m in args.modalities.split(",") if m.strip()]
+    summaries = []
+    if args.library:
+        from omni_jax import AsyncOmniJax
+
+        omni = AsyncOmniJax(model=args.library, pipeline=args.pipeline, output_modalities=mods)
+        try:
+            for i in range(args.warmup):
+                await _library_one(omni, args, mods, -1 - i)
+            for level in levels:
+                results, wall = await _closed_loop(lambda i: _library_one(omni, args, mods, i), args.num_requests,
+                                                   level)
+                summaries.append(summarize(results, wall))
+        finally:
+            omni.shutdown()
+        return summaries
+    base = args.base_url.rstrip("/")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=max(levels) + 4, max_keepalive_connections=max(levels) + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        model = args.model
+        if model is None:
+            r = await client.get(f"{base}/v1/models", headers=headers)
+            r.raise_for_status()
+            model = r.json()["data"][0]["id"]
+        url = f"{base}/v1/chat/completions"
+        for i in range(args.warmup):
+            await _http_one(client, url, _body(args, model, mods, -1 - i), headers)
+        for level in levels:
+            results, wall = await _closed_loop(
+                lambda i: _http_one(client, url, _body(args, model, mods, i), headers), args.num_requests, level)
+            summaries.append(summarize(results, wall))
+    return summaries
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
+        assert levels and min(levels) >= 1
+    except (ValueError, AssertionError):
+        print("omni-jax bench: error: --concurrency must be a positive int or a comma list of them", file=sys.stderr)
+        return 2
+    try:
+        summaries = asyncio.run(_run(args, levels))
+    except (httpx.HTTPError, OSError) as e:
+        print(f"omni-jax bench: error: cannot reach {args.base_url}: {e}", file=sys.stderr)
+        return 1
+    target = f"library {args.library}" if args.library else args.base_url
+    report = []
+    for level, summary in zip(levels, summaries):
+        label = f"{target} [{args.modalities}] concurrency {level}"
+        _print(summary, label)
+        report.append({"label": label, "concurrency": level, **summary})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0 if all(s["failed"] == 0 for s in summaries) else 1

@@ -1,0 +1,164 @@
+"""POST /v1/chat/completions: one choice with `content` and, when asked, `audio`.
+
+Streamed replies are OpenAI chat.completion.chunk events: text in `delta.content` (and in
+`delta.audio.transcript` when audio is asked for), audio in `delta.audio.data` as base64
+pcm16 (24 kHz mono, little-endian), passed on as the library delivers it (`audio_delta`:
+today the whole waveform at the end, chunk by chunk once stages stream to each other),
+a last chunk with `finish_reason`, `usage` when `stream_options.include_usage`, `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+import uuid
+from typing import AsyncIterator
+
+import numpy as np
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from . import audio as audio_codec
+from .engine import ServedEngine
+from .errors import APIError, bad_request, error_body
+from .generation import Generation, check_model, failure, finish_reason, open_request
+from .messages import MediaPolicy, to_prompt
+from .metrics import Metrics
+from .protocol import ChatCompletionRequest
+from .sampling import stage_params
+
+# Audio deltas longer than this are split over several chunks (keeps SSE events small).
+MAX_AUDIO_CHUNK_SAMPLES = 12000
+# How long a reply's audio id is said to be valid (OpenAI's multi-turn audio reference).
+AUDIO_TTL_S = 3600
+
+
+def _modalities(req: ChatCompletionRequest, engine: ServedEngine) -> list[str]:
+    mods = list(dict.fromkeys(req.modalities or ["text"]))
+    if "text" not in mods:
+        raise bad_request("modalities must include 'text' (['text'] or ['text', 'audio'])", "modalities")
+    if "audio" in mods and "audio" not in engine.output_modalities:
+        raise bad_request("this server was started without audio output; ask for modalities ['text']",
+                          "modalities")
+    return mods
+
+
+def _validate(req: ChatCompletionRequest) -> None:
+    """400s for fields OpenAI has that are out of range here or not served yet."""
+    if req.n != 1:
+        raise bad_request("only n=1 is supported", "n")
+    if req.logprobs or req.top_logprobs is not None:
+        raise bad_request("logprobs are not supported by this server yet", "logprobs" if req.logprobs else
+                          "top_logprobs", "unsupported_parameter")
+    if req.stream and req.audio is not None and req.audio.format != "pcm16":
+        raise bad_request(f"audio.format {req.audio.format!r} is not supported with stream=true; use 'pcm16'",
+                          "audio.format")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+
+
+def _usage(out) -> dict:
+    p, c = len(out.prompt_token_ids), len(out.token_ids)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def audio_pieces(delta: np.ndarray | None) -> list[str]:
+    """An audio delta as base64 pcm16 pieces of at most MAX_AUDIO_CHUNK_SAMPLES samples."""
+    if delta is None or len(delta) == 0:
+        return []
+    return [base64.b64encode(audio_codec.to_pcm16(delta[i:i + MAX_AUDIO_CHUNK_SAMPLES])).decode()
+            for i in range(0, len(delta), MAX_AUDIO_CHUNK_SAMPLES)]
+
+
+class ChatHandler:
+    """Serves chat completions on one engine."""
+
+    def __init__(self, engine: ServedEngine, policy: MediaPolicy, metrics: Metrics):
+        self.engine, self.policy, self.metrics = engine, policy, metrics
+
+    async def __call__(self, req: ChatCompletionRequest, request: Request):
+        check_model(self.engine, req.model)
+        _validate(req)
+        mods = _modalities(req, self.engine)
+        prompt = to_prompt(req.messages, self.policy)
+        params = stage_params(self.engine.stage_defaults(self.engine.stage_names(mods)), req)
+        voice = req.audio.voice if req.audio is not None else None
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        gen = await open_request(self.engine, prompt, params, mods, voice, rid, voice_param="audio.voice")
+        self.metrics.in_flight.inc()
+        if req.stream:
+            return StreamingResponse(self._stream(req, gen, mods), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            out = await gen.result(request)
+        finally:
+            self.metrics.in_flight.dec()
+        if out is None:  # the client left; nobody reads this
+            self.metrics.aborted("chat")
+            return JSONResponse({}, status_code=499)
+        self.metrics.finished("chat", out)
+        if out.error:
+            raise failure(self.engine, out.error)
+        return JSONResponse(self._whole(req, out, mods, rid))
+
+    def _whole(self, req: ChatCompletionRequest, out, mods: list[str], rid: str) -> dict:
+        message = {"role": "assistant", "content": out.text, "refusal": None, "audio": None}
+        if "audio" in mods:
+            fmt = req.audio.format if req.audio is not None else "wav"
+            data = audio_codec.encode(out.audio, out.sample_rate, fmt)
+            message["audio"] = {"id": f"audio_{rid[len('chatcmpl-'):]}", "data": base64.b64encode(data).decode(),
+                                "expires_at": int(time.time()) + AUDIO_TTL_S, "transcript": out.text}
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": req.model,
+                "system_fingerprint": None,
+                "choices": [{"index": 0, "message": message, "logprobs": None,
+                             "finish_reason": finish_reason(out.finish_reason)}],
+                "usage": _usage(out)}
+
+    async def _stream(self, req: ChatCompletionRequest, gen: Generation, mods: list[str]) -> AsyncIterator[str]:
+        created, rid = int(time.time()), gen.request_id
+        audio_id = f"audio_{rid[len('chatcmpl-'):]}"
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        with_audio = "audio" in mods
+
+        def chunk(delta: dict, reason: str | None = None) -> str:
+            body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
+                    "system_fingerprint": None,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+            if include_usage:
+                body["usage"] = None
+            return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+        out = None
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            async for out in gen.updates():
+                if out.text_delta:
+                    delta = {"content": out.text_delta}
+                    if with_audio:
+                        delta["audio"] = {"id": audio_id, "transcript": out.text_delta}
+                    yield chunk(delta)
+                for piece in audio_pieces(out.audio_delta):
+                    yield chunk({"audio": {"id": audio_id, "data": piece}})
+            self.metrics.finished("chat", out)
+            if out.error:
+                err = failure(self.engine, out.error)
+                self.metrics.error(err.status)
+                yield f"data: {json.dumps(err.body())}\n\n"
+            else:
+                last = {"audio": {"id": audio_id, "expires_at": int(time.time()) + AUDIO_TTL_S}} if with_audio else {}
+                yield chunk(last, finish_reason(out.finish_reason))
+                if include_usage:
+                    body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
+                            "system_fingerprint": None, "choices": [], "usage": _usage(out)}
+                    yield f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+            yield "data: [DONE]\n\n"
+        except Exception as e:  # an encoder bug must end the stream visibly, not hang it
+            self.metrics.error(500)
+            yield f"data: {json.dumps(error_body(500, f'internal error: {type(e).__name__}: {e}'))}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            self.metrics.in_flight.dec()
+            if out is None or not out.finished:  # the client left mid-stream
+                self.metrics.aborted("chat")
+            await gen.close()

@@ -1,0 +1,119 @@
+"""The engine a server serves: started in the background, with readiness and stage death.
+
+The HTTP port opens at once (so /health can answer 503 "loading" while the stages load
+and compile); `ServedEngine.start` builds the `AsyncOmniJax` in a daemon thread. A stage
+that dies is seen through its process id (public `stage_pids`) or through the error the
+library raises on submission; either makes the server unhealthy (503) for good.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Callable, Sequence
+
+log = logging.getLogger("omni_jax.server")
+
+
+def _pid_alive(pid: int) -> bool:
+    """True if the process exists and is not a zombie (Linux: /proc; elsewhere: signal 0)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+            return True
+        except OSError:
+            return False
+
+
+class ServedEngine:
+    """One AsyncOmniJax under a served model name, and the server's view of its health."""
+
+    def __init__(self, model: str, served_name: str, pipeline: str | None = None,
+                 output_modalities: Sequence[str] = ("text", "audio"), on_failed: Callable[[], None] | None = None):
+        self.model, self.served_name, self.pipeline = model, served_name, pipeline
+        self.on_failed = on_failed  # e.g. stop the HTTP server: a server that can never serve should exit
+        self.output_modalities = list(output_modalities)
+        self.omni = None
+        self.state = "loading"          # loading -> ready -> dead | stopped; or failed
+        self.reason = "the model is loading and compiling"
+        self.started = time.time()
+        self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Build the engine in a daemon thread (stage processes exit with their parent if we do)."""
+        self._thread = threading.Thread(target=self._load, name="omni-jax-server-load", daemon=True)
+        self._thread.start()
+        threading.Thread(target=self._report_loading, name="omni-jax-server-progress", daemon=True).start()
+
+    def _report_loading(self, period_s: float = 20.0) -> None:
+        """A line now and then while the stages compile (minutes for a real model), so a silent
+        console does not look like a hang."""
+        t0 = time.monotonic()
+        while not self._ready.wait(period_s):
+            print(f"omni-jax serve: still loading and compiling ({time.monotonic() - t0:.0f}s)", flush=True)
+
+    def _load(self) -> None:
+        from omni_jax import AsyncOmniJax
+
+        t0 = time.monotonic()
+        try:
+            self.omni = AsyncOmniJax(model=self.model, pipeline=self.pipeline,
+                                     output_modalities=self.output_modalities)
+        except Exception as e:  # the server stays up to report it on /health
+            self.state, self.reason = "failed", f"the engine failed to start: {type(e).__name__}: {e}"
+            print(f"omni-jax serve: error: {self.reason}", file=sys.stderr, flush=True)
+            if self.on_failed is not None:
+                self.on_failed()
+        else:
+            if self.state == "loading":
+                self.state, self.reason = "ready", ""
+                print(f"omni-jax serve: ready ({time.monotonic() - t0:.1f}s to load and compile; "
+                      f"stage pids {self.stage_pids()})", flush=True)
+        self._ready.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until loading ends (ready or failed)."""
+        return self._ready.wait(timeout)
+
+    def stage_pids(self) -> dict[str, int]:
+        return self.omni.stage_pids() if self.omni is not None else {}
+
+    def stage_names(self, modalities: Sequence[str]) -> list[str]:
+        """The stages a request with these output modalities runs through, in order."""
+        return [s.name for s in self.omni.pipeline.stages_for(tuple(modalities))]
+
+    def stage_defaults(self, names: list[str]):
+        """The pipeline's default SamplingParams of these stages."""
+        return [self.omni.pipeline.stage(n).sampling_params() for n in names]
+
+    def mark_dead(self, reason: str) -> None:
+        if self.state == "ready":
+            self.state, self.reason = "dead", reason
+            log.error("engine unhealthy: %s", reason)
+
+    def check(self) -> tuple[bool, str]:
+        """(healthy, why not): ready and every stage process alive."""
+        if self.state == "ready":
+            dead = [n for n, pid in self.stage_pids().items() if not _pid_alive(pid)]
+            if dead:
+                self.mark_dead(f"stage {dead[0]!r} is dead; restart the server")
+        return self.state == "ready", self.reason
+
+    def shutdown(self) -> None:
+        """Stop every stage process. A load still in progress is left behind: its stage
+        processes exit on their own when this process does (they watch their parent)."""
+        if self.state != "failed":
+            self.state, self.reason = "stopped", "the server is shutting down"
+        if self._thread is not None and self._thread.is_alive():
+            self._thread.join(1.0)
+        if self.omni is not None:
+            self.omni.shutdown()

@@ -1,0 +1,115 @@
+"""Running one request on the served engine, with the library's failures as HTTP errors.
+
+`open_request` processes the prompt and submits it before anything is sent to the client,
+so a bad prompt is a clean 400 (and a dead stage a 503) even for a streamed reply.
+`updates` then yields the library's OmniRequestOutputs unchanged (text deltas, audio
+chunks as `audio_delta`); closing it early (client gone) aborts the request in every stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+from .engine import ServedEngine
+from .errors import APIError, bad_request
+
+
+def check_model(engine: ServedEngine, model: str) -> None:
+    """404 for a model name the server does not serve; 503 while it cannot serve."""
+    if model != engine.served_name:
+        raise APIError(404, f"The model {model!r} does not exist; this server serves {engine.served_name!r}",
+                       "model", "model_not_found")
+    ok, why = engine.check()
+    if not ok:
+        raise APIError(503, why, None, "service_unavailable")
+
+
+def _param_of_prompt_error(message: str) -> str:
+    if "voice" in message:
+        return "voice"
+    if "output_modalities" in message:
+        return "modalities"
+    return "messages"
+
+
+class Generation:
+    """One submitted request: its first update and the rest, as an async iterator."""
+
+    def __init__(self, engine: ServedEngine, request_id: str, agen, first):
+        self.engine, self.request_id, self._agen, self.first = engine, request_id, agen, first
+
+    async def updates(self) -> AsyncIterator:
+        """Every update from the first on; the request is aborted if the caller stops early."""
+        try:
+            out = self.first
+            yield out
+            while not out.finished:
+                out = await self._agen.__anext__()
+                yield out
+        finally:
+            await self._agen.aclose()
+
+    async def close(self) -> None:
+        await self._agen.aclose()
+
+    async def result(self, request, poll_s: float = 0.25):
+        """The finished output, or None if the client disconnected first (the request is then aborted)."""
+
+        async def collect():
+            last = None
+            async for last in self.updates():
+                pass
+            return last
+
+        task = asyncio.ensure_future(collect())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=poll_s)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    task.cancel()
+                    return None
+        finally:
+            if not task.done():
+                task.cancel()
+                # the generator may only be closed once the cancelled task has left it
+                await asyncio.wait({task})
+            await self.close()
+
+
+async def open_request(engine: ServedEngine, prompt, params, modalities, voice, request_id: str,
+                       voice_param: str = "voice") -> Generation:
+    """Submit the request and wait for its first update (400 / 503 on failure to start)."""
+    agen = engine.omni.generate(prompt, sampling_params=params, request_id=request_id,
+                                output_modalities=list(modalities), voice=voice)
+    try:
+        first = await agen.__anext__()
+    except ValueError as e:  # PromptError, unknown voice, modalities the engine was not started with
+        msg = str(e)
+        param = _param_of_prompt_error(msg)
+        raise bad_request(msg, voice_param if param == "voice" else param) from None
+    except RuntimeError as e:  # a dead stage or a shut-down engine refuses submissions
+        engine.mark_dead(str(e))
+        raise APIError(503, f"the engine cannot serve: {e}", None, "service_unavailable") from None
+    except asyncio.CancelledError:
+        await agen.aclose()
+        raise
+    return Generation(engine, request_id, agen, first)
+
+
+def failure(engine: ServedEngine, error: str) -> APIError:
+    """The HTTP error for a request the library failed with `error`."""
+    ok, why = engine.check()
+    if not ok or "died" in error:
+        engine.mark_dead(error)
+        return APIError(503, f"the request failed because a stage is dead: {error}", None, "service_unavailable")
+    if error.startswith("bad prompt") or any(w in error for w in ("max_model_len", "too long", "too large")):
+        return bad_request(error, "messages")  # the prompt exceeds what this deployment was sized for
+    return APIError(500, f"the request failed: {error}", None, "internal_error")
+
+
+def finish_reason(reason: str | None) -> str:
+    """The library's finish reason in OpenAI's vocabulary."""
+    return reason if reason in ("stop", "length", "abort") else "stop"

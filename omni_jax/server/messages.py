@@ -1,0 +1,89 @@
+"""OpenAI chat messages -> an OmniJax prompt, with the server's media access rules.
+
+Media parts may be `data:` URLs (base64 inline) or local files under the directory the
+server was allowed to read (`--allowed-local-media-path`, as vLLM); http(s) URLs are refused
+(the server does not fetch remote media), as is every local path when no directory is allowed.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .errors import bad_request
+from .protocol import ChatMessage
+
+_URL_PARTS = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
+_INPUT_AUDIO_FORMATS = ("wav", "mp3")
+
+
+class MediaPolicy:
+    """Which local files a request may name: those under `allowed_dir` (None: no local file)."""
+
+    def __init__(self, allowed_dir: str | None = None):
+        self.allowed_dir = os.path.realpath(allowed_dir) if allowed_dir else None
+
+    def source(self, url: Any, param: str) -> str:
+        """The source to hand the processor for a media URL, or a 400 naming `param`."""
+        if not isinstance(url, str) or not url:
+            raise bad_request(f"{param} must be a non-empty string", param)
+        low = url[:8].lower()
+        if low.startswith("data:"):
+            return url
+        if low.startswith(("http://", "https://")):
+            raise bad_request(f"{param}: remote URLs are not fetched by this server; send the media inline as a "
+                              f"data: URL (base64) or as a local path under --allowed-local-media-path", param)
+        path = url[len("file://"):] if low.startswith("file://") else url
+        if "://" in path:
+            raise bad_request(f"{param}: unsupported URL scheme in {url[:40]!r}; use a data: URL or a local path",
+                              param)
+        if self.allowed_dir is None:
+            raise bad_request(f"{param}: local files are not allowed; start the server with "
+                              f"--allowed-local-media-path DIR, or send the media as a data: URL", param)
+        real = os.path.realpath(path)
+        if os.path.commonpath([real, self.allowed_dir]) != self.allowed_dir:
+            raise bad_request(f"{param}: {path!r} is outside the allowed media directory", param)
+        if not os.path.isfile(real):
+            raise bad_request(f"{param}: no such file {path!r}", param)
+        return real
+
+
+def _part(part: Any, where: str, policy: MediaPolicy) -> dict:
+    """One OpenAI content part -> the processor's part."""
+    if not isinstance(part, dict):
+        raise bad_request(f"{where} must be an object with a 'type'", where)
+    ptype = part.get("type")
+    if ptype == "text":
+        if not isinstance(part.get("text"), str):
+            raise bad_request(f"{where}.text must be a string", f"{where}.text")
+        return {"type": "text", "text": part["text"]}
+    if ptype in _URL_PARTS:
+        obj = part.get(ptype)
+        url = obj.get("url") if isinstance(obj, dict) else obj
+        kind = _URL_PARTS[ptype]
+        return {"type": kind, kind: policy.source(url, f"{where}.{ptype}.url")}
+    if ptype == "input_audio":
+        obj = part.get("input_audio")
+        if not isinstance(obj, dict) or not isinstance(obj.get("data"), str):
+            raise bad_request(f"{where}.input_audio must be {{'data': base64, 'format': 'wav'|'mp3'}}",
+                              f"{where}.input_audio")
+        if obj.get("format", "wav") not in _INPUT_AUDIO_FORMATS:
+            raise bad_request(f"{where}.input_audio.format must be one of {list(_INPUT_AUDIO_FORMATS)}",
+                              f"{where}.input_audio.format")
+        return {"type": "input_audio", "input_audio": {"data": obj["data"], "format": obj.get("format", "wav")}}
+    raise bad_request(f"{where}.type {ptype!r} is not supported; use text, image_url, input_audio, audio_url or "
+                      f"video_url", f"{where}.type")
+
+
+def to_prompt(messages: list[ChatMessage], policy: MediaPolicy) -> dict:
+    """The OmniJax chat prompt for OpenAI messages (400 naming the first bad part)."""
+    out = []
+    for i, m in enumerate(messages):
+        role = "system" if m.role == "developer" else m.role
+        content = m.content
+        if content is None:
+            content = ""
+        if isinstance(content, list):
+            content = [_part(p, f"messages[{i}].content[{j}]", policy) for j, p in enumerate(content)]
+        out.append({"role": role, "content": content})
+    return {"messages": out}

@@ -1,0 +1,56 @@
+"""Request fields -> one SamplingParams per stage of the request's chain.
+
+Stage defaults come from the pipeline config; `sampling_params_list` (vLLM-Omni's shape:
+one dict of SamplingParams fields per stage, in chain order, null keeps the default) is
+applied first, then the OpenAI fields of the request on top for the thinker.
+"""
+
+from __future__ import annotations
+
+import re
+
+from omni_jax import SamplingParams
+
+from .errors import bad_request
+
+_FIELD = re.compile(r"SamplingParams\.(\w+)")
+
+
+def _updated(params: SamplingParams, changes: dict, param: str) -> SamplingParams:
+    """params with changes, or a 400 naming the bad field (under `param`)."""
+    try:
+        return params.updated(**changes)
+    except TypeError as e:
+        raise bad_request(f"{param}: {e}", param) from None
+    except ValueError as e:
+        m = _FIELD.search(str(e))
+        field = f"{param}.{m.group(1)}" if m and param.startswith("sampling_params_list") else (
+            m.group(1) if m else param)
+        raise bad_request(str(e), field) from None
+
+
+def stage_params(defaults: list[SamplingParams], req) -> list[SamplingParams]:
+    """The per-stage params of a chat or speech request (`defaults`: the chain's stage defaults)."""
+    params = list(defaults)
+    given = req.sampling_params_list or []
+    if len(given) > len(params):
+        raise bad_request(f"sampling_params_list has {len(given)} entries but this request runs "
+                          f"{len(params)} stage(s)", "sampling_params_list")
+    for i, changes in enumerate(given):
+        if changes is not None:
+            params[i] = _updated(params[i], changes, f"sampling_params_list[{i}]")
+    top = {}
+    for name in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k",
+                 "repetition_penalty", "min_tokens", "ignore_eos"):
+        value = getattr(req, name, None)
+        if value is not None:
+            top[name] = value
+    max_tokens = getattr(req, "max_completion_tokens", None) or getattr(req, "max_tokens", None)
+    if max_tokens is not None:
+        top["max_tokens"] = max_tokens
+    stop = getattr(req, "stop", None)
+    if stop is not None:
+        top["stop"] = [stop] if isinstance(stop, str) else stop
+    if top:
+        params[0] = _updated(params[0], top, "")
+    return params

@@ -1,0 +1,100 @@
+"""`omni-jax serve`: the OpenAI-compatible server as a command.
+
+    omni-jax serve --model DIR|tiny [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+
+The port is bound first, then the stages load and compile in the background (GET /health
+answers 503 until they are ready, and the console shows their progress and "ready").
+SIGINT / SIGTERM stop the HTTP server and every stage process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import socket
+import sys
+
+import uvicorn
+
+from .app import build_app
+from .engine import ServedEngine
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny", help="converted checkpoint directory, or 'tiny' (default)")
+    p.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
+    p.add_argument("--pipeline", default=None, help="pipeline preset name or YAML path (default: the model's)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("OMNI_JAX_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                        "(default: $OMNI_JAX_API_KEY, else none)")
+    p.add_argument("--modalities", default="text,audio",
+                   help="output modalities the engine is started for: 'text' or 'text,audio' (default)")
+    p.add_argument("--allowed-local-media-path", default=None,
+                   help="directory whose files requests may name as media (default: none; data: URLs only)")
+    p.add_argument("--max-request-body-mb", type=float, default=64.0, help="larger bodies get 413 (default 64)")
+    p.add_argument("--async-chunk", action=argparse.BooleanOptionalAction, default=None,
+                   help="stream stage outputs to the next stage in chunks (not available yet: stages hand "
+                        "over whole outputs)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, minus its re-raising of SIGINT / SIGTERM after the graceful shutdown
+    (a KeyboardInterrupt traceback, or death by SIGTERM): the command exits 0 instead."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def run(args: argparse.Namespace) -> int:
+    mods = [m.strip() for m in args.modalities.split(",") if m.strip()]
+    if mods not in (["text"], ["text", "audio"]):
+        print("omni-jax serve: error: --modalities must be 'text' or 'text,audio'", file=sys.stderr)
+        return 2
+    if args.async_chunk:
+        print("omni-jax serve: note: --async-chunk is not available yet; stages hand over whole outputs",
+              flush=True)
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as e:
+        print(f"omni-jax serve: error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 1
+    server: _Server | None = None
+
+    def stop_server():
+        if server is not None:
+            server.should_exit = True
+
+    engine = ServedEngine(args.model, args.served_model_name or args.model, args.pipeline, mods,
+                          on_failed=stop_server)
+    app = build_app(engine, api_key=args.api_key, max_body_bytes=int(args.max_request_body_mb * (1 << 20)),
+                    allowed_media_dir=args.allowed_local_media_path)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"omni-jax serve: listening on http://{host}:{sock.getsockname()[1]} "
+          f"(model {engine.served_name!r}; loading and compiling the stages, /health is 503 until ready)",
+          flush=True)
+    server = _Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
+                                    access_log=args.log_level == "debug"))
+    engine.start()
+    server.run(sockets=[sock])  # returns on SIGINT / SIGTERM, after the app's shutdown stopped the stages
+    return 1 if engine.state == "failed" else 0

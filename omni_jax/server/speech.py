@@ -1,0 +1,117 @@
+"""POST /v1/audio/speech: text to speech through the thinker and talker.
+
+The prompt is a chat turn whose assistant reply is prefilled with the input text (a raw
+prompt: the chat template up to the open assistant turn, then the input), so the thinker
+continues from "having said" the input and the talker speaks the reply it is handed.
+The library has no way yet to hand the talker prefilled tokens *as the reply*: the talker
+sees the input as context and speaks the thinker's continuation (see the report on
+issue 16). `stream_format: "sse"` sends `speech.audio.delta` events (base64 of the audio:
+raw pcm chunks as they come for `pcm`, one encoded file at the end for other formats) and
+a `speech.audio.done` event with usage; `stream_format: "audio"` sends the file (pcm: its
+chunks as they come).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import uuid
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from . import audio as audio_codec
+from .engine import ServedEngine
+from .errors import bad_request, error_body
+from .generation import Generation, check_model, failure, open_request
+from .metrics import Metrics
+from .protocol import SpeechRequest
+from .sampling import stage_params
+
+MODALITIES = ["text", "audio"]
+
+
+def speech_prompt(processor, text: str) -> dict:
+    """The raw prompt of a speech request: the chat template with the assistant turn prefilled."""
+    rendered = processor.render_chat([{"role": "user", "content": text}], speech_output=True)
+    return {"prompt": rendered + text}
+
+
+class SpeechHandler:
+    """Serves text to speech on one engine."""
+
+    def __init__(self, engine: ServedEngine, metrics: Metrics):
+        self.engine, self.metrics = engine, metrics
+
+    async def __call__(self, req: SpeechRequest, request: Request):
+        check_model(self.engine, req.model)
+        if req.speed != 1.0:
+            raise bad_request("only speed 1.0 is supported", "speed", "unsupported_parameter")
+        if req.instructions:
+            raise bad_request("instructions are not supported by this model", "instructions",
+                              "unsupported_parameter")
+        if "audio" not in self.engine.output_modalities:
+            raise bad_request("this server was started without audio output", "model")
+        params = stage_params(self.engine.stage_defaults(self.engine.stage_names(MODALITIES)), req)
+        prompt = speech_prompt(self.engine.omni.processor, req.input)
+        gen = await open_request(self.engine, prompt, params, MODALITIES, req.voice, f"speech-{uuid.uuid4().hex}")
+        self.metrics.in_flight.inc()
+        media_type = audio_codec.MEDIA_TYPES[req.response_format]
+        if req.stream_format == "sse":
+            return StreamingResponse(self._sse(req, gen), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        if req.response_format == "pcm":
+            return StreamingResponse(self._pcm(gen), media_type=media_type)
+        try:
+            out = await gen.result(request)
+        finally:
+            self.metrics.in_flight.dec()
+        if out is None:  # the client left; nobody reads this
+            self.metrics.aborted("speech")
+            return Response(status_code=499)
+        self.metrics.finished("speech", out)
+        if out.error:
+            raise failure(self.engine, out.error)
+        return Response(audio_codec.encode(out.audio, out.sample_rate, req.response_format), media_type=media_type)
+
+    async def _pcm(self, gen: Generation):
+        out = None
+        try:
+            async for out in gen.updates():
+                if out.audio_delta is not None and len(out.audio_delta):
+                    yield audio_codec.to_pcm16(out.audio_delta)
+            self.metrics.finished("speech", out)
+        finally:
+            self.metrics.in_flight.dec()
+            if out is None or not out.finished:  # the client left mid-stream
+                self.metrics.aborted("speech")
+            await gen.close()
+
+    async def _sse(self, req: SpeechRequest, gen: Generation):
+        def event(body: dict) -> str:
+            return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+        chunked = req.response_format == "pcm"
+        out = None
+        try:
+            async for out in gen.updates():
+                if chunked and out.audio_delta is not None and len(out.audio_delta):
+                    data = base64.b64encode(audio_codec.to_pcm16(out.audio_delta)).decode()
+                    yield event({"type": "speech.audio.delta", "audio": data})
+            self.metrics.finished("speech", out)
+            if out.error:
+                err = failure(self.engine, out.error)
+                self.metrics.error(err.status)
+                yield event({"type": "error", **error_body(err.status, err.message, err.param, err.code)})
+                return
+            if not chunked:
+                data = audio_codec.encode(out.audio, out.sample_rate, req.response_format)
+                yield event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+            n_in, n_out = len(out.prompt_token_ids), len(out.token_ids)
+            yield event({"type": "speech.audio.done",
+                         "usage": {"input_tokens": n_in, "output_tokens": n_out, "total_tokens": n_in + n_out}})
+        finally:
+            self.metrics.in_flight.dec()
+            if out is None or not out.finished:  # the client left mid-stream
+                self.metrics.aborted("speech")
+            await gen.close()

@@ -14,6 +14,7 @@ import sys
 from conversion import convert as convert_mod
 
 from . import demo
+from .server import bench, serve
 
 
 def main(argv=None) -> int:
@@ -27,8 +28,6 @@ def main(argv=None) -> int:
     p_gen = sub.add_parser("generate", help="generate a reply to a prompt")
     demo.add_arguments(p_gen)
     p_gen.set_defaults(func=demo.run)
-
-    from .server import bench, serve
 
     p_serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     serve.add_arguments(p_serve)

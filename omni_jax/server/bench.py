@@ -24,6 +24,8 @@ import time
 import httpx
 import numpy as np
 
+from ..api import AsyncOmniJax
+
 SAMPLE_RATE = 24000
 
 
@@ -181,8 +183,6 @@ async def _run(args, levels: list[int]) -> list[dict]:
     mods = [m.strip() for m in args.modalities.split(",") if m.strip()]
     summaries = []
     if args.library:
-        from omni_jax import AsyncOmniJax
-
         omni = AsyncOmniJax(model=args.library, pipeline=args.pipeline, output_modalities=mods)
         try:
             for i in range(args.warmup):

@@ -15,6 +15,8 @@ import threading
 import time
 from typing import Callable, Sequence
 
+from ..api import AsyncOmniJax
+
 log = logging.getLogger("omni_jax.server")
 
 
@@ -62,8 +64,6 @@ class ServedEngine:
             print(f"omni-jax serve: still loading and compiling ({time.monotonic() - t0:.0f}s)", flush=True)
 
     def _load(self) -> None:
-        from omni_jax import AsyncOmniJax
-
         t0 = time.monotonic()
         try:
             self.omni = AsyncOmniJax(model=self.model, pipeline=self.pipeline,

@@ -277,6 +277,25 @@ def test_text_reply_equals_library(client, library):
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(want.prompt_token_ids), len(want.token_ids))
 
 
+def test_logprobs_equal_the_library(client, library):
+    r = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=5, temperature=0.0,
+                                       logprobs=True, top_logprobs=2)
+    want = library.generate({"messages": HELLO}, SamplingParams(temperature=0.0, max_tokens=5, logprobs=2),
+                            output_modalities=["text"])[0]
+    content = r.choices[0].logprobs.content
+    assert len(content) == len(want.token_ids) == 5
+    for item, token, lp in zip(content, want.token_ids, want.logprobs):
+        assert abs(item.logprob - lp[token].logprob) < 1e-6
+        assert [abs(t.logprob - v.logprob) < 1e-6 for t, v in zip(item.top_logprobs, sorted(
+            (v for v in lp.values() if v.rank <= 2), key=lambda v: v.rank))] == [True, True]
+        assert item.top_logprobs[0].token == item.token  # greedy: the chosen token ranks first
+    streamed = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=5, temperature=0.0,
+                                              logprobs=True, top_logprobs=2, stream=True)
+    got = [c for chunk in streamed if chunk.choices and chunk.choices[0].logprobs
+           for c in chunk.choices[0].logprobs.content]
+    assert [c.logprob for c in got] == [c.logprob for c in content]
+
+
 def test_stop_and_seed_reach_the_thinker(client, library):
     params = dict(max_tokens=6, temperature=0.8, top_p=0.9, seed=7)
     r = client.chat.completions.create(model=MODEL, messages=HELLO, **params)
@@ -456,7 +475,7 @@ def test_speech_through_openai_client(client):
 @pytest.mark.parametrize("change, param", [
     ({"temperature": 5}, "temperature"),
     ({"n": 2}, "n"),
-    ({"logprobs": True}, "logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"modalities": ["audio"]}, "modalities"),
     ({"audio": {"voice": "Nobody"}, "modalities": ["text", "audio"]}, "audio.voice"),

@@ -48,9 +48,8 @@ def _validate(req: ChatCompletionRequest) -> None:
     """400s for fields OpenAI has that are out of range here or not served yet."""
     if req.n != 1:
         raise bad_request("only n=1 is supported", "n")
-    if req.logprobs or req.top_logprobs is not None:
-        raise bad_request("logprobs are not supported by this server yet", "logprobs" if req.logprobs else
-                          "top_logprobs", "unsupported_parameter")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     if req.stream and req.audio is not None and req.audio.format != "pcm16":
         raise bad_request(f"audio.format {req.audio.format!r} is not supported with stream=true; use 'pcm16'",
                           "audio.format")
@@ -61,6 +60,19 @@ def _validate(req: ChatCompletionRequest) -> None:
 def _usage(out) -> dict:
     p, c = len(out.prompt_token_ids), len(out.token_ids)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def token_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict], top_n: int) -> list[dict]:
+    """OpenAI's `logprobs.content`: per token its text, logprob, UTF-8 bytes and the top_n alternatives."""
+    def entry(token_id: int, logprob: float) -> dict:
+        text = tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    out = []
+    for token_id, lp in zip(token_ids, logprobs):
+        top = sorted(((t, v) for t, v in lp.items() if v.rank <= top_n), key=lambda tv: tv[1].rank)
+        out.append(entry(token_id, lp[token_id].logprob) | {"top_logprobs": [entry(t, v.logprob) for t, v in top]})
+    return out
 
 
 def audio_pieces(delta: np.ndarray | None) -> list[str]:
@@ -102,6 +114,12 @@ class ChatHandler:
             raise failure(self.engine, out.error)
         return JSONResponse(self._whole(req, out, mods, rid))
 
+    def _logprobs(self, req: ChatCompletionRequest, token_ids: list[int], logprobs) -> dict | None:
+        if not req.logprobs or logprobs is None:
+            return None
+        return {"content": token_logprobs(self.engine.omni.tokenizer, token_ids, logprobs, req.top_logprobs or 0),
+                "refusal": None}
+
     def _whole(self, req: ChatCompletionRequest, out, mods: list[str], rid: str) -> dict:
         message = {"role": "assistant", "content": out.text, "refusal": None, "audio": None}
         if "audio" in mods:
@@ -111,7 +129,7 @@ class ChatHandler:
                                 "expires_at": int(time.time()) + AUDIO_TTL_S, "transcript": out.text}
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": req.model,
                 "system_fingerprint": None,
-                "choices": [{"index": 0, "message": message, "logprobs": None,
+                "choices": [{"index": 0, "message": message, "logprobs": self._logprobs(req, out.token_ids, out.logprobs),
                              "finish_reason": finish_reason(out.finish_reason)}],
                 "usage": _usage(out)}
 
@@ -121,10 +139,10 @@ class ChatHandler:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         with_audio = "audio" in mods
 
-        def chunk(delta: dict, reason: str | None = None) -> str:
+        def chunk(delta: dict, reason: str | None = None, logprobs: dict | None = None) -> str:
             body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
                     "system_fingerprint": None,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+                    "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
             if include_usage:
                 body["usage"] = None
             return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
@@ -133,11 +151,13 @@ class ChatHandler:
         try:
             yield chunk({"role": "assistant", "content": ""})
             async for out in gen.updates():
-                if out.text_delta:
+                new = out.new_token_ids
+                lp = self._logprobs(req, new, out.logprobs[len(out.logprobs) - len(new):]) if new else None
+                if out.text_delta or lp:
                     delta = {"content": out.text_delta}
                     if with_audio:
                         delta["audio"] = {"id": audio_id, "transcript": out.text_delta}
-                    yield chunk(delta)
+                    yield chunk(delta, logprobs=lp)
                 for piece in audio_pieces(out.audio_delta):
                     yield chunk({"audio": {"id": audio_id, "data": piece}})
             self.metrics.finished("chat", out)

@@ -51,6 +51,8 @@ def stage_params(defaults: list[SamplingParams], req) -> list[SamplingParams]:
     stop = getattr(req, "stop", None)
     if stop is not None:
         top["stop"] = [stop] if isinstance(stop, str) else stop
+    if getattr(req, "logprobs", None):
+        top["logprobs"] = getattr(req, "top_logprobs", None) or 0
     if top:
         params[0] = _updated(params[0], top, "")
     return params

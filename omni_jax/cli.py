@@ -2,6 +2,7 @@
 
     omni-jax convert --hf-dir HF_DIR --out OUT_DIR [--dtype bfloat16|float32]
     omni-jax generate --model OUT_DIR|tiny --prompt TEXT
+    omni-jax plan --model PRESET|OUT_DIR --gpu h100|a100
 """
 
 from __future__ import annotations
@@ -25,6 +26,12 @@ def main(argv=None) -> int:
     p_gen = sub.add_parser("generate", help="generate a reply to a prompt")
     demo.add_arguments(p_gen)
     p_gen.set_defaults(func=demo.run)
+
+    from .gpu import plan
+
+    p_plan = sub.add_parser("plan", help="memory and roofline plan of a preset on an H100 or A100")
+    plan.add_arguments(p_plan)
+    p_plan.set_defaults(func=plan.run)
 
     args = parser.parse_args(argv)
     return args.func(args)

@@ -2,8 +2,9 @@
 
 The compile work runs in the GPU compile environment (`.venv-gpu`, see `omni_jax.gpu`),
 one worker process per target, side by side; these tests read its reports. What each
-worker compiles is `omni_jax.gpu.worker.select_tier`; the expected sets here are derived
-from the presets, so a program the worker skips fails a test.
+worker compiles is `omni_jax.gpu.worker.select_tier` (the programs that take minutes are
+in `select_full`, run by `python -m omni_jax.gpu.client --full`); the expected sets here
+are derived from the presets, so a program the worker skips fails a test.
 """
 
 from __future__ import annotations
@@ -90,38 +91,29 @@ def test_negative_control_fails_at_compile(tier, target):
 
 
 @pytest.mark.parametrize("target", TARGETS)
-def test_steps_compile_and_decode_aliases_the_kv_cache(tier, target):
+def test_decode_steps_compile_and_alias_the_kv_cache(tier, target):
     limit = load_target(target).shared_memory_per_block_optin
-    steps = {(r["preset"], r["stage"], r["info"]["kind"], r["info"]["bucket"]): r
-             for r in tier[target]["reports"] if r["info"].get("kind") in ("decode", "prefill")}
-    for preset, stage in _ar_stages():
-        want = [("decode", stage.resolved_decode_buckets[-1])]
-        if target == "h100":
-            want += [("decode", stage.resolved_decode_buckets[0]), ("prefill", stage.resolved_token_buckets[0]),
-                     ("prefill", stage.resolved_token_buckets[-1])]
-        for kind, bucket in want:
-            r = steps.get((preset, stage.name, kind, bucket))
-            assert r is not None, f"{target}: {preset}/{stage.name} {kind} {bucket} was not compiled"
-            assert r["ok"], f"{r['name']}: {r['error']}"
-            assert r["launches"] > 0 and r["kernels"], r["name"]
-            for k in r["kernels"]:
-                assert k["shared_memory"] <= limit and k["spill_stores"] == 0, (r["name"], k)
-            # Donation: the pages are updated in place, so every KV byte is an alias.
-            assert r["alias_bytes"] >= r["info"]["kv_bytes"] > 0, (r["name"], r["alias_bytes"])
+    steps = {(r["preset"], r["stage"]): r for r in tier[target]["reports"] if r["info"].get("kind") == "decode"}
+    p = load_pipeline_config("qwen2_5_omni")
+    for stage in (s for s in p.stages if s.runner == "ar"):
+        r = steps.get((p.name, stage.name))
+        assert r is not None, f"{target}: {p.name}/{stage.name} decode step was not compiled"
+        assert r["info"]["bucket"] == stage.resolved_decode_buckets[-1]
+        assert r["ok"], f"{r['name']}: {r['error']}"
+        # One attention kernel launch per layer, each within limits.
+        assert len(r["kernels"]) >= 24 and r["launches"] > len(r["kernels"]), r["name"]
+        for k in r["kernels"]:
+            assert k["shared_memory"] <= limit and k["spill_stores"] == 0, (r["name"], k)
+        # Donation: the pages are updated in place, so every KV byte is an alias.
+        assert r["alias_bytes"] >= r["info"]["kv_bytes"] > 0, (r["name"], r["alias_bytes"])
 
 
-def test_sampler_encoders_vocoders_compile(tier):
-    reports = tier["a100"]["reports"]
-    by_kind = {}
-    for r in reports:
-        by_kind.setdefault(r["info"].get("kind"), []).append(r)
-    variants = {r["info"]["variant"] for r in by_kind.get("sample", []) if r["stage"] == "thinker"}
-    assert variants == {"greedy", "random", "full", "full+logprobs"}
-    for kind, count in (("sample", 6), ("after_sample", 1), ("audio", 2), ("vision", 2), ("vocoder", 2)):
-        got = by_kind.get(kind, [])
-        assert len(got) == count, (kind, [r["name"] for r in got])
-        for r in got:
-            assert r["ok"], f"{r['name']}: {r['error']}"
+def test_sampler_variants_compile(tier):
+    got = {r["info"]["variant"]: r for r in tier["a100"]["reports"] if r["info"].get("kind") == "sample"}
+    assert set(got) == {"greedy", "random"}
+    for r in got.values():
+        assert r["ok"], f"{r['name']}: {r['error']}"
+        assert r["info"]["bucket"] == load_pipeline_config("qwen2_5_omni").stage("thinker").max_num_seqs
 
 
 def test_tuning_tables_fit_every_target():
@@ -137,7 +129,8 @@ def test_tuning_tables_fit_every_target():
 
 def test_main_environment_has_no_cuda_plugin():
     """The compile-only packages live in .venv-gpu: the demo's environment never loads them."""
-    assert importlib.util.find_spec("jax_plugins.xla_cuda12") is None
+    assert importlib.util.find_spec("jax_plugins") is None or \
+        importlib.util.find_spec("jax_plugins.xla_cuda12") is None
     assert client.gpu_python() != sys.executable
 
 
@@ -147,17 +140,24 @@ def test_plan_from_compiled_steps(tier):
     plan = build_plan(tier["h100"], context=2048)
     rows = {(s["preset"], s["stage"]): s for s in plan["stages"]}
     thinker = rows["qwen2_5_omni", "thinker"]
-    one = next(d for d in thinker["decode"] if d["bucket"] == 1)
-    # 7B thinker decoder + LM head in bf16 (embedding rows aside): ~14 GB per step at batch 1.
-    assert 13e9 < one["weight_bytes"] < 15.5e9, one
-    assert 3.9 < one["roofline_ms"] < 4.8, one
-    assert one["launches"] > 28, one          # at least one attention kernel per layer
-    # MoE: batch 64 routes to more experts than batch 1, so it reads more weights.
-    q3 = rows["qwen3_omni", "thinker"]["decode"]
-    assert q3[-1]["weight_bytes"] > 2 * q3[0]["weight_bytes"]
+    d64 = thinker["decode"][-1]
+    assert d64["bucket"] == 64 and d64["launches"] > 28 and d64["temp_bytes"] > 0, d64
+    assert thinker["decode"][0]["launches"] is None         # bucket 1 was not compiled in the tier
+    # 7B thinker decoder + LM head in bf16 (embedding rows aside): ~14.2 GB per step, plus
+    # 64 sequences x 2048 tokens x 56 KiB of KV.
+    assert 13e9 < d64["weight_bytes"] < 15.5e9, d64
+    assert abs(d64["kv_read_bytes"] - 64 * 2048 * 56 * 1024) < 1e6, d64
+    assert abs(d64["roofline_ms"] - (d64["weight_bytes"] + d64["kv_read_bytes"]) / 3.35232e12 * 1e3) < 0.01
+    # MoE: a batch of 64 routes to more experts than a batch of 1.
+    from omni_jax.gpu.plan import expected_experts
+
+    assert expected_experts(128, 8, 1) == pytest.approx(8)
+    assert 50 < expected_experts(128, 8, 64) < 128
     for s in plan["stages"]:
         assert not s["failed"], s["failed"]
         if s["block_bytes"]:
             assert s["num_blocks"] > s["blocks_per_seq"], (s["preset"], s["stage"], s["num_blocks"])
+    q3 = rows["qwen3_omni", "thinker"]
+    assert q3["params"] > 60e9 and q3["device"] == 0       # the 30B-A3B thinker alone: ~63 GB bf16
     text = format_plan(plan, "both presets")
     assert "roofline ms" in text and "thinker" in text

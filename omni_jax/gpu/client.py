@@ -65,5 +65,24 @@ def run_workers(targets, select: str = "tier", extra_args=(), log=None, timeout:
     return results
 
 
+def summary(results: dict) -> str:
+    """One line per compiled program: target, name, verdict, seconds, memory, launches."""
+    lines = []
+    for t, r in results.items():
+        lines.append(f"# {t}: {len(r['reports'])} programs in {r['seconds']:.0f} s, "
+                     f"peak {r['peak_rss_bytes'] / 2**30:.2f} GiB")
+        for p in r["reports"]:
+            k = max(p["kernels"], key=lambda k: k["shared_memory"], default=None)
+            res = (f"smem {k['shared_memory']} regs {k['registers']} spills {k['spill_stores']}"
+                   if k else "")
+            lines.append(f"{t} {p['name']}: {'ok' if p['ok'] else 'FAIL ' + p['error'][:160]} "
+                         f"{p['seconds']:.1f}s temp {p['temp_bytes'] / 2**20:.0f} MiB alias "
+                         f"{p['alias_bytes'] / 2**30:.2f} GiB launches {p['launches']} {res}")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    print(json.dumps({t: r["seconds"] for t, r in run_workers(sys.argv[1:] or ["h100"]).items()}))
+    # python -m omni_jax.gpu.client [--full] [h100 a100]: compile and list every program.
+    full = "--full" in sys.argv
+    names = [a for a in sys.argv[1:] if not a.startswith("--")] or ["h100", "a100"]
+    print(summary(run_workers(names, "full" if full else "tier", timeout=4 * 3600)))

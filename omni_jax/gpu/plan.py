@@ -7,7 +7,8 @@ GPU compile environment, see `omni_jax.gpu`) and prints, per stage: parameter by
 temporaries per bucket (from the compiled programs), the KV blocks that fit the configured
 memory fractions, whether the stage fits and what to change if not; per decode bucket the
 HBM bytes a step must move (weights + KV read at `--context` tokens per sequence), the
-roofline time at the target's bandwidth and the kernel launches per step. Per device: the
+roofline time at the target's bandwidth and the kernel launches per step (launches and
+temporaries where the bucket was compiled: every bucket, or the ends with ``--ends``). Per device: the
 stages placed on it and whether their shares fit.
 
 Roofline: weights read per decode step = the decoder and LM head (embedding table: only
@@ -66,23 +67,25 @@ def build_plan(result: dict, context: int) -> dict:
     stages = []
     for s in result["stages"]:
         row = dict(s)
-        reps = sorted(steps.get((s["preset"], s["stage"]), []),
+        reps = sorted((r for r in steps.get((s["preset"], s["stage"]), [])
+                       if r["info"].get("kind") in ("decode", "prefill")),
                       key=lambda r: (r["info"]["kind"], r["info"]["bucket"]))
-        reps = [r for r in reps if r["info"]["kind"] in ("decode", "prefill")]
         row["failed"] = [f"{r['name']}: {r['error']}" for r in reps if not r["ok"]]
         row["prefill"] = [dict(bucket=r["info"]["bucket"], temp_bytes=r["temp_bytes"], launches=r["launches"])
                           for r in reps if r["ok"] and r["info"]["kind"] == "prefill"]
+        compiled = {r["info"]["bucket"]: r for r in reps if r["ok"] and r["info"]["kind"] == "decode"}
         row["decode"] = []
-        for r in (r for r in reps if r["ok"] and r["info"]["kind"] == "decode"):
-            b = r["info"]["bucket"]
+        for b in s.get("decode_buckets", []):
             e = s.get("num_experts", 0)
             weights = s.get("decode_dense_bytes", 0) + (
                 s.get("decode_expert_bytes", 0) * expected_experts(e, s.get("top_k", 0), b) / e if e else 0)
             kv = b * min(context, s["max_model_len"]) * s.get("kv_bytes_per_token", 0)
+            r = compiled.get(b)
             row["decode"].append(dict(bucket=b, weight_bytes=weights, kv_read_bytes=kv,
-                                      roofline_ms=(weights + kv) / bw * 1e3, launches=r["launches"],
-                                      temp_bytes=r["temp_bytes"]))
-        temps = [x["temp_bytes"] for x in row["prefill"] + row["decode"]]
+                                      roofline_ms=(weights + kv) / bw * 1e3,
+                                      launches=r["launches"] if r else None,
+                                      temp_bytes=r["temp_bytes"] if r else None))
+        temps = [x["temp_bytes"] for x in row["prefill"] + row["decode"] if x["temp_bytes"] is not None]
         row["max_temp_bytes"] = max(temps, default=0)
         row["problems"] = _problems(row)
         stages.append(row)
@@ -126,7 +129,7 @@ def format_plan(plan: dict, preset: str) -> str:
                  f"{'KV GB':>8}{'max temp GB':>13}{'headroom GB':>13}  fits")
     for s in plan["stages"]:
         lines.append(f"{s['stage']:<10}{s['device'] or 0:>4}{s['share'] / GB:>10.1f}{s['params'] / GB:>11.2f}"
-                     f"{s['num_blocks']:>11}{s['num_blocks'] * s['block_size']:>11}{s['kv_bytes'] / GB:>8.1f}"
+                     f"{s['num_blocks']:>11}{s['num_blocks'] * s['block_size']:>11}{s['num_blocks'] * s['block_bytes'] / GB:>8.1f}"
                      f"{s['max_temp_bytes'] / GB:>13.3f}{(s['headroom']) / GB:>13.2f}  "
                      f"{'yes' if not s['problems'] else 'NO'}")
         for p in s["problems"]:
@@ -138,8 +141,10 @@ def format_plan(plan: dict, preset: str) -> str:
         lines.append(f"{'batch':>6}{'weights GB':>12}{'KV read GB':>12}{'roofline ms':>13}{'launches':>10}"
                      f"{'temp MiB':>10}")
         for d in s["decode"]:
+            launches = "-" if d["launches"] is None else d["launches"]
+            temp = "-" if d["temp_bytes"] is None else f"{d['temp_bytes'] / 2**20:.1f}"
             lines.append(f"{d['bucket']:>6}{d['weight_bytes'] / GB:>12.2f}{d['kv_read_bytes'] / GB:>12.2f}"
-                         f"{d['roofline_ms']:>13.2f}{d['launches']:>10}{d['temp_bytes'] / 2**20:>10.1f}")
+                         f"{d['roofline_ms']:>13.2f}{launches:>10}{temp:>10}")
         lines.append(f"{s['stage']}: prefill temporaries per token bucket: " + ", ".join(
             f"{p['bucket']}: {p['temp_bytes'] / 2**20:.0f} MiB" for p in s["prefill"]))
     lines.append("")
@@ -158,6 +163,9 @@ def run(args) -> int:
     preset, extra = _resolve(args.model)
     extra = ["--presets", preset, *extra, *(["--ends"] if args.ends else [])]
     result = client.run_workers([args.gpu], "plan", extra)[args.gpu]
+    if args.json:  # the compile reports too, so the table can be rebuilt without compiling
+        with open(args.json + ".reports", "w") as f:
+            json.dump(result, f)
     plan = build_plan(result, args.context)
     print(format_plan(plan, preset))
     if args.json:

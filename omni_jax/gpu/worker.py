@@ -7,6 +7,7 @@ the kernels' per-target tuning (read at trace time) never leaks between targets,
 many programs share one process's start-up. Selections:
 
 * ``tier``: what the gpu_compile tests check (see `select_tier`);
+* ``full``: every kind of program the issue lists, at its extreme buckets (`select_full`);
 * ``plan``: the steps `omni-jax plan` reads (every decode and prefill bucket of each
   AR stage, or only the smallest and largest with ``--ends``).
 """
@@ -42,7 +43,8 @@ def stage_facts(family: str, stage, hf_config: dict, target) -> dict:
     params = tree_bytes(state)
     facts = dict(family=family, stage=stage.name, model_stage=stage.model_stage, runner=stage.runner,
                  device=stage.device, memory_fraction=stage.memory_fraction, block_size=stage.block_size,
-                 blocks_per_seq=stage.blocks_per_seq, max_model_len=stage.max_model_len)
+                 blocks_per_seq=stage.blocks_per_seq, max_model_len=stage.max_model_len,
+                 decode_buckets=list(stage.resolved_decode_buckets) if stage.runner == "ar" else [])
     block = 0
     if stage.runner == "ar":
         text = P.text_config(family, stage.model_stage, hf_config)
@@ -90,35 +92,43 @@ def _step_variant(stage) -> str:
 
 
 def select_tier(family: str, stage, hf_config: dict, num_blocks: int, target_name: str) -> list:
-    """What the gpu_compile tier checks, split so that the two targets' workers take about
-    as long: on both, the Pallas kernels at every bucket and the largest decode step
-    (donation); on H100 also the smallest decode step and the smallest and largest
-    prefill steps; on A100 the sampler variants at the largest batch, the talker's
-    after-sample hook, the encoders and the vocoders (their smallest buckets)."""
-    out = []
+    """What the gpu_compile tier checks (a few minutes on 2 cores): on both targets the
+    Pallas kernels at every bucket and the Qwen2.5 stages' largest decode steps (KV
+    donation); on A100 also the cheap sampler variants (greedy, random). The programs
+    that take minutes to compile (the MoE stages' steps, prefill steps, the sorting
+    sampler variants, encoders, vocoders) are in `select_full`."""
     if stage.runner != "ar":
-        if target_name == "a100":
-            voc = P.vocoder_programs(family, stage, hf_config)
-            out.append(min(voc, key=lambda p: (p.info["batch"], p.bucket)))
+        return []
+    out = P.kernel_programs(family, stage, hf_config, num_blocks)
+    if family != "qwen2_5_omni":
         return out
-    out += P.kernel_programs(family, stage, hf_config, num_blocks)
+    progs = P.ar_engine_programs(family, stage, hf_config, num_blocks)
+    out.append(max(_ends(progs, "decode", _step_variant(stage)), key=lambda p: p.bucket))
+    if target_name == "a100" and stage.model_stage == "thinker":
+        top = max(p.bucket for p in progs if p.kind == "sample")
+        out += [p for p in progs if p.kind == "sample" and p.bucket == top
+                and p.info["variant"] in ("greedy", "random")]
+    return out
+
+
+def select_full(family: str, stage, hf_config: dict, num_blocks: int, target_name: str) -> list:
+    """Everything the issue lists, per target: kernels at every bucket; the smallest and
+    largest decode and prefill steps of every AR stage; the sampler variants at the
+    largest batch; the after-sample hook; the encoders and vocoders at their smallest
+    bucket. Tens of minutes on 2 cores (the MoE steps and the token2wav DiT take minutes
+    each); run by `python -m omni_jax.gpu.client --full`."""
+    if stage.runner != "ar":
+        voc = P.vocoder_programs(family, stage, hf_config)
+        return [min(voc, key=lambda p: (p.info["batch"], p.bucket))]
+    out = P.kernel_programs(family, stage, hf_config, num_blocks)
     progs = P.ar_engine_programs(family, stage, hf_config, num_blocks)
     v = _step_variant(stage)
-    decode = _ends(progs, "decode", v)
-    if target_name == "h100":
-        return out + decode + _ends(progs, "prefill", v)
-    out.append(max(decode, key=lambda p: p.bucket))
+    out += _ends(progs, "decode", v) + _ends(progs, "prefill", v)
     top = max(p.bucket for p in progs if p.kind == "sample")
-    samplers = [p for p in progs if p.kind == "sample" and p.bucket == top]
-    if stage.model_stage == "thinker" and family == "qwen2_5_omni":
-        out += samplers   # both thinkers share the vocabulary: one family's variants cover both
-    elif stage.model_stage == "talker":
-        out += [p for p in samplers if p.info["variant"] == "full"]
-        out += [p for p in progs if p.kind == "after_sample" and p.bucket == top]
+    out += [p for p in progs if p.kind in ("sample", "after_sample") and p.bucket == top]
     if stage.model_stage == "thinker":
         media = P.media_programs(family, stage, hf_config)
-        for kind in ("audio", "vision"):
-            out += _ends(media, kind)[:1]
+        out += _ends(media, "audio")[:1] + _ends(media, "vision")[:1]
     return out
 
 
@@ -148,7 +158,7 @@ def negative_control(compiler: aot.Compiler, family: str, stage, hf_config: dict
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", required=True)
-    ap.add_argument("--select", choices=("tier", "plan"), default="tier")
+    ap.add_argument("--select", choices=("tier", "full", "plan"), default="tier")
     ap.add_argument("--families", default="qwen2_5_omni,qwen3_omni")
     ap.add_argument("--presets", default=None, help="comma-separated presets (default: the families' own)")
     ap.add_argument("--ends", action="store_true", help="plan: only the smallest and largest bucket")
@@ -169,8 +179,9 @@ def main(argv=None) -> int:
             facts["preset"] = pipeline.name
             stages.append(facts)
             blocks = max(facts["num_blocks"], 2)
-            if args.select == "tier":
-                progs = select_tier(pipeline.family, stage, hf, blocks, target.name)
+            if args.select in ("tier", "full"):
+                pick = select_tier if args.select == "tier" else select_full
+                progs = pick(pipeline.family, stage, hf, blocks, target.name)
                 if stage.model_stage == "thinker":
                     reports.append(negative_control(compiler, pipeline.family, stage, hf, blocks).to_dict()
                                    | {"stage": stage.name, "preset": pipeline.name})

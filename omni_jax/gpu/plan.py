@@ -116,8 +116,24 @@ def _problems(s: dict) -> list[str]:
                    f"({s['blocks_per_seq'] + 1} blocks): lower max_model_len or raise memory_fraction")
     if s["max_temp_bytes"] > s["headroom"]:
         out.append(f"step temporaries ({s['max_temp_bytes'] / GB:.2f} GB) exceed what KV leaves "
-                   f"({s['headroom'] / GB:.2f} GB): lower kv_memory_fraction or the largest token bucket")
+                   f"({s['headroom'] / GB:.2f} GB): lower kv_memory_fraction or the largest token bucket"
+                   + _largest_prefill_that_fits(s))
     return out
+
+
+def _largest_prefill_that_fits(s: dict) -> str:
+    """Prefill temporaries grow about linearly in tokens: the largest power-of-two token
+    bucket the headroom holds, from the compiled smallest and largest buckets."""
+    pre = s["prefill"]
+    if len(pre) < 2 or pre[-1]["temp_bytes"] <= pre[0]["temp_bytes"]:
+        return ""
+    per_token = (pre[-1]["temp_bytes"] - pre[0]["temp_bytes"]) / (pre[-1]["bucket"] - pre[0]["bucket"])
+    fit = pre[0]["bucket"] + (s["headroom"] - pre[0]["temp_bytes"]) / per_token
+    if fit < 1:
+        return ""
+    bucket = 1 << (int(fit).bit_length() - 1)
+    return (f" (prefill needs ~{per_token / 2**20:.1f} MiB per token: max_num_batched_tokens {bucket} "
+            f"fits the present headroom)")
 
 
 def format_plan(plan: dict, preset: str) -> str:

@@ -30,9 +30,9 @@ import numpy as np  # noqa: E402
 
 from kernels_pallas import reference  # noqa: E402
 from kernels_pallas.kv_update import write_kv_pages  # noqa: E402
-from kernels_pallas.paged_attention import paged_attention  # noqa: E402
+from kernels_pallas.paged_attention import decode_tuning, paged_attention  # noqa: E402
 from kernels_pallas.ragged_paged_attention import (  # noqa: E402
-    ragged_paged_attention)
+    prefill_tuning, ragged_paged_attention)
 
 HQ, HKV, D = 28, 4, 128               # Qwen2.5-Omni-7B thinker
 DTYPE = jnp.bfloat16
@@ -136,7 +136,7 @@ def sweep_decode(peak):
     q = jax.random.normal(jax.random.key(1), (64, HQ, D), DTYPE)
     lens = jnp.full((64,), 4096, jnp.int32)
     nbytes = kv_bytes(64 * 4096) + 2 * q.size * ITEM
-    for ppb in (2, 4, 8):
+    for ppb in (2, 4, 8, 16):
         for warps in (4, 8):
             for stages in (2, 3, 4):
                 for splits in (None, 1, 4):
@@ -247,6 +247,9 @@ def main(argv=None):
     name, peak = device_peak(gpus[0])
     print(f"Device: {gpus[0].device_kind} -> peak HBM "
           f"{f'{peak / 1e12:.2f} TB/s ({name})' if peak else name}")
+    # The launch settings the engine uses on this GPU (the kernels' per-target tables,
+    # checked by the gpu_compile tests); --sweep times the alternatives.
+    print(f"Tuning: decode {decode_tuning()}, prefill {prefill_tuning()}")
     rows = bench_decode(QUICK_DECODE if args.quick else DECODE_SHAPES, [16],
                         peak)
     if not args.quick:

@@ -37,14 +37,34 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["paged_attention"]
+from kernels_pallas.tuning import pick, target_capability
+
+__all__ = ["paged_attention", "DECODE_TUNING", "decode_tuning"]
 
 LOG2E = math.log2(math.e)
 # The m (running max) initial value: finite, so a row that has seen only
 # masked (-inf) logits keeps exp2(m_old - m_new) == 1 instead of nan.
 M_INIT = -1e30
-# Programs the split heuristic aims for: a few waves over an H100's 132 SMs.
-_TARGET_PROGRAMS = 512
+
+# Launch settings per compute capability (most conservative row first), from compiling
+# at the real models' shapes (bf16, head_dim 128, 16 query rows) for each target; the
+# gpu_compile tests check every configuration the engine can pick. Seen there: 256 KV
+# tokens per step with 4 warps spill on both GPUs (255 registers), with 8 warps they
+# do not; 512 tokens with 3 stages needs 282752 B of shared memory (H100 allows 232448).
+# ``tokens_per_step`` is pages_per_compute_block * block_size; ``programs`` is what the
+# split heuristic aims for (4 waves over the SMs; it was 512 for every GPU).
+DECODE_TUNING = {
+    # A100 (108 SMs, 166912 B shared memory per block): 38.9 KB, 128 registers, so
+    # four programs fit per SM.
+    80: dict(tokens_per_step=64, num_warps=4, num_stages=3, programs=432),
+    # H100 (132 SMs, 232448 B): 128 tokens per step, 73.8 KB, 128 registers with 8 warps.
+    90: dict(tokens_per_step=128, num_warps=8, num_stages=3, programs=528),
+}
+
+
+def decode_tuning(capability: int | None = None) -> dict:
+    """The decode kernel's launch settings for a GPU (default: the one being compiled for)."""
+    return pick(DECODE_TUNING, target_capability() if capability is None else capability)
 
 
 def next_pow2(n: int) -> int:
@@ -69,9 +89,9 @@ def check_paged_shapes(q_heads, head_dim, k_pages, v_pages):
     return block_size, hkv, d
 
 
-def pages_per_step(pages_per_compute_block, block_size):
-    """Pages per KV step: default 64 tokens; a power of two, >= 16 tokens."""
-    ppb = pages_per_compute_block or max(1, 64 // block_size)
+def pages_per_step(pages_per_compute_block, block_size, tokens_per_step=64):
+    """Pages per KV step: default ``tokens_per_step``; a power of two, >= 16 tokens."""
+    ppb = pages_per_compute_block or max(1, tokens_per_step // block_size)
     if ppb != next_pow2(ppb) or ppb * block_size < 16:
         raise ValueError(f"pages_per_compute_block={ppb} must be a power of "
                          f"two with >= 16 tokens per step (block {block_size})")
@@ -179,10 +199,10 @@ def _decode_kernel(seq_len_ref, table_ref, q_ref, k_ref, v_ref, *out_refs,
         l_ref[...] = l
 
 
-def default_k_splits(batch, kv_heads, num_compute_blocks):
-    """Splits so that batch * kv_heads * splits fills the GPU a few times,
-    keeping at least two compute blocks per split."""
-    want = pl.cdiv(_TARGET_PROGRAMS, batch * kv_heads)
+def default_k_splits(batch, kv_heads, num_compute_blocks, programs=512):
+    """Splits so that batch * kv_heads * splits reaches ``programs`` (a few waves
+    over the GPU), keeping at least two compute blocks per split."""
+    want = pl.cdiv(programs, batch * kv_heads)
     return max(1, min(want, num_compute_blocks // 2))
 
 
@@ -204,17 +224,21 @@ def merge_splits(acc, m, l):
 def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, *,
                     sm_scale=None, sliding_window=None, interpret=False,
                     pages_per_compute_block=None, k_splits=None,
-                    num_warps=4, num_stages=3):
+                    num_warps=None, num_stages=None):
     """Decode attention: one query token per sequence over paged K/V.
 
     q: [B, Hq, D] (the token at position seq_lens[b] - 1); k_pages/v_pages:
     [num_blocks, block_size, Hkv, D] (block 0 = dummy); block_tables: int32
     [B, max_blocks] padded with 0; seq_lens: int32 [B], 0 for padded rows
     (output zeros). ``sliding_window=w`` attends to the last w positions.
-    Tuning: ``pages_per_compute_block`` (default: 64 tokens per step),
+    Tuning: ``pages_per_compute_block`` (default: the table's tokens per step),
     ``k_splits`` (default: see ``default_k_splits``), Triton ``num_warps``
-    and ``num_stages``. Returns [B, Hq, D] in q's dtype.
+    and ``num_stages``; unset ones come from ``DECODE_TUNING`` for the GPU being
+    compiled for. Returns [B, Hq, D] in q's dtype.
     """
+    tune = decode_tuning()
+    num_warps = num_warps or tune["num_warps"]
+    num_stages = num_stages or tune["num_stages"]
     batch, hq, head_dim = q.shape
     block_size, hkv, d = check_paged_shapes(hq, head_dim, k_pages, v_pages)
     num_blocks = k_pages.shape[0]
@@ -222,10 +246,10 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, *,
     # >= 16 rows: the smallest M of a Triton dot; power of two: Triton tiles.
     rows = max(16, next_pow2(group))
 
-    ppb = pages_per_step(pages_per_compute_block, block_size)
+    ppb = pages_per_step(pages_per_compute_block, block_size, tune["tokens_per_step"])
     width = block_tables.shape[1]
     num_compute_blocks = pl.cdiv(width, ppb)
-    splits = k_splits or default_k_splits(batch, hkv, num_compute_blocks)
+    splits = k_splits or default_k_splits(batch, hkv, num_compute_blocks, tune["programs"])
     splits = max(1, min(splits, num_compute_blocks))
     pages_per_split = pl.cdiv(num_compute_blocks, splits) * ppb
     splits = pl.cdiv(width, pages_per_split)     # drop splits with no pages

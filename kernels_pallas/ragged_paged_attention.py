@@ -29,8 +29,27 @@ from jax.experimental.pallas import triton as plgpu
 from kernels_pallas.paged_attention import (
     M_INIT, check_paged_shapes, dot_precision, load_pages, next_pow2,
     normalize, online_softmax_step, pages_per_step, softmax_scale_log2)
+from kernels_pallas.tuning import pick, target_capability
 
-__all__ = ["ragged_paged_attention"]
+__all__ = ["ragged_paged_attention", "PREFILL_TUNING", "prefill_tuning"]
+
+# Launch settings per compute capability (most conservative row first), from compiling
+# at the real models' shapes for each target (tests/test_gpu_compile.py checks every row
+# the engine can pick). ``rows`` is the tile's matmul height (block_q tokens x the GQA
+# group padded to a power of two); ``tokens_per_step`` the KV tokens per loop step.
+PREFILL_TUNING = {
+    # A100: with 4 warps the 64-row tile sits at ptxas's 255-register cap (128 rows
+    # spill); 8 warps keep it at 159 registers, 57 KB of shared memory.
+    80: dict(rows=64, tokens_per_step=64, num_warps=8, num_stages=2),
+    # H100: 64 rows x 64 KV tokens, 4 warps: 211 registers, 82 KB (128 rows with
+    # 4 warps spill here too).
+    90: dict(rows=64, tokens_per_step=64, num_warps=4, num_stages=2),
+}
+
+
+def prefill_tuning(capability: int | None = None) -> dict:
+    """The prefill kernel's launch settings for a GPU (default: the one being compiled for)."""
+    return pick(PREFILL_TUNING, target_capability() if capability is None else capability)
 
 
 def _ragged_kernel(seq_ref, q_start_ref, q_end_ref, pos_off_ref, kv_lo_ref,
@@ -113,8 +132,8 @@ def _tile_schedule(cu_q_lens, kv_lens, num_tiles, block_q, sliding_window):
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens,
                            cu_q_lens, *, sm_scale=None, sliding_window=None,
                            interpret=False, block_q=None,
-                           pages_per_compute_block=None, num_warps=4,
-                           num_stages=2):
+                           pages_per_compute_block=None, num_warps=None,
+                           num_stages=None):
     """Causal attention of packed prefill chunks against paged K/V.
 
     q: [T, Hq, D]; sequence s owns rows cu_q_lens[s]:cu_q_lens[s+1]
@@ -123,10 +142,14 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens,
     sequence s is at position kv_lens[s] - q_len_s + i and attends to
     positions <= its own (the last ``sliding_window`` of them if set). Rows
     past cu_q_lens[S] return zeros. Tuning: ``block_q`` query tokens per tile
-    (default: 64 rows of tokens x padded group), ``pages_per_compute_block``
-    (default: 64 tokens per KV step), Triton ``num_warps``/``num_stages``.
+    (default: the table's rows / padded group), ``pages_per_compute_block``
+    (default: the table's KV tokens per step), Triton ``num_warps``/``num_stages``; unset
+    ones come from ``PREFILL_TUNING`` for the GPU being compiled for.
     Returns [T, Hq, D] in q's dtype.
     """
+    tune = prefill_tuning()
+    num_warps = num_warps or tune["num_warps"]
+    num_stages = num_stages or tune["num_stages"]
     t, hq, head_dim = q.shape
     block_size, hkv, d = check_paged_shapes(hq, head_dim, k_pages, v_pages)
     num_blocks = k_pages.shape[0]
@@ -134,9 +157,9 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens,
     group = hq // hkv
     group_rows = next_pow2(group)
     # >= 16 rows per tile: the smallest M of a Triton dot.
-    bq = block_q or max(1, 64 // group_rows)
+    bq = block_q or max(1, tune["rows"] // group_rows)
     bq = max(next_pow2(bq), pl.cdiv(16, group_rows))
-    ppb = pages_per_step(pages_per_compute_block, block_size)
+    ppb = pages_per_step(pages_per_compute_block, block_size, tune["tokens_per_step"])
 
     cu = cu_q_lens.astype(jnp.int32)
     kv_lens = kv_lens.astype(jnp.int32)

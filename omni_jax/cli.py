@@ -4,6 +4,7 @@
     omni-jax generate --model OUT_DIR|tiny --prompt TEXT
     omni-jax serve --model OUT_DIR|tiny [--port 8000]     (OpenAI-compatible server)
     omni-jax bench --base-url URL [--concurrency N]      (load run against a server)
+    omni-jax plan --model PRESET|OUT_DIR --gpu h100|a100
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 from conversion import convert as convert_mod
 
 from . import demo
+from .gpu import plan
 from .server import bench, serve
 
 
@@ -35,6 +37,9 @@ def main(argv=None) -> int:
     p_bench = sub.add_parser("bench", help="measure a running server under concurrent streaming load")
     bench.add_arguments(p_bench)
     p_bench.set_defaults(func=bench.run)
+    p_plan = sub.add_parser("plan", help="memory and roofline plan of a preset on an H100 or A100")
+    plan.add_arguments(p_plan)
+    p_plan.set_defaults(func=plan.run)
 
     args = parser.parse_args(argv)
     return args.func(args)

@@ -24,7 +24,7 @@ LAYERS = (
     ("families", ("omni_jax.models", "omni_jax.checkpoint", "omni_jax.config")),
     ("runtime", ("omni_jax.runtime", "omni_jax.outputs")),
     ("front ends", ("omni_jax", "omni_jax.api", "omni_jax.cli", "omni_jax.demo", "omni_jax.server",
-                    "conversion")),
+                    "omni_jax.gpu", "conversion")),
 )
 
 MAX_FUNCTION_IMPORTS = 10

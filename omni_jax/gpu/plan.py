@@ -1,0 +1,197 @@
+"""`omni-jax plan`: memory and roofline plan of a pipeline preset on one GPU model.
+
+    omni-jax plan --model qwen2_5_omni|qwen3_omni|CKPT_DIR --gpu h100|a100 [--context 2048] [--ends]
+
+Compiles every decode and prefill step of the preset's AR stages for the target (in the
+GPU compile environment, see `omni_jax.gpu`) and prints, per stage: parameter bytes,
+temporaries per bucket (from the compiled programs), the KV blocks that fit the configured
+memory fractions, whether the stage fits and what to change if not; per decode bucket the
+HBM bytes a step must move (weights + KV read at `--context` tokens per sequence), the
+roofline time at the target's bandwidth and the kernel launches per step (launches and
+temporaries where the bucket was compiled: every bucket, or the ends with ``--ends``). Per device: the
+stages placed on it and whether their shares fit.
+
+Roofline: weights read per decode step = the decoder and LM head (embedding table: only
+B rows; encoders run once per request); for MoE layers the experts the step's tokens are
+routed to, expected under uniform routing: E * (1 - (1 - k/E)^B) of E.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections import defaultdict
+
+from ..checkpoint import read_config
+from ..config import ConfigError, default_pipeline_for, list_presets
+from . import client
+from .targets import load_target
+
+GB = 1e9
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", required=True, help="a preset name or a converted checkpoint directory")
+    p.add_argument("--gpu", default="h100", choices=("h100", "a100"))
+    p.add_argument("--context", type=int, default=2048, help="KV tokens each sequence reads per decode step")
+    p.add_argument("--ends", action="store_true", help="compile only the smallest and largest bucket")
+    p.add_argument("--json", default=None, help="also write the plan as JSON to this file")
+
+
+def _resolve(model: str) -> tuple[str, list[str]]:
+    """(preset name, extra worker args) for a preset or a checkpoint directory."""
+    if os.path.isdir(model):
+        family = read_config(model)["family"]
+        return default_pipeline_for(family).name, ["--model-dir", os.path.abspath(model)]
+    if model not in list_presets():
+        raise ConfigError(f"--model {model!r} is neither a checkpoint directory nor a preset {list_presets()}")
+    return model, []
+
+
+def expected_experts(num_experts: int, top_k: int, batch: int) -> float:
+    """Distinct experts a batch of `batch` tokens touches per layer, uniform routing."""
+    if not num_experts:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
+
+
+def build_plan(result: dict, context: int) -> dict:
+    """The plan (plain data) from one worker's result (`--select plan`)."""
+    target = load_target(result["target"])
+    bw = target.memory_bandwidth
+    steps = defaultdict(list)
+    for r in result["reports"]:
+        steps[r["preset"], r["stage"]].append(r)
+    stages = []
+    for s in result["stages"]:
+        row = dict(s)
+        reps = sorted((r for r in steps.get((s["preset"], s["stage"]), [])
+                       if r["info"].get("kind") in ("decode", "prefill")),
+                      key=lambda r: (r["info"]["kind"], r["info"]["bucket"]))
+        row["failed"] = [f"{r['name']}: {r['error']}" for r in reps if not r["ok"]]
+        row["prefill"] = [dict(bucket=r["info"]["bucket"], temp_bytes=r["temp_bytes"], launches=r["launches"])
+                          for r in reps if r["ok"] and r["info"]["kind"] == "prefill"]
+        compiled = {r["info"]["bucket"]: r for r in reps if r["ok"] and r["info"]["kind"] == "decode"}
+        row["decode"] = []
+        for b in s.get("decode_buckets", []):
+            e = s.get("num_experts", 0)
+            weights = s.get("decode_dense_bytes", 0) + (
+                s.get("decode_expert_bytes", 0) * expected_experts(e, s.get("top_k", 0), b) / e if e else 0)
+            kv = b * min(context, s["max_model_len"]) * s.get("kv_bytes_per_token", 0)
+            r = compiled.get(b)
+            row["decode"].append(dict(bucket=b, weight_bytes=weights, kv_read_bytes=kv,
+                                      roofline_ms=(weights + kv) / bw * 1e3,
+                                      launches=r["launches"] if r else None,
+                                      temp_bytes=r["temp_bytes"] if r else None))
+        temps = [x["temp_bytes"] for x in row["prefill"] + row["decode"] if x["temp_bytes"] is not None]
+        row["max_temp_bytes"] = max(temps, default=0)
+        row["problems"] = _problems(row)
+        stages.append(row)
+    devices = defaultdict(list)
+    for s in stages:
+        devices[s["device"] or 0].append(s)
+    device_rows = []
+    for d, ss in sorted(devices.items()):
+        frac = sum(s["memory_fraction"] or 1.0 for s in ss)
+        device_rows.append(dict(device=d, stages=[s["stage"] for s in ss], memory_fraction=frac,
+                                fits=frac <= 1.0 and not any(s["problems"] for s in ss)))
+    whole = dict(params=sum(s["params"] for s in stages),
+                 min_kv=sum(s["block_bytes"] * (s["blocks_per_seq"] + 1) for s in stages if s["block_bytes"]),
+                 temps=sum(s["max_temp_bytes"] for s in stages))
+    whole["fits_one_gpu"] = whole["params"] + whole["min_kv"] + whole["temps"] <= target.device_memory_size
+    return dict(target=target.name, device_kind=target.device_kind, bandwidth=bw,
+                device_memory=target.device_memory_size, context=context, stages=stages, devices=device_rows,
+                single_gpu=whole)
+
+
+def _problems(s: dict) -> list[str]:
+    out = list(s["failed"])
+    if s["params"] > s["share"]:
+        out.append(f"weights ({s['params'] / GB:.1f} GB) exceed the stage's share ({s['share'] / GB:.1f} GB): "
+                   f"raise memory_fraction or move the stage to its own device (device: N)")
+    if s["block_bytes"] and s["num_blocks"] < s["blocks_per_seq"] + 1:
+        out.append(f"{s['num_blocks']} KV blocks hold less than one max_model_len request "
+                   f"({s['blocks_per_seq'] + 1} blocks): lower max_model_len or raise memory_fraction")
+    if s["max_temp_bytes"] > s["headroom"]:
+        out.append(f"step temporaries ({s['max_temp_bytes'] / GB:.2f} GB) exceed what KV leaves "
+                   f"({s['headroom'] / GB:.2f} GB): lower kv_memory_fraction or the largest token bucket"
+                   + _largest_prefill_that_fits(s))
+    return out
+
+
+def _largest_prefill_that_fits(s: dict) -> str:
+    """Prefill temporaries grow about linearly in tokens: the largest power-of-two token
+    bucket the headroom holds, from the compiled smallest and largest buckets."""
+    pre = s["prefill"]
+    if len(pre) < 2 or pre[-1]["temp_bytes"] <= pre[0]["temp_bytes"]:
+        return ""
+    per_token = (pre[-1]["temp_bytes"] - pre[0]["temp_bytes"]) / (pre[-1]["bucket"] - pre[0]["bucket"])
+    fit = pre[0]["bucket"] + (s["headroom"] - pre[0]["temp_bytes"]) / per_token
+    if fit < 1:
+        return ""
+    bucket = 1 << (int(fit).bit_length() - 1)
+    return (f" (prefill needs ~{per_token / 2**20:.1f} MiB per token: max_num_batched_tokens {bucket} "
+            f"fits the present headroom)")
+
+
+def format_plan(plan: dict, preset: str) -> str:
+    """The plan as text tables."""
+    lines = [f"plan of preset {preset!r} on {plan['device_kind']} ({plan['device_memory'] / GB:.1f} GB, "
+             f"{plan['bandwidth'] / 1e12:.2f} TB/s); bf16 weights and KV; decode KV read at "
+             f"{plan['context']} tokens per sequence", ""]
+    lines.append(f"{'stage':<10}{'dev':>4}{'share GB':>10}{'params GB':>11}{'KV blocks':>11}{'KV tokens':>11}"
+                 f"{'KV GB':>8}{'max temp GB':>13}{'headroom GB':>13}  fits")
+    for s in plan["stages"]:
+        lines.append(f"{s['stage']:<10}{s['device'] or 0:>4}{s['share'] / GB:>10.1f}{s['params'] / GB:>11.2f}"
+                     f"{s['num_blocks']:>11}{s['num_blocks'] * s['block_size']:>11}{s['num_blocks'] * s['block_bytes'] / GB:>8.1f}"
+                     f"{s['max_temp_bytes'] / GB:>13.3f}{(s['headroom']) / GB:>13.2f}  "
+                     f"{'yes' if not s['problems'] else 'NO'}")
+        for p in s["problems"]:
+            lines.append(f"    ! {p}")
+    for s in plan["stages"]:
+        if not s["decode"] and not s["prefill"]:
+            continue
+        lines += ["", f"{s['stage']}: decode step per bucket"]
+        lines.append(f"{'batch':>6}{'weights GB':>12}{'KV read GB':>12}{'roofline ms':>13}{'launches':>10}"
+                     f"{'temp MiB':>10}")
+        for d in s["decode"]:
+            launches = "-" if d["launches"] is None else d["launches"]
+            temp = "-" if d["temp_bytes"] is None else f"{d['temp_bytes'] / 2**20:.1f}"
+            lines.append(f"{d['bucket']:>6}{d['weight_bytes'] / GB:>12.2f}{d['kv_read_bytes'] / GB:>12.2f}"
+                         f"{d['roofline_ms']:>13.2f}{launches:>10}{temp:>10}")
+        lines.append(f"{s['stage']}: prefill temporaries per token bucket: " + ", ".join(
+            f"{p['bucket']}: {p['temp_bytes'] / 2**20:.0f} MiB" for p in s["prefill"]))
+    lines.append("")
+    for d in plan["devices"]:
+        lines.append(f"device {d['device']}: {', '.join(d['stages'])}; memory fractions sum to "
+                     f"{d['memory_fraction']:.2f}: {'fits' if d['fits'] else 'does NOT fit'}")
+    w = plan["single_gpu"]
+    lines.append(f"all stages on one {plan['target'].upper()}: weights {w['params'] / GB:.1f} GB + KV for one "
+                 f"max-length request per stage {w['min_kv'] / GB:.1f} GB + temporaries {w['temps'] / GB:.2f} GB "
+                 f"{'<=' if w['fits_one_gpu'] else '>'} {plan['device_memory'] / GB:.1f} GB: "
+                 f"{'fits' if w['fits_one_gpu'] else 'does not fit'}")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    preset, extra = _resolve(args.model)
+    extra = ["--presets", preset, *extra, *(["--ends"] if args.ends else [])]
+    result = client.run_workers([args.gpu], "plan", extra)[args.gpu]
+    if args.json:  # the compile reports too, so the table can be rebuilt without compiling
+        with open(args.json + ".reports", "w") as f:
+            json.dump(result, f)
+    plan = build_plan(result, args.context)
+    print(format_plan(plan, preset))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(plan, f, indent=1)
+    return 0 if all(not s["problems"] for s in plan["stages"]) else 1
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="plan")
+    add_arguments(ap)
+    sys.exit(run(ap.parse_args()))

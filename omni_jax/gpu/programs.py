@@ -1,0 +1,277 @@
+"""Every jitted program a real-size stage can run, as (jitted function, abstract arguments).
+
+The stages are built from the real models' HF configs (`real_configs/`) with
+`nnx.eval_shape`, so no weight exists in memory. The programs are not re-implemented
+here: an abstract engine (the engine's own `AREngine`, `ModelRunner`, media encoders and
+vocoder synthesizers, with a 2-block KV cache) runs its own warm-up while its jitted
+functions are swapped for recorders, which keep each call's arguments. Compiling the
+original jitted function with those arguments (the KV cache replaced by the real-size
+pages) is then exactly what the engine would compile on the GPU.
+
+Kernel programs call `kernels_pallas` directly at each bucket's shapes, with the same
+table width, page pool and GQA group as the stage's steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kernels_pallas
+
+from ..checkpoint import read_config
+from ..config import PipelineConfig, StageConfig, load_pipeline_config
+from ..engine.ar_engine import AREngine, EngineConfig
+from ..engine.runner import RunnerConfig
+from ..inputs.rope_index import RopeIndexConfig
+from ..models.qwen2_5_omni.media import MediaBuckets, ThinkerMediaEncoder
+from ..models.qwen2_5_omni.token2wav import Token2WavSynthesizer
+from ..models.qwen2_5_omni.voices import Voices
+from ..models.qwen3_omni.code2wav_stage import Code2WavSynthesizer
+from ..models.qwen3_omni.media import Qwen3ThinkerMediaEncoder
+from ..models.registry import abstract_stage, stages_of
+
+REAL_CONFIGS = Path(__file__).resolve().parent / "real_configs"
+DTYPE = jnp.bfloat16
+
+
+@dataclasses.dataclass
+class Program:
+    """One jitted function and the (concrete or abstract) arguments of one call."""
+
+    name: str          # e.g. "qwen2_5_omni/thinker/decode/b64"
+    kind: str          # prefill | decode | feed | sample | after_sample | project | audio | vision | vocoder | kernel
+    fn: Callable       # the jitted function the engine calls
+    args: tuple
+    kwargs: dict
+    bucket: int = 0
+    info: dict = dataclasses.field(default_factory=dict)
+
+
+def real_hf_config(family: str) -> dict:
+    """The real model's HF config (Qwen2.5-Omni-7B, Qwen3-Omni-30B-A3B; QWEN_NOTES "Real sizes")."""
+    return json.loads((REAL_CONFIGS / f"{family}.json").read_text())
+
+
+def checkpoint_hf_config(ckpt_dir: str) -> dict:
+    """The HF config stored in a converted checkpoint."""
+    return read_config(ckpt_dir)["hf_config"]
+
+
+def stage_model(family: str, model_stage: str, hf_config: dict, dtype=DTYPE):
+    """(abstract module, stage config) of one stage; built once per process, as tracing
+    a real-size model's initialisers takes seconds (the module is only read here)."""
+    key = (family, model_stage, jnp.dtype(dtype).name, json.dumps(hf_config, sort_keys=True))
+    if key not in _MODELS:
+        spec = stages_of(family)[model_stage]
+        cfg = spec.parse_config(hf_config[spec.config_key])
+        with _cheap_tracer_errors():
+            _MODELS[key] = (abstract_stage(spec, cfg, dtype), cfg)
+    return _MODELS[key]
+
+
+@contextlib.contextmanager
+def _cheap_tracer_errors():
+    """Skip the origin part of tracer error messages while building abstract models.
+
+    nnx's Variable.set_value probes `getattr(value, "sharding", None)`; on a tracer that
+    raises an AttributeError whose message walks the whole jaxpr built so far, so tracing
+    a model's initialisers is quadratic in its parameter count (the 7B thinker: 145 s
+    instead of 6 s). The message is discarded by getattr, so nothing is lost.
+    """
+    from jax._src.interpreters import partial_eval as pe
+
+    cls = pe.DynamicJaxprTracer
+    original = cls.__dict__.get("_origin_msg")
+    cls._origin_msg = lambda self: ""
+    try:
+        yield
+    finally:
+        if original is None:
+            del cls._origin_msg
+        else:
+            cls._origin_msg = original
+
+
+_MODELS: dict = {}
+
+
+# ------------------------------------------------------------------ recording
+class _Recorder:
+    """Stands in for a jitted function: keeps each call, returns `result(*args)`."""
+
+    def __init__(self, name: str, fn, result, calls: list):
+        self.name, self.fn, self.result, self.calls = name, fn, result, calls
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append((self.name, self.fn, args, kwargs))
+        return self.result(*args, **kwargs)
+
+
+def _text_of(cfg):
+    return cfg.text
+
+
+# Engine flags each family's stage builder sets (models/<family>/stages.py), keyed by
+# (family, model stage): the variants compiled depend on them.
+def _runner_flags(family: str, model_stage: str, cfg) -> dict:
+    flags = dict(rich_inputs=True)
+    if family == "qwen3_omni" and model_stage == "thinker":
+        flags["deepstack_layers"] = cfg.num_deepstack_layers
+    if family == "qwen3_omni" and model_stage == "talker":
+        flags["after_sample"] = True
+    return flags
+
+
+def kv_block_bytes(stage: StageConfig, text_cfg, dtype=DTYPE) -> int:
+    """Bytes of one KV block over all layers (K and V)."""
+    return (2 * text_cfg.num_layers * stage.block_size * text_cfg.num_kv_heads * text_cfg.head_dim
+            * jnp.dtype(dtype).itemsize)
+
+
+def ar_engine_programs(family: str, stage: StageConfig, hf_config: dict, num_blocks: int) -> list[Program]:
+    """Every program the AR engine of `stage` compiles at warm-up, with real-size KV pages."""
+    model, cfg = stage_model(family, stage.model_stage, hf_config)
+    text = _text_of(cfg)
+    rc = stage.runner_config(num_blocks=2, backend="pallas", **_runner_flags(family, stage.model_stage, cfg))
+    hidden = text.hidden_size if family == "qwen3_omni" or stage.model_stage == "thinker" \
+        else cfg.embedding_size
+    banned = 64 if stage.model_stage == "thinker" else (
+        512 if family == "qwen2_5_omni" else len(cfg.suppressed_token_ids) + 64)
+    engine = AREngine(model, EngineConfig(runner=rc, vocab_size=text.vocab_size, banned_width=banned,
+                                          enable_prefix_caching=False),
+                      num_layers=text.num_layers, num_kv_heads=text.num_kv_heads, head_dim=text.head_dim,
+                      hidden_size=hidden)
+    runner = engine.runner
+    shape = (num_blocks, stage.block_size, text.num_kv_heads, text.head_dim)
+    pages = jax.ShapeDtypeStruct(shape, DTYPE)
+    real_kv = [(pages, pages) for _ in range(text.num_layers)]
+    calls: list = []
+    tiny_kv = runner.kv_caches
+    runner._step_fn = _Recorder("step", runner._step_fn, lambda *a, **k: (None, tiny_kv, {}), calls)
+    runner._feed_fn = _Recorder("feed", runner._feed_fn, lambda *a, **k: np.zeros(1, np.int32), calls)
+    runner._after_sample_fn = _Recorder("after_sample", runner._after_sample_fn,
+                                        lambda *a, **k: (np.zeros(1), np.zeros(1)), calls)
+    engine._sample_fn = _Recorder("sample", engine._sample_fn, lambda *a, **k: np.zeros(1), calls)
+    engine.warmup(progress=False)
+
+    base = f"{family}/{stage.name}"
+    out = []
+    for name, fn, args, kwargs in calls:
+        if name == "step":
+            meta = args[4]
+            kind = "decode" if meta.decode_only else "prefill"
+            bucket = int(args[2].shape[0])
+            variant = "deepstack" if kwargs.get("deepstack") else ("rich" if kwargs.get("rich") else "plain")
+            args = (args[0], real_kv) + tuple(args[2:])
+            out.append(Program(f"{base}/{kind}/{variant}/{bucket}", kind, fn, args, kwargs, bucket,
+                               info=dict(variant=variant, kv_bytes=2 * text.num_layers * int(np.prod(shape)) * 2)))
+        elif name == "sample":
+            b = int(args[0].shape[0])
+            flags = kwargs["flags"]
+            variant = ("greedy" if flags.all_greedy else "full" if flags.any_top_k_top_p else "random") + (
+                "+logprobs" if flags.need_logprobs else "")
+            out.append(Program(f"{base}/sample/{variant}/{b}", "sample", fn, args, kwargs, b,
+                               info=dict(variant=variant)))
+        else:
+            b = int(np.shape(args[-1])[0]) if name == "feed" else int(np.shape(args[1])[0])
+            out.append(Program(f"{base}/{name}/{b}" + (f"x{np.shape(args[0])[0]}" if name == "feed" else ""),
+                               name, fn, args, kwargs, b))
+    return out
+
+
+def media_programs(family: str, stage: StageConfig, hf_config: dict) -> list[Program]:
+    """The thinker's audio and vision encoder calls at every media bucket."""
+    model, cfg = stage_model(family, "thinker", hf_config)
+    if family == "qwen2_5_omni":
+        enc = ThinkerMediaEncoder(model, cfg, RopeIndexConfig.from_hf(hf_config),
+                                  MediaBuckets(stage.audio_chunk_buckets, stage.vision_patch_buckets))
+        vision_result = lambda g, s, x, meta: np.zeros((x.shape[0], 1), np.float32)  # noqa: E731
+    else:
+        enc = Qwen3ThinkerMediaEncoder(model, cfg, MediaBuckets(stage.audio_chunk_buckets,
+                                                                stage.vision_patch_buckets))
+        vision_result = lambda g, s, x, meta: (np.zeros((x.shape[0], 1), np.float32),  # noqa: E731
+                                               np.zeros((1, x.shape[0], 1), np.float32))
+    calls: list = []
+    enc._audio_fn = _Recorder("audio", enc._audio_fn, lambda g, s, x, *a: np.zeros((1 << 16, 1), np.float32),
+                              calls)
+    enc._vision_fn = _Recorder("vision", enc._vision_fn, vision_result, calls)
+    enc.warmup()
+    out = []
+    for name, fn, args, kwargs in calls:
+        size = int(args[2].shape[-1] if name == "audio" else args[2].shape[0])
+        out.append(Program(f"{family}/{stage.name}/{name}/{size}", name, fn, args, kwargs, size))
+    return out
+
+
+def vocoder_programs(family: str, stage: StageConfig, hf_config: dict) -> list[Program]:
+    """The vocoder's jitted call at every (batch, length) bucket."""
+    model, cfg = stage_model(family, stage.model_stage, hf_config, jnp.float32)
+    lengths = stage.token_buckets or (64, 256, 1024)
+    batches = stage.decode_buckets or (1, 2, 4)
+    out = []
+    if family == "qwen2_5_omni":
+        synth = Token2WavSynthesizer(model, Voices({}), length_buckets=lengths, batch_buckets=batches)
+        calls: list = []
+        synth._fn = _Recorder("vocoder", synth._fn, lambda *a: np.zeros(1), calls)
+        synth.warmup()
+        for _, fn, args, kwargs in calls:
+            b, t = args[1].shape
+            out.append(Program(f"{family}/{stage.name}/b{b}/t{t}", "vocoder", fn, args, kwargs, t,
+                               info=dict(batch=b)))
+    else:
+        synth = Code2WavSynthesizer(model, length_buckets=lengths, batch_buckets=batches)
+        for b in synth.batch_buckets:
+            for t in synth.length_buckets:
+                codes = jax.ShapeDtypeStruct((b, synth.num_quantizers, t), jnp.int32)
+                out.append(Program(f"{family}/{stage.name}/b{b}/t{t}", "vocoder", synth._fn,
+                                   (synth.state, codes), {}, t, info=dict(batch=b)))
+    return out
+
+
+# ------------------------------------------------------------------ kernels
+def kernel_programs(family: str, stage: StageConfig, hf_config: dict, num_blocks: int) -> list[Program]:
+    """The Pallas kernels at every decode and prefill bucket of an AR stage (bf16)."""
+    text = text_config(family, stage.model_stage, hf_config)
+    hq, hkv, d = text.num_heads, text.num_kv_heads, text.head_dim
+    width = stage.blocks_per_seq
+    s = jax.ShapeDtypeStruct
+    pages = s((num_blocks, stage.block_size, hkv, d), DTYPE)
+    i32 = jnp.int32
+    out = []
+    base = f"{family}/{stage.name}"
+    for b in stage.resolved_decode_buckets:
+        args = (s((b, hq, d), DTYPE), pages, pages, s((b, width), i32), s((b,), i32))
+        out.append(Program(f"{base}/kernel/decode/{b}", "kernel", jax.jit(kernels_pallas.paged_attention),
+                           args, {}, b, info=dict(kernel="paged_attention")))
+    seqs = stage.max_num_seqs
+    for t in stage.resolved_token_buckets:
+        args = (s((t, hq, d), DTYPE), pages, pages, s((seqs, width), i32), s((seqs,), i32),
+                s((seqs + 1,), i32))
+        out.append(Program(f"{base}/kernel/prefill/{t}", "kernel",
+                           jax.jit(kernels_pallas.ragged_paged_attention), args, {}, t,
+                           info=dict(kernel="ragged_paged_attention")))
+    return out
+
+
+def preset(name_or_path: str) -> PipelineConfig:
+    """A pipeline preset by name (or YAML path)."""
+    return load_pipeline_config(name_or_path)
+
+
+def ar_stages(pipeline: PipelineConfig) -> list[StageConfig]:
+    """The stages with a paged KV cache (thinker, talker)."""
+    return [s for s in pipeline.stages if s.runner == "ar"]
+
+
+def text_config(family: str, model_stage: str, hf_config: dict) -> Any:
+    """The decoder config of an AR stage (layers, heads, head_dim, vocab)."""
+    spec = stages_of(family)[model_stage]
+    return _text_of(spec.parse_config(hf_config[spec.config_key]))

@@ -1,0 +1,203 @@
+"""Compile a selection of real-size programs for one target; write the reports as JSON.
+
+    python -m omni_jax.gpu.worker --target h100 --select tier --families qwen2_5_omni,qwen3_omni --out R.json
+
+Runs in the GPU compile environment (see `omni_jax.gpu`); one process per target, so
+the kernels' per-target tuning (read at trace time) never leaks between targets, and
+many programs share one process's start-up. Selections:
+
+* ``tier``: what the gpu_compile tests check (see `select_tier`);
+* ``full``: every kind of program the issue lists, at its extreme buckets (`select_full`);
+* ``plan``: the steps `omni-jax plan` reads (every decode and prefill bucket of each
+  AR stage, or only the smallest and largest with ``--ends``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kernels_pallas
+
+from . import aot, programs as P
+from .memory import stage_memory, tree_bytes
+from .targets import load_target
+
+# The negative control: 512 KV tokens per step with 3 stages needs 282752 B of shared
+# memory on either GPU (H100 allows 232448, A100 166912), so it must fail to compile.
+NEGATIVE_CONTROL = dict(pages_per_compute_block=32, num_warps=4, num_stages=3)
+
+
+def stage_facts(family: str, stage, hf_config: dict, target) -> dict:
+    """Parameter bytes and KV division of one stage on the target (no compilation)."""
+    model, _ = P.stage_model(family, stage.model_stage, hf_config,
+                             P.DTYPE if stage.runner == "ar" else jnp.float32)
+    from flax import nnx
+
+    state = nnx.state(model, nnx.Param)
+    params = tree_bytes(state)
+    facts = dict(family=family, stage=stage.name, model_stage=stage.model_stage, runner=stage.runner,
+                 device=stage.device, memory_fraction=stage.memory_fraction, block_size=stage.block_size,
+                 blocks_per_seq=stage.blocks_per_seq, max_model_len=stage.max_model_len,
+                 decode_buckets=list(stage.resolved_decode_buckets) if stage.runner == "ar" else [])
+    block = 0
+    if stage.runner == "ar":
+        text = P.text_config(family, stage.model_stage, hf_config)
+        block = P.kv_block_bytes(stage, text)
+        facts.update(decode_weight_bytes(state), num_experts=getattr(text, "num_experts", 0),
+                     top_k=getattr(text, "num_experts_per_tok", 0), kv_bytes_per_token=block // stage.block_size)
+    return facts | stage_memory(stage, target, params, block).__dict__
+
+
+# Parameters a decode step does not read whole: the encoders (run once per request), the
+# embedding table (B rows), Qwen3's code predictor (its own after-sample program).
+_NOT_READ_BY_DECODE = ("audio_tower", "visual", "embed_tokens", "code_predictor")
+
+
+def decode_weight_bytes(state) -> dict:
+    """Bytes a decode step reads of the weights: dense part, and all experts (of which a
+    step reads the ones its tokens are routed to)."""
+    from flax import nnx
+
+    dense = experts = 0
+    for path, var in nnx.to_flat_state(state):
+        keys = [str(k) for k in path]
+        if any(k in _NOT_READ_BY_DECODE for k in keys):
+            continue
+        v = var.get_value()
+        n = int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
+        if "experts" in keys:
+            experts += n
+        else:
+            dense += n
+    return dict(decode_dense_bytes=dense, decode_expert_bytes=experts)
+
+
+def _ends(programs, kind, variant=None):
+    sel = [p for p in programs if p.kind == kind and (variant is None or p.info.get("variant") == variant)]
+    if not sel:
+        return []
+    lo, hi = min(p.bucket for p in sel), max(p.bucket for p in sel)
+    return [p for p in sel if p.bucket in (lo, hi)]
+
+
+def _step_variant(stage) -> str:
+    # Thinkers mostly serve text (plain); a talker's inputs are always embeddings (rich).
+    return "plain" if stage.model_stage == "thinker" else "rich"
+
+
+def select_tier(family: str, stage, hf_config: dict, num_blocks: int, target_name: str) -> list:
+    """What the gpu_compile tier checks (a few minutes on 2 cores): on both targets the
+    Pallas kernels at every bucket and the Qwen2.5 stages' largest decode steps (KV
+    donation); on A100 also the cheap sampler variants (greedy, random). The programs
+    that take minutes to compile (the MoE stages' steps, prefill steps, the sorting
+    sampler variants, encoders, vocoders) are in `select_full`."""
+    if stage.runner != "ar":
+        return []
+    out = P.kernel_programs(family, stage, hf_config, num_blocks)
+    if family != "qwen2_5_omni":
+        return out
+    progs = P.ar_engine_programs(family, stage, hf_config, num_blocks)
+    out.append(max(_ends(progs, "decode", _step_variant(stage)), key=lambda p: p.bucket))
+    if target_name == "a100" and stage.model_stage == "thinker":
+        top = max(p.bucket for p in progs if p.kind == "sample")
+        out += [p for p in progs if p.kind == "sample" and p.bucket == top
+                and p.info["variant"] in ("greedy", "random")]
+    return out
+
+
+def select_full(family: str, stage, hf_config: dict, num_blocks: int, target_name: str) -> list:
+    """Everything the issue lists, per target: kernels at every bucket; the smallest and
+    largest decode and prefill steps of every AR stage; the sampler variants at the
+    largest batch; the after-sample hook; the encoders and vocoders at their smallest
+    bucket. Tens of minutes on 2 cores (the MoE steps and the token2wav DiT take minutes
+    each); run by `python -m omni_jax.gpu.client --full`."""
+    if stage.runner != "ar":
+        voc = P.vocoder_programs(family, stage, hf_config)
+        return [min(voc, key=lambda p: (p.info["batch"], p.bucket))]
+    out = P.kernel_programs(family, stage, hf_config, num_blocks)
+    progs = P.ar_engine_programs(family, stage, hf_config, num_blocks)
+    v = _step_variant(stage)
+    out += _ends(progs, "decode", v) + _ends(progs, "prefill", v)
+    top = max(p.bucket for p in progs if p.kind == "sample")
+    out += [p for p in progs if p.kind in ("sample", "after_sample") and p.bucket == top]
+    if stage.model_stage == "thinker":
+        media = P.media_programs(family, stage, hf_config)
+        out += _ends(media, "audio")[:1] + _ends(media, "vision")[:1]
+    return out
+
+
+def select_plan(family: str, stage, hf_config: dict, num_blocks: int, ends: bool) -> list:
+    """Every decode and prefill step of an AR stage (or only the smallest and largest)."""
+    if stage.runner != "ar":
+        return []
+    progs = P.ar_engine_programs(family, stage, hf_config, num_blocks)
+    v = _step_variant(stage)
+    if ends:
+        return _ends(progs, "decode", v) + _ends(progs, "prefill", v)
+    return [p for p in progs if p.kind in ("decode", "prefill") and p.info.get("variant") == v]
+
+
+def negative_control(compiler: aot.Compiler, family: str, stage, hf_config: dict, num_blocks: int):
+    """The thinker's largest decode kernel with a tile that cannot fit in shared memory."""
+    prog = [p for p in P.kernel_programs(family, stage, hf_config, num_blocks)
+            if p.info["kernel"] == "paged_attention"][-1]
+    fn = jax.jit(lambda *a: kernels_pallas.paged_attention(*a, **NEGATIVE_CONTROL))
+    report = compiler.compile(prog.name.replace("kernel", "negative_control"), fn, *compiler.place(prog.args))
+    report.info = dict(kind="negative_control", tuning=NEGATIVE_CONTROL)
+    return report
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--select", choices=("tier", "full", "plan"), default="tier")
+    ap.add_argument("--families", default="qwen2_5_omni,qwen3_omni")
+    ap.add_argument("--presets", default=None, help="comma-separated presets (default: the families' own)")
+    ap.add_argument("--ends", action="store_true", help="plan: only the smallest and largest bucket")
+    ap.add_argument("--model-dir", default=None, help="a converted checkpoint: its HF config, not the real one")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+
+    t0 = time.perf_counter()
+    target = load_target(args.target)
+    compiler = aot.Compiler(target)
+    presets = (args.presets or args.families).split(",")
+    stages, reports = [], []
+    for name in presets:
+        pipeline = P.preset(name)
+        hf = P.checkpoint_hf_config(args.model_dir) if args.model_dir else P.real_hf_config(pipeline.family)
+        for stage in pipeline.stages:
+            facts = stage_facts(pipeline.family, stage, hf, target)
+            facts["preset"] = pipeline.name
+            stages.append(facts)
+            blocks = max(facts["num_blocks"], 2)
+            if args.select in ("tier", "full"):
+                pick = select_tier if args.select == "tier" else select_full
+                progs = pick(pipeline.family, stage, hf, blocks, target.name)
+                if stage.model_stage == "thinker":
+                    reports.append(negative_control(compiler, pipeline.family, stage, hf, blocks).to_dict()
+                                   | {"stage": stage.name, "preset": pipeline.name})
+            else:
+                progs = select_plan(pipeline.family, stage, hf, blocks, args.ends)
+            for p in progs:
+                r = compiler.compile(p.name, p.fn, *compiler.place(p.args), **p.kwargs)
+                r.info = dict(p.info, kind=p.kind, bucket=p.bucket)
+                reports.append(r.to_dict() | {"stage": stage.name, "preset": pipeline.name})
+                print(f"{r.name}: {'ok' if r.ok else r.error} ({r.seconds:.1f}s)", file=sys.stderr, flush=True)
+    result = dict(target=target.name, seconds=time.perf_counter() - t0, stages=stages, reports=reports,
+                  peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

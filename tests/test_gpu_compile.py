@@ -1,0 +1,163 @@
+"""gpu_compile tier: every GPU program compiled for H100 and A100 without a GPU.
+
+The compile work runs in the GPU compile environment (`.venv-gpu`, see `omni_jax.gpu`),
+one worker process per target, side by side; these tests read its reports. What each
+worker compiles is `omni_jax.gpu.worker.select_tier` (the programs that take minutes are
+in `select_full`, run by `python -m omni_jax.gpu.client --full`); the expected sets here
+are derived from the presets, so a program the worker skips fails a test.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+
+import pytest
+
+from kernels_pallas.paged_attention import DECODE_TUNING, decode_tuning
+from kernels_pallas.ragged_paged_attention import PREFILL_TUNING
+from kernels_pallas.tuning import capability_of_kind, target_capability
+from omni_jax.config import load_pipeline_config
+from omni_jax.gpu import client
+from omni_jax.gpu.targets import all_targets, load_target
+
+pytestmark = pytest.mark.gpu_compile
+
+TARGETS = ("h100", "a100")
+PRESETS = ("qwen2_5_omni", "qwen3_omni")
+
+
+@pytest.fixture(scope="module")
+def tier():
+    t0 = time.perf_counter()
+    results = client.run_workers(TARGETS, "tier", log=sys.stderr)
+    wall = time.perf_counter() - t0
+    print(f"\n[gpu_compile] workers: {wall:.0f} s wall; "
+          + ", ".join(f"{t}: {r['seconds']:.0f} s, {len(r['reports'])} programs, "
+                      f"peak {r['peak_rss_bytes'] / 2**30:.2f} GiB" for t, r in results.items()),
+          file=sys.stderr)
+    return results
+
+
+def _reports(tier, target, kind=None):
+    return [r for r in tier[target]["reports"] if kind is None or r["info"].get("kind") == kind]
+
+
+def _ar_stages():
+    for name in PRESETS:
+        p = load_pipeline_config(name)
+        for s in p.stages:
+            if s.runner == "ar":
+                yield p.name, s
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_kernels_compile_at_every_bucket_within_limits(tier, target):
+    limit = load_target(target).shared_memory_per_block_optin
+    reports = {r["name"]: r for r in _reports(tier, target, "kernel")}
+    for preset, stage in _ar_stages():
+        expected = [f"{preset}/{stage.name}/kernel/decode/{b}" for b in stage.resolved_decode_buckets] + \
+                   [f"{preset}/{stage.name}/kernel/prefill/{t}" for t in stage.resolved_token_buckets]
+        for name in expected:
+            r = reports.get(name)
+            assert r is not None, f"{target}: {name} was not compiled"
+            assert r["ok"], f"{target}: {name}: {r['error']}"
+            assert r["kernels"], f"{target}: {name}: no Pallas launch in the thunk sequence"
+            for k in r["kernels"]:
+                assert 0 < k["shared_memory"] <= limit, (name, k)
+                assert k["registers"] > 0, f"{name}: ptxas reported nothing for {k['name']}"
+                assert k["spill_stores"] == 0 and k["spill_loads"] == 0, (name, k)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_kernels_take_the_targets_tuning_row(tier, target):
+    cc = load_target(target).compute_capability
+    row = decode_tuning(cc)
+    for r in _reports(tier, target, "kernel"):
+        for k in r["kernels"]:
+            if k["name"].startswith("paged_decode"):
+                assert f"_ppb{row['tokens_per_step'] // 16}_" in k["name"], (target, k["name"])
+                assert k["threads"][0] == 32 * row["num_warps"], (target, k)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_negative_control_fails_at_compile(tier, target):
+    neg = _reports(tier, target, "negative_control")
+    assert len(neg) == len(PRESETS)
+    for r in neg:
+        assert not r["ok"], f"{r['name']}: a tile that cannot fit compiled"
+        assert "Shared memory size limit exceeded" in r["error"], r["error"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_decode_steps_compile_and_alias_the_kv_cache(tier, target):
+    limit = load_target(target).shared_memory_per_block_optin
+    steps = {(r["preset"], r["stage"]): r for r in tier[target]["reports"] if r["info"].get("kind") == "decode"}
+    p = load_pipeline_config("qwen2_5_omni")
+    for stage in (s for s in p.stages if s.runner == "ar"):
+        r = steps.get((p.name, stage.name))
+        assert r is not None, f"{target}: {p.name}/{stage.name} decode step was not compiled"
+        assert r["info"]["bucket"] == stage.resolved_decode_buckets[-1]
+        assert r["ok"], f"{r['name']}: {r['error']}"
+        # One attention kernel launch per layer, each within limits.
+        assert len(r["kernels"]) >= 24 and r["launches"] > len(r["kernels"]), r["name"]
+        for k in r["kernels"]:
+            assert k["shared_memory"] <= limit and k["spill_stores"] == 0, (r["name"], k)
+        # Donation: the pages are updated in place, so every KV byte is an alias.
+        assert r["alias_bytes"] >= r["info"]["kv_bytes"] > 0, (r["name"], r["alias_bytes"])
+
+
+def test_sampler_variants_compile(tier):
+    got = {r["info"]["variant"]: r for r in tier["a100"]["reports"] if r["info"].get("kind") == "sample"}
+    assert set(got) == {"greedy", "random"}
+    for r in got.values():
+        assert r["ok"], f"{r['name']}: {r['error']}"
+        assert r["info"]["bucket"] == load_pipeline_config("qwen2_5_omni").stage("thinker").max_num_seqs
+
+
+def test_tuning_tables_fit_every_target():
+    for t in all_targets():
+        for table in (DECODE_TUNING, PREFILL_TUNING):
+            assert t.compute_capability in table, (t.name, table)
+    assert capability_of_kind(load_target("h100").device_kind) == 90
+    assert capability_of_kind(load_target("a100").device_kind) == 80
+    # No GPU here: the kernels take the most conservative row (the A100's).
+    assert target_capability() is None
+    assert decode_tuning() == DECODE_TUNING[80]
+
+
+def test_main_environment_has_no_cuda_plugin():
+    """The compile-only packages live in .venv-gpu: the demo's environment never loads them."""
+    assert importlib.util.find_spec("jax_plugins") is None or \
+        importlib.util.find_spec("jax_plugins.xla_cuda12") is None
+    assert client.gpu_python() != sys.executable
+
+
+def test_plan_from_compiled_steps(tier):
+    from omni_jax.gpu.plan import build_plan, format_plan
+
+    plan = build_plan(tier["h100"], context=2048)
+    rows = {(s["preset"], s["stage"]): s for s in plan["stages"]}
+    thinker = rows["qwen2_5_omni", "thinker"]
+    d64 = thinker["decode"][-1]
+    assert d64["bucket"] == 64 and d64["launches"] > 28 and d64["temp_bytes"] > 0, d64
+    assert thinker["decode"][0]["launches"] is None         # bucket 1 was not compiled in the tier
+    # 7B thinker decoder + LM head in bf16 (embedding rows aside): ~14.2 GB per step, plus
+    # 64 sequences x 2048 tokens x 56 KiB of KV.
+    assert 13e9 < d64["weight_bytes"] < 15.5e9, d64
+    assert abs(d64["kv_read_bytes"] - 64 * 2048 * 56 * 1024) < 1e6, d64
+    assert abs(d64["roofline_ms"] - (d64["weight_bytes"] + d64["kv_read_bytes"]) / 3.35232e12 * 1e3) < 0.01
+    # MoE: a batch of 64 routes to more experts than a batch of 1.
+    from omni_jax.gpu.plan import expected_experts
+
+    assert expected_experts(128, 8, 1) == pytest.approx(8)
+    assert 50 < expected_experts(128, 8, 64) < 128
+    for s in plan["stages"]:
+        assert not s["failed"], s["failed"]
+        if s["block_bytes"]:
+            assert s["num_blocks"] > s["blocks_per_seq"], (s["preset"], s["stage"], s["num_blocks"])
+    q3 = rows["qwen3_omni", "thinker"]
+    assert q3["params"] > 60e9 and q3["device"] == 0       # the 30B-A3B thinker alone: ~63 GB bf16
+    text = format_plan(plan, "both presets")
+    assert "roofline ms" in text and "thinker" in text

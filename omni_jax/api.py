@@ -142,7 +142,8 @@ class OmniJax(_Frontend):
         A prompt that cannot be processed gets an output with `error` set and
         finish_reason "error"; the rest of the batch still runs. `voice` picks the
         speaker of speech replies (an unknown one is such an error, naming the voices).
-        `use_tqdm` shows a progress bar of finished requests on stderr, as vLLM's.
+        `use_tqdm` shows a progress bar of finished requests on stderr, as vLLM's, for batches
+        of two prompts or more (one request needs none).
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -163,7 +164,7 @@ class OmniJax(_Frontend):
                     continue
                 self._orch.submit(req)
                 submitted.add(rid)
-            with tqdm(total=len(order), desc="generate", unit="req", disable=not use_tqdm) as bar:
+            with tqdm(total=len(order), desc="generate", unit="req", disable=not use_tqdm or len(order) < 2) as bar:
                 bar.update(len(results))
                 while submitted - results.keys():
                     out = done.get()

@@ -92,6 +92,8 @@ def test_generate_shows_progress_unless_asked_not_to(omni, capsys):
     assert "3/3" in capsys.readouterr().err
     omni.generate(batch, sampling_params=GREEDY, use_tqdm=False)
     assert "3/3" not in capsys.readouterr().err
+    omni.generate(batch[:1], sampling_params=GREEDY)
+    assert "1/1" not in capsys.readouterr().err
 
 
 def test_bad_prompt_fails_alone(omni):

@@ -341,12 +341,13 @@ class StageConfig:
         return SamplingParams(**{**self.default_sampling, **overrides})
 
     def runner_config(self, **changes: Any) -> RunnerConfig:
-        """The engine's RunnerConfig of an "ar" stage (its sizes, buckets, backend and captured layers)."""
-        return RunnerConfig(
+        """The engine's RunnerConfig of an "ar" stage (its sizes, buckets, backend and captured
+        layers), with `changes` applied."""
+        return dataclasses.replace(RunnerConfig(
             num_blocks=self.num_blocks, block_size=self.block_size, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
             token_buckets=self.token_buckets, decode_buckets=self.decode_buckets, backend=self.backend,
-            capture_layers=self.hidden_layers, kv_memory_fraction=self.kv_memory_fraction or 0.9, **changes)
+            capture_layers=self.hidden_layers, kv_memory_fraction=self.kv_memory_fraction or 0.9), **changes)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain YAML/JSON-ready form (lists, not tuples); `from_dict` reads it back."""

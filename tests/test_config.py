@@ -143,6 +143,15 @@ def test_stage_defaults():
     hash(s)
 
 
+def test_runner_config_follows_the_stage():
+    s = StageConfig(name="thinker", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512,
+                    token_buckets=[16, 64], hidden_layers=[0, 3], backend="reference")
+    rc = s.runner_config(num_blocks=2, backend="pallas")
+    assert (rc.max_num_seqs, rc.max_num_batched_tokens, rc.max_model_len, rc.token_buckets) == (8, 64, 512, (16, 64))
+    assert (rc.capture_layers, rc.num_blocks, rc.backend) == ((0, 3), 2, "pallas")
+    assert s.runner_config().num_blocks is None and s.runner_config().backend == "reference"
+
+
 def test_lists_become_tuples():
     s = StageConfig(name="x", token_buckets=[16, 2048], hidden_layers=[0, 2], max_num_seqs=4)
     assert s.token_buckets == (16, 2048) and s.hidden_layers == (0, 2)

@@ -207,20 +207,26 @@ def test_garbage_frames_are_dropped(omni):
     assert out.error is None and len(out.token_ids) == 6
 
 
-def test_sigkill_stage_fails_requests_fast_and_later_calls_raise(converted_thinker_fp32):
-    engine = OmniJax(model=converted_thinker_fp32, pipeline=tiny_pipeline())
-    pid = engine.stage_pids()["thinker"]
-    results = []
+def _long_request_in_flight(engine):
+    """A 500-token request generating in a thread: (thread, list its outputs land in)."""
     import threading
 
+    results = []
     t = threading.Thread(target=lambda: results.extend(engine.generate(
         [{"prompt_token_ids": [3, 4, 5]}], sampling_params=SamplingParams(temperature=0.0, max_tokens=500,
                                                                           ignore_eos=True))))
     t.start()
-    # Kill while the request is surely in flight (500 decode steps take well over 0.2 s).
     deadline = time.monotonic() + 30
     while not engine._orch._requests and time.monotonic() < deadline:
         time.sleep(0.01)
+    return t, results
+
+
+def test_sigkill_stage_fails_requests_fast_and_later_calls_raise(converted_thinker_fp32):
+    engine = OmniJax(model=converted_thinker_fp32, pipeline=tiny_pipeline())
+    pid = engine.stage_pids()["thinker"]
+    t, results = _long_request_in_flight(engine)
+    # Kill while the request is surely in flight (500 decode steps take well over 0.2 s).
     time.sleep(0.2)
     killed_at = time.monotonic()
     os.kill(pid, signal.SIGKILL)
@@ -237,20 +243,11 @@ def test_silent_stage_fails_its_requests_and_recovers(converted_thinker_fp32):
     """A stage that stops answering without dying (SIGSTOP) is declared unhealthy after its
     health_timeout_s: its requests fail naming it, stats say so at once, and once it answers
     again (SIGCONT) new requests succeed and nothing leaks."""
-    import threading
-
     limit = 2.0
     engine = OmniJax(model=converted_thinker_fp32, pipeline=tiny_pipeline(health_timeout_s=limit))
     try:
         pid = engine.stage_pids()["thinker"]
-        results = []
-        t = threading.Thread(target=lambda: results.extend(engine.generate(
-            [{"prompt_token_ids": [3, 4, 5]}], sampling_params=SamplingParams(temperature=0.0, max_tokens=500,
-                                                                              ignore_eos=True))))
-        t.start()
-        deadline = time.monotonic() + 30
-        while not engine._orch._requests and time.monotonic() < deadline:
-            time.sleep(0.01)
+        t, results = _long_request_in_flight(engine)
         os.kill(pid, signal.SIGSTOP)
         stopped_at = time.monotonic()
         try:

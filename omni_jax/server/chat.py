@@ -152,7 +152,7 @@ class ChatHandler:
             yield chunk({"role": "assistant", "content": ""})
             async for out in gen.updates():
                 new = out.new_token_ids
-                lp = self._logprobs(req, new, out.logprobs[len(out.logprobs) - len(new):]) if new else None
+                lp = self._logprobs(req, new, out.logprobs[-len(new):]) if new and out.logprobs else None
                 if out.text_delta or lp:
                     delta = {"content": out.text_delta}
                     if with_audio:

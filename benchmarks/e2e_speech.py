@@ -64,6 +64,7 @@ def build(tmp: str) -> tuple[str, str]:
     torch.manual_seed(0)
     model = Qwen2_5OmniForConditionalGeneration(Qwen2_5OmniConfig(**small_config())).eval().float()
     hf_dir = os.path.join(tmp, "hf")
+    model.generation_config.eos_token_id = [hf_tiny.ENDOFTEXT, hf_tiny.IM_END]  # the thinker's end ids
     model.save_pretrained(hf_dir)
     hf_tiny._write_speakers(hf_dir, small_config()["token2wav_config"]["dit_config"])
     out = convert(hf_dir, os.path.join(tmp, "omni"), dtype="float32", progress=False)

@@ -29,7 +29,6 @@ import kernels_pallas
 from ..checkpoint import read_config
 from ..config import PipelineConfig, StageConfig, load_pipeline_config
 from ..engine.ar_engine import AREngine, EngineConfig
-from ..engine.runner import RunnerConfig
 from ..inputs.rope_index import RopeIndexConfig
 from ..models.qwen2_5_omni.media import MediaBuckets, ThinkerMediaEncoder
 from ..models.qwen2_5_omni.token2wav import Token2WavSynthesizer

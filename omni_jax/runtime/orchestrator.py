@@ -308,7 +308,10 @@ class Orchestrator:
                     m.first_token_time = now
                 out.token_ids.extend(o.new_token_ids)
                 if o.logprobs:
-                    out.logprobs = (out.logprobs or []) + [logprobs_of(e) for e in o.logprobs]
+                    # Extended in place: rebuilding the list made each token's update O(length).
+                    if out.logprobs is None:
+                        out.logprobs = []
+                    out.logprobs.extend(logprobs_of(e) for e in o.logprobs)
                 out.text += o.text_delta
                 m.num_output_tokens = len(out.token_ids)
                 if o.finished:

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from . import audio as audio_codec
 from .engine import ServedEngine
-from .errors import APIError, bad_request, error_body
+from .errors import bad_request, error_body
 from .generation import Generation, check_model, failure, finish_reason, open_request
 from .messages import MediaPolicy, to_prompt
 from .metrics import Metrics

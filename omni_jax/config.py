@@ -225,6 +225,11 @@ class StageConfig:
     # A ready stage that answers nothing (not even the orchestrator's heartbeat) for this
     # long is declared unhealthy: its requests fail, naming it, until it answers again.
     health_timeout_s: float = 30.0
+    # Vocoder stages with async chunk on: decode codec frames in chunks of this many (vLLM-Omni's
+    # default, 25), the first chunk smaller so that the first audio comes early. A request may
+    # set its own first chunk (SamplingParams.extra_args["codec_first_chunk_frames"]).
+    codec_chunk_frames: int = 25
+    codec_first_chunk_frames: int = 10
 
     def __post_init__(self) -> None:
         try:
@@ -299,6 +304,8 @@ class StageConfig:
         if self.device is not None:
             set_("device", int(self.device))
         set_("memory_fraction", _fraction("memory_fraction", self.memory_fraction, optional=True))
+        for name in ("codec_chunk_frames", "codec_first_chunk_frames"):
+            set_(name, _positive_int(name, getattr(self, name)))
         for name in ("ready_timeout_s", "health_timeout_s"):
             t = getattr(self, name)
             if not isinstance(t, numbers.Real) or isinstance(t, bool) or not 0 < t < math.inf:
@@ -391,8 +398,14 @@ class PipelineConfig:
     family: str
     stages: tuple[StageConfig, ...]
     source: str = dataclasses.field(default=_NO_SOURCE, compare=False)  # file it came from
+    # Stream between stages (vLLM-Omni's name): the talker starts once the thinker has prefilled
+    # and written its first tokens, the vocoder decodes codec chunks while the talker goes on.
+    # Off: each stage waits for the whole output of the one before it.
+    async_chunk: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.async_chunk, bool):
+            raise self._error("async_chunk", f"must be true or false, got {self.async_chunk!r}")
         if not isinstance(self.name, str) or not self.name:
             raise self._error("name", f"must be a non-empty string, got {self.name!r}")
         if self.family not in family_names() or isinstance(self.family, bool):
@@ -525,10 +538,12 @@ class PipelineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain YAML/JSON-ready form; `pipeline_config_from_dict` reads it back."""
-        return {"name": self.name, "family": self.family, "stages": [s.to_dict() for s in self.stages]}
+        return {"name": self.name, "family": self.family, "async_chunk": self.async_chunk,
+                "stages": [s.to_dict() for s in self.stages]}
 
 
 _PIPELINE_KEYS = ("name", "family", "stages")
+_OPTIONAL_PIPELINE_KEYS = ("async_chunk",)
 
 
 # --------------------------------------------------------------------------- loading
@@ -545,13 +560,14 @@ def pipeline_config_from_dict(d: Mapping[str, Any], source: str = _NO_SOURCE) ->
                           f"got {type(d).__name__}{where}")
     label = f"pipeline {d.get('name')!r}" if isinstance(d.get("name"), str) else "pipeline"
     try:
-        _check_keys(d, _PIPELINE_KEYS)
+        _check_keys(d, _PIPELINE_KEYS + _OPTIONAL_PIPELINE_KEYS)
         for key in _PIPELINE_KEYS:
             if key not in d:
                 raise _invalid(key, "is required")
     except ConfigError as e:
         raise ConfigError(f"{label}, {e.field}: {e.problem}{where}", field=e.field, problem=e.problem) from None
-    return PipelineConfig(name=d["name"], family=d["family"], stages=d["stages"], source=source)
+    return PipelineConfig(name=d["name"], family=d["family"], stages=d["stages"], source=source,
+                          async_chunk=d.get("async_chunk", False))
 
 
 class _StrictLoader(yaml.SafeLoader):

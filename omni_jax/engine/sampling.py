@@ -127,6 +127,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tr
     logprobs: int | None = None
     suppress_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
+    # Stage-specific options beyond sampling (vLLM's name), e.g. a vocoder stage's
+    # "codec_first_chunk_frames"; the stage that reads a key validates its value.
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # Normalise before validating: a bare string for `stop`, lists for the id fields,
@@ -192,6 +195,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tr
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "a bool")
+        if self.extra_args is not None and (not isinstance(self.extra_args, dict)
+                                            or not all(isinstance(k, str) for k in self.extra_args)):
+            raise _bad("extra_args", self.extra_args, "None or a dict with string keys")
 
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Raise ValueError if a stop or suppressed token id is outside the vocabulary."""

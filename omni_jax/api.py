@@ -15,6 +15,7 @@ request with an error naming the problem; the others go on.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import queue
 import time
@@ -50,8 +51,13 @@ class _Frontend:
     """Shared set-up: checkpoint, pipeline, prompt processing, orchestrator."""
 
     def __init__(self, model: str = "tiny", pipeline: str | PipelineConfig | None = None,
-                 output_modalities: Sequence[str] = ("text",)):
+                 output_modalities: Sequence[str] = ("text",), async_chunk: bool | None = None):
+        """`async_chunk`: stream between stages (None: as the pipeline config says)."""
         self.checkpoint, self.pipeline = _resolve(model, pipeline)
+        if async_chunk is not None:
+            if not isinstance(async_chunk, bool):
+                raise ConfigError(f"async_chunk must be True, False or None, got {async_chunk!r}")
+            self.pipeline = dataclasses.replace(self.pipeline, async_chunk=async_chunk)
         self.output_modalities = tuple(output_modalities)
         self._stages = self.pipeline.stages_for(self.output_modalities)
         family = get_family(self.pipeline.family)

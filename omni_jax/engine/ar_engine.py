@@ -125,6 +125,26 @@ class _Detokenizer:
         return delta
 
 
+class _StreamedRows:
+    """The growing extra-embedding rows of a streamed request (amortised appends)."""
+
+    def __init__(self, first: np.ndarray | None, proj: int):
+        self.proj = proj  # projection of incoming rows (StageInputs.extra_proj), -1: none
+        self._buf = np.zeros((0, 0), np.float32) if first is None else np.array(first, np.float32)
+        self._n = len(self._buf)
+
+    def extend(self, rows: np.ndarray) -> np.ndarray:
+        """Append `rows`; the rows so far (a view)."""
+        end = self._n + len(rows)
+        if len(rows) and (end > len(self._buf) or self._buf.shape[1] != rows.shape[1]):
+            grown = np.zeros((max(16, 2 * end), rows.shape[1]), np.float32)
+            grown[:self._n] = self._buf[:self._n]
+            self._buf = grown
+        self._buf[self._n:end] = rows
+        self._n = end
+        return self._buf[:end]
+
+
 def _needs_host_token(req: Request) -> bool:
     """Whether a request's next step needs its last sampled token on the host: penalty
     histories are built there, and embedding inputs are packed there (an after-sample
@@ -171,6 +191,7 @@ class AREngine:
         self._sample_fn = jax.jit(sample, static_argnames=("flags",))
         self._detok: dict[str, _Detokenizer] = {}
         self._pending: list[StageOutput] = []
+        self._streamed: dict[str, _StreamedRows] = {}  # requests whose extra rows are still coming
         self._in_flight: _Launched | None = None  # launched, outputs not applied yet
         self.stats = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "ahead_steps": 0, "step_time": 0.0,
                       "preemptions": 0}
@@ -178,8 +199,12 @@ class AREngine:
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids, sampling_params: SamplingParams | None = None,
                     *, inputs: StageInputs | None = None, multi_modal_data: Any = None,
-                    arrival_time: float | None = None) -> None:
-        """Queue a request, or raise RequestError saying why it cannot be served."""
+                    arrival_time: float | None = None, stream: bool = False) -> None:
+        """Queue a request, or raise RequestError saying why it cannot be served.
+
+        stream: its `extra_embeds` are the first of more rows (async chunk): output token k
+        waits until row k arrived through `extend_request` (or the rows are complete).
+        """
         params = sampling_params or SamplingParams()
         ids = np.asarray(prompt_token_ids)
         if ids.size == 0:
@@ -213,6 +238,10 @@ class AREngine:
             inputs.capture_hidden = capture  # a speech request's thinker feeds the talker
         if inputs is not None and inputs.overlay_rows is not None and self.runner.cfg.rich_inputs is False:
             raise RequestError(f"request {request_id!r}: this stage was not built for embedding inputs")
+        if stream and (inputs is None or inputs.extra_embeds_pad is None):
+            raise RequestError(f"request {request_id!r}: a streamed request needs extra_embeds_pad, the row "
+                               f"used once its rows are used up")
+        extra_proj = inputs.extra_proj if inputs is not None else -1
         if inputs is not None and inputs.needs_projection:
             if self.project_inputs is None:
                 raise RequestError(f"request {request_id!r}: this stage has no input projection")
@@ -232,20 +261,45 @@ class AREngine:
                                        or inputs.capture_hidden or inputs.feedback_embeds is not None)
         req = Request(request_id, ids, params, arrival_time=arrival_time, mm_hashes=mm_hashes,
                       has_prompt_embeds=rich, eos_token_ids=self.cfg.eos_token_ids, data=inputs)
+        if stream:
+            req.input_limit = len(ids) + (0 if inputs.extra_embeds is None else len(inputs.extra_embeds))
+            self._streamed[request_id] = _StreamedRows(inputs.extra_embeds, extra_proj)
         try:
             self.scheduler.add_request(req)
         except ValueError as e:
+            self._streamed.pop(request_id, None)
             raise RequestError(f"request {request_id!r}: {e}") from None
         if self.tokenizer is not None:
             self._detok[request_id] = _Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
 
+    def extend_request(self, request_id: str, rows: np.ndarray, complete: bool) -> bool:
+        """Append extra-embedding rows to a streamed request (async chunk); `complete`: no more
+        come (later tokens get extra_embeds_pad). False, changing nothing, for an unknown or
+        finished request (an abort may cross late data)."""
+        req, streamed = self.scheduler.get_request(request_id), self._streamed.get(request_id)
+        if req is None or streamed is None:
+            return False
+        rows = np.asarray(rows, np.float32)
+        if len(rows) and streamed.proj >= 0:
+            # In the previous stage's space, as the first rows were: project them the same way.
+            rows = self.project_inputs(StageInputs(extra_embeds=rows, extra_proj=streamed.proj)).extra_embeds
+        req.data.extra_embeds = streamed.extend(rows)
+        if complete:
+            del self._streamed[request_id]
+            req.input_limit = None
+        else:
+            req.input_limit = req.num_prompt_tokens + len(req.data.extra_embeds)
+        return True
+
     def abort(self, request_id: str) -> bool:
         """Abort a request wherever it is; its blocks return to the pool."""
         self._detok.pop(request_id, None)
+        self._streamed.pop(request_id, None)
         return self.scheduler.abort_request(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._pending) or self._in_flight is not None
+        """True while a step would make progress (requests waiting for input chunks do not count)."""
+        return self.scheduler.has_ready_requests() or bool(self._pending) or self._in_flight is not None
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[StageOutput]:
@@ -317,6 +371,7 @@ class AREngine:
         for o in self.scheduler.fail_scheduled(sched, f"{type(error).__name__}: {error}"):
             out.append(o)
             self._detok.pop(o.request_id, None)
+            self._streamed.pop(o.request_id, None)
         return out
 
     def _finish(self, launched: "_Launched") -> list[StageOutput]:
@@ -356,6 +411,8 @@ class AREngine:
             if o.request_id in codes and o.new_token_ids:
                 o.codes = codes[o.request_id][None]
             self._detokenize(o)
+            if o.finished:
+                self._streamed.pop(o.request_id, None)
             out.append(o)
         # A prefill chunk that ends mid-prompt samples nothing but still has hidden states.
         emitted = {o.request_id for o in step_outputs}

@@ -163,7 +163,8 @@ class AddRequest(_Message):
     the message carries the user's prompt, media and this stage's sampling params, and the
     stage builds its own request with its family's stage-input function once the `StageData`
     of `inputs_from` for this request is complete. forward_to: send this request's outputs
-    (tokens, hidden states, codes) as `StageData` to that stage.
+    (tokens, hidden states, codes) as `StageData` to that stage. async_chunk: start as soon as
+    enough of that input has arrived and take the rest as it is produced (see models/handoff.py).
     """
 
     request_id: str
@@ -175,6 +176,7 @@ class AddRequest(_Message):
     voice: str | None = None  # speaker of a speech request (talker and vocoder stages)
     inputs_from: str | None = None
     forward_to: str | None = None
+    async_chunk: bool = False
 
 
 class AbortRequests(_Message):

@@ -98,6 +98,10 @@ class Request:
         self.num_computed_tokens = 0  # tokens whose KV is written (or scheduled to be this step)
         self.num_cached_tokens = 0  # prefix-cache hit at first admission
         self.num_preemptions = 0
+        # Async chunk: tokens [0, input_limit) have their inputs; None: all of them. A request
+        # whose next token is past the limit waits for its stage-before's next chunk
+        # (vLLM-Omni's WAITING_FOR_CHUNK) and is skipped, keeping its KV, until it arrives.
+        self.input_limit: Optional[int] = None
         self.stop_reason: Optional[int | str] = None  # the stop token id or stop string that ended it
         self.error: Optional[str] = None
         # Chained prefix-cache hashes of the full blocks, filled incrementally by the KV cache manager.
@@ -140,6 +144,16 @@ class Request:
     @property
     def finish_reason(self) -> Optional[str]:
         return self.status.finish_reason
+
+    def tokens_ready(self, num_computed: int) -> int:
+        """How many tokens from `num_computed` on have their inputs (all of them unless streamed)."""
+        n = self.num_tokens - num_computed
+        return n if self.input_limit is None else max(0, min(n, self.input_limit - num_computed))
+
+    @property
+    def waiting_for_chunk(self) -> bool:
+        """True while the next token to compute waits for more input (async chunk)."""
+        return self.tokens_ready(self.num_computed_tokens) == 0 and not self.is_finished
 
     @property
     def use_prefix_cache(self) -> bool:

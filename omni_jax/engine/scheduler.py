@@ -258,6 +258,10 @@ class _QueueScheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_ready_requests(self) -> bool:
+        """True when a step could make progress: some unfinished request is not waiting for input."""
+        return any(not r.waiting_for_chunk for r in itertools.chain(self.waiting, self.running))
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
 
@@ -314,7 +318,7 @@ class ARScheduler(_QueueScheduler):
 
     # -- scheduling ----------------------------------------------------------------------------
     def _chunk_len(self, request: Request, num_computed: int) -> int:
-        n = request.num_tokens - num_computed
+        n = request.tokens_ready(num_computed)
         if self.enable_chunked_prefill and 0 < self.long_prefill_token_threshold < n:
             n = self.long_prefill_token_threshold
         return n
@@ -362,6 +366,9 @@ class ARScheduler(_QueueScheduler):
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(self._chunk_len(req, req.num_computed_tokens), budget)
+            if n == 0:  # waiting for its next input chunk: keeps its blocks, blocks nobody
+                i += 1
+                continue
             held = kv.num_held_blocks(req.request_id)
             while kv.allocate_slots(req, n) is None:
                 victim = self.running.pop()
@@ -376,10 +383,14 @@ class ARScheduler(_QueueScheduler):
             i += 1
 
         # Waiting requests, FCFS; none after a preemption, as blocks are short.
+        skipped: list[Request] = []  # preempted requests whose inputs to recompute have not all arrived
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             hits, num_hit_tokens = kv.get_computed_blocks(req)
             n = self._chunk_len(req, num_hit_tokens)
+            if n == 0:
+                skipped.append(self.waiting.popleft())
+                continue
             if n > budget:
                 if not self.enable_chunked_prefill:
                     break
@@ -395,6 +406,7 @@ class ARScheduler(_QueueScheduler):
             bisect.insort(self.running, req, key=lambda r: r.priority)
             scheduled.append(self._schedule_one(req, n, 0, is_new=not is_resumed, is_resumed=is_resumed))
             budget -= n
+        self.waiting.extendleft(reversed(skipped))
 
         out = SchedulerOutput(
             scheduled=scheduled,
@@ -428,6 +440,8 @@ class ARScheduler(_QueueScheduler):
         nexts = []  # (request, its index in prev.scheduled)
         for row, s in enumerate(steps):
             req = s.request
+            if req.input_limit is not None and req.num_tokens >= req.input_limit:
+                return None  # its next token's input (async chunk) has not arrived
             # After prev's token: output count + 1, length + 1.
             if (req.max_tokens is not None and req.num_output_tokens + 1 >= req.max_tokens) \
                     or req.num_tokens + 1 >= self.max_len:
@@ -556,6 +570,7 @@ class ARScheduler(_QueueScheduler):
         kv = self.kv_cache_manager
         return {
             "num_running": len(self.running),
+            "num_waiting_for_chunk": sum(r.waiting_for_chunk for r in self.running),
             "num_waiting": len(self.waiting),
             "kv_cache_usage": kv.usage,
             "prefix_cache_queries": kv.prefix_cache_stats.queries,

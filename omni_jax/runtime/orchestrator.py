@@ -63,9 +63,10 @@ class OrchestratorRequest:
     def request_id(self) -> str:
         return self.first.request_id
 
-    def stage_messages(self) -> list[AddRequest]:
+    def stage_messages(self, async_chunk: bool = False) -> list[AddRequest]:
         """What each stage of the chain is sent: the prompt to the first, to each later one the
-        user's prompt and media (for its positions; pixels stay out) and where its input comes from."""
+        user's prompt and media (for its positions; pixels stay out), where its input comes from
+        and whether to take it as it is produced (`async_chunk`)."""
         first, n = self.first, len(self.chain)
         msgs = [msgspec.structs.replace(first, forward_to=self.chain[1] if n > 1 else None)]
         if n > 1:
@@ -76,7 +77,7 @@ class OrchestratorRequest:
                 msgs.append(AddRequest(request_id=first.request_id, prompt_token_ids=first.prompt_token_ids,
                                        sampling_params=self.stage_params[i], multi_modal=mm,
                                        arrival_time=first.arrival_time, voice=self.voice,
-                                       inputs_from=self.chain[i - 1],
+                                       inputs_from=self.chain[i - 1], async_chunk=async_chunk,
                                        forward_to=self.chain[i + 1] if i + 1 < n else None))
         return msgs
 
@@ -247,7 +248,7 @@ class Orchestrator:
             req.sink(out.snapshot())
             return
         self._requests[req.request_id] = req
-        for name, msg in zip(req.chain, req.stage_messages()):
+        for name, msg in zip(req.chain, req.stage_messages(self.pipeline.async_chunk)):
             req.output.metrics.bytes_moved += _array_bytes(msg)
             self.clients[name].add(msg)
 

@@ -5,9 +5,11 @@ receive -> step -> send.
 Three sockets: requests from the orchestrator (add, abort, health, shutdown), replies to
 it (outputs, failures), and this stage's data inbox, where the stage before it sends the
 `StageData` of the requests this stage takes as input. Such a request waits here (not in
-the engine) until its input is complete; then the family's stage-input function builds its
-engine request in this process. Outputs of a request with `forward_to` go to that stage's
-inbox as `StageData`; the orchestrator gets them without hidden states and codes.
+the engine) until its input is complete, or with async chunk until enough of it has come;
+then the family's stage-input function builds its engine request in this process, and with
+async chunk the rest follows into the engine (`extend_request`) as it arrives. Outputs of a
+request with `forward_to` go to that stage's inbox as `StageData`; the orchestrator gets
+them without hidden states and codes.
 
 A request the engine rejects, or whose input cannot be built, comes back as a
 `StageFailure` naming it; a malformed message is logged and dropped; an exception in a
@@ -38,8 +40,9 @@ log = logging.getLogger("omni_jax.stage")
 
 # How long the loop sleeps in poll when the engine has nothing to do (ms).
 IDLE_POLL_MS = 20
-# Ids of aborted requests remembered, so that their late input data is dropped.
-ABORTED_MEMORY = 4096
+# Ids of requests whose input is no longer wanted (aborted, or complete while the stage
+# before goes on, e.g. past an end token) remembered, so that their late data is dropped.
+CLOSED_MEMORY = 4096
 
 
 def build_stage_engine(family: str, stage: StageConfig, ckpt_dir: str):
@@ -51,10 +54,13 @@ def build_stage_engine(family: str, stage: StageConfig, ckpt_dir: str):
     return engines[stage.model_stage](stage, ckpt_dir)
 
 
-def to_engine_request(msg) -> dict:
-    """AddRequest -> keyword arguments of the engine's `add_request` (the same inputs and media types)."""
+def to_engine_request(msg, stream: bool = False) -> dict:
+    """AddRequest -> keyword arguments of the engine's `add_request` (the same inputs and media
+    types); `stream`: more input follows through `extend_request`."""
     kw = dict(request_id=msg.request_id, prompt_token_ids=np.asarray(msg.prompt_token_ids),
               sampling_params=msg.sampling_params, arrival_time=msg.arrival_time or None)
+    if stream:
+        kw["stream"] = True
     if msg.voice is not None:  # vocoder stages
         kw["voice"] = msg.voice
     else:
@@ -77,7 +83,8 @@ class StageServer:
         self.forward: dict[str, str] = {}          # request id -> stage its outputs go to
         self.waiting: dict[str, AddRequest] = {}   # request id -> add message waiting for its input
         self.upstream: dict[str, UpstreamOutputs] = {}
-        self.aborted: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.streamed: dict[str, list] = {}        # started, input still coming: id -> [add message, units given]
+        self.closed: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.poller = zmq.Poller()
         self.poller.register(inbox.socket, zmq.POLLIN)
         self.poller.register(self.data_inbox.socket, zmq.POLLIN)
@@ -110,6 +117,7 @@ class StageServer:
     # ------------------------------------------------------------------ control
     def _on_request(self, msg) -> bool:
         if isinstance(msg, AddRequest):
+            self.closed.pop(msg.request_id, None)  # an id may be used again once its request ended
             if msg.inputs_from is not None:
                 self.waiting[msg.request_id] = msg
                 self._start_if_ready(msg.request_id)
@@ -119,28 +127,39 @@ class StageServer:
             for rid in msg.request_ids:
                 self._abort(rid)
         elif isinstance(msg, HealthCheck):
-            stats = engine_stats(self.engine) | {"num_waiting_for_input": float(len(self.waiting))}
+            stats = engine_stats(self.engine) | {"num_waiting_for_input": float(len(self.waiting)),
+                                                 "num_streamed_inputs": float(len(self.streamed))}
             self.outbox.send(HealthReply(stage=self.name, nonce=msg.nonce, stats=stats))
         elif isinstance(msg, Shutdown):
             return False
         return True
 
-    def _add(self, msg: AddRequest) -> None:
+    def _add(self, msg: AddRequest, stream: bool = False) -> bool:
         try:
-            self.engine.add_request(**to_engine_request(msg))
+            self.engine.add_request(**to_engine_request(msg, stream))
         except ValueError as e:
             self._fail(msg.request_id, str(e))
-            return
+            return False
         if msg.forward_to is not None:
             self.forward[msg.request_id] = msg.forward_to
+        return True
+
+    def _forget(self, rid: str) -> None:
+        """Drop what this stage holds of a request's input."""
+        self.waiting.pop(rid, None)
+        self.upstream.pop(rid, None)
+        self.streamed.pop(rid, None)
 
     def _abort(self, rid: str) -> None:
         self.engine.abort(rid)
-        self.waiting.pop(rid, None)
-        self.upstream.pop(rid, None)
-        self.aborted[rid] = None
-        while len(self.aborted) > ABORTED_MEMORY:
-            self.aborted.popitem(last=False)
+        self._close(rid)
+
+    def _close(self, rid: str) -> None:
+        """Forget a request's input and drop whatever more of it arrives."""
+        self._forget(rid)
+        self.closed[rid] = None
+        while len(self.closed) > CLOSED_MEMORY:
+            self.closed.popitem(last=False)
 
     def _fail(self, rid: str, message: str) -> None:
         self.outbox.send(StageFailure(stage=self.name, message=message, request_id=rid))
@@ -148,28 +167,57 @@ class StageServer:
     # ------------------------------------------------------------------ input from the stage before
     def _on_data(self, data: StageData) -> None:
         rid = data.request_id
-        if rid in self.aborted:
+        if rid in self.closed:
             return
         if data.finish_reason in ("abort", "error"):
             # The orchestrator fails or aborts the request everywhere; nothing to build.
-            self.waiting.pop(rid, None)
-            self.upstream.pop(rid, None)
+            self._close(rid)
             return
         self.upstream.setdefault(rid, UpstreamOutputs()).add(data)
-        self._start_if_ready(rid)
+        if rid in self.streamed:
+            self._feed(rid)
+        else:
+            self._start_if_ready(rid)
 
     def _start_if_ready(self, rid: str) -> None:
-        """Build and add the request once both its add message and its whole input are here."""
+        """Build and add the request once its add message and its input (with async chunk:
+        enough of it) are here."""
         msg, upstream = self.waiting.get(rid), self.upstream.get(rid)
-        if msg is None or upstream is None or not upstream.finished:
+        if msg is None or upstream is None or not (upstream.finished or msg.async_chunk):
             return
-        del self.waiting[rid], self.upstream[rid]
         try:
             built = self.handoff.stage_input(self.stage.model_stage, msg, upstream)
         except Exception as e:  # a family's input function failing is this request's error
+            self._close(rid)
             self._fail(rid, f"building the {self.name!r} input failed: {type(e).__name__}: {e}")
             return
-        self._add(msgspec.structs.replace(built, forward_to=msg.forward_to))
+        if built is None:
+            return
+        del self.waiting[rid]
+        if not self._add(msgspec.structs.replace(built, forward_to=msg.forward_to), stream=msg.async_chunk):
+            self._close(rid)
+        elif msg.async_chunk:
+            self.streamed[rid] = [msg, _input_units(built)]
+            self._feed(rid)
+        else:
+            self._close(rid)
+
+    def _feed(self, rid: str) -> None:
+        """Pass a started request the input that became final since (async chunk)."""
+        msg, have = self.streamed[rid]
+        upstream = self.upstream[rid]
+        try:
+            more, complete = self.handoff.more_input(self.stage.model_stage, msg, upstream, have)
+        except Exception as e:
+            self._abort(rid)
+            self._fail(rid, f"building the {self.name!r} input failed: {type(e).__name__}: {e}")
+            return
+        if (len(more) or complete) and not self.engine.extend_request(rid, more, complete):
+            self._close(rid)  # it finished here already (e.g. the talker's end token)
+            return
+        self.streamed[rid][1] = have + len(more)
+        if complete:
+            self._close(rid)
 
     @property
     def handoff(self):
@@ -208,6 +256,14 @@ class StageServer:
     def close(self) -> None:
         for c in (self.data_inbox, *self._peers.values()):
             c.close()
+
+
+def _input_units(built: AddRequest) -> int:
+    """How much input a request built from partial input holds, in the units `more_input`
+    counts: per-step rows for a stage fed embeddings (talker), codec tokens for a vocoder."""
+    if built.inputs is not None and built.inputs.extra_embeds is not None:
+        return len(built.inputs.extra_embeds)
+    return len(built.prompt_token_ids)
 
 
 def serve_stage(stage: dict, ckpt_dir: str, family: str, ipc_dir: str) -> None:

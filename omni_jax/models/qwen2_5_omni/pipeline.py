@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec.structs
 import numpy as np
 
-from ..handoff import UpstreamOutputs, assemble_hidden, media_positions, require_thinker_layers
+from ..handoff import UpstreamOutputs, media_positions, reply_rows, require_thinker_layers
 from ...checkpoint import eos_token_ids, parse_stage_config, read_config
 from ...engine.protocol import AddRequest, StageInputs
 from ...inputs.rope_index import RopeIndexConfig, get_rope_index
@@ -44,82 +45,112 @@ class Qwen2_5OmniHandoff:
 
     def thinker2talker(self, first: AddRequest, generated: list[int], hidden: dict, params, voice: str | None,
                        request_id: str) -> AddRequest:
-        """The talker request built from the thinker's prompt, output tokens and hidden states."""
-        v = self.voices.get(voice)
-        prompt = np.asarray(first.prompt_token_ids, np.int64)
+        """The talker request from a finished thinker request's tokens and hidden states
+        (layer -> [(position, rows)] pieces, as the engine returns them)."""
+        control = msgspec.structs.replace(first, sampling_params=params, voice=voice, request_id=request_id)
+        return self.talker_request(control, UpstreamOutputs.complete(generated, hidden))
+
+    def talker_request(self, control: AddRequest, up: UpstreamOutputs) -> AddRequest | None:
+        """The talker request with the reply rows final so far; None until the thinker has
+        written two tokens (the first reply row is the second fed token's) or finished."""
+        generated = up.token_ids
+        if len(generated) < 2 and not up.finished:
+            return None
+        params = control.sampling_params
+        v = self.voices.get(control.voice)
+        prompt = np.asarray(control.prompt_token_ids, np.int64)
         p = len(prompt)
         lo, hi = self.hidden_layers
-        embeds = assemble_hidden(hidden[lo])
-        states = assemble_hidden(hidden[hi])
-        n_fed = p + max(len(generated) - 1, 0)  # the last generated token is never fed back
-        if len(embeds) < n_fed or len(states) < n_fed:
-            raise ValueError(f"thinker returned hidden states for {min(len(embeds), len(states))} of {n_fed} tokens")
-        embeds, states = embeds[:n_fed].copy(), states[:n_fed]
-        embeds[:p][np.isin(prompt, self.media_token_ids)] = 0.0
-        both = states + embeds
-        prompt_part, reply = both[:p], both[p:]
-        eos_row, pad_row = self.voices.row("text_eos_embed"), self.voices.row("text_pad_embed")
-        if len(reply) == 0:
-            # The thinker produced one token: transformers has no reply row to start with.
-            reply = eos_row[None]
-        first_reply = reply[0]
-        tail = np.concatenate([reply[1:], eos_row[None], pad_row[None]])
-        # transformers rewrites the tail so tts_text_end follows the first thinker eos.
-        gen = np.asarray(generated)
-        is_eos = np.isin(gen, self.thinker_eos)
-        first_eos = int(np.argmax(is_eos)) if is_eos.any() else len(gen)
-        first_eos = min(max(first_eos, 1), max(len(gen) - 1, 1))
-        pos = np.arange(len(tail))
-        tail = np.where((pos >= first_eos)[:, None], pad_row[None], tail)
-        tail = np.where((pos == first_eos - 1)[:, None], eos_row[None], tail)
-
+        embeds, states = up.hidden[lo].get(slice(0, p)), up.hidden[hi].get(slice(0, p))
+        embeds[np.isin(prompt, self.media_token_ids)] = 0.0
+        # The thinker produced one token: transformers has no reply row to start with.
+        first_reply = self._token_rows(up, [p])[0] if len(generated) > 1 else self.voices.row("text_eos_embed")
         overlay = np.concatenate([
-            prompt_part,
+            states + embeds,
             (v.bos_embed + self.voices.row("codec_pad_embed"))[None],
             (first_reply + self.voices.row("codec_bos_embed"))[None]]).astype(np.float32)
         ids = np.concatenate([np.full(p, self.talker.codec_mask), [self.talker.codec_pad, self.talker.codec_bos]])
         text_ids = np.concatenate([prompt, [v.bos_token, generated[0] if generated else v.bos_token]])
-        positions, delta = self._positions(text_ids, first)
+        positions, delta = self._positions(text_ids, control)
+        tail, _ = self.reply_tail(control, up, 0)
         inputs = StageInputs(mrope_positions=positions, mrope_delta=delta, overlay_rows=overlay,
-                             overlay_index=np.arange(p + 2, dtype=np.int32), extra_embeds=tail.astype(np.float32),
-                             extra_embeds_pad=pad_row.astype(np.float32))
+                             overlay_index=np.arange(p + 2, dtype=np.int32), extra_embeds=tail,
+                             extra_embeds_pad=self.voices.row("text_pad_embed").astype(np.float32))
         suppress = set(params.suppress_token_ids) | {self.talker.codec_bos}
         if self.codebook_size is not None:
             # Ids past the vocoder's codebook (other than the end tokens) would fail in
             # token2wav (transformers' too); a trained talker never picks them.
             suppress |= set(range(self.codebook_size, self.talker.text.vocab_size)) - set(self.talker.eos_token_ids)
         suppress = sorted(suppress)
-        return AddRequest(request_id=request_id, prompt_token_ids=ids.astype(np.int32),
+        return AddRequest(request_id=control.request_id, prompt_token_ids=ids.astype(np.int32),
                           sampling_params=params.updated(suppress_token_ids=suppress), inputs=inputs,
-                          arrival_time=first.arrival_time)
+                          arrival_time=control.arrival_time)
+
+    def _token_rows(self, up: UpstreamOutputs, positions) -> np.ndarray:
+        """A generated token's talker row: the thinker's last hidden state plus its embedding."""
+        lo, hi = self.hidden_layers
+        return up.hidden[hi].get(positions) + up.hidden[lo].get(positions)
+
+    def reply_tail(self, control: AddRequest, up: UpstreamOutputs, have: int) -> tuple[np.ndarray, bool]:
+        """The talker's per-step reply rows from row `have` on that are final, and whether
+        they are complete (transformers' rule, as `handoff.reply_rows` states it)."""
+        n_rows, complete = reply_rows(up.token_ids, up.finished, self.thinker_eos)
+        p = len(control.prompt_token_ids)
+        parts = []
+        if have < n_rows:
+            parts.append(self._token_rows(up, p + 1 + np.arange(have, n_rows)))
+        if complete and have <= n_rows:
+            parts.append(self.voices.row("text_eos_embed")[None])
+        if not parts:
+            return np.zeros((0, self.voices.row("text_eos_embed").shape[-1]), np.float32), complete
+        return np.concatenate(parts).astype(np.float32), complete
 
     def check_pipeline(self, pipeline) -> None:
         """ConfigError unless the pipeline's thinker returns the hidden layers the talker reads."""
         require_thinker_layers(pipeline, set(self.hidden_layers),
                                "the thinker's embeddings and last layer feed the talker")
 
-    def stage_input(self, kind: str, control: AddRequest, upstream: UpstreamOutputs) -> AddRequest:
-        """The request of a `kind` stage ("talker", "token2wav") from the stage before it."""
+    def stage_input(self, kind: str, control: AddRequest, upstream: UpstreamOutputs) -> AddRequest | None:
+        """The request of a `kind` stage ("talker", "token2wav") from the stage before it, with
+        what is final so far (None: not enough yet; see models/handoff.py)."""
         if kind == "talker":
-            return self.thinker2talker(control, upstream.token_ids, upstream.hidden, control.sampling_params,
-                                       control.voice, control.request_id)
+            return self.talker_request(control, upstream)
         if kind == "token2wav":
-            return self.talker2token2wav(control, upstream.token_ids, control.sampling_params, control.voice,
-                                         control.request_id)
+            codes, complete = self.codec_tokens(upstream, 0)
+            if not complete and len(codes) == 0:
+                return None
+            return self.talker2token2wav(control, codes, control.sampling_params, control.voice,
+                                         control.request_id, complete=complete)
         raise ValueError(f"Qwen2.5-Omni has no stage {kind!r} that takes another stage's output")
+
+    def more_input(self, kind: str, control: AddRequest, upstream: UpstreamOutputs, have: int):
+        """(rows or codec tokens after the first `have`, complete) of a started streamed request."""
+        if kind == "talker":
+            return self.reply_tail(control, upstream, have)
+        if kind == "token2wav":
+            return self.codec_tokens(upstream, have)
+        raise ValueError(f"Qwen2.5-Omni has no stage {kind!r} that takes another stage's output")
+
+    def codec_tokens(self, up: UpstreamOutputs, have: int) -> tuple[np.ndarray, bool]:
+        """The talker's codec tokens from `have` on up to its first end token, and whether that
+        end (or the talker's finish) has come."""
+        codes = np.asarray(up.token_ids, np.int64)
+        stop = np.flatnonzero(np.isin(codes, self.talker.eos_token_ids))
+        end = int(stop[0]) if stop.size else len(codes)
+        return codes[have:end].astype(np.int32), bool(stop.size) or up.finished
 
     def _positions(self, text_ids: np.ndarray, first: AddRequest):
         """The talker's M-RoPE positions: the thinker prompt's, continued by two text tokens."""
         return media_positions(text_ids, first.multi_modal, get_rope_index, config=self.rope)
 
-    def talker2token2wav(self, first: AddRequest, codes: list[int], params, voice: str | None,
-                         request_id: str) -> AddRequest:
+    def talker2token2wav(self, first: AddRequest, codes, params, voice: str | None, request_id: str,
+                         complete: bool = True) -> AddRequest:
         """The vocoder request: the codec tokens up to the first talker eos, and the voice."""
         codes = np.asarray(codes, np.int64)
         stop = np.isin(codes, self.talker.eos_token_ids)
         if stop.any():
             codes = codes[:int(np.argmax(stop))]
-        if len(codes) == 0:
+        if len(codes) == 0 and complete:
             raise ValueError("the talker produced no codec tokens before its end token")
         return AddRequest(request_id=request_id, prompt_token_ids=codes.astype(np.int32), sampling_params=params,
                           arrival_time=first.arrival_time, voice=self.voices.get(voice).name)

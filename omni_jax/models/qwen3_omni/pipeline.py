@@ -31,10 +31,11 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import msgspec.structs
 import numpy as np
 import safetensors.numpy
 
-from ..handoff import UpstreamOutputs, assemble_hidden, media_positions, require_thinker_layers
+from ..handoff import UpstreamOutputs, media_positions, reply_rows, require_thinker_layers
 from ...checkpoint import CONFIG_FILE, eos_token_ids, parse_stage_config, read_config
 from ...errors import require
 from ...engine.protocol import AddRequest, StageInputs
@@ -99,80 +100,125 @@ class Qwen3OmniHandoff:
         require_thinker_layers(pipeline, set(self.hidden_layers),
                                "the thinker's embeddings and accept_hidden_layer feed the talker")
 
-    def stage_input(self, kind: str, control: AddRequest, upstream: UpstreamOutputs) -> AddRequest:
-        """The request of a `kind` stage ("talker", "code2wav") from the stage before it."""
+    def stage_input(self, kind: str, control: AddRequest, upstream: UpstreamOutputs) -> AddRequest | None:
+        """The request of a `kind` stage ("talker", "code2wav") from the stage before it, with
+        what is final so far (None: not enough yet; see models/handoff.py)."""
         if kind == "talker":
-            return self.thinker2talker(control, upstream.token_ids, upstream.hidden, control.sampling_params,
-                                       control.voice, control.request_id)
+            return self.talker_request(control, upstream)
         if kind == "code2wav":
-            return self.talker2code2wav(control, upstream, control.sampling_params, control.request_id)
+            codes, complete = self.codec_frames(upstream, 0)
+            if not complete and len(codes) == 0:
+                return None
+            if complete and len(codes) == 0:
+                raise ValueError("the talker produced no codec frames before its end token")
+            return AddRequest(request_id=control.request_id, prompt_token_ids=codes,
+                              sampling_params=control.sampling_params, arrival_time=control.arrival_time)
+        raise ValueError(f"Qwen3-Omni has no stage {kind!r} that takes another stage's output")
+
+    def more_input(self, kind: str, control: AddRequest, upstream: UpstreamOutputs, have: int):
+        """(rows or codec tokens after the first `have`, complete) of a started streamed request."""
+        if kind == "talker":
+            return self.reply_tail(control, upstream, have)
+        if kind == "code2wav":
+            return self.codec_frames(upstream, have)
         raise ValueError(f"Qwen3-Omni has no stage {kind!r} that takes another stage's output")
 
     def thinker2talker(self, first: AddRequest, generated: list[int], hidden: dict, params, voice: str | None,
                        request_id: str) -> AddRequest:
-        """The talker request built from the thinker's prompt, reply and hidden states."""
-        t = self.talker
-        speaker = Speakers(t).get(voice)
-        prompt = np.asarray(first.prompt_token_ids, np.int64)
-        p = len(prompt)
-        gen = np.asarray(generated, np.int64)
-        eos = np.flatnonzero(np.isin(gen, self.thinker_eos))
-        if eos.size:
-            gen = gen[:eos[0] + 1]
-        n_fed = p + len(gen) - 1  # the last generated token is never fed back
-        lo, hi = self.hidden_layers
-        embeds, states = assemble_hidden(hidden[lo]), assemble_hidden(hidden[hi])
-        if min(len(embeds), len(states)) < n_fed:
-            raise ValueError(f"thinker returned hidden states for {min(len(embeds), len(states))} of {n_fed} tokens")
-        embeds, states = embeds[:n_fed], states[:n_fed]
+        """The talker request from a finished thinker request's tokens and hidden states
+        (layer -> [(position, rows)] pieces, as the engine returns them)."""
+        control = msgspec.structs.replace(first, sampling_params=params, voice=voice, request_id=request_id)
+        return self.talker_request(control, UpstreamOutputs.complete(generated, hidden))
 
+    def talker_request(self, control: AddRequest, up: UpstreamOutputs) -> AddRequest | None:
+        """The talker request with the reply rows final so far; None until the thinker has
+        written two tokens (the assistant turn's last prompt row is the first fed reply token)."""
+        t = self.talker
+        gen = np.asarray(up.token_ids, np.int64)
+        eos = np.flatnonzero(np.isin(gen, self.thinker_eos))
+        if len(gen) < 2 and not up.finished and not eos.size:
+            return None
+        speaker = Speakers(t).get(control.voice)
+        prompt = np.asarray(control.prompt_token_ids, np.int64)
+        p = len(prompt)
         # The turn of each prompt token: the token after the closest <|im_start|> before it.
         pos = np.arange(p)
         last_start = np.maximum.accumulate(np.where(prompt == self.im_start_id, pos, -1)).clip(min=0)
         user = prompt[np.minimum(last_start + 1, p - 1)] == self.user_id
-        starts = np.flatnonzero((prompt[:-1] == self.im_start_id) & (prompt[1:] == self.assistant_id))
-        if starts.size == 0:
-            raise ValueError("the prompt has no assistant turn for the talker to speak")
-        a = int(starts[-1])
-        if n_fed < a + 4:
+        a = self._assistant_start(prompt)
+        spoken = int(eos[0]) + 1 if eos.size else len(gen)  # nothing after the first eos is spoken
+        if p + spoken - 1 < a + 4:  # the last token is never fed back
             raise ValueError("the thinker's reply is empty: there is no text to speak")
+        lo, hi = self.hidden_layers
+        embeds = up.hidden[lo].get(slice(0, a + 4))
 
         user_idx = np.flatnonzero(user)
         media = np.isin(prompt[user_idx], self.media_token_ids)
-        pad, bos, eos_row = self.tts_rows["tts_pad"], self.tts_rows["tts_bos"], self.tts_rows["tts_eos"]
-        user_rows = np.where(media[:, None], states[user_idx], embeds[user_idx])
+        pad, bos = self.tts_rows["tts_pad"], self.tts_rows["tts_bos"]
+        user_rows = np.where(media[:, None], up.hidden[hi].get(user_idx), embeds[user_idx])
         assistant_rows = np.concatenate([embeds[a:a + 3], np.repeat(pad[None], 4, 0), bos[None], embeds[a + 3:a + 4]])
         rows = np.concatenate([user_rows, assistant_rows]).astype(np.float32)
         proj = np.concatenate([np.where(media, _HIDDEN, _TEXT), np.full(9, _TEXT)]).astype(np.int8)
         add = np.concatenate([np.full(len(user_idx) + 3, -1), [t.codec_nothink_id, t.codec_think_bos_id,
                               t.codec_think_eos_id, speaker.codec_id, t.codec_pad_id, t.codec_bos_id]])
-        trailing = np.concatenate([embeds[a + 4:], eos_row[None]]).astype(np.float32)
+        trailing, _ = self.reply_tail(control, up, 0)
 
         text_ids = np.concatenate([prompt[user_idx], np.full(9, self.tts_pad_id)])
-        positions, delta = self._positions(text_ids, first)
+        positions, delta = self._positions(text_ids, control)
         inputs = StageInputs(mrope_positions=positions, mrope_delta=delta, overlay_rows=rows,
                              overlay_index=np.arange(len(rows), dtype=np.int32), overlay_proj=proj,
                              overlay_add_ids=add.astype(np.int32), extra_embeds=trailing,
                              extra_embeds_pad=pad.astype(np.float32), extra_proj=_TEXT)
+        params = control.sampling_params
         suppress = sorted(set(params.suppress_token_ids) | set(t.suppressed_token_ids))
-        return AddRequest(request_id=request_id, prompt_token_ids=np.full(len(rows), t.codec_pad_id, np.int32),
+        return AddRequest(request_id=control.request_id, prompt_token_ids=np.full(len(rows), t.codec_pad_id, np.int32),
                           sampling_params=params.updated(suppress_token_ids=suppress), inputs=inputs,
-                          arrival_time=first.arrival_time)
+                          arrival_time=control.arrival_time)
+
+    def reply_tail(self, control: AddRequest, up: UpstreamOutputs, have: int) -> tuple[np.ndarray, bool]:
+        """The talker's per-step text rows (thinker embeddings of the reply, then tts_eos) from
+        row `have` on that are final, and whether they are complete (`handoff.reply_rows`)."""
+        n_rows, complete = reply_rows(up.token_ids, up.finished, self.thinker_eos)
+        if complete:  # a one-token reply (just the eos) has no row at all, not even the first
+            gen = np.asarray(up.token_ids)
+            eos = np.flatnonzero(np.isin(gen, self.thinker_eos))
+            n_rows = min(n_rows, (int(eos[0]) + 1 if eos.size else len(gen)) - 2)
+        # Rows follow the assistant turn's first four tokens; a reply begun in the prompt
+        # (text after "<|im_start|>assistant\n") is spoken too.
+        first = self._assistant_start(np.asarray(control.prompt_token_ids)) + 4
+        n_rows += len(control.prompt_token_ids) + 1 - first
+        parts = []
+        if have < n_rows:
+            parts.append(up.hidden[self.hidden_layers[0]].get(first + np.arange(have, n_rows)))
+        if complete and have <= n_rows:
+            parts.append(self.tts_rows["tts_eos"][None])
+        if not parts:
+            return np.zeros((0, self.tts_rows["tts_eos"].shape[-1]), np.float32), complete
+        return np.concatenate(parts).astype(np.float32), complete
+
+    def _assistant_start(self, prompt: np.ndarray) -> int:
+        """Position of the prompt's last "<|im_start|>assistant"."""
+        starts = np.flatnonzero((prompt[:-1] == self.im_start_id) & (prompt[1:] == self.assistant_id))
+        if starts.size == 0:
+            raise ValueError("the prompt has no assistant turn for the talker to speak")
+        return int(starts[-1])
 
     def _positions(self, text_ids: np.ndarray, first: AddRequest):
         """The talker's M-RoPE positions over its own prompt ids (None: 0..L-1 on all rows)."""
         return media_positions(text_ids, first.multi_modal, get_rope_index_qwen3, config=self.rope, n_window=self.audio_n_window)
 
-    def talker2code2wav(self, first: AddRequest, acc: UpstreamOutputs, params, request_id: str) -> AddRequest:
-        """The vocoder request: frames of all code groups, flattened frame-major."""
-        tokens = np.asarray(acc.token_ids, np.int64)
-        frames = len(tokens) - 1
-        if frames < 1:
-            raise ValueError("the talker produced no codec frames before its end token")
-        residual = np.concatenate(acc.codes)[:frames]
-        codes = np.concatenate([tokens[:frames, None], residual], axis=1)
-        return AddRequest(request_id=request_id, prompt_token_ids=codes.reshape(-1).astype(np.int32),
-                          sampling_params=params, arrival_time=first.arrival_time)
+    def codec_frames(self, up: UpstreamOutputs, have: int) -> tuple[np.ndarray, bool]:
+        """The vocoder's codes after the first `have` (frames of all code groups, flattened
+        frame-major), and whether the talker finished. Every talker token but the last is a
+        frame: transformers never feeds the last sampled token back."""
+        q = self.talker.num_code_groups
+        frames = min(len(up.token_ids) - 1, len(up.codes))
+        done = have // q
+        if frames <= done:
+            return np.zeros(0, np.int32), up.finished
+        tokens = np.asarray(up.token_ids[done:frames], np.int64)
+        codes = np.concatenate([tokens[:, None], up.codes.get(slice(done, frames))], axis=1)
+        return codes.reshape(-1).astype(np.int32), up.finished
 
 
 def load_handoff(ckpt_dir: str) -> Qwen3OmniHandoff:

@@ -1,0 +1,168 @@
+"""Async chunk, thinker -> talker, in one process: the talker starts while the thinker writes,
+takes the thinker's later rows as they come, and produces exactly the codes it produces from
+the whole thinker output; a talker request waiting for its next row never holds up others.
+
+The driver below does what a talker stage process does (runtime/stage_loop.py) with the
+thinker's per-step outputs: collect them, build the request once `stage_input` can, then
+pass `more_input` to `extend_request`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import hf_tiny_qwen3 as tiny
+from omni_jax.engine.protocol import AddRequest, StageData, StageInputs
+from omni_jax.engine.runner import RunnerConfig
+from omni_jax.engine.sampling import SamplingParams
+from omni_jax.models.handoff import UpstreamOutputs, reply_rows
+from omni_jax.runtime.stage_loop import _input_units, to_engine_request
+
+pytestmark = pytest.mark.engine
+
+THINKER = SamplingParams(temperature=0.0, max_tokens=9)
+TALKER = SamplingParams(temperature=0.0, repetition_penalty=1.05, max_tokens=24)
+
+
+def _stage_data(o) -> StageData:
+    return StageData(request_id=o.request_id, token_ids=o.new_token_ids, hidden_states=o.hidden_states,
+                     hidden_offset=o.hidden_offset, finished=o.finished, finish_reason=o.finish_reason)
+
+
+def run_thinker(thinker, prompts: dict[str, np.ndarray], params=THINKER) -> list[list[StageData]]:
+    """The thinker's outputs, step by step, as the talker stage would receive them."""
+    for rid, ids in prompts.items():
+        thinker.add_request(rid, ids, params, inputs=StageInputs(capture_hidden=True))
+    steps = []
+    while thinker.has_unfinished():
+        steps.append([_stage_data(o) for o in thinker.step()])
+    return steps
+
+
+def stream_into_talker(talker, handoff, controls: dict[str, AddRequest], thinker_steps, others=()):
+    """Replay the thinker's steps into the talker, two talker steps per thinker step (then to the end).
+
+    Returns (talker tokens per request, thinker step at which each request started, talker
+    steps in which a request of `others` (added whole at the start) made progress while a
+    streamed one waited for its next row).
+    """
+    for msg in others:
+        talker.add_request(**to_engine_request(msg))
+    up = {rid: UpstreamOutputs() for rid in controls}
+    have, started, tokens, overlap = {}, {}, {}, 0
+    for i, step in enumerate([*thinker_steps, *([[]] * 400)]):
+        for data in step:
+            rid = data.request_id
+            up[rid].add(data)
+            if rid not in started:
+                built = handoff.stage_input("talker", controls[rid], up[rid])
+                if built is None:
+                    continue
+                talker.add_request(**to_engine_request(built, stream=True))
+                started[rid], have[rid] = i, _input_units(built)
+            if have.get(rid) is not None:
+                more, complete = handoff.more_input("talker", controls[rid], up[rid], have[rid])
+                if len(more) or complete:
+                    assert talker.extend_request(rid, more, complete) or complete
+                have[rid] = None if complete else have[rid] + len(more)
+        if not talker.has_unfinished() and i >= len(thinker_steps):
+            break
+        for _ in range(2):  # a talker faster than the thinker: it catches up and waits
+            waiting = talker.scheduler.make_stats()["num_waiting_for_chunk"] > 0
+            for o in talker.step() if talker.has_unfinished() else ():
+                assert o.error is None, o.error
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+                overlap += waiting and o.request_id in {m.request_id for m in others} and bool(o.new_token_ids)
+    assert not talker.scheduler.has_unfinished_requests()
+    assert talker.scheduler.kv_cache_manager.is_idle_and_leak_free()
+    return tokens, started, overlap
+
+
+def whole_outputs(steps, rid) -> UpstreamOutputs:
+    up = UpstreamOutputs()
+    for step in steps:
+        for d in step:
+            if d.request_id == rid:
+                up.add(d)
+    return up
+
+
+def run_whole(talker, msgs: list[AddRequest]) -> dict[str, list[int]]:
+    for m in msgs:
+        talker.add_request(**to_engine_request(m))
+    out = {}
+    while talker.has_unfinished():
+        for o in talker.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return out
+
+
+def _check_streaming(thinker, talker, handoff, prompts, controls):
+    steps = run_thinker(thinker, prompts)
+    whole = {rid: handoff.stage_input("talker", controls[rid], whole_outputs(steps, rid)) for rid in prompts}
+    ref = run_whole(talker, list(whole.values()))
+    # Another talker request (the first prompt's, under a new id) runs whole beside the streamed ones.
+    other = AddRequest(request_id="other", prompt_token_ids=whole["a"].prompt_token_ids,
+                       sampling_params=whole["a"].sampling_params, inputs=whole["a"].inputs)
+    got, started, overlap = stream_into_talker(talker, handoff, controls, steps, others=[other])
+    finish_step = {d.request_id: i for i, s in enumerate(steps) for d in s if d.finished}
+    for rid in prompts:
+        assert got[rid] == ref[rid], rid
+        assert started[rid] < finish_step[rid], f"{rid}: the talker started only after the thinker finished"
+    assert got["other"] == ref["a"]
+    assert overlap > 0, "the whole talker request should progress while a streamed one waits"
+
+
+def test_qwen2_5_streamed_talker_equals_whole(converted_thinker_fp32):
+    from omni_jax.models.qwen2_5_omni.pipeline import load_handoff
+    from omni_jax.models.qwen2_5_omni.stages import build_talker_engine, build_thinker_engine
+
+    runner = RunnerConfig(num_blocks=64, block_size=16, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256,
+                          token_buckets=(32,), decode_buckets=(4,), capture_layers=(0, 3))
+    thinker = build_thinker_engine(converted_thinker_fp32, runner, warmup=False)
+    talker = build_talker_engine(converted_thinker_fp32, runner, warmup=False)
+    handoff = load_handoff(converted_thinker_fp32)
+    rng = np.random.default_rng(5)
+    prompts = {"a": rng.integers(0, 151000, 21), "b": rng.integers(0, 151000, 9)}
+    controls = {rid: AddRequest(request_id=rid, prompt_token_ids=ids.astype(np.int32), sampling_params=TALKER,
+                                voice="Ethan") for rid, ids in prompts.items()}
+    _check_streaming(thinker, talker, handoff, prompts, controls)
+
+
+@pytest.fixture(scope="module")
+def converted_qwen3(qwen3_omni_hf_dir, tmp_path_factory) -> str:
+    from conversion.convert import convert
+
+    return convert(qwen3_omni_hf_dir, str(tmp_path_factory.mktemp("omni_jax_q3_async") / "tiny_fp32"),
+                   dtype="float32", progress=False)
+
+
+def test_qwen3_streamed_talker_equals_whole(converted_qwen3):
+    from omni_jax.models.qwen3_omni.pipeline import load_handoff
+    from omni_jax.models.qwen3_omni.stages import build_talker_engine, build_thinker_engine
+
+    runner = RunnerConfig(num_blocks=64, block_size=16, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
+                          token_buckets=(64,), decode_buckets=(4,), capture_layers=(0, 2))
+    thinker = build_thinker_engine(converted_qwen3, runner, progress=False)
+    talker = build_talker_engine(converted_qwen3, dataclasses.replace(runner, capture_layers=()), progress=False)
+    handoff = load_handoff(converted_qwen3)
+    prompts = {"a": np.array(tiny.text_prompt_ids((9707, 11, 1879, 0)), np.int32),
+               "b": np.array(tiny.text_prompt_ids((40, 1079, 264)), np.int32)}
+    controls = {rid: AddRequest(request_id=rid, prompt_token_ids=ids, sampling_params=TALKER, voice="ethan")
+                for rid, ids in prompts.items()}
+    _check_streaming(thinker, talker, handoff, prompts, controls)
+
+
+@pytest.mark.parametrize("tokens, finished, expect", [
+    ([5, 6, 7, 8], False, (2, False)),   # row j is final once token j + 2 exists
+    ([5], False, (0, False)),
+    ([5, 6, 9], False, (1, True)),       # an eos ends the reply even before the finish arrives
+    ([5, 6, 7], True, (1, True)),        # the last token is never fed back
+    ([9], True, (0, True)),
+    ([5, 9, 7, 8], True, (0, True)),     # nothing after the first eos is spoken
+])
+def test_reply_rows_rule(tokens, finished, expect):
+    assert reply_rows(tokens, finished, [9]) == expect

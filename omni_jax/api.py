@@ -14,6 +14,7 @@ request with an error naming the problem; the others go on.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import itertools
@@ -45,6 +46,13 @@ def _resolve(model: str, pipeline) -> tuple[str, PipelineConfig]:
         raise ConfigError(f"pipeline {pipeline.name!r} is for {pipeline.family!r} but the checkpoint "
                           f"{ckpt} is {family!r}")
     return ckpt, pipeline
+
+
+def add_async_chunk_argument(parser, prefix: str = "") -> None:
+    """The `--async-chunk/--no-async-chunk` flag of the commands that start an engine."""
+    parser.add_argument("--async-chunk", action=argparse.BooleanOptionalAction, default=None,
+                        help=f"{prefix}stream between stages: the talker starts while the thinker writes and audio "
+                             f"comes in chunks (default: as the pipeline config says; the presets turn it on)")
 
 
 class _Frontend:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .api import OmniJax
+from .api import OmniJax, add_async_chunk_argument
 from .config import ConfigError
 from .engine.sampling import SamplingParams
 from .errors import CheckpointError
@@ -27,6 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--output-audio", default=None, help="also speak the reply and write it to this WAV file")
     p.add_argument("--voice", default=None, help="speaker of the spoken reply")
+    add_async_chunk_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -36,7 +37,8 @@ def run(args: argparse.Namespace) -> int:
         messages.insert(0, {"role": "system", "content": args.system})
     try:
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-        with OmniJax(model=args.model, pipeline=args.pipeline, output_modalities=modalities) as omni:
+        with OmniJax(model=args.model, pipeline=args.pipeline, output_modalities=modalities,
+                     async_chunk=args.async_chunk) as omni:
             out = omni.generate({"messages": messages}, sampling_params=params, voice=args.voice, use_tqdm=False)[0]
     except (CheckpointError, ConfigError, ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"omni-jax generate: error: {e}", file=sys.stderr)

@@ -47,3 +47,12 @@ def qwen3_omni_hf_model(qwen3_omni_hf_dir):
     import hf_tiny_qwen3
 
     return hf_tiny_qwen3.load_qwen3_omni(qwen3_omni_hf_dir)
+
+
+@pytest.fixture(scope="session")
+def converted_qwen3_fp32(qwen3_omni_hf_dir, tmp_path_factory) -> str:
+    """The tiny Qwen3-Omni converted to OmniJax format in fp32."""
+    from conversion.convert import convert
+
+    return convert(qwen3_omni_hf_dir, str(tmp_path_factory.mktemp("omni_jax_q3") / "tiny_fp32"),
+                   dtype="float32", progress=False)

@@ -132,23 +132,15 @@ def test_qwen2_5_streamed_talker_equals_whole(converted_thinker_fp32):
     _check_streaming(thinker, talker, handoff, prompts, controls)
 
 
-@pytest.fixture(scope="module")
-def converted_qwen3(qwen3_omni_hf_dir, tmp_path_factory) -> str:
-    from conversion.convert import convert
-
-    return convert(qwen3_omni_hf_dir, str(tmp_path_factory.mktemp("omni_jax_q3_async") / "tiny_fp32"),
-                   dtype="float32", progress=False)
-
-
-def test_qwen3_streamed_talker_equals_whole(converted_qwen3):
+def test_qwen3_streamed_talker_equals_whole(converted_qwen3_fp32):
     from omni_jax.models.qwen3_omni.pipeline import load_handoff
     from omni_jax.models.qwen3_omni.stages import build_talker_engine, build_thinker_engine
 
     runner = RunnerConfig(num_blocks=64, block_size=16, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
                           token_buckets=(64,), decode_buckets=(4,), capture_layers=(0, 2))
-    thinker = build_thinker_engine(converted_qwen3, runner, progress=False)
-    talker = build_talker_engine(converted_qwen3, dataclasses.replace(runner, capture_layers=()), progress=False)
-    handoff = load_handoff(converted_qwen3)
+    thinker = build_thinker_engine(converted_qwen3_fp32, runner, progress=False)
+    talker = build_talker_engine(converted_qwen3_fp32, dataclasses.replace(runner, capture_layers=()), progress=False)
+    handoff = load_handoff(converted_qwen3_fp32)
     prompts = {"a": np.array(tiny.text_prompt_ids((9707, 11, 1879, 0)), np.int32),
                "b": np.array(tiny.text_prompt_ids((40, 1079, 264)), np.int32)}
     controls = {rid: AddRequest(request_id=rid, prompt_token_ids=ids, sampling_params=TALKER, voice="ethan")

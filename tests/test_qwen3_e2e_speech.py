@@ -22,11 +22,8 @@ MEDIA_BUCKETS = dict(audio_chunks=(4,), vision_patches=(64,))
 
 
 @pytest.fixture(scope="module")
-def converted(qwen3_omni_hf_dir, tmp_path_factory) -> str:
-    from conversion.convert import convert
-
-    return convert(qwen3_omni_hf_dir, str(tmp_path_factory.mktemp("omni_jax_q3_speech") / "tiny_fp32"),
-                   dtype="float32", progress=False)
+def converted(converted_qwen3_fp32) -> str:
+    return converted_qwen3_fp32
 
 
 def hf_generate(model, prompt: Prompt, voice: str = "ethan"):

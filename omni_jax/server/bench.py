@@ -24,7 +24,7 @@ import time
 import httpx
 import numpy as np
 
-from ..api import AsyncOmniJax
+from ..api import AsyncOmniJax, add_async_chunk_argument
 
 SAMPLE_RATE = 24000
 
@@ -57,6 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--library", default=None, metavar="MODEL",
                    help="run the requests through AsyncOmniJax(model=MODEL) in this process instead of a server")
     p.add_argument("--pipeline", default=None, help="with --library: pipeline preset or YAML (default: the model's)")
+    add_async_chunk_argument(p, "with --library: ")
     p.add_argument("--model", default=None, help="model name to request (default: the server's first)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--concurrency", default="1", help="clients in flight; a comma list runs each in turn (1,16,64)")
@@ -183,7 +184,8 @@ async def _run(args, levels: list[int]) -> list[dict]:
     mods = [m.strip() for m in args.modalities.split(",") if m.strip()]
     summaries = []
     if args.library:
-        omni = AsyncOmniJax(model=args.library, pipeline=args.pipeline, output_modalities=mods)
+        omni = AsyncOmniJax(model=args.library, pipeline=args.pipeline, output_modalities=mods,
+                            async_chunk=args.async_chunk)
         try:
             for i in range(args.warmup):
                 await _library_one(omni, args, mods, -1 - i)

@@ -39,8 +39,10 @@ class ServedEngine:
     """One AsyncOmniJax under a served model name, and the server's view of its health."""
 
     def __init__(self, model: str, served_name: str, pipeline: str | None = None,
-                 output_modalities: Sequence[str] = ("text", "audio"), on_failed: Callable[[], None] | None = None):
+                 output_modalities: Sequence[str] = ("text", "audio"), on_failed: Callable[[], None] | None = None,
+                 async_chunk: bool | None = None):
         self.model, self.served_name, self.pipeline = model, served_name, pipeline
+        self.async_chunk = async_chunk  # None: as the pipeline says
         self.on_failed = on_failed  # e.g. stop the HTTP server: a server that can never serve should exit
         self.output_modalities = list(output_modalities)
         self.omni = None
@@ -67,7 +69,7 @@ class ServedEngine:
         t0 = time.monotonic()
         try:
             self.omni = AsyncOmniJax(model=self.model, pipeline=self.pipeline,
-                                     output_modalities=self.output_modalities)
+                                     output_modalities=self.output_modalities, async_chunk=self.async_chunk)
         except Exception as e:  # the server stays up to report it on /health
             self.state, self.reason = "failed", f"the engine failed to start: {type(e).__name__}: {e}"
             print(f"omni-jax serve: error: {self.reason}", file=sys.stderr, flush=True)

@@ -18,6 +18,7 @@ import sys
 
 import uvicorn
 
+from ..api import add_async_chunk_argument
 from .app import build_app
 from .engine import ServedEngine
 
@@ -36,9 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-local-media-path", default=None,
                    help="directory whose files requests may name as media (default: none; data: URLs only)")
     p.add_argument("--max-request-body-mb", type=float, default=64.0, help="larger bodies get 413 (default 64)")
-    p.add_argument("--async-chunk", action=argparse.BooleanOptionalAction, default=None,
-                   help="stream stage outputs to the next stage in chunks (not available yet: stages hand "
-                        "over whole outputs)")
+    add_async_chunk_argument(p)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -71,9 +70,6 @@ def run(args: argparse.Namespace) -> int:
     if mods not in (["text"], ["text", "audio"]):
         print("omni-jax serve: error: --modalities must be 'text' or 'text,audio'", file=sys.stderr)
         return 2
-    if args.async_chunk:
-        print("omni-jax serve: note: --async-chunk is not available yet; stages hand over whole outputs",
-              flush=True)
     try:
         sock = _bind(args.host, args.port)
     except OSError as e:
@@ -86,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
             server.should_exit = True
 
     engine = ServedEngine(args.model, args.served_model_name or args.model, args.pipeline, mods,
-                          on_failed=stop_server)
+                          on_failed=stop_server, async_chunk=args.async_chunk)
     app = build_app(engine, api_key=args.api_key, max_body_bytes=int(args.max_request_body_mb * (1 << 20)),
                     allowed_media_dir=args.allowed_local_media_path)
     host = f"[{args.host}]" if ":" in args.host else args.host

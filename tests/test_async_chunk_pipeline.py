@@ -1,0 +1,182 @@
+"""Async chunk end to end (stage processes), both families: streamed speech equals the whole-output
+path, audio reaches the caller in chunks before the thinker is done, and an abort at any moment
+or a killed stage leaves nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import hf_tiny_qwen3 as tiny3
+from omni_jax import AsyncOmniJax, OmniJax, SamplingParams
+from omni_jax.config import load_pipeline_config
+
+pytestmark = [pytest.mark.pipeline, pytest.mark.e2e]
+
+THINKER_TOKENS = 40
+TALKER_TOKENS = 40
+# Qwen2.5's token2wav chunks are not exact (its DiT sees the whole sequence through 10 ODE
+# steps); the bound is the one its streaming tests state (tests/test_token2wav_streaming.py).
+WAVEFORM_TOL = {"qwen2_5_omni": 5e-2, "qwen3_omni": 1e-5}
+
+
+def pipeline_for(family: str):
+    """The family's tiny preset with few buckets (quick warm-up)."""
+    if family == "qwen2_5_omni":
+        return load_pipeline_config("qwen2_5_omni_tiny").with_overrides(
+            thinker=dict(token_buckets=[16, 64], decode_buckets=[1, 4], max_num_seqs=4),
+            talker=dict(token_buckets=[16, 64], decode_buckets=[1, 4], max_num_seqs=4),
+            token2wav=dict(token_buckets=[48], decode_buckets=[1, 4], max_num_seqs=4, max_num_batched_tokens=96))
+    return load_pipeline_config("qwen3_omni_tiny").with_overrides(
+        thinker=dict(token_buckets=[64], decode_buckets=[1, 4], max_num_seqs=4, audio_chunk_buckets=[4],
+                     vision_patch_buckets=[64]),
+        talker=dict(token_buckets=[64], decode_buckets=[1, 4], max_num_seqs=4, max_model_len=256),
+        code2wav=dict(token_buckets=[16, 64], decode_buckets=[1, 4], max_num_seqs=4, max_model_len=TALKER_TOKENS,
+                      max_num_batched_tokens=4 * TALKER_TOKENS))
+
+
+def prompts_for(family: str, n: int) -> list[dict]:
+    rng = np.random.default_rng(21)
+    if family == "qwen2_5_omni":
+        return [{"prompt_token_ids": rng.integers(0, 151000, int(k)).tolist()} for k in rng.integers(6, 20, n)]
+    return [{"prompt_token_ids": tiny3.text_prompt_ids(tuple(rng.integers(0, 151000, int(k)).tolist()))}
+            for k in rng.integers(3, 9, n)]
+
+
+def params_for(first_chunk: int | None = None) -> list[SamplingParams]:
+    """Thinker and talker run to their limits (no early end token), the vocoder seeded."""
+    extra = None if first_chunk is None else {"codec_first_chunk_frames": first_chunk}
+    return [SamplingParams(temperature=0.0, max_tokens=THINKER_TOKENS, ignore_eos=True),
+            SamplingParams(temperature=0.0, repetition_penalty=1.05, min_tokens=TALKER_TOKENS - 2,
+                           max_tokens=TALKER_TOKENS),
+            SamplingParams(seed=77, extra_args=extra)]
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_omni", "qwen3_omni"])
+def family_engines(request, converted_thinker_fp32, converted_qwen3_fp32):
+    """(family, streaming AsyncOmniJax, whole-output OmniJax) on the family's tiny checkpoint."""
+    family = request.param
+    ckpt = converted_thinker_fp32 if family == "qwen2_5_omni" else converted_qwen3_fp32
+    mods = ["text", "audio"]
+    streamed = AsyncOmniJax(model=ckpt, pipeline=pipeline_for(family), output_modalities=mods, async_chunk=True)
+    try:
+        whole = OmniJax(model=ckpt, pipeline=pipeline_for(family), output_modalities=mods, async_chunk=False)
+    except BaseException:
+        streamed.shutdown()
+        raise
+    yield family, streamed, whole
+    streamed.shutdown()
+    whole.shutdown()
+
+
+def collect(omni: AsyncOmniJax, prompts, params, abort_when=None):
+    """Run prompts together; per prompt the list of updates. `abort_when(i, update)` -> True
+    aborts prompt i at that update."""
+
+    async def one(i, p):
+        updates = []
+        gen = omni.generate(p, params, request_id=f"p{i}-{time.monotonic_ns()}", output_modalities=["text", "audio"])
+        async for out in gen:
+            updates.append(out)
+            if abort_when is not None and abort_when(i, out):
+                omni.abort(out.request_id)
+        return updates
+
+    async def go():
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+    return asyncio.run(asyncio.wait_for(go(), 300))
+
+
+def test_streamed_speech_equals_whole(family_engines):
+    family, streamed, whole = family_engines
+    prompts = prompts_for(family, 3)
+    ref = whole.generate(prompts, sampling_params=params_for(), output_modalities=["text", "audio"])
+    runs = collect(streamed, prompts, params_for())
+    for r, updates in zip(ref, runs):
+        final = updates[-1]
+        assert r.error is None and final.error is None, (r.error, final.error)
+        assert final.token_ids == r.token_ids and len(final.token_ids) == THINKER_TOKENS
+        assert final.stage_token_ids["talker"] == r.stage_token_ids["talker"]
+        assert final.audio.shape == r.audio.shape
+        assert np.abs(final.audio - r.audio).max() <= WAVEFORM_TOL[family]
+        deltas = [u.audio_delta for u in updates if u.audio_delta is not None and len(u.audio_delta)]
+        np.testing.assert_array_equal(np.concatenate(deltas), final.audio)
+        assert len(deltas) >= 3, "speech should arrive in several chunks"
+        first_audio = next(i for i, u in enumerate(updates) if u.audio_delta is not None and len(u.audio_delta))
+        last_text = max(i for i, u in enumerate(updates) if u.new_token_ids)
+        assert first_audio < last_text, "the first audio chunk should come before the thinker's last token"
+        assert final.metrics.time_to_first_audio < final.metrics.e2e_latency
+
+
+def test_first_chunk_size_per_request(family_engines):
+    """A smaller first chunk (extra_args) makes a smaller first audio update."""
+    family, streamed, _ = family_engines
+    prompt = prompts_for(family, 1)
+    sizes = []
+    for first in (2, 16):
+        updates = collect(streamed, prompt, params_for(first_chunk=first))[0]
+        assert updates[-1].error is None, updates[-1].error
+        sizes.append(next(len(u.audio_delta) for u in updates if u.audio_delta is not None and len(u.audio_delta)))
+    assert sizes[0] < sizes[1]
+
+
+def _idle(omni) -> dict:
+    """Stage stats once every stage holds nothing (bounded wait)."""
+    for _ in range(100):
+        stats = omni.stage_stats()
+        held = [(n, k) for n, s in stats.items() for k in ("num_running", "num_waiting", "num_waiting_for_input",
+                                                            "num_streamed_inputs", "num_streaming")
+                if s.get(k, 0)]
+        if not held:
+            return stats
+        time.sleep(0.1)
+    raise AssertionError(f"stages still hold requests: {held}")
+
+
+@pytest.mark.parametrize("phase", ["thinker", "talker", "vocoder"])
+def test_abort_in_each_phase_frees_every_stage(family_engines, phase):
+    family, streamed, _ = family_engines
+    prompts = prompts_for(family, 2)
+
+    def abort_when(i, out):
+        if i != 0:
+            return False
+        if phase == "thinker":
+            return len(out.token_ids) == 3  # the talker has just started or is about to
+        if phase == "talker":
+            return len(out.token_ids) == THINKER_TOKENS - 5 and out.audio is None
+        return out.audio_delta is not None and len(out.audio_delta) > 0
+
+    aborted, other = collect(streamed, prompts, params_for(first_chunk=2), abort_when=abort_when)
+    assert aborted[-1].finish_reason == "abort"
+    assert other[-1].error is None and len(other[-1].audio) > 0
+    stats = _idle(streamed)
+    for name, s in stats.items():
+        assert s.get("kv_cache_usage", 0.0) == 0.0, name
+
+
+def test_killed_vocoder_fails_the_stream(converted_qwen3_fp32):
+    """SIGKILL of the vocoder while audio streams: the request ends with an error naming it."""
+    omni = AsyncOmniJax(model=converted_qwen3_fp32, pipeline=pipeline_for("qwen3_omni"),
+                        output_modalities=["text", "audio"], async_chunk=True)
+    try:
+        pid = omni.stage_pids()["code2wav"]
+
+        def kill_on_first_audio(i, out):
+            if out.audio_delta is not None and len(out.audio_delta) and pid is not None:
+                os.kill(pid, signal.SIGKILL)
+            return False
+
+        t0 = time.monotonic()
+        updates = collect(omni, prompts_for("qwen3_omni", 1), params_for(first_chunk=2),
+                          abort_when=kill_on_first_audio)[0]
+        assert updates[-1].finish_reason == "error" and "code2wav" in updates[-1].error
+        assert time.monotonic() - t0 < 60
+    finally:
+        omni.shutdown()

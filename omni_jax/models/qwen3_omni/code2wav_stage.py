@@ -44,6 +44,14 @@ def plan_windows(num_frames: int, chunk_size: int, left_context: int) -> list[tu
     return out
 
 
+def _join(pieces: Sequence[np.ndarray], owner: Sequence[int], n: int) -> list[np.ndarray]:
+    """Concatenate window pieces per owner (pieces in order within an owner) into n float32 arrays."""
+    parts: list[list[np.ndarray]] = [[] for _ in range(n)]
+    for i, p in zip(owner, pieces):
+        parts[i].append(p)
+    return [np.concatenate(p).astype(np.float32, copy=False) if p else np.zeros(0, np.float32) for p in parts]
+
+
 class Code2WavSynthesizer:
     """Bucketed, jitted, chunked decoding of whole code2wav requests (see module docstring)."""
 
@@ -118,28 +126,43 @@ class Code2WavSynthesizer:
             raise ValueError(f"code {int(ids[i])} (frame {i // q}, group {i % q}) is outside the codebook "
                              f"[0, {self.codebook_size})")
 
+    def frames(self, token_ids) -> np.ndarray:
+        """Frame-major flat codes -> [Q, frames] int32 (a view, no copy)."""
+        return np.asarray(token_ids, np.int32).reshape(-1, self.num_quantizers).T
+
     def __call__(self, reqs) -> list[np.ndarray]:
         """One float32 waveform per request, equal to chunked_decode of that request alone."""
-        q = self.num_quantizers
-        codes = [np.asarray(r.prompt_token_ids, np.int32).reshape(-1, q).T for r in reqs]  # [Q, frames]
-        windows = [(i, k, a, c, e) for i, x in enumerate(codes)
-                   for k, (a, c, e) in enumerate(plan_windows(x.shape[1], self.chunk_size, self.left_context))]
-        pieces: list[dict[int, np.ndarray]] = [{} for _ in reqs]
-        windows.sort(key=lambda w: w[4] - w[2], reverse=True)  # similar lengths share a bucket
-        cap = self.batch_buckets[-1]
-        groups = [windows[g:g + cap] for g in range(0, len(windows), cap)]
+        windows, owner = [], []
+        for i, r in enumerate(reqs):
+            codes = self.frames(r.prompt_token_ids)
+            for a, c, e in plan_windows(codes.shape[1], self.chunk_size, self.left_context):
+                # The context's samples are dropped: they belong to the window before.
+                windows.append((codes[:, a:e], c * self.total_upsample, self.num_samples(e - a)))
+                owner.append(i)
+        return _join(self.decode_windows(windows), owner, len(reqs))
+
+    def decode_windows(self, windows: Sequence[tuple[np.ndarray, int, int]]) -> list[np.ndarray]:
+        """Samples [lo, hi) of each window's waveform, each window ([Q, frames] codes, lo, hi) decoded alone.
+
+        The windows are pooled, sorted by length (similar lengths share a bucket) and packed
+        into padded (batch bucket, length bucket) calls, run side by side by `calls`.
+        """
+        q, cap = self.num_quantizers, self.batch_buckets[-1]
+        order = sorted(range(len(windows)), key=lambda i: windows[i][0].shape[1], reverse=True)
+        groups = [order[g:g + cap] for g in range(0, len(order), cap)]
         batches = []
         for group in groups:
-            b = pick_bucket(len(group), self.batch_buckets)
-            t = pick_bucket(max(e - a for _, _, a, _, e in group), self.length_buckets)
-            batch = np.zeros((b, q, t), np.int32)
-            for j, (i, _, a, _, e) in enumerate(group):
-                batch[j, :, :e - a] = codes[i][:, a:e]
+            t = pick_bucket(max(windows[i][0].shape[1] for i in group), self.length_buckets)
+            batch = np.zeros((pick_bucket(len(group), self.batch_buckets), q, t), np.int32)
+            for j, i in enumerate(group):
+                batch[j, :, :windows[i][0].shape[1]] = windows[i][0]
             batches.append(batch)
+        out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(windows)
         for group, wav in zip(groups, self.calls.map(self._run, batches)):
-            for j, (i, k, a, c, e) in enumerate(group):
-                pieces[i][k] = wav[j, c * self.total_upsample:self.num_samples(e - a)]
-        return [np.concatenate([p[k] for k in range(len(p))]).astype(np.float32, copy=False) for p in pieces]
+            for j, i in enumerate(group):
+                _, lo, hi = windows[i]
+                out[i] = wav[j, lo:hi]
+        return out
 
     def _run(self, batch: np.ndarray) -> np.ndarray:
         wav = np.asarray(self._fn(self.state, batch))

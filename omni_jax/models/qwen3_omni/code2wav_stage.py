@@ -13,6 +13,11 @@ the samples that would need it), so right padding leaves a window's real samples
 unchanged; each window is cropped to the length decoding it alone gives
 (``num_samples``, derived from the model's output shapes). No noise: deterministic.
 
+Streaming (async chunk): `Code2WavSynthesizer.stream` decodes the codes a request has
+so far and returns the samples no later frame can change, cut from the same windows the
+whole-request decode uses, so a request's streamed pieces join into exactly its
+whole-request waveform (see `stream`).
+
 Units: the `OneShotEngine` counts prompt tokens, i.e. Q x frames. The builder takes
 its limits in codec frames (the unit of the stage config) and hands the engine Q times
 those numbers.
@@ -29,7 +34,7 @@ from flax import nnx
 
 from ...engine.buckets import pick_bucket
 from ...checkpoint import load_checkpoint
-from ...engine.oneshot_engine import CallPool, OneShotEngine
+from ...engine.oneshot_engine import CHUNK_FRAMES, FIRST_CHUNK_FRAMES, CallPool, ChunkJob, OneShotEngine
 from .code2wav import Qwen3OmniCode2Wav
 
 
@@ -44,14 +49,23 @@ def plan_windows(num_frames: int, chunk_size: int, left_context: int) -> list[tu
     return out
 
 
+def _join(pieces: Sequence[np.ndarray], owner: Sequence[int], n: int) -> list[np.ndarray]:
+    """Concatenate window pieces per owner (pieces in order within an owner) into n float32 arrays."""
+    parts: list[list[np.ndarray]] = [[] for _ in range(n)]
+    for i, p in zip(owner, pieces):
+        parts[i].append(p)
+    return [np.concatenate(p).astype(np.float32, copy=False) if p else np.zeros(0, np.float32) for p in parts]
+
+
 class Code2WavSynthesizer:
-    """Bucketed, jitted, chunked decoding of whole code2wav requests (see module docstring)."""
+    """Bucketed, jitted, chunked decoding of code2wav requests, whole or streamed (see module docstring)."""
 
     def __init__(self, model: Qwen3OmniCode2Wav, *, length_buckets: Sequence[int], batch_buckets: Sequence[int],
                  chunk_size: int = 300, left_context: int = 25, max_frames: int | None = None,
                  max_num_seqs: int | None = None):
         self.cfg = model.cfg
         self.num_quantizers = self.cfg.num_quantizers
+        self.tokens_per_frame = self.num_quantizers  # codes are flattened frame-major
         self.codebook_size = self.cfg.codebook_size
         self.total_upsample = self.cfg.total_upsample
         length_buckets, batch_buckets = tuple(int(b) for b in length_buckets), tuple(int(b) for b in batch_buckets)
@@ -118,28 +132,77 @@ class Code2WavSynthesizer:
             raise ValueError(f"code {int(ids[i])} (frame {i // q}, group {i % q}) is outside the codebook "
                              f"[0, {self.codebook_size})")
 
+    def frames(self, token_ids) -> np.ndarray:
+        """Frame-major flat codes -> [Q, frames] int32 (a view, no copy)."""
+        return np.asarray(token_ids, np.int32).reshape(-1, self.num_quantizers).T
+
     def __call__(self, reqs) -> list[np.ndarray]:
         """One float32 waveform per request, equal to chunked_decode of that request alone."""
-        q = self.num_quantizers
-        codes = [np.asarray(r.prompt_token_ids, np.int32).reshape(-1, q).T for r in reqs]  # [Q, frames]
-        windows = [(i, k, a, c, e) for i, x in enumerate(codes)
-                   for k, (a, c, e) in enumerate(plan_windows(x.shape[1], self.chunk_size, self.left_context))]
-        pieces: list[dict[int, np.ndarray]] = [{} for _ in reqs]
-        windows.sort(key=lambda w: w[4] - w[2], reverse=True)  # similar lengths share a bucket
-        cap = self.batch_buckets[-1]
-        groups = [windows[g:g + cap] for g in range(0, len(windows), cap)]
+        windows, owner = [], []
+        for i, r in enumerate(reqs):
+            codes = self.frames(r.prompt_token_ids)
+            for a, c, e in plan_windows(codes.shape[1], self.chunk_size, self.left_context):
+                # The context's samples are dropped: they belong to the window before.
+                windows.append((codes[:, a:e], c * self.total_upsample, self.num_samples(e - a)))
+                owner.append(i)
+        return _join(self.decode_windows(windows), owner, len(reqs))
+
+    def stream(self, jobs: Sequence[ChunkJob]) -> list[np.ndarray]:
+        """Per streamed chunk the samples [emitted, n) of its request's waveform, n as far as it is final.
+
+        Exact by construction: a piece is cut from a decode of the same window (context
+        included) the whole-request decode uses, up to the last frame received. The model
+        is causal and each window already drops the samples that would look one frame
+        ahead, so the first `num_samples(T)` samples of T frames never change when more
+        frames come: with F frames the waveform is final up to `request_samples(F)`, and
+        `final` changes nothing. Only float rounding may differ (the padded call shapes
+        differ; ~2e-7 seen on CPU). Each chunk re-decodes its window from the start (up to
+        chunk_size + left_context frames, 325 by default); a cache of the convolutions'
+        state would remove that recomputation.
+        """
+        windows, owner = [], []
+        for i, job in enumerate(jobs):
+            for w in self._unsent_windows(job):
+                windows.append(w)
+                owner.append(i)
+        return _join(self.decode_windows(windows), owner, len(jobs))
+
+    def _unsent_windows(self, job: ChunkJob) -> list[tuple[np.ndarray, int, int]]:
+        """The windows (codes, lo, hi) holding samples of `job` not sent yet, the last one cut at its last frame."""
+        codes, u = self.frames(job.codes), self.total_upsample
+        out, start = [], 0  # start: the request's sample where the window's kept samples begin
+        for a, c, e in plan_windows(codes.shape[1], self.chunk_size, self.left_context):
+            kept = self.num_samples(e - a) - c * u
+            if job.emitted < start + kept:
+                out.append((codes[:, a:e], c * u + max(job.emitted - start, 0), c * u + kept))
+            start += kept
+        if job.emitted > start:
+            raise ValueError(f"request {job.request.request_id!r}: {job.emitted} samples already sent, but "
+                             f"{codes.shape[1]} frames make only {start}")
+        return out
+
+    def decode_windows(self, windows: Sequence[tuple[np.ndarray, int, int]]) -> list[np.ndarray]:
+        """Samples [lo, hi) of each window's waveform, each window ([Q, frames] codes, lo, hi) decoded alone.
+
+        The windows are pooled, sorted by length (similar lengths share a bucket) and packed
+        into padded (batch bucket, length bucket) calls, run side by side by `calls`.
+        """
+        q, cap = self.num_quantizers, self.batch_buckets[-1]
+        order = sorted(range(len(windows)), key=lambda i: windows[i][0].shape[1], reverse=True)
+        groups = [order[g:g + cap] for g in range(0, len(order), cap)]
         batches = []
         for group in groups:
-            b = pick_bucket(len(group), self.batch_buckets)
-            t = pick_bucket(max(e - a for _, _, a, _, e in group), self.length_buckets)
-            batch = np.zeros((b, q, t), np.int32)
-            for j, (i, _, a, _, e) in enumerate(group):
-                batch[j, :, :e - a] = codes[i][:, a:e]
+            t = pick_bucket(max(windows[i][0].shape[1] for i in group), self.length_buckets)
+            batch = np.zeros((pick_bucket(len(group), self.batch_buckets), q, t), np.int32)
+            for j, i in enumerate(group):
+                batch[j, :, :windows[i][0].shape[1]] = windows[i][0]
             batches.append(batch)
+        out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(windows)
         for group, wav in zip(groups, self.calls.map(self._run, batches)):
-            for j, (i, k, a, c, e) in enumerate(group):
-                pieces[i][k] = wav[j, c * self.total_upsample:self.num_samples(e - a)]
-        return [np.concatenate([p[k] for k in range(len(p))]).astype(np.float32, copy=False) for p in pieces]
+            for j, i in enumerate(group):
+                _, lo, hi = windows[i]
+                out[i] = wav[j, lo:hi]
+        return out
 
     def _run(self, batch: np.ndarray) -> np.ndarray:
         wav = np.asarray(self._fn(self.state, batch))
@@ -157,8 +220,10 @@ class Code2WavSynthesizer:
 
 def build_code2wav_engine(ckpt_dir: str, *, length_buckets=(64, 256, 325), batch_buckets=(1, 2, 4),
                           chunk_size: int = 300, left_context: int = 25, max_num_batched_tokens: int | None = None,
-                          max_model_len: int | None = None, max_num_seqs: int | None = None, warmup: bool = True):
-    """The Qwen3-Omni vocoder stage: whole requests chunk-decoded in padded batches (fp32, no KV cache).
+                          max_model_len: int | None = None, max_num_seqs: int | None = None,
+                          codec_chunk_frames: int = CHUNK_FRAMES, codec_first_chunk_frames: int = FIRST_CHUNK_FRAMES,
+                          warmup: bool = True):
+    """The Qwen3-Omni vocoder stage: whole or streamed requests chunk-decoded in padded batches (fp32, no KV cache).
 
     `length_buckets` are window lengths in codec frames (the largest must hold
     chunk_size + left_context; larger ones are dropped as unused), `batch_buckets`
@@ -168,6 +233,8 @@ def build_code2wav_engine(ckpt_dir: str, *, length_buckets=(64, 256, 325), batch
     max_num_seqs * length_buckets[-1]) and `max_model_len` (codec frames of the longest
     request, default max_num_batched_tokens) are in frames, as in the stage config; the
     engine, which counts prompt tokens, gets num_quantizers times them.
+    `codec_chunk_frames` / `codec_first_chunk_frames`: the frames a streamed request
+    gathers before each chunk (the first) is decoded (see `OneShotEngine`).
     """
     model, cfg = load_checkpoint(ckpt_dir, stage="code2wav", dtype="float32")
     max_num_seqs = max_num_seqs or batch_buckets[-1]
@@ -183,7 +250,8 @@ def build_code2wav_engine(ckpt_dir: str, *, length_buckets=(64, 256, 325), batch
     # vocab_size=0: `validate` checks the code range itself and names the offending frame and group.
     engine = OneShotEngine(synth, max_num_seqs=max_num_seqs, max_num_batched_tokens=q * frames_per_step,
                            max_model_len=q * max_frames, vocab_size=0, validate=synth.validate,
-                           warmup_fn=synth.warmup)
+                           warmup_fn=synth.warmup, chunk_frames=codec_chunk_frames,
+                           first_chunk_frames=codec_first_chunk_frames)
     engine.synthesizer = synth
     if warmup:
         engine.warmup()

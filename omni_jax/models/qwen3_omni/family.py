@@ -18,7 +18,9 @@ def _code2wav(stage, ckpt_dir: str):
     return build_code2wav_engine(ckpt_dir, length_buckets=stage.token_buckets or (64, 256, 325),
                                  batch_buckets=stage.decode_buckets or (1, 2, 4),
                                  max_num_batched_tokens=stage.max_num_batched_tokens,
-                                 max_model_len=stage.max_model_len, max_num_seqs=stage.max_num_seqs)
+                                 max_model_len=stage.max_model_len, max_num_seqs=stage.max_num_seqs,
+                                 codec_chunk_frames=stage.codec_chunk_frames,
+                                 codec_first_chunk_frames=stage.codec_first_chunk_frames)
 
 
 FAMILY = ModelFamily(

@@ -1,0 +1,255 @@
+"""Streaming a vocoder stage ("async chunk"): codec codes arrive piece by piece, audio leaves in chunks.
+
+Qwen3's code2wav with small windows (chunk_size 16, left context 4, so a 45-frame request
+crosses two window boundaries) and chunk sizes that do not divide the window (first chunk
+3 frames, then 7). The streamed pieces of a request must join into its whole-request
+waveform; the engine must batch the chunks of different streams, keep whole requests
+going, and free a stream's state however it ends. The checkpoint with expressive vocoder
+weights comes from the code2wav stage tests (its waveform moves with every code).
+"""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+import hf_tiny_qwen3 as tiny
+from omni_jax.engine.ar_engine import RequestError
+from omni_jax.engine.oneshot_engine import ChunkJob, OneShotRequestData
+from omni_jax.engine.request import Request
+from omni_jax.engine.sampling import SamplingParams
+from omni_jax.models.qwen3_omni import family as qwen3_family
+from omni_jax.models.qwen3_omni.code2wav_stage import build_code2wav_engine
+from test_qwen3_code2wav_stage import converted, flat, hf_chunked, hf_code2wav, random_codes  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.engine
+
+Q = tiny.NUM_CODE_GROUPS
+WINDOW, CONTEXT = 16, 4          # the synthesizer's chunk_size / left_context (windows of 20 frames)
+FIRST, CHUNK = 3, 7              # codec frames of the first streamed chunk and of the later ones
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def engine(converted):  # noqa: F811 (the imported fixture)
+    return build_code2wav_engine(converted, length_buckets=(8, 20), batch_buckets=(1, 2), chunk_size=WINDOW,
+                                 left_context=CONTEXT, max_num_batched_tokens=120, max_model_len=60,
+                                 codec_chunk_frames=CHUNK, codec_first_chunk_frames=FIRST)
+
+
+@pytest.fixture(autouse=True)
+def fresh_engine(request):
+    """Each test starts from an idle engine: a failed one leaves no stream or output behind."""
+    yield
+    if "engine" in request.fixturenames:
+        engine = request.getfixturevalue("engine")
+        for rid in list(engine.streams):
+            engine.abort(rid)
+        while engine.has_unfinished():
+            engine.step()
+
+
+def whole(engine, codes: np.ndarray) -> np.ndarray:
+    """The synthesizer's whole-request waveform (the reference of every stream)."""
+    req = Request("ref", flat(codes), SamplingParams(seed=0), data=OneShotRequestData())
+    return engine.synthesizer([req])[0]
+
+
+def assert_same(got: np.ndarray, ref: np.ndarray) -> None:
+    assert got.dtype == np.float32 and got.shape == ref.shape
+    assert ref.std() > 0.02  # a waveform that moves with the codes, not a flat line
+    assert np.abs(got - ref).max() <= TOL
+
+
+@pytest.fixture
+def spy(engine, monkeypatch):
+    """Records the jobs of every `stream` call and every `release`."""
+    synth = engine.synthesizer
+    calls, released = [], []
+    real_stream = synth.stream
+
+    def stream(jobs):
+        calls.append([(j.request.request_id, len(j.codes) // Q, j.final) for j in jobs])
+        return real_stream(jobs)
+
+    monkeypatch.setattr(synth, "stream", stream)
+    monkeypatch.setattr(synth, "release", released.append, raising=False)
+    return types.SimpleNamespace(calls=calls, released=released)
+
+
+def feed(engine, codes: dict, sent: dict, events: list, outs: dict, frames_at: dict) -> None:
+    """Send each event's (stream, frames) next codes, the last ones completing it; step after each."""
+    for rid, n in events:
+        piece = codes[rid][:, sent[rid]:sent[rid] + n]
+        sent[rid] += n
+        assert engine.extend_request(rid, flat(piece), complete=sent[rid] == codes[rid].shape[1])
+        step_all(engine, outs, frames_at, sent)
+
+
+def step_all(engine, outs: dict, frames_at: dict, frames: dict) -> None:
+    """Step while there is work; record each output and the frames its stream had then."""
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+            frames_at.setdefault(o.request_id, []).append(frames.get(o.request_id))
+
+
+def test_streamed_pieces_join_into_the_whole_request(engine, hf_code2wav):  # noqa: F811
+    """Uneven arrivals, chunks not dividing the window, two window boundaries crossed: same waveform."""
+    synth = engine.synthesizer
+    codes = random_codes(20, 45)  # windows [0,16) [12,32) [28,45)
+    ref = whole(engine, codes)
+    np.testing.assert_allclose(ref, hf_chunked(hf_code2wav, codes, WINDOW, CONTEXT), atol=1e-4)
+    req = Request("s", [], SamplingParams(seed=0), data=OneShotRequestData())
+    pieces, frames, decoded = [], 0, 0
+    for n in (1, 2, 5, 3, 9, 1, 4, 11, 6, 3):
+        frames += n
+        final = frames == codes.shape[1]
+        if frames - decoded < (FIRST if not pieces else CHUNK) and not final:
+            continue
+        emitted = sum(len(p) for p in pieces)
+        piece = synth.stream([ChunkJob(req, np.asarray(flat(codes[:, :frames]), np.int32), emitted, final)])[0]
+        # Everything that is final is sent: the whole-request waveform of the frames so far.
+        assert emitted + len(piece) == synth.request_samples(frames)
+        pieces.append(piece)
+        decoded = frames
+    assert frames == codes.shape[1] and len(pieces) >= 5
+    assert_same(np.concatenate(pieces), ref)
+
+
+def test_engine_streams_beside_whole_requests(engine, spy):
+    """Two streams and a whole request: chunks batched in one call, early first audio, exact joins."""
+    before = engine.num_compilations
+    a, b, w = random_codes(21, 40), random_codes(22, 23), random_codes(23, 9)
+    engine.add_request("a", [], stream=True)
+    # b sets its own first chunk and comes with two frames already.
+    engine.add_request("b", flat(b[:, :2]), SamplingParams(extra_args={"codec_first_chunk_frames": 5}), stream=True)
+    engine.add_request("w", flat(w))
+    outs, frames_at = {}, {}
+    step_all(engine, outs, frames_at, {})
+    assert [o.finished for o in outs["w"]] == [True] and "a" not in outs and "b" not in outs
+    assert_same(outs["w"][0].audio, whole(engine, w))
+    # Both streams wait for codes: no busy loop in the stage.
+    assert not engine.has_unfinished() and engine.stats["num_streams_waiting_for_codes"] == 2
+    # a: 2 frames (< first chunk of 3); b: 2 + 2 = 4 (< its own 5): nothing due.
+    engine.extend_request("a", flat(a[:, :2]), complete=False)
+    engine.extend_request("b", flat(b[:, 2:4]), complete=False)
+    assert not engine.has_unfinished()
+    # a: 4 frames, b: 5: both due, one stream call.
+    engine.extend_request("a", flat(a[:, 2:4]), complete=False)
+    engine.extend_request("b", flat(b[:, 4:5]), complete=False)
+    step_all(engine, outs, frames_at, {"a": 4, "b": 5})
+    assert spy.calls[-1] == [("a", 4, False), ("b", 5, False)]
+    assert len(outs["a"]) == len(outs["b"]) == 1 and not outs["a"][0].finished
+    # The rest in uneven pieces, interleaved, with another whole request on the way.
+    sent = {"a": 4, "b": 5}
+    feed(engine, {"a": a, "b": b}, sent, [("a", 3), ("b", 6), ("a", 5), ("b", 1), ("a", 9)], outs, frames_at)
+    engine.add_request("w2", flat(w[:, :5]))
+    feed(engine, {"a": a, "b": b}, sent, [("b", 11), ("a", 1), ("a", 18)], outs, frames_at)
+    assert outs["w2"][0].finished and len(outs["w2"][0].audio) == engine.synthesizer.request_samples(5)
+    for rid, codes in (("a", a), ("b", b)):
+        got = outs[rid]
+        assert len(got) >= 3 and not any(o.finished for o in got[:-1])
+        assert got[-1].finished and got[-1].finish_reason == "stop" and got[-1].error is None
+        assert all(o.audio is not None and o.audio.dtype == np.float32 for o in got)
+        assert_same(np.concatenate([o.audio for o in got]), whole(engine, codes))
+    # A chunk is due at 3 new frames first (b: its own 5), then at 7 or more.
+    assert (frames_at["a"], frames_at["b"]) == ([4, 12, 21, 40], [5, 12, 23])
+    assert not engine.streams and sorted(spy.released) == ["a", "b"]
+    assert engine.num_compilations == before
+
+
+def test_due_chunks_respect_max_num_seqs(engine, spy):
+    """Three streams due, two per step (max_num_seqs): the one left out goes first next step."""
+    assert engine.scheduler.max_num_seqs == 2
+    for k, rid in enumerate("pqr"):
+        engine.add_request(rid, flat(random_codes(30 + k, FIRST)), stream=True)
+    assert len(engine.step()) == 2 and engine.has_unfinished()
+    for rid in "pq":  # due again, but r waited longer
+        engine.extend_request(rid, flat(random_codes(40, CHUNK)), complete=False)
+    assert len(engine.step()) == 2 and len(engine.step()) == 1 and not engine.has_unfinished()
+    assert [[j[0] for j in call] for call in spy.calls] == [["p", "q"], ["r", "p"], ["q"]]
+    assert all(engine.abort(rid) for rid in "pqr") and not engine.streams
+
+
+def test_abort_mid_stream_frees_it(engine, spy):
+    engine.add_request("x", flat(random_codes(24, 4)), stream=True)
+    out = engine.step()
+    assert [o.request_id for o in out] == ["x"] and not out[0].finished
+    assert engine.abort("x")
+    assert "x" not in engine.streams and spy.released == ["x"]
+    assert not engine.extend_request("x", flat(random_codes(25, 2)), complete=False)  # late data: dropped
+    assert not engine.extend_request("x", [], complete=True)
+    assert not engine.has_unfinished() and not engine.abort("x")
+
+
+def test_stream_without_codes_ends_in_error(engine, spy):
+    engine.add_request("empty", [], stream=True)
+    assert engine.extend_request("empty", [], complete=True)
+    assert not engine.extend_request("empty", [], complete=True)
+    assert engine.has_unfinished()  # the error output is pending
+    [out] = engine.step()
+    assert out.finished and out.finish_reason == "error" and "no codec frames" in out.error
+    assert spy.calls == [] and spy.released == ["empty"] and not engine.has_unfinished()
+
+
+def test_bad_code_fails_only_its_stream(engine, spy):
+    good, bad = random_codes(26, 12), random_codes(27, 2)
+    bad[1, 1] = tiny.CODEBOOK
+    engine.add_request("good", [], stream=True)
+    engine.add_request("bad", [], stream=True)
+    assert engine.extend_request("good", flat(good[:, :5]), complete=False)
+    assert engine.extend_request("bad", flat(bad), complete=False)  # taken, then failed
+    assert engine.extend_request("good", flat(good[:, 5:]), complete=True)
+    outs, frames_at = {}, {}
+    step_all(engine, outs, frames_at, {})
+    [err] = outs["bad"]
+    assert err.finish_reason == "error" and "'bad'" in err.error and "frame 1, group 1" in err.error
+    assert outs["good"][-1].finish_reason == "stop"
+    assert_same(np.concatenate([o.audio for o in outs["good"]]), whole(engine, good))
+    # A piece of a frame is refused too.
+    engine.add_request("part", [], stream=True)
+    assert engine.extend_request("part", list(range(Q + 1)), complete=False)
+    [out] = engine.step()
+    assert out.finish_reason == "error" and "not whole frames" in out.error and not engine.streams
+
+
+def test_stream_call_failure_fails_its_streams(engine, spy, monkeypatch):
+    def broken(jobs):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.synthesizer, "stream", broken)
+    engine.add_request("f", flat(random_codes(28, 3)), stream=True)
+    [out] = engine.step()
+    assert out.finish_reason == "error" and "device lost" in out.error and not engine.streams
+    monkeypatch.undo()
+    engine.add_request("ok", flat(random_codes(29, 3)), stream=True)
+    engine.extend_request("ok", [], complete=True)
+    [out] = engine.step()
+    assert out.finish_reason == "stop" and len(out.audio) == engine.synthesizer.request_samples(3)
+
+
+def test_bad_requests_refused(engine):
+    for value in (0, -2, "3", True, 2.5):
+        with pytest.raises(RequestError, match="codec_first_chunk_frames"):
+            engine.add_request("opt", [], SamplingParams(extra_args={"codec_first_chunk_frames": value}), stream=True)
+    with pytest.raises(RequestError, match="outside the codebook"):
+        engine.add_request("range", [tiny.CODEBOOK] * Q, stream=True)
+    with pytest.raises(RequestError, match="no codec tokens"):
+        engine.add_request("whole", [])  # only a stream may start empty
+    engine.add_request("dup", [], stream=True)
+    with pytest.raises(RequestError, match="already in use"):
+        engine.add_request("dup", [], stream=True)
+    assert engine.abort("dup") and not engine.streams
+
+
+def test_family_passes_chunk_sizes(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(qwen3_family, "build_code2wav_engine", lambda ckpt, **kw: seen.update(kw))
+    stage = types.SimpleNamespace(token_buckets=None, decode_buckets=None, max_num_batched_tokens=None,
+                                  max_model_len=None, max_num_seqs=None, codec_chunk_frames=12,
+                                  codec_first_chunk_frames=4)
+    qwen3_family.FAMILY.engines["code2wav"](stage, "ckpt")
+    assert seen["codec_chunk_frames"] == 12 and seen["codec_first_chunk_frames"] == 4

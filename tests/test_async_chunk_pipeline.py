@@ -23,6 +23,8 @@ TALKER_TOKENS = 40
 # Qwen2.5's token2wav chunks are not exact (its DiT sees the whole sequence through 10 ODE
 # steps); the bound is the one its streaming tests state (tests/test_token2wav_streaming.py).
 WAVEFORM_TOL = {"qwen2_5_omni": 5e-2, "qwen3_omni": 1e-5}
+# Chunks small enough that a 40-frame reply comes in several.
+CHUNKS = dict(codec_chunk_frames=8, codec_first_chunk_frames=4)
 
 
 def pipeline_for(family: str):
@@ -31,13 +33,14 @@ def pipeline_for(family: str):
         return load_pipeline_config("qwen2_5_omni_tiny").with_overrides(
             thinker=dict(token_buckets=[16, 64], decode_buckets=[1, 4], max_num_seqs=4),
             talker=dict(token_buckets=[16, 64], decode_buckets=[1, 4], max_num_seqs=4),
-            token2wav=dict(token_buckets=[48], decode_buckets=[1, 4], max_num_seqs=4, max_num_batched_tokens=96))
+            token2wav=dict(token_buckets=[48], decode_buckets=[1, 4], max_num_seqs=4, max_num_batched_tokens=96,
+                           **CHUNKS))
     return load_pipeline_config("qwen3_omni_tiny").with_overrides(
         thinker=dict(token_buckets=[64], decode_buckets=[1, 4], max_num_seqs=4, audio_chunk_buckets=[4],
                      vision_patch_buckets=[64]),
         talker=dict(token_buckets=[64], decode_buckets=[1, 4], max_num_seqs=4, max_model_len=256),
         code2wav=dict(token_buckets=[16, 64], decode_buckets=[1, 4], max_num_seqs=4, max_model_len=TALKER_TOKENS,
-                      max_num_batched_tokens=4 * TALKER_TOKENS))
+                      max_num_batched_tokens=4 * TALKER_TOKENS, **CHUNKS))
 
 
 def prompts_for(family: str, n: int) -> list[dict]:
@@ -139,7 +142,7 @@ def _idle(omni) -> dict:
     raise AssertionError(f"stages still hold requests: {held}")
 
 
-@pytest.mark.parametrize("phase", ["thinker", "talker", "vocoder"])
+@pytest.mark.parametrize("phase", ["thinker", "talker", "vocoder", "after_text"])
 def test_abort_in_each_phase_frees_every_stage(family_engines, phase):
     family, streamed, _ = family_engines
     prompts = prompts_for(family, 2)
@@ -148,10 +151,12 @@ def test_abort_in_each_phase_frees_every_stage(family_engines, phase):
         if i != 0:
             return False
         if phase == "thinker":
-            return len(out.token_ids) == 3  # the talker has just started or is about to
+            return len(out.token_ids) == 1  # before the talker can start (it needs two tokens)
         if phase == "talker":
-            return len(out.token_ids) == THINKER_TOKENS - 5 and out.audio is None
-        return out.audio_delta is not None and len(out.audio_delta) > 0
+            return len(out.token_ids) == 12  # thinker and talker both running
+        if phase == "vocoder":
+            return out.audio_delta is not None and len(out.audio_delta) > 0
+        return len(out.new_token_ids) > 0 and len(out.token_ids) == THINKER_TOKENS  # talker and vocoder left
 
     aborted, other = collect(streamed, prompts, params_for(first_chunk=2), abort_when=abort_when)
     assert aborted[-1].finish_reason == "abort"

@@ -51,24 +51,23 @@ def chat(rng, n: int) -> list[int]:
 
 
 def run_transformers(hf_dir, prompts, thinker_tokens, talker_tokens, batches):
-    """generate(return_audio=True) on left-padded batches, the fastest size; (seconds, audio s, RTFs)."""
+    """transformers at its fastest batching, then one request at a time: ((seconds, audio s, RTFs), latencies)."""
     import torch
 
     import hf_tiny_qwen3
-    from speech_serving import fastest_hf_batching
+    from speech_serving import fastest_hf_batching, hf_latency
 
     torch.set_num_threads(os.cpu_count())
-    return fastest_hf_batching(hf_tiny_qwen3.load_qwen3_omni(hf_dir), prompts, "ethan", thinker_tokens,
-                               talker_tokens, batches)
+    model = hf_tiny_qwen3.load_qwen3_omni(hf_dir)
+    return (fastest_hf_batching(model, prompts, "ethan", thinker_tokens, talker_tokens, batches),
+            hf_latency(model, prompts, "ethan", thinker_tokens, talker_tokens))
 
 
-def run_omnijax(ckpt, prompts, thinker_tokens, talker_tokens):
-    """All requests in flight (speech_serving.serve_speech); (seconds, audio s, RTFs, times to first audio)."""
-    from speech_serving import serve_speech
+def omnijax_setup(n, thinker_tokens, talker_tokens):
+    """(pipeline, per-stage sampling params, voice) for n requests in flight."""
     from omni_jax import SamplingParams
     from omni_jax.config import load_pipeline_config
 
-    n = len(prompts)
     pipeline = load_pipeline_config("qwen3_omni_tiny").with_overrides(
         thinker=dict(max_num_seqs=n, decode_buckets=sorted({1, 4, n}), token_buckets=[16, 64, 1024],
                      max_num_batched_tokens=1024, audio_chunk_buckets=[1], vision_patch_buckets=[64]),
@@ -78,4 +77,4 @@ def run_omnijax(ckpt, prompts, thinker_tokens, talker_tokens):
                       max_model_len=talker_tokens, max_num_batched_tokens=n * talker_tokens))
     params = [SamplingParams(temperature=0.0, max_tokens=thinker_tokens, ignore_eos=True),
               SamplingParams(temperature=0.0, repetition_penalty=1.05, max_tokens=talker_tokens), None]
-    return serve_speech(ckpt, pipeline, prompts, params, voice="ethan")
+    return pipeline, params, "ethan"

@@ -1,5 +1,6 @@
 """What both families' speech benchmarks share: transformers' batched generate, timed at its
-fastest batch size, and OmniJax serving every request at once through AsyncOmniJax."""
+fastest batch size (and one request at a time), and OmniJax serving the requests through a
+started AsyncOmniJax at a given concurrency."""
 
 from __future__ import annotations
 
@@ -46,25 +47,32 @@ def time_hf_generate(model, prompts, speaker, thinker_tokens, talker_tokens):
     return dt, seconds, [dt / max(s, 1e-9) for s in seconds]
 
 
-def serve_speech(ckpt, pipeline, prompts, params, voice):
-    """All prompts in flight through AsyncOmniJax; (seconds, audio s, RTFs, times to first audio)."""
-    from omni_jax import AsyncOmniJax
+def serve_speech(omni, prompts, params, voice, concurrency: int) -> dict:
+    """The prompts through a started AsyncOmniJax, at most `concurrency` in flight; wall seconds,
+    audio seconds, RTFs and times to first audio."""
 
     async def go():
-        async with AsyncOmniJax(model=ckpt, pipeline=pipeline, output_modalities=["text", "audio"]) as omni:
-            async def one(i, p):
+        limit = asyncio.Semaphore(concurrency)
+
+        async def one(i, p):
+            async with limit:
                 last = None
-                async for out in omni.generate({"prompt_token_ids": p}, params, request_id=f"s{i}",
+                async for out in omni.generate({"prompt_token_ids": p}, params, request_id=f"s{i}-{time.monotonic_ns()}",
                                                output_modalities=["text", "audio"], voice=voice):
                     last = out
                 return last
-            t0 = time.perf_counter()
-            outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-            return time.perf_counter() - t0, outs
+        t0 = time.perf_counter()
+        outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        return time.perf_counter() - t0, outs
 
     dt, outs = asyncio.run(go())
     errors = [o.error for o in outs if o.error]
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed, e.g. {errors[0]}")
-    seconds = [o.metrics.audio_seconds for o in outs]
-    return dt, seconds, [o.metrics.rtf for o in outs], [o.metrics.time_to_first_audio for o in outs]
+    return dict(seconds=dt, audio=[o.metrics.audio_seconds for o in outs], rtf=[o.metrics.rtf for o in outs],
+                ttfa=[o.metrics.time_to_first_audio for o in outs], e2e=[o.metrics.e2e_latency for o in outs])
+
+
+def hf_latency(model, prompts, speaker, thinker_tokens, talker_tokens) -> list[float]:
+    """Seconds per request one at a time (transformers returns the audio at the end: its time to first audio)."""
+    return [time_hf_generate(model, [p], speaker, thinker_tokens, talker_tokens)[0] for p in prompts]

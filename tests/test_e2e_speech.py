@@ -88,8 +88,10 @@ def test_token2wav_waveform_matches_transformers(converted_thinker_fp32, qwen2_5
 
 @pytest.fixture(scope="module")
 def speech_omni(converted_thinker_fp32):
+    # The whole-output path: its waveform equals transformers' (test_async_chunk_pipeline.py
+    # compares the streamed one with it).
     omni = OmniJax(model=converted_thinker_fp32, pipeline=tiny_speech_pipeline(),
-                   output_modalities=["text", "audio"])
+                   output_modalities=["text", "audio"], async_chunk=False)
     yield omni
     omni.shutdown()
 

@@ -73,7 +73,8 @@ def omnijax_setup(n, thinker_tokens, talker_tokens):
                      max_num_batched_tokens=1024, audio_chunk_buckets=[1], vision_patch_buckets=[64]),
         talker=dict(max_num_seqs=n, decode_buckets=sorted({1, 4, n}), token_buckets=[16, 64, 1024],
                     max_num_batched_tokens=1024, max_model_len=256, num_blocks=n * (256 // 16) + 1),
-        code2wav=dict(max_num_seqs=n, decode_buckets=[1, 4, 8], token_buckets=[talker_tokens],
+        # Small windows too: a streamed chunk is decoded padded to the next bucket.
+        code2wav=dict(max_num_seqs=n, decode_buckets=[1, 4, 8], token_buckets=sorted({16, 32, talker_tokens}),
                       max_model_len=talker_tokens, max_num_batched_tokens=n * talker_tokens))
     params = [SamplingParams(temperature=0.0, max_tokens=thinker_tokens, ignore_eos=True),
               SamplingParams(temperature=0.0, repetition_penalty=1.05, max_tokens=talker_tokens), None]

@@ -20,9 +20,13 @@ import torch
 import hf_tiny_qwen3
 from omni_jax import OmniJax, SamplingParams
 from omni_jax.config import load_pipeline_config
+from omni_jax.demo import _prompt
 from omni_jax.engine.protocol import StageInputs
 from omni_jax.engine.runner import RunnerConfig
 from omni_jax.inputs.processor import PROMPT_EMBEDS_PLACEHOLDER_ID
+from omni_jax.models.qwen2_5_omni import stages as qwen2_5_stages
+from omni_jax.models.qwen3_omni import stages as qwen3_stages
+from omni_jax.models.qwen3_omni.pipeline import load_handoff
 
 pytestmark = pytest.mark.parity
 
@@ -70,14 +74,11 @@ def _assert_close(ours, ref):
 
 # ---------------------------------------------------------------- engine level, both families
 def _engine(family: str, ckpt: str):
-    if family == "qwen2_5_omni":
-        from omni_jax.models.qwen2_5_omni.stages import build_thinker_engine
-    else:
-        from omni_jax.models.qwen3_omni.stages import build_thinker_engine
+    stages = qwen2_5_stages if family == "qwen2_5_omni" else qwen3_stages
     layers = (0, 3) if family == "qwen2_5_omni" else (0, 2, 3)
     runner = RunnerConfig(num_blocks=64, block_size=16, max_num_seqs=8, max_num_batched_tokens=64,
                           max_model_len=128, token_buckets=(64,), decode_buckets=(8,), capture_layers=layers)
-    return build_thinker_engine(ckpt, runner, progress=False), layers
+    return stages.build_thinker_engine(ckpt, runner, progress=False), layers
 
 
 @pytest.fixture(scope="module", params=["qwen2_5_omni", "qwen3_omni"])
@@ -242,8 +243,6 @@ def test_bad_embeddings_fail_alone(omni, qwen2_5_omni_hf_model):
 # ---------------------------------------------------------------- speech refusal, CLI
 def test_qwen3_speech_needs_the_chat_token_ids(converted_qwen3_fp32):
     """The Qwen3 talker reads the chat turns off the token ids: placeholder ids are refused up front."""
-    from omni_jax.models.qwen3_omni.pipeline import load_handoff
-
     handoff = load_handoff(converted_qwen3_fp32)
     handoff.check_prompt(hf_tiny_qwen3.text_prompt_ids())
     with pytest.raises(ValueError, match="give its prompt_token_ids too"):
@@ -251,8 +250,6 @@ def test_qwen3_speech_needs_the_chat_token_ids(converted_qwen3_fp32):
 
 
 def test_cli_reads_prompt_embeds(tmp_path):
-    from omni_jax.demo import _prompt
-
     rows = np.ones((4, 8), np.float32)
     np.save(tmp_path / "p.npy", rows)
     args = argparse.Namespace(prompt=None, prompt_embeds=str(tmp_path / "p.npy"), system=None)

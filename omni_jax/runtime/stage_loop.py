@@ -262,8 +262,9 @@ class StageServer:
             return None, 0
         layers, first = want
         skip = max(0, first - o.hidden_offset)
-        rows = {k: o.hidden_states[k][skip:] for k in layers}
-        if not len(rows[layers[0]]):
+        # Layers this stage does not capture are left out (the front end refuses them first).
+        rows = {k: o.hidden_states[k][skip:] for k in layers if k in o.hidden_states}
+        if not rows or not len(next(iter(rows.values()))):
             return None, 0
         return rows, o.hidden_offset + skip
 

@@ -5,8 +5,9 @@ prompts in the caller's process (tokenizer, chat template). Bad input fails that
 request with an error naming the problem; the others go on.
 
     with OmniJax(model="tiny") as omni:
-        outs = omni.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}],
-                             sampling_params=SamplingParams(temperature=0.0, max_tokens=16))
+        outs = omni.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}, {"prompt_embeds": rows}],
+                             sampling_params=SamplingParams(temperature=0.0, max_tokens=16),
+                             output_hidden_states=[0, 3])
 
     async for out in AsyncOmniJax(model=...).generate(prompt, request_id="r1"):
         print(out.text_delta, end="")
@@ -18,11 +19,13 @@ import argparse
 import asyncio
 import dataclasses
 import itertools
+import operator
 import queue
 import time
 import uuid
 from typing import AsyncIterator, Sequence
 
+import numpy as np
 from tqdm import tqdm
 
 from .checkpoint import read_config
@@ -53,6 +56,15 @@ def add_async_chunk_argument(parser, prefix: str = "") -> None:
     parser.add_argument("--async-chunk", action=argparse.BooleanOptionalAction, default=None,
                         help=f"{prefix}stream between stages: the talker starts while the thinker writes and audio "
                              f"comes in chunks (default: as the pipeline config says; the presets turn it on)")
+
+
+def _first_stage_inputs(prompt_embeds, capture_hidden: bool) -> StageInputs | None:
+    """The first stage's inputs beyond token ids: prompt embeddings as overlay rows (one per
+    prompt token) and whether to return hidden states (the talker's, or the caller's)."""
+    if prompt_embeds is None:
+        return StageInputs(capture_hidden=True) if capture_hidden else None
+    return StageInputs(overlay_rows=prompt_embeds, overlay_index=np.arange(len(prompt_embeds), dtype=np.int32),
+                       capture_hidden=capture_hidden)
 
 
 class _Frontend:
@@ -99,15 +111,39 @@ class _Frontend:
             raise ValueError(f"{len(given)} sampling params for a chain of {len(chain)} stages ({chain})")
         return [g if g is not None else d for g, d in itertools.zip_longest(given, per_stage)]
 
-    def _request(self, prompt, params: list[SamplingParams], chain, request_id: str, sink,
-                 voice: str | None = None) -> OrchestratorRequest:
-        """Process the prompt (raises PromptError) and build the orchestrator request."""
+    def _hidden_layers(self, output_hidden_states, chain) -> list[int] | None:
+        """The hidden layers a call asks for, checked against what its first stage captures
+        (ValueError naming them); None when it asks for none."""
+        if output_hidden_states is None:
+            return None
+        stage = self.pipeline.stage(chain[0])
         try:
-            p = self.processor.process(prompt, speech_output=len(chain) > 1)
+            layers = [operator.index(x) for x in output_hidden_states]
+        except TypeError:
+            raise ValueError(f"output_hidden_states must be a list of layer indices, "
+                             f"got {output_hidden_states!r}") from None
+        missing = sorted(set(layers) - set(stage.hidden_layers))
+        if missing:
+            raise ValueError(f"output_hidden_states {missing} are not captured by stage {stage.name!r}, which "
+                             f"captures layers {list(stage.hidden_layers)} (its hidden_layers in the pipeline config)")
+        return sorted(set(layers))
+
+    def _process(self, prompt, chain):
+        """The processed prompt (raises PromptError, whatever the prompt trips over)."""
+        try:
+            # A prompt plus one generated token must fit the first stage (scheduler.add_request).
+            return self.processor.process(prompt, speech_output=len(chain) > 1,
+                                          max_prompt_len=self.pipeline.stage(chain[0]).max_model_len - 1)
         except PromptError:
             raise
         except Exception as e:  # whatever a hostile prompt trips over is that prompt's error
             raise PromptError(f"{type(e).__name__}: {e}") from e
+
+    def _request(self, prompt, params: list[SamplingParams], chain, request_id: str, sink,
+                 voice: str | None = None, hidden_layers: list[int] | None = None,
+                 include_prompt: bool = False) -> OrchestratorRequest:
+        """Process the prompt (raises PromptError) and build the orchestrator request."""
+        p = self._process(prompt, chain)
         mm = p.multi_modal
         if mm is not None and not isinstance(mm, MultiModalPayload):
             raise PromptError(f"'multi_modal_data' must be a MultiModalPayload, got {type(mm).__name__}")
@@ -115,11 +151,13 @@ class _Frontend:
         if speech:
             try:
                 voice = self._handoff.voices.get(voice).name
+                self._handoff.check_prompt(p.prompt_token_ids)
             except ValueError as e:
                 raise PromptError(str(e)) from None
         first = AddRequest(request_id=request_id, prompt_token_ids=p.prompt_token_ids, sampling_params=params[0],
                            multi_modal=mm, arrival_time=time.monotonic(),
-                           inputs=StageInputs(capture_hidden=True) if speech else None)
+                           inputs=_first_stage_inputs(p.prompt_embeds, speech or hidden_layers is not None),
+                           output_hidden_states=hidden_layers, hidden_states_include_prompt=bool(include_prompt))
         out = OmniRequestOutput(request_id=request_id, prompt_token_ids=p.prompt_token_ids.tolist(),
                                 metrics=RequestMetrics(arrival_time=first.arrival_time))
         return OrchestratorRequest(first=first, chain=chain, sink=sink, output=out,
@@ -150,7 +188,8 @@ class OmniJax(_Frontend):
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  output_modalities: Sequence[str] | None = None, voice: str | None = None,
-                 use_tqdm: bool = True) -> list[OmniRequestOutput]:
+                 use_tqdm: bool = True, output_hidden_states: Sequence[int] | None = None,
+                 hidden_states_include_prompt: bool = False) -> list[OmniRequestOutput]:
         """Run every prompt to completion; outputs in prompt order.
 
         A prompt that cannot be processed gets an output with `error` set and
@@ -158,11 +197,16 @@ class OmniJax(_Frontend):
         speaker of speech replies (an unknown one is such an error, naming the voices).
         `use_tqdm` shows a progress bar of finished requests on stderr, as vLLM's, for batches
         of two prompts or more (one request needs none).
+        `output_hidden_states`: thinker layers (HF indexing: 0 = input embeddings, num_layers =
+        after the final norm; only layers the stage's `hidden_layers` capture, else ValueError)
+        returned in `out.hidden_states` as [T, H] per layer: one row per generated token fed back,
+        after the prompt's rows with `hidden_states_include_prompt`.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         chain = self._chain(output_modalities)
         params = self._stage_params(sampling_params, chain)
+        layers = self._hidden_layers(output_hidden_states, chain)
         done: queue.SimpleQueue = queue.SimpleQueue()
         results: dict[str, OmniRequestOutput] = {}
         order, submitted = [], set()
@@ -171,7 +215,8 @@ class OmniJax(_Frontend):
                 rid = self._new_id()
                 order.append(rid)
                 try:
-                    req = self._request(prompt, params, chain, rid, lambda o: o.finished and done.put(o), voice)
+                    req = self._request(prompt, params, chain, rid, lambda o: o.finished and done.put(o), voice,
+                                        layers, hidden_states_include_prompt)
                 except PromptError as e:
                     results[rid] = OmniRequestOutput(request_id=rid, finished=True, finish_reason="error",
                                                      error=f"bad prompt: {e}")
@@ -203,18 +248,22 @@ class AsyncOmniJax(_Frontend):
 
     async def generate(self, prompt, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                        request_id: str | None = None, output_modalities: Sequence[str] | None = None,
-                       voice: str | None = None) -> AsyncIterator[OmniRequestOutput]:
+                       voice: str | None = None, output_hidden_states: Sequence[int] | None = None,
+                       hidden_states_include_prompt: bool = False) -> AsyncIterator[OmniRequestOutput]:
         """Yield an OmniRequestOutput per update until the request finishes.
 
         Raises PromptError (a ValueError) for a prompt that cannot be processed.
         Leaving the loop early (break, cancellation) aborts the request.
+        `output_hidden_states` / `hidden_states_include_prompt` as `OmniJax.generate`; the
+        hidden states come with the final update.
         """
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue = asyncio.Queue()
         chain = self._chain(output_modalities)
         rid = request_id or self._new_id()
         req = self._request(prompt, self._stage_params(sampling_params, chain), chain, rid,
-                            lambda o: loop.call_soon_threadsafe(updates.put_nowait, o), voice)
+                            lambda o: loop.call_soon_threadsafe(updates.put_nowait, o), voice,
+                            self._hidden_layers(output_hidden_states, chain), hidden_states_include_prompt)
         self._orch.submit(req)
         finished = False
         try:

@@ -1,7 +1,7 @@
 """`omni-jax generate`: one chat turn through the staged runtime, printed as text.
 
-Starts the pipeline's stage processes (`OmniJax`), sends one chat message, and
-prints the reply (and writes the speech with `--output-audio`). `--model tiny` uses
+Starts the pipeline's stage processes (`OmniJax`), sends one chat message (or, with
+`--prompt-embeds FILE.npy`, a [T, H] array of prompt embeddings), and prints the reply (and writes the speech with `--output-audio`). `--model tiny` uses
 the built-in tiny random model, built on first use without torch or downloads, so
 its reply is random text.
 """
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+
+import numpy as np
 
 from .api import OmniJax, add_async_chunk_argument
 from .config import ConfigError
@@ -20,7 +22,9 @@ from .errors import CheckpointError
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="converted checkpoint directory, or 'tiny' (default)")
     p.add_argument("--pipeline", default=None, help="pipeline preset name or YAML path (default: the model's)")
-    p.add_argument("--prompt", required=True, help="the user message")
+    p.add_argument("--prompt", default=None, help="the user message")
+    p.add_argument("--prompt-embeds", default=None, metavar="FILE.npy",
+                   help="instead of --prompt: a [num_tokens, hidden_size] array of prompt embeddings (np.save)")
     p.add_argument("--system", default=None, help="system prompt (default: the chat template's)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -30,16 +34,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_async_chunk_argument(p)
 
 
-def run(args: argparse.Namespace) -> int:
-    modalities = ["text", "audio"] if args.output_audio else ["text"]
+def _prompt(args: argparse.Namespace) -> dict:
+    """The prompt of the command line: chat messages, or the embeddings of --prompt-embeds."""
+    if (args.prompt is None) == (args.prompt_embeds is None):
+        raise ValueError("give exactly one of --prompt and --prompt-embeds")
+    if args.prompt_embeds is not None:
+        return {"prompt_embeds": np.load(args.prompt_embeds, allow_pickle=False)}
     messages = [{"role": "user", "content": args.prompt}]
     if args.system:
         messages.insert(0, {"role": "system", "content": args.system})
+    return {"messages": messages}
+
+
+def run(args: argparse.Namespace) -> int:
+    modalities = ["text", "audio"] if args.output_audio else ["text"]
     try:
+        prompt = _prompt(args)
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
         with OmniJax(model=args.model, pipeline=args.pipeline, output_modalities=modalities,
                      async_chunk=args.async_chunk) as omni:
-            out = omni.generate({"messages": messages}, sampling_params=params, voice=args.voice, use_tqdm=False)[0]
+            out = omni.generate(prompt, sampling_params=params, voice=args.voice, use_tqdm=False)[0]
     except (CheckpointError, ConfigError, ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"omni-jax generate: error: {e}", file=sys.stderr)
         return 1

@@ -76,7 +76,9 @@ class OmniRequestOutput:
     `generate()` returns finished outputs; the async generator yields one per update,
     with `text_delta`, `new_token_ids` and `audio_delta` holding what is new.
     `logprobs` (when the thinker's SamplingParams ask for them): one {token id: Logprob} per
-    output token, aligned with `token_ids`.
+    output token, aligned with `token_ids`. `hidden_states` (when `generate(output_hidden_states=
+    [...])` asks, set once finished): layer -> [T, H] float32, the prompt's rows first if asked,
+    then one row per generated token fed back (all but the last).
     """
 
     request_id: str
@@ -95,6 +97,7 @@ class OmniRequestOutput:
     audio_delta: np.ndarray | None = None
     stage_token_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # e.g. the talker's codec ids
     logprobs: list[dict[int, Logprob]] | None = None
+    hidden_states: dict[int, np.ndarray] | None = None
 
     def save_audio(self, path: str) -> None:
         """Write the reply's speech as a 16-bit PCM mono WAV file."""

@@ -153,6 +153,15 @@ def _needs_host_token(req: Request) -> bool:
     return req.sampling_params.uses_penalties or (d is not None and (d.is_rich or d.capture_hidden))
 
 
+def _prompt_embeds_salt(inputs: StageInputs | None, rich: bool) -> str | None:
+    """The prefix-cache salt of a prompt-embeddings request (a digest of its embeddings, computed
+    here so that it always matches them), None for any other request. Other embedding inputs
+    (per-step rows, feedback, hidden-state capture) keep a request out of the prefix cache."""
+    if not rich or not inputs.only_prompt_overlay:
+        return None
+    return inputs.content_hash()
+
+
 @dataclasses.dataclass
 class _Launched:
     """A step whose device work is launched and whose outputs are not applied yet."""
@@ -249,6 +258,8 @@ class AREngine:
                 inputs = self.project_inputs(inputs)
             except ValueError as e:
                 raise RequestError(f"request {request_id!r}: {e}") from None
+        if inputs is not None and inputs.overlay_rows is not None:
+            self._check_overlay(request_id, inputs, len(ids))
         # Token ids alone do not determine the KV of embedding inputs; and a request that
         # returns hidden states must compute every token (a prefix-cache hit skips some).
         if self.runner.cfg.after_sample:
@@ -260,7 +271,8 @@ class AREngine:
                                        or (inputs.overlay_rows is not None and not mm_hashes)
                                        or inputs.capture_hidden or inputs.feedback_embeds is not None)
         req = Request(request_id, ids, params, arrival_time=arrival_time, mm_hashes=mm_hashes,
-                      has_prompt_embeds=rich, eos_token_ids=self.cfg.eos_token_ids, data=inputs)
+                      has_prompt_embeds=rich, cache_salt=_prompt_embeds_salt(inputs, rich),
+                      eos_token_ids=self.cfg.eos_token_ids, data=inputs)
         if stream:
             req.input_limit = len(ids) + (0 if inputs.extra_embeds is None else len(inputs.extra_embeds))
             self._streamed[request_id] = _StreamedRows(inputs.extra_embeds, extra_proj)
@@ -271,6 +283,17 @@ class AREngine:
             raise RequestError(f"request {request_id!r}: {e}") from None
         if self.tokenizer is not None:
             self._detok[request_id] = _Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
+
+    def _check_overlay(self, request_id: str, inputs: StageInputs, num_prompt: int) -> None:
+        """RequestError unless the overlay rows fit the model and the index fits the prompt
+        (a bad shape would fail the whole step it lands in, not just this request)."""
+        rows, index = inputs.overlay_rows, inputs.overlay_index
+        h = self.runner.hidden_size
+        if rows.ndim != 2 or rows.shape[1] != h:
+            raise RequestError(f"request {request_id!r}: overlay rows must be [N, {h}], got {rows.shape}")
+        if index is None or np.shape(index) != (num_prompt,) or np.max(index) >= len(rows):
+            raise RequestError(f"request {request_id!r}: overlay_index must give each of the {num_prompt} "
+                               f"prompt tokens a row below {len(rows)} (or -1)")
 
     def extend_request(self, request_id: str, rows: np.ndarray, complete: bool) -> bool:
         """Append extra-embedding rows to a streamed request (async chunk); `complete`: no more

@@ -45,6 +45,19 @@ __all__ = [
 ]
 
 
+def _digest(arrays, tail: bytes = b"") -> str:
+    """blake2b of arrays' shapes, dtypes and bytes (None skipped), then `tail`: a content key
+    that is equal across processes for equal content."""
+    h = hashlib.blake2b(digest_size=16)
+    for a in arrays:
+        if a is not None:
+            a = np.ascontiguousarray(a)
+            h.update(str((a.shape, a.dtype.str)).encode())
+            h.update(a.tobytes())
+    h.update(tail)
+    return h.hexdigest()
+
+
 class _Message(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     """Base of all wire messages: tagged by class name, keyword-only, defaults omitted.
 
@@ -106,6 +119,21 @@ class StageInputs(_Message):
     def needs_projection(self) -> bool:
         return self.overlay_proj is not None or self.extra_proj >= 0
 
+    @property
+    def only_prompt_overlay(self) -> bool:
+        """True when the overlay rows (prompt embeddings) and positions are all these inputs add
+        to the token ids: the request's KV is then a function of them and its ids."""
+        return (self.overlay_rows is not None and self.extra_embeds is None and self.extra_embeds_pad is None
+                and not self.capture_hidden and self.feedback_embeds is None and self.deepstack_rows is None
+                and not self.needs_projection)
+
+    def content_hash(self) -> str:
+        """Digest of the overlay rows (as float32), their index and the positions: the prefix-cache
+        salt of a prompt-embeddings request (equal embeddings share KV blocks; a token-id prompt
+        of the same ids never hits them)."""
+        rows = None if self.overlay_rows is None else np.asarray(self.overlay_rows, np.float32)
+        return _digest([rows, self.overlay_index, self.mrope_positions], str(self.mrope_delta).encode())
+
     def set_feedback(self, k: int, row: np.ndarray) -> None:
         """Store the after-sample embedding of output token k (grows the buffer)."""
         buf = self.feedback_embeds
@@ -137,15 +165,9 @@ class MultiModalPayload(_Message):
 
     def content_hash(self) -> str:
         """Digest of all media bytes: the prefix-cache key of the placeholder blocks."""
-        h = hashlib.blake2b(digest_size=16)
-        for a in [*self.audio_features, self.pixel_values, self.image_grid_thw, self.pixel_values_videos,
-                  self.video_grid_thw, self.video_second_per_grid]:
-            if a is not None:
-                a = np.ascontiguousarray(a)
-                h.update(str((a.shape, a.dtype.str)).encode())
-                h.update(a.tobytes())
-        h.update(b"aiv" if self.use_audio_in_video else b"-")
-        return h.hexdigest()
+        return _digest([*self.audio_features, self.pixel_values, self.image_grid_thw, self.pixel_values_videos,
+                        self.video_grid_thw, self.video_second_per_grid],
+                       b"aiv" if self.use_audio_in_video else b"-")
 
 
 # ---------------------------------------------------------------------------------------
@@ -165,6 +187,9 @@ class AddRequest(_Message):
     of `inputs_from` for this request is complete. forward_to: send this request's outputs
     (tokens, hidden states, codes) as `StageData` to that stage. async_chunk: start as soon as
     enough of that input has arrived and take the rest as it is produced (see models/handoff.py).
+    output_hidden_states: the caller wants these captured layers of this request's hidden states
+    (its inputs then have capture_hidden), from the first prompt row when
+    `hidden_states_include_prompt`, else from the first generated token fed back.
     """
 
     request_id: str
@@ -177,6 +202,8 @@ class AddRequest(_Message):
     inputs_from: str | None = None
     forward_to: str | None = None
     async_chunk: bool = False
+    output_hidden_states: list[int] | None = None
+    hidden_states_include_prompt: bool = False
 
 
 class AbortRequests(_Message):

@@ -16,6 +16,11 @@ Accepted prompt forms (as vLLM):
   `<|audio_bos|><|AUDIO|><|audio_eos|>` / `<|vision_bos|><|VIDEO|><|vision_eos|>`; Qwen3-Omni:
   see processor_qwen3.py), or a ready `MultiModalPayload` (passed on untouched: the prompt must
   then hold the expanded placeholders already).
+* {"prompt_embeds": array [T, H]} (numpy or JAX, any real dtype, cast to float32; H the
+  thinker's hidden size), optionally with "prompt_token_ids" of the same length: the thinker
+  takes these rows instead of token embeddings. The ids serve penalties, the talker's prompt
+  structure and `OmniRequestOutput.prompt_token_ids`; without them every position gets
+  `PROMPT_EMBEDS_PLACEHOLDER_ID`. No media with embeddings.
 A dict prompt may also carry "use_audio_in_video" (or "mm_processor_kwargs":
 {"use_audio_in_video": ...}) to override the processor's default.
 
@@ -50,6 +55,7 @@ from .rope_index import RopeIndexConfig, _chunk_ids, audio_output_lengths
 
 __all__ = [
     "InputProcessor",
+    "PROMPT_EMBEDS_PLACEHOLDER_ID",
     "ProcessedPrompt",
     "PromptError",
     "QWEN2_5_OMNI_PREPROCESSOR_CONFIG",
@@ -63,10 +69,19 @@ class PromptError(ValueError):
 
 @dataclasses.dataclass
 class ProcessedPrompt:
-    """Token ids (int32) and the encoder inputs of one prompt."""
+    """Token ids (int32), the encoder inputs and the prompt embeddings (float32 [T, H]) of one prompt."""
 
     prompt_token_ids: np.ndarray
     multi_modal: Any = None
+    prompt_embeds: np.ndarray | None = None
+
+
+# The token id of every position of a `prompt_embeds` prompt given without token ids. Id 0
+# ("!" in Qwen's BPE) is a regular token in every Qwen vocabulary: never an end, media
+# placeholder or chat-structure id, so no stage gives such a position a special meaning. A
+# repetition / presence penalty does count it as a prompt token; give the real
+# "prompt_token_ids" when that matters.
+PROMPT_EMBEDS_PLACEHOLDER_ID = 0
 
 
 # Qwen/Qwen2.5-Omni-7B preprocessor_config.json (audio + image settings).
@@ -89,8 +104,8 @@ _PART_KINDS = {
     "text": "text", "image": "image", "image_url": "image", "audio": "audio", "input_audio": "audio",
     "audio_url": "audio", "video": "video", "video_url": "video",
 }
-_PROMPT_KEYS = {"prompt", "prompt_token_ids", "messages", "multi_modal_data", "use_audio_in_video",
-                "mm_processor_kwargs"}
+_PROMPT_KEYS = {"prompt", "prompt_token_ids", "prompt_embeds", "messages", "multi_modal_data",
+                "use_audio_in_video", "mm_processor_kwargs"}
 
 
 @dataclasses.dataclass
@@ -139,6 +154,7 @@ class InputProcessor:
     and TMRoPE timing (default: the family's). use_audio_in_video: default for prompts that do not
     say. max_audio_seconds / max_video_seconds: longer media are refused. video_fps /
     video_min_frames / video_max_frames: frame sampling of video files (defaults from the video config).
+    hidden_size: the thinker's, the width `prompt_embeds` must have (None: prompt_embeds refused).
     """
 
     family = "qwen2_5_omni"
@@ -163,9 +179,10 @@ class InputProcessor:
                  use_audio_in_video: bool = False, max_audio_seconds: float = 300.0,
                  max_video_seconds: float = 300.0, video_fps: float | None = None,
                  video_min_frames: int | None = None, video_max_frames: int | None = None,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, hidden_size: int | None = None):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
         self.tokens = token_config or self.default_token_config()
         self.use_audio_in_video = bool(use_audio_in_video)
         self.max_audio_seconds = max_audio_seconds
@@ -198,8 +215,10 @@ class InputProcessor:
         cfg = _read_json(os.path.join(ckpt_dir, "omni_jax_config.json"))
         hf = cfg.get("hf_config", {}) if cfg is not None else (_read_json(os.path.join(ckpt_dir, "config.json")) or {})
         thinker = hf.get("thinker_config", hf)
+        text = thinker.get("text_config") or {}
         if vocab_size is None:
-            vocab_size = (thinker.get("text_config") or {}).get("vocab_size") or thinker.get("vocab_size") or 2 ** 31 - 1
+            vocab_size = text.get("vocab_size") or thinker.get("vocab_size") or 2 ** 31 - 1
+        options.setdefault("hidden_size", text.get("hidden_size") or thinker.get("hidden_size"))
         tokenizer = None
         if any(os.path.isfile(os.path.join(ckpt_dir, f)) for f in ("tokenizer.json", "vocab.json")):
             from transformers import AutoTokenizer
@@ -358,12 +377,17 @@ class InputProcessor:
                                        tokenize=False)
 
     # ------------------------------------------------------------------ entry point
-    def process(self, prompt: Any, speech_output: bool = False) -> ProcessedPrompt:
+    def process(self, prompt: Any, speech_output: bool = False,
+                max_prompt_len: int | None = None) -> ProcessedPrompt:
         """Validate, tokenize and expand one prompt (see module docstring).
 
         speech_output: the caller wants audio out; chat messages without a system message
         then get the family's speech system prompt, if any (raw prompts are left as given).
+        max_prompt_len: longer `prompt_embeds` are refused here, before they travel (the first
+        stage refuses long token prompts itself).
         """
+        if isinstance(prompt, dict) and "prompt_embeds" in prompt:
+            return self._embeds_prompt(prompt, max_prompt_len)
         items: list[_Item] | None = None
         mm = None
         use_aiv = self.use_audio_in_video
@@ -409,6 +433,26 @@ class InputProcessor:
         if bad.any():
             raise PromptError(f"token id {int(ids[bad][0])} is out of range [0, {self.vocab_size})")
         return ProcessedPrompt(ids, mm)
+
+    def _embeds_prompt(self, prompt: dict, max_prompt_len: int | None) -> ProcessedPrompt:
+        """A `prompt_embeds` prompt: the rows checked and cast to float32, with their token ids."""
+        other = sorted(set(prompt) - {"prompt_embeds", "prompt_token_ids"})
+        if other:
+            raise PromptError(f"'prompt_embeds' takes only 'prompt_token_ids' beside it, got {other}")
+        if self.hidden_size is None:
+            raise PromptError("this checkpoint does not say the thinker's hidden size; 'prompt_embeds' "
+                              "cannot be checked")
+        rows = _prompt_embeds(prompt["prompt_embeds"], int(self.hidden_size), max_prompt_len)
+        if "prompt_token_ids" not in prompt:
+            return ProcessedPrompt(np.full(len(rows), PROMPT_EMBEDS_PLACEHOLDER_ID, np.int32), prompt_embeds=rows)
+        ids = _token_ids(prompt["prompt_token_ids"])
+        if len(ids) != len(rows):
+            raise PromptError(f"'prompt_token_ids' has {len(ids)} ids but 'prompt_embeds' has {len(rows)} rows; "
+                              f"give one id per row")
+        bad = ids >= self.vocab_size
+        if bad.any():
+            raise PromptError(f"token id {int(ids[bad][0])} is out of range [0, {self.vocab_size})")
+        return ProcessedPrompt(ids, prompt_embeds=rows)
 
     # ------------------------------------------------------------------ placeholders
     def _expand(self, ids: np.ndarray, items: list[_Item], by_kind: bool,
@@ -575,6 +619,36 @@ def _token_ids(raw: Any) -> np.ndarray:
     if lo < 0 or hi > np.iinfo(np.int32).max:
         raise PromptError(f"token id {lo if lo < 0 else hi} is out of range")
     return ids.astype(np.int32)
+
+
+def _prompt_embeds(raw: Any, hidden_size: int, max_len: int | None) -> np.ndarray:
+    """`prompt_embeds` as float32 [T, hidden_size], or PromptError naming what is wrong."""
+    try:
+        rows = np.asarray(raw)  # numpy, JAX (copied to the host) or nested lists
+    except Exception as e:
+        raise PromptError(f"'prompt_embeds' must be an array: {type(e).__name__}: {e}") from None
+    # Booleans, complex numbers, strings and objects are not embeddings (bfloat16 is kind "V").
+    if rows.dtype.kind in "bcOSUMm":
+        raise PromptError(f"'prompt_embeds' must hold real numbers, got dtype {rows.dtype}")
+    if rows.ndim != 2:
+        raise PromptError(f"'prompt_embeds' must be [num_tokens, hidden_size], got shape {rows.shape}")
+    if rows.shape[0] == 0:
+        raise PromptError("empty prompt: 'prompt_embeds' has no rows")
+    if rows.shape[1] != hidden_size:
+        raise PromptError(f"'prompt_embeds' rows have size {rows.shape[1]}, but the thinker's hidden size "
+                          f"is {hidden_size}")
+    if max_len is not None and rows.shape[0] > max_len:
+        raise PromptError(f"'prompt_embeds' has {rows.shape[0]} rows, more than the {max_len} a prompt may "
+                          f"have (the thinker's max_model_len - 1)")
+    try:
+        rows = np.ascontiguousarray(rows, np.float32)
+    except (TypeError, ValueError) as e:
+        raise PromptError(f"'prompt_embeds' cannot be cast to float32: {e}") from None
+    finite = np.isfinite(rows)
+    if not finite.all():
+        r = int(np.flatnonzero(~finite.all(axis=1))[0])
+        raise PromptError(f"'prompt_embeds' holds NaN or inf (first in row {r})")
+    return rows
 
 
 def _use_audio_in_video(prompt: dict, default: bool) -> bool:

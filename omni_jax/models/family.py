@@ -43,7 +43,8 @@ class ModelFamily:
         receiving stage: `handoff.stage_input(kind, control, upstream)` builds the request of a
         stage of model kind `kind` from the stage before it; `handoff.voices.get(name)` resolves a
         speaker; `handoff.check_pipeline(pipeline)` checks the thinker returns the hidden layers
-        the talker needs.
+        the talker needs; `handoff.check_prompt(prompt_token_ids)` refuses, before anything is
+        sent, a speech prompt the talker could not be built on.
     prompt_processor: `ckpt_dir -> InputProcessor` (chat template, media, token ids).
     side_files: `(hf_dir, get_tensor, hf_config, out_dir, **kw)` writes the files a family keeps
         beside the stage checkpoints (voices, embedding rows).

@@ -26,7 +26,8 @@ import msgspec.structs
 import numpy as np
 import zmq
 
-from ..engine.protocol import AddRequest, HealthCheck, HealthReply, StageFailure, StageOutputs
+from ..engine.protocol import AddRequest, HealthCheck, HealthReply, StageFailure, StageOutput, StageOutputs
+from ..models.handoff import PositionRows
 from ..outputs import OmniRequestOutput, logprobs_of
 from .stage_client import StageClient
 from .transport import ProtocolError, private_ipc_dir
@@ -58,10 +59,24 @@ class OrchestratorRequest:
     voice: str | None = None
     stage_tokens: dict = dataclasses.field(default_factory=dict)  # stage -> its output token ids so far
     finished_stages: set = dataclasses.field(default_factory=set)
+    hidden: dict = dataclasses.field(default_factory=dict)  # layer -> PositionRows the caller asked for
 
     @property
     def request_id(self) -> str:
         return self.first.request_id
+
+    def keep_hidden(self, o: StageOutput) -> None:
+        """Keep an output's hidden rows by position (a recompute after preemption resends some)."""
+        for layer, rows in o.hidden_states.items():
+            self.hidden.setdefault(layer, PositionRows()).put(o.hidden_offset, np.array(rows, np.float32))
+
+    def hidden_arrays(self) -> dict[int, np.ndarray]:
+        """The asked layers' rows [T, H], from the first position the caller wants (a layer of which
+        no row came, e.g. one generated token and no prompt rows, is [0, 0])."""
+        first = 0 if self.first.hidden_states_include_prompt else len(self.first.prompt_token_ids)
+        empty = np.zeros((0, 0), np.float32)
+        return {layer: self.hidden[layer].get(slice(first, None)) if layer in self.hidden else empty
+                for layer in self.first.output_hidden_states}
 
     def stage_messages(self, async_chunk: bool = False) -> list[AddRequest]:
         """What each stage of the chain is sent: the prompt to the first, to each later one the
@@ -297,9 +312,10 @@ class Orchestrator:
             out = req.output
             m = out.metrics
             m.stage_time[stage] = m.stage_time.get(stage, 0.0) + msg.step_time
-            if o.hidden_states:
+            if o.hidden_states:  # only the layers the caller asked for get here (stage_loop)
                 self.hidden_state_bytes += sum(a.nbytes for a in o.hidden_states.values())
                 m.bytes_moved += sum(a.nbytes for a in o.hidden_states.values())
+                req.keep_hidden(o)
             req.stage_tokens.setdefault(stage, []).extend(o.new_token_ids)
             if o.error is not None:
                 self._finish(req, error=o.error)
@@ -348,6 +364,8 @@ class Orchestrator:
         out.finish_reason = "error" if error is not None else (reason or out.finish_reason)
         out.error = error
         out.metrics.finish_time = time.monotonic()
+        if req.first.output_hidden_states:
+            out.hidden_states = req.hidden_arrays()
         # Every stage that has not finished the request may hold it (running, or waiting for
         # its input): free it there.
         for name in req.chain:

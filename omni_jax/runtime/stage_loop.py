@@ -9,7 +9,8 @@ the engine) until its input is complete, or with async chunk until enough of it 
 then the family's stage-input function builds its engine request in this process, and with
 async chunk the rest follows into the engine (`extend_request`) as it arrives. Outputs of a
 request with `forward_to` go to that stage's inbox as `StageData`; the orchestrator gets
-them without hidden states and codes.
+them without codes, and with hidden states only of the layers and rows the caller asked for
+(`AddRequest.output_hidden_states`).
 
 A request the engine rejects, or whose input cannot be built, comes back as a
 `StageFailure` naming it; a malformed message is logged and dropped; an exception in a
@@ -84,6 +85,7 @@ class StageServer:
         self.waiting: dict[str, AddRequest] = {}   # request id -> add message waiting for its input
         self.upstream: dict[str, UpstreamOutputs] = {}
         self.streamed: dict[str, list] = {}        # started, input still coming: id -> [add message, units given]
+        self.caller_hidden: dict[str, tuple[list[int], int]] = {}  # id -> (layers, first position) the caller wants
         self.closed: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.poller = zmq.Poller()
         self.poller.register(inbox.socket, zmq.POLLIN)
@@ -142,6 +144,9 @@ class StageServer:
             return False
         if msg.forward_to is not None:
             self.forward[msg.request_id] = msg.forward_to
+        if msg.output_hidden_states:
+            first = 0 if msg.hidden_states_include_prompt else len(msg.prompt_token_ids)
+            self.caller_hidden[msg.request_id] = (list(msg.output_hidden_states), first)
         return True
 
     def _forget(self, rid: str) -> None:
@@ -152,6 +157,7 @@ class StageServer:
 
     def _abort(self, rid: str) -> None:
         self.engine.abort(rid)
+        self.caller_hidden.pop(rid, None)
         self._close(rid)
 
     def _close(self, rid: str) -> None:
@@ -239,13 +245,28 @@ class StageServer:
                     request_id=o.request_id, token_ids=o.new_token_ids, hidden_states=o.hidden_states,
                     hidden_offset=o.hidden_offset, codes=o.codes, finished=o.finished,
                     finish_reason=o.finish_reason))
-                o.hidden_states = o.codes = None  # the next stage has them; the orchestrator needs neither
+                o.codes = None  # the next stage has them; the orchestrator does not need them
                 if o.finished:
                     del self.forward[o.request_id]
-            if o.new_token_ids or o.finished or o.text_delta or o.audio is not None:
+            o.hidden_states, o.hidden_offset = self._caller_rows(o)
+            if o.new_token_ids or o.finished or o.text_delta or o.audio is not None or o.hidden_states:
                 replies.append(o)
         if replies:
             self.outbox.send(StageOutputs(stage=self.name, outputs=replies, step_time=time.perf_counter() - t))
+
+    def _caller_rows(self, o) -> tuple[dict | None, int]:
+        """(the hidden rows of this output the caller asked for, their first position); (None, 0)
+        when it asked for none: nothing else leaves for the orchestrator."""
+        want = self.caller_hidden.pop(o.request_id, None) if o.finished else self.caller_hidden.get(o.request_id)
+        if want is None or not o.hidden_states:
+            return None, 0
+        layers, first = want
+        skip = max(0, first - o.hidden_offset)
+        # Layers this stage does not capture are left out (the front end refuses them first).
+        rows = {k: o.hidden_states[k][skip:] for k in layers if k in o.hidden_states}
+        if not rows or not len(next(iter(rows.values()))):
+            return None, 0
+        return rows, o.hidden_offset + skip
 
     def _peer(self, stage: str) -> Channel:
         if stage not in self._peers:

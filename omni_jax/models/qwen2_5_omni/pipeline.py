@@ -110,6 +110,10 @@ class Qwen2_5OmniHandoff:
         require_thinker_layers(pipeline, set(self.hidden_layers),
                                "the thinker's embeddings and last layer feed the talker")
 
+    def check_prompt(self, prompt_token_ids) -> None:
+        """Any thinker prompt can be spoken: the talker takes the thinker's rows by position (those
+        of a `prompt_embeds` prompt are its embeddings), whatever the token ids."""
+
     def stage_input(self, kind: str, control: AddRequest, upstream: UpstreamOutputs) -> AddRequest | None:
         """The request of a `kind` stage ("talker", "token2wav") from the stage before it, with
         what is final so far (None: not enough yet; see models/handoff.py)."""

@@ -100,6 +100,15 @@ class Qwen3OmniHandoff:
         require_thinker_layers(pipeline, set(self.hidden_layers),
                                "the thinker's embeddings and accept_hidden_layer feed the talker")
 
+    def check_prompt(self, prompt_token_ids) -> None:
+        """ValueError unless the talker can be built on this thinker prompt: it reads the chat turns
+        off the token ids (a `prompt_embeds` prompt needs its real "prompt_token_ids" for speech)."""
+        try:
+            self._assistant_start(np.asarray(prompt_token_ids))
+        except ValueError as e:
+            raise ValueError(f"{e}: Qwen3-Omni speech needs a chat prompt (with prompt_embeds, give its "
+                             f"prompt_token_ids too)") from None
+
     def stage_input(self, kind: str, control: AddRequest, upstream: UpstreamOutputs) -> AddRequest | None:
         """The request of a `kind` stage ("talker", "code2wav") from the stage before it, with
         what is final so far (None: not enough yet; see models/handoff.py)."""

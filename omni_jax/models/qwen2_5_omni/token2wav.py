@@ -53,21 +53,37 @@ class Qwen2_5OmniToken2Wav(nnx.Module):
         self.code2wav_dit_model = Qwen2_5OmniDiT(cfg.dit, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.code2wav_bigvgan_model = Qwen2_5OmniBigVGAN(cfg.bigvgan, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, codes, code_lens, cond, spk, spk_uncond, noise, *, num_steps: int = 10,
-                 guidance_scale: float = 0.5, sway_coefficient: float = -1.0):
+    def __call__(self, codes, code_lens, cond, spk, spk_uncond, noise, **solver):
         """codes [B, T] (padded), code_lens [B], cond [B, E], spk/spk_uncond [B, enc_dim],
         noise [B, repeats*T, mel] -> waveform [B, samples] (zero past each row's length)."""
-        repeats = self.cfg.dit.repeats
-        frames = code_lens * repeats
+        mel = self.mel(codes, code_lens, cond, spk, spk_uncond, noise, **solver)
+        return self.waveform(mel, code_lens * self.cfg.dit.repeats)
+
+    def mel(self, codes, code_lens, cond, spk, spk_uncond, noise, *, num_steps: int = 10,
+            guidance_scale: float = 0.5, sway_coefficient: float = -1.0):
+        """The DiT's flow-matching solve: the same inputs as __call__ -> mel [B, repeats*T, mel_dim]."""
+        frames = code_lens * self.cfg.dit.repeats
         frame_mask = jnp.arange(noise.shape[1])[None, :] < frames[:, None]
-        mel = self.code2wav_dit_model.solve(codes, cond, None, noise, num_steps=num_steps,
-                                            guidance_scale=guidance_scale, sway_coefficient=sway_coefficient,
-                                            frame_mask=frame_mask, speaker_embeds=(spk, spk_uncond))
+        return self.code2wav_dit_model.solve(codes, cond, None, noise, num_steps=num_steps,
+                                             guidance_scale=guidance_scale, sway_coefficient=sway_coefficient,
+                                             frame_mask=frame_mask, speaker_embeds=(spk, spk_uncond))
+
+    def waveform(self, mel, frames):
+        """BigVGAN: mel [B, F, mel_dim] with `frames` [B] valid -> waveform [B, samples]."""
         return self.code2wav_bigvgan_model(mel, frames, channels_last=True)
 
 
 # See Token2WavSynthesizer.batch_split.
 MIN_BUCKET_FILL = 0.75
+
+
+@dataclasses.dataclass(frozen=True)
+class _CodeRow:
+    """One DiT input row: codes, their slice of the request's noise, and the voice."""
+
+    codes: np.ndarray  # [n] int32
+    noise: np.ndarray  # [repeats * n, mel_dim]
+    voice: str | None
 
 
 class Token2WavSynthesizer:
@@ -107,10 +123,11 @@ class Token2WavSynthesizer:
                                                                     self.cfg.dit.mel_dim):
             raise ValueError(f"noise of shape {req.data.noise.shape} does not fit {req.num_prompt_tokens} codes")
 
+    # -- whole requests ------------------------------------------------------------------
     def __call__(self, reqs) -> list[np.ndarray]:
         """Waveforms of whole requests, batched by bucket."""
-        runs = self.calls.map(lambda r: self._batch(reqs[r[0]:r[1]]), self.batch_split(len(reqs)))
-        return [wav for run in runs for wav in run]
+        rows = [_CodeRow(r.prompt_token_ids, self._noise(r, r.num_prompt_tokens), r.data.voice) for r in reqs]
+        return self._map(rows, self._waveforms)
 
     def batch_split(self, n: int) -> list[tuple[int, int]]:
         """(start, end) of the runs that serve n requests.
@@ -129,9 +146,15 @@ class Token2WavSynthesizer:
             i += take
         return runs
 
-    def _batch(self, reqs) -> list[np.ndarray]:
-        b = pick_bucket(len(reqs), self.batch_buckets)
-        t = pick_bucket(max(r.num_prompt_tokens for r in reqs), self.length_buckets)
+    def _map(self, rows: list, run) -> list:
+        """`run` over the bucket-sized runs of `rows` (side by side); one result per row, in order."""
+        runs = self.calls.map(lambda r: run(rows[r[0]:r[1]]), self.batch_split(len(rows)))
+        return [out for run_out in runs for out in run_out]
+
+    def _pack(self, rows: list[_CodeRow]) -> tuple[np.ndarray, ...]:
+        """DiT inputs (codes, lens, cond, spk, spk_uncond, noise) padded to a (batch, length) bucket."""
+        b = pick_bucket(len(rows), self.batch_buckets)
+        t = pick_bucket(max(len(r.codes) for r in rows), self.length_buckets)
         rep, mel_dim = self.cfg.dit.repeats, self.cfg.dit.mel_dim
         codes = np.zeros((b, t), np.int32)
         lens = np.ones(b, np.int32)
@@ -139,23 +162,40 @@ class Token2WavSynthesizer:
         cond = np.zeros((b, self.cfg.dit.enc_emb_dim), np.float32)
         spk = np.zeros((b, self.cfg.dit.enc_dim), np.float32)
         spk_u = np.zeros_like(spk)
-        for j, r in enumerate(reqs):
-            n = r.num_prompt_tokens
-            codes[j, :n] = r.prompt_token_ids
+        for j, r in enumerate(rows):
+            n = len(r.codes)
+            codes[j, :n] = r.codes
             lens[j] = n
-            noise[j, :n * rep] = r.data.noise if r.data.noise is not None else \
-                initial_noise(n, r.sampling_params.seed, rep, mel_dim)
-            cond[j], spk[j], spk_u[j] = self._speakers[self.voices.get(r.data.voice).name]
-        wav = np.asarray(self._fn(self.state, codes, lens, cond, spk, spk_u, noise))
-        return [wav[j, :self.cfg.bigvgan.num_samples(lens[j] * rep)] for j in range(len(reqs))]
+            noise[j, :n * rep] = r.noise
+            cond[j], spk[j], spk_u[j] = self._speakers[self.voices.get(r.voice).name]
+        return codes, lens, cond, spk, spk_u, noise
 
-    def warmup(self) -> None:
+    def _waveforms(self, rows: list[_CodeRow]) -> list[np.ndarray]:
+        """DiT and vocoder in one call: each row's whole waveform."""
+        args = self._pack(rows)
+        wav = np.asarray(self._fn(self.state, *args))
+        return [wav[j, :self.cfg.bigvgan.num_samples(args[1][j] * self.cfg.dit.repeats)] for j in range(len(rows))]
+
+    def _noise(self, req, num_codes: int) -> np.ndarray:
+        """The request's initial noise for its first `num_codes` codes (its own, or drawn from its seed)."""
         rep, mel_dim = self.cfg.dit.repeats, self.cfg.dit.mel_dim
+        if req.data.noise is None:
+            return initial_noise(num_codes, req.sampling_params.seed, rep, mel_dim)
+        if len(req.data.noise) < rep * num_codes:
+            raise ValueError(f"request {req.request_id!r}: noise for {len(req.data.noise) // rep} codes, "
+                             f"{num_codes} arrived")
+        return req.data.noise[:rep * num_codes]
+
+    # -- warm-up -------------------------------------------------------------------------
+    def warmup(self) -> None:
+        """Compile the whole-request call at every (batch, length) bucket."""
         for b in self.batch_buckets:
             for t in self.length_buckets:
-                z = np.zeros
-                jax.block_until_ready(self._fn(self.state, z((b, t), np.int32), np.ones(b, np.int32),
-                                               z((b, self.cfg.dit.enc_emb_dim), np.float32),
-                                               z((b, self.cfg.dit.enc_dim), np.float32),
-                                               z((b, self.cfg.dit.enc_dim), np.float32),
-                                               z((b, t * rep, mel_dim), np.float32)))
+                jax.block_until_ready(self._fn(self.state, *self._zeros(b, t)))
+
+    def _zeros(self, b: int, t: int) -> tuple[np.ndarray, ...]:
+        """Zero DiT inputs of a (batch, length) bucket."""
+        d = self.cfg.dit
+        return (np.zeros((b, t), np.int32), np.ones(b, np.int32), np.zeros((b, d.enc_emb_dim), np.float32),
+                np.zeros((b, d.enc_dim), np.float32), np.zeros((b, d.enc_dim), np.float32),
+                np.zeros((b, t * d.repeats, d.mel_dim), np.float32))

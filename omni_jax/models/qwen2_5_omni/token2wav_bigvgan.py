@@ -59,6 +59,9 @@ HF_RENAMES = [(r"^ups\.(\d+)\.0\.", r"ups.\1.")]
 _AA_RATIO = 2
 _AA_KERNEL = 12
 _SNAKE_EPS = 1e-9
+# conv_pre and conv_post: kernel 7, zero padding 3 each side.
+_EDGE_CONV_KERNEL = 7
+_EDGE_CONV_PAD = 3
 # process_mel_spectrogram constants.
 _MIN_DB = -115.0
 _DB_OFFSET = -20.0
@@ -101,6 +104,28 @@ class BigVGANConfig:
         """Nominal waveform samples per mel frame (``prod(upsample_rates)``; 240 for the real model)."""
         return math.prod(self.upsample_rates)
 
+    def context_frames(self) -> tuple[int, int]:
+        """(left, right) mel frames beyond its own that one frame's samples depend on.
+
+        The receptive field, walked back from one frame's samples through every layer's
+        kernel (34 and 34 for the real and tiny configs; in fp32 the influence past ~26.5
+        frames is below rounding). Vocoding a window with this much context on each side,
+        or the sequence's own border, gives exactly the samples of the whole mel.
+        """
+        aa_back, aa_ahead = _anti_aliased_reach(_AA_RATIO, _AA_KERNEL)
+        amp_back = amp_ahead = 0
+        for k, dils in zip(self.resblock_kernel_sizes, self.resblock_dilation_sizes):
+            pads = [(_resblock_padding(k, d), d * (k - 1)) for d in dils[:3]] + [((k - 1) // 2, k - 1)] * 3
+            amp_back = max(amp_back, 6 * aa_back + sum(p for p, _ in pads))
+            amp_ahead = max(amp_ahead, 6 * aa_ahead + sum(span - p for p, span in pads))
+        lo, hi = -_EDGE_CONV_PAD - aa_back, self.hop_length - 1 + _EDGE_CONV_PAD + aa_ahead  # conv_post, act
+        for rate, k in reversed(list(zip(self.upsample_rates, self.upsample_kernel_sizes))):
+            lo, hi = lo - amp_back, hi + amp_ahead
+            # Input i of the transposed conv reaches outputs [rate*i - p, rate*i - p + k - 1].
+            p = (k - rate) // 2
+            lo, hi = -((k - 1 - p - lo) // rate), (hi + p) // rate
+        return _EDGE_CONV_PAD - lo, hi + _EDGE_CONV_PAD  # conv_pre
+
     def num_samples(self, num_frames):
         """Waveform length for ``num_frames`` mel frames (int or integer array)."""
         n = num_frames
@@ -116,6 +141,17 @@ def _conv_transpose_len(n, kernel: int, stride: int):
 
 def _resblock_padding(kernel: int, dilation: int) -> int:
     return int((kernel * dilation - dilation) / 2)
+
+
+def _anti_aliased_reach(ratio: int, kernel: int) -> tuple[int, int]:
+    """(back, ahead) input samples one output of the anti-aliased activation depends on.
+
+    The upsampler spreads input i over [ratio*i - a, ratio*i + kernel - 1 - a] (a = its
+    crop, (kernel - ratio) // 2); downsampled output o reads [ratio*o - d, ratio*o + kernel - 1 - d]
+    (d = its left padding).
+    """
+    a, d = (kernel - ratio) // 2, _downsample_plan(ratio, kernel)[1]
+    return (kernel - 1 - a + d) // ratio, (kernel - 1 - d + a) // ratio
 
 
 # ---------------------------------------------------------------------------
@@ -401,7 +437,8 @@ class Qwen2_5OmniBigVGAN(nnx.Module):
         self.dtype = dtype
         common = dict(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
         c0 = config.upsample_initial_channel
-        self.conv_pre = nnx.Conv(config.mel_dim, c0, kernel_size=(7,), padding=((3, 3),), **common)
+        self.conv_pre = nnx.Conv(config.mel_dim, c0, kernel_size=(_EDGE_CONV_KERNEL,),
+                                 padding=((_EDGE_CONV_PAD, _EDGE_CONV_PAD),), **common)
         ups = []
         for i, (rate, k) in enumerate(zip(config.upsample_rates, config.upsample_kernel_sizes)):
             p = (k - rate) // 2
@@ -419,7 +456,8 @@ class Qwen2_5OmniBigVGAN(nnx.Module):
         ])
         c_last = c0 // 2 ** len(config.upsample_rates)
         self.activation_post = AntiAliasedActivation1d(c_last, param_dtype=param_dtype)
-        self.conv_post = nnx.Conv(c_last, 1, kernel_size=(7,), padding=((3, 3),), use_bias=False, **common)
+        self.conv_post = nnx.Conv(c_last, 1, kernel_size=(_EDGE_CONV_KERNEL,),
+                                  padding=((_EDGE_CONV_PAD, _EDGE_CONV_PAD),), use_bias=False, **common)
 
     def __call__(self, mel: jax.Array, lengths: jax.Array | None = None, *,
                  channels_last: bool = False) -> jax.Array:

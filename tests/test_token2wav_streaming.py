@@ -1,0 +1,195 @@
+"""Streamed Qwen2.5-Omni token2wav (async chunk) against the whole-request decode.
+
+The DiT windows leave an error (its exact context would be the whole request, see the
+module docstring of token2wav.py); the vocoder's part and short requests are exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from omni_jax.checkpoint import load_checkpoint
+from omni_jax.engine.oneshot_engine import OneShotRequestData
+from omni_jax.engine.request import Request
+from omni_jax.engine.runner import compilation_count
+from omni_jax.engine.sampling import SamplingParams
+from omni_jax.models.qwen2_5_omni.token2wav import StreamContext, Token2WavSynthesizer, initial_noise, plan_windows
+from omni_jax.models.qwen2_5_omni.voices import Voices
+
+try:
+    from omni_jax.engine.oneshot_engine import ChunkJob
+except ImportError:  # the engine side lands on another branch; same fields
+    @dataclasses.dataclass
+    class ChunkJob:
+        request: Request
+        codes: np.ndarray
+        emitted: int
+        final: bool
+
+# Streamed vs whole waveform, max abs error (waveforms peak at ~0.62). Measured below with the
+# default context (24 codes each side): engine pattern 2.0e-5 / 5.2e-6, uneven 7.4e-5 / 0,
+# all at once 1.3e-5 / 0 (0: every window of that request started at its first code); on
+# 203 + 131 codes 6.8e-5, with one code per call 9.2e-5. No context at all: 1.7e-2.
+STREAM_BOUND = 2e-4
+# Where chunking is exact (one-window requests; the vocoder given the mel): measured 0.
+EXACT = 1e-6
+
+
+def _redraw(model: nnx.Module, seed: int = 0) -> None:
+    """Weights under which chunking shows: a unit-gain DiT transformer and an audible vocoder.
+
+    The checkpoint's random init couples DiT blocks by ~1e-4 and its vocoder is near silent,
+    so against it any context would pass. The speaker encoder and codec embedding stay.
+    """
+    rng = np.random.default_rng(seed)
+    _, params, _ = nnx.split(model, nnx.Param, ...)
+    flat = nnx.to_flat_state(params)
+    for path, var in flat:
+        v = np.asarray(var.get_value())
+        name = path[-1]
+        if path[0] == "code2wav_dit_model":
+            if path[1] == "text_embed" or (path[1] == "input_embed" and path[2] != "proj"):
+                continue
+            new = rng.standard_normal(v.shape) / np.sqrt(v.shape[0]) if name == "kernel" else \
+                0.05 * rng.standard_normal(v.shape)
+        elif name in ("alpha", "beta"):
+            new = 0.3 * rng.standard_normal(v.shape)
+        elif name == "bias":
+            new = 0.05 * rng.standard_normal(v.shape)
+        else:  # conv kernels [k, in, out]; the transposed convs' [k, out, in]
+            fan_in = v.shape[0] * (v.shape[2] if path[1] == "ups" else v.shape[1])
+            new = 0.85 * rng.standard_normal(v.shape) / np.sqrt(fan_in)
+        var.set_value(np.asarray(new, v.dtype))
+    nnx.update(model, nnx.from_flat_state(flat))
+
+
+@pytest.fixture(scope="module")
+def synth(converted_thinker_fp32) -> Token2WavSynthesizer:
+    """Warmed up for both paths, so the tests also show streaming compiles nothing more."""
+    model, _ = load_checkpoint(converted_thinker_fp32, stage="token2wav", dtype="float32")
+    _redraw(model)
+    out = Token2WavSynthesizer(model, Voices.load(converted_thinker_fp32), length_buckets=(64,),
+                               batch_buckets=(1, 2))
+    out.warmup()
+    out.warmup_stream()
+    return out
+
+
+def _request(rid: str, n: int, voice: str, seed: int) -> Request:
+    codes = np.random.default_rng(seed).integers(0, 8192, n)
+    return Request(rid, codes, SamplingParams(seed=seed), data=OneShotRequestData(voice=voice))
+
+
+def _stream(synth, reqs, arrivals) -> list[list[np.ndarray]]:
+    """Stream `reqs` side by side: call k brings arrivals[i][k] more codes of request i, its last
+    piece comes with final=True. Returns what each call gave each request."""
+    got = [[] for _ in reqs]
+    for k in range(max(len(a) for a in arrivals)):
+        jobs, who = [], []
+        for i, (req, pieces) in enumerate(zip(reqs, arrivals)):
+            if k < len(pieces):
+                n = sum(pieces[:k + 1])
+                jobs.append(ChunkJob(req, req.prompt_token_ids[:n], sum(map(len, got[i])), k == len(pieces) - 1))
+                who.append(i)
+        for i, wav in zip(who, synth.stream(jobs)):
+            assert wav.dtype == np.float32 and wav.ndim == 1
+            got[i].append(wav)
+    return got
+
+
+def test_noise_of_a_prefix_is_the_prefix_of_the_noise():
+    """Chunk windows slice the noise the whole decode draws: drawing fewer codes gives its prefix."""
+    for seed in (0, 1234, 2 ** 64 - 1, -5):
+        full = initial_noise(300, seed)
+        assert full.shape == (600, 80)
+        for n in (1, 7, 24, 25, 299):
+            np.testing.assert_array_equal(initial_noise(n, seed), full[:2 * n])
+
+
+@pytest.mark.parametrize("limit", [124, 100], ids=["look_ahead_held_back", "final"])
+def test_plan_windows_keep_everything_once(limit):
+    # codes 30..100 kept, 24 of context each side, starts on 12-code blocks, windows of <= 64
+    windows = plan_windows(30, 100, limit, 24, 24, 12, 64)
+    assert len(windows) > 1 and windows[0][1] == 30 and windows[-1][2] == 100
+    for (start, a, b, end), nxt in zip(windows, windows[1:] + [None]):
+        assert start % 12 == 0 and a - start >= 24 and end == min(b + 24, limit) and end - start <= 64
+        assert nxt is None or nxt[1] == b
+    assert plan_windows(0, 9, 9, 24, 24, 12, 64) == [(0, 0, 9, 9)]  # borders are the request's own
+    assert plan_windows(5, 5, 9, 24, 24, 12, 64) == []
+    with pytest.raises(ValueError, match="cannot hold 24 \\+ 24 of context"):
+        plan_windows(40, 60, 90, 24, 24, 12, 48)
+
+
+def test_vocoder_context_covers_its_receptive_field(synth):
+    """A mel frame changes no sample outside the vocoder context the stream gives it."""
+    left, right = synth.vocoder_context
+    assert (left, right) == (34, 34)  # walked from the layer shapes
+    hop, f = synth.cfg.bigvgan.hop_length, 50
+    mel = (2 * np.random.default_rng(0).standard_normal((110, 80)) - 5).astype(np.float32)
+    bumped = mel.copy()
+    bumped[f] += 3.0
+    base, moved = synth._vocode([mel, bumped])
+    changed = np.nonzero(base != moved)[0]
+    assert changed.size and hop * (f - right) <= changed[0] and changed[-1] < hop * (f + left + 1)
+
+
+@pytest.mark.parametrize("arrivals", [
+    [[10, 25, 25, 4], [10, 25, 6]],        # the engine's pattern: 10, then 25s, then the remainder
+    [[3, 17, 30, 9, 5], [20, 1, 20, 0]],   # uneven; the last call of the second brings no codes
+    [[64], [41]],                          # all at once: several windows of one request in a call
+], ids=["engine_chunks", "uneven", "all_at_once"])
+def test_stream_matches_whole_decode(synth, arrivals):
+    reqs = [_request("a", sum(arrivals[0]), "Chelsie", 1), _request("b", sum(arrivals[1]), "Ethan", 2)]
+    whole = synth(reqs)
+    n0 = compilation_count()
+    streamed = _stream(synth, reqs, arrivals)
+    assert compilation_count() == n0  # warm-up covered every streamed shape
+    for req, pieces, ref in zip(reqs, streamed, whole):
+        wav = np.concatenate(pieces)
+        assert len(wav) == len(ref) == synth.cfg.bigvgan.num_samples(2 * len(req.prompt_token_ids))
+        assert 0.3 < np.abs(ref).max() < 1.0  # audible, not clipped: the error below means something
+        err = np.abs(wav - ref).max()
+        assert err <= STREAM_BOUND, f"{req.request_id}: streamed vs whole max abs error {err:.3g}"
+    if len(arrivals[0]) > 1:
+        assert len(streamed[0][0]) == 0 and any(len(p) for p in streamed[0][:-1])  # audio before the end
+
+
+def test_more_context_leaves_less_error(synth, monkeypatch):
+    """The error is the DiT's truncated context alone: 36 codes each side bring it to 5.7e-7."""
+    monkeypatch.setattr(synth, "context", StreamContext(36, 36))  # more windows of the same shape
+    req = _request("w", 64, "Ethan", 3)
+    wav = np.concatenate(_stream(synth, [req], [[10, 25, 25, 4]])[0])
+    assert np.abs(wav - synth([req])[0]).max() <= 1e-5
+
+
+def test_short_request_is_exact(synth):
+    """Shorter than the look-ahead: nothing until final, then one window, the whole decode itself."""
+    req = _request("s", 20, "Chelsie", 4)
+    pieces = _stream(synth, [req], [[10, 10]])[0]
+    assert len(pieces[0]) == 0
+    np.testing.assert_allclose(pieces[1], synth([req])[0], rtol=0, atol=EXACT)
+
+
+def test_final_without_new_codes_flushes_the_rest(synth):
+    req = _request("f", 50, "Ethan", 5)
+    pieces = _stream(synth, [req], [[50, 0]])[0]
+    hop, (_, right) = synth.cfg.bigvgan.hop_length, synth.vocoder_context
+    # Not final: the last 24 codes wait for look-ahead, and the vocoder's last 34 frames for more mel.
+    assert len(pieces[0]) == hop * (2 * (50 - 24) - right)
+    assert len(pieces[0]) + len(pieces[1]) == len(synth([req])[0])
+
+
+def test_released_request_rebuilds_its_context(synth):
+    """Cache dropped mid-stream (e.g. a restarted stage): the rest is rebuilt within the same bound (3.4e-6)."""
+    req = _request("r", 64, "Chelsie", 6)
+    first = synth.stream([ChunkJob(req, req.prompt_token_ids[:45], 0, False)])[0]
+    synth.release("r")
+    rest = synth.stream([ChunkJob(req, req.prompt_token_ids, len(first), True)])[0]
+    ref = synth([req])[0]
+    assert len(first) > 0 and len(first) + len(rest) == len(ref)
+    assert np.abs(np.concatenate([first, rest]) - ref).max() <= STREAM_BOUND
+    assert "r" not in synth._streams  # the final job freed it

@@ -253,3 +253,43 @@ def test_family_passes_chunk_sizes(monkeypatch):
                                   codec_first_chunk_frames=4)
     qwen3_family.FAMILY.engines["code2wav"](stage, "ckpt")
     assert seen["codec_chunk_frames"] == 12 and seen["codec_first_chunk_frames"] == 4
+
+
+class _DelayedSynth:
+    """A synthesizer whose audio trails its codes by 5 frames (as Qwen2.5's token2wav, by 41):
+    one sample per frame that no later code can change."""
+
+    tokens_per_frame = 1
+    stream_delay_frames = 5
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, reqs):
+        return [np.zeros(r.num_prompt_tokens, np.float32) for r in reqs]
+
+    def stream(self, jobs):
+        self.calls.append([len(j.codes) for j in jobs])
+        return [np.ones((len(j.codes) if j.final else max(len(j.codes) - 5, 0)) - j.emitted, np.float32)
+                for j in jobs]
+
+
+def test_chunks_count_the_audio_a_delayed_synthesizer_can_make():
+    """First and later chunks are sizes of audio: a synthesizer that trails its codes is first
+    called when the delay plus the first chunk arrived, not with nothing to give."""
+    from omni_jax.engine.oneshot_engine import OneShotEngine
+
+    synth = _DelayedSynth()
+    engine = OneShotEngine(synth, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64,
+                           chunk_frames=4, first_chunk_frames=3)
+    engine.add_request("r", np.zeros(0, np.int32), stream=True)
+    sizes = []
+    for _ in range(20):
+        engine.extend_request("r", np.zeros(1, np.int32), complete=False)
+        while engine.has_unfinished():
+            sizes += [len(o.audio) for o in engine.step() if o.audio is not None]
+    assert synth.calls[:3] == [[8], [12], [16]]  # 5 + 3, then every 4 more
+    assert sizes[:3] == [3, 4, 4]
+    engine.extend_request("r", np.zeros(0, np.int32), complete=True)
+    out = engine.step()
+    assert out[-1].finished and sum(sizes) + len(out[-1].audio) == 20

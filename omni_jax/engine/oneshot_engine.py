@@ -10,8 +10,9 @@ the stage worker serves either. A step's requests may need several device calls
 Streaming ("async chunk"): a request added with `stream=True` gets its codec tokens
 piece by piece (`extend_request`) while the stage before it still generates them. Its
 state is a `CodecStream` here (the scheduler only sees whole requests). Once enough new
-frames have arrived (`first_chunk_frames` for the first chunk, `chunk_frames` after)
-or the codes are complete, the next step hands it to `synthesizer.stream` as a
+frames can be made audio (`first_chunk_frames` for the first chunk, `chunk_frames` after;
+a synthesizer whose audio waits for look-ahead says by how many frames it trails, its
+`stream_delay_frames`) or the codes are complete, the next step hands it to `synthesizer.stream` as a
 `ChunkJob`; the ready chunks of all streams go in one call and each audio piece is
 returned at once as a `StageOutput` (the last one finished). The synthesizer decides
 which samples are final; concatenated, a request's pieces equal its whole-request
@@ -108,12 +109,15 @@ class CodecStream:
         # The request's prompt is what has arrived, so `validate` sees every code so far.
         self.request.prompt_token_ids = self.codes
 
-    def is_ready(self, tokens_per_frame: int, chunk_frames: int) -> bool:
-        """Whether a chunk is due: enough new frames, or the end (the last piece, maybe empty)."""
+    def is_ready(self, tokens_per_frame: int, chunk_frames: int, delay_frames: int = 0) -> bool:
+        """Whether a chunk is due: enough new frames of audio can be made, or the end (the last
+        piece, maybe empty). The audio of a synthesizer that waits for look-ahead trails the
+        frames received by `delay_frames`: chunks count the frames it can turn into audio."""
         if self.complete:
             return True
-        need = chunk_frames if self.decoded_frames else self.first_chunk_frames
-        return self.num_tokens // tokens_per_frame - self.decoded_frames >= need
+        need = chunk_frames if self.decoded_frames > delay_frames else self.first_chunk_frames
+        done = max(self.decoded_frames - delay_frames, 0)
+        return self.num_tokens // tokens_per_frame - delay_frames - done >= need
 
     def job(self) -> ChunkJob:
         return ChunkJob(self.request, self.codes, self.emitted, self.complete)
@@ -136,6 +140,7 @@ class OneShotEngine:
         self._warmup_fn = warmup_fn
         self.chunk_frames, self.first_chunk_frames = chunk_frames, first_chunk_frames
         self.tokens_per_frame = int(getattr(synthesize, "tokens_per_frame", 1))
+        self.delay_frames = int(getattr(synthesize, "stream_delay_frames", 0))
         self.scheduler = OneShotScheduler(SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             num_blocks=2, enable_prefix_caching=False))
@@ -146,7 +151,7 @@ class OneShotEngine:
     @property
     def stats(self) -> dict[str, float]:
         """Counters plus the streams now waiting for codes (for health replies)."""
-        waiting = sum(not s.is_ready(self.tokens_per_frame, self.chunk_frames) for s in self.streams.values())
+        waiting = sum(not s.is_ready(self.tokens_per_frame, self.chunk_frames, self.delay_frames) for s in self.streams.values())
         return self._counters | {"num_streams": len(self.streams), "num_streams_waiting_for_codes": waiting}
 
     # ------------------------------------------------------------------ requests
@@ -223,7 +228,7 @@ class OneShotEngine:
         poll until its data arrives instead of stepping in a busy loop.
         """
         return (self.scheduler.has_unfinished_requests() or bool(self._pending)
-                or any(s.is_ready(self.tokens_per_frame, self.chunk_frames) for s in self.streams.values()))
+                or any(s.is_ready(self.tokens_per_frame, self.chunk_frames, self.delay_frames) for s in self.streams.values()))
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[StageOutput]:
@@ -240,7 +245,7 @@ class OneShotEngine:
 
     def _schedule_chunks(self) -> list[CodecStream]:
         """The streams with a chunk due, oldest-served first, at most max_num_seqs."""
-        ready = [s for s in self.streams.values() if s.is_ready(self.tokens_per_frame, self.chunk_frames)]
+        ready = [s for s in self.streams.values() if s.is_ready(self.tokens_per_frame, self.chunk_frames, self.delay_frames)]
         return ready[:self.scheduler.max_num_seqs]
 
     def _run_chunks(self, streams: list[CodecStream]) -> list[StageOutput]:

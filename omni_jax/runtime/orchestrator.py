@@ -147,6 +147,10 @@ class Orchestrator:
         except BaseException:
             self._close_all()
             raise
+        # Silence counts from now: a stage that was ready long before the last one finished
+        # compiling has had nobody to answer yet.
+        for c in self.clients.values():
+            c.last_heard = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name="omni-jax-orchestrator", daemon=True)
         self._thread.start()
 

@@ -205,6 +205,12 @@ class Token2WavSynthesizer:
                                     np.asarray(spk_fn(dit_state, np.zeros_like(v.ref_mel)))[0])
 
     @property
+    def stream_delay_frames(self) -> int:
+        """Codes a streamed request's audio trails the codes received by: the DiT's look-ahead
+        plus the vocoder's right reach (the engine counts chunks of audio from there)."""
+        return self.context.right_codes + -(-self.vocoder_context[1] // self.cfg.dit.repeats)
+
+    @property
     def max_codes(self) -> int:
         return self.length_buckets[-1]
 

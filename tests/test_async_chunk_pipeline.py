@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.pipeline, pytest.mark.e2e]
 
 # Qwen2.5's token2wav audio trails its codes by 41 (models/qwen2_5_omni/token2wav.py): its
 # replies must be longer to come in several chunks, and before the thinker is done.
-THINKER_TOKENS = {"qwen2_5_omni": 80, "qwen3_omni": 40}
+THINKER_TOKENS = {"qwen2_5_omni": 200, "qwen3_omni": 40}
 TALKER_TOKENS = {"qwen2_5_omni": 100, "qwen3_omni": 40}
 
 # Qwen2.5's token2wav chunks are not exact (its DiT sees the whole sequence through 10 ODE

@@ -189,3 +189,16 @@ def test_killed_vocoder_fails_the_stream(converted_qwen3_fp32):
         assert time.monotonic() - t0 < 60
     finally:
         omni.shutdown()
+
+
+def test_text_goes_on_after_the_audio_ends(family_engines):
+    """A talker capped short finishes (and its vocoder) while the thinker still writes: the
+    request ends only with the thinker, its text whole."""
+    family, streamed, _ = family_engines
+    params = params_for(family)
+    params[0] = params[0].updated(max_tokens=150)
+    params[1] = params[1].updated(min_tokens=4, max_tokens=6)
+    final = collect(streamed, prompts_for(family, 1), params)[0][-1]
+    assert final.error is None, final.error
+    assert len(final.token_ids) == 150 and final.finish_reason == "length"
+    assert final.audio is not None and len(final.audio) > 0

@@ -349,7 +349,9 @@ class Orchestrator:
                 out.stage_token_ids[stage] = list(req.stage_tokens.get(stage, ()))
                 if o.finish_reason == "abort":
                     self._finish(req, reason="abort")
-                elif stage == req.chain[-1]:
+                elif req.finished_stages.issuperset(req.chain):
+                    # With async chunk the vocoder may end first (the talker stopped at its
+                    # max_tokens while the thinker still writes): the text goes on.
                     self._finish(req, reason=out.finish_reason or o.finish_reason)
 
     def _delivers_text(self, req: OrchestratorRequest, stage: str) -> bool:

@@ -170,27 +170,6 @@ def test_abort_in_each_phase_frees_every_stage(family_engines, phase):
         assert s.get("kv_cache_usage", 0.0) == 0.0, name
 
 
-def test_killed_vocoder_fails_the_stream(converted_qwen3_fp32):
-    """SIGKILL of the vocoder while audio streams: the request ends with an error naming it."""
-    omni = AsyncOmniJax(model=converted_qwen3_fp32, pipeline=pipeline_for("qwen3_omni"),
-                        output_modalities=["text", "audio"], async_chunk=True)
-    try:
-        pid = omni.stage_pids()["code2wav"]
-
-        def kill_on_first_audio(i, out):
-            if out.audio_delta is not None and len(out.audio_delta) and pid is not None:
-                os.kill(pid, signal.SIGKILL)
-            return False
-
-        t0 = time.monotonic()
-        updates = collect(omni, prompts_for("qwen3_omni", 1), params_for("qwen3_omni", first_chunk=2),
-                          abort_when=kill_on_first_audio)[0]
-        assert updates[-1].finish_reason == "error" and "code2wav" in updates[-1].error
-        assert time.monotonic() - t0 < 60
-    finally:
-        omni.shutdown()
-
-
 def test_text_goes_on_after_the_audio_ends(family_engines):
     """A talker capped short finishes (and its vocoder) while the thinker still writes: the
     request ends only with the thinker, its text whole."""
@@ -202,3 +181,22 @@ def test_text_goes_on_after_the_audio_ends(family_engines):
     assert final.error is None, final.error
     assert len(final.token_ids) == 150 and final.finish_reason == "length"
     assert final.audio is not None and len(final.audio) > 0
+
+
+def test_killed_vocoder_fails_the_stream(family_engines):
+    """SIGKILL of the vocoder while audio streams: the request ends with an error naming it.
+    Last in the module for each family: it kills the module's streaming engine."""
+    family, streamed, _ = family_engines
+    vocoder = streamed.pipeline.stages[-1].name
+    pid = streamed.stage_pids()[vocoder]
+
+    def kill_on_first_audio(i, out):
+        if out.audio_delta is not None and len(out.audio_delta):
+            os.kill(pid, signal.SIGKILL)
+        return False
+
+    t0 = time.monotonic()
+    updates = collect(streamed, prompts_for(family, 1), params_for(family, first_chunk=2),
+                      abort_when=kill_on_first_audio)[0]
+    assert updates[-1].finish_reason == "error" and vocoder in updates[-1].error
+    assert time.monotonic() - t0 < 60

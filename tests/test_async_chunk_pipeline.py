@@ -138,7 +138,7 @@ def _idle(omni) -> dict:
     for _ in range(100):
         stats = omni.stage_stats()
         held = [(n, k) for n, s in stats.items() for k in ("num_running", "num_waiting", "num_waiting_for_input",
-                                                            "num_streamed_inputs", "num_streaming")
+                                                            "num_streamed_inputs", "num_streams")
                 if s.get(k, 0)]
         if not held:
             return stats

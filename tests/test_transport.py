@@ -426,6 +426,41 @@ def test_send_times_out_without_peer(ipc_dir):
     ctx.term()
 
 
+def test_stage_client_never_waits_on_an_exited_stage(ipc_dir):
+    """The orchestrator thread sends to stages; a stage that exited (its end of the socket
+    gone) must not stop it: every send gives up at once and says so."""
+    import subprocess
+    import sys
+
+    from omni_jax.config import load_pipeline_config
+    from omni_jax.runtime.stage_client import StageClient
+
+    ctx = zmq.Context()
+    cfg = load_pipeline_config("qwen2_5_omni_tiny").stages[0]
+    client = StageClient(cfg, "qwen2_5_omni", "/nonexistent", ipc_dir, ctx)
+    stage_end = Channel(zmq.PULL, client.requests.address, bind=False, context=ctx)
+    t = threading.Thread()
+    try:
+        assert client.add(AddRequest(request_id="r0", prompt_token_ids=[1], sampling_params=SamplingParams()))
+        assert stage_end.recv_raw(timeout_ms=5000) is not None
+        stage_end.close()  # the stage process exits
+        client.process = subprocess.Popen([sys.executable, "-c", "pass"])
+        client.process.wait()
+        sent: list = []
+        t = threading.Thread(target=lambda: sent.extend([
+            client.add(AddRequest(request_id="r1", prompt_token_ids=[1], sampling_params=SamplingParams())),
+            client.abort(["r1"]), client.health_check(0)]), daemon=True)
+        t.start()
+        t.join(5.0)
+        assert not t.is_alive(), "a send to an exited stage blocked"
+        assert sent == [False, False, False]
+    finally:
+        for ch in (stage_end, client.requests, client.replies):
+            ch.close()
+        if not t.is_alive():  # a thread stuck in a send would stop term() too
+            ctx.term()
+
+
 # ---------------------------------------------------------------------------------------
 # No pickle
 # ---------------------------------------------------------------------------------------

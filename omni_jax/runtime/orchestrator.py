@@ -26,7 +26,7 @@ import msgspec.structs
 import numpy as np
 import zmq
 
-from ..engine.protocol import AddRequest, HealthCheck, HealthReply, StageFailure, StageOutput, StageOutputs
+from ..engine.protocol import AddRequest, HealthReply, StageFailure, StageOutput, StageOutputs
 from ..models.handoff import PositionRows
 from ..outputs import OmniRequestOutput, logprobs_of
 from .stage_client import StageClient
@@ -222,7 +222,7 @@ class Orchestrator:
                 if time.monotonic() >= next_heartbeat:
                     for c in self.clients.values():
                         if c.dead_reason is None:
-                            c.requests.send(HealthCheck(nonce=HEARTBEAT_NONCE))
+                            c.health_check(HEARTBEAT_NONCE)  # an unreachable stage: the liveness check says why
                     next_heartbeat = time.monotonic() + HEARTBEAT_PERIOD
                 if time.monotonic() >= next_check:
                     self._check_liveness()
@@ -244,7 +244,7 @@ class Orchestrator:
                 self._health_nonce += 1
                 self._health[self._health_nonce] = (arg, {})
                 for c in self._responsive():
-                    c.requests.send(HealthCheck(nonce=self._health_nonce))
+                    c.health_check(self._health_nonce)
                 self._resolve_stats()
             elif kind == "abort":
                 req = self._requests.get(arg)
@@ -269,7 +269,9 @@ class Orchestrator:
         self._requests[req.request_id] = req
         for name, msg in zip(req.chain, req.stage_messages(self.pipeline.async_chunk)):
             req.output.metrics.bytes_moved += _array_bytes(msg)
-            self.clients[name].add(msg)
+            if not self.clients[name].add(msg):
+                self._finish(req, error=f"stage {name!r} takes no messages (exit code {self.clients[name].exitcode})")
+                return
 
     def _drain_replies(self, client: StageClient) -> None:
         while True:

@@ -16,8 +16,13 @@ import time
 
 import zmq
 
-from ..engine.protocol import AbortRequests, AddRequest, Ready, Shutdown, StageFailure, StageReply
+from ..engine.protocol import AbortRequests, AddRequest, HealthCheck, Ready, Shutdown, StageFailure, StageReply
 from .transport import Channel, stage_addresses
+
+# How long a send to a stage may wait. Sockets queue without limit (DEFAULT_HWM), so a send
+# waits only when the stage's end is gone: a stage that exited leaves its PUSH socket with
+# no peer, and an unbounded send would stop the orchestrator thread, and every request, for ever.
+SEND_TIMEOUT_MS = 200
 
 
 class StageStartupError(RuntimeError):
@@ -68,12 +73,22 @@ class StageClient:
         raise StageStartupError(f"stage {self.name!r} was not ready within {timeout_s:.0f}s "
                                 f"(loading and compiling took too long; raise ready_timeout_s)")
 
-    def add(self, msg: AddRequest) -> None:
-        self.requests.send(msg)
+    def add(self, msg: AddRequest) -> bool:
+        """Send a request; False if the stage cannot take messages (it exited)."""
+        return self._send(msg)
 
-    def abort(self, request_ids: list[str]) -> None:
-        if request_ids:
-            self.requests.send(AbortRequests(request_ids=list(request_ids)))
+    def abort(self, request_ids: list[str]) -> bool:
+        return not request_ids or self._send(AbortRequests(request_ids=list(request_ids)))
+
+    def health_check(self, nonce: int) -> bool:
+        return self._send(HealthCheck(nonce=nonce))
+
+    def _send(self, msg) -> bool:
+        try:
+            self.requests.send(msg, timeout_ms=SEND_TIMEOUT_MS)
+            return True
+        except TimeoutError:
+            return False
 
     def is_alive(self) -> bool:
         return self.process is not None and self.process.poll() is None

@@ -101,6 +101,8 @@ def collect(omni: AsyncOmniJax, prompts, params, abort_when=None):
 
 def test_streamed_speech_equals_whole(family_engines):
     family, streamed, whole = family_engines
+    vocoder = streamed.pipeline.stages[-1].name
+    compiled = [e.stage_stats()[vocoder]["num_compilations"] for e in (streamed, whole)]
     prompts = prompts_for(family, 3)
     ref = whole.generate(prompts, sampling_params=params_for(family), output_modalities=["text", "audio"])
     runs = collect(streamed, prompts, params_for(family))
@@ -119,6 +121,8 @@ def test_streamed_speech_equals_whole(family_engines):
         last_text = max(i for i, u in enumerate(updates) if u.new_token_ids)
         assert first_audio < last_text, "the first audio chunk should come before the thinker's last token"
         assert final.metrics.time_to_first_audio < final.metrics.e2e_latency
+    # Each vocoder compiled, at warm-up, the calls of its pipeline's path (async chunk or not).
+    assert [e.stage_stats()[vocoder]["num_compilations"] for e in (streamed, whole)] == compiled
 
 
 def test_first_chunk_size_per_request(family_engines):

@@ -20,6 +20,7 @@ from omni_jax.engine.ar_engine import RequestError
 from omni_jax.engine.oneshot_engine import ChunkJob, OneShotRequestData
 from omni_jax.engine.request import Request
 from omni_jax.engine.sampling import SamplingParams
+from omni_jax.models.qwen2_5_omni import family as qwen2_5_family
 from omni_jax.models.qwen3_omni import family as qwen3_family
 from omni_jax.models.qwen3_omni.code2wav_stage import build_code2wav_engine
 from test_qwen3_code2wav_stage import converted, flat, hf_chunked, hf_code2wav, random_codes  # noqa: F401 (fixtures)
@@ -251,8 +252,19 @@ def test_family_passes_chunk_sizes(monkeypatch):
     stage = types.SimpleNamespace(token_buckets=None, decode_buckets=None, max_num_batched_tokens=None,
                                   max_model_len=None, max_num_seqs=None, codec_chunk_frames=12,
                                   codec_first_chunk_frames=4)
-    qwen3_family.FAMILY.engines["code2wav"](stage, "ckpt")
+    qwen3_family.FAMILY.engines["code2wav"](stage, "ckpt", True)
     assert seen["codec_chunk_frames"] == 12 and seen["codec_first_chunk_frames"] == 4
+
+
+@pytest.mark.parametrize("async_chunk", [False, True])
+def test_token2wav_stage_compiles_its_pipelines_path(monkeypatch, async_chunk):
+    """Qwen2.5's streamed and whole calls differ in shape: a stage compiles the one its pipeline uses."""
+    seen = {}
+    monkeypatch.setattr(qwen2_5_family, "build_token2wav_engine", lambda ckpt, **kw: seen.update(kw))
+    stage = types.SimpleNamespace(token_buckets=None, decode_buckets=None, max_num_seqs=None,
+                                  codec_chunk_frames=12, codec_first_chunk_frames=4)
+    qwen2_5_family.FAMILY.engines["token2wav"](stage, "ckpt", async_chunk)
+    assert seen["streamed"] is async_chunk and seen["chunk_frames"] == 12
 
 
 class _DelayedSynth:

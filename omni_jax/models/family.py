@@ -37,8 +37,9 @@ class ModelFamily:
     """Everything OmniJax knows about one model family, in one place.
 
     stages: checkpoint stage name -> StageSpec (the conversion mapping and the module builder).
-    engines: model stage name -> `build(stage_config, ckpt_dir)`, the warmed-up engine of a
-        stage process (runs inside that process).
+    engines: model stage name -> `build(stage_config, ckpt_dir, async_chunk)`, the warmed-up
+        engine of a stage process (runs inside that process); `async_chunk`: the pipeline
+        streams between stages, so requests arrive streamed (it decides what is compiled).
     handoff: `ckpt_dir -> handoff`, the stage-input functions of speech chains, which run in the
         receiving stage: `handoff.stage_input(kind, control, upstream)` builds the request of a
         stage of model kind `kind` from the stage before it; `handoff.voices.get(name)` resolves a
@@ -53,7 +54,7 @@ class ModelFamily:
 
     name: str
     stages: dict[str, StageSpec]
-    engines: dict[str, Callable[[Any, str], Any]]
+    engines: dict[str, Callable[[Any, str, bool], Any]]
     handoff: Callable[[str], Any]
     prompt_processor: Callable[[str], Any]
     side_files: Callable[..., None] | None = None

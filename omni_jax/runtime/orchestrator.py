@@ -139,7 +139,7 @@ class Orchestrator:
         try:
             for name in names:
                 self.clients[name] = StageClient(pipeline.stage(name), pipeline.family, ckpt_dir, self.ipc_dir,
-                                                 self._zmq)
+                                                 self._zmq, async_chunk=pipeline.async_chunk)
             for c in self.clients.values():
                 c.start()
             for c in self.clients.values():

@@ -32,7 +32,8 @@ class StageStartupError(RuntimeError):
 class StageClient:
     """Spawn, talk to, and stop one stage process."""
 
-    def __init__(self, stage_cfg, family: str, ckpt_dir: str, ipc_dir: str, zmq_ctx: zmq.Context):
+    def __init__(self, stage_cfg, family: str, ckpt_dir: str, ipc_dir: str, zmq_ctx: zmq.Context,
+                 async_chunk: bool = False):
         self.cfg = stage_cfg
         self.name = stage_cfg.name
         addrs = stage_addresses(ipc_dir, self.name)
@@ -40,7 +41,7 @@ class StageClient:
         self.replies = Channel(zmq.PULL, addrs.replies, bind=True, decode_type=StageReply, context=zmq_ctx)
         self._argv = [sys.executable, "-m", "omni_jax.runtime.stage_worker", json.dumps(dict(
             stage_json=json.dumps(stage_cfg.to_dict()), ckpt_dir=ckpt_dir, family=family, ipc_dir=ipc_dir,
-            parent_pid=os.getpid()))]
+            parent_pid=os.getpid(), async_chunk=async_chunk))]
         self.process: subprocess.Popen | None = None
         self.ready: Ready | None = None
         self.dead_reason: str | None = None       # the process exited

@@ -46,13 +46,14 @@ IDLE_POLL_MS = 20
 CLOSED_MEMORY = 4096
 
 
-def build_stage_engine(family: str, stage: StageConfig, ckpt_dir: str):
-    """The warmed-up engine of one stage, or a clear error if OmniJax cannot serve it."""
+def build_stage_engine(family: str, stage: StageConfig, ckpt_dir: str, async_chunk: bool = False):
+    """The warmed-up engine of one stage, or a clear error if OmniJax cannot serve it.
+    `async_chunk`: the pipeline streams between stages (what the engine compiles for)."""
     engines = get_family(family).engines
     if stage.model_stage not in engines:
         known = ", ".join(f"{family}/{s}" for s in engines)
         raise ValueError(f"no engine for stage {stage.model_stage!r} of {family!r} yet (available: {known})")
-    return engines[stage.model_stage](stage, ckpt_dir)
+    return engines[stage.model_stage](stage, ckpt_dir, async_chunk)
 
 
 def to_engine_request(msg, stream: bool = False) -> dict:
@@ -287,7 +288,7 @@ def _input_units(built: AddRequest) -> int:
     return len(built.prompt_token_ids)
 
 
-def serve_stage(stage: dict, ckpt_dir: str, family: str, ipc_dir: str) -> None:
+def serve_stage(stage: dict, ckpt_dir: str, family: str, ipc_dir: str, async_chunk: bool = False) -> None:
     """Serve one stage until `Shutdown` (exits the process if the stage cannot start)."""
     name = stage["name"]
     addrs = stage_addresses(ipc_dir, name)
@@ -297,7 +298,7 @@ def serve_stage(stage: dict, ckpt_dir: str, family: str, ipc_dir: str) -> None:
     try:
         t0 = time.perf_counter()
         config = StageConfig.from_dict(stage)
-        engine = build_stage_engine(family, config, ckpt_dir)
+        engine = build_stage_engine(family, config, ckpt_dir, async_chunk)
         server = StageServer(config, engine, family, ckpt_dir, ipc_dir, ctx, inbox, outbox)
         outbox.send(Ready(stage=name, pid=os.getpid(), warmup_seconds=time.perf_counter() - t0,
                           num_compilations=engine.num_compilations))

@@ -43,7 +43,8 @@ def _configure_device(stage: dict) -> None:
         os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
 
 
-def stage_main(stage_json: str, ckpt_dir: str, family: str, ipc_dir: str, parent_pid: int) -> None:
+def stage_main(stage_json: str, ckpt_dir: str, family: str, ipc_dir: str, parent_pid: int,
+               async_chunk: bool = False) -> None:
     """Entry point of a stage process (arguments are plain strings: nothing is unpickled)."""
     _exit_with_parent(parent_pid, ipc_dir)
     stage = json.loads(stage_json)
@@ -55,7 +56,7 @@ def stage_main(stage_json: str, ckpt_dir: str, family: str, ipc_dir: str, parent
     # Imported only now: JAX reads the device variables set above when it is first imported.
     from .stage_loop import serve_stage
 
-    serve_stage(stage, ckpt_dir, family, ipc_dir)
+    serve_stage(stage, ckpt_dir, family, ipc_dir, async_chunk)
 
 
 def main(argv=None) -> None:

@@ -14,7 +14,7 @@ from .tiny import tiny_checkpoint
 
 def thinker_engine(build):
     """The `engines` entry of a thinker built by `build(ckpt_dir, runner_config, ...)` (both families')."""
-    def make(stage, ckpt_dir: str):
+    def make(stage, ckpt_dir: str, async_chunk: bool):
         buckets = MediaBuckets(stage.audio_chunk_buckets, stage.vision_patch_buckets)
         return build(ckpt_dir, stage.runner_config(), dtype=stage.dtype, media_buckets=buckets,
                      enable_prefix_caching=stage.enable_prefix_caching, async_scheduling=stage.async_scheduling,
@@ -24,15 +24,16 @@ def thinker_engine(build):
 
 def talker_engine(build):
     """The `engines` entry of a talker built by `build(ckpt_dir, runner_config, ...)` (both families')."""
-    return lambda stage, ckpt_dir: build(ckpt_dir, stage.runner_config(), dtype=stage.dtype, progress=False)
+    return lambda stage, ckpt_dir, async_chunk: build(ckpt_dir, stage.runner_config(), dtype=stage.dtype,
+                                                      progress=False)
 
 
-def _token2wav(stage, ckpt_dir: str):
+def _token2wav(stage, ckpt_dir: str, async_chunk: bool):
     # For a vocoder, token_buckets are code-length buckets and decode_buckets batch sizes.
     return build_token2wav_engine(ckpt_dir, length_buckets=stage.token_buckets or (64, 256, 1024),
                                   batch_buckets=stage.decode_buckets or (1, 2, 4), max_num_seqs=stage.max_num_seqs,
                                   chunk_frames=stage.codec_chunk_frames,
-                                  first_chunk_frames=stage.codec_first_chunk_frames)
+                                  first_chunk_frames=stage.codec_first_chunk_frames, streamed=async_chunk)
 
 
 FAMILY = ModelFamily(

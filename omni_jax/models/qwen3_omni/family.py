@@ -12,9 +12,10 @@ from .specs import STAGES, write_side_files
 from .stages import build_talker_engine, build_thinker_engine
 
 
-def _code2wav(stage, ckpt_dir: str):
+def _code2wav(stage, ckpt_dir: str, async_chunk: bool):
     # For a vocoder, token_buckets are frame-length buckets and decode_buckets batch sizes;
-    # max_num_batched_tokens / max_model_len are codec frames here.
+    # max_num_batched_tokens / max_model_len are codec frames here. Streamed and whole requests
+    # run the same window calls, so async_chunk changes nothing compiled.
     return build_code2wav_engine(ckpt_dir, length_buckets=stage.token_buckets or (64, 256, 325),
                                  batch_buckets=stage.decode_buckets or (1, 2, 4),
                                  max_num_batched_tokens=stage.max_num_batched_tokens,

@@ -340,3 +340,28 @@ def test_incremental_detokenizer_matches_whole_decode(stops):
             assert out == whole.removesuffix("\ufffd"), (trial, ids)
         else:  # cut right after the first stop string
             assert out == whole[:whole.find(stopped) + len(stopped)], (trial, ids)
+
+
+def test_a_program_from_the_persistent_cache_counts_as_a_compilation():
+    """The suite shares a JAX compilation cache between processes (conftest.py): a program
+    another engine compiled still shows up in `num_compilations` when a warm-up missed it."""
+    import jax
+    import jax.numpy as jnp
+
+    from omni_jax.engine.runner import compilation_count
+
+    hits = []
+    jax.monitoring.register_event_listener(lambda event, **kw: hits.append(event == "/jax/compilation_cache/cache_hits"))
+    f = jax.jit(lambda x: jnp.tanh(x) * 3.0 + 1.0)
+    x = jnp.zeros((3, 7, 11), jnp.float32)
+    f(x).block_until_ready()        # compiled, written to the persistent cache
+    jax.clear_caches()
+    hits.clear()
+    n0 = compilation_count()
+    f(x).block_until_ready()        # loaded from it
+    assert any(hits), "the session's persistent compilation cache is not in use"
+    assert compilation_count() > n0
+    # The event of a load alone counts one.
+    n1 = compilation_count()
+    jax.monitoring.record_event_duration_secs("/jax/compilation_cache/cache_retrieval_time_sec", 0.01)
+    assert compilation_count() == n1 + 1

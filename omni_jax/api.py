@@ -182,6 +182,10 @@ class _Frontend:
         """Process ids of the stage workers."""
         return {n: c.process.pid for n, c in self._orch.clients.items()}
 
+    def health(self) -> tuple[str | None, list[str]]:
+        """(why the engine cannot serve again, or None; the stages being restarted now)."""
+        return self._orch.dead, [n for n, c in self._orch.clients.items() if c.restarting is not None]
+
 
 class OmniJax(_Frontend):
     """Synchronous front end: `generate` takes a batch and returns finished outputs."""

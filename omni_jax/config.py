@@ -225,6 +225,9 @@ class StageConfig:
     # A ready stage that answers nothing (not even the orchestrator's heartbeat) for this
     # long is declared unhealthy: its requests fail, naming it, until it answers again.
     health_timeout_s: float = 30.0
+    # A stage process that died, or stayed unhealthy, is started again (its requests fail; the
+    # other stages keep theirs); false: the engine is dead, and later calls raise EngineDeadError.
+    auto_restart: bool = True
     # Vocoder stages with async chunk on: decode codec frames in chunks of this many (vLLM-Omni's
     # default, 25), the first chunk smaller so that the first audio comes early. A request may
     # set its own first chunk (SamplingParams.extra_args["codec_first_chunk_frames"]).
@@ -306,6 +309,8 @@ class StageConfig:
         set_("memory_fraction", _fraction("memory_fraction", self.memory_fraction, optional=True))
         for name in ("codec_chunk_frames", "codec_first_chunk_frames"):
             set_(name, _positive_int(name, getattr(self, name)))
+        if not isinstance(self.auto_restart, bool):
+            raise _invalid("auto_restart", f"must be true or false, got {self.auto_restart!r}")
         for name in ("ready_timeout_s", "health_timeout_s"):
             t = getattr(self, name)
             if not isinstance(t, numbers.Real) or isinstance(t, bool) or not 0 < t < math.inf:

@@ -187,20 +187,28 @@ def test_text_goes_on_after_the_audio_ends(family_engines):
     assert final.audio is not None and len(final.audio) > 0
 
 
-def test_killed_vocoder_fails_the_stream(family_engines):
-    """SIGKILL of the vocoder while audio streams: the request ends with an error naming it.
-    Last in the module for each family: it kills the module's streaming engine."""
+def test_killed_stage_fails_the_stream_and_comes_back(family_engines):
+    """SIGKILL of the vocoder, then of the talker, while audio streams: the request ends with an
+    error naming the stage, which is started again (auto_restart); then speech streams again and
+    no stage holds anything. Last in the module for each family."""
     family, streamed, _ = family_engines
-    vocoder = streamed.pipeline.stages[-1].name
-    pid = streamed.stage_pids()[vocoder]
+    for stage in (streamed.pipeline.stages[-1].name, "talker"):
+        pid = streamed.stage_pids()[stage]
 
-    def kill_on_first_audio(i, out):
-        if out.audio_delta is not None and len(out.audio_delta):
-            os.kill(pid, signal.SIGKILL)
-        return False
+        def kill_on_first_audio(i, out):
+            if out.audio_delta is not None and len(out.audio_delta):
+                os.kill(pid, signal.SIGKILL)
+            return False
 
-    t0 = time.monotonic()
-    updates = collect(streamed, prompts_for(family, 1), params_for(family, first_chunk=2),
-                      abort_when=kill_on_first_audio)[0]
-    assert updates[-1].finish_reason == "error" and vocoder in updates[-1].error
-    assert time.monotonic() - t0 < 60
+        t0 = time.monotonic()
+        updates = collect(streamed, prompts_for(family, 1), params_for(family, first_chunk=2),
+                          abort_when=kill_on_first_audio)[0]
+        assert updates[-1].finish_reason == "error" and f"{stage!r} died" in updates[-1].error
+        assert time.monotonic() - t0 < 60
+        while streamed.stage_stats()[stage]["healthy"] != 1.0:
+            assert time.monotonic() - t0 < 120, f"{stage} not back"
+            time.sleep(0.2)
+    final = collect(streamed, prompts_for(family, 1), params_for(family))[0][-1]
+    assert final.error is None and len(final.audio) > 0 and len(final.token_ids) == THINKER_TOKENS[family]
+    for name, stats in _idle(streamed).items():
+        assert stats.get("kv_cache_usage", 0.0) == 0.0 and stats["num_restarts"] == (name != "thinker"), name

@@ -136,7 +136,7 @@ def test_stage_defaults():
     assert s.audio_chunk_buckets == (1, 4, 16, 64) and s.vision_patch_buckets == (1024, 4096, 16384)
     assert s.enable_prefix_caching and s.backend is None and s.dtype is None
     assert s.default_sampling == {} and s.hidden_layers == () and s.ready_timeout_s == 600.0
-    assert s.health_timeout_s == 30.0
+    assert s.health_timeout_s == 30.0 and s.auto_restart is True
     assert s.resolved_token_buckets == (16, 32, 64, 128, 256, 512, 1024, 2048)
     assert s.resolved_decode_buckets == (1, 2, 4, 8, 16, 32)
     assert s.blocks_per_seq == 512
@@ -225,6 +225,7 @@ def test_negative_value_names_pipeline_stage_and_field():
     ("ready_timeout_s", -1, "positive number of seconds"),
     ("health_timeout_s", 0, "positive number of seconds"),
     ("health_timeout_s", float("inf"), "positive number of seconds"),
+    ("auto_restart", "yes", "must be true or false"),
     ("runner", "diffusion", "must be one of 'ar', 'oneshot'"),
     ("backend", "triton", "must be one of null, 'pallas', 'reference'"),
     ("dtype", "float16", "must be one of null, 'float32', 'bfloat16'"),

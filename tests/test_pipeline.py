@@ -223,7 +223,8 @@ def _long_request_in_flight(engine):
 
 
 def test_sigkill_stage_fails_requests_fast_and_later_calls_raise(converted_thinker_fp32):
-    engine = OmniJax(model=converted_thinker_fp32, pipeline=tiny_pipeline())
+    """Without auto_restart a dead stage is a dead engine."""
+    engine = OmniJax(model=converted_thinker_fp32, pipeline=tiny_pipeline(auto_restart=False))
     pid = engine.stage_pids()["thinker"]
     t, results = _long_request_in_flight(engine)
     # Kill while the request is surely in flight (500 decode steps take well over 0.2 s).
@@ -244,7 +245,7 @@ def test_silent_stage_fails_its_requests_and_recovers(converted_thinker_fp32):
     health_timeout_s: its requests fail naming it, stats say so at once, and once it answers
     again (SIGCONT) new requests succeed and nothing leaks."""
     limit = 2.0
-    engine = OmniJax(model=converted_thinker_fp32, pipeline=tiny_pipeline(health_timeout_s=limit))
+    engine = OmniJax(model=converted_thinker_fp32, pipeline=tiny_pipeline(health_timeout_s=limit, auto_restart=False))
     try:
         pid = engine.stage_pids()["thinker"]
         t, results = _long_request_in_flight(engine)
@@ -255,7 +256,7 @@ def test_silent_stage_fails_its_requests_and_recovers(converted_thinker_fp32):
             assert not t.is_alive(), "generate hung on a silent stage"
             assert results[0].finish_reason == "error" and "'thinker' stopped answering" in results[0].error
             t0 = time.monotonic()
-            assert engine.stage_stats()["thinker"] == {"healthy": 0.0}
+            assert engine.stage_stats()["thinker"] == {"healthy": 0.0, "num_restarts": 0.0}
             assert time.monotonic() - t0 < 1.0
             refused = engine.generate([{"prompt_token_ids": [1, 2]}], sampling_params=GREEDY)[0]
             assert refused.finish_reason == "error" and "stopped answering" in refused.error
@@ -269,6 +270,46 @@ def test_silent_stage_fails_its_requests_and_recovers(converted_thinker_fp32):
         assert out.error is None and len(out.token_ids) == 6
         stats = engine.stage_stats()["thinker"]
         assert stats["kv_cache_usage"] == 0.0 and stats["num_running"] == 0
+    finally:
+        engine.shutdown()
+
+
+def _wait_healthy(engine, stage: str, limit_s: float) -> float:
+    """Seconds until `stage` reports healthy again (fails past limit_s)."""
+    t0 = time.monotonic()
+    while engine.stage_stats()[stage]["healthy"] != 1.0:
+        assert time.monotonic() - t0 < limit_s, f"stage {stage!r} not back within {limit_s} s"
+        time.sleep(0.1)
+    return time.monotonic() - t0
+
+
+def test_dead_or_silent_stage_is_restarted(converted_thinker_fp32):
+    """auto_restart (the default): a killed stage, and one silent past its health_timeout_s, fail
+    their requests naming the stage, are started again, refuse requests until they are back, then
+    serve; nothing leaks."""
+    limit = 2.0
+    engine = OmniJax(model=converted_thinker_fp32, pipeline=tiny_pipeline(health_timeout_s=limit))
+    try:
+        for n, (sig, says) in enumerate([(signal.SIGKILL, "'thinker' died"),
+                                         (signal.SIGSTOP, "'thinker' stopped answering")], start=1):
+            pid = engine.stage_pids()["thinker"]
+            t, results = _long_request_in_flight(engine)
+            os.kill(pid, sig)
+            t0 = time.monotonic()
+            t.join(limit + 5)
+            assert not t.is_alive(), "generate hung on a failed stage"
+            assert results[0].finish_reason == "error" and says in results[0].error, results[0].error
+            assert time.monotonic() - t0 < limit + 5
+            refused = engine.generate([{"prompt_token_ids": [1, 2]}], sampling_params=GREEDY)[0]
+            if refused.error is not None:  # unless it is already back
+                assert "'thinker' is restarting" in refused.error
+            back = _wait_healthy(engine, "thinker", 60)
+            print(f"thinker back {back:.1f} s after {sig.name}")
+            assert engine.stage_pids()["thinker"] != pid
+            out = engine.generate([{"prompt_token_ids": [1, 2]}], sampling_params=GREEDY)[0]
+            assert out.error is None and len(out.token_ids) == 6
+            stats = engine.stage_stats()["thinker"]
+            assert stats["num_restarts"] == n and stats["kv_cache_usage"] == 0.0 and stats["num_running"] == 0
     finally:
         engine.shutdown()
 

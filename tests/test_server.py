@@ -630,18 +630,29 @@ def test_bench_against_the_server(server, env):
 
 # ---------------------------------------------------------------------------------------- death, shutdown
 
-def test_dead_stage_gives_503(server, client):
+def test_dead_stage_gives_503_until_it_is_back(server, client):
+    """A killed stage is restarted by the library: /health and requests through it answer 503
+    naming it meanwhile, then the server serves again (stage restarts in the metrics)."""
     pids = server.stage_pids()
     assert set(pids) == {"thinker", "talker", "token2wav"}
     os.kill(pids["talker"], signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while httpx.get(f"{server.url}/health").status_code != 503:
+    while (health := httpx.get(f"{server.url}/health")).status_code != 503:
         assert time.monotonic() < deadline, "health still 200 after a stage died"
-        time.sleep(0.2)
-    assert "talker" in httpx.get(f"{server.url}/health").json()["error"]["message"]
+        time.sleep(0.05)
+    assert "'talker' is restarting" in health.json()["error"]["message"]
     with pytest.raises(openai.InternalServerError) as e:
-        client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4)
-    assert e.value.status_code == 503
+        client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4, modalities=["text", "audio"],
+                                       audio={"voice": "Chelsie", "format": "wav"})
+    assert e.value.status_code == 503 and "talker" in e.value.message
+    deadline = time.monotonic() + 120
+    while httpx.get(f"{server.url}/health").status_code != 200:
+        assert time.monotonic() < deadline, "the talker did not come back"
+        time.sleep(0.2)
+    reply = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4, modalities=["text", "audio"],
+                                           audio={"voice": "Chelsie", "format": "wav"})
+    assert reply.choices[0].message.audio is not None
+    assert _metrics(server)['omni_jax_stage_restarts{stage="talker"}'] == 1
 
 
 def test_sigint_shuts_every_stage_down(server):

@@ -6,9 +6,12 @@ sends each request to every stage of its chain at once (the first stage gets the
 prompt; each later stage is told which stage its input comes from), polls all stages,
 streams text deltas and audio back, propagates aborts and failures to every stage, and
 records metrics. What one stage feeds the next (hidden states, codes) goes stage to
-stage over direct channels and never reaches this process. If a stage process dies,
-every request it holds fails with an error naming the stage within a second, and
-later submissions raise.
+stage over direct channels and never reaches this process. If a stage process dies, or
+stays silent past its health_timeout_s, every request of a chain through it fails with an
+error naming the stage within a second; the stage is started again on the same sockets
+(auto_restart) while the other stages keep serving, and requests through it are refused
+until it is ready. Without auto_restart, or if it cannot start again, the engine is dead
+and later submissions raise.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import msgspec.structs
 import numpy as np
 import zmq
 
-from ..engine.protocol import AddRequest, HealthReply, StageFailure, StageOutput, StageOutputs
+from ..engine.protocol import AddRequest, HealthReply, Ready, StageFailure, StageOutput, StageOutputs
 from ..models.handoff import PositionRows
 from ..outputs import OmniRequestOutput, logprobs_of
 from .stage_client import StageClient
@@ -44,7 +47,8 @@ HEARTBEAT_NONCE = 0
 
 
 class EngineDeadError(RuntimeError):
-    """A stage process died; the pipeline cannot serve until it is restarted."""
+    """A stage process died and was not (or could not be) started again: the pipeline cannot
+    serve until the engine is restarted."""
 
 
 @dataclasses.dataclass
@@ -221,7 +225,7 @@ class Orchestrator:
                         self._drain_replies(client)
                 if time.monotonic() >= next_heartbeat:
                     for c in self.clients.values():
-                        if c.dead_reason is None:
+                        if c.dead_reason is None and c.restarting is None:
                             c.health_check(HEARTBEAT_NONCE)  # an unreachable stage: the liveness check says why
                     next_heartbeat = time.monotonic() + HEARTBEAT_PERIOD
                 if time.monotonic() >= next_check:
@@ -256,6 +260,8 @@ class Orchestrator:
             self._finish(req, error=self.dead)
             return
         silent = [self.clients[n].unhealthy_reason for n in req.chain if self.clients[n].unhealthy_reason]
+        silent += [f"stage {n!r} is restarting ({self.clients[n].restarting}); try again when it is back"
+                   for n in req.chain if self.clients[n].restarting]
         if silent:
             self._finish(req, error=silent[0])
             return
@@ -288,10 +294,16 @@ class Orchestrator:
                 client.unhealthy_reason = None
             if isinstance(msg, StageOutputs):
                 self._on_outputs(client.name, msg)
+            elif isinstance(msg, Ready) and client.restarting is not None:
+                log.warning("stage %r is back, %.1f s after its restart", client.name,
+                            time.monotonic() - client.restart_time)
+                client.restarting = None
             elif isinstance(msg, StageFailure):
                 req = self._requests.get(msg.request_id) if msg.request_id else None
                 if req is not None:
                     self._finish(req, error=msg.message)
+                elif msg.request_id is None and client.restarting is not None:
+                    self._give_up(client, msg.message)  # it could not start again
                 elif msg.request_id is None:
                     log.error("stage %r reported: %s", client.name, msg.message)
             elif isinstance(msg, HealthReply) and msg.nonce in self._health:
@@ -299,7 +311,8 @@ class Orchestrator:
                 self._resolve_stats()
 
     def _responsive(self) -> list[StageClient]:
-        return [c for c in self.clients.values() if c.dead_reason is None and c.unhealthy_reason is None]
+        return [c for c in self.clients.values()
+                if c.dead_reason is None and c.unhealthy_reason is None and c.restarting is None]
 
     def _resolve_stats(self) -> None:
         """Answer the stats requests every responsive stage has replied to (the others: healthy 0)."""
@@ -307,7 +320,8 @@ class Orchestrator:
         for nonce, (fut, got) in list(self._health.items()):
             if names <= got.keys():
                 del self._health[nonce]
-                fut.set_result({n: got[n] if n in names else {"healthy": 0.0} for n in self.clients})
+                fut.set_result({n: (got[n] if n in names else {"healthy": 0.0})
+                                | {"num_restarts": float(c.num_restarts)} for n, c in self.clients.items()})
 
     def _on_outputs(self, stage: str, msg: StageOutputs) -> None:
         now = time.monotonic()
@@ -378,22 +392,35 @@ class Orchestrator:
         # its input): free it there.
         for name in req.chain:
             c = self.clients.get(name)
-            if name not in req.finished_stages and c is not None and c.is_alive():
+            if name not in req.finished_stages and c is not None and c.restarting is None and c.is_alive():
                 c.abort([req.request_id])
         req.sink(out.snapshot())
 
     def _check_liveness(self) -> None:
         now = time.monotonic()
         for name, c in self.clients.items():
-            if c.dead_reason is None and not c.is_alive():
-                c.dead_reason = (f"stage {name!r} died (exit code {c.exitcode}); "
-                                 f"restart the engine")
-                self.dead = c.dead_reason
-                log.error(c.dead_reason)
-            elif c.dead_reason is None and c.unhealthy_reason is None and now - c.last_heard > c.cfg.health_timeout_s:
+            if c.dead_reason is not None:
+                continue
+            if c.restarting is not None:
+                if not c.is_alive():
+                    self._give_up(c, f"stage {name!r} exited (code {c.exitcode}) while starting again "
+                                     f"after: {c.restarting}")
+                elif now - c.restart_time > c.cfg.ready_timeout_s:
+                    c.kill()
+                    self._give_up(c, f"stage {name!r} was not ready within ready_timeout_s="
+                                     f"{c.cfg.ready_timeout_s:g} of its restart after: {c.restarting}")
+            elif not c.is_alive():
+                reason = f"stage {name!r} died (exit code {c.exitcode})"
+                if c.cfg.auto_restart:
+                    self._restart(c, reason)
+                else:
+                    self._give_up(c, f"{reason}; restart the engine")
+            elif c.unhealthy_reason is None and now - c.last_heard > c.cfg.health_timeout_s:
                 c.unhealthy_reason = (f"stage {name!r} stopped answering (nothing for {now - c.last_heard:.0f} s, "
                                       f"health_timeout_s={c.cfg.health_timeout_s:g})")
                 log.error(c.unhealthy_reason)
+                if c.cfg.auto_restart:
+                    self._restart(c, c.unhealthy_reason)
         if self.dead is not None:
             for req in list(self._requests.values()):
                 self._finish(req, error=self.dead)
@@ -402,6 +429,19 @@ class Orchestrator:
                 for req in [r for r in self._requests.values() if c.name in r.chain]:
                     self._finish(req, error=c.unhealthy_reason)
         self._resolve_stats()
+
+    def _restart(self, c: StageClient, reason: str) -> None:
+        """Fail the requests of chains through the stage, then start it again (not waiting)."""
+        log.error("%s; starting it again", reason)
+        for req in [r for r in self._requests.values() if c.name in r.chain]:
+            self._finish(req, error=f"{reason}; it is being restarted")
+        c.restart(reason)
+
+    def _give_up(self, c: StageClient, reason: str) -> None:
+        """The stage cannot serve again: the engine is dead (every request fails, later calls raise)."""
+        log.error(reason)
+        c.dead_reason = self.dead = reason
+        c.restarting = None
 
     def _close_all(self) -> None:
         for c in self.clients.values():

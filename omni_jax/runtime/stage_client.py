@@ -47,9 +47,21 @@ class StageClient:
         self.dead_reason: str | None = None       # the process exited
         self.unhealthy_reason: str | None = None  # alive but silent for longer than health_timeout_s
         self.last_heard = 0.0                     # time.monotonic() of its last message
+        self.restarting: str | None = None        # why it is being started again, until its Ready
+        self.restart_time = 0.0                   # time.monotonic() of the last restart
+        self.num_restarts = 0
 
     def start(self) -> None:
         self.process = subprocess.Popen(self._argv, stdin=subprocess.DEVNULL)
+
+    def restart(self, reason: str) -> None:
+        """Kill what is left of the process and start a new one on the same sockets; its `Ready`
+        comes through the replies channel like any message (the caller does not wait for it)."""
+        self.kill()
+        self.start()
+        self.restarting, self.restart_time = reason, time.monotonic()
+        self.dead_reason = self.unhealthy_reason = None
+        self.num_restarts += 1
 
     @property
     def exitcode(self) -> int | None:

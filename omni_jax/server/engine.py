@@ -3,13 +3,13 @@
 The HTTP port opens at once (so /health can answer 503 "loading" while the stages load
 and compile); `ServedEngine.start` builds the `AsyncOmniJax` in a daemon thread. A stage
 that dies is seen through its process id (public `stage_pids`) or through the error the
-library raises on submission; either makes the server unhealthy (503) for good.
+library raises on submission; either makes the server unhealthy (503) for good. A stage the
+library is restarting (auto_restart) makes it unhealthy until the stage is back.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 import time
@@ -18,21 +18,6 @@ from typing import Callable, Sequence
 from ..api import AsyncOmniJax
 
 log = logging.getLogger("omni_jax.server")
-
-
-def _pid_alive(pid: int) -> bool:
-    """True if the process exists and is not a zombie (Linux: /proc; elsewhere: signal 0)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-    except OSError:
-        try:
-            os.kill(pid, 0)
-            return True
-        except OSError:
-            return False
 
 
 class ServedEngine:
@@ -103,11 +88,13 @@ class ServedEngine:
             log.error("engine unhealthy: %s", reason)
 
     def check(self) -> tuple[bool, str]:
-        """(healthy, why not): ready and every stage process alive."""
+        """(healthy, why not): ready, no stage dead for good and none restarting."""
         if self.state == "ready":
-            dead = [n for n, pid in self.stage_pids().items() if not _pid_alive(pid)]
-            if dead:
-                self.mark_dead(f"stage {dead[0]!r} is dead; restart the server")
+            dead, restarting = self.omni.health()
+            if dead is not None:
+                self.mark_dead(f"{dead}; restart the server")
+            elif restarting:
+                return False, f"stage {restarting[0]!r} is restarting"
         return self.state == "ready", self.reason
 
     def shutdown(self) -> None:

@@ -102,9 +102,9 @@ async def open_request(engine: ServedEngine, prompt, params, modalities, voice, 
 def failure(engine: ServedEngine, error: str) -> APIError:
     """The HTTP error for a request the library failed with `error`."""
     ok, why = engine.check()
-    if not ok or "died" in error:
-        engine.mark_dead(error)
-        return APIError(503, f"the request failed because a stage is dead: {error}", None, "service_unavailable")
+    if not ok or any(w in error for w in ("died", "restarting", "stopped answering")):
+        # A stage failed (check() tells whether for good: then /health stays 503).
+        return APIError(503, f"the request failed because a stage failed: {error}", None, "service_unavailable")
     if error.startswith("bad prompt") or any(w in error for w in ("max_model_len", "too long", "too large")):
         return bad_request(error, "messages")  # the prompt exceeds what this deployment was sized for
     return APIError(500, f"the request failed: {error}", None, "internal_error")

@@ -22,6 +22,7 @@ _STAGE_GAUGES = {
     "kv_cache_usage": ("omni_jax_stage_kv_cache_usage", "Fraction of the stage's KV blocks in use (0-1)"),
     "prefix_cache_hit_rate": ("omni_jax_stage_prefix_cache_hit_rate", "Prefix cache hit rate of the stage"),
     "num_compilations": ("omni_jax_stage_compilations", "Jitted step compilations in the stage"),
+    "num_restarts": ("omni_jax_stage_restarts", "Times the stage process was started again after it failed"),
 }
 
 

@@ -121,9 +121,10 @@ def _describe(src: Any) -> str:
 
 
 def _read_source(src: Any, what: str) -> tuple[Any, str]:
-    """A path or a binary buffer for a path / file:// / data: URL / bytes source, and its name for errors."""
+    """A path or a binary buffer for a path / file:// / data: URL / bytes source, and how errors name it
+    after its kind (the path, "bytes" or "data: URL")."""
     if isinstance(src, (bytes, bytearray, memoryview)):
-        return io.BytesIO(bytes(src)), f"{what} bytes"
+        return io.BytesIO(bytes(src)), "bytes"
     if isinstance(src, os.PathLike):
         src = os.fspath(src)
     if not isinstance(src, str):
@@ -141,7 +142,7 @@ def _read_source(src: Any, what: str) -> tuple[Any, str]:
                 data = unquote_to_bytes(payload)
         except (binascii.Error, ValueError) as e:
             raise MediaError(f"{what} data: URL is not valid base64 ({e})") from None
-        return io.BytesIO(data), f"{what} data: URL"
+        return io.BytesIO(data), "data: URL"
     if src.startswith("file://"):
         from urllib.parse import unquote, urlparse
 

@@ -56,9 +56,11 @@ class PromptWorkers:
             # shield: a timeout must not cancel `work`'s wrapper while the thread still runs it.
             return await asyncio.wait_for(asyncio.shield(work), self.timeout_s)
         except TimeoutError:
-            work.add_done_callback(_drop_result)
             raise PromptError(f"processing the prompt took longer than {self.timeout_s:g} s "
                               f"(prompt_timeout_s; stopped waiting after {time.monotonic() - t0:.1f} s)") from None
+        finally:
+            if not work.done():  # abandoned (over budget, or the caller left): its outcome goes nowhere
+                work.add_done_callback(_drop_result)
 
     def shutdown(self) -> None:
         """Stop taking prompts; queued ones are cancelled, running ones finish in the background."""

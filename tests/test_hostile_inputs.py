@@ -123,13 +123,20 @@ def test_prompt_workers_budget_counts_from_the_start_of_each_prompt():
         t0 = time.monotonic()
         with pytest.raises(PromptError, match=r"took longer than 0.6 s \(prompt_timeout_s"):
             await workers.run(work, "slow", 2.0)
-        return queued, time.monotonic() - t0
+        waited = time.monotonic() - t0
+        # A caller that leaves while its prompt waits for a worker: the prompt never starts.
+        left = asyncio.create_task(workers.run(ran.append, "left"))
+        await asyncio.sleep(0.1)
+        left.cancel()
+        await asyncio.sleep(1.6)  # the slow prompt's worker is free again
+        return queued, waited
 
+    ran = []
     try:
         queued, waited = asyncio.run(run())
     finally:
         workers.shutdown()
-    assert queued == [0, 1, 2] and 0.55 < waited < 1.5
+    assert queued == [0, 1, 2] and 0.55 < waited < 1.5 and ran == []
     for bad in ({"num_workers": 0}, {"timeout_s": float("inf")}, {"timeout_s": -1}):
         with pytest.raises(ValueError, match="prompt_workers|prompt_timeout_s"):
             PromptWorkers(**bad)

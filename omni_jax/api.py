@@ -1,8 +1,10 @@
 """The front ends: `OmniJax` (sync, batches) and `AsyncOmniJax` (async streaming).
 
 Both start the pipeline's stage processes through an `Orchestrator` and process
-prompts in the caller's process (tokenizer, chat template). Bad input fails that
-request with an error naming the problem; the others go on.
+prompts in the caller's process (tokenizer, chat template, media): `OmniJax` on the
+caller's thread, `AsyncOmniJax` on worker threads with a time budget per prompt, so a
+slow prompt never stalls the event loop. Bad input fails that request with an error
+naming the problem; the others go on.
 
     with OmniJax(model="tiny") as omni:
         outs = omni.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}, {"prompt_embeds": rows}],
@@ -35,6 +37,7 @@ from .engine.sampling import SamplingParams
 from .inputs.processor import PromptError
 from .models.registry import get_family, resolve_model
 from .outputs import OmniRequestOutput, RequestMetrics
+from .prompt_workers import PromptWorkers
 from .runtime.orchestrator import Orchestrator, OrchestratorRequest
 
 
@@ -250,13 +253,27 @@ class OmniJax(_Frontend):
 class AsyncOmniJax(_Frontend):
     """Asynchronous front end: `generate` is an async generator of updates (text deltas, audio chunks)."""
 
+    def __init__(self, model: str = "tiny", pipeline: str | PipelineConfig | None = None,
+                 output_modalities: Sequence[str] = ("text",), async_chunk: bool | None = None,
+                 prompt_workers: int = 4, prompt_timeout_s: float = 30.0):
+        """`prompt_workers`: threads that process prompts (chat template, tokenizer, media) off the
+        event loop. `prompt_timeout_s`: a prompt whose processing takes longer fails with a
+        PromptError. Other arguments as `OmniJax`."""
+        self._prompts = PromptWorkers(prompt_workers, prompt_timeout_s)  # first: a bad value starts nothing
+        try:
+            super().__init__(model, pipeline, output_modalities, async_chunk)
+        except BaseException:
+            self._prompts.shutdown()
+            raise
+
     async def generate(self, prompt, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                        request_id: str | None = None, output_modalities: Sequence[str] | None = None,
                        voice: str | None = None, output_hidden_states: Sequence[int] | None = None,
                        hidden_states_include_prompt: bool = False) -> AsyncIterator[OmniRequestOutput]:
         """Yield an OmniRequestOutput per update until the request finishes.
 
-        Raises PromptError (a ValueError) for a prompt that cannot be processed.
+        Raises PromptError (a ValueError) for a prompt that cannot be processed, or whose
+        processing (on a worker thread) outlasts `prompt_timeout_s`.
         Leaving the loop early (break, cancellation) aborts the request.
         `output_hidden_states` / `hidden_states_include_prompt` as `OmniJax.generate`; the
         hidden states come with the final update.
@@ -265,9 +282,10 @@ class AsyncOmniJax(_Frontend):
         updates: asyncio.Queue = asyncio.Queue()
         chain = self._chain(output_modalities)
         rid = request_id or self._new_id()
-        req = self._request(prompt, self._stage_params(sampling_params, chain), chain, rid,
-                            lambda o: loop.call_soon_threadsafe(updates.put_nowait, o), voice,
-                            self._hidden_layers(output_hidden_states, chain), hidden_states_include_prompt)
+        req = await self._prompts.run(
+            self._request, prompt, self._stage_params(sampling_params, chain), chain, rid,
+            lambda o: loop.call_soon_threadsafe(updates.put_nowait, o), voice,
+            self._hidden_layers(output_hidden_states, chain), hidden_states_include_prompt)
         self._orch.submit(req)
         finished = False
         try:
@@ -278,6 +296,11 @@ class AsyncOmniJax(_Frontend):
         finally:
             if not finished:
                 self._orch.abort(rid)
+
+    def shutdown(self) -> None:
+        """Stop every stage process and the prompt workers; the object cannot be used afterwards."""
+        self._prompts.shutdown()
+        super().shutdown()
 
     async def __aenter__(self):
         return self

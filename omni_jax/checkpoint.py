@@ -13,7 +13,9 @@ names the first one that is not.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -31,6 +33,15 @@ CONFIG_FILE = "omni_jax_config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"  # copied from the HF checkpoint
 FORMAT_VERSION = 1
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+# Config fields that size a tensor or a loop: 0 builds an empty model or divides by zero. Other
+# integers may be 0 (a MoE model's dense intermediate_size) but never negative once parsed.
+POSITIVE_FIELDS = frozenset({
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_layers", "num_attention_heads", "num_heads",
+    "num_key_value_heads", "num_kv_heads", "head_dim", "d_model", "encoder_layers", "encoder_attention_heads",
+    "num_mel_bins", "mel_dim", "emb_dim", "num_embeds", "depth", "patch_size", "temporal_patch_size",
+    "spatial_merge_size", "in_channels", "out_hidden_size", "output_dim",
+})
 
 
 def path_key(path: tuple) -> str:
@@ -60,7 +71,55 @@ def read_config(ckpt_dir: str) -> dict:
     if cfg.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{cfg_path}: format_version {cfg.get('format_version')} is not "
                               f"{FORMAT_VERSION}; reconvert the checkpoint")
+    check_dtype(cfg.get("dtype"), f"{cfg_path}: dtype")
     return cfg
+
+
+def check_dtype(name: Any, where: str) -> Any:
+    """The jnp dtype called `name`, or CheckpointError naming `where` and the dtypes there are."""
+    if not isinstance(name, str) or name not in DTYPES:
+        raise CheckpointError(f"{where} {name!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def _value_problem(field: str, value: Any, parsed: bool) -> str | None:
+    """Why a config value cannot be right, or None. `parsed`: a value of the stage's own config
+    (any negative integer is wrong); raw HF values keep their -1 sentinels."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return "must be a finite number"
+    if field in POSITIVE_FIELDS and (not isinstance(value, int) or value < 1):
+        return "must be a positive integer"
+    if field.endswith(("eps", "theta")) and value <= 0:
+        return "must be positive"
+    if parsed and value < 0:
+        return "must not be negative"
+    return None
+
+
+def _config_values(node: Any, path: str, field: str):
+    """(path, field name, value) of every leaf of a config: dataclass fields, dict keys, list items."""
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        for f in dataclasses.fields(node):
+            yield from _config_values(getattr(node, f.name), f"{path}.{f.name}", f.name)
+    elif isinstance(node, dict):
+        for k, v in node.items():
+            yield from _config_values(v, f"{path}.{k}", str(k))
+    elif isinstance(node, (list, tuple)):
+        for i, v in enumerate(node):
+            yield from _config_values(v, f"{path}[{i}]", field)
+    else:
+        yield path, field, node
+
+
+def check_config_values(node: Any, where: str, section: str, parsed: bool) -> None:
+    """CheckpointError naming the file and the field of the first value no model can have
+    (sizes of 0 or below, NaN or infinite floats, a norm epsilon or rope theta of 0)."""
+    for path, field, value in _config_values(node, section, section):
+        problem = _value_problem(field, value, parsed)
+        if problem:
+            raise CheckpointError(f"{where}: {path} = {value!r} {problem}")
 
 
 def eos_token_ids(ckpt_dir: str) -> tuple[int, ...]:
@@ -75,11 +134,22 @@ def eos_token_ids(ckpt_dir: str) -> tuple[int, ...]:
 
 
 def parse_stage_config(ckpt_dir: str, spec, hf_config: dict):
-    """A stage's config from the checkpoint's HF config; a missing value names the file."""
+    """A stage's config from the checkpoint's HF config, its values checked before any model is
+    built from them; a missing or impossible value names the file and the field."""
+    where = os.path.join(ckpt_dir, CONFIG_FILE)
+    section = f"hf_config.{spec.config_key}"
+    if spec.config_key not in hf_config:
+        raise ConfigKeyError(f"{where}: missing {section}")
+    raw = hf_config[spec.config_key]
+    check_config_values(raw, where, section, parsed=False)
     try:
-        return spec.parse_config(hf_config[spec.config_key])
+        parsed = spec.parse_config(raw)
     except ConfigKeyError as e:
-        raise ConfigKeyError(f"{os.path.join(ckpt_dir, CONFIG_FILE)} (hf_config.{e})") from None
+        raise ConfigKeyError(f"{where} (hf_config.{e})") from None
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+        raise CheckpointError(f"{where}: cannot read {section}: {type(e).__name__}: {e}") from None
+    check_config_values(parsed, where, f"parsed {spec.config_key}", parsed=True)
+    return parsed
 
 
 def load_checkpoint(path: str, stage: str = "thinker", dtype: str | None = None) -> tuple[nnx.Module, Any]:
@@ -96,8 +166,8 @@ def load_checkpoint(path: str, stage: str = "thinker", dtype: str | None = None)
         raise CheckpointError(f"checkpoint {path} has no stage {stage!r}; it has {cfg['stages']}")
     spec = specs[stage]
     stage_cfg = parse_stage_config(path, spec, cfg["hf_config"])
-    stored = DTYPES[cfg["dtype"]]
-    want = DTYPES[dtype] if dtype else stored
+    stored = DTYPES[cfg["dtype"]]  # checked by read_config
+    want = check_dtype(dtype, "load_checkpoint: dtype") if dtype else stored
 
     t0 = time.perf_counter()
     abstract = abstract_stage(spec, stage_cfg, stored)

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import copy
+import json
 import pickle
 import re
 
 import pytest
 import yaml
+
+import hf_tiny_qwen3
+from omni_jax.checkpoint import CONFIG_FILE, FORMAT_VERSION, load_checkpoint, read_config
 
 from omni_jax.config import (
     ConfigError,
@@ -19,6 +23,9 @@ from omni_jax.config import (
     load_pipeline_config,
     pipeline_config_from_dict,
 )
+from omni_jax.errors import CheckpointError
+from omni_jax.models.qwen2_5_omni.tiny import tiny_config
+from omni_jax.models.registry import get_family
 
 pytestmark = pytest.mark.pipeline
 
@@ -390,3 +397,80 @@ def test_input_dict_not_mutated():
     cfg = pipeline_config_from_dict(d)
     assert d == before
     assert isinstance(cfg, PipelineConfig)
+
+
+# --------------------------------------------------------------------------- checkpoint configs (issue 20)
+
+
+def _checkpoint_with(tmp_path, family: str, hf: dict, dtype="float32") -> str:
+    """A converted-checkpoint directory holding only its JSON config (no weights)."""
+    cfg = {"format_version": FORMAT_VERSION, "family": family, "dtype": dtype,
+           "stages": list(get_family(family).stages), "hf_config": hf}
+    (tmp_path / CONFIG_FILE).write_text(json.dumps(cfg))
+    return str(tmp_path)
+
+
+def _qwen2_5_hf():
+    return tiny_config()
+
+
+def _qwen3_hf():
+    return hf_tiny_qwen3.qwen3_omni_config_dict()
+
+
+BAD_CHECKPOINT_VALUES = [
+    # (family config, stage, path of the value, value, what the error says)
+    (_qwen2_5_hf, "thinker", "thinker_config.text_config.vocab_size", 0, "= 0 must be a positive integer"),
+    (_qwen2_5_hf, "thinker", "thinker_config.text_config.hidden_size", -1, "= -1 must be a positive integer"),
+    (_qwen2_5_hf, "thinker", "thinker_config.text_config.num_attention_heads", 0, "must be a positive integer"),
+    (_qwen2_5_hf, "thinker", "thinker_config.text_config.rms_norm_eps", float("nan"), "= nan must be a finite"),
+    (_qwen2_5_hf, "thinker", "thinker_config.text_config.rope_parameters.rope_theta", float("inf"),
+     "= inf must be a finite number"),
+    (_qwen2_5_hf, "thinker", "thinker_config.text_config.rms_norm_eps", 0.0, "= 0.0 must be positive"),
+    (_qwen2_5_hf, "thinker", "thinker_config.text_config.intermediate_size", -5,
+     "parsed thinker_config.text.intermediate_size = -5 must not be negative"),
+    (_qwen2_5_hf, "talker", "talker_config.head_dim", 0, "must be a positive integer"),
+    (_qwen3_hf, "thinker", "thinker_config.text_config.vocab_size", 0, "must be a positive integer"),
+    (_qwen3_hf, "thinker", "thinker_config.text_config.rms_norm_eps", float("nan"), "must be a finite number"),
+    (_qwen3_hf, "code2wav", "code2wav_config.rope_parameters.rope_theta", float("inf"), "must be a finite number"),
+]
+
+
+@pytest.mark.parametrize("make_hf, stage, path, value, expected", BAD_CHECKPOINT_VALUES,
+                         ids=[f"{c[0].__name__[1:-3]}-{c[2].split('.')[-1]}={c[3]}" for c in BAD_CHECKPOINT_VALUES])
+def test_impossible_checkpoint_value_names_the_field_and_the_file(tmp_path, make_hf, stage, path, value, expected):
+    """Absurd checkpoint values used to fail with ZeroDivisionError / TypeError deep in the model,
+    or load silently (rms_norm_eps NaN: every token 0): now a CheckpointError names both."""
+    hf = make_hf()
+    *parents, leaf = path.split(".")
+    node = hf
+    for key in parents:
+        node = node[key]
+    assert leaf in node, path  # break a value the config really has
+    node[leaf] = value
+    family = hf.get("model_type", "qwen3_omni")
+    ckpt = _checkpoint_with(tmp_path, "qwen2_5_omni" if family == "qwen2_5_omni" else "qwen3_omni", hf)
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(ckpt, stage)
+    msg = str(e.value)
+    assert str(tmp_path / CONFIG_FILE) in msg and expected in msg and leaf.split("_")[0] in msg, msg
+
+
+@pytest.mark.parametrize("make_hf", [_qwen2_5_hf, _qwen3_hf])
+def test_sane_checkpoint_config_passes_the_checks(tmp_path, make_hf):
+    """The checks refuse nothing real: a valid config gets as far as the (absent) weights."""
+    hf = make_hf()
+    ckpt = _checkpoint_with(tmp_path, "qwen2_5_omni" if hf.get("model_type") == "qwen2_5_omni" else "qwen3_omni", hf)
+    with pytest.raises(CheckpointError, match="lacks the directory of stage 'thinker'"):
+        load_checkpoint(ckpt, "thinker")
+
+
+def test_unknown_checkpoint_dtype_names_the_field_and_the_file(tmp_path):
+    """dtype float16 used to be a bare KeyError('float16')."""
+    ckpt = _checkpoint_with(tmp_path, "qwen2_5_omni", _qwen2_5_hf(), dtype="float16")
+    want = re.escape(f"{tmp_path / CONFIG_FILE}: dtype 'float16' is not one of ['bfloat16', 'float32']")
+    with pytest.raises(CheckpointError, match=want):
+        read_config(ckpt)
+    ok = _checkpoint_with(tmp_path, "qwen2_5_omni", _qwen2_5_hf())
+    with pytest.raises(CheckpointError, match=r"load_checkpoint: dtype 'fp8' is not one of"):
+        load_checkpoint(ok, "thinker", dtype="fp8")

@@ -11,7 +11,9 @@ Sources accepted (what a caller of a chat API hands over):
   Its audio track is decoded too when asked (for Qwen's `use_audio_in_video`).
 
 Every problem raises `MediaError` naming the file and the numbers; the input processor adds
-where in the prompt the item sits.
+where in the prompt the item sits. Sizes are checked before any decoding work (`MediaLimits`):
+pixel counts from the image header, sample rates, frame rates and frame counts from the stream
+headers, so a hostile item costs its caller milliseconds, not gigabytes.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import numpy as np
 
 __all__ = [
     "MediaError",
+    "MediaLimits",
     "VideoClip",
     "load_image",
     "load_audio",
@@ -38,12 +41,57 @@ __all__ = [
 
 TARGET_SAMPLE_RATE = 16000
 
-# The highest sample rate accepted for an audio array (Hz): studio audio goes to 384 kHz.
-MAX_SAMPLE_RATE = 384_000
 
 
 class MediaError(ValueError):
     """A media item cannot be loaded; the message names the source and the reason."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MediaLimits:
+    """What a media item may be, checked from its header before it is decoded.
+
+    The defaults admit any real recording: telephone to studio sample rates (studio audio goes
+    to 384 kHz), images up to 8192 x 8192 (a larger one is resized down to the model's
+    max_pixels anyway, after costing its decode), high-speed video up to 1000 fps, and 300 s
+    at 120 fps of frames to walk through.
+    """
+
+    min_sample_rate: float = 1000.0
+    max_sample_rate: float = 384_000.0
+    max_image_pixels: int = 8192 * 8192
+    max_video_fps: float = 1000.0
+    max_video_frames: int = 36_000
+
+    def check_sample_rate(self, rate: float, what: str) -> float:
+        """`rate` as a float in [min_sample_rate, max_sample_rate], else MediaError: an absurd rate
+        (inf, 1e30, 1e-30) would make the resampler run for ever or fill memory."""
+        if not self.min_sample_rate <= rate <= self.max_sample_rate:
+            raise MediaError(f"{what}: sample rate must be in [{self.min_sample_rate:g}, {self.max_sample_rate:g}] "
+                             f"Hz, got {rate:g}")
+        return float(rate)
+
+    def check_pixels(self, width: int, height: int, what: str) -> None:
+        """MediaError for an empty image or one with more pixels than max_image_pixels."""
+        if width < 1 or height < 1:
+            raise MediaError(f"{what} has no pixels ({width}x{height})")
+        if width * height > self.max_image_pixels:
+            raise MediaError(f"{what} is {width}x{height} = {width * height} pixels, more than the limit of "
+                             f"{self.max_image_pixels}")
+
+    def check_fps(self, fps: float, what: str) -> float:
+        """`fps` as a float in (0, max_video_fps], else MediaError (fps=inf would make a zero duration)."""
+        if not 0 < fps <= self.max_video_fps:
+            raise MediaError(f"{what}: fps must be in (0, {self.max_video_fps:g}], got {fps:g}")
+        return float(fps)
+
+    def check_frames(self, total: int, what: str) -> None:
+        """MediaError for more frames than max_video_frames (each would be decoded or loaded)."""
+        if total > self.max_video_frames:
+            raise MediaError(f"{what} has {total} frames, more than the limit of {self.max_video_frames}")
+
+
+DEFAULT_LIMITS = MediaLimits()
 
 
 @dataclasses.dataclass
@@ -73,9 +121,10 @@ def _describe(src: Any) -> str:
 
 
 def _read_source(src: Any, what: str) -> tuple[Any, str]:
-    """A path or a binary buffer for a path / file:// / data: URL / bytes source, and its name for errors."""
+    """A path or a binary buffer for a path / file:// / data: URL / bytes source, and how errors name it
+    after its kind (the path, "bytes" or "data: URL")."""
     if isinstance(src, (bytes, bytearray, memoryview)):
-        return io.BytesIO(bytes(src)), f"{what} bytes"
+        return io.BytesIO(bytes(src)), "bytes"
     if isinstance(src, os.PathLike):
         src = os.fspath(src)
     if not isinstance(src, str):
@@ -93,7 +142,7 @@ def _read_source(src: Any, what: str) -> tuple[Any, str]:
                 data = unquote_to_bytes(payload)
         except (binascii.Error, ValueError) as e:
             raise MediaError(f"{what} data: URL is not valid base64 ({e})") from None
-        return io.BytesIO(data), f"{what} data: URL"
+        return io.BytesIO(data), "data: URL"
     if src.startswith("file://"):
         from urllib.parse import unquote, urlparse
 
@@ -116,7 +165,7 @@ def _b64_bytes(data: str, what: str) -> bytes:
 # images
 # ---------------------------------------------------------------------------------------
 
-def _array_to_pil(arr: np.ndarray, what: str):
+def _array_to_pil(arr: np.ndarray, what: str, limits: MediaLimits):
     from PIL import Image
 
     a = np.asarray(arr)
@@ -126,6 +175,7 @@ def _array_to_pil(arr: np.ndarray, what: str):
         a = a[..., 0]
     if a.ndim not in (2, 3) or (a.ndim == 3 and a.shape[-1] not in (3, 4)) or min(a.shape[:2]) < 1:
         raise MediaError(f"{what}: expected an array [H, W], [H, W, 1|3|4] or [C, H, W], got shape {a.shape}")
+    limits.check_pixels(a.shape[1], a.shape[0], what)
     if a.dtype == np.uint8:
         pass
     elif a.dtype == np.bool_:
@@ -140,20 +190,27 @@ def _array_to_pil(arr: np.ndarray, what: str):
     return img.convert("RGB")
 
 
-def load_image(src: Any, what: str = "image"):
-    """An RGB PIL image from a path / URL / bytes / PIL image / numpy array (EXIF rotation applied to files)."""
+def load_image(src: Any, what: str = "image", limits: MediaLimits = DEFAULT_LIMITS):
+    """An RGB PIL image from a path / URL / bytes / PIL image / numpy array (EXIF rotation applied to files).
+
+    The pixel count is checked against `limits` before decoding: a file's from its header."""
     from PIL import Image, ImageOps, UnidentifiedImageError
 
     if isinstance(src, Image.Image):
+        limits.check_pixels(src.width, src.height, what)
         return src.convert("RGB")
     if isinstance(src, np.ndarray):
-        return _array_to_pil(src, what)
+        return _array_to_pil(src, what, limits)
     handle, name = _read_source(src, what)
     try:
         with Image.open(handle) as img:
+            # Image.open reads only the header: a small file can declare a huge canvas.
+            limits.check_pixels(img.width, img.height, f"{what} {name}")
             img.load()
             img = ImageOps.exif_transpose(img)
             return img.convert("RGB")
+    except MediaError:
+        raise
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
         raise MediaError(f"cannot read {what} {name}: {e}") from None
 
@@ -198,9 +255,12 @@ def _check_seconds(n: int, rate: float, max_seconds: float | None, what: str) ->
 
 
 def _decode_audio_stream(container, stream, name: str, what: str, max_seconds: float | None,
-                         target_rate: int) -> np.ndarray:
+                         target_rate: int, limits: MediaLimits) -> np.ndarray:
     """Decode one PyAV audio stream to mono float32 at `target_rate`."""
     import av
+
+    if stream.sample_rate:
+        limits.check_sample_rate(stream.sample_rate, f"{what} {name}")
 
     meta = float(stream.duration * stream.time_base) if stream.duration else (
         container.duration / 1e6 if container.duration else None)
@@ -211,7 +271,7 @@ def _decode_audio_stream(container, stream, name: str, what: str, max_seconds: f
     chunks, rate = [], None
     try:
         for frame in container.decode(stream):
-            rate = rate or frame.sample_rate
+            rate = rate or limits.check_sample_rate(frame.sample_rate, f"{what} {name}")
             for out in converter.resample(frame):
                 chunks.append(out.to_ndarray())
         for out in converter.resample(None):
@@ -236,7 +296,7 @@ def _open_av(src: Any, what: str):
 
 
 def load_audio(src: Any, max_seconds: float | None = None, what: str = "audio",
-               target_rate: int = TARGET_SAMPLE_RATE) -> np.ndarray:
+               target_rate: int = TARGET_SAMPLE_RATE, limits: MediaLimits = DEFAULT_LIMITS) -> np.ndarray:
     """Mono float32 waveform at `target_rate` (16 kHz) of an audio source (see module docstring)."""
     if isinstance(src, dict) and "array" in src:
         src = (src["array"], src.get("sampling_rate", src.get("sample_rate")))
@@ -248,9 +308,7 @@ def load_audio(src: Any, max_seconds: float | None = None, what: str = "audio",
             rate = float(rate)
         except (TypeError, ValueError):
             raise MediaError(f"{what}: sample rate {rate!r} is not a number") from None
-        if not 0 < rate <= MAX_SAMPLE_RATE:
-            # An absurd rate (inf, 1e30) would make the resampler run for ever.
-            raise MediaError(f"{what}: sample rate must be in (0, {MAX_SAMPLE_RATE}] Hz, got {rate:g}")
+        limits.check_sample_rate(rate, what)
         wave = _to_mono_float(arr, what)
         _check_seconds(wave.shape[0], rate, max_seconds, what)
         wave = resample(wave, rate, target_rate)
@@ -262,7 +320,7 @@ def load_audio(src: Any, max_seconds: float | None = None, what: str = "audio",
             if not container.streams.audio:
                 raise MediaError(f"{what} {name} has no audio stream")
             wave = _decode_audio_stream(container, container.streams.audio[0], name, what, max_seconds,
-                                        target_rate)
+                                        target_rate, limits)
     if wave.shape[0] == 0:
         raise MediaError(f"{what} is empty")
     return wave
@@ -289,16 +347,18 @@ def sample_frame_indices(total: int, video_fps: float, fps: float, min_frames: i
     return (np.arange(n, dtype=np.int64) * total) // n
 
 
-def _frames_array(frames: Any, what: str) -> np.ndarray:
-    """[T, H, W, 3] uint8 from a list of images/arrays or a 4-D array."""
+def _frames_array(frames: Any, what: str, limits: MediaLimits) -> np.ndarray:
+    """[T, H, W, 3] uint8 from a list of images/arrays or a 4-D array (counts checked before loading)."""
+    limits.check_frames(len(frames), what)
     if isinstance(frames, np.ndarray) and frames.ndim == 4 and frames.dtype == np.uint8 and frames.shape[-1] == 3:
         if frames.shape[0] == 0 or min(frames.shape[1:3]) < 1:
             raise MediaError(f"{what} has no frames (shape {frames.shape})")
+        limits.check_pixels(frames.shape[2], frames.shape[1], f"{what} frame")
         return np.ascontiguousarray(frames)
     items = list(frames)
     if not items:
         raise MediaError(f"{what} has no frames")
-    arrs = [np.asarray(load_image(f, f"{what} frame {i}")) for i, f in enumerate(items)]
+    arrs = [np.asarray(load_image(f, f"{what} frame {i}", limits)) for i, f in enumerate(items)]
     shapes = {a.shape for a in arrs}
     if len(shapes) != 1:
         raise MediaError(f"{what}: all frames must have the same size, got {sorted(shapes)}")
@@ -306,7 +366,7 @@ def _frames_array(frames: Any, what: str) -> np.ndarray:
 
 
 def _decode_video(src: Any, what: str, fps: float, min_frames: int, max_frames: int, tps: int,
-                  with_audio: bool, max_seconds: float | None, target_rate: int) -> VideoClip:
+                  with_audio: bool, max_seconds: float | None, target_rate: int, limits: MediaLimits) -> VideoClip:
     import av
 
     container, name = _open_av(src, what)
@@ -317,7 +377,9 @@ def _decode_video(src: Any, what: str, fps: float, min_frames: int, max_frames: 
         rate = stream.average_rate or stream.guessed_rate
         if not rate:
             raise MediaError(f"{what} {name}: the frame rate is unknown")
-        video_fps = float(rate)
+        video_fps = limits.check_fps(float(rate), f"{what} {name}")
+        ctx = stream.codec_context
+        limits.check_pixels(ctx.width, ctx.height, f"{what} {name} frame")
         total = int(stream.frames or 0)
         if total <= 0:  # containers without a frame count: estimate from the duration
             if stream.duration:
@@ -329,6 +391,7 @@ def _decode_video(src: Any, what: str, fps: float, min_frames: int, max_frames: 
             total = int(round(seconds * video_fps))
         if total <= 0:
             raise MediaError(f"{what} {name}: cannot tell how many frames it has")
+        limits.check_frames(total, f"{what} {name}")
         duration = total / video_fps
         if max_seconds is not None and duration > max_seconds + 1e-6:
             raise MediaError(f"{what} {name} lasts {duration:.2f} s, longer than the limit of {max_seconds:g} s")
@@ -358,7 +421,7 @@ def _decode_video(src: Any, what: str, fps: float, min_frames: int, max_frames: 
         container, name = _open_av(src, what)
         with container:
             audio = _decode_audio_stream(container, container.streams.audio[0], name, f"{what} audio track",
-                                         max_seconds, target_rate)
+                                         max_seconds, target_rate, limits)
     frames = np.stack(picked)
     return VideoClip(frames=frames, fps=len(wanted) / duration, duration=duration, audio=audio)
 
@@ -366,22 +429,26 @@ def _decode_video(src: Any, what: str, fps: float, min_frames: int, max_frames: 
 def load_video(src: Any, *, fps: float = 2.0, min_frames: int = 4, max_frames: int = 768,
                temporal_patch_size: int = 2, with_audio: bool = False, audio: Any = None,
                max_seconds: float | None = None, what: str = "video",
-               target_rate: int = TARGET_SAMPLE_RATE) -> VideoClip:
+               target_rate: int = TARGET_SAMPLE_RATE, limits: MediaLimits = DEFAULT_LIMITS) -> VideoClip:
     """Sampled frames (and optionally the audio track) of a video; see the module docstring.
 
     For a file, `fps` is the sampling rate to aim for. For a list of frames, `fps` is the rate
     they were sampled at; more than `max_frames` frames are thinned out uniformly. `audio`
     gives the track of a frame list (any `load_audio` source); it is used when `with_audio`.
+    Frame rate, frame size and frame count are checked against `limits` before decoding.
     """
-    if fps <= 0:
-        raise MediaError(f"{what}: fps must be positive, got {fps:g}")
+    try:
+        fps = float(fps)
+    except (TypeError, ValueError):
+        raise MediaError(f"{what}: fps {fps!r} is not a number") from None
+    limits.check_fps(fps, what)
     is_frames = (isinstance(src, np.ndarray) and src.ndim == 4) or isinstance(src, (list, tuple))
     if not is_frames:
         if audio is not None:
             raise MediaError(f"{what}: 'audio' goes with a list of frames; a video file brings its own track")
         return _decode_video(src, what, fps, min_frames, max_frames, temporal_patch_size, with_audio, max_seconds,
-                             target_rate)
-    frames = _frames_array(src, what)
+                             target_rate, limits)
+    frames = _frames_array(src, what, limits)
     total = frames.shape[0]
     duration = total / fps
     if max_seconds is not None and duration > max_seconds + 1e-6:
@@ -392,5 +459,6 @@ def load_video(src: Any, *, fps: float = 2.0, min_frames: int = 4, max_frames: i
         frames = frames[keep]
     track = None
     if with_audio and audio is not None:
-        track = load_audio(audio, max_seconds=max_seconds, what=f"{what} audio track", target_rate=target_rate)
+        track = load_audio(audio, max_seconds=max_seconds, what=f"{what} audio track", target_rate=target_rate,
+                           limits=limits)
     return VideoClip(frames=frames, fps=frames.shape[0] / duration, duration=duration, audio=track)

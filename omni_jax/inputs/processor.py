@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from ..engine.protocol import MultiModalPayload
-from .media import MediaError, VideoClip, load_audio, load_image, load_video
+from .media import MediaError, MediaLimits, VideoClip, load_audio, load_image, load_video
 from .qwen_tokenizer import DEFAULT_SYSTEM_PROMPT, QWEN2_5_OMNI_CHAT_TEMPLATE
 from .rope_index import RopeIndexConfig, _chunk_ids, audio_output_lengths
 
@@ -155,6 +155,8 @@ class InputProcessor:
     say. max_audio_seconds / max_video_seconds: longer media are refused. video_fps /
     video_min_frames / video_max_frames: frame sampling of video files (defaults from the video config).
     hidden_size: the thinker's, the width `prompt_embeds` must have (None: prompt_embeds refused).
+    media_limits: sample rates, pixel counts, frame rates and frame counts media may have, checked
+    before decoding (None: `MediaLimits()`'s defaults).
     """
 
     family = "qwen2_5_omni"
@@ -179,8 +181,10 @@ class InputProcessor:
                  use_audio_in_video: bool = False, max_audio_seconds: float = 300.0,
                  max_video_seconds: float = 300.0, video_fps: float | None = None,
                  video_min_frames: int | None = None, video_max_frames: int | None = None,
-                 chat_template: str | None = None, hidden_size: int | None = None):
+                 chat_template: str | None = None, hidden_size: int | None = None,
+                 media_limits: MediaLimits | None = None):
         self.tokenizer = tokenizer
+        self.media_limits = media_limits or MediaLimits()
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.tokens = token_config or self.default_token_config()
@@ -542,13 +546,14 @@ class InputProcessor:
     def _load(self, item: _Item, use_audio_in_video: bool):
         """The loaded media of one item: an RGB PIL image, a waveform at the model's rate, or a VideoClip."""
         if item.kind == "image":
-            return load_image(item.src)
+            return load_image(item.src, limits=self.media_limits)
         if item.kind == "audio":
-            return load_audio(item.src, max_seconds=self.max_audio_seconds, target_rate=self.sampling_rate)
+            return load_audio(item.src, max_seconds=self.max_audio_seconds, target_rate=self.sampling_rate,
+                              limits=self.media_limits)
         return load_video(item.src, fps=item.fps or self.video_fps, min_frames=self.video_min_frames,
                           max_frames=self.video_max_frames, temporal_patch_size=self.temporal_patch_size,
                           with_audio=use_audio_in_video, audio=item.audio, max_seconds=self.max_video_seconds,
-                          target_rate=self.sampling_rate)
+                          target_rate=self.sampling_rate, limits=self.media_limits)
 
     # ------------------------------------------------------------------ family hooks
     def _audio_pad_length(self, waves: list[np.ndarray]) -> int:

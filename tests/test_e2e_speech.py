@@ -102,7 +102,7 @@ def test_generate_speech_matches_transformers(speech_omni, qwen2_5_omni_hf_model
     params = [SamplingParams(temperature=0.0, max_tokens=6),
               SamplingParams(temperature=0.0, repetition_penalty=1.05, max_tokens=40),
               SamplingParams(seed=T2W_SEED)]
-    out = speech_omni.generate([{"prompt_token_ids": ids}], sampling_params=params,
+    out = speech_omni.generate([{"prompt_token_ids": ids}], sampling_params_list=params,
                                output_modalities=["text", "audio"], voice="Ethan")[0]
     assert out.error is None, out.error
     ref_text, ref_codes = hf_generate(qwen2_5_omni_hf_model, ids, "Ethan", 6, 40)

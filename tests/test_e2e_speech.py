@@ -137,6 +137,31 @@ def test_mixed_text_and_speech_batch(speech_omni):
     assert all(o.error is None and o.audio is not None and len(o.audio) > 0 for o in speech)
 
 
+def test_per_prompt_voices_and_params_equal_each_prompt_alone(speech_omni):
+    """voice=[...] and sampling_params=[...] give one per prompt: each reply's text, talker codes
+    and audio as when run alone. (The tiny checkpoint's voices give audio equal to 1e-8, so the
+    routing of voices is shown by an unknown one failing only its own prompt.)"""
+    ids = np.random.default_rng(15).integers(0, 151000, 13).tolist()
+    batch = [{"prompt_token_ids": ids}] * 2
+    params = [SamplingParams(temperature=0.0, max_tokens=4), SamplingParams(temperature=0.9, seed=3, max_tokens=5)]
+    stages = [None, None, SamplingParams(seed=T2W_SEED)]
+    voices = ["Chelsie", "Ethan"]
+    together = speech_omni.generate(batch, sampling_params=params, voice=voices, sampling_params_list=stages,
+                                    output_modalities=["text", "audio"])
+    for prompt, p, v, out in zip(batch, params, voices, together):
+        alone = speech_omni.generate([prompt], sampling_params=p, voice=v, sampling_params_list=stages,
+                                     output_modalities=["text", "audio"])[0]
+        assert out.error is None and len(out.token_ids) == p.max_tokens
+        assert out.token_ids == alone.token_ids
+        assert out.stage_token_ids["talker"] == alone.stage_token_ids["talker"]
+        np.testing.assert_allclose(out.audio, alone.audio, atol=1e-4)
+    # Each prompt gets its own voice: an unknown one fails that prompt alone.
+    ok, bad = speech_omni.generate(batch, sampling_params=params, voice=["Ethan", "Nobody"],
+                                   output_modalities=["text", "audio"])
+    assert ok.error is None and len(ok.audio) > 0
+    assert bad.finish_reason == "error" and "Nobody" in bad.error
+
+
 def test_unknown_voice_lists_voices(speech_omni):
     out = speech_omni.generate([{"prompt_token_ids": [1, 2, 3]}], output_modalities=["text", "audio"],
                                voice="Nobody")[0]

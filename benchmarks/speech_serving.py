@@ -57,7 +57,7 @@ def serve_speech(omni, prompts, params, voice, concurrency: int) -> dict:
         async def one(i, p):
             async with limit:
                 last = None
-                async for out in omni.generate({"prompt_token_ids": p}, params, request_id=f"s{i}-{time.monotonic_ns()}",
+                async for out in omni.generate({"prompt_token_ids": p}, sampling_params_list=params, request_id=f"s{i}-{time.monotonic_ns()}",
                                                output_modalities=["text", "audio"], voice=voice):
                     last = out
                 return last

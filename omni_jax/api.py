@@ -8,7 +8,7 @@ naming the problem; the others go on.
 
     with OmniJax(model="tiny") as omni:
         outs = omni.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}, {"prompt_embeds": rows}],
-                             sampling_params=SamplingParams(temperature=0.0, max_tokens=16),
+                             sampling_params=SamplingParams(temperature=0.0, max_tokens=16),  # or one per prompt
                              output_hidden_states=[0, 3])
 
     async for out in AsyncOmniJax(model=...).generate(prompt, request_id="r1"):
@@ -103,16 +103,40 @@ class _Frontend:
                              f"start; create it with output_modalities={list(mods)}")
         return names
 
-    def _stage_params(self, sampling_params, chain) -> list[SamplingParams]:
+    def _stage_params(self, thinker: SamplingParams | None, sampling_params_list, chain) -> list[SamplingParams]:
+        """One prompt's params per stage of its chain: the stages' defaults, replaced by
+        `sampling_params_list` (vLLM-Omni's per-stage list, None keeps a default) and, for the
+        first stage, by `thinker` (the call's `sampling_params`). ValueError if a list is too
+        long or the first stage's params are given both ways."""
         per_stage = [self.pipeline.stage(n).sampling_params() for n in chain]
-        if sampling_params is None:
-            return per_stage
-        if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] + per_stage[1:]
-        given = list(sampling_params)
+        given = [] if sampling_params_list is None else list(sampling_params_list)
         if len(given) > len(chain):
-            raise ValueError(f"{len(given)} sampling params for a chain of {len(chain)} stages ({chain})")
+            raise ValueError(f"sampling_params_list has {len(given)} entries for a chain of {len(chain)} "
+                             f"stages {chain}")
+        for i, g in enumerate(given):
+            if g is not None and not isinstance(g, SamplingParams):
+                raise ValueError(f"sampling_params_list[{i}] must be a SamplingParams or None, got {type(g).__name__}")
+        if thinker is not None:
+            if given and given[0] is not None:
+                raise ValueError(f"the {chain[0]} stage's params are given twice: in sampling_params and in "
+                                 f"sampling_params_list[0]")
+            given = [thinker] + given[1:]
         return [g if g is not None else d for g, d in itertools.zip_longest(given, per_stage)]
+
+    @staticmethod
+    def _per_prompt(value, kind, n: int, name: str) -> list:
+        """A call's `value` for each of its n prompts: one value for all, or a list with one per
+        prompt (vLLM's meaning of a list of SamplingParams); ValueError on a wrong length."""
+        if value is None or isinstance(value, kind):
+            return [value] * n
+        values = list(value)
+        if len(values) != n:
+            hint = " (per-stage params go in sampling_params_list)" if name == "sampling_params" else ""
+            raise ValueError(f"{name} has {len(values)} entries for {n} prompt(s): a list gives one per prompt{hint}")
+        for i, v in enumerate(values):
+            if v is not None and not isinstance(v, kind):
+                raise ValueError(f"{name}[{i}] must be a {kind.__name__} or None, got {type(v).__name__}")
+        return values
 
     def _hidden_layers(self, output_hidden_states, chain) -> list[int] | None:
         """The hidden layers a call asks for, checked against what its first stage captures
@@ -194,16 +218,20 @@ class OmniJax(_Frontend):
     """Synchronous front end: `generate` takes a batch and returns finished outputs."""
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 output_modalities: Sequence[str] | None = None, voice: str | None = None,
+                 output_modalities: Sequence[str] | None = None, voice: str | Sequence[str] | None = None,
                  use_tqdm: bool = True, output_hidden_states: Sequence[int] | None = None,
-                 hidden_states_include_prompt: bool = False) -> list[OmniRequestOutput]:
+                 hidden_states_include_prompt: bool = False,
+                 sampling_params_list: Sequence[SamplingParams | None] | None = None) -> list[OmniRequestOutput]:
         """Run every prompt to completion; outputs in prompt order.
 
         A prompt that cannot be processed gets an output with `error` set and
         finish_reason "error"; the rest of the batch still runs. `voice` picks the
         speaker of speech replies (an unknown one is such an error, naming the voices).
-        `use_tqdm` shows a progress bar of finished requests on stderr, as vLLM's, for batches
-        of two prompts or more (one request needs none).
+        `sampling_params` is the first stage's (the thinker's): one for every prompt, or a list
+        with one per prompt (as vLLM's); `voice` likewise. `sampling_params_list` sets the params
+        of every stage of the chain (vLLM-Omni's name: [thinker, talker, vocoder], None keeps a
+        stage's default) for all prompts. A list of the wrong length is a ValueError.
+        `use_tqdm` shows a progress bar of finished requests on stderr, as vLLM's.
         `output_hidden_states`: thinker layers (HF indexing: 0 = input embeddings, num_layers =
         after the final norm; only layers the stage's `hidden_layers` capture, else ValueError)
         returned in `out.hidden_states` as [T, H] per layer: one row per generated token fed back,
@@ -211,26 +239,29 @@ class OmniJax(_Frontend):
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        prompts = list(prompts)
         chain = self._chain(output_modalities)
-        params = self._stage_params(sampling_params, chain)
+        params = [self._stage_params(sp, sampling_params_list, chain)
+                  for sp in self._per_prompt(sampling_params, SamplingParams, len(prompts), "sampling_params")]
+        voices = self._per_prompt(voice, str, len(prompts), "voice")
         layers = self._hidden_layers(output_hidden_states, chain)
         done: queue.SimpleQueue = queue.SimpleQueue()
         results: dict[str, OmniRequestOutput] = {}
         order, submitted = [], set()
         try:
-            for prompt in prompts:
+            for prompt, prompt_params, prompt_voice in zip(prompts, params, voices):
                 rid = self._new_id()
                 order.append(rid)
                 try:
-                    req = self._request(prompt, params, chain, rid, lambda o: o.finished and done.put(o), voice,
-                                        layers, hidden_states_include_prompt)
+                    req = self._request(prompt, prompt_params, chain, rid, lambda o: o.finished and done.put(o),
+                                        prompt_voice, layers, hidden_states_include_prompt)
                 except PromptError as e:
                     results[rid] = OmniRequestOutput(request_id=rid, finished=True, finish_reason="error",
                                                      error=f"bad prompt: {e}")
                     continue
                 self._orch.submit(req)
                 submitted.add(rid)
-            with tqdm(total=len(order), desc="generate", unit="req", disable=not use_tqdm or len(order) < 2) as bar:
+            with tqdm(total=len(order), desc="generate", unit="req", disable=not use_tqdm) as bar:
                 bar.update(len(results))
                 while submitted - results.keys():
                     out = done.get()
@@ -266,24 +297,30 @@ class AsyncOmniJax(_Frontend):
             self._prompts.shutdown()
             raise
 
-    async def generate(self, prompt, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    async def generate(self, prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, output_modalities: Sequence[str] | None = None,
                        voice: str | None = None, output_hidden_states: Sequence[int] | None = None,
-                       hidden_states_include_prompt: bool = False) -> AsyncIterator[OmniRequestOutput]:
+                       hidden_states_include_prompt: bool = False,
+                       sampling_params_list: Sequence[SamplingParams | None] | None = None,
+                       ) -> AsyncIterator[OmniRequestOutput]:
         """Yield an OmniRequestOutput per update until the request finishes.
 
         Raises PromptError (a ValueError) for a prompt that cannot be processed, or whose
         processing (on a worker thread) outlasts `prompt_timeout_s`.
         Leaving the loop early (break, cancellation) aborts the request.
+        `sampling_params` (the thinker's), `sampling_params_list` (per stage),
         `output_hidden_states` / `hidden_states_include_prompt` as `OmniJax.generate`; the
         hidden states come with the final update.
         """
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling_params must be one SamplingParams (the first stage's), got "
+                             f"{type(sampling_params).__name__}; per-stage params go in sampling_params_list")
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue = asyncio.Queue()
         chain = self._chain(output_modalities)
         rid = request_id or self._new_id()
         req = await self._prompts.run(
-            self._request, prompt, self._stage_params(sampling_params, chain), chain, rid,
+            self._request, prompt, self._stage_params(sampling_params, sampling_params_list, chain), chain, rid,
             lambda o: loop.call_soon_threadsafe(updates.put_nowait, o), voice,
             self._hidden_layers(output_hidden_states, chain), hidden_states_include_prompt)
         self._orch.submit(req)

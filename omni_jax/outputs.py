@@ -61,8 +61,8 @@ class Logprob:
 
 
 def logprobs_of(entry: dict) -> dict[int, Logprob]:
-    """The engine's logprobs of one position -> {token id: Logprob}: the sampled token first, then
-    the top ones (vLLM's `SampleLogprobs` element)."""
+    """The engine's logprobs of one position -> {token id: Logprob}: the sampled (or prompt) token
+    first, then the top ones (an element of vLLM's `SampleLogprobs` / `PromptLogprobs`)."""
     out = {entry["token_id"]: Logprob(entry["logprob"], entry["rank"])}
     for rank, (token, logprob) in enumerate(entry["top"], start=1):
         out.setdefault(token, Logprob(logprob, rank))
@@ -76,7 +76,9 @@ class OmniRequestOutput:
     `generate()` returns finished outputs; the async generator yields one per update,
     with `text_delta`, `new_token_ids` and `audio_delta` holding what is new.
     `logprobs` (when the thinker's SamplingParams ask for them): one {token id: Logprob} per
-    output token, aligned with `token_ids`. `hidden_states` (when `generate(output_hidden_states=
+    output token, aligned with `token_ids`. `prompt_logprobs` (when they ask for them, from the
+    first update on): one per prompt position, None for the first, else {token id: Logprob} with the
+    prompt token and the top ones. `hidden_states` (when `generate(output_hidden_states=
     [...])` asks, set once finished): layer -> [T, H] float32, the prompt's rows first if asked,
     then one row per generated token fed back (all but the last).
     """
@@ -97,6 +99,7 @@ class OmniRequestOutput:
     audio_delta: np.ndarray | None = None
     stage_token_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # e.g. the talker's codec ids
     logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     hidden_states: dict[int, np.ndarray] | None = None
 
     def save_audio(self, path: str) -> None:

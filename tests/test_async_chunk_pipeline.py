@@ -86,7 +86,7 @@ def collect(omni: AsyncOmniJax, prompts, params, abort_when=None):
 
     async def one(i, p):
         updates = []
-        gen = omni.generate(p, params, request_id=f"p{i}-{time.monotonic_ns()}", output_modalities=["text", "audio"])
+        gen = omni.generate(p, sampling_params_list=params, request_id=f"p{i}-{time.monotonic_ns()}", output_modalities=["text", "audio"])
         async for out in gen:
             updates.append(out)
             if abort_when is not None and abort_when(i, out):
@@ -104,7 +104,7 @@ def test_streamed_speech_equals_whole(family_engines):
     vocoder = streamed.pipeline.stages[-1].name
     compiled = [e.stage_stats()[vocoder]["num_compilations"] for e in (streamed, whole)]
     prompts = prompts_for(family, 3)
-    ref = whole.generate(prompts, sampling_params=params_for(family), output_modalities=["text", "audio"])
+    ref = whole.generate(prompts, sampling_params_list=params_for(family), output_modalities=["text", "audio"])
     runs = collect(streamed, prompts, params_for(family))
     for r, updates in zip(ref, runs):
         final = updates[-1]

@@ -102,7 +102,7 @@ def test_generate_speech_matches_transformers(speech_omni, qwen2_5_omni_hf_model
     params = [SamplingParams(temperature=0.0, max_tokens=6),
               SamplingParams(temperature=0.0, repetition_penalty=1.05, max_tokens=40),
               SamplingParams(seed=T2W_SEED)]
-    out = speech_omni.generate([{"prompt_token_ids": ids}], sampling_params=params,
+    out = speech_omni.generate([{"prompt_token_ids": ids}], sampling_params_list=params,
                                output_modalities=["text", "audio"], voice="Ethan")[0]
     assert out.error is None, out.error
     ref_text, ref_codes = hf_generate(qwen2_5_omni_hf_model, ids, "Ethan", 6, 40)
@@ -135,6 +135,31 @@ def test_mixed_text_and_speech_batch(speech_omni):
                                   output_modalities=["text", "audio"])
     assert all(o.error is None and o.audio is None and len(o.token_ids) == 4 for o in text_only)
     assert all(o.error is None and o.audio is not None and len(o.audio) > 0 for o in speech)
+
+
+def test_per_prompt_voices_and_params_equal_each_prompt_alone(speech_omni):
+    """voice=[...] and sampling_params=[...] give one per prompt: each reply's text, talker codes
+    and audio as when run alone. (The tiny checkpoint's voices give audio equal to 1e-8, so the
+    routing of voices is shown by an unknown one failing only its own prompt.)"""
+    ids = np.random.default_rng(15).integers(0, 151000, 13).tolist()
+    batch = [{"prompt_token_ids": ids}] * 2
+    params = [SamplingParams(temperature=0.0, max_tokens=4), SamplingParams(temperature=0.9, seed=3, max_tokens=5)]
+    stages = [None, None, SamplingParams(seed=T2W_SEED)]
+    voices = ["Chelsie", "Ethan"]
+    together = speech_omni.generate(batch, sampling_params=params, voice=voices, sampling_params_list=stages,
+                                    output_modalities=["text", "audio"])
+    for prompt, p, v, out in zip(batch, params, voices, together):
+        alone = speech_omni.generate([prompt], sampling_params=p, voice=v, sampling_params_list=stages,
+                                     output_modalities=["text", "audio"])[0]
+        assert out.error is None and len(out.token_ids) == p.max_tokens
+        assert out.token_ids == alone.token_ids
+        assert out.stage_token_ids["talker"] == alone.stage_token_ids["talker"]
+        np.testing.assert_allclose(out.audio, alone.audio, atol=1e-4)
+    # Each prompt gets its own voice: an unknown one fails that prompt alone.
+    ok, bad = speech_omni.generate(batch, sampling_params=params, voice=["Ethan", "Nobody"],
+                                   output_modalities=["text", "audio"])
+    assert ok.error is None and len(ok.audio) > 0
+    assert bad.finish_reason == "error" and "Nobody" in bad.error
 
 
 def test_unknown_voice_lists_voices(speech_omni):

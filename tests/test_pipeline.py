@@ -92,8 +92,42 @@ def test_generate_shows_progress_unless_asked_not_to(omni, capsys):
     assert "3/3" in capsys.readouterr().err
     omni.generate(batch, sampling_params=GREEDY, use_tqdm=False)
     assert "3/3" not in capsys.readouterr().err
-    omni.generate(batch[:1], sampling_params=GREEDY)
-    assert "1/1" not in capsys.readouterr().err
+    omni.generate(batch[:1], sampling_params=GREEDY)  # vLLM shows it for any batch
+    assert "1/1" in capsys.readouterr().err
+
+
+def test_per_prompt_sampling_params_equal_each_prompt_alone(omni):
+    """A list of SamplingParams gives one per prompt (vLLM's meaning): different temperatures,
+    seeds and max_tokens in one batch, each prompt's tokens and logprobs as when run alone."""
+    batch = [{"prompt_token_ids": p} for p in prompts(3, seed=21)]
+    params = [SamplingParams(temperature=0.0, max_tokens=3, logprobs=1),
+              SamplingParams(temperature=0.7, seed=5, max_tokens=7, logprobs=1),
+              SamplingParams(temperature=1.3, seed=6, max_tokens=5, logprobs=1)]
+    together = omni.generate(batch, sampling_params=params)
+    for prompt, p, out in zip(batch, params, together):
+        alone = omni.generate([prompt], sampling_params=p)[0]
+        assert out.error is None and len(out.token_ids) == p.max_tokens
+        assert out.token_ids == alone.token_ids
+        np.testing.assert_allclose([lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)],
+                                   [lp[t].logprob for t, lp in zip(alone.token_ids, alone.logprobs)], atol=1e-4)
+    # The same seeded params with another seed give another reply: the seeds were each prompt's own.
+    other = omni.generate([batch[2]], sampling_params=params[2].updated(seed=7))[0]
+    assert other.token_ids != together[2].token_ids
+
+
+def test_per_prompt_and_per_stage_lists_are_unambiguous(omni):
+    batch = [{"prompt_token_ids": p} for p in prompts(3, seed=22)]
+    with pytest.raises(ValueError, match="2 entries for 3 prompt.*sampling_params_list"):
+        omni.generate(batch, sampling_params=[GREEDY, GREEDY])
+    with pytest.raises(ValueError, match="voice has 1 entries for 3 prompt"):
+        omni.generate(batch, sampling_params=GREEDY, voice=["Ethan"])
+    with pytest.raises(ValueError, match="sampling_params_list has 2 entries for a chain of 1"):
+        omni.generate(batch, sampling_params_list=[GREEDY, GREEDY])
+    with pytest.raises(ValueError, match="given twice"):
+        omni.generate(batch, sampling_params=GREEDY, sampling_params_list=[GREEDY])
+    # The per-stage list alone sets the thinker's params for every prompt.
+    outs = omni.generate(batch, sampling_params_list=[GREEDY], use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in omni.generate(batch, sampling_params=GREEDY)]
 
 
 def test_bad_prompt_fails_alone(omni):

@@ -27,6 +27,7 @@ from omni_jax.inputs.processor import PROMPT_EMBEDS_PLACEHOLDER_ID
 from omni_jax.models.qwen2_5_omni import stages as qwen2_5_stages
 from omni_jax.models.qwen3_omni import stages as qwen3_stages
 from omni_jax.models.qwen3_omni.pipeline import load_handoff
+from omni_jax.outputs import logprobs_of
 
 pytestmark = pytest.mark.parity
 
@@ -254,3 +255,60 @@ def test_cli_reads_prompt_embeds(tmp_path):
     np.testing.assert_array_equal(_prompt(args)["prompt_embeds"], rows)
     with pytest.raises(ValueError, match="exactly one"):
         _prompt(argparse.Namespace(prompt="hi", prompt_embeds=str(tmp_path / "p.npy"), system=None))
+
+
+# ---------------------------------------------------------------- logprobs, both families
+def _hf_log_softmax(hf, ids: list[int]) -> np.ndarray:
+    """transformers' log-softmax of the thinker's logits at every position of `ids`."""
+    with torch.no_grad():
+        logits = hf.thinker(input_ids=torch.tensor(ids)[None]).logits[0]
+    return torch.log_softmax(logits.double(), -1).numpy()
+
+
+def _assert_logprobs(entries, tokens, ref, n):
+    """Each entry (vLLM's {token id: Logprob}) against the reference rows: the token's logprob
+    and rank, and the top n with their ranks."""
+    assert len(entries) == len(tokens) == len(ref)
+    for lp, token, row in zip(entries, tokens, ref):
+        assert abs(lp[token].logprob - row[token]) <= TOL
+        # Rank as transformers', up to the tokens within TOL of it (a flat random model has many).
+        assert 1 + (row > row[token] + TOL).sum() <= lp[token].rank <= 1 + (row > row[token] - TOL).sum()
+        for rank, t in enumerate(np.argsort(-row)[:n], start=1):
+            assert lp[t].rank == rank and abs(lp[t].logprob - row[t]) <= TOL
+
+
+def test_logprobs_and_prompt_logprobs_match_transformers(family_engine):
+    """Greedy and seeded requests with logprobs=3 and prompt_logprobs=2, in one batch, their
+    80-token prompt prefilled in two chunks (64-token budget) and its blocks already in the
+    prefix cache: every logprob is transformers' log-softmax of the logits, and the prompt's
+    are all there despite the cache (such a request computes its prompt again)."""
+    _, engine, _, hf = family_engine
+    prompt = np.random.default_rng(8).integers(0, 151000, 80)
+    engine.add_request("warm", prompt, GREEDY)  # fills the prefix cache with this prompt
+    _run(engine)
+    stats = engine.scheduler.kv_cache_manager.prefix_cache_stats
+    hits = stats.hits
+    params = {"greedy": GREEDY.updated(logprobs=3, prompt_logprobs=2),
+              "seeded": SamplingParams(temperature=0.8, seed=11, max_tokens=MAX_TOKENS, logprobs=3, prompt_logprobs=2)}
+    for rid, p in params.items():
+        engine.add_request(rid, prompt, p)
+    c0 = engine.num_compilations
+    outs = {}
+    for _ in range(100):
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+        if not engine.has_unfinished():
+            break
+    assert engine.num_compilations == c0, "a step compiled after warm-up"
+    assert stats.hits == hits, "a request asking for prompt logprobs read the prefix cache"
+    for rid, p in params.items():
+        tokens = [t for o in outs[rid] for t in o.new_token_ids]
+        lps = [logprobs_of(e) for o in outs[rid] for e in (o.logprobs or [])]
+        prompt_lps = [o.prompt_logprobs for o in outs[rid] if o.prompt_logprobs is not None]
+        assert len(tokens) == MAX_TOKENS and len(prompt_lps) == 1, rid
+        ref = _hf_log_softmax(hf, prompt.tolist() + tokens)
+        _assert_logprobs([logprobs_of(e) for e in prompt_lps[0]], prompt[1:].tolist(), ref[:len(prompt) - 1], 2)
+        _assert_logprobs(lps, tokens, ref[len(prompt) - 1:-1], 3)
+        if p.is_greedy:
+            assert all(lp[t].rank == 1 for t, lp in zip(tokens, lps))
+    assert engine.scheduler.kv_cache_manager.is_idle_and_leak_free()

@@ -307,7 +307,7 @@ def test_text_and_audio_whole_reply(client, library):
     r = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8, temperature=0.0,
                                        modalities=["text", "audio"], audio={"voice": "Chelsie", "format": "wav"},
                                        extra_body=SPL)
-    want = library.generate({"messages": HELLO}, _lib_params(library, 8), output_modalities=["text", "audio"],
+    want = library.generate({"messages": HELLO}, sampling_params_list=_lib_params(library, 8), output_modalities=["text", "audio"],
                             voice="Chelsie")[0]
     assert len(r.choices) == 1
     msg = r.choices[0].message
@@ -334,7 +334,7 @@ def test_streamed_text_and_audio(client, library):
         model=MODEL, messages=HELLO, max_tokens=8, temperature=0.0, modalities=["text", "audio"],
         audio={"voice": "Chelsie", "format": "pcm16"}, stream=True, stream_options={"include_usage": True},
         extra_body=SPL)
-    want = library.generate({"messages": HELLO}, _lib_params(library, 8), output_modalities=["text", "audio"],
+    want = library.generate({"messages": HELLO}, sampling_params_list=_lib_params(library, 8), output_modalities=["text", "audio"],
                             voice="Chelsie")[0]
     text, transcript, pcm, reasons, usage, ids = "", "", b"", [], None, set()
     for chunk in stream:
@@ -385,7 +385,7 @@ def test_sampling_params_list_reaches_the_talker(client, library):
                                        modalities=["text", "audio"], audio={"format": "wav"},
                                        extra_body={"sampling_params_list": spl})
     talker = library.pipeline.stage("talker").sampling_params().updated(**spl[1])
-    want = library.generate({"messages": HELLO}, _lib_params(library, 4, talker),
+    want = library.generate({"messages": HELLO}, sampling_params_list=_lib_params(library, 4, talker),
                             output_modalities=["text", "audio"])[0]
     _assert_same_audio(_wav(base64.b64decode(r.choices[0].message.audio.data))[1], want.audio)
     with pytest.raises(openai.BadRequestError) as e:
@@ -442,7 +442,7 @@ def test_input_audio_and_video_parts(client, library, media_dir):
 def test_speech_wav_and_sse(server, library):
     text = "Good morning to you"
     thinker = library.pipeline.stage("thinker").sampling_params()
-    want = library.generate(speech_prompt(library.processor, text), [thinker, *_lib_params(library, 1)[1:]],
+    want = library.generate(speech_prompt(library.processor, text), sampling_params_list=[thinker, *_lib_params(library, 1)[1:]],
                             output_modalities=["text", "audio"], voice="Ethan")[0]
     r = httpx.post(f"{server.url}/v1/audio/speech", headers=_auth(), timeout=120,
                    json={"model": MODEL, "input": text, "voice": "Ethan", "response_format": "wav", **SPL})

@@ -169,6 +169,7 @@ class _Launched:
     sched: Any               # SchedulerOutput
     parts: list              # runner StepResults
     draws: list              # per part: (requests, device SampleResult) or None
+    prompt_draws: list       # per part: (rows per request, device prompt LogprobsOutput) or None
     host_time: float         # seconds spent launching it
 
 
@@ -364,9 +365,10 @@ class AREngine:
             tables = sched.block_table_array(self.runner.cfg.max_blocks_per_seq)
             parts = self.runner.execute(chunks, tables, want_hidden=want_hidden, fed=fed)
             draws = [self._draw(part, chunks, output_offset) for part in parts]
+            prompt_draws = [self._prompt_draw(part, chunks) for part in parts]
         except Exception as e:  # fail this step's requests, keep serving
             return self._fail(sched, e)
-        return _Launched(sched, parts, draws, time.perf_counter() - t0)
+        return _Launched(sched, parts, draws, prompt_draws, time.perf_counter() - t0)
 
     def _launch_ahead(self, current: "_Launched") -> "_Launched | list[StageOutput] | None":
         """Launch the decode step after `current`, fed by its tokens on the device, if the
@@ -409,6 +411,8 @@ class AREngine:
                 sampled.update(s)
                 logprobs.update(lp or {})
                 codes.update(c)
+            for draw in launched.prompt_draws:
+                self._collect_prompt(draw)
         except Exception as e:
             return self._fail(sched, e)
         step_outputs = self.scheduler.update_from_output(sched, sampled)
@@ -426,7 +430,12 @@ class AREngine:
                 if part.hidden and c.request.data is not None and c.request.data.capture_hidden:
                     a, b = part.token_offsets[j], part.token_offsets[j + 1]
                     hidden_of[c.request_id] = (c.start, {k: v[a:b] for k, v in part.hidden.items()})
+        # Prompt logprobs go out whole with a request's first token (as vLLM's first output).
+        wants_prompt_lp = {c.request_id: c.request for c in chunks if c.request.num_prompt_logprobs is not None}
         for o in step_outputs:
+            r = wants_prompt_lp.get(o.request_id)
+            if r is not None and o.new_token_ids and r.num_output_tokens == len(o.new_token_ids):
+                o.prompt_logprobs = r.prompt_logprobs
             if o.request_id in hidden_of:
                 o.hidden_offset, o.hidden_states = hidden_of[o.request_id]
             if o.request_id in logprobs:
@@ -460,6 +469,48 @@ class AREngine:
         if flags.any_penalties and md.history_ids is None:
             md = md.replace(history_ids=self._empty_history(bucket))
         return reqs, self._sample_fn(result.logits, md, flags=flags)
+
+    def _prompt_draw(self, result, chunks):
+        """Launch the prompt logprobs of one part's chunks that ask for them and still have
+        prompt positions to score: ({request id: (request, positions, rows)}, device result) or None.
+
+        Row q of a chunk scores prompt token q + 1; positions already scored (a preempted
+        request computes its prompt again) are skipped. The prompt's last row predicts the
+        first output token, which `logprobs` covers."""
+        jobs, targets = [], []
+        for j, ci in enumerate(result.chunk_indices):
+            c = chunks[ci]
+            r = c.request
+            if r.num_prompt_logprobs is None:
+                continue
+            first = max(c.start, len(r.prompt_logprobs))
+            q = np.arange(first, min(c.start + c.num_tokens, r.num_prompt_tokens - 1))
+            if q.size:
+                jobs.append((r, q, result.token_offsets[j] + q - c.start))
+                targets.append(r.all_token_ids[q + 1])
+        if not jobs:
+            return None
+        padded = np.zeros(result.final_hidden.shape[0], np.int32)
+        rows = np.concatenate([rows for _, _, rows in jobs])
+        padded[rows] = np.concatenate(targets)
+        return jobs, self.runner.prompt_logprobs(result.final_hidden, padded)
+
+    @staticmethod
+    def _collect_prompt(draw) -> None:
+        """Append a part's prompt logprobs to their requests, in prompt order."""
+        if draw is None:
+            return
+        jobs, res = draw
+        host = jax.tree.map(np.asarray, res)
+        for r, qs, rows in jobs:
+            n = r.num_prompt_logprobs
+            for q, row in zip(qs.tolist(), rows.tolist()):
+                if q != len(r.prompt_logprobs):
+                    continue
+                r.prompt_logprobs.append({
+                    "token_id": int(r.all_token_ids[q + 1]), "logprob": float(host.sampled_logprob[row]),
+                    "rank": int(host.sampled_rank[row]),
+                    "top": list(zip(host.top_token_ids[row, :n].tolist(), host.top_logprobs[row, :n].tolist()))})
 
     def _collect(self, result, draw):
         """One part's sampled tokens on the host: ({request_id: token}, logprobs or None,

@@ -270,7 +270,7 @@ class KVCacheManager:
 
         Never the whole request: its last token is always left to compute, so there are logits.
         """
-        if not (self.enable_prefix_caching and request.use_prefix_cache):
+        if not (self.enable_prefix_caching and request.reads_prefix_cache):
             return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._block_hashes(request, max_hit_blocks)

@@ -237,7 +237,8 @@ class StageOutput(_Message):
     finish_reason is "stop", "length", "abort" or "error" once `finished`; stop_reason the
     stop token id or string that ended it. hidden_states maps a layer index to the
     [num_new_tokens, H] hidden states of the new tokens (requests with capture_hidden).
-    logprobs: one dict per new token. audio: a waveform chunk (vocoder stages).
+    logprobs: one dict per new token; prompt_logprobs (with the first token, when asked): one
+    per prompt position from 1 on. audio: a waveform chunk (vocoder stages).
     codes [num_new_tokens, K]: the residual code groups of each new token (Qwen3-Omni talker).
     """
 
@@ -252,6 +253,7 @@ class StageOutput(_Message):
     hidden_offset: int = 0  # absolute position of the first hidden-state row (recomputes resend rows)
     num_cached_tokens: int = 0
     logprobs: list[dict] | None = None
+    prompt_logprobs: list[dict] | None = None
     audio: np.ndarray | None = None
     codes: np.ndarray | None = None
 

@@ -92,6 +92,10 @@ class Request:
         self.min_tokens: int = int(_sampling_attr(sampling_params, "min_tokens", 0))
         self.ignore_eos: bool = bool(_sampling_attr(sampling_params, "ignore_eos", False))
         self.stop_token_ids = frozenset(int(t) for t in _sampling_attr(sampling_params, "stop_token_ids", ()))
+        # Top-n of the prompt logprobs asked for (None: none); the engine appends one entry per
+        # prompt position from 1 on as prefill chunks compute them.
+        self.num_prompt_logprobs: Optional[int] = getattr(sampling_params, "prompt_logprobs", None)
+        self.prompt_logprobs: list[dict] = []
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
@@ -159,6 +163,12 @@ class Request:
     def use_prefix_cache(self) -> bool:
         """Whether this request's KV is a function of its token ids (plus extra keys) alone."""
         return not self.has_prompt_embeds or self.cache_salt is not None
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether a prefix-cache hit may skip computing this request's prompt: not when it asks
+        for prompt logprobs, which need the logits of every prompt position (as vLLM v1)."""
+        return self.use_prefix_cache and self.num_prompt_logprobs is None
 
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
         """Append generated token(s)."""

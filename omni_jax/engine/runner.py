@@ -36,6 +36,7 @@ from ..models.layers.attention import AttentionMetadata
 from .buckets import pick_bucket, pow2_buckets
 from .kv_cache import DUMMY_BLOCK_ID, cdiv
 from .request import Request
+from .sampling import MAX_LOGPROBS, LogprobsOutput, token_logprobs
 
 
 # ------------------------------------------------------------------ compile counter
@@ -143,6 +144,7 @@ class StepResult:
 
     logits: jax.Array               # [S_pad, V] on device; rows [0, num_sampled) are real
     sample_hidden: jax.Array | None  # [S_pad, H] final hidden state of each logits row (after_sample stages)
+    final_hidden: jax.Array | None   # [T_pad, H] final hidden state of every token, left on the device
     sample_rows: list[int]          # index into the step's chunks of each real logits row
     hidden: dict[int, np.ndarray]   # capture layer -> [num_real_tokens, H] on host (if asked)
     token_offsets: np.ndarray       # [len(chunk_indices) + 1] start of each chunk in the packed tokens
@@ -174,6 +176,7 @@ class ModelRunner:
         self._step_fn = jax.jit(self._forward, static_argnames=("rich", "deepstack"), donate_argnums=(1,))
         self._after_sample_fn = jax.jit(self._after_sample)
         self._feed_fn = jax.jit(lambda fed, rows: jnp.take(fed, rows, axis=0))
+        self._prompt_logprobs_fn = jax.jit(self._prompt_logprobs)
 
     # -------------------------------------------------------------- jitted body
     def _forward(self, param_leaves, kv_caches, token_ids, positions, meta, logits_indices,
@@ -188,7 +191,19 @@ class ModelRunner:
         logits = model.compute_logits(sample_hidden)
         if self.cfg.after_sample:
             captured = dict(captured, sample_hidden=sample_hidden)
-        return logits, kv_caches, captured
+        # The final hidden states are returned, not copied to the host: only prompt logprobs read them.
+        return logits, kv_caches, captured, hidden
+
+    def _prompt_logprobs(self, param_leaves, final_hidden, targets):
+        model = nnx.merge(self.graphdef, jax.tree.unflatten(self._param_def, param_leaves))
+        return token_logprobs(model.compute_logits(final_hidden), targets, MAX_LOGPROBS)
+
+    def prompt_logprobs(self, final_hidden: jax.Array, targets: np.ndarray) -> LogprobsOutput:
+        """Logprobs (on the device) of `targets` [T_pad] (each token's next prompt token) under the
+        logits of every row of a step's `final_hidden` [T_pad, H], with the top MAX_LOGPROBS.
+
+        A separate call, so steps without prompt logprobs compute no [T, V] logits."""
+        return self._prompt_logprobs_fn(self._param_leaves, final_hidden, targets)
 
     def _after_sample(self, param_leaves, sample_hidden, token_ids, greedy, seeds, steps):
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._param_def, param_leaves))
@@ -388,12 +403,12 @@ class ModelRunner:
                 rows = np.zeros(b["bucket"], np.int32)  # padding rows read row 0: any valid id
                 rows[:len(sub)] = [c.fed_by_row for c in sub]
                 b["token_ids"] = self._feed_fn(fed, rows)
-            logits, captured = self._run(b)
+            logits, captured, final_hidden = self._run(b)
             sample_hidden = captured.pop("sample_hidden", None)
             hidden = {}
             if want_hidden and captured:
                 hidden = {k: np.asarray(v)[:b["total"]] for k, v in captured.items()}
-            parts.append(StepResult(logits=logits, sample_hidden=sample_hidden,
+            parts.append(StepResult(logits=logits, sample_hidden=sample_hidden, final_hidden=final_hidden,
                                     sample_rows=[idx[j] for j in b["sample_rows"]],
                                     hidden=hidden, token_offsets=b["offsets"], kind=b["kind"],
                                     bucket=b["bucket"], chunk_indices=idx))
@@ -405,11 +420,11 @@ class ModelRunner:
         else:
             overlay = overlay_mask = extra = None
         deepstack = b.get("deepstack", False)
-        logits, self.kv_caches, captured = self._step_fn(
+        logits, self.kv_caches, captured, final_hidden = self._step_fn(
             self._param_leaves, self.kv_caches, b["token_ids"], b["positions"], b["meta"], b["logits_indices"],
             overlay, overlay_mask, extra, b.get("deepstack_feats") if deepstack else None,
             rich=b["rich"], deepstack=deepstack)
-        return logits, captured
+        return logits, captured, final_hidden
 
     # -------------------------------------------------------------- warm-up
     def warmup(self, progress: bool = True) -> float:
@@ -430,7 +445,9 @@ class ModelRunner:
             if kind == "feed":
                 self._feed_fn(jnp.zeros(size[0], jnp.int32), np.zeros(size[1], np.int32))
                 continue
-            self._run(self._dummy_batch(kind, size, rich, ds))
+            _, _, final_hidden = self._run(self._dummy_batch(kind, size, rich, ds))
+            if not rich:  # prompt logprobs of a step of this bucket (any variant: same shapes)
+                jax.block_until_ready(self.prompt_logprobs(final_hidden, np.zeros(size, np.int32)))
         jax.block_until_ready(self.kv_caches)
         return time.perf_counter() - t0
 

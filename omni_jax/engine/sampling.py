@@ -55,6 +55,7 @@ __all__ = [
     "SamplerOutput",
     "LogprobsOutput",
     "sample",
+    "token_logprobs",
     "apply_banned",
     "apply_penalties",
     "apply_top_k_top_p",
@@ -107,6 +108,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tr
 
     `top_k` 0 or -1 means off; `top_k == 1` or `temperature == 0` (below 1e-5) is greedy.
     `logprobs=n` returns the sampled token's logprob plus the top `n` (0 = sampled only).
+    `prompt_logprobs=n` returns, per prompt position after the first, the prompt token's
+    logprob plus the top `n` (computed in prefill; such a request reads no prefix cache).
     `seed=None` draws fresh randomness every step; `with_seed()` / `assign_seed` fixes a
     random seed at request creation so the request can be replayed.
     """
@@ -125,6 +128,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tr
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     suppress_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
     # Stage-specific options beyond sampling (vLLM's name), e.g. a vocoder stage's
@@ -149,7 +153,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tr
             value = getattr(self, name)
             if _is_real(value) and type(value) is not float:
                 set_(self, name, float(value))
-        for name in ("top_k", "seed", "max_tokens", "min_tokens", "logprobs"):
+        for name in ("top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if _is_int(value) and type(value) is not int:
                 set_(self, name, int(value))
@@ -188,10 +192,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tr
         if not _is_int(self.min_tokens) or not (0 <= self.min_tokens <= self.max_tokens):
             raise _bad("min_tokens", self.min_tokens,
                        f"an int in [0, max_tokens={self.max_tokens}]")
-        if self.logprobs is not None and (
-            not _is_int(self.logprobs) or not (0 <= self.logprobs <= MAX_LOGPROBS)
-        ):
-            raise _bad("logprobs", self.logprobs, f"None or an int in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and (not _is_int(n) or not 0 <= n <= MAX_LOGPROBS):
+                raise _bad(name, n, f"None or an int in [0, {MAX_LOGPROBS}]")
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "a bool")
@@ -852,16 +856,19 @@ def sample(logits: jax.Array, metadata: SamplingMetadata, *, flags: SamplingFlag
         tokens = jax.lax.cond(jnp.all(md.is_greedy), lambda: greedy_tokens,
                               lambda: _draw(logits, md, flags, greedy_tokens))
 
-    lp_out = None
-    if flags.need_logprobs:
-        lp = jax.nn.log_softmax(logits, axis=-1)
-        sampled_lp = jnp.take_along_axis(lp, tokens[:, None], axis=-1)
-        rank = jnp.sum(lp > sampled_lp, axis=-1).astype(jnp.int32) + 1
-        n = flags.top_logprobs
-        if n > 0:
-            top_lp, top_ids = jax.lax.top_k(lp, n)
-        else:
-            top_lp = jnp.zeros((lp.shape[0], 0), jnp.float32)
-            top_ids = jnp.zeros((lp.shape[0], 0), jnp.int32)
-        lp_out = LogprobsOutput(sampled_lp[:, 0], rank, top_ids.astype(jnp.int32), top_lp)
+    lp_out = token_logprobs(logits, tokens, flags.top_logprobs) if flags.need_logprobs else None
     return SamplerOutput(tokens, lp_out)
+
+
+def token_logprobs(logits: jax.Array, token_ids: jax.Array, n: int) -> LogprobsOutput:
+    """Log-softmax of each row of `logits` [B, V] (f32) at `token_ids` [B], that token's rank,
+    and the row's top `n` (static): the generated tokens' logprobs and the prompt's alike."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    token_lp = jnp.take_along_axis(lp, token_ids[:, None], axis=-1)
+    rank = jnp.sum(lp > token_lp, axis=-1).astype(jnp.int32) + 1
+    if n > 0:
+        top_lp, top_ids = jax.lax.top_k(lp, n)
+    else:
+        top_lp = jnp.zeros((lp.shape[0], 0), jnp.float32)
+        top_ids = jnp.zeros((lp.shape[0], 0), jnp.int32)
+    return LogprobsOutput(token_lp[:, 0], rank, top_ids.astype(jnp.int32), top_lp)

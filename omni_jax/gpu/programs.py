@@ -154,7 +154,10 @@ def ar_engine_programs(family: str, stage: StageConfig, hf_config: dict, num_blo
     real_kv = [(pages, pages) for _ in range(text.num_layers)]
     calls: list = []
     tiny_kv = runner.kv_caches
-    runner._step_fn = _Recorder("step", runner._step_fn, lambda *a, **k: (None, tiny_kv, {}), calls)
+    runner._step_fn = _Recorder("step", runner._step_fn, lambda *a, **k: (
+        None, tiny_kv, {}, np.zeros((a[2].shape[0], hidden), DTYPE)), calls)
+    runner._prompt_logprobs_fn = _Recorder("prompt_logprobs", runner._prompt_logprobs_fn,
+                                           lambda *a, **k: None, calls)
     runner._feed_fn = _Recorder("feed", runner._feed_fn, lambda *a, **k: np.zeros(1, np.int32), calls)
     runner._after_sample_fn = _Recorder("after_sample", runner._after_sample_fn,
                                         lambda *a, **k: (np.zeros(1), np.zeros(1)), calls)

@@ -344,6 +344,8 @@ class Orchestrator:
                 if m.first_token_time is None:
                     m.first_token_time = now
                 out.token_ids.extend(o.new_token_ids)
+                if o.prompt_logprobs is not None:  # vLLM's shape: None for the first position
+                    out.prompt_logprobs = [None] + [logprobs_of(e) for e in o.prompt_logprobs]
                 if o.logprobs:
                     # Extended in place: rebuilding the list made each token's update O(length).
                     if out.logprobs is None:

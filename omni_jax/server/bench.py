@@ -122,7 +122,7 @@ async def _library_one(omni, args, mods: list[str], i: int) -> Result:
     if len(params) > 1:
         params[1] = params[1].updated(seed=1000 + i)
     res, t0, out = Result(), time.perf_counter(), None
-    async for out in omni.generate({"messages": [{"role": "user", "content": args.prompt}]}, sampling_params=params,
+    async for out in omni.generate({"messages": [{"role": "user", "content": args.prompt}]}, sampling_params_list=params,
                                    output_modalities=mods):
         if out.text_delta and res.ttft is None:
             res.ttft = time.perf_counter() - t0

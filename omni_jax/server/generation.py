@@ -82,7 +82,7 @@ class Generation:
 async def open_request(engine: ServedEngine, prompt, params, modalities, voice, request_id: str,
                        voice_param: str = "voice") -> Generation:
     """Submit the request and wait for its first update (400 / 503 on failure to start)."""
-    agen = engine.omni.generate(prompt, sampling_params=params, request_id=request_id,
+    agen = engine.omni.generate(prompt, sampling_params_list=params, request_id=request_id,
                                 output_modalities=list(modalities), voice=voice)
     try:
         first = await agen.__anext__()

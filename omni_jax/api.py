@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import dataclasses
 import itertools
+import math
 import operator
 import queue
 import time
@@ -168,7 +169,7 @@ class _Frontend:
 
     def _request(self, prompt, params: list[SamplingParams], chain, request_id: str, sink,
                  voice: str | None = None, hidden_layers: list[int] | None = None,
-                 include_prompt: bool = False) -> OrchestratorRequest:
+                 include_prompt: bool = False, timeout_s: float | None = None) -> OrchestratorRequest:
         """Process the prompt (raises PromptError) and build the orchestrator request."""
         p = self._process(prompt, chain)
         mm = p.multi_modal
@@ -187,8 +188,14 @@ class _Frontend:
                            output_hidden_states=hidden_layers, hidden_states_include_prompt=bool(include_prompt))
         out = OmniRequestOutput(request_id=request_id, prompt_token_ids=p.prompt_token_ids.tolist(),
                                 metrics=RequestMetrics(arrival_time=first.arrival_time))
-        return OrchestratorRequest(first=first, chain=chain, sink=sink, output=out,
-                                   stage_params=params, voice=voice)
+        return OrchestratorRequest(first=first, chain=chain, sink=sink, output=out, stage_params=params, voice=voice,
+                                   deadline=None if timeout_s is None else first.arrival_time + timeout_s)
+
+    @staticmethod
+    def _check_timeout(timeout_s) -> None:
+        if timeout_s is not None and (not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool)
+                                      or not 0 < timeout_s < math.inf):
+            raise ValueError(f"timeout_s must be a positive number of seconds or None, got {timeout_s!r}")
 
     def _new_id(self) -> str:
         return f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
@@ -221,7 +228,8 @@ class OmniJax(_Frontend):
                  output_modalities: Sequence[str] | None = None, voice: str | Sequence[str] | None = None,
                  use_tqdm: bool = True, output_hidden_states: Sequence[int] | None = None,
                  hidden_states_include_prompt: bool = False,
-                 sampling_params_list: Sequence[SamplingParams | None] | None = None) -> list[OmniRequestOutput]:
+                 sampling_params_list: Sequence[SamplingParams | None] | None = None,
+                 timeout_s: float | None = None) -> list[OmniRequestOutput]:
         """Run every prompt to completion; outputs in prompt order.
 
         A prompt that cannot be processed gets an output with `error` set and
@@ -236,7 +244,10 @@ class OmniJax(_Frontend):
         after the final norm; only layers the stage's `hidden_layers` capture, else ValueError)
         returned in `out.hidden_states` as [T, H] per layer: one row per generated token fed back,
         after the prompt's rows with `hidden_states_include_prompt`.
+        `timeout_s`: each request's deadline from its submission; past it the request finishes
+        with finish_reason "timeout" (its output so far kept) and frees every stage.
         """
+        self._check_timeout(timeout_s)
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -254,7 +265,7 @@ class OmniJax(_Frontend):
                 order.append(rid)
                 try:
                     req = self._request(prompt, prompt_params, chain, rid, lambda o: o.finished and done.put(o),
-                                        prompt_voice, layers, hidden_states_include_prompt)
+                                        prompt_voice, layers, hidden_states_include_prompt, timeout_s)
                 except PromptError as e:
                     results[rid] = OmniRequestOutput(request_id=rid, finished=True, finish_reason="error",
                                                      error=f"bad prompt: {e}")
@@ -302,7 +313,7 @@ class AsyncOmniJax(_Frontend):
                        voice: str | None = None, output_hidden_states: Sequence[int] | None = None,
                        hidden_states_include_prompt: bool = False,
                        sampling_params_list: Sequence[SamplingParams | None] | None = None,
-                       ) -> AsyncIterator[OmniRequestOutput]:
+                       timeout_s: float | None = None) -> AsyncIterator[OmniRequestOutput]:
         """Yield an OmniRequestOutput per update until the request finishes.
 
         Raises PromptError (a ValueError) for a prompt that cannot be processed, or whose
@@ -310,8 +321,9 @@ class AsyncOmniJax(_Frontend):
         Leaving the loop early (break, cancellation) aborts the request.
         `sampling_params` (the thinker's), `sampling_params_list` (per stage),
         `output_hidden_states` / `hidden_states_include_prompt` as `OmniJax.generate`; the
-        hidden states come with the final update.
+        hidden states come with the final update; `timeout_s` as `OmniJax.generate`.
         """
+        self._check_timeout(timeout_s)
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be one SamplingParams (the first stage's), got "
                              f"{type(sampling_params).__name__}; per-stage params go in sampling_params_list")
@@ -322,7 +334,7 @@ class AsyncOmniJax(_Frontend):
         req = await self._prompts.run(
             self._request, prompt, self._stage_params(sampling_params, sampling_params_list, chain), chain, rid,
             lambda o: loop.call_soon_threadsafe(updates.put_nowait, o), voice,
-            self._hidden_layers(output_hidden_states, chain), hidden_states_include_prompt)
+            self._hidden_layers(output_hidden_states, chain), hidden_states_include_prompt, timeout_s)
         self._orch.submit(req)
         finished = False
         try:

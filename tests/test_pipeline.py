@@ -228,6 +228,32 @@ def test_abort_mid_generation_frees_everything(omni):
     assert stats["kv_cache_usage"] == 0.0 and stats["num_running"] == 0 and stats["num_waiting"] == 0
 
 
+def test_request_past_its_deadline_times_out_and_frees_everything(omni):
+    long = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)  # ~1 ms a step: > 0.1 s
+    t0 = time.monotonic()
+    outs = omni.generate([{"prompt_token_ids": [11, 12, 13 + i]} for i in range(4)], sampling_params=long,
+                         timeout_s=0.1)
+    assert time.monotonic() - t0 < 5
+    assert all(o.finish_reason == "timeout" and o.error is None and len(o.token_ids) < 500 for o in outs), \
+        [(o.finish_reason, len(o.token_ids)) for o in outs]
+    stats = _idle_thinker(omni)
+    assert stats["kv_cache_usage"] == 0.0
+    assert omni.generate([{"prompt_token_ids": [1, 2]}], sampling_params=GREEDY, timeout_s=30)[0].finish_reason == "length"
+    for bad in (0, -1, float("inf"), float("nan"), "5", True):
+        with pytest.raises(ValueError, match="timeout_s"):
+            omni.generate([{"prompt_token_ids": [1, 2]}], timeout_s=bad)
+
+
+def _idle_thinker(omni) -> dict:
+    """The thinker's stats once it holds nothing (the abort of a finished request is async)."""
+    deadline = time.monotonic() + 10
+    while True:
+        stats = omni.stage_stats()["thinker"]
+        if (stats["num_running"], stats["num_waiting"]) == (0, 0) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
+
+
 def test_garbage_frames_are_dropped(omni):
     # Through the orchestrator's own request channel, the only peer of the stage's PULL socket: a
     # second PUSH connecting to that bound PUSH endpoint is refused by ZMQ (nothing reaches the

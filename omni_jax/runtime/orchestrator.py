@@ -64,6 +64,7 @@ class OrchestratorRequest:
     stage_tokens: dict = dataclasses.field(default_factory=dict)  # stage -> its output token ids so far
     finished_stages: set = dataclasses.field(default_factory=set)
     hidden: dict = dataclasses.field(default_factory=dict)  # layer -> PositionRows the caller asked for
+    deadline: float | None = None  # time.monotonic() past which it finishes with finish_reason "timeout"
 
     @property
     def request_id(self) -> str:
@@ -230,6 +231,7 @@ class Orchestrator:
                     next_heartbeat = time.monotonic() + HEARTBEAT_PERIOD
                 if time.monotonic() >= next_check:
                     self._check_liveness()
+                    self._expire()
                     next_check = time.monotonic() + LIVENESS_PERIOD
             except Exception:  # keep routing whatever one message did
                 log.exception("orchestrator loop error")
@@ -431,6 +433,12 @@ class Orchestrator:
                 for req in [r for r in self._requests.values() if c.name in r.chain]:
                     self._finish(req, error=c.unhealthy_reason)
         self._resolve_stats()
+
+    def _expire(self) -> None:
+        """Finish the requests past their deadline (freed in every stage, as an abort)."""
+        now = time.monotonic()
+        for req in [r for r in self._requests.values() if r.deadline is not None and r.deadline < now]:
+            self._finish(req, reason="timeout")
 
     def _restart(self, c: StageClient, reason: str) -> None:
         """Fail the requests of chains through the stage, then start it again (not waiting)."""

@@ -243,7 +243,7 @@ def host_overhead(eng, batch, steps=40, replays=3):
         t = time.perf_counter()
         for c in replay:
             if c[0] == "run":
-                logits, _ = run(c[1])
+                logits = run(c[1])[0]
             else:
                 res = sample(logits, c[1], flags=c[2])
         jax.block_until_ready(res)

@@ -52,11 +52,12 @@ def _outputs(nb, kind=None):
 
 
 def _text(nb) -> str:
-    """Everything the notebook printed or displayed as text, in order."""
+    """Everything the notebook printed or displayed as text, in order, each output on lines of its
+    own (stderr's progress bars end without a newline)."""
     parts = []
     for _, o in _outputs(nb):
         if o.output_type == "stream":
-            parts.append(o.text)
+            parts.append(o.text if o.text.endswith("\n") else o.text + "\n")
         elif "data" in o:
             parts.append(o.data.get("text/plain", "") + "\n")
     return "".join(parts)

@@ -273,6 +273,15 @@ def test_speech_output_adds_no_system_prompt(proc):
         assert text == "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"
 
 
+def test_placeholders_typed_in_chat_text_stay_text(proc):
+    """Qwen3's placeholder strings typed by a user are text, not media slots or turn ends."""
+    typed = "see <|vision_start|><|image_pad|><|vision_end|> and <|im_end|>"
+    ids = proc.process({"messages": [{"role": "user", "content": typed}]}).prompt_token_ids
+    assert proc.tokens.image_token_id not in ids
+    assert proc.tokenizer.decode(ids) == f"<|im_start|>user\n{typed}<|im_end|>\n<|im_start|>assistant\n"
+    assert (ids == proc.tokenizer.convert_tokens_to_ids("<|im_end|>")).sum() == 1
+
+
 def test_bad_inputs(proc):
     with pytest.raises(PromptError, match=r"1 <\|image_pad\|> placeholder\(s\) but multi_modal_data gives 2 image"):
         proc.process({"prompt": "<|vision_start|><|image_pad|><|vision_end|>",

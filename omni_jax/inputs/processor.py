@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from ..engine.protocol import MultiModalPayload
+from .chat_text import ChatText
 from .media import MediaError, MediaLimits, VideoClip, load_audio, load_image, load_video
 from .qwen_tokenizer import DEFAULT_SYSTEM_PROMPT, QWEN2_5_OMNI_CHAT_TEMPLATE
 from .rope_index import RopeIndexConfig, _chunk_ids, audio_output_lengths
@@ -184,6 +185,7 @@ class InputProcessor:
                  chat_template: str | None = None, hidden_size: int | None = None,
                  media_limits: MediaLimits | None = None):
         self.tokenizer = tokenizer
+        self._chat_text = ChatText(tokenizer) if tokenizer is not None else None
         self.media_limits = media_limits or MediaLimits()
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
@@ -334,21 +336,46 @@ class InputProcessor:
         return self.tokenizer
 
     def _encode(self, text: str) -> np.ndarray:
-        ids = self._need_tokenizer("a text prompt")(text, add_special_tokens=False)["input_ids"]
-        return np.asarray(ids, np.int32)
+        tok = self._need_tokenizer("a text prompt")
+        _check_unicode(text)
+        return np.asarray(tok(text, add_special_tokens=False)["input_ids"], np.int32)
 
-    def _normalize_messages(self, messages: Any, speech_output: bool,
-                            need_source: bool = True) -> tuple[list, list[_Item]]:
-        """Messages with media parts reduced to {"type": kind} for the template, and the media items in order."""
+    def _encode_chat(self, rendered: str) -> np.ndarray:
+        """A rendered chat's ids; the user's text in it (hidden by `_normalize_messages`) stays text."""
+        if self._chat_text is None or not self._chat_text.has_hidden(rendered):
+            return self._encode(rendered)
+        return self._chat_text.encode(rendered)
+
+    def chat_token_ids(self, messages: list, speech_output: bool = False, assistant_prefix: str = "") -> np.ndarray:
+        """Token ids of text-only chat messages with the assistant turn opened and begun with
+        `assistant_prefix`; special-token strings typed in the messages or the prefix stay text."""
+        canonical, _ = self._normalize_messages(messages, speech_output, need_source=False, hide=True)
+        _check_unicode(assistant_prefix, "the assistant prefix")
+        return self._encode_chat(self._render(canonical) + self._hide(assistant_prefix))
+
+    def _hide(self, text: str) -> str:
+        return text if self._chat_text is None else self._chat_text.hide(text)
+
+    def _normalize_messages(self, messages: Any, speech_output: bool, need_source: bool = True,
+                            hide: bool = False) -> tuple[list, list[_Item]]:
+        """Messages with media parts reduced to {"type": kind} for the template, and the media items
+        in order. `hide`: special-token strings in roles and text become stand-ins (see chat_text.py)."""
         if not isinstance(messages, list) or not messages:
             raise PromptError("'messages' must be a non-empty list of {'role', 'content'} dicts")
+
+        def typed(text: str, where: str) -> str:
+            _check_unicode(text, where)
+            return self._hide(text) if hide else text
+
         canonical, items = [], []
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise PromptError(f"messages[{i}] must be a dict with 'role' and 'content'")
-            content = m["content"]
+            if not isinstance(m["role"], str) or not m["role"]:
+                raise PromptError(f"messages[{i}].role must be a non-empty string, got {m['role']!r}")
+            role, content = typed(m["role"], f"messages[{i}].role"), m["content"]
             if isinstance(content, str):
-                canonical.append({"role": m["role"], "content": content})
+                canonical.append({"role": role, "content": typed(content, f"messages[{i}].content")})
                 continue
             if not isinstance(content, list):
                 raise PromptError(f"messages[{i}].content must be a string or a list of parts")
@@ -357,11 +384,11 @@ class InputProcessor:
                 where = f"messages[{i}].content[{j}]"
                 kind, item = _parse_part(part, where, need_source)
                 if kind == "text":
-                    parts.append({"type": "text", "text": item})
+                    parts.append({"type": "text", "text": typed(item, where)})
                 else:
                     parts.append({"type": kind})
                     items.append(item)
-            canonical.append({"role": m["role"], "content": parts})
+            canonical.append({"role": role, "content": parts})
         if speech_output and self.SPEECH_SYSTEM_PROMPT and not any(m["role"] == "system" for m in canonical):
             # Qwen2.5-Omni's talker is trained to speak only under this system prompt.
             canonical.insert(0, {"role": "system", "content": self.SPEECH_SYSTEM_PROMPT})
@@ -411,8 +438,8 @@ class InputProcessor:
             if "messages" in prompt:
                 if "multi_modal_data" in prompt:
                     raise PromptError("with 'messages', put the media in the message parts, not in 'multi_modal_data'")
-                canonical, items = self._normalize_messages(prompt["messages"], speech_output)
-                ids = self._encode(self._render(canonical))
+                canonical, items = self._normalize_messages(prompt["messages"], speech_output, hide=True)
+                ids = self._encode_chat(self._render(canonical))
             elif "prompt" in prompt:
                 if not isinstance(prompt["prompt"], str):
                     raise PromptError("'prompt' must be a string")
@@ -609,6 +636,14 @@ class InputProcessor:
 
 
 # ---------------------------------------------------------------------- prompt parsing helpers
+
+def _check_unicode(text: str, where: str = "the prompt") -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate, e.g. from a bad JSON escape
+        raise PromptError(f"{where} is not valid Unicode text: {e.reason} "
+                          f"({text[e.start]!r} at character {e.start})") from None
+
 
 def _token_ids(raw: Any) -> np.ndarray:
     try:

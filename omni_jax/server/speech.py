@@ -32,9 +32,9 @@ MODALITIES = ["text", "audio"]
 
 
 def speech_prompt(processor, text: str) -> dict:
-    """The raw prompt of a speech request: the chat template with the assistant turn prefilled."""
-    rendered = processor.render_chat([{"role": "user", "content": text}], speech_output=True)
-    return {"prompt": rendered + text}
+    """The prompt of a speech request: the chat template with the assistant turn prefilled."""
+    ids = processor.chat_token_ids([{"role": "user", "content": text}], speech_output=True, assistant_prefix=text)
+    return {"prompt_token_ids": ids}
 
 
 class SpeechHandler:
@@ -53,7 +53,10 @@ class SpeechHandler:
         if "audio" not in self.engine.output_modalities:
             raise bad_request("this server was started without audio output", "model")
         params = stage_params(self.engine.stage_defaults(self.engine.stage_names(MODALITIES)), req)
-        prompt = speech_prompt(self.engine.omni.processor, req.input)
+        try:
+            prompt = speech_prompt(self.engine.omni.processor, req.input)
+        except ValueError as e:  # PromptError: text the tokenizer cannot take (a lone surrogate...)
+            raise bad_request(str(e), "input") from None
         gen = await open_request(self.engine, prompt, params, MODALITIES, req.voice, f"speech-{uuid.uuid4().hex}")
         self.metrics.in_flight.inc()
         media_type = audio_codec.MEDIA_TYPES[req.response_format]

@@ -26,6 +26,7 @@ import operator
 import queue
 import time
 import uuid
+import weakref
 from typing import AsyncIterator, Sequence
 
 import numpy as np
@@ -292,6 +293,17 @@ class OmniJax(_Frontend):
         self.shutdown()
 
 
+class _Unsubmitted:
+    """An AsyncOmniJax request from its generate() call until the orchestrator has it: an abort
+    meanwhile is kept here, since the orchestrator does not know the id yet."""
+
+    __slots__ = ("request_id", "aborted", "__weakref__")
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self.aborted = False
+
+
 class AsyncOmniJax(_Frontend):
     """Asynchronous front end: `generate` is an async generator of updates (text deltas, audio chunks)."""
 
@@ -302,23 +314,26 @@ class AsyncOmniJax(_Frontend):
         event loop. `prompt_timeout_s`: a prompt whose processing takes longer fails with a
         PromptError. Other arguments as `OmniJax`."""
         self._prompts = PromptWorkers(prompt_workers, prompt_timeout_s)  # first: a bad value starts nothing
+        # Requests between generate() and their submission (weak: an iterator never run just goes).
+        self._unsubmitted: weakref.WeakSet[_Unsubmitted] = weakref.WeakSet()
         try:
             super().__init__(model, pipeline, output_modalities, async_chunk)
         except BaseException:
             self._prompts.shutdown()
             raise
 
-    async def generate(self, prompt, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, output_modalities: Sequence[str] | None = None,
-                       voice: str | None = None, output_hidden_states: Sequence[int] | None = None,
-                       hidden_states_include_prompt: bool = False,
-                       sampling_params_list: Sequence[SamplingParams | None] | None = None,
-                       timeout_s: float | None = None) -> AsyncIterator[OmniRequestOutput]:
-        """Yield an OmniRequestOutput per update until the request finishes.
+    def generate(self, prompt, sampling_params: SamplingParams | None = None,
+                 request_id: str | None = None, output_modalities: Sequence[str] | None = None,
+                 voice: str | None = None, output_hidden_states: Sequence[int] | None = None,
+                 hidden_states_include_prompt: bool = False,
+                 sampling_params_list: Sequence[SamplingParams | None] | None = None,
+                 timeout_s: float | None = None) -> AsyncIterator[OmniRequestOutput]:
+        """An async iterator of OmniRequestOutput updates until the request finishes.
 
         Raises PromptError (a ValueError) for a prompt that cannot be processed, or whose
         processing (on a worker thread) outlasts `prompt_timeout_s`.
-        Leaving the loop early (break, cancellation) aborts the request.
+        Leaving the loop early (break, cancellation) aborts the request; so does `abort(request_id)`
+        at any time after this call, even before the iterator first runs.
         `sampling_params` (the thinker's), `sampling_params_list` (per stage),
         `output_hidden_states` / `hidden_states_include_prompt` as `OmniJax.generate`; the
         hidden states come with the final update; `timeout_s` as `OmniJax.generate`.
@@ -327,15 +342,40 @@ class AsyncOmniJax(_Frontend):
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be one SamplingParams (the first stage's), got "
                              f"{type(sampling_params).__name__}; per-stage params go in sampling_params_list")
+        chain = self._chain(output_modalities)
+        # A plain method, not an async generator, so that the request is known to `abort` from
+        # this call on (an async generator's body, and with it the submission, waits for its first run).
+        ticket = _Unsubmitted(request_id or self._new_id())
+        self._unsubmitted.add(ticket)
+        return self._stream(ticket, prompt, self._stage_params(sampling_params, sampling_params_list, chain), chain,
+                            voice, self._hidden_layers(output_hidden_states, chain), hidden_states_include_prompt,
+                            timeout_s)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request in every stage (finish_reason 'abort'), also one not submitted yet."""
+        for ticket in list(self._unsubmitted):
+            if ticket.request_id == request_id:
+                ticket.aborted = True
+        super().abort(request_id)
+
+    async def _stream(self, ticket: "_Unsubmitted", prompt, params: list[SamplingParams], chain, voice,
+                      hidden_layers, include_prompt: bool, timeout_s) -> AsyncIterator[OmniRequestOutput]:
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue = asyncio.Queue()
-        chain = self._chain(output_modalities)
-        rid = request_id or self._new_id()
-        req = await self._prompts.run(
-            self._request, prompt, self._stage_params(sampling_params, sampling_params_list, chain), chain, rid,
-            lambda o: loop.call_soon_threadsafe(updates.put_nowait, o), voice,
-            self._hidden_layers(output_hidden_states, chain), hidden_states_include_prompt, timeout_s)
-        self._orch.submit(req)
+        rid = ticket.request_id
+        try:
+            req = await self._prompts.run(
+                self._request, prompt, params, chain, rid, lambda o: loop.call_soon_threadsafe(updates.put_nowait, o),
+                voice, hidden_layers, include_prompt, timeout_s)
+            if ticket.aborted:
+                yield OmniRequestOutput(request_id=rid, prompt_token_ids=req.output.prompt_token_ids, finished=True,
+                                        finish_reason="abort")
+                return
+            self._orch.submit(req)
+        finally:
+            self._unsubmitted.discard(ticket)
+        if ticket.aborted:  # came from another thread between the check and the submission
+            self._orch.abort(rid)
         finished = False
         try:
             while not finished:

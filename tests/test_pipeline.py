@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -141,13 +142,25 @@ def test_bad_prompt_fails_alone(omni):
     assert outs[4].error is None and len(outs[4].token_ids) == 6
 
 
-def test_any_prompt_failure_fails_only_that_prompt(omni):
-    """A prompt whose processing raises anything (here a TypeError in the chat template) is its own error."""
+def test_any_prompt_failure_fails_only_that_prompt(omni, monkeypatch):
+    """A prompt whose processing raises anything (here whatever a broken processor raises) is its
+    own error, as are a bad role, a lone surrogate and an id past int32."""
+    process = omni.processor.process
+
+    def process_or_crash(prompt, **kw):
+        if prompt == "crash":
+            raise ZeroDivisionError("division by zero")
+        return process(prompt, **kw)
+
+    monkeypatch.setattr(omni.processor, "process", process_or_crash)
     outs = omni.generate([{"messages": [{"role": 7, "content": "hi"}]}, {"prompt_token_ids": [4, 5, 6]},
-                          {"prompt_token_ids": [2**31]}], sampling_params=GREEDY)
-    assert outs[0].finish_reason == "error" and "bad prompt" in outs[0].error
+                          {"prompt_token_ids": [2**31]}, "crash", {"messages": [{"role": "user", "content": "\ud83d"}]}],
+                         sampling_params=GREEDY)
+    assert outs[0].finish_reason == "error" and "bad prompt: messages[0].role must be" in outs[0].error
     assert outs[1].error is None and len(outs[1].token_ids) == 6
     assert outs[2].finish_reason == "error" and "out of range" in outs[2].error
+    assert outs[3].finish_reason == "error" and outs[3].error == "bad prompt: ZeroDivisionError: division by zero"
+    assert outs[4].finish_reason == "error" and "not valid Unicode" in outs[4].error
 
 
 def test_undecodable_payload_fails_its_request(omni):
@@ -161,7 +174,7 @@ def test_undecodable_payload_fails_its_request(omni):
     assert outs[1].error is None and len(outs[1].token_ids) == 6
 
 
-def test_duplicate_request_id_is_refused_without_touching_the_original(converted_thinker_fp32):
+def test_duplicate_request_id_is_refused_and_an_early_abort_is_kept(converted_thinker_fp32):
     async def run():
         async with AsyncOmniJax(model=converted_thinker_fp32, pipeline=tiny_pipeline()) as engine:
             params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -174,11 +187,19 @@ def test_duplicate_request_id_is_refused_without_touching_the_original(converted
             while "same" not in engine._orch._requests:
                 await asyncio.sleep(0.001)
             duplicate = await asyncio.wait_for(collect("same"), 30)
-            return await asyncio.wait_for(original, 60), duplicate
+            original = await asyncio.wait_for(original, 60)
+            # An abort issued before the iterator first runs (the request is not submitted yet) is kept.
+            early = engine.generate({"prompt_token_ids": [3, 4, 5]}, params.updated(max_tokens=400), request_id="early")
+            engine.abort("early")
+            early = [o async for o in early]
+            stats = engine.stage_stats()["thinker"]
+            return original, duplicate, early, stats
 
-    original, duplicate = asyncio.run(run())
+    original, duplicate, early, stats = asyncio.run(run())
     assert duplicate.finish_reason == "error" and "already in flight" in duplicate.error
     assert original.error is None and original.finish_reason == "length" and len(original.token_ids) == 40
+    assert len(early) == 1 and early[0].finished and early[0].finish_reason == "abort" and early[0].token_ids == []
+    assert stats["num_running"] == 0 and stats["kv_cache_usage"] == 0.0
 
 
 def test_200_concurrent_async_requests(converted_thinker_fp32):
@@ -226,6 +247,27 @@ def test_abort_mid_generation_frees_everything(omni):
     time.sleep(0.2)
     stats = omni.stage_stats()["thinker"]
     assert stats["kv_cache_usage"] == 0.0 and stats["num_running"] == 0 and stats["num_waiting"] == 0
+
+
+def test_ctrl_c_in_generate_aborts_what_it_submitted(omni, monkeypatch):
+    """Ctrl-C (a real SIGINT) while generate waits: KeyboardInterrupt reaches the caller and every
+    request of the batch still running is aborted (they used to keep running, holding KV)."""
+    aborted, abort = [], omni._orch.abort
+    monkeypatch.setattr(omni._orch, "abort", lambda rid: (aborted.append(rid), abort(rid)))
+    long = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)  # > 0.5 s at ~1 ms a step
+    timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            omni.generate([{"prompt_token_ids": [21, 22, 23 + i]} for i in range(6)], sampling_params=long)
+    finally:
+        timer.cancel()
+    assert time.monotonic() - t0 < 10
+    assert len(set(aborted)) == 6, aborted
+    stats = _idle_thinker(omni)
+    assert stats["kv_cache_usage"] == 0.0
+    assert omni.generate([{"prompt_token_ids": [1, 2]}], sampling_params=GREEDY)[0].error is None
 
 
 def test_request_past_its_deadline_times_out_and_frees_everything(omni):

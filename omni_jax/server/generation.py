@@ -82,9 +82,10 @@ class Generation:
 async def open_request(engine: ServedEngine, prompt, params, modalities, voice, request_id: str,
                        voice_param: str = "voice") -> Generation:
     """Submit the request and wait for its first update (400 / 503 on failure to start)."""
-    agen = engine.omni.generate(prompt, sampling_params_list=params, request_id=request_id,
-                                output_modalities=list(modalities), voice=voice)
+    agen = None
     try:
+        agen = engine.omni.generate(prompt, sampling_params_list=params, request_id=request_id,
+                                    output_modalities=list(modalities), voice=voice)
         first = await agen.__anext__()
     except ValueError as e:  # PromptError, unknown voice, modalities the engine was not started with
         msg = str(e)
@@ -94,7 +95,8 @@ async def open_request(engine: ServedEngine, prompt, params, modalities, voice, 
         engine.mark_dead(str(e))
         raise APIError(503, f"the engine cannot serve: {e}", None, "service_unavailable") from None
     except asyncio.CancelledError:
-        await agen.aclose()
+        if agen is not None:
+            await agen.aclose()
         raise
     return Generation(engine, request_id, agen, first)
 

@@ -36,6 +36,7 @@ from .checkpoint import read_config
 from .config import ConfigError, PipelineConfig, default_pipeline_for, load_pipeline_config
 from .engine.protocol import AddRequest, MultiModalPayload, StageInputs
 from .engine.sampling import SamplingParams
+from .inputs.media import MediaLimits
 from .inputs.processor import PromptError
 from .models.registry import get_family, resolve_model
 from .outputs import OmniRequestOutput, RequestMetrics
@@ -76,8 +77,12 @@ class _Frontend:
     """Shared set-up: checkpoint, pipeline, prompt processing, orchestrator."""
 
     def __init__(self, model: str = "tiny", pipeline: str | PipelineConfig | None = None,
-                 output_modalities: Sequence[str] = ("text",), async_chunk: bool | None = None):
-        """`async_chunk`: stream between stages (None: as the pipeline config says)."""
+                 output_modalities: Sequence[str] = ("text",), async_chunk: bool | None = None,
+                 media_limits: MediaLimits | None = None):
+        """`async_chunk`: stream between stages (None: as the pipeline config says).
+        `media_limits`: what media a prompt may hold, checked before decoding (None: the defaults)."""
+        if media_limits is not None and not isinstance(media_limits, MediaLimits):
+            raise TypeError(f"media_limits must be a MediaLimits, got {type(media_limits).__name__}")
         self.checkpoint, self.pipeline = _resolve(model, pipeline)
         if async_chunk is not None:
             if not isinstance(async_chunk, bool):
@@ -87,6 +92,8 @@ class _Frontend:
         self._stages = self.pipeline.stages_for(self.output_modalities)
         family = get_family(self.pipeline.family)
         self.processor = family.prompt_processor(self.checkpoint)
+        if media_limits is not None:
+            self.processor.media_limits = media_limits
         self.tokenizer = self.processor.tokenizer
         self._handoff = None
         if len(self._stages) > 1:
@@ -309,7 +316,7 @@ class AsyncOmniJax(_Frontend):
 
     def __init__(self, model: str = "tiny", pipeline: str | PipelineConfig | None = None,
                  output_modalities: Sequence[str] = ("text",), async_chunk: bool | None = None,
-                 prompt_workers: int = 4, prompt_timeout_s: float = 30.0):
+                 prompt_workers: int = 4, prompt_timeout_s: float = 30.0, media_limits: MediaLimits | None = None):
         """`prompt_workers`: threads that process prompts (chat template, tokenizer, media) off the
         event loop. `prompt_timeout_s`: a prompt whose processing takes longer fails with a
         PromptError. Other arguments as `OmniJax`."""
@@ -317,7 +324,7 @@ class AsyncOmniJax(_Frontend):
         # Requests between generate() and their submission (weak: an iterator never run just goes).
         self._unsubmitted: weakref.WeakSet[_Unsubmitted] = weakref.WeakSet()
         try:
-            super().__init__(model, pipeline, output_modalities, async_chunk)
+            super().__init__(model, pipeline, output_modalities, async_chunk, media_limits)
         except BaseException:
             self._prompts.shutdown()
             raise

@@ -28,13 +28,18 @@ class PromptWorkers:
     """
 
     def __init__(self, num_workers: int = 4, timeout_s: float = 30.0):
+        self.check(num_workers, timeout_s)
+        self.num_workers = num_workers
+        self.timeout_s = float(timeout_s)
+        self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="omni-prompt")
+
+    @staticmethod
+    def check(num_workers, timeout_s) -> None:
+        """ValueError naming a bad worker count or budget."""
         if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
             raise ValueError(f"prompt_workers must be a positive integer, got {num_workers!r}")
         if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not 0 < timeout_s < float("inf"):
             raise ValueError(f"prompt_timeout_s must be a positive number of seconds, got {timeout_s!r}")
-        self.num_workers = num_workers
-        self.timeout_s = float(timeout_s)
-        self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="omni-prompt")
 
     async def run(self, fn: Callable[..., T], *args) -> T:
         """fn(*args) on a worker thread; PromptError if it runs longer than the budget."""

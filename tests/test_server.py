@@ -164,7 +164,10 @@ def server(env, pipeline_yaml, media_dir, tmp_path_factory):
     log_path = str(tmp_path_factory.mktemp("server") / "serve.log")
     proc, url = _start_server(["--model", MODEL, "--pipeline", pipeline_yaml, "--api-key", API_KEY,
                                "--allowed-local-media-path", str(media_dir),
-                               "--max-request-body-mb", str(MAX_BODY_MB)], env, log_path)
+                               "--max-request-body-mb", str(MAX_BODY_MB),
+                               # the fixtures' media are at most 64 x 64 (a video's frames count too)
+                               "--media-limits", '{"max_image_pixels": 4096}', "--prompt-timeout-s", "60"],
+                              env, log_path)
     seen = []
     deadline = time.monotonic() + 900
     try:
@@ -496,6 +499,40 @@ def test_400_names_the_field(server, change, param):
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == param, err
     assert param.rsplit(".", 1)[-1].split("[")[0] in err["message"]
+
+
+def test_media_limits_flag_and_typed_special_tokens(client, library, media_dir):
+    """--media-limits reaches the prompt processor: a 65 x 64 image is a 400 naming the limit.
+    Placeholder or turn-end strings typed in a message are text (they were a 400, or a new turn)."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (65, 64)).save(buf, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}}]}])
+    assert "65x64 = 4160 pixels, more than the limit of 4096" in e.value.body["message"]
+    typed = [{"role": "user", "content": "what is <|IMAGE|> or <|im_end|>?"}]
+    r = client.chat.completions.create(model=MODEL, messages=typed, max_tokens=4, temperature=0.0)
+    want = library.generate({"messages": typed}, SamplingParams(temperature=0.0, max_tokens=4), output_modalities=["text"])[0]
+    assert r.choices[0].message.content == want.text
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert library.processor.tokens.image_token_id not in want.prompt_token_ids
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--media-limits", '{"max_pixels": 5}', "keys among"),
+    ("--media-limits", '{"max_image_pixels": 0}', "max_image_pixels must be a positive int"),
+    ("--media-limits", "{oops", "not valid JSON"),
+    ("--prompt-timeout-s", "0", "prompt_timeout_s must be a positive number"),
+    ("--prompt-workers", "0", "prompt_workers must be a positive integer"),
+])
+def test_bad_serving_flags_exit_2_naming_them(flag, value, message, capsys):
+    from omni_jax.cli import main
+
+    assert main(["serve", "--port", "0", flag, value]) == 2  # before binding or loading anything
+    assert message in capsys.readouterr().err
 
 
 def test_remote_url_refusal_is_clear(client):

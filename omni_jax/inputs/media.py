@@ -22,6 +22,7 @@ import base64
 import binascii
 import dataclasses
 import io
+import json
 import math
 import os
 from typing import Any
@@ -62,6 +63,30 @@ class MediaLimits:
     max_image_pixels: int = 8192 * 8192
     max_video_fps: float = 1000.0
     max_video_frames: int = 36_000
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            whole = f.type == "int"  # the annotations are strings here
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or (whole and not isinstance(value, int)) \
+                    or not 0 < value < math.inf:
+                raise ValueError(f"MediaLimits.{f.name} must be a positive {'int' if whole else 'finite number'}, "
+                                 f"got {value!r}")
+        if self.min_sample_rate > self.max_sample_rate:
+            raise ValueError(f"MediaLimits.min_sample_rate {self.min_sample_rate:g} is above max_sample_rate "
+                             f"{self.max_sample_rate:g}")
+
+    @classmethod
+    def from_json(cls, text: str) -> "MediaLimits":
+        """Limits from a JSON object of field values (the server's --media-limits); ValueError if bad."""
+        try:
+            given = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"media limits are not valid JSON: {e}") from None
+        names = [f.name for f in dataclasses.fields(cls)]
+        if not isinstance(given, dict) or set(given) - set(names):
+            raise ValueError(f"media limits must be a JSON object with keys among {names}, got {text!r}")
+        return cls(**given)
 
     def check_sample_rate(self, rate: float, what: str) -> float:
         """`rate` as a float in [min_sample_rate, max_sample_rate], else MediaError: an absurd rate

@@ -25,8 +25,10 @@ class ServedEngine:
 
     def __init__(self, model: str, served_name: str, pipeline: str | None = None,
                  output_modalities: Sequence[str] = ("text", "audio"), on_failed: Callable[[], None] | None = None,
-                 async_chunk: bool | None = None):
+                 async_chunk: bool | None = None, engine_options: dict | None = None):
+        """`engine_options`: more AsyncOmniJax arguments (prompt_workers, prompt_timeout_s, media_limits)."""
         self.model, self.served_name, self.pipeline = model, served_name, pipeline
+        self.engine_options = dict(engine_options or {})
         self.async_chunk = async_chunk  # None: as the pipeline says
         self.on_failed = on_failed  # e.g. stop the HTTP server: a server that can never serve should exit
         self.output_modalities = list(output_modalities)
@@ -54,7 +56,8 @@ class ServedEngine:
         t0 = time.monotonic()
         try:
             self.omni = AsyncOmniJax(model=self.model, pipeline=self.pipeline,
-                                     output_modalities=self.output_modalities, async_chunk=self.async_chunk)
+                                     output_modalities=self.output_modalities, async_chunk=self.async_chunk,
+                                     **self.engine_options)
         except Exception as e:  # the server stays up to report it on /health
             self.state, self.reason = "failed", f"the engine failed to start: {type(e).__name__}: {e}"
             print(f"omni-jax serve: error: {self.reason}", file=sys.stderr, flush=True)

@@ -19,6 +19,8 @@ import sys
 import uvicorn
 
 from ..api import add_async_chunk_argument
+from ..inputs.media import MediaLimits
+from ..prompt_workers import PromptWorkers
 from .app import build_app
 from .engine import ServedEngine
 
@@ -37,6 +39,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-local-media-path", default=None,
                    help="directory whose files requests may name as media (default: none; data: URLs only)")
     p.add_argument("--max-request-body-mb", type=float, default=64.0, help="larger bodies get 413 (default 64)")
+    p.add_argument("--prompt-workers", type=int, default=4,
+                   help="threads that process prompts (templates, tokenizer, media decoding; default 4)")
+    p.add_argument("--prompt-timeout-s", type=float, default=30.0,
+                   help="a prompt whose processing takes longer fails with a 400 (default 30)")
+    p.add_argument("--media-limits", default=None, metavar="JSON",
+                   help="media checked before decoding, e.g. '{\"max_image_pixels\": 16777216, \"max_video_frames\": "
+                        "3600}' (keys: min_sample_rate, max_sample_rate, max_image_pixels, max_video_fps, "
+                        "max_video_frames; default: MediaLimits())")
     add_async_chunk_argument(p)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
@@ -71,6 +81,12 @@ def run(args: argparse.Namespace) -> int:
         print("omni-jax serve: error: --modalities must be 'text' or 'text,audio'", file=sys.stderr)
         return 2
     try:
+        limits = None if args.media_limits is None else MediaLimits.from_json(args.media_limits)
+        PromptWorkers.check(args.prompt_workers, args.prompt_timeout_s)
+    except ValueError as e:
+        print(f"omni-jax serve: error: {e}", file=sys.stderr)
+        return 2
+    try:
         sock = _bind(args.host, args.port)
     except OSError as e:
         print(f"omni-jax serve: error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
@@ -82,7 +98,9 @@ def run(args: argparse.Namespace) -> int:
             server.should_exit = True
 
     engine = ServedEngine(args.model, args.served_model_name or args.model, args.pipeline, mods,
-                          on_failed=stop_server, async_chunk=args.async_chunk)
+                          on_failed=stop_server, async_chunk=args.async_chunk,
+                          engine_options=dict(prompt_workers=args.prompt_workers, prompt_timeout_s=args.prompt_timeout_s,
+                                              media_limits=limits))
     app = build_app(engine, api_key=args.api_key, max_body_bytes=int(args.max_request_body_mb * (1 << 20)),
                     allowed_media_dir=args.allowed_local_media_path)
     host = f"[{args.host}]" if ":" in args.host else args.host

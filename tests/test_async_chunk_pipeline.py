@@ -28,6 +28,7 @@ TALKER_TOKENS = {"qwen2_5_omni": 100, "qwen3_omni": 40}
 WAVEFORM_TOL = {"qwen2_5_omni": 2e-4, "qwen3_omni": 1e-5}
 # Chunks small enough that a reply comes in several.
 CHUNKS = dict(codec_chunk_frames=8, codec_first_chunk_frames=4)
+SILENT_S = 8.0  # the talker's and vocoder's health_timeout_s (a stage silent longer is restarted)
 
 
 def pipeline_for(family: str):
@@ -35,15 +36,17 @@ def pipeline_for(family: str):
     if family == "qwen2_5_omni":
         return load_pipeline_config("qwen2_5_omni_tiny").with_overrides(
             thinker=dict(token_buckets=[16, 64], decode_buckets=[1, 4], max_num_seqs=4),
-            talker=dict(token_buckets=[16, 64], decode_buckets=[1, 4], max_num_seqs=4),
+            talker=dict(token_buckets=[16, 64], decode_buckets=[1, 4], max_num_seqs=4, health_timeout_s=SILENT_S),
             token2wav=dict(token_buckets=[128], decode_buckets=[1, 4], max_num_seqs=4, max_num_batched_tokens=256,
-                           **CHUNKS))
+                           health_timeout_s=SILENT_S, **CHUNKS))
     return load_pipeline_config("qwen3_omni_tiny").with_overrides(
         thinker=dict(token_buckets=[64], decode_buckets=[1, 4], max_num_seqs=4, audio_chunk_buckets=[4],
                      vision_patch_buckets=[64]),
-        talker=dict(token_buckets=[64], decode_buckets=[1, 4], max_num_seqs=4, max_model_len=256),
+        talker=dict(token_buckets=[64], decode_buckets=[1, 4], max_num_seqs=4, max_model_len=256,
+                    health_timeout_s=SILENT_S),
         code2wav=dict(token_buckets=[16, 64], decode_buckets=[1, 4], max_num_seqs=4,
-                      max_model_len=TALKER_TOKENS["qwen3_omni"], max_num_batched_tokens=160, **CHUNKS))
+                      max_model_len=TALKER_TOKENS["qwen3_omni"], max_num_batched_tokens=160, health_timeout_s=SILENT_S,
+                      **CHUNKS))
 
 
 def prompts_for(family: str, n: int) -> list[dict]:
@@ -188,23 +191,30 @@ def test_text_goes_on_after_the_audio_ends(family_engines):
 
 
 def test_killed_stage_fails_the_stream_and_comes_back(family_engines):
-    """SIGKILL of the vocoder, then of the talker, while audio streams: the request ends with an
-    error naming the stage, which is started again (auto_restart); then speech streams again and
-    no stage holds anything. Last in the module for each family."""
+    """The vocoder, then the talker, killed (SIGKILL) or stopped (SIGSTOP, silent past its
+    health_timeout_s) while audio streams: the request ends with an error naming the stage, which
+    is started again (auto_restart); then speech streams again and no stage holds anything. Each
+    family takes the other signal per stage, so both signals meet both stages. Last in the module."""
     family, streamed, _ = family_engines
-    for stage in (streamed.pipeline.stages[-1].name, "talker"):
+    vocoder = streamed.pipeline.stages[-1].name
+    kill, stop = (signal.SIGKILL, "died"), (signal.SIGSTOP, "stopped answering")
+    for stage, (sig, says) in zip((vocoder, "talker"), (kill, stop) if family == "qwen2_5_omni" else (stop, kill)):
         pid = streamed.stage_pids()[stage]
+        signalled = []
 
         def kill_on_first_audio(i, out):
-            if out.audio_delta is not None and len(out.audio_delta):
-                os.kill(pid, signal.SIGKILL)
+            if out.audio_delta is not None and len(out.audio_delta) and not signalled:
+                os.kill(pid, sig)
+                signalled.append(time.monotonic())
             return False
 
         t0 = time.monotonic()
         updates = collect(streamed, prompts_for(family, 1), params_for(family, first_chunk=2),
                           abort_when=kill_on_first_audio)[0]
-        assert updates[-1].finish_reason == "error" and f"{stage!r} died" in updates[-1].error
+        assert updates[-1].finish_reason == "error" and f"{stage!r} {says}" in updates[-1].error, updates[-1].error
         assert time.monotonic() - t0 < 60
+        if sig == signal.SIGSTOP:
+            assert time.monotonic() - signalled[0] < SILENT_S + 5
         while streamed.stage_stats()[stage]["healthy"] != 1.0:
             assert time.monotonic() - t0 < 120, f"{stage} not back"
             time.sleep(0.2)

@@ -444,7 +444,7 @@ def test_input_audio_and_video_parts(client, library, media_dir):
 
 def test_speech_wav_and_sse(server, library):
     text = "Good morning to you"
-    thinker = library.pipeline.stage("thinker").sampling_params()
+    thinker = library.pipeline.stage("thinker").sampling_params().updated(max_tokens=1, min_tokens=0)
     want = library.generate(speech_prompt(library.processor, text), sampling_params_list=[thinker, *_lib_params(library, 1)[1:]],
                             output_modalities=["text", "audio"], voice="Ethan")[0]
     r = httpx.post(f"{server.url}/v1/audio/speech", headers=_auth(), timeout=120,

@@ -19,8 +19,10 @@ changes when a row is used, never its value.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
+from tokenizers import Tokenizer
 
 from ..config import ConfigError
 from ..engine.protocol import StageData
@@ -113,6 +115,34 @@ def reply_rows(token_ids: list[int], finished: bool, eos_ids) -> tuple[int, bool
     if finished:
         return max(len(gen) - 1, 1) - 1, True
     return max(len(gen) - 2, 0), False
+
+
+def assistant_turn_ids(ckpt_dir: str) -> tuple[int, ...] | None:
+    """The token ids of "<|im_start|>assistant\\n" by the checkpoint's own tokenizer (None if
+    it has none: a token-id-only checkpoint has no chat turns to find)."""
+    path = os.path.join(ckpt_dir, "tokenizer.json")
+    if not os.path.isfile(path):
+        return None
+    return tuple(Tokenizer.from_file(path).encode("<|im_start|>assistant\n", add_special_tokens=False).ids)
+
+
+def reply_start(prompt: np.ndarray, turn_ids: tuple[int, ...] | None, media_ids=()) -> int:
+    """Where the spoken reply begins in a thinker prompt: after its last assistant turn start
+    when the prompt ends inside that turn (the reply was begun in the prompt, as the speech
+    endpoint does with the text to say), else at the end of the prompt. A turn holding media or
+    a later turn's start is not a begun reply."""
+    p = len(prompt)
+    if not turn_ids or p < len(turn_ids):
+        return p
+    k = len(turn_ids)
+    windows = np.lib.stride_tricks.sliding_window_view(prompt, k)
+    starts = np.flatnonzero((windows == np.asarray(turn_ids)).all(axis=1))
+    if starts.size == 0:
+        return p
+    a = int(starts[-1]) + k
+    if np.isin(prompt[a:], [turn_ids[0], *media_ids]).any():
+        return p
+    return a
 
 
 def media_positions(text_ids: np.ndarray, mm, rope_index, **kw) -> tuple[np.ndarray | None, int]:

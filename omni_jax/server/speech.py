@@ -32,7 +32,8 @@ MODALITIES = ["text", "audio"]
 
 
 def speech_prompt(processor, text: str) -> dict:
-    """The prompt of a speech request: the chat template with the assistant turn prefilled."""
+    """The prompt of a speech request: the chat template with the assistant turn begun with the
+    text, which the talker speaks as the reply (see the families' handoffs)."""
     ids = processor.chat_token_ids([{"role": "user", "content": text}], speech_output=True, assistant_prefix=text)
     return {"prompt_token_ids": ids}
 
@@ -53,6 +54,9 @@ class SpeechHandler:
         if "audio" not in self.engine.output_modalities:
             raise bad_request("this server was started without audio output", "model")
         params = stage_params(self.engine.stage_defaults(self.engine.stage_names(MODALITIES)), req)
+        # The input is the reply, begun in the prompt: the talker speaks it, and whatever the
+        # thinker would add is not wanted (its one token ends the reply; the last token is never spoken).
+        params[0] = params[0].updated(max_tokens=1, min_tokens=0)
         try:
             prompt = speech_prompt(self.engine.omni.processor, req.input)
         except ValueError as e:  # PromptError: text the tokenizer cannot take (a lone surrogate...)

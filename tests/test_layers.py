@@ -18,7 +18,7 @@ PACKAGES = ("omni_jax", "kernels_pallas", "conversion")
 # Bottom to top; a module belongs to the layer of its longest matching prefix.
 LAYERS = (
     ("kernels", ("kernels_pallas",)),
-    ("building blocks", ("omni_jax.models.layers", "omni_jax.errors")),
+    ("building blocks", ("omni_jax.models.layers", "omni_jax.errors", "omni_jax.paths")),
     ("engine", ("omni_jax.engine",)),
     ("inputs", ("omni_jax.inputs",)),
     ("families", ("omni_jax.models", "omni_jax.checkpoint", "omni_jax.config")),

@@ -6,8 +6,8 @@ multiprocessing's spawn it does not re-import the caller's main module.
 It connects to the two ipc sockets the orchestrator bound, loads its stage of the
 checkpoint, compiles every bucket, and only then says `Ready` (stage_loop.py). The
 process exits on `Shutdown`, and also when its parent dies (a watchdog thread notices
-the parent pid change, also during warm-up). This module imports nothing heavy: the
-device is chosen before JAX is imported.
+the parent pid change, also during warm-up). The device variables are set before JAX
+creates its backend (at the stage's first array), so each stage sees only its own device.
 """
 
 from __future__ import annotations
@@ -19,6 +19,11 @@ import shutil
 import sys
 import threading
 import time
+
+import jax
+
+from ..paths import cache_root
+from .stage_loop import serve_stage
 
 
 def _exit_with_parent(parent_pid: int, ipc_dir: str, period_s: float = 0.5) -> None:
@@ -43,6 +48,16 @@ def _configure_device(stage: dict) -> None:
         os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
 
 
+def configure_compile_cache() -> None:
+    """JAX's persistent compilation cache (under the OmniJax cache, 4 GiB, least recently used
+    first out), so a stage started again, after a restart or in the next run, loads its
+    compiled buckets instead of compiling them. `JAX_COMPILATION_CACHE_DIR` chooses another
+    place; set to "" it turns the cache off."""
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ and jax.config.jax_compilation_cache_dir is None:
+        jax.config.update("jax_compilation_cache_dir", os.path.join(cache_root(), "jax-compile-cache"))
+        jax.config.update("jax_compilation_cache_max_size", 4 << 30)
+
+
 def stage_main(stage_json: str, ckpt_dir: str, family: str, ipc_dir: str, parent_pid: int,
                async_chunk: bool = False) -> None:
     """Entry point of a stage process (arguments are plain strings: nothing is unpickled)."""
@@ -52,10 +67,7 @@ def stage_main(stage_json: str, ckpt_dir: str, family: str, ipc_dir: str, parent
     logging.basicConfig(level=os.environ.get("OMNI_JAX_LOG_LEVEL", "WARNING"),
                         format=f"[omni-jax {name} %(levelname)s] %(message)s")
     _configure_device(stage)
-
-    # Imported only now: JAX reads the device variables set above when it is first imported.
-    from .stage_loop import serve_stage
-
+    configure_compile_cache()
     serve_stage(stage, ckpt_dir, family, ipc_dir, async_chunk)
 
 

@@ -21,6 +21,7 @@ from flax import nnx
 
 from ...checkpoint import CONFIG_FILE, FORMAT_VERSION, GENERATION_CONFIG_FILE, save_stage
 from ...inputs.qwen_tokenizer import build_qwen2_5_omni_tokenizer
+from ...paths import cache_root
 from .specs import STAGES, write_side_files
 
 TINY_VERSION = 3
@@ -70,8 +71,7 @@ def tiny_speakers(hf_config: dict, seed: int = 0) -> dict:
 
 
 def default_cache_dir() -> str:
-    root = os.environ.get("OMNI_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "omni-jax"))
-    return os.path.join(root, f"tiny-qwen2_5_omni-v{TINY_VERSION}")
+    return os.path.join(cache_root(), f"tiny-qwen2_5_omni-v{TINY_VERSION}")
 
 
 def build_tiny_checkpoint(out_dir: str, seed: int = 0) -> str:

@@ -90,6 +90,11 @@ class RunnerConfig:
     after_sample: bool = False                     # run the model's after_sample hook on sampled tokens
     kv_dtype: Any = None                           # default: the model's dtype
     kv_memory_fraction: float = 0.9                # share of free device memory for KV, when num_blocks is None
+    # Parallelism within the stage (engine/sharding.py): a Mesh ("ep", "tp") over these local
+    # devices (None: the first TP * EP); TP = EP = 1 runs on the default device with no mesh.
+    devices: tuple[int, ...] | None = None
+    tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
 
     def resolved(self) -> "RunnerConfig":
         tb = self.token_buckets or pow2_buckets(min(16, self.max_num_batched_tokens), self.max_num_batched_tokens)

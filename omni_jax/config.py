@@ -219,7 +219,15 @@ class StageConfig:
     inputs_from: str | None = None
     final_output: str | None = None
     hidden_layers: tuple[int, ...] = ()
+    # Placement and parallelism within the stage (vLLM's names). `devices`: the local device
+    # indices the stage uses, TP * EP of them (None: the first TP * EP); `device: N` is the
+    # one-device spelling, read as `devices: [N]` (and left null). The stage's attention heads,
+    # MLP width and KV heads are split over the tensor axis, MoE experts over the expert axis;
+    # whether the model's sizes divide is checked when the engine is built (engine/sharding.py).
     device: int | None = None
+    devices: tuple[int, ...] | None = None
+    tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
     memory_fraction: float | None = None  # share of the device this stage's process may use
     ready_timeout_s: float = 600.0
     # A ready stage that answers nothing (not even the orchestrator's heartbeat) for this
@@ -302,10 +310,7 @@ class StageConfig:
             raise _invalid("inputs_from", f"must be null or a stage name, got {self.inputs_from!r}")
         _choice("final_output", self.final_output, (None, *OUTPUT_MODALITIES))
         set_("hidden_layers", _int_tuple("hidden_layers", self.hidden_layers, increasing=False, minimum=0))
-        if self.device is not None and (not _is_int(self.device) or self.device < 0):
-            raise _invalid("device", f"must be null or a device index >= 0, got {self.device!r}")
-        if self.device is not None:
-            set_("device", int(self.device))
+        self._validate_placement(set_)
         set_("memory_fraction", _fraction("memory_fraction", self.memory_fraction, optional=True))
         for name in ("codec_chunk_frames", "codec_first_chunk_frames"):
             set_(name, _positive_int(name, getattr(self, name)))
@@ -316,6 +321,38 @@ class StageConfig:
             if not isinstance(t, numbers.Real) or isinstance(t, bool) or not 0 < t < math.inf:
                 raise _invalid(name, f"must be a positive number of seconds, got {t!r}")
             set_(name, float(t))
+
+    def _validate_placement(self, set_) -> None:
+        for name in ("tensor_parallel_size", "expert_parallel_size"):
+            set_(name, _positive_int(name, getattr(self, name)))
+        if self.device is not None and (not _is_int(self.device) or self.device < 0):
+            raise _invalid("device", f"must be null or a device index >= 0, got {self.device!r}")
+        if self.devices is not None:
+            devices = _int_tuple("devices", self.devices, increasing=False, minimum=0)
+            if not devices:
+                raise _invalid("devices", "must not be empty (use null for the first "
+                                          "tensor_parallel_size * expert_parallel_size devices)")
+            if self.device is not None and devices != (int(self.device),):
+                raise _invalid("device", f"is the one-device spelling of devices; got device {self.device!r} "
+                                         f"and devices {list(devices)!r} (set only devices)")
+            set_("devices", devices)
+        elif self.device is not None:
+            set_("devices", (int(self.device),))
+        set_("device", None)  # read as devices: one spelling after validation
+        n = self.tensor_parallel_size * self.expert_parallel_size
+        if self.devices is not None and len(self.devices) != n:
+            raise _invalid("devices", f"must list tensor_parallel_size * expert_parallel_size = "
+                                      f"{self.tensor_parallel_size} * {self.expert_parallel_size} = {n} "
+                                      f"devices, got {list(self.devices)!r}")
+        if self.runner == "oneshot" and n > 1:
+            field = "tensor_parallel_size" if self.tensor_parallel_size > 1 else "expert_parallel_size"
+            raise _invalid(field, "must be 1 on a 'oneshot' stage (vocoders run replicated on one "
+                                  f"device), got {getattr(self, field)}")
+
+    @property
+    def num_devices(self) -> int:
+        """Devices the stage spans: tensor_parallel_size * expert_parallel_size."""
+        return self.tensor_parallel_size * self.expert_parallel_size
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -359,7 +396,9 @@ class StageConfig:
             num_blocks=self.num_blocks, block_size=self.block_size, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
             token_buckets=self.token_buckets, decode_buckets=self.decode_buckets, backend=self.backend,
-            capture_layers=self.hidden_layers, kv_memory_fraction=self.kv_memory_fraction or 0.9), **changes)
+            capture_layers=self.hidden_layers, kv_memory_fraction=self.kv_memory_fraction or 0.9,
+            devices=self.devices, tensor_parallel_size=self.tensor_parallel_size,
+            expert_parallel_size=self.expert_parallel_size), **changes)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain YAML/JSON-ready form (lists, not tuples); `from_dict` reads it back."""
@@ -537,6 +576,8 @@ class PipelineConfig:
             if not isinstance(changes, Mapping):
                 raise ConfigError(f"pipeline {self.name!r}: overrides for stage {s.name!r} must be a "
                                   f"mapping of fields, got {changes!r}", field=s.name)
+            if "device" in changes and "devices" not in changes:
+                d["devices"] = None  # `device: N` replaces the stage's placement
             d.update(changes)
             stages.append(d)
         return pipeline_config_from_dict(self.to_dict() | {"stages": stages}, source=self.source)

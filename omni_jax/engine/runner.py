@@ -33,6 +33,8 @@ import numpy as np
 from flax import nnx
 
 from ..models.layers.attention import AttentionMetadata
+from ..models.layers.parallel import TP, kv_heads_stored, use_mesh
+from . import sharding
 from .buckets import pick_bucket, pow2_buckets
 from .kv_cache import DUMMY_BLOCK_ID, cdiv
 from .request import Request
@@ -90,6 +92,11 @@ class RunnerConfig:
     after_sample: bool = False                     # run the model's after_sample hook on sampled tokens
     kv_dtype: Any = None                           # default: the model's dtype
     kv_memory_fraction: float = 0.9                # share of free device memory for KV, when num_blocks is None
+    # Parallelism within the stage (engine/sharding.py): a Mesh ("ep", "tp") over these local
+    # devices (None: the first TP * EP); TP = EP = 1 runs on the default device with no mesh.
+    devices: tuple[int, ...] | None = None
+    tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
 
     def resolved(self) -> "RunnerConfig":
         tb = self.token_buckets or pow2_buckets(min(16, self.max_num_batched_tokens), self.max_num_batched_tokens)
@@ -108,13 +115,14 @@ class RunnerConfig:
         return cdiv(self.max_model_len, self.block_size)
 
 
-def resolve_num_blocks(cfg: RunnerConfig, bytes_per_block: int) -> int:
-    """KV blocks that fit `kv_memory_fraction` of the device memory still free.
+def resolve_num_blocks(cfg: RunnerConfig, bytes_per_block: int, device=None) -> int:
+    """KV blocks that fit `kv_memory_fraction` of the memory still free on `device` (default:
+    the first), `bytes_per_block` being what one block takes on each device.
 
     On a device without memory stats (CPU) the pool holds max_num_seqs full-length
     sequences, which is what the scheduler can ever use.
     """
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = (device or jax.devices()[0]).memory_stats() or {}
     limit = stats.get("bytes_limit")
     want = cfg.max_num_seqs * cdiv(cfg.max_model_len, cfg.block_size) + 1
     if not limit:
@@ -161,18 +169,34 @@ class ModelRunner:
                  head_dim: int, hidden_size: int, dtype=None):
         self.cfg = cfg.resolved()
         self.graphdef, self.state = nnx.split(model)
+        # Several devices: parameters and KV pages placed over the stage's mesh (engine/sharding.py);
+        # one device: no mesh, the programs are the single-device ones.
+        self.mesh = sharding.build_mesh(self.cfg.devices, self.cfg.tensor_parallel_size,
+                                        self.cfg.expert_parallel_size)
+        tp = 1
+        if self.mesh is not None:
+            sharding.check_kv_heads(self.mesh, num_kv_heads)
+            self.state = sharding.shard_params(self.state, self.mesh, num_kv_heads)
+            tp = int(self.mesh.shape[TP])
         # The step takes the parameters as a flat list of arrays: flattening the NNX state
         # (one Variable node per parameter) on every call costs milliseconds of host time.
         self._param_leaves, self._param_def = jax.tree.flatten(self.state)
         self.hidden_size = hidden_size
         self.dtype = dtype or jax.tree_util.tree_leaves(self.state)[0].dtype
         kv_dtype = self.cfg.kv_dtype or self.dtype
+        kv_heads = kv_heads_stored(num_kv_heads, tp)
         if self.cfg.num_blocks is None:
-            per_block = 2 * num_layers * self.cfg.block_size * num_kv_heads * head_dim * jnp.dtype(kv_dtype).itemsize
-            self.cfg = dataclasses.replace(self.cfg, num_blocks=resolve_num_blocks(self.cfg, per_block))
-        shape = (self.cfg.num_blocks, self.cfg.block_size, num_kv_heads, head_dim)
-        self.kv_caches = [(jnp.zeros(shape, kv_dtype), jnp.zeros(shape, kv_dtype)) for _ in range(num_layers)]
-        self.kv_bytes = 2 * num_layers * int(np.prod(shape)) * jnp.dtype(kv_dtype).itemsize
+            per_block = 2 * num_layers * self.cfg.block_size * (kv_heads // tp) * head_dim * jnp.dtype(kv_dtype).itemsize
+            first = None if self.mesh is None else self.mesh.devices.flat[0]
+            self.cfg = dataclasses.replace(self.cfg, num_blocks=resolve_num_blocks(self.cfg, per_block, first))
+        shape = (self.cfg.num_blocks, self.cfg.block_size, kv_heads, head_dim)
+        if self.mesh is None:
+            self.kv_caches = [(jnp.zeros(shape, kv_dtype), jnp.zeros(shape, kv_dtype)) for _ in range(num_layers)]
+        else:
+            # Made in place, shard by shard: never a whole cache on one device.
+            zeros = jax.jit(lambda: jnp.zeros(shape, kv_dtype), out_shardings=sharding.kv_cache_sharding(self.mesh))
+            self.kv_caches = [(zeros(), zeros()) for _ in range(num_layers)]
+        self.kv_bytes = 2 * num_layers * int(np.prod(shape)) * jnp.dtype(kv_dtype).itemsize  # all devices
         self._step_fn = jax.jit(self._forward, static_argnames=("rich", "deepstack"), donate_argnums=(1,))
         self._after_sample_fn = jax.jit(self._after_sample)
         self._feed_fn = jax.jit(lambda fed, rows: jnp.take(fed, rows, axis=0))
@@ -186,9 +210,15 @@ class ModelRunner:
         if rich:
             x = jnp.where(overlay_mask[:, None], overlay.astype(x.dtype), x) + extra.astype(x.dtype)
         kw = {"deepstack": (overlay_mask, deepstack_feats)} if deepstack else {}
-        hidden, kv_caches, captured = model(x, positions, meta, kv_caches, self.cfg.capture_layers, **kw)
+        with use_mesh(self.mesh):  # attention and MoE run per shard (models/layers/parallel.py)
+            hidden, kv_caches, captured = model(x, positions, meta, kv_caches, self.cfg.capture_layers, **kw)
         sample_hidden = jnp.take(hidden, logits_indices, axis=0)
         logits = model.compute_logits(sample_hidden)
+        if self.mesh is not None:
+            # Vocab-split logits are gathered, so the sampler sees whole rows; the pages keep
+            # their layout from step to step (a changed one would be another program).
+            logits = jax.lax.with_sharding_constraint(logits, sharding.replicated(self.mesh))
+            kv_caches = jax.lax.with_sharding_constraint(kv_caches, sharding.kv_cache_sharding(self.mesh))
         if self.cfg.after_sample:
             captured = dict(captured, sample_hidden=sample_hidden)
         # The final hidden states are returned, not copied to the host: only prompt logprobs read them.
@@ -420,10 +450,13 @@ class ModelRunner:
         else:
             overlay = overlay_mask = extra = None
         deepstack = b.get("deepstack", False)
+        inputs = (b["token_ids"], b["positions"], b["meta"], b["logits_indices"],
+                  overlay, overlay_mask, extra, b.get("deepstack_feats") if deepstack else None)
+        if self.mesh is not None:
+            # Every call's inputs committed alike (host arrays and the fed tokens): one program per bucket.
+            inputs = jax.device_put(inputs, sharding.replicated(self.mesh))
         logits, self.kv_caches, captured, final_hidden = self._step_fn(
-            self._param_leaves, self.kv_caches, b["token_ids"], b["positions"], b["meta"], b["logits_indices"],
-            overlay, overlay_mask, extra, b.get("deepstack_feats") if deepstack else None,
-            rich=b["rich"], deepstack=deepstack)
+            self._param_leaves, self.kv_caches, *inputs, rich=b["rich"], deepstack=deepstack)
         return logits, captured, final_hidden
 
     # -------------------------------------------------------------- warm-up

@@ -44,7 +44,7 @@ def stage_facts(family: str, stage, hf_config: dict, target) -> dict:
     state = nnx.state(model, nnx.Param)
     params = tree_bytes(state)
     facts = dict(family=family, stage=stage.name, model_stage=stage.model_stage, runner=stage.runner,
-                 device=stage.device, memory_fraction=stage.memory_fraction, block_size=stage.block_size,
+                 device=stage.devices[0] if stage.devices else None, memory_fraction=stage.memory_fraction, block_size=stage.block_size,
                  blocks_per_seq=stage.blocks_per_seq, max_model_len=stage.max_model_len,
                  decode_buckets=list(stage.resolved_decode_buckets) if stage.runner == "ar" else [])
     block = 0

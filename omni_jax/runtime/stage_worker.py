@@ -41,8 +41,11 @@ def _exit_with_parent(parent_pid: int, ipc_dir: str, period_s: float = 0.5) -> N
 
 def _configure_device(stage: dict) -> None:
     """Per-stage device choice and memory fraction, before JAX is imported."""
-    if stage.get("device") is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(stage["device"])
+    # A stage sees only its own GPUs (the runner then finds them at local positions 0..n-1,
+    # engine/sharding.py); `device: N` has already become `devices: [N]` (config.py).
+    devices = stage.get("devices") or ([stage["device"]] if stage.get("device") is not None else None)
+    if devices:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
     if stage.get("memory_fraction") is not None:
         os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(stage["memory_fraction"])
         os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"

@@ -16,14 +16,17 @@ described by :class:`AttentionMetadata`:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
+from jax.sharding import PartitionSpec as P
 
 import kernels_pallas
 from kernels_pallas import reference
 
+from . import parallel
 from .norms import RMSNorm
 from .rope import apply_rope
 
@@ -79,7 +82,28 @@ def dense_causal_attention(q, k, v, segment_ids, sm_scale, sliding_window=None):
 
 
 def paged_attention_step(q, k, v, kv_cache, meta: AttentionMetadata, sm_scale, sliding_window=None):
-    """Write k/v into the pages, then attend through the block tables. Returns (out, kv_cache)."""
+    """Write k/v into the pages, then attend through the block tables. Returns (out, kv_cache).
+
+    Under a tensor-parallel mesh (layers/parallel.py) this runs per shard: q, k, v split over
+    heads, the pages over their KV-head axis, the metadata replicated. k/v come in with the
+    model's KV heads and are repeated to the cache's when it stores each head several times.
+    """
+    tp = parallel.axis_size(parallel.TP)
+    if tp == 1:
+        return _paged_attention_local(q, k, v, kv_cache, meta, sm_scale, sliding_window)
+    if q.shape[1] % tp:
+        raise ValueError(f"tensor_parallel_size {tp} must divide the {q.shape[1]} attention heads")
+    repeat = kv_cache[0].shape[2] // k.shape[1]
+    if repeat > 1:
+        k, v = jnp.repeat(k, repeat, axis=1), jnp.repeat(v, repeat, axis=1)
+    heads, pages = P(None, parallel.TP, None), P(None, None, parallel.TP, None)
+    local = functools.partial(_paged_attention_local, sm_scale=sm_scale, sliding_window=sliding_window)
+    return jax.shard_map(local, mesh=parallel.current_mesh(),
+                         in_specs=(heads, heads, heads, (pages, pages), P()),
+                         out_specs=(heads, (pages, pages)), check_vma=False)(q, k, v, kv_cache, meta)
+
+
+def _paged_attention_local(q, k, v, kv_cache, meta: AttentionMetadata, sm_scale, sliding_window=None):
     ops = kernels_pallas if meta.backend == "pallas" else reference
     k_pages, v_pages = kv_cache
     k_pages, v_pages = ops.write_kv_pages(k_pages, v_pages, k, v, meta.slot_mapping)

@@ -85,7 +85,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
+from . import parallel
 from .mlp import ACTIVATIONS, GatedMLP
 
 # lhs [P, in] (rows ragged by expert) x rhs [E, out, in] (contract in) -> [P, out].
@@ -269,6 +271,32 @@ def moe_experts(x, routing_weights, experts, gate_up_proj, down_proj, act=jax.nn
     return out.astype(x.dtype)
 
 
+def expert_parallel_moe(x, routing_weights, experts, gate_up_proj, down_proj, act=jax.nn.silu, valid=None):
+    """:func:`moe_experts` with the experts split over the mesh's "ep" axis (layers/parallel.py).
+
+    Each shard holds a contiguous run of num_experts / EP experts and the tokens (replicated);
+    it runs only the pairs routed to its experts (the others get the out-of-range expert id,
+    which no group counts, so they cost nothing and come out zero), and the shards' partial
+    outputs are summed. Without an expert axis this is moe_experts itself.
+    """
+    if parallel.axis_size(parallel.EP) == 1:
+        return moe_experts(x, routing_weights, experts, gate_up_proj, down_proj, act, valid)
+
+    def local(x, routing_weights, experts, gate_up_proj, down_proj, valid):
+        n = gate_up_proj.shape[0]
+        mine = experts - jax.lax.axis_index(parallel.EP) * n
+        mine = jnp.where((mine >= 0) & (mine < n), mine, n)
+        out = moe_experts(x, routing_weights, mine, gate_up_proj, down_proj, act, valid)
+        return jax.lax.psum(out, parallel.EP)
+
+    if valid is None:
+        valid = jnp.ones(x.shape[0], bool)
+    rep, split = P(), P(parallel.EP)
+    return jax.shard_map(local, mesh=parallel.current_mesh(), in_specs=(rep, rep, rep, split, split, rep),
+                         out_specs=rep, check_vma=False)(x, routing_weights, experts, gate_up_proj,
+                                                         down_proj, valid)
+
+
 class MoEExperts(nnx.Module):
     """The fused expert weights, named and laid out as transformers' ``*Experts`` modules."""
 
@@ -302,8 +330,8 @@ class SparseMoeBlock(nnx.Module):
         cfg = self.cfg
         x = x.astype(self.dtype)
         weights, experts = route(self.gate(x), cfg.num_experts_per_tok, cfg.norm_topk_prob)
-        out = moe_experts(x, weights, experts, self.experts.gate_up_proj[...],
-                          self.experts.down_proj[...], ACTIVATIONS[cfg.hidden_act], valid)
+        out = expert_parallel_moe(x, weights, experts, self.experts.gate_up_proj[...],
+                                  self.experts.down_proj[...], ACTIVATIONS[cfg.hidden_act], valid)
         if cfg.shared_expert_intermediate_size:
             out = out + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -1,0 +1,240 @@
+"""Tensor and expert parallelism within a stage (issue #18), on 8 fake CPU devices.
+
+Each family's tiny thinker and talker run at several (tensor_parallel_size, expert_parallel_size)
+layouts on devices 8 - TP*EP .. 7, and must give the one-device engine's greedy tokens (and
+Qwen3's residual codes) with every sampled logits row within 1e-5; each device must hold its
+1/TP (experts: 1/EP) share of the split parameters and of the KV pages. The engines run in a
+subprocess: XLA_FLAGS must make the 8 devices before jax is imported, and this process has one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from omni_jax.config import ConfigError, StageConfig, load_pipeline_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOL = 1e-5
+
+DRIVER = r'''
+import dataclasses, json, os, sys
+import numpy as np
+import jax
+from omni_jax.engine.protocol import AddRequest, StageData, StageInputs
+from omni_jax.engine.runner import RunnerConfig
+from omni_jax.engine.sampling import SamplingParams
+from omni_jax.models.handoff import UpstreamOutputs
+from omni_jax.runtime.stage_loop import to_engine_request
+
+family, ckpt = sys.argv[1], sys.argv[2]
+if family == "qwen2_5_omni":
+    from omni_jax.models.qwen2_5_omni.pipeline import load_handoff
+    from omni_jax.models.qwen2_5_omni.stages import build_talker_engine, build_thinker_engine
+    layers, voice, layouts = (0, 3), "Ethan", [(1, 1), (2, 1), (4, 1)]
+else:
+    from omni_jax.models.qwen3_omni.pipeline import load_handoff
+    from omni_jax.models.qwen3_omni.stages import build_talker_engine, build_thinker_engine
+    layers, voice, layouts = (0, 2), "ethan", [(1, 1), (2, 1), (4, 1), (1, 2), (1, 4), (2, 2)]
+BASE = RunnerConfig(num_blocks=32, block_size=16, max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128,
+                    token_buckets=(32,), decode_buckets=(2,))
+THINKER = SamplingParams(temperature=0.0, max_tokens=5)
+TALKER = SamplingParams(temperature=0.0, max_tokens=6)
+if family == "qwen2_5_omni":
+    rng = np.random.default_rng(0)
+    prompts = {"a": rng.integers(0, 150000, 13).astype(np.int32), "b": rng.integers(0, 150000, 7).astype(np.int32)}
+else:  # the talker speaks the assistant turn: a chat prompt
+    import hf_tiny_qwen3 as tiny
+    prompts = {"a": np.array(tiny.text_prompt_ids((9707, 11, 1879, 0)), np.int32),
+               "b": np.array(tiny.text_prompt_ids((40, 1079, 264)), np.int32)}
+
+
+def recording(engine):
+    """Every sampled logits row, step by step (the runner's StepResults)."""
+    rows, run = [], engine.runner.execute
+    def execute(*a, **k):
+        parts = run(*a, **k)
+        rows.extend(np.asarray(p.logits)[:len(p.sample_rows)] for p in parts)
+        return parts
+    engine.runner.execute = execute
+    return rows
+
+
+def drive(engine, add):
+    rows = recording(engine)
+    add(engine)
+    tokens, outs = {}, []
+    while engine.has_unfinished():
+        step = engine.step()
+        outs.append(step)
+        for o in step:
+            assert o.error is None, o.error
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.codes is not None:  # Qwen3's talker: the code predictor's residual groups too
+                tokens.setdefault(o.request_id + "/codes", []).extend(np.asarray(o.codes).tolist())
+    return tokens, np.concatenate(rows), outs
+
+
+def layout(engine):
+    """Per-device shapes of the sharded parameters and the KV pages."""
+    r = engine.runner
+    out = {}
+    for kp, x in jax.tree_util.tree_flatten_with_path(r.state)[0]:
+        path = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in kp).removesuffix("/value")
+        out[path] = shapes(x)
+    out["kv_pages"] = shapes(r.kv_caches[0][0])
+    return out
+
+
+def shapes(x):
+    """[global shape, each device's shape (all equal), the devices holding it]."""
+    per_device = {tuple(s.data.shape) for s in x.addressable_shards}
+    assert len(per_device) == 1, per_device
+    return [list(x.shape), list(per_device.pop()), sorted(d.id for d in x.sharding.device_set)]
+
+
+def diff(a, b):
+    return float(np.abs(a - b).max()) if a.shape == b.shape else float("inf")
+
+
+def add_thinker(e):
+    for rid, ids in prompts.items():
+        e.add_request(rid, ids, THINKER, inputs=StageInputs(capture_hidden=True))
+
+
+result = {}
+handoff = load_handoff(ckpt)
+talker_msgs = ref = None
+for tp, ep in layouts:
+    cfg = dataclasses.replace(BASE, tensor_parallel_size=tp, expert_parallel_size=ep,
+                              devices=tuple(range(8 - tp * ep, 8)))  # not device 0: placement is real
+    name = f"tp{tp}_ep{ep}"
+    thinker = build_thinker_engine(ckpt, dataclasses.replace(cfg, capture_layers=layers), warmup=False)
+    tokens, rows, outs = drive(thinker, add_thinker)
+    if ref is None:
+        ref = {"thinker": rows}
+    res = {"thinker_tokens": tokens, "thinker_diff": diff(rows, ref["thinker"]),
+           "thinker_layout": layout(thinker)}
+    del thinker
+    if talker_msgs is None:  # the talker's inputs: the one-device thinker's outputs
+        talker_msgs = []
+        for rid in prompts:
+            up = UpstreamOutputs()
+            for step in outs:
+                for o in step:
+                    if o.request_id == rid:
+                        up.add(StageData(request_id=rid, token_ids=o.new_token_ids, hidden_states=o.hidden_states,
+                                         hidden_offset=o.hidden_offset, finished=o.finished,
+                                         finish_reason=o.finish_reason))
+            control = AddRequest(request_id=rid, prompt_token_ids=prompts[rid], sampling_params=TALKER, voice=voice)
+            talker_msgs.append(handoff.stage_input("talker", control, up))
+    talker = build_talker_engine(ckpt, cfg, warmup=False)
+    tokens, rows, _ = drive(talker, lambda e: [e.add_request(**to_engine_request(m)) for m in talker_msgs])
+    ref.setdefault("talker", rows)
+    res.update(talker_tokens=tokens, talker_diff=diff(rows, ref["talker"]),
+               talker_layout=layout(talker))
+    del talker
+    result[name] = res
+print("RESULT" + json.dumps(result))
+'''
+
+
+def run_layouts(family: str, ckpt: str) -> dict:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    proc = subprocess.run([sys.executable, "-c", DRIVER, family, ckpt], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.split("RESULT", 1)[1])
+
+
+def split(shape, by, axis):
+    out = list(shape)
+    out[axis] //= by
+    return out
+
+
+def check_layout(lay: dict, tp: int, ep: int, num_kv_heads: int, vocab_head: str) -> None:
+    # One device: no mesh, the default device (a stage process is placed by CUDA_VISIBLE_DEVICES).
+    devices = list(range(8 - tp * ep, 8)) if tp * ep > 1 else [0]
+    for path, (shape, local, held_by) in lay.items():
+        assert held_by == devices, (path, held_by)
+        if "audio_tower" in path or "visual" in path or path.endswith(("norm/weight", "gate/kernel")):
+            assert local == shape, path  # encoders, norms and routers are replicated
+        elif path.endswith(("q_proj/kernel", "gate_proj/kernel", "up_proj/kernel")) or path == vocab_head:
+            assert local == split(shape, tp, -1), path
+        elif path.endswith(("o_proj/kernel", "down_proj/kernel", "embed_tokens/embedding")):
+            assert local == split(shape, tp, 0), path
+        elif path.endswith(("k_proj/kernel", "v_proj/kernel")):
+            assert local == (split(shape, tp, -1) if num_kv_heads % tp == 0 else shape), path
+        elif path.endswith(("experts/gate_up_proj", "experts/down_proj")):
+            assert local == split(shape, ep, 0), path
+    shape, local, _ = lay["kv_pages"]
+    stored = num_kv_heads if num_kv_heads % tp == 0 else tp  # fewer KV heads than shards: one each
+    assert shape[2] == stored and local == split(shape, tp, 2)
+
+
+def check_family(result: dict, num_kv_heads: int, heads: dict) -> None:
+    ref = result["tp1_ep1"]
+    for name, res in result.items():
+        tp, ep = (int(x[2:]) for x in name.split("_"))
+        for stage in ("thinker", "talker"):
+            assert res[f"{stage}_tokens"] == ref[f"{stage}_tokens"], (name, stage)
+            assert res[f"{stage}_diff"] <= TOL, (name, stage, res[f"{stage}_diff"])
+            check_layout(res[f"{stage}_layout"], tp, ep, num_kv_heads, heads[stage])
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_qwen2_5_tensor_parallel(converted_thinker_fp32):
+    result = run_layouts("qwen2_5_omni", converted_thinker_fp32)
+    assert set(result) == {"tp1_ep1", "tp2_ep1", "tp4_ep1"}
+    check_family(result, num_kv_heads=2, heads={"thinker": "lm_head/kernel", "talker": "codec_head/kernel"})
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_qwen3_tensor_and_expert_parallel(converted_qwen3_fp32):
+    result = run_layouts("qwen3_omni", converted_qwen3_fp32)
+    assert set(result) == {"tp1_ep1", "tp2_ep1", "tp4_ep1", "tp1_ep2", "tp1_ep4", "tp2_ep2"}
+    assert any(k.endswith("/codes") for k in result["tp1_ep1"]["talker_tokens"])
+    check_family(result, num_kv_heads=2, heads={"thinker": "lm_head/kernel", "talker": "codec_head/kernel"})
+
+
+# ------------------------------------------------------------------ stage config
+
+
+def test_placement_fields():
+    s = StageConfig(name="thinker", devices=[2, 3], tensor_parallel_size=2)
+    assert s.devices == (2, 3) and s.num_devices == 2
+    rc = s.runner_config()
+    assert (rc.devices, rc.tensor_parallel_size, rc.expert_parallel_size) == ((2, 3), 2, 1)
+    assert StageConfig(name="t", device=1) == StageConfig(name="t", devices=[1])  # the one-device spelling
+    assert StageConfig(name="t", device=1).device is None
+    p = load_pipeline_config("qwen3_omni")
+    assert p.stage("talker").devices == (1,)
+    assert p.replace_stage("talker", device=0).stage("talker").devices == (0,)  # `device` replaces devices
+    q = p.replace_stage("thinker", devices=[0, 1], tensor_parallel_size=2)
+    assert q.stage("thinker").devices == (0, 1)
+    assert StageConfig.from_dict(q.stage("thinker").to_dict()) == q.stage("thinker")
+
+
+@pytest.mark.parametrize("kw, field, expected", [
+    (dict(tensor_parallel_size=0), "tensor_parallel_size", "must be a positive integer"),
+    (dict(expert_parallel_size=True), "expert_parallel_size", "must be a positive integer"),
+    (dict(devices=[0, 1]), "devices", "must list tensor_parallel_size * expert_parallel_size = 1 * 1 = 1"),
+    (dict(devices=[0, 1, 2], tensor_parallel_size=2, expert_parallel_size=2), "devices", "= 4 devices"),
+    (dict(devices=[1, 1], tensor_parallel_size=2), "devices", "must not repeat"),
+    (dict(devices=[], tensor_parallel_size=2), "devices", "must not be empty"),
+    (dict(devices=[-1]), "devices", "integers >= 0"),
+    (dict(device=1, devices=[2]), "device", "one-device spelling"),
+    (dict(runner="oneshot", tensor_parallel_size=2), "tensor_parallel_size", "'oneshot'"),
+])
+def test_placement_errors_name_the_field(kw, field, expected):
+    with pytest.raises(ConfigError) as e:
+        StageConfig(name="s", **kw)
+    assert e.value.field == field and expected in str(e.value)

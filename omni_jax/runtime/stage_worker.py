@@ -40,7 +40,7 @@ def _exit_with_parent(parent_pid: int, ipc_dir: str, period_s: float = 0.5) -> N
 
 
 def _configure_device(stage: dict) -> None:
-    """Per-stage device choice and memory fraction, before JAX is imported."""
+    """Per-stage devices and memory fraction, before JAX creates its backend."""
     # A stage sees only its own GPUs (the runner then finds them at local positions 0..n-1,
     # engine/sharding.py); `device: N` has already become `devices: [N]` (config.py).
     devices = stage.get("devices") or ([stage["device"]] if stage.get("device") is not None else None)

@@ -591,8 +591,8 @@ class AREngine:
                                                     eos_token_ids=self.cfg.eos_token_ids)
                 if flags.any_penalties and md.history_ids is None:
                     md = md.replace(history_ids=self._empty_history(b))
-                jax.block_until_ready(self._sample_fn(jax.numpy.zeros((b, vocab), jax.numpy.float32),
-                                                      md, flags=flags))
+                logits = self.runner.on_mesh(jax.numpy.zeros((b, vocab), jax.numpy.float32))  # as a step's
+                jax.block_until_ready(self._sample_fn(logits, md, flags=flags))
             if self.runner.cfg.after_sample:
                 z = np.zeros(b, np.int32)
                 self.runner.after_sample(jax.numpy.zeros((b, self.runner.hidden_size), self.runner.dtype), z,

@@ -235,6 +235,12 @@ class ModelRunner:
         A separate call, so steps without prompt logprobs compute no [T, V] logits."""
         return self._prompt_logprobs_fn(self._param_leaves, final_hidden, targets)
 
+    def on_mesh(self, tree):
+        """`tree` replicated over the stage's mesh (as is without one). Step outputs that feed
+        other programs (logits, sampled tokens, hidden rows) are replicated there, and host
+        arrays are not: inputs committed alike make warm-up compile the programs serving runs."""
+        return tree if self.mesh is None else jax.device_put(tree, sharding.replicated(self.mesh))
+
     def _after_sample(self, param_leaves, sample_hidden, token_ids, greedy, seeds, steps):
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._param_def, param_leaves))
         return model.after_sample(sample_hidden, token_ids, greedy, seeds, steps)
@@ -246,7 +252,8 @@ class ModelRunner:
         on the host. `greedy` [S_pad] bool, `seeds` / `steps` [S_pad] int: a sampled row's
         randomness is a function of its request's seed and output index alone.
         """
-        codes, embeds = self._after_sample_fn(self._param_leaves, sample_hidden, token_ids, greedy, seeds, steps)
+        args = self.on_mesh((sample_hidden, token_ids, greedy, seeds, steps))
+        codes, embeds = self._after_sample_fn(self._param_leaves, *args)
         return np.asarray(codes), np.asarray(embeds)
 
     # -------------------------------------------------------------- host-side packing
@@ -454,7 +461,7 @@ class ModelRunner:
                   overlay, overlay_mask, extra, b.get("deepstack_feats") if deepstack else None)
         if self.mesh is not None:
             # Every call's inputs committed alike (host arrays and the fed tokens): one program per bucket.
-            inputs = jax.device_put(inputs, sharding.replicated(self.mesh))
+            inputs = self.on_mesh(inputs)
         logits, self.kv_caches, captured, final_hidden = self._step_fn(
             self._param_leaves, self.kv_caches, *inputs, rich=b["rich"], deepstack=deepstack)
         return logits, captured, final_hidden
@@ -476,7 +483,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         for kind, size, rich, ds in tqdm(jobs, desc="compiling buckets", unit="bucket", disable=not progress):
             if kind == "feed":
-                self._feed_fn(jnp.zeros(size[0], jnp.int32), np.zeros(size[1], np.int32))
+                self._feed_fn(self.on_mesh(jnp.zeros(size[0], jnp.int32)), np.zeros(size[1], np.int32))
                 continue
             _, _, final_hidden = self._run(self._dummy_batch(kind, size, rich, ds))
             if not rich:  # prompt logprobs of a step of this bucket (any variant: same shapes)

@@ -26,6 +26,7 @@ import sys
 import time
 import traceback
 
+import jax
 import msgspec.structs
 import numpy as np
 import zmq
@@ -33,6 +34,7 @@ import zmq
 from ..config import StageConfig
 from ..engine.protocol import (AbortRequests, AddRequest, HealthCheck, HealthReply, Ready, Shutdown, StageData,
                                StageFailure, StageOutputs, StageRequest)
+from ..engine.sharding import stage_devices
 from ..models.handoff import UpstreamOutputs
 from ..models.registry import get_family
 from .transport import Channel, ProtocolError, stage_addresses
@@ -298,6 +300,7 @@ def serve_stage(stage: dict, ckpt_dir: str, family: str, ipc_dir: str, async_chu
     try:
         t0 = time.perf_counter()
         config = StageConfig.from_dict(stage)
+        _use_stage_device(config)
         engine = build_stage_engine(family, config, ckpt_dir, async_chunk)
         server = StageServer(config, engine, family, ckpt_dir, ipc_dir, ctx, inbox, outbox)
         outbox.send(Ready(stage=name, pid=os.getpid(), warmup_seconds=time.perf_counter() - t0,
@@ -311,6 +314,17 @@ def serve_stage(stage: dict, ckpt_dir: str, family: str, ipc_dir: str, async_chu
     server.serve()
     server.close()
     _flush_and_close(outbox, inbox, ctx)
+
+
+def _use_stage_device(config: StageConfig) -> None:
+    """A one-device stage (no mesh) runs on the default device: make it the stage's own.
+    On GPU that is the one device the process sees (CUDA_VISIBLE_DEVICES, stage_worker.py);
+    on CPU every process sees all (fake) devices, and `devices: [N]` picks the Nth
+    (engine/sharding.stage_devices; a missing one fails the stage's start, naming it)."""
+    if config.devices is not None and len(config.devices) == 1:
+        device = stage_devices(config.devices, 1)[0]
+        jax.config.update("jax_default_device", device)
+        log.info("runs on %s", device)
 
 
 def _flush_and_close(outbox, inbox, ctx) -> None:

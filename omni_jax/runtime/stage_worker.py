@@ -22,7 +22,6 @@ import time
 
 import jax
 
-from ..engine.sharding import stage_devices
 from ..paths import cache_root
 from .stage_loop import serve_stage
 
@@ -52,17 +51,6 @@ def _configure_device(stage: dict) -> None:
         os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
 
 
-def _use_stage_device(stage: dict) -> None:
-    """A one-device stage (no mesh) runs on the default device: make it the stage's own.
-    On GPU that is the one device the process sees; on CPU every process sees all (fake)
-    devices, and `devices: [N]` picks the Nth (engine/sharding.stage_devices)."""
-    devices = stage.get("devices")
-    if devices and len(devices) == 1:
-        device = stage_devices(devices, 1)[0]
-        jax.config.update("jax_default_device", device)
-        logging.getLogger(__name__).info("runs on %s", device)
-
-
 def configure_compile_cache() -> None:
     """JAX's persistent compilation cache (under the OmniJax cache, 4 GiB, least recently used
     first out), so a stage started again, after a restart or in the next run, loads its
@@ -82,7 +70,6 @@ def stage_main(stage_json: str, ckpt_dir: str, family: str, ipc_dir: str, parent
     logging.basicConfig(level=os.environ.get("OMNI_JAX_LOG_LEVEL", "WARNING"),
                         format=f"[omni-jax {name} %(levelname)s] %(message)s")
     _configure_device(stage)
-    _use_stage_device(stage)
     configure_compile_cache()
     serve_stage(stage, ckpt_dir, family, ipc_dir, async_chunk)
 

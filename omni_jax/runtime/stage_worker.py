@@ -52,13 +52,12 @@ def _configure_device(stage: dict) -> None:
 
 
 def configure_compile_cache() -> None:
-    """JAX's persistent compilation cache (under the OmniJax cache, 4 GiB, least recently used
-    first out), so a stage started again, after a restart or in the next run, loads its
-    compiled buckets instead of compiling them. `JAX_COMPILATION_CACHE_DIR` chooses another
-    place; set to "" it turns the cache off."""
+    """JAX's persistent compilation cache under the OmniJax cache, so a stage started again,
+    after a restart or in the next run, loads its compiled buckets instead of compiling them.
+    Unbounded, as JAX's default: it grows with each model and pipeline shape (delete the
+    directory to reclaim it). `JAX_COMPILATION_CACHE_DIR` chooses another place ("" turns it off)."""
     if "JAX_COMPILATION_CACHE_DIR" not in os.environ and jax.config.jax_compilation_cache_dir is None:
         jax.config.update("jax_compilation_cache_dir", os.path.join(cache_root(), "jax-compile-cache"))
-        jax.config.update("jax_compilation_cache_max_size", 4 << 30)
 
 
 def stage_main(stage_json: str, ckpt_dir: str, family: str, ipc_dir: str, parent_pid: int,

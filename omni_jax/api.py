@@ -57,6 +57,17 @@ def _resolve(model: str, pipeline) -> tuple[str, PipelineConfig]:
     return ckpt, pipeline
 
 
+def _is_wire_text(value) -> bool:
+    """A str that msgpack can carry (UTF-8 has no lone surrogates)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def add_async_chunk_argument(parser, prefix: str = "") -> None:
     """The `--async-chunk/--no-async-chunk` flag of the commands that start an engine."""
     parser.add_argument("--async-chunk", action=argparse.BooleanOptionalAction, default=None,
@@ -346,6 +357,9 @@ class AsyncOmniJax(_Frontend):
         hidden states come with the final update; `timeout_s` as `OmniJax.generate`.
         """
         self._check_timeout(timeout_s)
+        if request_id is not None and not _is_wire_text(request_id):
+            # Stages could not read the request (a stage drops what it cannot decode): refused here.
+            raise ValueError(f"request_id must be a string of UTF-8 text, got {request_id!r}")
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be one SamplingParams (the first stage's), got "
                              f"{type(sampling_params).__name__}; per-stage params go in sampling_params_list")

@@ -277,7 +277,12 @@ class Orchestrator:
         self._requests[req.request_id] = req
         for name, msg in zip(req.chain, req.stage_messages(self.pipeline.async_chunk)):
             req.output.metrics.bytes_moved += _array_bytes(msg)
-            if not self.clients[name].add(msg):
+            try:
+                sent = self.clients[name].add(msg)
+            except ProtocolError as e:  # a value the wire cannot carry (text that is not UTF-8, an object...)
+                self._finish(req, error=f"the request cannot be sent to stage {name!r}: {e}")
+                return
+            if not sent:
                 self._finish(req, error=f"stage {name!r} takes no messages (exit code {self.clients[name].exitcode})")
                 return
 
@@ -397,7 +402,10 @@ class Orchestrator:
         for name in req.chain:
             c = self.clients.get(name)
             if name not in req.finished_stages and c is not None and c.restarting is None and c.is_alive():
-                c.abort([req.request_id])
+                try:
+                    c.abort([req.request_id])
+                except ProtocolError:  # an id the wire cannot carry never reached the stage
+                    pass
         req.sink(out.snapshot())
 
     def _check_liveness(self) -> None:

@@ -487,7 +487,7 @@ async def _one(engine: AsyncOmniJax, case: Case, index: int) -> str:
         return f"params refused: {e}"[:80]
     outs: list = []
     gen = engine.generate(case.prompt, thinker, request_id=case.request_id,
-                          output_modalities=["text", "audio"] if case.speech else None, voice=case.voice,
+                          output_modalities=["text", "audio"] if case.speech else ["text"], voice=case.voice,
                           output_hidden_states=case.hidden, sampling_params_list=stage_list, timeout_s=case.timeout_s)
     try:
         async for out in gen:
@@ -543,7 +543,8 @@ def _idle(engine: AsyncOmniJax, limit_s: float = 10.0) -> dict:
 
 def _plain_request_works(engine: AsyncOmniJax) -> None:
     async def run():
-        return [o async for o in engine.generate({"prompt_token_ids": [1, 2, 3]}, PLAIN)][-1]
+        outs = engine.generate({"prompt_token_ids": [1, 2, 3]}, PLAIN, output_modalities=["text"])
+        return [o async for o in outs][-1]
 
     out = asyncio.run(asyncio.wait_for(run(), EXAMPLE_BOUND_S))
     assert out.finished and out.error is None and out.finish_reason == "length" and len(out.token_ids) == 2
@@ -585,8 +586,8 @@ def test_requests_the_wire_cannot_carry_end_at_once(engine, compilations):
     with pytest.raises(ValueError, match="stop must be a list of non-empty strings of UTF-8 text"):
         SamplingParams(stop=["\ud800"])
 
-    async def last(prompt, params=None, **kw):
-        return [o async for o in engine.generate(prompt, params, **kw)][-1]
+    async def last(prompt, params=None, output_modalities=("text",), **kw):
+        return [o async for o in engine.generate(prompt, params, output_modalities=output_modalities, **kw)][-1]
 
     async def run():
         prompt = {"prompt_token_ids": [1, 2, 3]}
@@ -615,7 +616,8 @@ def test_engine_still_serves_and_compiled_nothing(engine, compilations):
     """Runs after the property test (same module engine): a text and a speech request end normally,
     and no stage compiled anything since warm-up, whatever the examples asked for."""
     async def run():
-        text = [o async for o in engine.generate("Hello", SamplingParams(temperature=0.0, max_tokens=4))][-1]
+        text = [o async for o in engine.generate("Hello", SamplingParams(temperature=0.0, max_tokens=4),
+                                                 output_modalities=["text"])][-1]
         speech = [o async for o in engine.generate("Hello", SamplingParams(temperature=0.0, max_tokens=4),
                                                    output_modalities=["text", "audio"])][-1]
         return text, speech

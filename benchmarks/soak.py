@@ -142,9 +142,9 @@ class Soak:
             prompt, kw = self.request(plan)
         except ValueError:
             return "refused"
-        gen = self.engine.generate(prompt, **kw)
-        last, updates = None, 0
+        gen, last, updates = None, None, 0
         try:
+            gen = self.engine.generate(prompt, **kw)  # refusals may come from the call or the first step
             async for out in gen:
                 last, updates = out, updates + 1
                 if out.finished:
@@ -156,7 +156,8 @@ class Soak:
         except ValueError:  # PromptError is one
             return "refused"
         finally:
-            await gen.aclose()
+            if gen is not None:
+                await gen.aclose()
         if last is None or not last.finished:
             raise AssertionError(f"request {plan.index}: the stream ended without a final update")
         if last.finish_reason == "abort" and plan.abort:

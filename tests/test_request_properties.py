@@ -486,10 +486,13 @@ async def _one(engine: AsyncOmniJax, case: Case, index: int) -> str:
     except ValueError as e:  # refused before anything was submitted
         return f"params refused: {e}"[:80]
     outs: list = []
-    gen = engine.generate(case.prompt, thinker, request_id=case.request_id,
-                          output_modalities=["text", "audio"] if case.speech else ["text"], voice=case.voice,
-                          output_hidden_states=case.hidden, sampling_params_list=stage_list, timeout_s=case.timeout_s)
+    gen = None
     try:
+        # Refusals may come from the call itself or from the iterator's first step.
+        gen = engine.generate(case.prompt, thinker, request_id=case.request_id,
+                              output_modalities=["text", "audio"] if case.speech else ["text"], voice=case.voice,
+                              output_hidden_states=case.hidden, sampling_params_list=stage_list,
+                              timeout_s=case.timeout_s)
         async for out in gen:
             outs.append(out)
             if out.finished:
@@ -502,7 +505,8 @@ async def _one(engine: AsyncOmniJax, case: Case, index: int) -> str:
         assert not outs, f"request {index}: {type(e).__name__} after {len(outs)} updates: {e}"
         return f"refused: {type(e).__name__}: {e}"[:80]
     finally:
-        await gen.aclose()
+        if gen is not None:
+            await gen.aclose()
     assert outs, f"request {index}: the stream ended without an update"
     last = outs[-1]
     assert all(not o.finished for o in outs[:-1]), f"request {index}: an update after the final one"

@@ -35,7 +35,7 @@ from tqdm import tqdm
 from .checkpoint import read_config
 from .config import ConfigError, PipelineConfig, default_pipeline_for, load_pipeline_config
 from .engine.protocol import AddRequest, MultiModalPayload, StageInputs
-from .engine.sampling import SamplingParams
+from .engine.sampling import SamplingParams, is_utf8
 from .inputs.media import MediaLimits
 from .inputs.processor import PromptError
 from .models.registry import get_family, resolve_model
@@ -55,17 +55,6 @@ def _resolve(model: str, pipeline) -> tuple[str, PipelineConfig]:
         raise ConfigError(f"pipeline {pipeline.name!r} is for {pipeline.family!r} but the checkpoint "
                           f"{ckpt} is {family!r}")
     return ckpt, pipeline
-
-
-def _is_wire_text(value) -> bool:
-    """A str that msgpack can carry (UTF-8 has no lone surrogates)."""
-    if not isinstance(value, str):
-        return False
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def add_async_chunk_argument(parser, prefix: str = "") -> None:
@@ -357,7 +346,7 @@ class AsyncOmniJax(_Frontend):
         hidden states come with the final update; `timeout_s` as `OmniJax.generate`.
         """
         self._check_timeout(timeout_s)
-        if request_id is not None and not _is_wire_text(request_id):
+        if request_id is not None and not (isinstance(request_id, str) and is_utf8(request_id)):
             # Stages could not read the request (a stage drops what it cannot decode): refused here.
             raise ValueError(f"request_id must be a string of UTF-8 text, got {request_id!r}")
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
@@ -396,7 +385,7 @@ class AsyncOmniJax(_Frontend):
         finally:
             self._unsubmitted.discard(ticket)
         if ticket.aborted:  # came from another thread between the check and the submission
-            self._orch.abort(rid)
+            self._orch.abort(rid, req)
         finished = False
         try:
             while not finished:
@@ -405,7 +394,7 @@ class AsyncOmniJax(_Frontend):
                 yield out
         finally:
             if not finished:
-                self._orch.abort(rid)
+                self._orch.abort(rid, req)
 
     def shutdown(self) -> None:
         """Stop every stage process and the prompt workers; the object cannot be used afterwards."""

@@ -187,6 +187,9 @@ def test_duplicate_request_id_is_refused_and_an_early_abort_is_kept(converted_th
             while "same" not in engine._orch._requests:
                 await asyncio.sleep(0.001)
             duplicate = await asyncio.wait_for(collect("same"), 30)
+            # The abort of a duplicate whose caller leaves before reading its refusal names that
+            # request: it must not reach the original (as a bare id would).
+            engine._orch.abort("same", object())  # another request than the one in flight
             original = await asyncio.wait_for(original, 60)
             # An abort issued before the iterator first runs (the request is not submitted yet) is kept.
             early = engine.generate({"prompt_token_ids": [3, 4, 5]}, params.updated(max_tokens=400), request_id="early")

@@ -95,7 +95,7 @@ def _is_real(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
-def _is_utf8(s: str) -> bool:
+def is_utf8(s: str) -> bool:
     """False for text with lone surrogates (no UTF-8 form: msgpack cannot carry it to a stage)."""
     try:
         s.encode("utf-8")
@@ -190,7 +190,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tr
                 raise _bad(name, v, "a number in [-2, 2]")
         if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
             raise _bad("seed", self.seed, "None or an int in [-2**63, 2**64)")
-        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s and _is_utf8(s) for s in self.stop):
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s and is_utf8(s) for s in self.stop):
             raise _bad("stop", self.stop, "a list of non-empty strings of UTF-8 text")
         for name in ("stop_token_ids", "suppress_token_ids"):
             ids = getattr(self, name)

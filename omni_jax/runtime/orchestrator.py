@@ -169,9 +169,11 @@ class Orchestrator:
         self._commands.put(("submit", req))
         self._wake()
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request in every stage; its sink gets a final output with finish_reason 'abort'."""
-        self._commands.put(("abort", request_id))
+    def abort(self, request_id: str, request: "OrchestratorRequest | None" = None) -> None:
+        """Abort a request in every stage; its sink gets a final output with finish_reason 'abort'.
+        With `request`, only if that is the one in flight under the id (a refused duplicate's
+        caller leaving must not abort the original)."""
+        self._commands.put(("abort", (request_id, request)))
         self._wake()
 
     def stage_stats(self, timeout_s: float = 10.0) -> dict[str, dict]:
@@ -253,8 +255,9 @@ class Orchestrator:
                     c.health_check(self._health_nonce)
                 self._resolve_stats()
             elif kind == "abort":
-                req = self._requests.get(arg)
-                if req is not None:
+                rid, only = arg
+                req = self._requests.get(rid)
+                if req is not None and (only is None or req is only):
                     self._finish(req, reason="abort")
 
     def _start(self, req: OrchestratorRequest) -> None:

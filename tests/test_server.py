@@ -483,6 +483,8 @@ def test_speech_through_openai_client(client):
     ({"modalities": ["audio"]}, "modalities"),
     ({"audio": {"voice": "Nobody"}, "modalities": ["text", "audio"]}, "audio.voice"),
     ({"messages": []}, "messages"),
+    ({"stop": ["\ud800"]}, "stop"),  # a lone surrogate from a JSON escape: no UTF-8 form for the wire
+    ({"messages": [{"role": "user", "content": "bad \udfff text"}]}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x.org/a.png"}}]}]},
      "messages[0].content[0].image_url.url"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "/etc/passwd"}}]}]},
@@ -494,7 +496,9 @@ def test_speech_through_openai_client(client):
 ])
 def test_400_names_the_field(server, change, param):
     body = {"model": MODEL, "messages": HELLO, "max_tokens": 4, **change}
-    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=_auth(), timeout=60)
+    # json.dumps writes a lone surrogate as the escape a client would send (httpx's json= refuses it)
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=json.dumps(body), timeout=60,
+                   headers={**_auth(), "Content-Type": "application/json"})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == param, err

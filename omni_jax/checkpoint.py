@@ -25,7 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
+from .engine import sharding
 from .errors import CheckpointError, ConfigKeyError, require
 from .models.registry import abstract_stage, get_family
 
@@ -152,11 +154,16 @@ def parse_stage_config(ckpt_dir: str, spec, hf_config: dict):
     return parsed
 
 
-def load_checkpoint(path: str, stage: str = "thinker", dtype: str | None = None) -> tuple[nnx.Module, Any]:
+def load_checkpoint(path: str, stage: str = "thinker", dtype: str | None = None,
+                    mesh: Mesh | None = None) -> tuple[nnx.Module, Any]:
     """Load one stage of a converted checkpoint: returns (module, stage config).
 
     `dtype` casts the stored parameters ("float32" or "bfloat16"); by default they
     are used as stored. Every parameter is validated for presence, shape and dtype.
+    `mesh` (a stage spanning devices, engine/runner.stage_mesh): each parameter is restored
+    straight into its place on the mesh (engine/sharding.PARAM_RULES, by the stage config's
+    text.num_kv_heads), each device reading only its shard: the whole model is never on one
+    device. Without it, everything goes to the default device.
     """
     import orbax.checkpoint as ocp
 
@@ -195,10 +202,13 @@ def load_checkpoint(path: str, stage: str = "thinker", dtype: str | None = None)
     extra = sorted(set(meta) - {path_key(p) for p in flat})
     if extra:
         raise CheckpointError(f"{stage_dir}: unexpected parameter {extra[0]!r} (checkpoint and model differ)")
-    target = {path_key(p): jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype) for p, v in flat.items()}
+    where = _placement(mesh, stage_cfg, stage)
+    target = {path_key(p): jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype,
+                                                 sharding=where("/".join(map(str, p)), v.get_value().shape))
+              for p, v in flat.items()}
     restored = ckptr.restore(stage_dir, target)
     ckptr.close()
-    for p, var in flat.items():
+    for p, var in flat.items():  # the cast keeps each array's sharding
         var.set_value(jnp.asarray(restored[path_key(p)], dtype=want))
     module = nnx.merge(graphdef, nnx.from_flat_state(flat), rest)
     if want != stored:
@@ -206,6 +216,18 @@ def load_checkpoint(path: str, stage: str = "thinker", dtype: str | None = None)
     print(f"[omni-jax] loaded stage {stage!r} from {path} ({len(flat)} tensors, {time.perf_counter() - t0:.1f}s)",
           file=sys.stderr, flush=True)
     return module, stage_cfg
+
+
+def _placement(mesh: Mesh | None, stage_cfg, stage: str):
+    """(parameter path, shape) -> the Sharding it is restored into: the mesh's by PARAM_RULES,
+    or None (orbax's default: the default device, as before meshes)."""
+    if mesh is None:
+        return lambda path, shape: None
+    text = getattr(stage_cfg, "text", None)
+    if text is None or not hasattr(text, "num_kv_heads"):
+        raise CheckpointError(f"stage {stage!r} runs on one device (no decoder to split over a mesh)")
+    sharding.check_kv_heads(mesh, text.num_kv_heads)
+    return sharding.param_sharding(mesh, text.num_kv_heads)
 
 
 def _with_compute_dtype(spec, stage_cfg, module, dtype):

@@ -80,15 +80,36 @@ def drive(engine, add):
     return tokens, np.concatenate(rows), outs
 
 
-def layout(engine):
-    """Per-device shapes of the sharded parameters and the KV pages."""
-    r = engine.runner
+def state_layout(state):
+    """Per-device shapes of a model state's arrays, by path."""
     out = {}
-    for kp, x in jax.tree_util.tree_flatten_with_path(r.state)[0]:
+    for kp, x in jax.tree_util.tree_flatten_with_path(state)[0]:
         path = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in kp).removesuffix("/value")
         out[path] = shapes(x)
-    out["kv_pages"] = shapes(r.kv_caches[0][0])
     return out
+
+
+def layout(engine):
+    """Per-device shapes of the sharded parameters and the KV pages."""
+    out = state_layout(engine.runner.state)
+    out["kv_pages"] = shapes(engine.runner.kv_caches[0][0])
+    return out
+
+
+def loaded(stage, cfg):
+    """A stage's parameters as load_checkpoint restores them onto the stage's mesh (before any
+    runner), and the paths shard_params would copy (none: they are already placed)."""
+    from flax import nnx
+    from omni_jax.checkpoint import load_checkpoint
+    from omni_jax.engine import sharding
+    from omni_jax.engine.runner import stage_mesh
+    mesh = stage_mesh(cfg)
+    model, scfg = load_checkpoint(ckpt, stage, mesh=mesh)
+    params = nnx.state(model, nnx.Param)
+    placed = sharding.shard_params(params, mesh, scfg.text.num_kv_heads)
+    copied = [jax.tree_util.keystr(kp) for (kp, a), b in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                                                             jax.tree_util.tree_leaves(placed)) if a is not b]
+    return state_layout(params), copied
 
 
 def shapes(x):
@@ -114,6 +135,9 @@ for tp, ep in layouts:
     cfg = dataclasses.replace(BASE, tensor_parallel_size=tp, expert_parallel_size=ep,
                               devices=tuple(range(8 - tp * ep, 8)))  # not device 0: placement is real
     name = f"tp{tp}_ep{ep}"
+    if tp * ep > 1:
+        for stage in ("thinker", "talker"):
+            result.setdefault(name, {})[f"{stage}_loaded"], result[name][f"{stage}_copied"] = loaded(stage, cfg)
     thinker = build_thinker_engine(ckpt, dataclasses.replace(cfg, capture_layers=layers), warmup=False)
     tokens, rows, outs = drive(thinker, add_thinker)
     if ref is None:
@@ -139,7 +163,7 @@ for tp, ep in layouts:
     res.update(talker_tokens=tokens, talker_diff=diff(rows, ref["talker"]),
                talker_layout=layout(talker))
     del talker
-    result[name] = res
+    result[name] = {**result.get(name, {}), **res}
 print("RESULT" + json.dumps(result))
 '''
 
@@ -187,6 +211,17 @@ def check_family(result: dict, num_kv_heads: int, heads: dict) -> None:
             assert res[f"{stage}_tokens"] == ref[f"{stage}_tokens"], (name, stage)
             assert res[f"{stage}_diff"] <= TOL, (name, stage, res[f"{stage}_diff"])
             check_layout(res[f"{stage}_layout"], tp, ep, num_kv_heads, heads[stage])
+            if tp * ep > 1:  # restored straight onto the mesh: already in the runner's layout
+                lay = res[f"{stage}_loaded"]
+                assert lay and all(res[f"{stage}_layout"][path] == v for path, v in lay.items()), (name, stage)
+                check_layout({**lay, "kv_pages": res[f"{stage}_layout"]["kv_pages"]}, tp, ep, num_kv_heads,
+                             heads[stage])
+                kinds = (("q_proj/kernel", "o_proj/kernel", "down_proj/kernel") if tp > 1 else ()) + \
+                    (("experts/gate_up_proj", "experts/down_proj") if ep > 1 else ())  # experts: over EP only
+                split_kinds = [p for p in lay if p.endswith(kinds)
+                               and not p.startswith(("audio_tower/", "visual/"))]  # encoders: replicated
+                assert split_kinds and all(lay[p][1] != lay[p][0] for p in split_kinds), (name, stage)
+                assert res[f"{stage}_copied"] == [], (name, stage, res[f"{stage}_copied"][:3])
 
 
 @pytest.mark.engine

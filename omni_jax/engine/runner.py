@@ -161,6 +161,13 @@ class StepResult:
     chunk_indices: list[int]        # which scheduled chunks this part ran (token_offsets follow them)
 
 
+def stage_mesh(cfg: RunnerConfig):
+    """The stage's ("ep", "tp") mesh over cfg.devices, or None on one device. The stage builders
+    call it too, to restore the checkpoint onto it (load_checkpoint's mesh): Mesh objects are
+    interned, so theirs and the runner's are the same mesh."""
+    return sharding.build_mesh(cfg.devices, cfg.tensor_parallel_size, cfg.expert_parallel_size)
+
+
 # ------------------------------------------------------------------ the runner
 class ModelRunner:
     """Owns the stage model's device state, its KV cache and the jitted steps."""
@@ -171,8 +178,7 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         # Several devices: parameters and KV pages placed over the stage's mesh (engine/sharding.py);
         # one device: no mesh, the programs are the single-device ones.
-        self.mesh = sharding.build_mesh(self.cfg.devices, self.cfg.tensor_parallel_size,
-                                        self.cfg.expert_parallel_size)
+        self.mesh = stage_mesh(self.cfg)
         tp = 1
         if self.mesh is not None:
             sharding.check_kv_heads(self.mesh, num_kv_heads)

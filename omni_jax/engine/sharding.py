@@ -120,10 +120,21 @@ def _path(keypath) -> str:
     return "/".join(map(str, keys))
 
 
+def param_sharding(mesh: Mesh, num_kv_heads: int) -> Callable[[str, tuple], NamedSharding]:
+    """Where each parameter goes on `mesh`: (path 'model/layers/0/...', shape) -> NamedSharding by
+    PARAM_RULES. load_checkpoint restores each array straight into it (no whole model on one
+    device) and shard_params places an already-loaded state with it."""
+    return lambda path, shape: NamedSharding(mesh, param_spec(path, shape, mesh, num_kv_heads))
+
+
 def shard_params(state: nnx.State, mesh: Mesh, num_kv_heads: int) -> nnx.State:
-    """The model state placed on the mesh by PARAM_RULES."""
+    """The model state placed on the mesh by PARAM_RULES. Arrays already placed so (restored by
+    load_checkpoint onto this mesh) are kept as they are: device_put with their own sharding
+    copies nothing, and Mesh objects are interned (same devices and axes: the same mesh)."""
+    where = param_sharding(mesh, num_kv_heads)
+
     def place(keypath, x):
-        return jax.device_put(x, NamedSharding(mesh, param_spec(_path(keypath), x.shape, mesh, num_kv_heads)))
+        return jax.device_put(x, where(_path(keypath), x.shape))
 
     return jax.tree_util.tree_map_with_path(place, state)
 

@@ -7,7 +7,7 @@ import os
 from ...checkpoint import eos_token_ids, load_checkpoint, read_config
 from ...engine.ar_engine import AREngine, EngineConfig
 from ...engine.oneshot_engine import OneShotEngine
-from ...engine.runner import RunnerConfig
+from ...engine.runner import RunnerConfig, stage_mesh
 from ...inputs.rope_index import RopeIndexConfig
 from .media import MediaBuckets, ThinkerMediaEncoder
 from .token2wav import Token2WavSynthesizer
@@ -33,7 +33,7 @@ def build_talker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | Non
     """
     import dataclasses
 
-    model, cfg = load_checkpoint(ckpt_dir, stage="talker", dtype=dtype)
+    model, cfg = load_checkpoint(ckpt_dir, stage="talker", dtype=dtype, mesh=stage_mesh(runner))
     text = cfg.text
     engine = AREngine(
         model, EngineConfig(runner=dataclasses.replace(runner, rich_inputs=True), enable_prefix_caching=False,
@@ -54,7 +54,7 @@ def build_thinker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | No
     """Load the thinker stage, its media encoders and tokenizer, and warm everything up."""
     import dataclasses
 
-    model, cfg = load_checkpoint(ckpt_dir, stage="thinker", dtype=dtype)
+    model, cfg = load_checkpoint(ckpt_dir, stage="thinker", dtype=dtype, mesh=stage_mesh(runner))
     hf_config = read_config(ckpt_dir)["hf_config"]
     media = ThinkerMediaEncoder(model, cfg, RopeIndexConfig.from_hf(hf_config), media_buckets)
     text = cfg.text

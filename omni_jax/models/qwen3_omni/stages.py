@@ -14,7 +14,7 @@ from ...checkpoint import eos_token_ids, load_checkpoint
 from ...engine.ar_engine import AREngine, EngineConfig
 from ...engine.buckets import pick_bucket, pow2_buckets
 from ...engine.protocol import StageInputs
-from ...engine.runner import RunnerConfig
+from ...engine.runner import RunnerConfig, stage_mesh
 from ..qwen2_5_omni.stages import load_tokenizer
 from .media import MediaBuckets, Qwen3ThinkerMediaEncoder
 
@@ -32,7 +32,7 @@ def build_thinker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | No
     MoE and bucket padding: the decoder layers route padding tokens to no expert
     (AttentionMetadata.valid_tokens), so expert work follows the real tokens.
     """
-    model, cfg = load_checkpoint(ckpt_dir, stage="thinker", dtype=dtype)
+    model, cfg = load_checkpoint(ckpt_dir, stage="thinker", dtype=dtype, mesh=stage_mesh(runner))
     media = Qwen3ThinkerMediaEncoder(model, cfg, media_buckets)
     text = cfg.text
     runner = dataclasses.replace(runner, rich_inputs=True, deepstack_layers=cfg.num_deepstack_layers)
@@ -146,7 +146,7 @@ def build_talker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | Non
     Its prompts are embeddings and every step's input depends on the code predictor,
     so prefix caching is off. The banned-id width covers the 1023 suppressed ids.
     """
-    model, cfg = load_checkpoint(ckpt_dir, stage="talker", dtype=dtype)
+    model, cfg = load_checkpoint(ckpt_dir, stage="talker", dtype=dtype, mesh=stage_mesh(runner))
     text = cfg.text
     projector = TalkerInputProjector(model, cfg, runner.max_model_len)
     engine = AREngine(

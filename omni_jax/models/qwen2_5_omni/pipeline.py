@@ -61,7 +61,7 @@ class Qwen2_5OmniHandoff:
         written two reply tokens (the first reply row is the second fed token's) or finished."""
         prompt = np.asarray(control.prompt_token_ids, np.int64)
         p = self._reply_start(prompt)
-        reply = self._reply(prompt, up)
+        reply = [*prompt[p:].tolist(), *up.token_ids]  # begun in the prompt, then generated
         if (len(reply) < 2 or not up.token_ids) and not up.finished:
             return None
         params = control.sampling_params
@@ -96,10 +96,6 @@ class Qwen2_5OmniHandoff:
     def _reply_start(self, prompt: np.ndarray) -> int:
         return reply_start(prompt, self.assistant_turn, self.media_token_ids)
 
-    def _reply(self, prompt: np.ndarray, up: UpstreamOutputs) -> list[int]:
-        """The reply's tokens so far: those begun in the prompt, then the generated ones."""
-        return [*prompt[self._reply_start(prompt):].tolist(), *up.token_ids]
-
     def _token_rows(self, up: UpstreamOutputs, positions) -> np.ndarray:
         """A generated token's talker row: the thinker's last hidden state plus its embedding."""
         lo, hi = self.hidden_layers
@@ -109,8 +105,8 @@ class Qwen2_5OmniHandoff:
         """The talker's per-step reply rows from row `have` on that are final, and whether
         they are complete (transformers' rule, as `handoff.reply_rows` states it)."""
         prompt = np.asarray(control.prompt_token_ids, np.int64)
-        n_rows, complete = reply_rows(self._reply(prompt, up), up.finished, self.thinker_eos)
         p = self._reply_start(prompt)
+        n_rows, complete = reply_rows([*prompt[p:].tolist(), *up.token_ids], up.finished, self.thinker_eos)
         parts = []
         if have < n_rows:
             parts.append(self._token_rows(up, p + 1 + np.arange(have, n_rows)))

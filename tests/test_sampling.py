@@ -319,6 +319,26 @@ def test_top_k_top_p_mask_matches_numpy_and_transformers(k, p):
     np.testing.assert_array_equal(got, hf)
 
 
+def test_top_k_top_p_mask_on_a_wide_vocabulary_with_ties_and_banned_tokens():
+    """The value search finds the sort's thresholds: rows per setting, logits of both signs,
+    exact ties at the boundaries, -inf (banned) tokens, a row with one finite logit."""
+    rng = np.random.default_rng(11)
+    V = 5000
+    x = (rng.normal(size=(8, V)) * 4).astype(np.float32)
+    x[:, ::7] = np.round(x[:, ::7])  # many exact ties
+    x[:, 1::11] = -np.inf
+    x[7] = -np.inf
+    x[7, 123] = -3.0
+    ks = np.array([0, 40, 300, 0, 1, V, 2500, 3], np.int32)
+    ps = np.array([0.9, 1.0, 0.5, 0.999, 0.3, 0.05, 1e-6, 0.7], np.float32)
+    got = np.isfinite(np.asarray(_top_k_top_p(jnp.asarray(x), jnp.asarray(ks), jnp.asarray(ps))))
+    for row in range(8):
+        split = _np_top_k_top_p_keep(x[row], int(ks[row]), float(ps[row])) & np.isfinite(x[row])
+        want = x[row] >= x[row][split].min()  # tokens tying with the lowest kept one are kept too
+        np.testing.assert_array_equal(got[row], want, err_msg=f"row {row}")
+    assert got[7].sum() == 1 and got[7, 123]
+
+
 @pytest.mark.parametrize("min_p", [0.0, 0.05, 0.3, 1.0])
 def test_min_p_mask_matches_numpy_and_transformers(min_p):
     import torch

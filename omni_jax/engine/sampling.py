@@ -26,9 +26,10 @@ temperature / top-k / top-p / min-p. They describe the model's (penalised) distr
 rather than the truncated sampling distribution, which is what callers comparing against
 reference logprobs want; vLLM's default ("raw_logprobs") skips the penalties as well.
 
-Cost: the common cases (all greedy; temperature only) do no sort; top-k / top-p cost one
-value sort per row (vLLM sorts too); penalties scatter a [B, W] id history into [B, V]
-counts on device. The host build is O(batch) numpy with per-params caching (tens of us
+Cost: the common cases (all greedy; temperature only) do no sort; a small top-k draws among
+its k candidates; other top-k / top-p rows search their thresholds by value (32 passes
+over the row, about a tenth of a vocabulary sort on CPU; vLLM sorts); penalties scatter a
+[B, W] id history into [B, V] counts on device. The host build is O(batch) numpy with per-params caching (tens of us
 at batch 64); the penalty history is the one O(batch x length) part, kept cheap by
 per-request incremental buffers and a one-column append when the batch is unchanged.
 """
@@ -740,29 +741,51 @@ def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
     return logits
 
 
+def _order_keys(x: jax.Array) -> jax.Array:
+    """uint32 keys in the order of the float32 values x (-inf lowest), for searching by value."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    return jnp.where((bits >> 31) == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _smallest_key(keys: jax.Array, ok) -> jax.Array:
+    """Per row of keys [B, V], the smallest key K (a [B, 1] column) with ok(K) true, for an ok
+    that is false below some key and true from it on, and true at the row's largest key.
+
+    32 halvings of the uint32 range, each one pass over the row: at batch 8 over Qwen's
+    152k vocabulary, 39 ms against 453 ms for a sort on CPU."""
+
+    def halve(_, bounds):
+        lo, hi = bounds  # ok(lo) false, ok(hi) true
+        mid = lo + (hi - lo) // 2
+        good = ok(mid)
+        return jnp.where(good, lo, mid), jnp.where(good, mid, hi)
+
+    lo, hi = jnp.min(keys, axis=-1, keepdims=True) - 1, jnp.max(keys, axis=-1, keepdims=True)
+    return jax.lax.fori_loop(0, 32, halve, (lo, hi))[1]
+
+
 def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """Mask (-inf) tokens outside each row's top-k, then outside its top-p nucleus.
 
-    top_k <= 0 or >= V means off; top_p >= 1 means off. One ascending sort per row gives
-    both thresholds; tokens are kept by value (>= threshold), so ties at the boundary are
-    all kept (as transformers' TopKLogitsWarper; its TopPLogitsWarper may split ties).
+    top_k <= 0 or >= V means off; top_p >= 1 means off. Each threshold is found by a
+    search over values (`_smallest_key`) rather than a sort; tokens are kept by value
+    (>= threshold), so ties at the boundary are all kept (as transformers'
+    TopKLogitsWarper; its TopPLogitsWarper may split ties).
     Top-p follows transformers: drop the low tokens whose cumulative probability is
     <= 1 - top_p, always keeping the most likely one.
     """
-    B, V = logits.shape
-    srt = jnp.sort(logits, axis=-1)  # ascending
-    k = jnp.where((top_k <= 0) | (top_k >= V), V, top_k)
-    thr_k = jnp.take_along_axis(srt, (V - k)[:, None], axis=-1)
-    srt = jnp.where(srt < thr_k, -jnp.inf, srt)
-    probs = jax.nn.softmax(srt, axis=-1)
-    cum = jnp.cumsum(probs, axis=-1)
-    remove = cum <= (1.0 - top_p)[:, None]
-    remove = remove.at[:, -1].set(False)
-    # `remove` is a prefix (cum is nondecreasing), so its length indexes the threshold.
-    first_kept = jnp.sum(remove, axis=-1, keepdims=True)
-    thr_p = jnp.take_along_axis(srt, first_kept, axis=-1)
+    V = logits.shape[-1]
+    keys = _order_keys(logits)
+    k = jnp.where((top_k <= 0) | (top_k >= V), V, top_k)[:, None]
+    # The k-th largest value: the smallest K with fewer than k values above it.
+    thr_k = jax.lax.cond(jnp.any(k < V), lambda: _smallest_key(keys, lambda K: jnp.sum(keys > K, -1, keepdims=True) < k),
+                         lambda: jnp.min(keys, axis=-1, keepdims=True))
+    probs = jax.nn.softmax(jnp.where(keys >= thr_k, logits, -jnp.inf), axis=-1)
+    drop = (1.0 - top_p)[:, None]
+    # The lowest kept value: the smallest K whose cumulative probability (values <= K) exceeds 1 - top_p.
+    thr_p = _smallest_key(keys, lambda K: jnp.sum(jnp.where(keys <= K, probs, 0.0), -1, keepdims=True) > drop)
     thr = jnp.where((top_p < 1.0)[:, None], jnp.maximum(thr_k, thr_p), thr_k)
-    return jnp.where(logits < thr, -jnp.inf, logits)
+    return jnp.where(keys < thr, -jnp.inf, logits)
 
 
 def top_k_top_p_candidates(logits: jax.Array, top_k: int, top_p,
@@ -771,8 +794,8 @@ def top_k_top_p_candidates(logits: jax.Array, top_k: int, top_p,
     -inf outside the nucleus, their token ids [B, k]). `row_k` [B] (each <= k): a smaller
     top-k per row.
 
-    Sampling among these k instead of the whole masked row skips a full vocabulary sort
-    and draws k random numbers per row instead of V (threefry dominates on CPU). Same
+    Sampling among these k instead of the whole masked row skips the vocabulary-wide
+    threshold search and draws k random numbers per row instead of V (threefry dominates on CPU). Same
     nucleus as `apply_top_k_top_p` except where logits tie exactly with the k-th largest.
     """
     vals, ids = jax.lax.top_k(logits, top_k)  # descending
@@ -837,7 +860,7 @@ def _draw(logits: jax.Array, md: SamplingMetadata, flags: SamplingFlags, greedy_
         vals = apply_min_p(vals, md.min_p)
     pick = gumbel_argmax(vals, keys)
     from_candidates = jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    # The vocabulary sort runs only when a sampled row has no small top_k.
+    # The whole-vocabulary path runs only when a sampled row has no small top_k.
     need_full = jnp.any(~capped & ~md.is_greedy)
     from_vocab = jax.lax.cond(need_full, full_vocab, lambda: greedy_tokens)
     return jnp.where(md.is_greedy, greedy_tokens, jnp.where(capped, from_candidates, from_vocab))

@@ -42,6 +42,7 @@ from .models.registry import get_family, resolve_model
 from .outputs import OmniRequestOutput, RequestMetrics
 from .prompt_workers import PromptWorkers
 from .runtime.orchestrator import Orchestrator, OrchestratorRequest
+from .update_collector import UpdateCollector
 
 
 def _resolve(model: str, pipeline) -> tuple[str, PipelineConfig]:
@@ -335,7 +336,8 @@ class AsyncOmniJax(_Frontend):
                  hidden_states_include_prompt: bool = False,
                  sampling_params_list: Sequence[SamplingParams | None] | None = None,
                  timeout_s: float | None = None) -> AsyncIterator[OmniRequestOutput]:
-        """An async iterator of OmniRequestOutput updates until the request finishes.
+        """An async iterator of OmniRequestOutput updates until the request finishes. Updates
+        that arrive while the caller is busy come as one (their deltas joined, as vLLM does).
 
         Raises PromptError (a ValueError) for a prompt that cannot be processed, or whose
         processing (on a worker thread) outlasts `prompt_timeout_s`.
@@ -370,12 +372,11 @@ class AsyncOmniJax(_Frontend):
 
     async def _stream(self, ticket: "_Unsubmitted", prompt, params: list[SamplingParams], chain, voice,
                       hidden_layers, include_prompt: bool, timeout_s) -> AsyncIterator[OmniRequestOutput]:
-        loop = asyncio.get_running_loop()
-        updates: asyncio.Queue = asyncio.Queue()
+        updates = UpdateCollector(asyncio.get_running_loop())
         rid = ticket.request_id
         try:
             req = await self._prompts.run(
-                self._request, prompt, params, chain, rid, lambda o: loop.call_soon_threadsafe(updates.put_nowait, o),
+                self._request, prompt, params, chain, rid, updates.put,
                 voice, hidden_layers, include_prompt, timeout_s)
             if ticket.aborted:
                 yield OmniRequestOutput(request_id=rid, prompt_token_ids=req.output.prompt_token_ids, finished=True,

@@ -113,6 +113,16 @@ class OmniRequestOutput:
             f.setframerate(self.sample_rate)
             f.writeframes((pcm * 32767.0).astype("<i2").tobytes())
 
+    def after(self, earlier: "OmniRequestOutput") -> "OmniRequestOutput":
+        """This update with the deltas of an earlier one of the same request folded in:
+        one update that says what both said (the cumulative fields are already this one's)."""
+        if earlier.audio_delta is None or self.audio_delta is None:
+            audio = self.audio_delta if earlier.audio_delta is None else earlier.audio_delta
+        else:
+            audio = np.concatenate([earlier.audio_delta, self.audio_delta])
+        return dataclasses.replace(self, text_delta=earlier.text_delta + self.text_delta,
+                                   new_token_ids=earlier.new_token_ids + self.new_token_ids, audio_delta=audio)
+
     def snapshot(self) -> "OmniRequestOutput":
         """A copy safe to hand to another thread."""
         return dataclasses.replace(self, token_ids=list(self.token_ids), new_token_ids=list(self.new_token_ids),

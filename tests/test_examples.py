@@ -2,8 +2,8 @@
 
 Every notebook is executed with nbclient in a fresh working directory; the scripts
 are checked to parse their command line, and one is run end to end. All share one
-OMNI_JAX_CACHE (the tiny checkpoint is built once) and one JAX compilation cache, so
-stages that compile the same shapes (the thinker of every example) compile them once.
+OMNI_JAX_CACHE (the tiny checkpoint is built once) and the session's JAX compilation cache,
+so stages that compile the same shapes (the thinker of every example) compile them once.
 """
 
 from __future__ import annotations
@@ -34,14 +34,8 @@ def example_env(tmp_path_factory):
         from omni_jax.models.qwen2_5_omni.tiny import tiny_checkpoint
 
         tiny_checkpoint()  # build the tiny model once, before the first notebook needs it
-        import jax  # noqa: F401  (JAX reads the variables below at import: this process ignores them)
-
-        # The kernels and stage processes share one compilation cache, so the thinker shapes every
-        # example uses compile once.
-        mp.setenv("JAX_COMPILATION_CACHE_DIR", str(root / "jax"))
-        # Tiny programs compile in well under the default 1 s threshold; cache them all.
-        mp.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-        mp.setenv("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+        # The kernels and stage processes inherit the session's JAX compilation cache (conftest):
+        # the thinker shapes every example uses, and the CLI demo before them, compile once.
         yield root
 
 
@@ -96,10 +90,11 @@ def test_text_chat_notebook(example_env, tmp_path):
     nb = run_notebook("text_chat", tmp_path)
     text = _text(nb)
     assert text.count("assistant: ") >= 2  # two turns
-    # Streamed: an update per token (and a last one that only says it finished).
+    # Streamed: several updates (those the notebook had not read yet come as one, so there may
+    # be fewer than tokens).
     assert "12 tokens, finish_reason=length]" in text
     updates = int(text.split(" updates, 12 tokens")[0].rsplit("[", 1)[1])
-    assert updates >= 12
+    assert 2 <= updates <= 13
     # The history holds both turns and both replies.
     assert "system:" in text and text.count("     user:") == 2 and text.count("assistant:") >= 4
 

@@ -29,7 +29,6 @@ import pytest
 import yaml
 
 from omni_jax import OmniJax, SamplingParams
-from omni_jax.paths import cache_root
 from omni_jax.server.app import build_app
 from omni_jax.server.engine import ServedEngine
 from omni_jax.server.speech import speech_prompt
@@ -86,10 +85,9 @@ def _wait_gone(pids, timeout=20.0) -> list[int]:
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    """Environment of the server and this process: CPU JAX with a shared persistent compile cache."""
-    cache = os.path.join(cache_root(), "jax-compile-cache")
-    e = {"JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": cache,
-         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+    """Environment of the server and this process: CPU JAX; the servers' stages share the
+    session's persistent compilation cache (conftest) with the rest of the suite."""
+    e = {"JAX_PLATFORMS": "cpu"}
     saved = {k: os.environ.get(k) for k in e}
     os.environ.update(e)
     yield {**os.environ, **e}

@@ -29,9 +29,10 @@ reference logprobs want; vLLM's default ("raw_logprobs") skips the penalties as 
 Cost: the common cases (all greedy; temperature only) do no sort; a small top-k draws among
 its k candidates; other top-k / top-p rows search their thresholds by value (32 passes
 over the row, about a tenth of a vocabulary sort on CPU; vLLM sorts); penalties scatter a
-[B, W] id history into [B, V] counts on device. The host build is O(batch) numpy with per-params caching (tens of us
-at batch 64); the penalty history is the one O(batch x length) part, kept cheap by
-per-request incremental buffers and a one-column append when the batch is unchanged.
+[B, W] id history into [B, V] counts on device. The host build is O(batch) numpy with
+per-params caching (tens of us at batch 64); the penalty history is the one
+O(batch x length) part, kept cheap by per-request incremental buffers and a one-column
+append when the batch is unchanged.
 """
 
 from __future__ import annotations
@@ -778,7 +779,8 @@ def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
     keys = _order_keys(logits)
     k = jnp.where((top_k <= 0) | (top_k >= V), V, top_k)[:, None]
     # The k-th largest value: the smallest K with fewer than k values above it.
-    thr_k = jax.lax.cond(jnp.any(k < V), lambda: _smallest_key(keys, lambda K: jnp.sum(keys > K, -1, keepdims=True) < k),
+    thr_k = jax.lax.cond(jnp.any(k < V),
+                         lambda: _smallest_key(keys, lambda K: jnp.sum(keys > K, -1, keepdims=True) < k),
                          lambda: jnp.min(keys, axis=-1, keepdims=True))
     probs = jax.nn.softmax(jnp.where(keys >= thr_k, logits, -jnp.inf), axis=-1)
     drop = (1.0 - top_p)[:, None]
@@ -795,8 +797,9 @@ def top_k_top_p_candidates(logits: jax.Array, top_k: int, top_p,
     top-k per row.
 
     Sampling among these k instead of the whole masked row skips the vocabulary-wide
-    threshold search and draws k random numbers per row instead of V (threefry dominates on CPU). Same
-    nucleus as `apply_top_k_top_p` except where logits tie exactly with the k-th largest.
+    threshold search and draws k random numbers per row instead of V (threefry dominates on
+    CPU). Same nucleus as `apply_top_k_top_p` except where logits tie exactly with the k-th
+    largest.
     """
     vals, ids = jax.lax.top_k(logits, top_k)  # descending
     if row_k is not None:

@@ -833,17 +833,30 @@ def gumbel_argmax(x: jax.Array, keys: jax.Array) -> jax.Array:
     return jnp.argmax(x + gumbel, axis=-1).astype(jnp.int32)
 
 
-# Rows whose top_k is at most this draw among their top-k candidates: no vocabulary sort,
-# k random numbers instead of V. Covers transformers' default (50) and the talkers' (40).
+# Rows whose top_k is at most this draw among their top-k candidates: no vocabulary-wide
+# search, k random numbers instead of V. Covers transformers' default (50) and the talkers' (40).
+# So do top-p rows without top-k whose nucleus lies among them (usual for a trained model).
 TOP_K_CANDIDATES = 64
+
+
+def _nucleus_among(vals: jax.Array, log_z: jax.Array, top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """For rows without top-k: their top-p nucleus among the candidates `vals` [B, k] (the k
+    largest logits, descending; `log_z` [B, 1] the logsumexp of the whole row), and whether all
+    of it is there. A token is kept when the mass above it is below top_p (transformers' rule),
+    by value as `apply_top_k_top_p`: ties with the lowest kept one are kept."""
+    q = jnp.exp(vals - log_z)
+    above = jnp.cumsum(q, axis=-1) - q
+    kept = above < top_p[:, None]
+    thr = jnp.min(jnp.where(kept, vals, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(vals < thr, -jnp.inf, vals), ~kept[:, -1]
 
 
 def _draw(logits: jax.Array, md: SamplingMetadata, flags: SamplingFlags, greedy_tokens: jax.Array) -> jax.Array:
     """One token per row: greedy rows their argmax, the others a seeded draw.
 
     Gumbel-max with each row's own key: row-local, so batch composition and row position
-    cannot change a seeded request's draw. Which of the two draws a row takes depends
-    only on its own top_k, for the same reason.
+    cannot change a seeded request's draw. Whether a row draws among its candidates or over
+    the whole vocabulary depends only on its own parameters and logits, for the same reason.
     """
     x = logits / md.temperature[:, None]
     keys = request_keys(md)
@@ -854,19 +867,28 @@ def _draw(logits: jax.Array, md: SamplingMetadata, flags: SamplingFlags, greedy_
             y = apply_min_p(y, md.min_p)
         return gumbel_argmax(y, keys)
 
-    k = TOP_K_CANDIDATES
-    if not flags.any_top_k_top_p or k >= logits.shape[-1]:
+    k, V = TOP_K_CANDIDATES, logits.shape[-1]
+    if not flags.any_top_k_top_p or k >= V:
         return jnp.where(md.is_greedy, greedy_tokens, full_vocab())
     capped = (md.top_k > 0) & (md.top_k <= k)
     vals, ids = top_k_top_p_candidates(x, k, md.top_p, row_k=jnp.where(capped, md.top_k, k))
+    top_p_only = ((md.top_k <= 0) | (md.top_k >= V)) & (md.top_p < 1.0) & ~md.is_greedy
+
+    def nucleus():
+        among, fits = _nucleus_among(jax.lax.top_k(x, k)[0], jax.nn.logsumexp(x, axis=-1, keepdims=True), md.top_p)
+        return among, fits & top_p_only
+
+    nucleus_vals, fits = jax.lax.cond(jnp.any(top_p_only), nucleus, lambda: (vals, jnp.zeros_like(capped)))
+    vals = jnp.where(fits[:, None], nucleus_vals, vals)
+    among = capped | fits
     if flags.any_min_p:  # the row's max logit is among its candidates
         vals = apply_min_p(vals, md.min_p)
     pick = gumbel_argmax(vals, keys)
     from_candidates = jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    # The whole-vocabulary path runs only when a sampled row has no small top_k.
-    need_full = jnp.any(~capped & ~md.is_greedy)
+    # The whole-vocabulary path runs only when a sampled row cannot draw among its candidates.
+    need_full = jnp.any(~among & ~md.is_greedy)
     from_vocab = jax.lax.cond(need_full, full_vocab, lambda: greedy_tokens)
-    return jnp.where(md.is_greedy, greedy_tokens, jnp.where(capped, from_candidates, from_vocab))
+    return jnp.where(md.is_greedy, greedy_tokens, jnp.where(among, from_candidates, from_vocab))
 
 
 def sample(logits: jax.Array, metadata: SamplingMetadata, *, flags: SamplingFlags) -> SamplerOutput:

@@ -395,7 +395,7 @@ def test_top_p_without_top_k_draws_from_its_nucleus(peak):
     """Top-p rows without top-k draw among the top candidates when the nucleus lies there (a
     trained model's usual case), else over the whole vocabulary: either way only nucleus
     tokens, with the softmax's proportions."""
-    from omni_jax.engine.sampling import _nucleus_among
+    from omni_jax.engine.sampling import _nucleus
 
     rng = np.random.default_rng(8)
     V, p = 4 * TOP_K_CANDIDATES, 0.9
@@ -403,7 +403,7 @@ def test_top_p_without_top_k_draws_from_its_nucleus(peak):
     x[rng.choice(V, 10, replace=False)] += peak
     cand = np.sort(x)[::-1][:TOP_K_CANDIDATES][None]
     log_z = np.log(np.exp(x.astype(np.float64)).sum())
-    _, fits = _nucleus_among(jnp.asarray(cand), jnp.full((1, 1), log_z, jnp.float32), jnp.full(1, p))
+    _, fits = _nucleus(jnp.asarray(cand), jnp.full((1, 1), log_z, jnp.float32), jnp.full(1, p))
     assert bool(fits[0]) == (peak > 0)
     tokens = _draws(x, lambda s: SamplingParams(temperature=1.0, top_p=p, seed=s), num_seeds=1024, steps=8)
     allowed = _np_top_k_top_p_keep(x, 0, p)

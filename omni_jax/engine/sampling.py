@@ -801,16 +801,29 @@ def top_k_top_p_candidates(logits: jax.Array, top_k: int, top_p,
     CPU). Same nucleus as `apply_top_k_top_p` except where logits tie exactly with the k-th
     largest.
     """
-    vals, ids = jax.lax.top_k(logits, top_k)  # descending
-    if row_k is not None:
-        vals = jnp.where(jnp.arange(top_k)[None, :] < row_k[:, None], vals, -jnp.inf)
+    vals, ids = _candidates(logits, top_k, row_k)
     top_p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), logits.shape[:1])
-    # transformers' TopP: drop the low tokens whose cumulative probability is <= 1 - top_p.
-    asc = vals[:, ::-1]
-    cum = jnp.cumsum(jax.nn.softmax(asc, axis=-1), axis=-1)
-    remove = (cum <= (1.0 - top_p)[:, None]).at[:, -1].set(False)
-    thr = jnp.take_along_axis(asc, jnp.sum(remove, axis=-1, keepdims=True), axis=-1)
-    return jnp.where(vals < thr, -jnp.inf, vals), ids
+    return _nucleus(vals, jax.nn.logsumexp(vals, axis=-1, keepdims=True), top_p)[0], ids
+
+
+def _candidates(logits: jax.Array, k: int, row_k: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """Each row's k largest logits (descending, -inf past its own `row_k`) and their ids."""
+    vals, ids = jax.lax.top_k(logits, k)
+    if row_k is not None:
+        vals = jnp.where(jnp.arange(k)[None, :] < row_k[:, None], vals, -jnp.inf)
+    return vals, ids
+
+
+def _nucleus(vals: jax.Array, log_z: jax.Array, top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The top-p nucleus among candidate logits `vals` [B, k] (descending; -inf outside the
+    nucleus) and whether all of it is among them. `log_z` [B, 1]: the log of the mass the
+    probabilities are taken over (the candidates' own after a top-k, else the whole row's).
+    transformers' rule: a token is kept when the mass above it is below top_p (the most likely
+    always); by value, as `apply_top_k_top_p`: ties with the lowest kept one are kept."""
+    q = jnp.exp(vals - log_z)
+    kept = jnp.cumsum(q, axis=-1) - q < top_p[:, None]
+    thr = jnp.min(jnp.where(kept, vals, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(vals < thr, -jnp.inf, vals), ~kept[:, -1]
 
 
 def apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
@@ -839,18 +852,6 @@ def gumbel_argmax(x: jax.Array, keys: jax.Array) -> jax.Array:
 TOP_K_CANDIDATES = 64
 
 
-def _nucleus_among(vals: jax.Array, log_z: jax.Array, top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """For rows without top-k: their top-p nucleus among the candidates `vals` [B, k] (the k
-    largest logits, descending; `log_z` [B, 1] the logsumexp of the whole row), and whether all
-    of it is there. A token is kept when the mass above it is below top_p (transformers' rule),
-    by value as `apply_top_k_top_p`: ties with the lowest kept one are kept."""
-    q = jnp.exp(vals - log_z)
-    above = jnp.cumsum(q, axis=-1) - q
-    kept = above < top_p[:, None]
-    thr = jnp.min(jnp.where(kept, vals, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(vals < thr, -jnp.inf, vals), ~kept[:, -1]
-
-
 def _draw(logits: jax.Array, md: SamplingMetadata, flags: SamplingFlags, greedy_tokens: jax.Array) -> jax.Array:
     """One token per row: greedy rows their argmax, the others a seeded draw.
 
@@ -871,16 +872,14 @@ def _draw(logits: jax.Array, md: SamplingMetadata, flags: SamplingFlags, greedy_
     if not flags.any_top_k_top_p or k >= V:
         return jnp.where(md.is_greedy, greedy_tokens, full_vocab())
     capped = (md.top_k > 0) & (md.top_k <= k)
-    vals, ids = top_k_top_p_candidates(x, k, md.top_p, row_k=jnp.where(capped, md.top_k, k))
     top_p_only = ((md.top_k <= 0) | (md.top_k >= V)) & (md.top_p < 1.0) & ~md.is_greedy
-
-    def nucleus():
-        among, fits = _nucleus_among(jax.lax.top_k(x, k)[0], jax.nn.logsumexp(x, axis=-1, keepdims=True), md.top_p)
-        return among, fits & top_p_only
-
-    nucleus_vals, fits = jax.lax.cond(jnp.any(top_p_only), nucleus, lambda: (vals, jnp.zeros_like(capped)))
-    vals = jnp.where(fits[:, None], nucleus_vals, vals)
-    among = capped | fits
+    vals, ids = _candidates(x, k, jnp.where(capped, md.top_k, k))
+    # A top-k row's nucleus is taken over its candidates, a top-p-only row's over its whole row.
+    row_z = jax.lax.cond(jnp.any(top_p_only), lambda: jax.nn.logsumexp(x, axis=-1, keepdims=True),
+                         lambda: jnp.zeros((x.shape[0], 1), x.dtype))
+    log_z = jnp.where(top_p_only[:, None], row_z, jax.nn.logsumexp(vals, axis=-1, keepdims=True))
+    vals, fits = _nucleus(vals, log_z, md.top_p)
+    among = capped | (top_p_only & fits)
     if flags.any_min_p:  # the row's max logit is among its candidates
         vals = apply_min_p(vals, md.min_p)
     pick = gumbel_argmax(vals, keys)

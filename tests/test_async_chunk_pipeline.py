@@ -176,9 +176,12 @@ def test_abort_in_each_phase_frees_every_stage(family_engines, phase):
             return len(out.token_ids) == 12  # thinker and talker both running
         if phase == "vocoder":
             return out.audio_delta is not None and len(out.audio_delta) > 0
-        return len(out.new_token_ids) > 0 and len(out.token_ids) == THINKER_TOKENS[family]  # talker, vocoder left
+        return len(out.new_token_ids) > 0 and len(out.token_ids) == params[0].max_tokens  # talker, vocoder left
 
-    aborted, other = collect(streamed, prompts, params_for(family, first_chunk=2), abort_when=abort_when)
+    params = params_for(family, first_chunk=2)
+    if phase == "after_text" and family == "qwen3_omni":  # the talker surely has frames left at the thinker's end
+        params[0] = params[0].updated(max_tokens=40)
+    aborted, other = collect(streamed, prompts, params, abort_when=abort_when)
     assert aborted[-1].finish_reason == "abort"
     assert other[-1].error is None and len(other[-1].audio) > 0
     stats = _idle(streamed)

@@ -237,10 +237,11 @@ class StageConfig:
     # other stages keep theirs); false: the engine is dead, and later calls raise EngineDeadError.
     auto_restart: bool = True
     # Vocoder stages with async chunk on: decode codec frames in chunks of this many (vLLM-Omni's
-    # default, 25), the first chunk smaller so that the first audio comes early. A request may
-    # set its own first chunk (SamplingParams.extra_args["codec_first_chunk_frames"]).
+    # default, 25), the first chunk smaller so that the first audio comes early and the next ones
+    # growing to it (engine/oneshot_engine.py next_chunk_frames). vLLM-Omni's names; a request may
+    # set its own first chunk (SamplingParams.extra_args["initial_codec_chunk_frames"]).
     codec_chunk_frames: int = 25
-    codec_first_chunk_frames: int = 10
+    initial_codec_chunk_frames: int = 10
 
     def __post_init__(self) -> None:
         try:
@@ -312,7 +313,7 @@ class StageConfig:
         set_("hidden_layers", _int_tuple("hidden_layers", self.hidden_layers, increasing=False, minimum=0))
         self._validate_placement(set_)
         set_("memory_fraction", _fraction("memory_fraction", self.memory_fraction, optional=True))
-        for name in ("codec_chunk_frames", "codec_first_chunk_frames"):
+        for name in ("codec_chunk_frames", "initial_codec_chunk_frames"):
             set_(name, _positive_int(name, getattr(self, name)))
         if not isinstance(self.auto_restart, bool):
             raise _invalid("auto_restart", f"must be true or false, got {self.auto_restart!r}")

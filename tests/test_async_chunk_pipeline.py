@@ -29,7 +29,7 @@ TALKER_TOKENS = {"qwen2_5_omni": 100, "qwen3_omni": 40}
 # steps); the bound is the one its streaming tests state (tests/test_token2wav_streaming.py).
 WAVEFORM_TOL = {"qwen2_5_omni": 2e-4, "qwen3_omni": 1e-5}
 # Chunks small enough that a reply comes in several.
-CHUNKS = dict(codec_chunk_frames=8, codec_first_chunk_frames=4)
+CHUNKS = dict(codec_chunk_frames=8, initial_codec_chunk_frames=4)
 SILENT_S = 8.0  # the talker's and vocoder's health_timeout_s (a stage silent longer is restarted)
 
 
@@ -61,7 +61,7 @@ def prompts_for(family: str, n: int) -> list[dict]:
 
 def params_for(family: str, first_chunk: int | None = None) -> list[SamplingParams]:
     """Thinker and talker run to their limits (no early end token), the vocoder seeded."""
-    extra = None if first_chunk is None else {"codec_first_chunk_frames": first_chunk}
+    extra = None if first_chunk is None else {"initial_codec_chunk_frames": first_chunk}
     talker = TALKER_TOKENS[family]
     return [SamplingParams(temperature=0.0, max_tokens=THINKER_TOKENS[family], ignore_eos=True),
             SamplingParams(temperature=0.0, repetition_penalty=1.05, min_tokens=talker - 2, max_tokens=talker),

@@ -398,9 +398,9 @@ def params(draw, hostile: bool) -> dict:
 
 # Speech requests: the vocoder's own option (its stage validates it).
 VALID_VOCODER = st.one_of(st.none(), st.sampled_from([1, 2, 3]).map(
-    lambda v: {"extra_args": {"codec_first_chunk_frames": v}}))
+    lambda v: {"extra_args": {"initial_codec_chunk_frames": v}}))
 HOSTILE_VOCODER = st.sampled_from([0, -1, 10**9, 2.5, "4", None, True]).map(
-    lambda v: {"extra_args": {"codec_first_chunk_frames": v}})
+    lambda v: {"extra_args": {"initial_codec_chunk_frames": v}})
 HOSTILE_CALL = {  # generate()'s own arguments
     "voice": st.sampled_from(["nobody", "\ud800", 7, ["Ethan"], b"Ethan"]),
     "timeout_s": st.sampled_from([0, -1, INF, NAN, "5", True]),

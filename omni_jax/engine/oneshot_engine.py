@@ -10,10 +10,10 @@ the stage worker serves either. A step's requests may need several device calls
 Streaming ("async chunk"): a request added with `stream=True` gets its codec tokens
 piece by piece (`extend_request`) while the stage before it still generates them. Its
 state is a `CodecStream` here (the scheduler only sees whole requests). Once enough new
-frames can be made audio (`first_chunk_frames` for the first chunk, `chunk_frames` after;
-a synthesizer whose audio waits for look-ahead says by how many frames it trails, its
-`stream_delay_frames`) or the codes are complete, the next step hands it to `synthesizer.stream` as a
-`ChunkJob`; the ready chunks of all streams go in one call and each audio piece is
+frames can be made audio (`initial_chunk_frames` for the first chunk, then doubling up to
+`chunk_frames`: `next_chunk_frames`; a synthesizer whose audio waits for look-ahead says by
+how many frames it trails, its `stream_delay_frames`) or the codes are complete, the next
+step hands it to `synthesizer.stream` as a `ChunkJob`; the ready chunks of all streams go in one call and each audio piece is
 returned at once as a `StageOutput` (the last one finished). The synthesizer decides
 which samples are final; concatenated, a request's pieces equal its whole-request
 waveform.
@@ -39,9 +39,9 @@ from .scheduler import OneShotScheduler, SchedulerConfig
 # Codec frames per streamed chunk, and of the first (smaller, so the first audio comes early):
 # vLLM-Omni's defaults, also those of the stage config.
 CHUNK_FRAMES = 25
-FIRST_CHUNK_FRAMES = 10
+INITIAL_CHUNK_FRAMES = 10
 # The per-request override of the first chunk (SamplingParams.extra_args).
-FIRST_CHUNK_ARG = "codec_first_chunk_frames"
+INITIAL_CHUNK_ARG = "initial_codec_chunk_frames"
 
 
 class CallPool:
@@ -80,12 +80,34 @@ class ChunkJob:
     final: bool           # no more codes will come: return everything that is left
 
 
+def next_chunk_frames(done: int, initial: int, steady: int) -> int:
+    """Frames of audio the next chunk waits for, when `done` frames are audio already.
+
+    The first chunk is `initial`; then each chunk is as long as the audio made so far,
+    within [initial, steady]. A small first chunk alone would starve playback: the second,
+    a whole steady chunk, takes longer to make than the first takes to play (sglang-omni
+    measured such underruns). Doubling keeps every chunk shorter to make than what is
+    already queued to play, as long as the stages run faster than real time.
+    """
+    return initial if done == 0 else min(steady, max(initial, done))
+
+
+def chunk_sizes(initial: int, steady: int) -> list[int]:
+    """Every chunk size `next_chunk_frames` gives a stream that keeps up (chunks can be
+    longer when codes pile up): for compiling a call per size."""
+    sizes, done = {next_chunk_frames(0, initial, steady)}, 0
+    while steady not in sizes:
+        done += next_chunk_frames(done, initial, steady)
+        sizes.add(next_chunk_frames(done, initial, steady))
+    return sorted(sizes)
+
+
 class CodecStream:
     """A streaming request inside the engine: its codes so far and how far its audio got."""
 
-    def __init__(self, request: Request, first_chunk_frames: int):
+    def __init__(self, request: Request, initial_chunk_frames: int):
         self.request = request
-        self.first_chunk_frames = first_chunk_frames
+        self.initial_chunk_frames = initial_chunk_frames
         self._buf = np.empty(max(64, 2 * request.num_prompt_tokens), np.int32)
         self.num_tokens = 0
         self.emitted = 0             # samples returned so far
@@ -115,9 +137,9 @@ class CodecStream:
         frames received by `delay_frames`: chunks count the frames it can turn into audio."""
         if self.complete:
             return True
-        need = chunk_frames if self.decoded_frames > delay_frames else self.first_chunk_frames
         done = max(self.decoded_frames - delay_frames, 0)
-        return self.num_tokens // tokens_per_frame - delay_frames - done >= need
+        return self.num_tokens // tokens_per_frame - delay_frames - done >= next_chunk_frames(
+            done, self.initial_chunk_frames, chunk_frames)
 
     def job(self) -> ChunkJob:
         return ChunkJob(self.request, self.codes, self.emitted, self.complete)
@@ -130,15 +152,15 @@ class OneShotEngine:
     def __init__(self, synthesize: Callable[[Sequence[Request]], list[np.ndarray]], *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, vocab_size: int = 0,
                  validate: Callable[[Request], None] | None = None, warmup_fn: Callable[[], None] | None = None,
-                 chunk_frames: int = CHUNK_FRAMES, first_chunk_frames: int = FIRST_CHUNK_FRAMES):
-        for name, v in (("chunk_frames", chunk_frames), ("first_chunk_frames", first_chunk_frames)):
+                 chunk_frames: int = CHUNK_FRAMES, initial_chunk_frames: int = INITIAL_CHUNK_FRAMES):
+        for name, v in (("chunk_frames", chunk_frames), ("initial_chunk_frames", initial_chunk_frames)):
             if not _is_positive_int(v):
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         self.synthesize = synthesize
         self.vocab_size = vocab_size
         self.validate = validate
         self._warmup_fn = warmup_fn
-        self.chunk_frames, self.first_chunk_frames = chunk_frames, first_chunk_frames
+        self.chunk_frames, self.initial_chunk_frames = chunk_frames, initial_chunk_frames
         self.tokens_per_frame = int(getattr(synthesize, "tokens_per_frame", 1))
         self.delay_frames = int(getattr(synthesize, "stream_delay_frames", 0))
         self.scheduler = OneShotScheduler(SchedulerConfig(
@@ -167,7 +189,7 @@ class OneShotEngine:
         if ids.size == 0 and not stream:
             raise RequestError(f"request {request_id!r}: no codec tokens")
         params = (sampling_params or SamplingParams()).with_seed()
-        first_chunk = self._first_chunk_frames(request_id, params)
+        first_chunk = self._initial_chunk_frames(request_id, params)
         if stream and not callable(getattr(self.synthesize, "stream", None)):
             raise RequestError(f"request {request_id!r}: this stage's vocoder cannot stream")
         if request_id in self.streams or self.scheduler.get_request(request_id) is not None:
@@ -316,11 +338,11 @@ class OneShotEngine:
             raise RequestError(f"request {request_id!r}: codec token out of range [0, {self.vocab_size})")
         return ids.astype(np.int32, copy=False)
 
-    def _first_chunk_frames(self, request_id: str, params: SamplingParams) -> int:
-        """The request's first chunk: extra_args["codec_first_chunk_frames"] or the stage's."""
-        value = (params.extra_args or {}).get(FIRST_CHUNK_ARG, self.first_chunk_frames)
+    def _initial_chunk_frames(self, request_id: str, params: SamplingParams) -> int:
+        """The request's first chunk: extra_args["initial_codec_chunk_frames"] or the stage's."""
+        value = (params.extra_args or {}).get(INITIAL_CHUNK_ARG, self.initial_chunk_frames)
         if not _is_positive_int(value):
-            raise RequestError(f"request {request_id!r}: extra_args[{FIRST_CHUNK_ARG!r}] must be a positive "
+            raise RequestError(f"request {request_id!r}: extra_args[{INITIAL_CHUNK_ARG!r}] must be a positive "
                                f"int (codec frames), got {value!r}")
         return int(value)
 

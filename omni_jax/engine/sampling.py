@@ -143,7 +143,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tr
     suppress_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
     # Stage-specific options beyond sampling (vLLM's name), e.g. a vocoder stage's
-    # "codec_first_chunk_frames"; the stage that reads a key validates its value.
+    # "initial_codec_chunk_frames"; the stage that reads a key validates its value.
     extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:

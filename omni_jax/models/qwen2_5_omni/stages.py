@@ -73,13 +73,13 @@ def build_thinker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | No
 
 def build_token2wav_engine(ckpt_dir: str, *, length_buckets=(64, 256, 1024), batch_buckets=(1, 2, 4),
                            max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
-                           chunk_frames: int = 25, first_chunk_frames: int = 10, streamed: bool = False,
+                           chunk_frames: int = 25, initial_chunk_frames: int = 10, streamed: bool = False,
                            warmup: bool = True):
     """The vocoder stage: requests batched through DiT + BigVGAN (fp32, no KV cache), whole or streamed.
 
     `max_num_seqs` requests per step (default batch_buckets[-1]); more than the largest
     batch take several calls, run side by side. With async chunk the engine streams a request
-    once `first_chunk_frames`, then every `chunk_frames` new codes arrived; the streamed
+    once `initial_chunk_frames`, then every `chunk_frames` new codes arrived; the streamed
     calls are compiled for windows of that many codes plus their context. `streamed`: requests
     arrive streamed (the pipeline's async_chunk), so warm-up compiles the streamed calls
     instead of the whole-request ones (the other path still works, compiling on first use).
@@ -95,7 +95,7 @@ def build_token2wav_engine(ckpt_dir: str, *, length_buckets=(64, 256, 1024), bat
                            max_model_len=length_buckets[-1] + 1, vocab_size=cfg.dit.num_embeds,
                            validate=synth.validate, warmup_fn=synth.warmup_stream if streamed else synth.warmup,
                            chunk_frames=chunk_frames,
-                           first_chunk_frames=first_chunk_frames)
+                           initial_chunk_frames=initial_chunk_frames)
     engine.synthesizer = synth
     if warmup:
         engine.warmup()

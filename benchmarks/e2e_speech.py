@@ -10,7 +10,8 @@ greedy talker (repetition penalty 1.05), then the vocoder.
   with it on (the talker starts while the thinker writes, audio comes in codec chunks). At
   each concurrency (requests in flight at once) the same prompts run off, then on, on an
   otherwise idle machine; prints req/s, mean and p90 time to first audio (TTFA, and its
-  share of the request) and mean real-time factor (processing time / audio seconds).
+  share of the request), mean real-time factor (processing time / audio seconds) and playback
+  stalls (a listener who starts at the first chunk waits for a later one: how often, how long).
 * transformers: `generate(return_audio=True)` one request at a time (its time to first
   audio is the whole request: it does not stream), and on left-padded batches (its batched
   path) of 4, 8 and 16, the fastest compared; CPU threads = cores.
@@ -103,7 +104,8 @@ def omnijax_setup(n, thinker_tokens, talker_tokens):
 def _row(label: str, r: dict, n: int) -> str:
     ttfa, e2e = np.array(r["ttfa"]), np.array(r["e2e"])
     return (f"{label:28s} {n / r['seconds']:6.2f} req/s  TTFA mean {ttfa.mean():5.2f}s p90 {np.percentile(ttfa, 90):5.2f}s"
-            f"  ({100 * np.mean(ttfa / e2e):3.0f}% of request)  mean RTF {np.mean(r['rtf']):5.2f}")
+            f"  ({100 * np.mean(ttfa / e2e):3.0f}% of request)  mean RTF {np.mean(r['rtf']):5.2f}"
+            f"  playback stalls {np.mean(np.array(r['stall']) > 0):4.0%} of requests, mean {np.mean(r['stall']):5.3f}s")
 
 
 def main():
@@ -114,6 +116,8 @@ def main():
     ap.add_argument("--talker-tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16],
                     help="requests in flight at once (each run with async chunk off, then on)")
+    ap.add_argument("--initial-chunk-frames", type=int, default=None,
+                    help="the vocoder's first streamed chunk in codec frames (default: the preset's)")
     ap.add_argument("--hf-batch", type=int, nargs="+", default=[4, 8, 16],
                     help="transformers batch sizes to try; the fastest is compared")
     args = ap.parse_args()
@@ -128,8 +132,11 @@ def main():
     n = args.requests
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir, ckpt = family.build(tmp)
-        results = run_both(ckpt, prompts, family.omnijax_setup(n, args.thinker_tokens, args.talker_tokens),
-                           args.concurrency)
+        pipeline, params, voice = family.omnijax_setup(n, args.thinker_tokens, args.talker_tokens)
+        if args.initial_chunk_frames is not None:
+            vocoder = pipeline.stages[-1].name
+            pipeline = pipeline.with_overrides(**{vocoder: dict(initial_codec_chunk_frames=args.initial_chunk_frames)})
+        results = run_both(ckpt, prompts, (pipeline, params, voice), args.concurrency)
         (dt_h, sec_h, rtf_h), lat_h = family.run_transformers(hf_dir, prompts, args.thinker_tokens,
                                                               args.talker_tokens, args.hf_batch)
     print(f"{args.family}: {n} text+speech requests, thinker {args.thinker_tokens} tokens, talker <= "

@@ -56,21 +56,36 @@ def serve_speech(omni, prompts, params, voice, concurrency: int) -> dict:
 
         async def one(i, p):
             async with limit:
-                last = None
+                last, arrivals = None, []
                 async for out in omni.generate({"prompt_token_ids": p}, sampling_params_list=params, request_id=f"s{i}-{time.monotonic_ns()}",
                                                output_modalities=["text", "audio"], voice=voice):
                     last = out
-                return last
+                    if out.audio_delta is not None and len(out.audio_delta):
+                        arrivals.append((time.monotonic(), len(out.audio_delta)))
+                return last, playback_stall(arrivals)
         t0 = time.perf_counter()
         outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         return time.perf_counter() - t0, outs
 
-    dt, outs = asyncio.run(go())
+    dt, results = asyncio.run(go())
+    outs, stalls = [r[0] for r in results], [r[1] for r in results]
     errors = [o.error for o in outs if o.error]
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed, e.g. {errors[0]}")
     return dict(seconds=dt, audio=[o.metrics.audio_seconds for o in outs], rtf=[o.metrics.rtf for o in outs],
-                ttfa=[o.metrics.time_to_first_audio for o in outs], e2e=[o.metrics.e2e_latency for o in outs])
+                ttfa=[o.metrics.time_to_first_audio for o in outs], e2e=[o.metrics.e2e_latency for o in outs],
+                stall=stalls)
+
+
+def playback_stall(arrivals: list[tuple[float, int]], rate: int = 24000) -> float:
+    """Seconds a listener who starts playing at the first audio chunk waits for later ones
+    (underruns); `arrivals` = (time, samples) per chunk."""
+    stall, end = 0.0, None
+    for t, n in arrivals:
+        if end is not None and t > end:
+            stall += t - end
+        end = (t if end is None or t > end else end) + n / rate
+    return stall
 
 
 def hf_latency(model, prompts, speaker, thinker_tokens, talker_tokens) -> list[float]:

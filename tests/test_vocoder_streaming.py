@@ -17,7 +17,7 @@ import pytest
 
 import hf_tiny_qwen3 as tiny
 from omni_jax.engine.ar_engine import RequestError
-from omni_jax.engine.oneshot_engine import ChunkJob, OneShotRequestData
+from omni_jax.engine.oneshot_engine import ChunkJob, OneShotRequestData, next_chunk_frames
 from omni_jax.engine.request import Request
 from omni_jax.engine.sampling import SamplingParams
 from omni_jax.models.qwen2_5_omni import family as qwen2_5_family
@@ -35,9 +35,11 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def engine(converted):  # noqa: F811 (the imported fixture)
-    return build_code2wav_engine(converted, length_buckets=(8, 20), batch_buckets=(1, 2), chunk_size=WINDOW,
-                                 left_context=CONTEXT, max_num_batched_tokens=120, max_model_len=60,
-                                 codec_chunk_frames=CHUNK, codec_first_chunk_frames=FIRST)
+    engine = build_code2wav_engine(converted, length_buckets=(8, 20), batch_buckets=(1, 2), chunk_size=WINDOW,
+                                   left_context=CONTEXT, max_num_batched_tokens=120, max_model_len=60,
+                                   codec_chunk_frames=CHUNK, initial_codec_chunk_frames=FIRST, streamed=True)
+    engine.synthesizer.warmup()  # whole requests go beside the streams here: both paths compiled
+    return engine
 
 
 @pytest.fixture(autouse=True)
@@ -108,7 +110,7 @@ def test_streamed_pieces_join_into_the_whole_request(engine, hf_code2wav):  # no
     for n in (1, 2, 5, 3, 9, 1, 4, 11, 6, 3):
         frames += n
         final = frames == codes.shape[1]
-        if frames - decoded < (FIRST if not pieces else CHUNK) and not final:
+        if frames - decoded < next_chunk_frames(decoded, FIRST, CHUNK) and not final:
             continue
         emitted = sum(len(p) for p in pieces)
         piece = synth.stream([ChunkJob(req, np.asarray(flat(codes[:, :frames]), np.int32), emitted, final)])[0]
@@ -120,13 +122,28 @@ def test_streamed_pieces_join_into_the_whole_request(engine, hf_code2wav):  # no
     assert_same(np.concatenate(pieces), ref)
 
 
+def test_convolutions_read_only_their_reach(engine):
+    """Streamed chunks convolve from `conv_reach` frames before their first new sample: the
+    samples from frame f on are the same convolved from f - reach as from the start."""
+    synth = engine.synthesizer
+    reach, u = synth.conv_reach, synth.total_upsample
+    assert synth.conv_buckets == (3 + reach, 6 + reach, 7 + reach, 20) and reach < 13  # chunk sizes 3, 6, 7
+    states = np.random.default_rng(5).normal(size=(1, 40, synth.cfg.hidden_size)).astype(np.float32)
+    full = synth._convolve(states)[0]
+    for f in (reach, 17, 30):
+        part = synth._convolve(states[:, f - reach:])[0]
+        np.testing.assert_allclose(part[reach * u:], full[f * u:], atol=1e-5)
+        # Without that context the first samples differ: the reach is needed.
+        assert np.abs(synth._convolve(states[:, f:])[0][:u] - full[f * u:(f + 1) * u]).max() > 1e-3
+
+
 def test_engine_streams_beside_whole_requests(engine, spy):
     """Two streams and a whole request: chunks batched in one call, early first audio, exact joins."""
     before = engine.num_compilations
     a, b, w = random_codes(21, 40), random_codes(22, 23), random_codes(23, 9)
     engine.add_request("a", [], stream=True)
     # b sets its own first chunk and comes with two frames already.
-    engine.add_request("b", flat(b[:, :2]), SamplingParams(extra_args={"codec_first_chunk_frames": 5}), stream=True)
+    engine.add_request("b", flat(b[:, :2]), SamplingParams(extra_args={"initial_codec_chunk_frames": 5}), stream=True)
     engine.add_request("w", flat(w))
     outs, frames_at = {}, {}
     step_all(engine, outs, frames_at, {})
@@ -156,8 +173,9 @@ def test_engine_streams_beside_whole_requests(engine, spy):
         assert got[-1].finished and got[-1].finish_reason == "stop" and got[-1].error is None
         assert all(o.audio is not None and o.audio.dtype == np.float32 for o in got)
         assert_same(np.concatenate([o.audio for o in got]), whole(engine, codes))
-    # A chunk is due at 3 new frames first (b: its own 5), then at 7 or more.
-    assert (frames_at["a"], frames_at["b"]) == ([4, 12, 21, 40], [5, 12, 23])
+    # A chunk is due at 3 new frames first (b: its own 5), then at as many as are audio already,
+    # within [first, 7]: a at 4, then 4 more (8; arrivals give 12), then 7 (21); b at 5, then 5 (11).
+    assert (frames_at["a"], frames_at["b"]) == ([4, 12, 21, 40], [5, 11, 23])
     assert not engine.streams and sorted(spy.released) == ["a", "b"]
     assert engine.num_compilations == before
 
@@ -234,8 +252,8 @@ def test_stream_call_failure_fails_its_streams(engine, spy, monkeypatch):
 
 def test_bad_requests_refused(engine):
     for value in (0, -2, "3", True, 2.5):
-        with pytest.raises(RequestError, match="codec_first_chunk_frames"):
-            engine.add_request("opt", [], SamplingParams(extra_args={"codec_first_chunk_frames": value}), stream=True)
+        with pytest.raises(RequestError, match="initial_codec_chunk_frames"):
+            engine.add_request("opt", [], SamplingParams(extra_args={"initial_codec_chunk_frames": value}), stream=True)
     with pytest.raises(RequestError, match="outside the codebook"):
         engine.add_request("range", [tiny.CODEBOOK] * Q, stream=True)
     with pytest.raises(RequestError, match="no codec tokens"):
@@ -251,9 +269,9 @@ def test_family_passes_chunk_sizes(monkeypatch):
     monkeypatch.setattr(qwen3_family, "build_code2wav_engine", lambda ckpt, **kw: seen.update(kw))
     stage = types.SimpleNamespace(token_buckets=None, decode_buckets=None, max_num_batched_tokens=None,
                                   max_model_len=None, max_num_seqs=None, codec_chunk_frames=12,
-                                  codec_first_chunk_frames=4)
+                                  initial_codec_chunk_frames=4)
     qwen3_family.FAMILY.engines["code2wav"](stage, "ckpt", True)
-    assert seen["codec_chunk_frames"] == 12 and seen["codec_first_chunk_frames"] == 4
+    assert seen["codec_chunk_frames"] == 12 and seen["initial_codec_chunk_frames"] == 4
 
 
 @pytest.mark.parametrize("async_chunk", [False, True])
@@ -262,7 +280,7 @@ def test_token2wav_stage_compiles_its_pipelines_path(monkeypatch, async_chunk):
     seen = {}
     monkeypatch.setattr(qwen2_5_family, "build_token2wav_engine", lambda ckpt, **kw: seen.update(kw))
     stage = types.SimpleNamespace(token_buckets=None, decode_buckets=None, max_num_seqs=None,
-                                  codec_chunk_frames=12, codec_first_chunk_frames=4)
+                                  codec_chunk_frames=12, initial_codec_chunk_frames=4)
     qwen2_5_family.FAMILY.engines["token2wav"](stage, "ckpt", async_chunk)
     assert seen["streamed"] is async_chunk and seen["chunk_frames"] == 12
 
@@ -293,15 +311,28 @@ def test_chunks_count_the_audio_a_delayed_synthesizer_can_make():
 
     synth = _DelayedSynth()
     engine = OneShotEngine(synth, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64,
-                           chunk_frames=4, first_chunk_frames=3)
+                           chunk_frames=4, initial_chunk_frames=3)
     engine.add_request("r", np.zeros(0, np.int32), stream=True)
     sizes = []
     for _ in range(20):
         engine.extend_request("r", np.zeros(1, np.int32), complete=False)
         while engine.has_unfinished():
             sizes += [len(o.audio) for o in engine.step() if o.audio is not None]
-    assert synth.calls[:3] == [[8], [12], [16]]  # 5 + 3, then every 4 more
-    assert sizes[:3] == [3, 4, 4]
+    # 5 + 3; then as much as was made (3), then the steady 4.
+    assert synth.calls[:4] == [[8], [11], [15], [19]]
+    assert sizes[:4] == [3, 3, 4, 4]
     engine.extend_request("r", np.zeros(0, np.int32), complete=True)
     out = engine.step()
     assert out[-1].finished and sum(sizes) + len(out[-1].audio) == 20
+
+
+def test_chunks_grow_from_the_first_to_the_steady_size():
+    """Each chunk is as long as the audio made before it, within [initial, steady]: the one
+    being made never takes longer than what is queued to play (at faster than real time)."""
+    sizes, done = [], 0
+    while done < 100:
+        sizes.append(next_chunk_frames(done, 4, 25))
+        done += sizes[-1]
+    assert sizes == [4, 4, 8, 16, 25, 25, 25]
+    assert [next_chunk_frames(d, 10, 25) for d in (0, 10, 20, 40)] == [10, 10, 20, 25]
+    assert [next_chunk_frames(d, 30, 25) for d in (0, 30)] == [30, 25]  # a first chunk above the steady one

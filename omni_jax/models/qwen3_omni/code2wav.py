@@ -133,6 +133,7 @@ class CausalTransConvNet(nnx.Module):
         self.conv = nnx.ConvTranspose(in_ch, out_ch, (kernel_size,), strides=(stride,), padding="VALID",
                                       transpose_kernel=True, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.trim = kernel_size - stride
+        self.stride = stride
 
     def __call__(self, x):
         y = self.conv(x)
@@ -295,16 +296,41 @@ class Qwen3OmniCode2Wav(nnx.Module):
         samples is a little under T * total_upsample: each decoder block's causal
         transposed conv turns L frames into (L - 1) * rate (as transformers).
         """
+        return self.convolve(self.frame_states(codes))
+
+    def frame_states(self, codes):
+        """codes [B, Q, T] -> the pre-transformer's output [B, T, hidden] (one vector per frame)."""
         if codes.shape[1] != self.cfg.num_quantizers:
             raise ValueError(f"expected {self.cfg.num_quantizers} code groups, got {codes.shape[1]}")
-        x = self.embed_codes(codes)
-        x = jax.vmap(self.pre_transformer)(x)
+        return jax.vmap(self.pre_transformer)(self.embed_codes(codes))
+
+    def convolve(self, x):
+        """Frame states [B, T, hidden] -> waveform [B, samples]: the upsampling convolutions."""
         for stage in self.upsample:
             for layer in stage:
                 x = layer(x)
         for layer in self.decoder:
             x = layer(x)
         return jnp.clip(x[..., 0], -1.0, 1.0)
+
+    def conv_reach_frames(self) -> int:
+        """Frames of earlier frame states that `convolve`'s output at a frame depends on.
+
+        Each causal conv reads (effective kernel - 1) samples back at its own rate; the
+        transposed convs read none back (only the next input). So the samples of frames
+        from f on, convolved from frame f - reach on, equal those convolved from the start.
+        """
+        reach, rate = 0.0, 1
+        for trans, block in self.upsample:
+            rate *= trans.stride
+            reach += (block.dwconv.effective_kernel - 1) / rate
+        for layer in self.decoder:
+            if isinstance(layer, CausalConvNet):
+                reach += (layer.effective_kernel - 1) / rate
+            elif isinstance(layer, DecoderBlock):
+                rate *= layer.block[1].stride
+                reach += sum(u.conv1.effective_kernel + u.conv2.effective_kernel - 2 for u in layer.block[2:]) / rate
+        return math.ceil(reach)
 
     def decode_with_context(self, codes, context_frames: int):
         """Decode [B, Q, T] whose first `context_frames` frames are left context; drop their samples."""

@@ -13,10 +13,12 @@ the samples that would need it), so right padding leaves a window's real samples
 unchanged; each window is cropped to the length decoding it alone gives
 (``num_samples``, derived from the model's output shapes). No noise: deterministic.
 
-Streaming (async chunk): `Code2WavSynthesizer.stream` decodes the codes a request has
-so far and returns the samples no later frame can change, cut from the same windows the
-whole-request decode uses, so a request's streamed pieces join into exactly its
-whole-request waveform (see `stream`).
+Streaming (async chunk): `Code2WavSynthesizer.stream` returns the samples of a request's
+codes so far that no later frame can change, cut from the same windows the whole-request
+decode uses, so a request's streamed pieces join into exactly its whole-request waveform
+(see `stream`). The pre-transformer runs over the window so far (cheap: one vector per
+frame), the upsampling convolutions (most of the work) only over the new frames and the
+few before them they read (`conv_reach_frames`), in calls bucketed by the chunk sizes.
 
 Units: the `OneShotEngine` counts prompt tokens, i.e. Q x frames. The builder takes
 its limits in codec frames (the unit of the stage config) and hands the engine Q times
@@ -25,7 +27,7 @@ those numbers.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +36,7 @@ from flax import nnx
 
 from ...engine.buckets import pick_bucket
 from ...checkpoint import load_checkpoint
-from ...engine.oneshot_engine import CHUNK_FRAMES, FIRST_CHUNK_FRAMES, CallPool, ChunkJob, OneShotEngine
+from ...engine.oneshot_engine import CHUNK_FRAMES, INITIAL_CHUNK_FRAMES, CallPool, ChunkJob, OneShotEngine, chunk_sizes
 from .code2wav import Qwen3OmniCode2Wav
 
 
@@ -46,6 +48,32 @@ def plan_windows(num_frames: int, chunk_size: int, left_context: int) -> list[tu
         context = min(start, left_context)  # transformers: the whole prefix when shorter than the context
         out.append((start - context, context, end))
         start = end
+    return out
+
+
+def _padded_calls(items: Sequence[np.ndarray], length_buckets: Sequence[int], batch_buckets: Sequence[int],
+                  calls: CallPool, run: Callable[[np.ndarray], np.ndarray]) -> list[np.ndarray]:
+    """`run` over every item ([T, ...], T frames), each as if alone: per item its row of `run`'s output.
+
+    The items are sorted by length (similar lengths share a bucket) and packed, zero-padded
+    on the right, into (batch bucket, length bucket) calls run side by side by `calls`. Right
+    padding changes no real output: everything here is causal.
+    """
+    cap = batch_buckets[-1]
+    order = sorted(range(len(items)), key=lambda i: len(items[i]), reverse=True)
+    groups = [order[g:g + cap] for g in range(0, len(order), cap)]
+    batches = []
+    for group in groups:
+        first = items[group[0]]
+        t = pick_bucket(len(first), length_buckets)
+        batch = np.zeros((pick_bucket(len(group), batch_buckets), t, *first.shape[1:]), first.dtype)
+        for j, i in enumerate(group):
+            batch[j, :len(items[i])] = items[i]
+        batches.append(batch)
+    out: list[np.ndarray] = [None] * len(items)
+    for group, result in zip(groups, calls.map(run, batches)):
+        for j, i in enumerate(group):
+            out[i] = result[j]
     return out
 
 
@@ -62,7 +90,7 @@ class Code2WavSynthesizer:
 
     def __init__(self, model: Qwen3OmniCode2Wav, *, length_buckets: Sequence[int], batch_buckets: Sequence[int],
                  chunk_size: int = 300, left_context: int = 25, max_frames: int | None = None,
-                 max_num_seqs: int | None = None):
+                 max_num_seqs: int | None = None, stream_chunk_frames: Sequence[int] = ()):
         self.cfg = model.cfg
         self.num_quantizers = self.cfg.num_quantizers
         self.tokens_per_frame = self.num_quantizers  # codes are flattened frame-major
@@ -89,7 +117,15 @@ class Code2WavSynthesizer:
         self.max_frames = max_frames
         self.graphdef, self.state = nnx.split(model)
         self._fn = jax.jit(self._decode)
+        self._frame_states_fn = jax.jit(lambda state, codes: nnx.merge(self.graphdef, state).frame_states(codes))
+        self._convolve_fn = jax.jit(lambda state, x: nnx.merge(self.graphdef, state).convolve(x))
         self._trailing = self._trailing_samples()
+        # Streamed chunks convolve their new frames plus the reach before them: one bucket per
+        # chunk size the engine asks for (`stream_chunk_frames`), and the window buckets for
+        # chunks that piled up meanwhile (or a first decode of a whole window).
+        self.conv_reach = model.conv_reach_frames()
+        fits = sorted({n + self.conv_reach for n in stream_chunk_frames if n + self.conv_reach < self.length_buckets[-1]})
+        self.conv_buckets = tuple(fits + [b for b in self.length_buckets if not fits or b > fits[-1]])
 
     def _decode(self, state, codes):
         return nnx.merge(self.graphdef, state)(codes)
@@ -155,17 +191,36 @@ class Code2WavSynthesizer:
         is causal and each window already drops the samples that would look one frame
         ahead, so the first `num_samples(T)` samples of T frames never change when more
         frames come: with F frames the waveform is final up to `request_samples(F)`, and
-        `final` changes nothing. Only float rounding may differ (the padded call shapes
-        differ; ~2e-7 seen on CPU). Each chunk re-decodes its window from the start (up to
-        chunk_size + left_context frames, 325 by default); a cache of the convolutions'
-        state would remove that recomputation.
+        `final` changes nothing. The pre-transformer re-runs over the window so far; the
+        convolutions start `conv_reach` frames before the first unsent sample, which
+        changes no kept sample. Only float rounding may differ (other call shapes; ~2e-7
+        seen on CPU).
         """
         windows, owner = [], []
         for i, job in enumerate(jobs):
             for w in self._unsent_windows(job):
                 windows.append(w)
                 owner.append(i)
-        return _join(self.decode_windows(windows), owner, len(jobs))
+        states = _padded_calls([codes.T for codes, _, _ in windows], self.length_buckets, self.batch_buckets,
+                               self.calls, lambda batch: self._frame_states(batch.transpose(0, 2, 1)))
+        u = self.total_upsample
+        segments, cuts = [], []
+        for (codes, lo, hi), st in zip(windows, states):
+            first = max(0, lo // u - self.conv_reach)  # the window's first frame to convolve
+            segments.append(st[first:codes.shape[1]])
+            cuts.append((lo - first * u, hi - first * u))
+        wavs = _padded_calls(segments, self.conv_buckets, self.batch_buckets, self.calls, self._convolve)
+        return _join([w[a:b] for w, (a, b) in zip(wavs, cuts)], owner, len(jobs))
+
+    def _frame_states(self, codes: np.ndarray) -> np.ndarray:
+        return np.asarray(self._frame_states_fn(self.state, codes))
+
+    def _convolve(self, states: np.ndarray) -> np.ndarray:
+        wav = np.asarray(self._convolve_fn(self.state, states))
+        if wav.shape[-1] != self.num_samples(states.shape[1]):
+            raise RuntimeError(f"code2wav gave {wav.shape[-1]} samples for {states.shape[1]} frames, "
+                               f"expected {self.num_samples(states.shape[1])}")
+        return wav
 
     def _unsent_windows(self, job: ChunkJob) -> list[tuple[np.ndarray, int, int]]:
         """The windows (codes, lo, hi) holding samples of `job` not sent yet, the last one cut at its last frame."""
@@ -182,27 +237,11 @@ class Code2WavSynthesizer:
         return out
 
     def decode_windows(self, windows: Sequence[tuple[np.ndarray, int, int]]) -> list[np.ndarray]:
-        """Samples [lo, hi) of each window's waveform, each window ([Q, frames] codes, lo, hi) decoded alone.
-
-        The windows are pooled, sorted by length (similar lengths share a bucket) and packed
-        into padded (batch bucket, length bucket) calls, run side by side by `calls`.
-        """
-        q, cap = self.num_quantizers, self.batch_buckets[-1]
-        order = sorted(range(len(windows)), key=lambda i: windows[i][0].shape[1], reverse=True)
-        groups = [order[g:g + cap] for g in range(0, len(order), cap)]
-        batches = []
-        for group in groups:
-            t = pick_bucket(max(windows[i][0].shape[1] for i in group), self.length_buckets)
-            batch = np.zeros((pick_bucket(len(group), self.batch_buckets), q, t), np.int32)
-            for j, i in enumerate(group):
-                batch[j, :, :windows[i][0].shape[1]] = windows[i][0]
-            batches.append(batch)
-        out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(windows)
-        for group, wav in zip(groups, self.calls.map(self._run, batches)):
-            for j, i in enumerate(group):
-                _, lo, hi = windows[i]
-                out[i] = wav[j, lo:hi]
-        return out
+        """Samples [lo, hi) of each window's waveform, each window ([Q, frames] codes, lo, hi) decoded alone."""
+        # Codes go time-last into the model; padded calls take time first, hence the transposes.
+        wavs = _padded_calls([codes.T for codes, _, _ in windows], self.length_buckets, self.batch_buckets,
+                             self.calls, lambda batch: self._run(batch.transpose(0, 2, 1)))
+        return [w[lo:hi] for w, (_, lo, hi) in zip(wavs, windows)]
 
     def _run(self, batch: np.ndarray) -> np.ndarray:
         wav = np.asarray(self._fn(self.state, batch))
@@ -217,12 +256,20 @@ class Code2WavSynthesizer:
             for t in self.length_buckets:
                 self._run(np.zeros((b, self.num_quantizers, t), np.int32))
 
+    def warmup_stream(self) -> None:
+        """Compile (and check) the streamed calls: pre-transformer per window bucket, convolutions per chunk bucket."""
+        for b in self.batch_buckets:
+            for t in self.length_buckets:
+                self._frame_states(np.zeros((b, self.num_quantizers, t), np.int32))
+            for t in self.conv_buckets:
+                self._convolve(np.zeros((b, t, self.cfg.hidden_size), np.float32))
+
 
 def build_code2wav_engine(ckpt_dir: str, *, length_buckets=(64, 256, 325), batch_buckets=(1, 2, 4),
                           chunk_size: int = 300, left_context: int = 25, max_num_batched_tokens: int | None = None,
                           max_model_len: int | None = None, max_num_seqs: int | None = None,
-                          codec_chunk_frames: int = CHUNK_FRAMES, codec_first_chunk_frames: int = FIRST_CHUNK_FRAMES,
-                          warmup: bool = True):
+                          codec_chunk_frames: int = CHUNK_FRAMES, initial_codec_chunk_frames: int = INITIAL_CHUNK_FRAMES,
+                          streamed: bool = False, warmup: bool = True):
     """The Qwen3-Omni vocoder stage: whole or streamed requests chunk-decoded in padded batches (fp32, no KV cache).
 
     `length_buckets` are window lengths in codec frames (the largest must hold
@@ -233,8 +280,10 @@ def build_code2wav_engine(ckpt_dir: str, *, length_buckets=(64, 256, 325), batch
     max_num_seqs * length_buckets[-1]) and `max_model_len` (codec frames of the longest
     request, default max_num_batched_tokens) are in frames, as in the stage config; the
     engine, which counts prompt tokens, gets num_quantizers times them.
-    `codec_chunk_frames` / `codec_first_chunk_frames`: the frames a streamed request
-    gathers before each chunk (the first) is decoded (see `OneShotEngine`).
+    `codec_chunk_frames` / `initial_codec_chunk_frames`: the frames a streamed request
+    gathers before each chunk (the first) is decoded (see `OneShotEngine`). `streamed`:
+    requests arrive streamed (the pipeline's async_chunk), so warm-up compiles the streamed
+    calls instead of the whole-request ones (the other path still works, compiling on first use).
     """
     model, cfg = load_checkpoint(ckpt_dir, stage="code2wav", dtype="float32")
     max_num_seqs = max_num_seqs or batch_buckets[-1]
@@ -245,13 +294,14 @@ def build_code2wav_engine(ckpt_dir: str, *, length_buckets=(64, 256, 325), batch
                          f"({frames_per_step} frames): such a request could never be scheduled")
     synth = Code2WavSynthesizer(model, length_buckets=length_buckets, batch_buckets=batch_buckets,
                                 chunk_size=chunk_size, left_context=left_context, max_frames=max_frames,
-                                max_num_seqs=max_num_seqs)
+                                max_num_seqs=max_num_seqs,
+                                stream_chunk_frames=chunk_sizes(initial_codec_chunk_frames, codec_chunk_frames))
     q = cfg.num_quantizers
     # vocab_size=0: `validate` checks the code range itself and names the offending frame and group.
     engine = OneShotEngine(synth, max_num_seqs=max_num_seqs, max_num_batched_tokens=q * frames_per_step,
                            max_model_len=q * max_frames, vocab_size=0, validate=synth.validate,
-                           warmup_fn=synth.warmup, chunk_frames=codec_chunk_frames,
-                           first_chunk_frames=codec_first_chunk_frames)
+                           warmup_fn=synth.warmup_stream if streamed else synth.warmup, chunk_frames=codec_chunk_frames,
+                           initial_chunk_frames=initial_codec_chunk_frames)
     engine.synthesizer = synth
     if warmup:
         engine.warmup()

@@ -15,13 +15,14 @@ from .stages import build_talker_engine, build_thinker_engine
 def _code2wav(stage, ckpt_dir: str, async_chunk: bool):
     # For a vocoder, token_buckets are frame-length buckets and decode_buckets batch sizes;
     # max_num_batched_tokens / max_model_len are codec frames here. Streamed and whole requests
-    # run the same window calls, so async_chunk changes nothing compiled.
+    # run different calls: the stage compiles those of its pipeline's path.
     return build_code2wav_engine(ckpt_dir, length_buckets=stage.token_buckets or (64, 256, 325),
                                  batch_buckets=stage.decode_buckets or (1, 2, 4),
                                  max_num_batched_tokens=stage.max_num_batched_tokens,
                                  max_model_len=stage.max_model_len, max_num_seqs=stage.max_num_seqs,
                                  codec_chunk_frames=stage.codec_chunk_frames,
-                                 codec_first_chunk_frames=stage.codec_first_chunk_frames)
+                                 initial_codec_chunk_frames=stage.initial_codec_chunk_frames,
+                                 streamed=async_chunk)
 
 
 FAMILY = ModelFamily(

@@ -29,6 +29,7 @@ import kernels_pallas
 from ..checkpoint import read_config
 from ..config import PipelineConfig, StageConfig, load_pipeline_config
 from ..engine.ar_engine import AREngine, EngineConfig
+from ..engine.oneshot_engine import chunk_sizes
 from ..inputs.rope_index import RopeIndexConfig
 from ..models.qwen2_5_omni.media import MediaBuckets, ThinkerMediaEncoder
 from ..models.qwen2_5_omni.token2wav import Token2WavSynthesizer
@@ -229,12 +230,23 @@ def vocoder_programs(family: str, stage: StageConfig, hf_config: dict) -> list[P
             out.append(Program(f"{family}/{stage.name}/b{b}/t{t}", "vocoder", fn, args, kwargs, t,
                                info=dict(batch=b)))
     else:
-        synth = Code2WavSynthesizer(model, length_buckets=lengths, batch_buckets=batches)
+        synth = Code2WavSynthesizer(model, length_buckets=lengths, batch_buckets=batches,
+                                    stream_chunk_frames=chunk_sizes(stage.initial_codec_chunk_frames,
+                                                                    stage.codec_chunk_frames))
         for b in synth.batch_buckets:
             for t in synth.length_buckets:
                 codes = jax.ShapeDtypeStruct((b, synth.num_quantizers, t), jnp.int32)
                 out.append(Program(f"{family}/{stage.name}/b{b}/t{t}", "vocoder", synth._fn,
-                                   (synth.state, codes), {}, t, info=dict(batch=b)))
+                                   (synth.state, codes), {}, t, info=dict(batch=b, call="whole")))
+                # Streamed chunks (async chunk): the pre-transformer per window ...
+                out.append(Program(f"{family}/{stage.name}/stream-frames/b{b}/t{t}", "vocoder",
+                                   synth._frame_states_fn, (synth.state, codes), {}, t,
+                                   info=dict(batch=b, call="stream-frames")))
+            for t in synth.conv_buckets:  # ... and the convolutions per chunk
+                states = jax.ShapeDtypeStruct((b, t, synth.cfg.hidden_size), jnp.float32)
+                out.append(Program(f"{family}/{stage.name}/stream-conv/b{b}/t{t}", "vocoder",
+                                   synth._convolve_fn, (synth.state, states), {}, t,
+                                   info=dict(batch=b, call="stream-conv")))
     return out
 
 

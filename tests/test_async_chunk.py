@@ -101,7 +101,8 @@ def run_whole(talker, msgs: list[AddRequest]) -> dict[str, list[int]]:
     return out
 
 
-def _check_streaming(thinker, talker, handoff, prompts, controls):
+def _check_streaming(thinker, talker, handoff, prompts, controls, start_token: int = 2):
+    """`start_token`: the thinker output (1st, 2nd) with which the talker request starts."""
     steps = run_thinker(thinker, prompts)
     whole = {rid: handoff.stage_input("talker", controls[rid], whole_outputs(steps, rid)) for rid in prompts}
     ref = run_whole(talker, list(whole.values()))
@@ -113,6 +114,8 @@ def _check_streaming(thinker, talker, handoff, prompts, controls):
     for rid in prompts:
         assert got[rid] == ref[rid], rid
         assert started[rid] < finish_step[rid], f"{rid}: the talker started only after the thinker finished"
+        with_tokens = [i for i, step in enumerate(steps) for d in step if d.request_id == rid and d.token_ids]
+        assert started[rid] == with_tokens[start_token - 1], (rid, started[rid], with_tokens[:3])
     assert got["other"] == ref["a"]
     assert overlap > 0, "the whole talker request should progress while a streamed one waits"
 
@@ -146,7 +149,31 @@ def test_qwen3_streamed_talker_equals_whole(converted_qwen3_fp32):
                "b": np.array(tiny.text_prompt_ids((40, 1079, 264)), np.int32)}
     controls = {rid: AddRequest(request_id=rid, prompt_token_ids=ids, sampling_params=TALKER, voice="ethan")
                 for rid, ids in prompts.items()}
-    _check_streaming(thinker, talker, handoff, prompts, controls)
+    # Its rows are the reply's input embeddings, sent with each sampled token: it starts with the first.
+    _check_streaming(thinker, talker, handoff, prompts, controls, start_token=1)
+
+
+def test_qwen3_codec_frames_follow_the_talker_without_lag(converted_qwen3_fp32):
+    """While the talker runs, each token with its residual codes is a frame as it arrives; its
+    finish (with the last token, which is no frame) completes the same codes as the whole path."""
+    from omni_jax.models.qwen3_omni.pipeline import load_handoff
+
+    handoff = load_handoff(converted_qwen3_fp32)
+    q = handoff.talker.num_code_groups
+    rng = np.random.default_rng(8)
+    tokens, codes = rng.integers(0, 100, 6), rng.integers(0, 100, (6, q - 1))
+    up, have, pieces = UpstreamOutputs(), 0, []
+    for k in range(6):
+        last = k == 5
+        up.add(StageData(request_id="r", token_ids=[int(tokens[k])], codes=codes[k:k + 1], finished=last,
+                         finish_reason="length" if last else None))
+        piece, complete = handoff.codec_frames(up, have)
+        assert len(piece) == (0 if last else q) and complete == last
+        have += len(piece)
+        pieces.append(piece)
+    whole, _ = handoff.codec_frames(UpstreamOutputs.complete(tokens.tolist(), codes=[codes]), 0)
+    assert len(whole) == 5 * q
+    np.testing.assert_array_equal(np.concatenate(pieces), whole)
 
 
 @pytest.mark.parametrize("tokens, finished, expect", [
@@ -159,6 +186,24 @@ def test_qwen3_streamed_talker_equals_whole(converted_qwen3_fp32):
 ])
 def test_reply_rows_rule(tokens, finished, expect):
     assert reply_rows(tokens, finished, [9]) == expect
+
+
+@pytest.mark.parametrize("tokens, finished, expect", [
+    ([5, 6, 7, 8], False, (3, False)),   # rows sent with their token: row j final with token j + 1
+    ([5], False, (0, False)),
+    ([5, 6], False, (1, False)),
+    ([5, 6, 9], False, (1, True)),       # the same end rules as above
+    ([5, 6, 7], True, (1, True)),        # the finish says token 2 was the last: its row is not spoken
+    ([5, 9, 7, 8], True, (0, True)),
+])
+def test_reply_rows_rule_with_rows_sent_at_sampling(tokens, finished, expect):
+    assert reply_rows(tokens, finished, [9], rows_at_sampling=True) == expect
+    # What a running thinker declared final stays so: its finish comes with one more token at
+    # least (an output finishing the request carries its last token), and the whole request
+    # then has at least as many rows.
+    n, _ = reply_rows(tokens, False, [9], rows_at_sampling=True)
+    for more in ([4], [4, 3]):
+        assert reply_rows(tokens + more, True, [9])[0] >= n
 
 
 def test_qwen2_5_reply_begun_in_the_prompt_is_spoken(converted_thinker_fp32):

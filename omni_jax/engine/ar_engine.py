@@ -405,12 +405,13 @@ class AREngine:
         sched, parts = launched.sched, launched.parts
         chunks = sched.scheduled
         try:
-            sampled, logprobs, codes = {}, {}, {}
+            sampled, logprobs, codes, embeds = {}, {}, {}, {}
             for part, draw in zip(parts, launched.draws):
                 s, lp, c = self._collect(part, draw)
                 sampled.update(s)
                 logprobs.update(lp or {})
                 codes.update(c)
+                embeds.update(self._sampled_embeddings(draw))
             for draw in launched.prompt_draws:
                 self._collect_prompt(draw)
         except Exception as e:
@@ -430,6 +431,12 @@ class AREngine:
                 if part.hidden and c.request.data is not None and c.request.data.capture_hidden:
                     a, b = part.token_offsets[j], part.token_offsets[j + 1]
                     hidden_of[c.request_id] = (c.start, {k: v[a:b] for k, v in part.hidden.items()})
+        # A request going on sends its new token's layer-0 row now, one step before the token is
+        # fed back (the same values again then): a stage reading embeddings need not wait for it.
+        for o in step_outputs:
+            if o.request_id in embeds and o.request_id in hidden_of and o.new_token_ids and not o.finished:
+                hidden = hidden_of[o.request_id][1]
+                hidden[0] = np.concatenate([hidden[0], embeds[o.request_id][None]])
         # Prompt logprobs go out whole with a request's first token (as vLLM's first output).
         wants_prompt_lp = {c.request_id: c.request for c in chunks if c.request.num_prompt_logprobs is not None}
         for o in step_outputs:
@@ -534,6 +541,17 @@ class AREngine:
                     "rank": int(host.sampled_rank[j]),
                     "top": list(zip(host.top_token_ids[j, :n].tolist(), host.top_logprobs[j, :n].tolist()))}
         return sampled, lp, codes
+
+    def _sampled_embeddings(self, draw) -> dict[str, np.ndarray]:
+        """{request id: input embedding of its sampled token} for the requests that capture layer 0."""
+        if draw is None or 0 not in self.runner.cfg.capture_layers:
+            return {}
+        reqs, res = draw
+        want = [j for j, r in enumerate(reqs) if r.data is not None and r.data.capture_hidden]
+        if not want:
+            return {}
+        rows = self.runner.embed_tokens(res.token_ids)
+        return {reqs[j].request_id: rows[j] for j in want}
 
     def _after_sample(self, result, token_ids, reqs) -> dict[str, np.ndarray]:
         """Run the model's after-sample hook on the sampled rows; keep each row's feedback

@@ -206,6 +206,7 @@ class ModelRunner:
         self._step_fn = jax.jit(self._forward, static_argnames=("rich", "deepstack"), donate_argnums=(1,))
         self._after_sample_fn = jax.jit(self._after_sample)
         self._feed_fn = jax.jit(lambda fed, rows: jnp.take(fed, rows, axis=0))
+        self._embed_fn = jax.jit(self._embed)
         self._prompt_logprobs_fn = jax.jit(self._prompt_logprobs)
 
     # -------------------------------------------------------------- jitted body
@@ -240,6 +241,14 @@ class ModelRunner:
 
         A separate call, so steps without prompt logprobs compute no [T, V] logits."""
         return self._prompt_logprobs_fn(self._param_leaves, final_hidden, targets)
+
+    def _embed(self, param_leaves, token_ids):
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self._param_def, param_leaves)).embed(token_ids)
+
+    def embed_tokens(self, token_ids: jax.Array) -> np.ndarray:
+        """The input embeddings [S_pad, H] (on the host) of a step's sampled tokens [S_pad], still on
+        the device: a text token's layer-0 hidden state, known before the token is fed back."""
+        return np.asarray(self._embed_fn(self._param_leaves, token_ids))
 
     def on_mesh(self, tree):
         """`tree` replicated over the stage's mesh (as is without one). Step outputs that feed
@@ -486,10 +495,15 @@ class ModelRunner:
         # Async scheduling feeds a decode step of bucket b from the sampled tokens of one of
         # bucket >= b: requests only leave between the two.
         jobs += [("feed", (p, b), False, False) for p in cfg.decode_buckets for b in cfg.decode_buckets if b <= p]
+        if 0 in cfg.capture_layers:  # embeddings of sampled tokens, per sampler batch (decode or prefill step)
+            jobs += [("embed", b, False, False) for b in sorted({*cfg.decode_buckets, cfg.max_num_seqs})]
         t0 = time.perf_counter()
         for kind, size, rich, ds in tqdm(jobs, desc="compiling buckets", unit="bucket", disable=not progress):
             if kind == "feed":
                 self._feed_fn(self.on_mesh(jnp.zeros(size[0], jnp.int32)), np.zeros(size[1], np.int32))
+                continue
+            if kind == "embed":
+                self.embed_tokens(self.on_mesh(jnp.zeros(size, jnp.int32)))
                 continue
             _, _, final_hidden = self._run(self._dummy_batch(kind, size, rich, ds))
             if not rich:  # prompt logprobs of a step of this bucket (any variant: same shapes)

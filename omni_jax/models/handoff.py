@@ -97,14 +97,17 @@ class UpstreamOutputs:
         return up
 
 
-def reply_rows(token_ids: list[int], finished: bool, eos_ids) -> tuple[int, bool]:
+def reply_rows(token_ids: list[int], finished: bool, eos_ids, rows_at_sampling: bool = False) -> tuple[int, bool]:
     """How many of the talker's per-step reply rows are final, and whether the reply is complete.
 
     Both families feed the talker one row per step after its prompt: row j comes from the
     thinker's generated token j + 1 (j < m - 1), row m - 1 is the text-end row, later rows
     the pad row, where m = min(first eos index, N - 1) (at least 1) for N generated tokens:
     the last token is never fed back, and nothing after an eos is spoken. While the thinker
-    runs (not `finished`, no eos yet), row j is final once token j + 2 exists, so N > j + 2.
+    runs (not `finished`, no eos yet), its tokens so far are not the last, so row j is final
+    once token j + 1 and the row's hidden state exist: a hidden state computed when the token
+    is fed back comes with token j + 2 (N > j + 2); `rows_at_sampling` (the row is the token's
+    input embedding, sent with it: engine/ar_engine.py) with token j + 1 (N > j + 1).
     Returns (number of token rows final so far, complete); once complete the text-end row
     follows them.
     """
@@ -114,7 +117,7 @@ def reply_rows(token_ids: list[int], finished: bool, eos_ids) -> tuple[int, bool
         return max(int(eos[0]), 1) - 1, True
     if finished:
         return max(len(gen) - 1, 1) - 1, True
-    return max(len(gen) - 2, 0), False
+    return max(len(gen) - (1 if rows_at_sampling else 2), 0), False
 
 
 def assistant_turn_ids(ckpt_dir: str) -> tuple[int, ...] | None:

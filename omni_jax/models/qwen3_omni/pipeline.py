@@ -141,11 +141,12 @@ class Qwen3OmniHandoff:
 
     def talker_request(self, control: AddRequest, up: UpstreamOutputs) -> AddRequest | None:
         """The talker request with the reply rows final so far; None until the thinker has
-        written two tokens (the assistant turn's last prompt row is the first fed reply token)."""
+        written its first token (the assistant turn's last prompt row is the first reply
+        token's embedding, sent with it)."""
         t = self.talker
         gen = np.asarray(up.token_ids, np.int64)
         eos = np.flatnonzero(np.isin(gen, self.thinker_eos))
-        if len(gen) < 2 and not up.finished and not eos.size:
+        if len(gen) < 1 and not up.finished and not eos.size:
             return None
         speaker = Speakers(t).get(control.voice)
         prompt = np.asarray(control.prompt_token_ids, np.int64)
@@ -156,7 +157,8 @@ class Qwen3OmniHandoff:
         user = prompt[np.minimum(last_start + 1, p - 1)] == self.user_id
         a = self._assistant_start(prompt)
         spoken = int(eos[0]) + 1 if eos.size else len(gen)  # nothing after the first eos is spoken
-        if p + spoken - 1 < a + 4:  # the last token is never fed back
+        # The last token is never fed back; a thinker still running has not written it yet.
+        if p + spoken - (1 if up.finished or eos.size else 0) < a + 4:
             raise ValueError("the thinker's reply is empty: there is no text to speak")
         lo, hi = self.hidden_layers
         embeds = up.hidden[lo].get(slice(0, a + 4))
@@ -187,7 +189,8 @@ class Qwen3OmniHandoff:
     def reply_tail(self, control: AddRequest, up: UpstreamOutputs, have: int) -> tuple[np.ndarray, bool]:
         """The talker's per-step text rows (thinker embeddings of the reply, then tts_eos) from
         row `have` on that are final, and whether they are complete (`handoff.reply_rows`)."""
-        n_rows, complete = reply_rows(up.token_ids, up.finished, self.thinker_eos)
+        # The rows are the thinker's input embeddings of the reply, sent as each token is sampled.
+        n_rows, complete = reply_rows(up.token_ids, up.finished, self.thinker_eos, rows_at_sampling=True)
         if complete:  # a one-token reply (just the eos) has no row at all, not even the first
             gen = np.asarray(up.token_ids)
             eos = np.flatnonzero(np.isin(gen, self.thinker_eos))
@@ -219,9 +222,11 @@ class Qwen3OmniHandoff:
     def codec_frames(self, up: UpstreamOutputs, have: int) -> tuple[np.ndarray, bool]:
         """The vocoder's codes after the first `have` (frames of all code groups, flattened
         frame-major), and whether the talker finished. Every talker token but the last is a
-        frame: transformers never feeds the last sampled token back."""
+        frame: transformers never feeds the last sampled token back. A talker output that does
+        not finish the request says its token is not the last, so while the talker runs each
+        token is a frame as soon as it (and its residual codes) arrive."""
         q = self.talker.num_code_groups
-        frames = min(len(up.token_ids) - 1, len(up.codes))
+        frames = min(len(up.token_ids) - (1 if up.finished else 0), len(up.codes))
         done = have // q
         if frames <= done:
             return np.zeros(0, np.int32), up.finished

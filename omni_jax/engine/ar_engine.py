@@ -543,8 +543,9 @@ class AREngine:
         return sampled, lp, codes
 
     def _sampled_embeddings(self, draw) -> dict[str, np.ndarray]:
-        """{request id: input embedding of its sampled token} for the requests that capture layer 0."""
-        if draw is None or 0 not in self.runner.cfg.capture_layers:
+        """{request id: input embedding of its sampled token} for the requests that capture hidden
+        states, when the stage sends them (RunnerConfig.sampled_embeddings)."""
+        if draw is None or not self.runner.cfg.sampled_embeddings:
             return {}
         reqs, res = draw
         want = [j for j, r in enumerate(reqs) if r.data is not None and r.data.capture_hidden]

@@ -13,10 +13,10 @@ state is a `CodecStream` here (the scheduler only sees whole requests). Once eno
 frames can be made audio (`initial_chunk_frames` for the first chunk, then doubling up to
 `chunk_frames`: `next_chunk_frames`; a synthesizer whose audio waits for look-ahead says by
 how many frames it trails, its `stream_delay_frames`) or the codes are complete, the next
-step hands it to `synthesizer.stream` as a `ChunkJob`; the ready chunks of all streams go in one call and each audio piece is
-returned at once as a `StageOutput` (the last one finished). The synthesizer decides
-which samples are final; concatenated, a request's pieces equal its whole-request
-waveform.
+step hands it to `synthesizer.stream` as a `ChunkJob`; the ready chunks of all streams go
+in one call and each audio piece is returned at once as a `StageOutput` (the last one
+finished). The synthesizer decides which samples are final; concatenated, a request's
+pieces equal its whole-request waveform.
 """
 
 from __future__ import annotations

@@ -90,6 +90,9 @@ class RunnerConfig:
     rich_inputs: bool = False                      # compile overlay/extra-embedding variants
     deepstack_layers: int = 0                      # DeepStack feature levels the model takes (0: none)
     after_sample: bool = False                     # run the model's after_sample hook on sampled tokens
+    # Send each sampled token's input embedding as its layer-0 row at once (a next stage reading
+    # those rows need not wait a step for the token to be fed back); needs 0 in capture_layers.
+    sampled_embeddings: bool = False
     kv_dtype: Any = None                           # default: the model's dtype
     kv_memory_fraction: float = 0.9                # share of free device memory for KV, when num_blocks is None
     # Parallelism within the stage (engine/sharding.py): a Mesh ("ep", "tp") over these local
@@ -495,7 +498,7 @@ class ModelRunner:
         # Async scheduling feeds a decode step of bucket b from the sampled tokens of one of
         # bucket >= b: requests only leave between the two.
         jobs += [("feed", (p, b), False, False) for p in cfg.decode_buckets for b in cfg.decode_buckets if b <= p]
-        if 0 in cfg.capture_layers:  # embeddings of sampled tokens, per sampler batch (decode or prefill step)
+        if cfg.sampled_embeddings:  # embeddings of sampled tokens, per sampler batch (decode or prefill step)
             jobs += [("embed", b, False, False) for b in sorted({*cfg.decode_buckets, cfg.max_num_seqs})]
         t0 = time.perf_counter()
         for kind, size, rich, ds in tqdm(jobs, desc="compiling buckets", unit="bucket", disable=not progress):

@@ -35,7 +35,9 @@ def build_thinker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | No
     model, cfg = load_checkpoint(ckpt_dir, stage="thinker", dtype=dtype, mesh=stage_mesh(runner))
     media = Qwen3ThinkerMediaEncoder(model, cfg, media_buckets)
     text = cfg.text
-    runner = dataclasses.replace(runner, rich_inputs=True, deepstack_layers=cfg.num_deepstack_layers)
+    # The talker reads the reply's layer-0 rows (input embeddings): sent with each sampled token.
+    runner = dataclasses.replace(runner, rich_inputs=True, deepstack_layers=cfg.num_deepstack_layers,
+                                 sampled_embeddings=0 in runner.capture_layers)
     engine = AREngine(
         model, EngineConfig(runner=runner, enable_prefix_caching=enable_prefix_caching,
                             async_scheduling=async_scheduling, eos_token_ids=eos_token_ids(ckpt_dir),

@@ -123,8 +123,8 @@ def _text_of(cfg):
 # (family, model stage): the variants compiled depend on them.
 def _runner_flags(family: str, model_stage: str, cfg) -> dict:
     flags = dict(rich_inputs=True)
-    if family == "qwen3_omni" and model_stage == "thinker":
-        flags["deepstack_layers"] = cfg.num_deepstack_layers
+    if family == "qwen3_omni" and model_stage == "thinker":  # as models/qwen3_omni/stages.py builds it
+        flags.update(deepstack_layers=cfg.num_deepstack_layers, sampled_embeddings=True)
     if family == "qwen3_omni" and model_stage == "talker":
         flags["after_sample"] = True
     return flags
@@ -162,6 +162,7 @@ def ar_engine_programs(family: str, stage: StageConfig, hf_config: dict, num_blo
     runner._feed_fn = _Recorder("feed", runner._feed_fn, lambda *a, **k: np.zeros(1, np.int32), calls)
     runner._after_sample_fn = _Recorder("after_sample", runner._after_sample_fn,
                                         lambda *a, **k: (np.zeros(1), np.zeros(1)), calls)
+    runner._embed_fn = _Recorder("embed", runner._embed_fn, lambda *a, **k: np.zeros((a[1].shape[0], hidden)), calls)
     engine._sample_fn = _Recorder("sample", engine._sample_fn, lambda *a, **k: np.zeros(1), calls)
     engine.warmup(progress=False)
 

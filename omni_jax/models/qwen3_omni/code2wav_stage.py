@@ -216,10 +216,13 @@ class Code2WavSynthesizer:
         return np.asarray(self._frame_states_fn(self.state, codes))
 
     def _convolve(self, states: np.ndarray) -> np.ndarray:
-        wav = np.asarray(self._convolve_fn(self.state, states))
-        if wav.shape[-1] != self.num_samples(states.shape[1]):
-            raise RuntimeError(f"code2wav gave {wav.shape[-1]} samples for {states.shape[1]} frames, "
-                               f"expected {self.num_samples(states.shape[1])}")
+        return self._checked(np.asarray(self._convolve_fn(self.state, states)), states.shape[1])
+
+    def _checked(self, wav: np.ndarray, frames: int) -> np.ndarray:
+        """`wav` if it has the samples `frames` frames decode to (padded calls rely on it)."""
+        if wav.shape[-1] != self.num_samples(frames):
+            raise RuntimeError(f"code2wav gave {wav.shape[-1]} samples for {frames} frames, "
+                               f"expected {self.num_samples(frames)}")
         return wav
 
     def _unsent_windows(self, job: ChunkJob) -> list[tuple[np.ndarray, int, int]]:
@@ -244,11 +247,7 @@ class Code2WavSynthesizer:
         return [w[lo:hi] for w, (_, lo, hi) in zip(wavs, windows)]
 
     def _run(self, batch: np.ndarray) -> np.ndarray:
-        wav = np.asarray(self._fn(self.state, batch))
-        if wav.shape[-1] != self.num_samples(batch.shape[-1]):
-            raise RuntimeError(f"code2wav gave {wav.shape[-1]} samples for {batch.shape[-1]} frames, "
-                               f"expected {self.num_samples(batch.shape[-1])}")
-        return wav
+        return self._checked(np.asarray(self._fn(self.state, batch)), batch.shape[-1])
 
     def warmup(self) -> None:
         """Compile (and check) every (batch, length) bucket."""

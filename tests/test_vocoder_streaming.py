@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import types
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import hf_tiny_qwen3 as tiny
 from omni_jax.engine.ar_engine import RequestError
@@ -71,15 +73,34 @@ def spy(engine, monkeypatch):
     """Records the jobs of every `stream` call and every `release`."""
     synth = engine.synthesizer
     calls, released = [], []
-    real_stream = synth.stream
+    real_stream, real_release = synth.stream, synth.release
 
     def stream(jobs):
         calls.append([(j.request.request_id, len(j.codes) // Q, j.final) for j in jobs])
         return real_stream(jobs)
 
+    def release(rid):
+        released.append(rid)
+        real_release(rid)
+
     monkeypatch.setattr(synth, "stream", stream)
-    monkeypatch.setattr(synth, "release", released.append, raising=False)
+    monkeypatch.setattr(synth, "release", release)
     return types.SimpleNamespace(calls=calls, released=released)
+
+
+@pytest.fixture
+def convolved(engine, monkeypatch):
+    """The real frames of every row of every streamed convolution call, with its `fresh` flag."""
+    synth, rows = engine.synthesizer, []
+    real = synth._convolve_stream
+
+    def convolve(x, extras):
+        frames, fresh, _ = extras
+        rows.extend((int(f), bool(s)) for f, s in zip(frames, fresh) if f)
+        return real(x, extras)
+
+    monkeypatch.setattr(synth, "_convolve_stream", convolve)
+    return rows
 
 
 def feed(engine, codes: dict, sent: dict, events: list, outs: dict, frames_at: dict) -> None:
@@ -99,8 +120,9 @@ def step_all(engine, outs: dict, frames_at: dict, frames: dict) -> None:
             frames_at.setdefault(o.request_id, []).append(frames.get(o.request_id))
 
 
-def test_streamed_pieces_join_into_the_whole_request(engine, hf_code2wav):  # noqa: F811
-    """Uneven arrivals, chunks not dividing the window, two window boundaries crossed: same waveform."""
+def test_streamed_pieces_join_into_the_whole_request(engine, hf_code2wav, convolved):  # noqa: F811
+    """Uneven arrivals, chunks not dividing the window, two window boundaries crossed: same waveform,
+    each frame convolved once (plus the left context of each window after the first)."""
     synth = engine.synthesizer
     codes = random_codes(20, 45)  # windows [0,16) [12,32) [28,45)
     ref = whole(engine, codes)
@@ -120,21 +142,43 @@ def test_streamed_pieces_join_into_the_whole_request(engine, hf_code2wav):  # no
         decoded = frames
     assert frames == codes.shape[1] and len(pieces) >= 5
     assert_same(np.concatenate(pieces), ref)
+    # Windows [0,16) [12,32) [28,45): each window's first chunk starts it afresh from its context.
+    assert sum(f for f, _ in convolved) == 45 + 2 * CONTEXT and sum(fresh for _, fresh in convolved) == 3
+    synth.release("s")
+    assert not synth._histories
 
 
-def test_convolutions_read_only_their_reach(engine):
-    """Streamed chunks convolve from `conv_reach` frames before their first new sample: the
-    samples from frame f on are the same convolved from f - reach as from the start."""
+def test_convolutions_carry_their_history(engine):
+    """A streamed convolution call takes only new frames: with the history of the call before,
+    a continued row equals the whole decode's samples, beside a fresh row in the same call;
+    without it (zero history) it does not."""
     synth = engine.synthesizer
-    reach, u = synth.conv_reach, synth.total_upsample
-    assert synth.conv_buckets == (3 + reach, 6 + reach, 7 + reach, 20) and reach < 13  # chunk sizes 3, 6, 7
-    states = np.random.default_rng(5).normal(size=(1, 40, synth.cfg.hidden_size)).astype(np.float32)
-    full = synth._convolve(states)[0]
-    for f in (reach, 17, 30):
-        part = synth._convolve(states[:, f - reach:])[0]
-        np.testing.assert_allclose(part[reach * u:], full[f * u:], atol=1e-5)
-        # Without that context the first samples differ: the reach is needed.
-        assert np.abs(synth._convolve(states[:, f:])[0][:u] - full[f * u:(f + 1) * u]).max() > 1e-3
+    assert synth.conv_buckets == (3, 6, 7, 8, 20)  # chunk sizes 3, 6, 7, then the window buckets
+    u, lag = synth.total_upsample, synth._trailing
+    x = np.random.default_rng(5).normal(size=(2, 17, synth.cfg.hidden_size)).astype(np.float32)
+    ref = np.asarray(jax.jit(nnx.merge(synth.graphdef, synth.state).convolve)(x))
+
+    def call(rows, length):
+        """rows: (frame states [n, hidden], fresh, history or None) -> per row (samples, history)."""
+        batch = np.zeros((len(rows), length, x.shape[-1]), np.float32)
+        for j, (xs, _, _) in enumerate(rows):
+            batch[j, :len(xs)] = xs
+        histories = [h if h is not None else synth._no_history for _, _, h in rows]
+        wav, new = synth._convolve_stream(batch, (np.array([len(xs) for xs, _, _ in rows], np.int32),
+                                                  np.array([f for _, f, _ in rows]),
+                                                  tuple(np.stack(h) for h in zip(*histories))))
+        return [(wav[j, :len(xs) * u], tuple(h[j] for h in new)) for j, (xs, _, _) in enumerate(rows)]
+
+    # Row 0 in chunks of 5, 7 and 5 frames; row 1 starts beside row 0's second chunk.
+    [(a, ha)] = call([(x[0, :5], True, None)], 6)
+    (b, hb), (fresh, _) = call([(x[0, 5:12], False, ha), (x[1, :8], True, None)], 8)
+    [(c, _)] = call([(x[0, 12:], False, hb)], 6)
+    assert a.shape == (5 * u,) and lag < u  # a fresh row leads with the samples the whole decode lacks
+    np.testing.assert_allclose(np.concatenate([a, b, c])[lag:], ref[0], atol=TOL)
+    np.testing.assert_allclose(fresh[lag:], ref[1, :8 * u - lag], atol=TOL)
+    # The history is needed: without it the chunk's first samples differ.
+    [(blind, _)] = call([(x[0, 5:12], False, None)], 8)
+    assert np.abs(blind[:u] - b[:u]).max() > 1e-3
 
 
 def test_engine_streams_beside_whole_requests(engine, spy):
@@ -176,7 +220,7 @@ def test_engine_streams_beside_whole_requests(engine, spy):
     # A chunk is due at 3 new frames first (b: its own 5), then at as many as are audio already,
     # within [first, 7]: a at 4, then 4 more (8; arrivals give 12), then 7 (21); b at 5, then 5 (11).
     assert (frames_at["a"], frames_at["b"]) == ([4, 12, 21, 40], [5, 11, 23])
-    assert not engine.streams and sorted(spy.released) == ["a", "b"]
+    assert not engine.streams and sorted(spy.released) == ["a", "b"] and not engine.synthesizer._histories
     assert engine.num_compilations == before
 
 
@@ -198,7 +242,7 @@ def test_abort_mid_stream_frees_it(engine, spy):
     out = engine.step()
     assert [o.request_id for o in out] == ["x"] and not out[0].finished
     assert engine.abort("x")
-    assert "x" not in engine.streams and spy.released == ["x"]
+    assert "x" not in engine.streams and spy.released == ["x"] and not engine.synthesizer._histories
     assert not engine.extend_request("x", flat(random_codes(25, 2)), complete=False)  # late data: dropped
     assert not engine.extend_request("x", [], complete=True)
     assert not engine.has_unfinished() and not engine.abort("x")

@@ -243,10 +243,10 @@ def vocoder_programs(family: str, stage: StageConfig, hf_config: dict) -> list[P
                 out.append(Program(f"{family}/{stage.name}/stream-frames/b{b}/t{t}", "vocoder",
                                    synth._frame_states_fn, (synth.state, codes), {}, t,
                                    info=dict(batch=b, call="stream-frames")))
-            for t in synth.conv_buckets:  # ... and the convolutions per chunk
-                states = jax.ShapeDtypeStruct((b, t, synth.cfg.hidden_size), jnp.float32)
+            for t in synth.conv_buckets:  # ... and the convolutions per chunk, with their history
+                x, (frames, fresh, history) = synth.stream_call_args(b, t, abstract=True)
                 out.append(Program(f"{family}/{stage.name}/stream-conv/b{b}/t{t}", "vocoder",
-                                   synth._convolve_fn, (synth.state, states), {}, t,
+                                   synth._convolve_stream_fn, (synth.state, x, frames, fresh, history), {}, t,
                                    info=dict(batch=b, call="stream-conv")))
     return out
 

@@ -15,7 +15,10 @@ Mirrors transformers' ``Qwen3OmniMoeCode2Wav`` (checkpoint prefix ``code2wav.``)
 ``total_upsample`` = prod(upsampling_ratios + upsample_rates) samples per code frame
 (1920 for the real model: 12.5 Hz codes -> 24 kHz). Every part is causal, so a chunk can
 be decoded with some frames of left context and the context's samples dropped
-(:meth:`Qwen3OmniCode2Wav.chunked_decode`, as transformers' ``chunked_decode``).
+(:meth:`Qwen3OmniCode2Wav.chunked_decode`, as transformers' ``chunked_decode``), and the
+convolutions can stream: :meth:`Qwen3OmniCode2Wav.convolve_stream` takes only the new
+frames and carries each convolution's last input samples from one call to the next
+(`ConvStream`), so a streamed chunk costs its own frames, not its left context.
 
 Layout: activations are channels-last ``[B, T, C]`` (Flax convolutions); HF's Conv1d
 ``weight [out, in, k]`` maps onto ``nnx.Conv`` kernels ``[k, in, out]`` and its
@@ -103,6 +106,52 @@ class Code2WavConfig:
 # ---------------------------------------------------------------------------------------
 
 
+class ConvStream:
+    """The per-row bookkeeping of one streamed `convolve_stream` call, threaded through the layers.
+
+    Each row is one request's new frames (right-padded to the call's length), `frames` of
+    them real. A causal conv with history P takes the P input samples before the chunk
+    from `states` (in layer order) and leaves its P last real ones in `new_states`; a
+    transposed conv whose kernel spans two strides does the same with one input sample.
+
+    A `fresh` row starts its window: zero history, as the whole decode's left padding.
+    The whole decode drops each transposed conv's first output block (it would need an
+    input before the first); a streamed call keeps every row at frames x rate samples
+    instead and zeroes those blocks (`lag` samples at the current rate), which to the
+    causal layers after them is the same zero padding. So a fresh row's waveform starts
+    with `lag` extra samples: what the whole decode of T frames falls short of T x total_upsample.
+    """
+
+    def __init__(self, frames, fresh, states):
+        self.frames = frames              # [B] int32: real new frames per row
+        self.fresh = fresh                # [B] bool
+        self._states = list(states)
+        self.new_states: list = []
+        self.rate = 1                     # samples per frame at the current layer
+        self.lag = 0                      # samples a fresh row runs ahead by at the current rate
+
+    def history(self, x, size: int):
+        """x [B, T, C] with `size` samples of history in front; keeps each row's new history."""
+        state = self._states.pop(0)
+        x = jnp.concatenate([jnp.where(self.fresh[:, None, None], 0.0, state).astype(x.dtype), x], axis=1)
+        # The `size` samples before each row's end (its real samples end at frames * rate).
+        ends = self.frames * self.rate
+        self.new_states.append(jax.vmap(lambda row, end: jax.lax.dynamic_slice_in_dim(row, end, size))(x, ends))
+        return x
+
+    def mask(self, y):
+        """Zero the samples of fresh rows that the whole decode does not have."""
+        if not self.lag:
+            return y
+        real = ~self.fresh[:, None] | (jnp.arange(y.shape[1])[None, :] >= self.lag)
+        return y * real[..., None].astype(y.dtype)
+
+
+def _step(layer, x, stream: ConvStream | None):
+    """One layer, streamed or not: convolutions take the stream, pointwise layers need none."""
+    return layer(x) if isinstance(layer, SnakeBeta) else layer(x, stream)
+
+
 class CausalConvNet(nnx.Module):
     """Conv1d padded on the left only (HF ``Qwen3OmniMoeCausalConvNet``), x [B, T, C]."""
 
@@ -114,8 +163,18 @@ class CausalConvNet(nnx.Module):
         self.stride = stride
         self.effective_kernel = (kernel_size - 1) * dilation + 1
         self.left_pad = self.effective_kernel - stride
+        self.in_channels = in_ch
+        if stride != 1:  # streaming (ConvStream) keeps one output per input sample
+            raise NotImplementedError("code2wav's causal convs have stride 1")
 
-    def __call__(self, x):
+    def state_shape(self) -> tuple[int, int] | None:
+        """(samples, channels) of input history a streamed call carries; None when it reads none."""
+        return (self.left_pad, self.in_channels) if self.left_pad else None
+
+    def __call__(self, x, stream: ConvStream | None = None):
+        if stream is not None:  # the chunk's outputs, its history taken from the call before
+            # Unmasked: the blocks holding a causal conv mask where a history reads the output.
+            return self.conv(stream.history(x, self.left_pad) if self.left_pad else x)
         length = x.shape[1]
         # Right padding so the last (partial) stride still yields a frame, as HF does.
         n_frames = (length - self.effective_kernel + self.left_pad) / self.stride + 1
@@ -132,12 +191,32 @@ class CausalTransConvNet(nnx.Module):
         # transpose_kernel=True: kernel [k, out, in] and PyTorch's ConvTranspose1d semantics.
         self.conv = nnx.ConvTranspose(in_ch, out_ch, (kernel_size,), strides=(stride,), padding="VALID",
                                       transpose_kernel=True, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        if kernel_size not in (stride, 2 * stride):  # the two shapes code2wav uses (and streams)
+            raise NotImplementedError(f"causal transposed conv: kernel {kernel_size} is neither stride {stride} "
+                                      f"nor twice it")
         self.trim = kernel_size - stride
         self.stride = stride
+        self.in_channels = in_ch
 
-    def __call__(self, x):
-        y = self.conv(x)
-        return y[:, self.trim:y.shape[1] - self.trim] if self.trim else y
+    def state_shape(self) -> tuple[int, int] | None:
+        """A kernel of two strides reads the input sample before: one sample of history."""
+        return (1, self.in_channels) if self.trim else None
+
+    def __call__(self, x, stream: ConvStream | None = None):
+        if stream is None:
+            y = self.conv(x)
+            return y[:, self.trim:y.shape[1] - self.trim] if self.trim else y
+        s, t = self.stride, x.shape[1]
+        if self.trim:
+            # Blocks 1..t of [sample before, chunk]: block k reads inputs k-1 and k.
+            y = self.conv(stream.history(x, 1))[:, s:(t + 1) * s]
+            # A fresh row's first block is the one the whole decode trims (no input before it).
+            stream.lag = (stream.lag + 1) * s
+        else:
+            y = self.conv(x)
+            stream.lag *= s
+        stream.rate *= s
+        return stream.mask(y)
 
 
 class SnakeBeta(nnx.Module):
@@ -164,10 +243,11 @@ class ConvNeXtBlock(nnx.Module):
         self.pwconv2 = nnx.Linear(4 * dim, dim, **kw)
         self.gamma = nnx.Param(jnp.full((dim,), 1e-6, param_dtype))
 
-    def __call__(self, x):
-        h = self.norm(self.dwconv(x))
+    def __call__(self, x, stream: ConvStream | None = None):
+        h = self.norm(self.dwconv(x, stream))
         h = self.pwconv2(jax.nn.gelu(self.pwconv1(h), approximate=False))
-        return x + self.gamma[...].astype(h.dtype) * h
+        y = x + self.gamma[...].astype(h.dtype) * h
+        return y if stream is None else stream.mask(y)
 
 
 class ResidualUnit(nnx.Module):
@@ -180,8 +260,9 @@ class ResidualUnit(nnx.Module):
         self.act2 = SnakeBeta(dim, param_dtype=param_dtype)
         self.conv2 = CausalConvNet(dim, dim, 1, **kw)
 
-    def __call__(self, x):
-        return x + self.conv2(self.act2(self.conv1(self.act1(x))))
+    def __call__(self, x, stream: ConvStream | None = None):
+        y = x + self.conv2(self.act2(self.conv1(self.act1(x), stream)), stream)
+        return y if stream is None else stream.mask(y)
 
 
 class DecoderBlock(nnx.Module):
@@ -197,9 +278,9 @@ class DecoderBlock(nnx.Module):
             [SnakeBeta(in_dim, param_dtype=param_dtype), CausalTransConvNet(in_dim, out_dim, 2 * rate, rate, **kw)]
             + [ResidualUnit(out_dim, d, **kw) for d in (1, 3, 9)])
 
-    def __call__(self, x):
+    def __call__(self, x, stream: ConvStream | None = None):
         for layer in self.block:
-            x = layer(x)
+            x = _step(layer, x, stream)
         return x
 
 
@@ -304,33 +385,41 @@ class Qwen3OmniCode2Wav(nnx.Module):
             raise ValueError(f"expected {self.cfg.num_quantizers} code groups, got {codes.shape[1]}")
         return jax.vmap(self.pre_transformer)(self.embed_codes(codes))
 
-    def convolve(self, x):
+    def convolve(self, x, stream: ConvStream | None = None):
         """Frame states [B, T, hidden] -> waveform [B, samples]: the upsampling convolutions."""
         for stage in self.upsample:
             for layer in stage:
-                x = layer(x)
+                x = layer(x, stream)
         for layer in self.decoder:
-            x = layer(x)
+            x = _step(layer, x, stream)
         return jnp.clip(x[..., 0], -1.0, 1.0)
 
-    def conv_reach_frames(self) -> int:
-        """Frames of earlier frame states that `convolve`'s output at a frame depends on.
+    def convolve_stream(self, x, frames, fresh, states):
+        """The convolutions over a chunk of new frame states, with each convolution's history.
 
-        Each causal conv reads (effective kernel - 1) samples back at its own rate; the
-        transposed convs read none back (only the next input). So the samples of frames
-        from f on, convolved from frame f - reach on, equal those convolved from the start.
+        x [B, T, hidden] holds `frames` [B] real new frames per row (right-padded); `states`
+        the history left by the row's previous call (`conv_state_shapes`, batched), ignored
+        where `fresh` [B] (a window's first call). Returns (waveform [B, T * total_upsample],
+        new states): a continued row's samples follow its previous call's exactly; a fresh
+        row's start with `total_upsample * T - samples(T)` samples the whole decode does not
+        have (zeros). The samples after each row's real frames are padding.
         """
-        reach, rate = 0.0, 1
+        stream = ConvStream(frames, fresh, states)
+        wav = self.convolve(x, stream)
+        return wav, tuple(stream.new_states)
+
+    def conv_state_shapes(self) -> list[tuple[int, int]]:
+        """(samples, channels) of each convolution's history, in the order `convolve_stream` uses them."""
+        convs = []
         for trans, block in self.upsample:
-            rate *= trans.stride
-            reach += (block.dwconv.effective_kernel - 1) / rate
+            convs += [trans, block.dwconv]
         for layer in self.decoder:
             if isinstance(layer, CausalConvNet):
-                reach += (layer.effective_kernel - 1) / rate
+                convs.append(layer)
             elif isinstance(layer, DecoderBlock):
-                rate *= layer.block[1].stride
-                reach += sum(u.conv1.effective_kernel + u.conv2.effective_kernel - 2 for u in layer.block[2:]) / rate
-        return math.ceil(reach)
+                convs.append(layer.block[1])
+                convs += [c for unit in layer.block[2:] for c in (unit.conv1, unit.conv2)]
+        return [shape for shape in (c.state_shape() for c in convs) if shape]
 
     def decode_with_context(self, codes, context_frames: int):
         """Decode [B, Q, T] whose first `context_frames` frames are left context; drop their samples."""

@@ -17,8 +17,10 @@ Streaming (async chunk): `Code2WavSynthesizer.stream` returns the samples of a r
 codes so far that no later frame can change, cut from the same windows the whole-request
 decode uses, so a request's streamed pieces join into exactly its whole-request waveform
 (see `stream`). The pre-transformer runs over the window so far (cheap: one vector per
-frame), the upsampling convolutions (most of the work) only over the new frames and the
-few before them they read (`conv_reach_frames`), in calls bucketed by the chunk sizes.
+frame); the upsampling convolutions (most of the work) run only over the new frames, with
+the history each convolution kept from the request's previous chunk
+(`Qwen3OmniCode2Wav.convolve_stream`), in calls bucketed by the chunk sizes. That history
+is the only per-request state; `release` drops it when the stream ends.
 
 Units: the `OneShotEngine` counts prompt tokens, i.e. Q x frames. The builder takes
 its limits in codec frames (the unit of the stage config) and hands the engine Q times
@@ -27,7 +29,8 @@ those numbers.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import dataclasses
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -52,12 +55,14 @@ def plan_windows(num_frames: int, chunk_size: int, left_context: int) -> list[tu
 
 
 def _padded_calls(items: Sequence[np.ndarray], length_buckets: Sequence[int], batch_buckets: Sequence[int],
-                  calls: CallPool, run: Callable[[np.ndarray], np.ndarray]) -> list[np.ndarray]:
+                  calls: CallPool, run: Callable[[Any], Any], extras: Sequence[Any] | None = None) -> list[Any]:
     """`run` over every item ([T, ...], T frames), each as if alone: per item its row of `run`'s output.
 
     The items are sorted by length (similar lengths share a bucket) and packed, zero-padded
     on the right, into (batch bucket, length bucket) calls run side by side by `calls`. Right
-    padding changes no real output: everything here is causal.
+    padding changes no real output: everything here is causal. With `extras` (per item a
+    pytree of fixed-shape arrays, stacked like the items, zero rows for padding) `run`
+    takes (batch, extras) and may return a pytree: each item gets its row of every leaf.
     """
     cap = batch_buckets[-1]
     order = sorted(range(len(items)), key=lambda i: len(items[i]), reverse=True)
@@ -69,11 +74,16 @@ def _padded_calls(items: Sequence[np.ndarray], length_buckets: Sequence[int], ba
         batch = np.zeros((pick_bucket(len(group), batch_buckets), t, *first.shape[1:]), first.dtype)
         for j, i in enumerate(group):
             batch[j, :len(items[i])] = items[i]
-        batches.append(batch)
-    out: list[np.ndarray] = [None] * len(items)
+        if extras is None:
+            batches.append(batch)
+        else:
+            rows = [extras[i] for i in group]
+            rows += [jax.tree.map(np.zeros_like, rows[0])] * (len(batch) - len(group))
+            batches.append((batch, jax.tree.map(lambda *r: np.stack(r), *rows)))
+    out: list[Any] = [None] * len(items)
     for group, result in zip(groups, calls.map(run, batches)):
         for j, i in enumerate(group):
-            out[i] = result[j]
+            out[i] = jax.tree.map(lambda leaf: leaf[j], result)
     return out
 
 
@@ -83,6 +93,15 @@ def _join(pieces: Sequence[np.ndarray], owner: Sequence[int], n: int) -> list[np
     for i, p in zip(owner, pieces):
         parts[i].append(p)
     return [np.concatenate(p).astype(np.float32, copy=False) if p else np.zeros(0, np.float32) for p in parts]
+
+
+@dataclasses.dataclass
+class _ConvHistory:
+    """Where a streamed request's convolutions stopped: window (first frame), frames convolved, histories."""
+
+    window: int
+    frames: int
+    states: tuple[np.ndarray, ...]
 
 
 class Code2WavSynthesizer:
@@ -118,14 +137,17 @@ class Code2WavSynthesizer:
         self.graphdef, self.state = nnx.split(model)
         self._fn = jax.jit(self._decode)
         self._frame_states_fn = jax.jit(lambda state, codes: nnx.merge(self.graphdef, state).frame_states(codes))
-        self._convolve_fn = jax.jit(lambda state, x: nnx.merge(self.graphdef, state).convolve(x))
+        self._convolve_stream_fn = jax.jit(
+            lambda state, x, frames, fresh, history: nnx.merge(self.graphdef, state).convolve_stream(
+                x, frames, fresh, history))
         self._trailing = self._trailing_samples()
-        # Streamed chunks convolve their new frames plus the reach before them: one bucket per
-        # chunk size the engine asks for (`stream_chunk_frames`), and the window buckets for
-        # chunks that piled up meanwhile (or a first decode of a whole window).
-        self.conv_reach = model.conv_reach_frames()
-        fits = sorted({n + self.conv_reach for n in stream_chunk_frames if n + self.conv_reach < self.length_buckets[-1]})
+        # Streamed chunks convolve only their new frames: one bucket per chunk size the engine
+        # asks for (`stream_chunk_frames`), and the window buckets for chunks that piled up
+        # meanwhile or a window's first chunk (its left context included).
+        fits = sorted({n for n in stream_chunk_frames if n < self.length_buckets[-1]})
         self.conv_buckets = tuple(fits + [b for b in self.length_buckets if not fits or b > fits[-1]])
+        self._no_history = tuple(np.zeros(shape, np.float32) for shape in model.conv_state_shapes())
+        self._histories: dict[str, _ConvHistory] = {}  # request id -> its convolutions' history
 
     def _decode(self, state, codes):
         return nnx.merge(self.graphdef, state)(codes)
@@ -192,47 +214,59 @@ class Code2WavSynthesizer:
         ahead, so the first `num_samples(T)` samples of T frames never change when more
         frames come: with F frames the waveform is final up to `request_samples(F)`, and
         `final` changes nothing. The pre-transformer re-runs over the window so far; the
-        convolutions start `conv_reach` frames before the first unsent sample, which
-        changes no kept sample. Only float rounding may differ (other call shapes; ~2e-7
-        seen on CPU).
+        convolutions go on from where the request's previous chunk left them (its
+        `_ConvHistory`), or start the window afresh (its first chunk, or a history that
+        does not end where this piece starts). Only float rounding may differ from the
+        whole decode (other call shapes; ~1e-7 seen on CPU).
         """
-        windows, owner = [], []
+        rows, owner = [], []  # (request id, window's first frame, window codes so far, lo, hi)
         for i, job in enumerate(jobs):
-            for w in self._unsent_windows(job):
-                windows.append(w)
+            for a, codes, lo, hi in self._unsent_windows(job):
+                rows.append((job.request.request_id, a, codes, lo, hi))
                 owner.append(i)
-        states = _padded_calls([codes.T for codes, _, _ in windows], self.length_buckets, self.batch_buckets,
+        states = _padded_calls([codes.T for _, _, codes, _, _ in rows], self.length_buckets, self.batch_buckets,
                                self.calls, lambda batch: self._frame_states(batch.transpose(0, 2, 1)))
-        u = self.total_upsample
-        segments, cuts = [], []
-        for (codes, lo, hi), st in zip(windows, states):
-            first = max(0, lo // u - self.conv_reach)  # the window's first frame to convolve
-            segments.append(st[first:codes.shape[1]])
-            cuts.append((lo - first * u, hi - first * u))
-        wavs = _padded_calls(segments, self.conv_buckets, self.batch_buckets, self.calls, self._convolve)
-        return _join([w[a:b] for w, (a, b) in zip(wavs, cuts)], owner, len(jobs))
+        u, lag = self.total_upsample, self._trailing
+        segments, extras, starts = [], [], []
+        for (rid, a, codes, lo, _), st in zip(rows, states):
+            held = self._histories.get(rid)
+            # Convolved frames [n, m) give window samples from n * u - lag on (a fresh start: -lag).
+            n = held.frames if held is not None and held.window == a and held.frames * u - lag == lo else 0
+            segments.append(st[n:codes.shape[1]])
+            extras.append((np.int32(codes.shape[1] - n), np.bool_(n == 0), held.states if n else self._no_history))
+            starts.append(n * u - lag)
+        convolved = _padded_calls(segments, self.conv_buckets, self.batch_buckets, self.calls,
+                                  lambda packed: self._convolve_stream(*packed), extras)
+        pieces = []
+        for (rid, a, codes, lo, hi), start, (wav, history) in zip(rows, starts, convolved):
+            pieces.append(wav[lo - start:hi - start])
+            self._histories[rid] = _ConvHistory(a, codes.shape[1], history)  # windows in order: the last stays
+        return _join(pieces, owner, len(jobs))
+
+    def release(self, request_id: str) -> None:
+        """Forget a stream's convolution history (the engine calls this however the stream ends)."""
+        self._histories.pop(request_id, None)
 
     def _frame_states(self, codes: np.ndarray) -> np.ndarray:
         return np.asarray(self._frame_states_fn(self.state, codes))
 
-    def _convolve(self, states: np.ndarray) -> np.ndarray:
-        return self._checked(np.asarray(self._convolve_fn(self.state, states)), states.shape[1])
+    def _convolve_stream(self, x: np.ndarray, extras) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+        frames, fresh, history = extras
+        wav, history = jax.device_get(self._convolve_stream_fn(self.state, x, frames, fresh, history))
+        if wav.shape[-1] != x.shape[1] * self.total_upsample:
+            raise RuntimeError(f"code2wav gave {wav.shape[-1]} samples for a streamed chunk of {x.shape[1]} frames, "
+                               f"expected {x.shape[1] * self.total_upsample}")
+        return wav, history
 
-    def _checked(self, wav: np.ndarray, frames: int) -> np.ndarray:
-        """`wav` if it has the samples `frames` frames decode to (padded calls rely on it)."""
-        if wav.shape[-1] != self.num_samples(frames):
-            raise RuntimeError(f"code2wav gave {wav.shape[-1]} samples for {frames} frames, "
-                               f"expected {self.num_samples(frames)}")
-        return wav
-
-    def _unsent_windows(self, job: ChunkJob) -> list[tuple[np.ndarray, int, int]]:
-        """The windows (codes, lo, hi) holding samples of `job` not sent yet, the last one cut at its last frame."""
+    def _unsent_windows(self, job: ChunkJob) -> list[tuple[int, np.ndarray, int, int]]:
+        """The windows (first frame, codes, lo, hi) holding samples of `job` not sent yet, the last one
+        cut at its last frame; [lo, hi) are the unsent samples of the window's own decode."""
         codes, u = self.frames(job.codes), self.total_upsample
         out, start = [], 0  # start: the request's sample where the window's kept samples begin
         for a, c, e in plan_windows(codes.shape[1], self.chunk_size, self.left_context):
             kept = self.num_samples(e - a) - c * u
             if job.emitted < start + kept:
-                out.append((codes[:, a:e], c * u + max(job.emitted - start, 0), c * u + kept))
+                out.append((a, codes[:, a:e], c * u + max(job.emitted - start, 0), c * u + kept))
             start += kept
         if job.emitted > start:
             raise ValueError(f"request {job.request.request_id!r}: {job.emitted} samples already sent, but "
@@ -247,7 +281,12 @@ class Code2WavSynthesizer:
         return [w[lo:hi] for w, (_, lo, hi) in zip(wavs, windows)]
 
     def _run(self, batch: np.ndarray) -> np.ndarray:
-        return self._checked(np.asarray(self._fn(self.state, batch)), batch.shape[-1])
+        """The whole decode of a padded batch, checked: padded calls rely on its sample count."""
+        wav, frames = np.asarray(self._fn(self.state, batch)), batch.shape[-1]
+        if wav.shape[-1] != self.num_samples(frames):
+            raise RuntimeError(f"code2wav gave {wav.shape[-1]} samples for {frames} frames, "
+                               f"expected {self.num_samples(frames)}")
+        return wav
 
     def warmup(self) -> None:
         """Compile (and check) every (batch, length) bucket."""
@@ -261,7 +300,16 @@ class Code2WavSynthesizer:
             for t in self.length_buckets:
                 self._frame_states(np.zeros((b, self.num_quantizers, t), np.int32))
             for t in self.conv_buckets:
-                self._convolve(np.zeros((b, t, self.cfg.hidden_size), np.float32))
+                self._convolve_stream(*self.stream_call_args(b, t))
+
+    def stream_call_args(self, batch: int, frames: int, abstract: bool = False) -> tuple:
+        """Zero arguments (x, (frames, fresh, history)) of a streamed convolution call, as numpy
+        arrays or (`abstract`) shape structs for compiling elsewhere."""
+        def zeros(shape, dtype):
+            return jax.ShapeDtypeStruct(shape, dtype) if abstract else np.zeros(shape, dtype)
+        history = tuple(zeros((batch, *h.shape), np.float32) for h in self._no_history)
+        return (zeros((batch, frames, self.cfg.hidden_size), np.float32),
+                (zeros((batch,), np.int32), zeros((batch,), np.bool_), history))
 
 
 def build_code2wav_engine(ckpt_dir: str, *, length_buckets=(64, 256, 325), batch_buckets=(1, 2, 4),

@@ -1,4 +1,4 @@
-"""The built-in tiny Qwen2.5-Omni: random weights made in JAX, no torch, no download.
+"""The built-in tiny Qwen2.5-Omni: random weights made with numpy, no torch, no download.
 
 `--model tiny` resolves here. The config keeps every structural feature of the real
 model (GQA, q/k/v biases, M-RoPE sections, vision window + full attention, audio
@@ -24,7 +24,7 @@ from ...inputs.qwen_tokenizer import build_qwen2_5_omni_tokenizer
 from ...paths import cache_root
 from .specs import STAGES, write_side_files
 
-TINY_VERSION = 3
+TINY_VERSION = 4  # 4: weights drawn with numpy (`random_params`) instead of flax's initializers
 # <|endoftext|> and <|im_end|> end the reply, as in the released checkpoint's generation config.
 TINY_GENERATION_CONFIG = {"eos_token_id": [151643, 151645], "pad_token_id": 151643}
 
@@ -70,6 +70,29 @@ def tiny_speakers(hf_config: dict, seed: int = 0) -> dict:
             for name, bos in (("Chelsie", 151870), ("Ethan", 151871))}
 
 
+def random_params(build, cfg, rng: np.random.Generator) -> dict[tuple, np.ndarray]:
+    """A stage's parameters by path, drawn with numpy as flax's default initializers would
+    (biases and log-scale activations 0, norm scales 1, kernels and embeddings normal with
+    variance 1/fan-in). The module is only traced for its shapes: running flax's
+    initializers compiles one program per parameter shape, half a minute for the tiny model."""
+    module = nnx.eval_shape(lambda: build(cfg, jnp.float32, nnx.Rngs(0)))
+    _, params, _ = nnx.split(module, nnx.Param, ...)
+    arrays = {}
+    for path, v in nnx.to_flat_state(params):
+        shape, leaf = v.get_value().shape, path[-1]
+        if leaf in ("bias", "alpha", "beta"):
+            a = np.zeros(shape)
+        elif leaf in ("scale", "weight") and len(shape) == 1:
+            a = np.ones(shape)
+        elif leaf in ("kernel", "embedding"):
+            fan_in = shape[-1] if leaf == "embedding" else int(np.prod(shape[:-1]))
+            a = rng.standard_normal(shape) / np.sqrt(fan_in)
+        else:
+            raise ValueError(f"no tiny-model initializer for parameter {'/'.join(map(str, path))} {shape}")
+        arrays[path] = a.astype(np.float32)
+    return arrays
+
+
 def default_cache_dir() -> str:
     return os.path.join(cache_root(), f"tiny-qwen2_5_omni-v{TINY_VERSION}")
 
@@ -82,10 +105,9 @@ def build_tiny_checkpoint(out_dir: str, seed: int = 0) -> str:
     tmp = tempfile.mkdtemp(prefix=".omni-jax-tiny-", dir=parent)
     try:
         stages, tables = [], {}
+        rng = np.random.default_rng(seed)
         for name, spec in STAGES.items():
-            module = spec.build(spec.parse_config(hf_config[spec.config_key]), jnp.float32, nnx.Rngs(seed))
-            _, params, _ = nnx.split(module, nnx.Param, ...)
-            arrays = {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(params)}
+            arrays = random_params(spec.build, spec.parse_config(hf_config[spec.config_key]), rng)
             save_stage(os.path.join(tmp, name), arrays)
             if ("model", "embed_tokens", "embedding") in arrays:
                 tables[f"{name}.model.embed_tokens.weight"] = arrays[("model", "embed_tokens", "embedding")]

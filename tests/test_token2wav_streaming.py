@@ -6,29 +6,18 @@ module docstring of token2wav.py); the vocoder's part and short requests are exa
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 from flax import nnx
 
 from omni_jax.checkpoint import load_checkpoint
-from omni_jax.engine.oneshot_engine import OneShotRequestData
+from omni_jax.engine.oneshot_engine import ChunkJob, OneShotRequestData
 from omni_jax.engine.request import Request
 from omni_jax.engine.runner import compilation_count
 from omni_jax.engine.sampling import SamplingParams
 from omni_jax.models.qwen2_5_omni.token2wav import StreamContext, Token2WavSynthesizer, initial_noise, plan_windows
 from omni_jax.models.qwen2_5_omni.voices import Voices
 
-try:
-    from omni_jax.engine.oneshot_engine import ChunkJob
-except ImportError:  # the engine side lands on another branch; same fields
-    @dataclasses.dataclass
-    class ChunkJob:
-        request: Request
-        codes: np.ndarray
-        emitted: int
-        final: bool
 
 # Streamed vs whole waveform, max abs error (waveforms peak at ~0.62). Measured below with the
 # default context (24 codes each side): engine pattern 2.0e-5 / 5.2e-6, uneven 7.4e-5 / 0,

@@ -168,13 +168,28 @@ print("RESULT" + json.dumps(result))
 '''
 
 
-def run_layouts(family: str, ckpt: str) -> dict:
+@pytest.fixture(scope="module")
+def layouts(converted_thinker_fp32, converted_qwen3_fp32, tmp_path_factory):
+    """family -> its driver's result. Both families' drivers start at once: each compiles on
+    one core most of the time, so side by side they take about as long as the longer one.
+    Their output goes to files: a full pipe would stall a driver nobody reads yet."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
-    proc = subprocess.run([sys.executable, "-c", DRIVER, family, ckpt], env=env, capture_output=True,
-                          text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.split("RESULT", 1)[1])
+    logs = tmp_path_factory.mktemp("parallel")
+    procs = {}
+    for family, ckpt in (("qwen2_5_omni", converted_thinker_fp32), ("qwen3_omni", converted_qwen3_fp32)):
+        with open(logs / f"{family}.out", "w") as out, open(logs / f"{family}.err", "w") as err:
+            procs[family] = subprocess.Popen([sys.executable, "-c", DRIVER, family, ckpt], env=env, stdout=out,
+                                             stderr=err)
+
+    def result(family: str) -> dict:
+        assert procs[family].wait(timeout=900) == 0, (logs / f"{family}.err").read_text()[-4000:]
+        return json.loads((logs / f"{family}.out").read_text().split("RESULT", 1)[1])
+
+    yield result
+    for proc in procs.values():
+        proc.kill()
+        proc.wait()
 
 
 def split(shape, by, axis):
@@ -226,16 +241,16 @@ def check_family(result: dict, num_kv_heads: int, heads: dict) -> None:
 
 @pytest.mark.engine
 @pytest.mark.slow
-def test_qwen2_5_tensor_parallel(converted_thinker_fp32):
-    result = run_layouts("qwen2_5_omni", converted_thinker_fp32)
+def test_qwen2_5_tensor_parallel(layouts):
+    result = layouts("qwen2_5_omni")
     assert set(result) == {"tp1_ep1", "tp2_ep1", "tp4_ep1"}
     check_family(result, num_kv_heads=2, heads={"thinker": "lm_head/kernel", "talker": "codec_head/kernel"})
 
 
 @pytest.mark.engine
 @pytest.mark.slow
-def test_qwen3_tensor_and_expert_parallel(converted_qwen3_fp32):
-    result = run_layouts("qwen3_omni", converted_qwen3_fp32)
+def test_qwen3_tensor_and_expert_parallel(layouts):
+    result = layouts("qwen3_omni")
     assert set(result) == {"tp1_ep1", "tp2_ep1", "tp4_ep1", "tp1_ep2", "tp1_ep4", "tp2_ep2"}
     assert any(k.endswith("/codes") for k in result["tp1_ep1"]["talker_tokens"])
     check_family(result, num_kv_heads=2, heads={"thinker": "lm_head/kernel", "talker": "codec_head/kernel"})

@@ -402,7 +402,7 @@ class Qwen3OmniCode2Wav(nnx.Module):
         where `fresh` [B] (a window's first call). Returns (waveform [B, T * total_upsample],
         new states): a continued row's samples follow its previous call's exactly; a fresh
         row's start with `total_upsample * T - samples(T)` samples the whole decode does not
-        have (zeros). The samples after each row's real frames are padding.
+        have, to drop. The samples after each row's real frames are padding.
         """
         stream = ConvStream(frames, fresh, states)
         wav = self.convolve(x, stream)

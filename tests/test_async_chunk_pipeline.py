@@ -20,9 +20,10 @@ pytestmark = [pytest.mark.pipeline, pytest.mark.e2e]
 
 # Qwen2.5's token2wav audio trails its codes by 41 (models/qwen2_5_omni/token2wav.py): its
 # replies must be longer to come in several chunks, and before the thinker is done.
-# Qwen3's thinker writes 100 tokens so that, even on a loaded machine, it is still writing when
-# the first audio arrives (with 40 it sometimes finished first).
-THINKER_TOKENS = {"qwen2_5_omni": 200, "qwen3_omni": 100}
+# Each thinker writes long enough that, even on a loaded machine, it is still writing when
+# the first audio arrives: Qwen3's 100 tokens (with 40 it sometimes finished first), Qwen2.5's
+# 400 (with 200 its first audio once came one update after its last token).
+THINKER_TOKENS = {"qwen2_5_omni": 400, "qwen3_omni": 100}
 TALKER_TOKENS = {"qwen2_5_omni": 100, "qwen3_omni": 40}
 
 # Qwen2.5's token2wav chunks are not exact (its DiT sees the whole sequence through 10 ODE

@@ -10,7 +10,6 @@ a last chunk with `finish_reason`, `usage` when `stream_options.include_usage`, 
 from __future__ import annotations
 
 import base64
-import json
 import time
 import uuid
 from typing import AsyncIterator
@@ -27,6 +26,7 @@ from .messages import MediaPolicy, to_prompt
 from .metrics import Metrics
 from .protocol import ChatCompletionRequest
 from .sampling import stage_params
+from .sse import DONE, event
 
 # Audio deltas longer than this are split over several chunks (keeps SSE events small).
 MAX_AUDIO_CHUNK_SAMPLES = 12000
@@ -133,19 +133,19 @@ class ChatHandler:
                              "finish_reason": finish_reason(out.finish_reason)}],
                 "usage": _usage(out)}
 
-    async def _stream(self, req: ChatCompletionRequest, gen: Generation, mods: list[str]) -> AsyncIterator[str]:
+    async def _stream(self, req: ChatCompletionRequest, gen: Generation, mods: list[str]) -> AsyncIterator[bytes]:
         created, rid = int(time.time()), gen.request_id
         audio_id = f"audio_{rid[len('chatcmpl-'):]}"
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         with_audio = "audio" in mods
 
-        def chunk(delta: dict, reason: str | None = None, logprobs: dict | None = None) -> str:
+        def chunk(delta: dict, reason: str | None = None, logprobs: dict | None = None) -> bytes:
             body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
                     "system_fingerprint": None,
                     "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
             if include_usage:
                 body["usage"] = None
-            return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+            return event(body)
 
         out = None
         try:
@@ -164,19 +164,19 @@ class ChatHandler:
             if out.error:
                 err = failure(self.engine, out.error)
                 self.metrics.error(err.status)
-                yield f"data: {json.dumps(err.body())}\n\n"
+                yield event(err.body())
             else:
                 last = {"audio": {"id": audio_id, "expires_at": int(time.time()) + AUDIO_TTL_S}} if with_audio else {}
                 yield chunk(last, finish_reason(out.finish_reason))
                 if include_usage:
                     body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
                             "system_fingerprint": None, "choices": [], "usage": _usage(out)}
-                    yield f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
-            yield "data: [DONE]\n\n"
+                    yield event(body)
+            yield DONE
         except Exception as e:  # an encoder bug must end the stream visibly, not hang it
             self.metrics.error(500)
-            yield f"data: {json.dumps(error_body(500, f'internal error: {type(e).__name__}: {e}'))}\n\n"
-            yield "data: [DONE]\n\n"
+            yield event(error_body(500, f"internal error: {type(e).__name__}: {e}"))
+            yield DONE
         finally:
             self.metrics.in_flight.dec()
             if out is None or not out.finished:  # the client left mid-stream

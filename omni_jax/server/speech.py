@@ -14,7 +14,6 @@ chunks as they come).
 from __future__ import annotations
 
 import base64
-import json
 import uuid
 
 from fastapi import Request
@@ -27,6 +26,7 @@ from .generation import Generation, check_model, failure, open_request
 from .metrics import Metrics
 from .protocol import SpeechRequest
 from .sampling import stage_params
+from .sse import event
 
 MODALITIES = ["text", "audio"]
 
@@ -95,9 +95,6 @@ class SpeechHandler:
             await gen.close()
 
     async def _sse(self, req: SpeechRequest, gen: Generation):
-        def event(body: dict) -> str:
-            return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
-
         chunked = req.response_format == "pcm"
         out = None
         try:

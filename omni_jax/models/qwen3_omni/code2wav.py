@@ -147,11 +147,6 @@ class ConvStream:
         return y * real[..., None].astype(y.dtype)
 
 
-def _step(layer, x, stream: ConvStream | None):
-    """One layer, streamed or not: convolutions take the stream, pointwise layers need none."""
-    return layer(x) if isinstance(layer, SnakeBeta) else layer(x, stream)
-
-
 class CausalConvNet(nnx.Module):
     """Conv1d padded on the left only (HF ``Qwen3OmniMoeCausalConvNet``), x [B, T, C]."""
 
@@ -226,7 +221,7 @@ class SnakeBeta(nnx.Module):
         self.alpha = nnx.Param(jnp.zeros((channels,), param_dtype))
         self.beta = nnx.Param(jnp.zeros((channels,), param_dtype))
 
-    def __call__(self, x):
+    def __call__(self, x, stream: ConvStream | None = None):  # pointwise: streams need no history
         alpha = jnp.exp(self.alpha[...]).astype(x.dtype)
         beta = jnp.exp(self.beta[...]).astype(x.dtype)
         return x + (1.0 / (beta + 1e-9)) * jnp.sin(x * alpha) ** 2
@@ -280,7 +275,7 @@ class DecoderBlock(nnx.Module):
 
     def __call__(self, x, stream: ConvStream | None = None):
         for layer in self.block:
-            x = _step(layer, x, stream)
+            x = layer(x, stream)
         return x
 
 
@@ -391,7 +386,7 @@ class Qwen3OmniCode2Wav(nnx.Module):
             for layer in stage:
                 x = layer(x, stream)
         for layer in self.decoder:
-            x = _step(layer, x, stream)
+            x = layer(x, stream)
         return jnp.clip(x[..., 0], -1.0, 1.0)
 
     def convolve_stream(self, x, frames, fresh, states):

@@ -2,6 +2,7 @@
 
     python benchmarks/e2e_speech.py [--family qwen2_5_omni|qwen3_omni] [--requests 16]
                                     [--thinker-tokens 16] [--talker-tokens 64] [--concurrency 1 4 16]
+                                    [--initial-chunk-frames N] [--chunk-frames N]
 
 Both sides answer the same 16 prompts with text and 24 kHz speech: greedy thinker,
 greedy talker (repetition penalty 1.05), then the vocoder.
@@ -118,6 +119,8 @@ def main():
                     help="requests in flight at once (each run with async chunk off, then on)")
     ap.add_argument("--initial-chunk-frames", type=int, default=None,
                     help="the vocoder's first streamed chunk in codec frames (default: the preset's)")
+    ap.add_argument("--chunk-frames", type=int, default=None,
+                    help="the vocoder's steady streamed chunk in codec frames (default: the preset's)")
     ap.add_argument("--hf-batch", type=int, nargs="+", default=[4, 8, 16],
                     help="transformers batch sizes to try; the fastest is compared")
     args = ap.parse_args()
@@ -133,9 +136,10 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir, ckpt = family.build(tmp)
         pipeline, params, voice = family.omnijax_setup(n, args.thinker_tokens, args.talker_tokens)
-        if args.initial_chunk_frames is not None:
-            vocoder = pipeline.stages[-1].name
-            pipeline = pipeline.with_overrides(**{vocoder: dict(initial_codec_chunk_frames=args.initial_chunk_frames)})
+        chunks = dict(initial_codec_chunk_frames=args.initial_chunk_frames, codec_chunk_frames=args.chunk_frames)
+        chunks = {k: v for k, v in chunks.items() if v is not None}
+        if chunks:
+            pipeline = pipeline.with_overrides(**{pipeline.stages[-1].name: chunks})
         results = run_both(ckpt, prompts, (pipeline, params, voice), args.concurrency)
         (dt_h, sec_h, rtf_h), lat_h = family.run_transformers(hf_dir, prompts, args.thinker_tokens,
                                                               args.talker_tokens, args.hf_batch)

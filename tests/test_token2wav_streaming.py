@@ -182,3 +182,33 @@ def test_released_request_rebuilds_its_context(synth):
     assert len(first) > 0 and len(first) + len(rest) == len(ref)
     assert np.abs(np.concatenate([first, rest]) - ref).max() <= STREAM_BOUND
     assert "r" not in synth._streams  # the final job freed it
+
+
+def test_each_chunk_size_has_its_own_window(synth):
+    """Windows are compiled per chunk size: a small chunk runs a small window, and chunks that
+    piled up run windows of the largest (shapes recorded from stand-in calls: nothing compiles)."""
+    ctx, rep = synth.context, synth.cfg.dit.repeats
+    small = Token2WavSynthesizer(nnx.merge(synth.graphdef, synth.state), synth.voices, length_buckets=(64,),
+                                 batch_buckets=(1, 2), stream_chunk_codes=(10, 25))
+    reach = ctx.left_codes + small.block_codes - 1 + ctx.right_codes
+    assert small.stream_code_buckets == (reach + 10, reach + 25)
+    assert small.stream_frame_buckets == tuple(sum(small.vocoder_context) + rep * k for k in (10, 25))
+    shapes = {"dit": [], "vocoder": []}
+
+    def mel_fn(state, codes, *rest):
+        shapes["dit"].append(codes.shape)
+        return np.zeros((codes.shape[0], rep * codes.shape[1], small.cfg.dit.mel_dim), np.float32)
+
+    def wave_fn(state, x, frames):
+        shapes["vocoder"].append(x.shape)
+        return np.zeros((x.shape[0], small.cfg.bigvgan.num_samples(x.shape[1])), np.float32)
+
+    small._mel_fn, small._wave_fn = mel_fn, wave_fn
+    req = _request("c", 200, "Chelsie", 7)
+    _stream(small, [req], [[10 + ctx.right_codes, 25, 165]])
+    # The first chunk (10 codes and their look-ahead) fits the small window; the 165 codes that
+    # came at once take several windows of the largest shape.
+    assert shapes["dit"][0] == (1, reach + 10) and shapes["vocoder"][0][1] == small.stream_frame_buckets[0]
+    assert {t for _, t in shapes["dit"]} <= set(small.stream_code_buckets)
+    assert {t for _, t, _ in shapes["vocoder"]} <= set(small.stream_frame_buckets)
+    assert (2, reach + 25) in shapes["dit"]

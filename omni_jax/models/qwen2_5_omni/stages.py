@@ -6,7 +6,7 @@ import os
 
 from ...checkpoint import eos_token_ids, load_checkpoint, read_config
 from ...engine.ar_engine import AREngine, EngineConfig
-from ...engine.oneshot_engine import OneShotEngine
+from ...engine.oneshot_engine import OneShotEngine, chunk_sizes
 from ...engine.runner import RunnerConfig, stage_mesh
 from ...inputs.rope_index import RopeIndexConfig
 from .media import MediaBuckets, ThinkerMediaEncoder
@@ -79,8 +79,8 @@ def build_token2wav_engine(ckpt_dir: str, *, length_buckets=(64, 256, 1024), bat
 
     `max_num_seqs` requests per step (default batch_buckets[-1]); more than the largest
     batch take several calls, run side by side. With async chunk the engine streams a request
-    once `initial_chunk_frames`, then every `chunk_frames` new codes arrived; the streamed
-    calls are compiled for windows of that many codes plus their context. `streamed`: requests
+    once `initial_chunk_frames`, then chunks growing to `chunk_frames` new codes arrived; the
+    streamed calls are compiled for windows of each chunk size plus its context. `streamed`: requests
     arrive streamed (the pipeline's async_chunk), so warm-up compiles the streamed calls
     instead of the whole-request ones (the other path still works, compiling on first use).
     """
@@ -88,7 +88,7 @@ def build_token2wav_engine(ckpt_dir: str, *, length_buckets=(64, 256, 1024), bat
     max_num_seqs = max_num_seqs or batch_buckets[-1]
     synth = Token2WavSynthesizer(model, Voices.load(ckpt_dir), length_buckets=length_buckets,
                                  batch_buckets=batch_buckets, max_num_seqs=max_num_seqs,
-                                 stream_chunk_codes=chunk_frames)
+                                 stream_chunk_codes=chunk_sizes(initial_chunk_frames, chunk_frames))
 
     engine = OneShotEngine(synth, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens or max_num_seqs * length_buckets[-1],

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -172,7 +173,7 @@ class Token2WavSynthesizer:
     def __init__(self, model: Qwen2_5OmniToken2Wav, voices: Voices, *, length_buckets, batch_buckets,
                  num_steps: int = 10, guidance_scale: float = 0.5, sway_coefficient: float = -1.0,
                  max_num_seqs: int | None = None, stream_context: StreamContext = StreamContext(),
-                 stream_chunk_codes: int = 25):
+                 stream_chunk_codes: Sequence[int] = (25,)):
         self.cfg = model.cfg
         self.voices = voices
         self.length_buckets = tuple(length_buckets)
@@ -189,11 +190,14 @@ class Token2WavSynthesizer:
         self.vocoder_context = self.cfg.bigvgan.context_frames()
         block, rep = self.cfg.dit.block_size, self.cfg.dit.repeats
         self.block_codes = block // math.gcd(block, rep)  # windows start on an attention block
-        # Streamed calls have one shape each, fitting `stream_chunk_codes` new codes with their
-        # context: the whole-request buckets are coarse (the real preset's smallest is 256 codes).
-        self.stream_codes = stream_context.left_codes + self.block_codes - 1 + stream_chunk_codes + \
-            stream_context.right_codes
-        self.stream_frames = sum(self.vocoder_context) + rep * stream_chunk_codes
+        # Streamed calls have a shape per chunk size the engine asks for (`stream_chunk_codes`):
+        # that many new codes with their context, so a small first chunk costs a small window
+        # (the whole-request buckets are coarse: the real preset's smallest is 256 codes).
+        # Chunks that piled up take several windows of the largest.
+        self.stream_code_buckets = tuple(sorted({
+            stream_context.left_codes + self.block_codes - 1 + k + stream_context.right_codes
+            for k in stream_chunk_codes}))
+        self.stream_frame_buckets = tuple(sorted({sum(self.vocoder_context) + rep * k for k in stream_chunk_codes}))
         self._streams: dict[str, _StreamState] = {}
         dit = model.code2wav_dit_model
         spk_fn = jax.jit(lambda s, m: nnx.merge(*nnx.split(dit)[:1], s).speaker_embedding(m))
@@ -246,10 +250,15 @@ class Token2WavSynthesizer:
             i += take
         return runs
 
-    def _map(self, rows: list, run) -> list:
-        """`run` over the bucket-sized runs of `rows` (side by side); one result per row, in order."""
-        runs = self.calls.map(lambda r: run(rows[r[0]:r[1]]), self.batch_split(len(rows)))
-        return [out for run_out in runs for out in run_out]
+    def _map(self, rows: list, run, size=None) -> list:
+        """`run` over the bucket-sized runs of `rows` (side by side); one result per row, in order.
+        With `size`, rows of similar size share a run (a run is padded to its longest)."""
+        order = list(range(len(rows))) if size is None else sorted(range(len(rows)), key=lambda i: size(rows[i]))
+        runs = self.calls.map(lambda r: run([rows[i] for i in order[r[0]:r[1]]]), self.batch_split(len(rows)))
+        out = [None] * len(rows)
+        for i, res in zip(order, (res for run_out in runs for res in run_out)):
+            out[i] = res
+        return out
 
     def _pack(self, rows: list[_CodeRow], t: int | None = None) -> tuple[np.ndarray, ...]:
         """DiT inputs (codes, lens, cond, spk, spk_uncond, noise) padded to a batch bucket and
@@ -279,13 +288,15 @@ class Token2WavSynthesizer:
 
     def _mels(self, rows: list[_CodeRow]) -> list[np.ndarray]:
         """The streamed DiT call: each row's mel [repeats * n, mel_dim]."""
-        mel = np.asarray(self._mel_fn(self.state, *self._pack(rows, self.stream_codes)))
+        t = pick_bucket(max(len(r.codes) for r in rows), self.stream_code_buckets)
+        mel = np.asarray(self._mel_fn(self.state, *self._pack(rows, t)))
         return [mel[j, :len(r.codes) * self.cfg.dit.repeats] for j, r in enumerate(rows)]
 
     def _vocode(self, mels: list[np.ndarray]) -> list[np.ndarray]:
-        """The streamed vocoder call: each mel's (at most stream_frames) waveform."""
+        """The streamed vocoder call: each mel's waveform (mels of at most the largest frame bucket)."""
         b = pick_bucket(len(mels), self.batch_buckets)
-        x = np.zeros((b, self.stream_frames, self.cfg.dit.mel_dim), np.float32)
+        t = pick_bucket(max(len(m) for m in mels), self.stream_frame_buckets)
+        x = np.zeros((b, t, self.cfg.dit.mel_dim), np.float32)
         frames = np.ones(b, np.int32)
         for j, m in enumerate(mels):
             x[j, :len(m)] = m
@@ -346,13 +357,13 @@ class Token2WavSynthesizer:
         for job, st in zip(jobs, states):
             n = len(job.codes)
             windows = plan_windows(st.code_end, n if job.final else n - ctx.right_codes, n, ctx.left_codes,
-                                   ctx.right_codes, self.block_codes, self.stream_codes)
+                                   ctx.right_codes, self.block_codes, self.stream_code_buckets[-1])
             noise = self._noise(job.request, n) if windows else None
             for start, a, b, end in windows:
                 rows.append(_CodeRow(np.asarray(job.codes[start:end], np.int32), noise[rep * start:rep * end],
                                      job.request.data.voice))
                 keep.append((st, rep * (a - start), rep * (b - start), b))
-        for mel, (st, k0, k1, code_end) in zip(self._map(rows, self._mels), keep):
+        for mel, (st, k0, k1, code_end) in zip(self._map(rows, self._mels, lambda r: len(r.codes)), keep):
             st.mel = np.concatenate([st.mel, mel[k0:k1]])
             st.code_end = code_end
 
@@ -364,12 +375,12 @@ class Token2WavSynthesizer:
             mel_end = st.mel_start + len(st.mel)
             # A final job's mel ends where the request does: its own border, nothing held back.
             windows = plan_windows(job.emitted // hop, mel_end if job.final else mel_end - right, mel_end, left,
-                                   right, 1, self.stream_frames)
+                                   right, 1, self.stream_frame_buckets[-1])
             for start, a, b, end in windows:
                 rows.append(st.mel[start - st.mel_start:end - st.mel_start])
                 keep.append((i, hop * (a - start), hop * (b - start)))
         pieces = [[np.zeros(0, np.float32)] for _ in jobs]
-        for wav, (i, s0, s1) in zip(self._map(rows, self._vocode), keep):
+        for wav, (i, s0, s1) in zip(self._map(rows, self._vocode, len), keep):
             pieces[i].append(wav[s0:s1])
         out = []
         for job, st, ps in zip(jobs, states, pieces):
@@ -391,11 +402,13 @@ class Token2WavSynthesizer:
                 jax.block_until_ready(self._fn(self.state, *self._zeros(b, t)))
 
     def warmup_stream(self) -> None:
-        """Compile the streamed DiT and vocoder calls (one length each) at every batch bucket."""
+        """Compile the streamed DiT and vocoder calls (a length per chunk size) at every batch bucket."""
         for b in self.batch_buckets:
-            jax.block_until_ready(self._mel_fn(self.state, *self._zeros(b, self.stream_codes)))
-            jax.block_until_ready(self._wave_fn(self.state, np.zeros((b, self.stream_frames, self.cfg.dit.mel_dim),
-                                                                     np.float32), np.ones(b, np.int32)))
+            for t in self.stream_code_buckets:
+                jax.block_until_ready(self._mel_fn(self.state, *self._zeros(b, t)))
+            for t in self.stream_frame_buckets:
+                jax.block_until_ready(self._wave_fn(self.state, np.zeros((b, t, self.cfg.dit.mel_dim), np.float32),
+                                                    np.ones(b, np.int32)))
 
     def _zeros(self, b: int, t: int) -> tuple[np.ndarray, ...]:
         """Zero DiT inputs of a (batch, length) bucket."""

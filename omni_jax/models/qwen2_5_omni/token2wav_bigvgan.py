@@ -352,7 +352,15 @@ class AntiAliasedActivation1d(nnx.Module):
         self.act = SnakeBeta(channels, param_dtype=param_dtype)
 
     def __call__(self, x: jax.Array, n: jax.Array | None = None) -> jax.Array:
-        return anti_aliased(x, self.act, n)
+        return snake_anti_aliased(x, self.act.alpha[...], self.act.beta[...], n)
+
+
+@jax.jit
+def snake_anti_aliased(x: jax.Array, log_alpha: jax.Array, log_beta: jax.Array,
+                       n: jax.Array | None = None) -> jax.Array:
+    """`anti_aliased` SnakeBeta. Its own jit: the vocoder calls it six times per stage on one
+    shape, and a nested jit is traced and lowered once per shape (XLA inlines the calls)."""
+    return anti_aliased(x, lambda v: snake_beta(v, log_alpha, log_beta), n)
 
 
 def anti_aliased(x: jax.Array, act, n: jax.Array | None = None, ratio: int = _AA_RATIO,
@@ -440,7 +448,7 @@ def amp_blocks_mean(blocks, x: jax.Array, n: jax.Array | None = None) -> jax.Arr
     def act(h, i):  # activations[i] of every block, on the stacked channels
         log_alpha = jnp.concatenate([b.activations[i].act.alpha[...] for b in blocks])
         log_beta = jnp.concatenate([b.activations[i].act.beta[...] for b in blocks])
-        return anti_aliased(h, lambda v: snake_beta(v, log_alpha, log_beta), n)
+        return snake_anti_aliased(h, log_alpha, log_beta, n)
 
     def conv(h, convs):  # each block's conv on its own channels
         h = _zero_tail(h, n)

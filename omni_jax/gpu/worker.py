@@ -98,7 +98,8 @@ def select_tier(family: str, stage, hf_config: dict, num_blocks: int, target_nam
     Pallas kernels at every bucket and the Qwen2.5 stages' largest decode steps (KV
     donation); on A100 also the cheap sampler variants (greedy, random). The programs
     that take minutes to compile (the MoE stages' steps, prefill steps, the sorting
-    sampler variants, encoders, vocoders) are in `select_full`."""
+    sampler variants, encoders, vocoders) are in `select_full`; on A100 the Qwen2.5
+    vision encoder's smallest call is here too."""
     if stage.runner != "ar":
         return []
     out = P.kernel_programs(family, stage, hf_config, num_blocks)
@@ -110,6 +111,8 @@ def select_tier(family: str, stage, hf_config: dict, num_blocks: int, target_nam
         top = max(p.bucket for p in progs if p.kind == "sample")
         out += [p for p in progs if p.kind == "sample" and p.bucket == top
                 and p.info["variant"] in ("greedy", "random")]
+        # The vision encoder once failed only here (Triton GEMM tiling; media.py): keep it compiling.
+        out += _ends(P.media_programs(family, stage, hf_config), "vision")[:1]
     return out
 
 

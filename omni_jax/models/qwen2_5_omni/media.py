@@ -42,7 +42,11 @@ class ThinkerMediaEncoder:
         self._audio = nnx.split(thinker.audio_tower)
         self._vision = nnx.split(thinker.visual)
         self._audio_fn = jax.jit(lambda g, s, *a: nnx.merge(g, s)(*a), static_argnums=0)
-        self._vision_fn = jax.jit(lambda g, s, *a: nnx.merge(g, s)(*a), static_argnums=0)
+        # XLA's Triton GEMM finds no tile for a bf16 [patches, 1280] matmul of this encoder on
+        # A100 ("Couldn't find output tile sizes", deviceless compile for sm_80): cuBLAS does it.
+        # Other backends ignore the option.
+        self._vision_fn = jax.jit(lambda g, s, *a: nnx.merge(g, s)(*a), static_argnums=0,
+                                  compiler_options={"xla_gpu_enable_triton_gemm": False})
         self.dtype = jax.tree_util.tree_leaves(self._audio[1])[0].dtype
 
     # ------------------------------------------------------------------ host-side planning (shared)

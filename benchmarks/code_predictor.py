@@ -36,13 +36,13 @@ GROUPS = 16
 def build(seed: int = 0):
     """An HF talker with a one-layer MoE decoder and a real-size code predictor, and ours."""
     import torch
-    from flax import nnx
     from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeTalkerConfig
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
         Qwen3OmniMoeTalkerForConditionalGeneration)
 
     from conversion.mapping import load_hf_into
     from omni_jax.models.qwen3_omni.talker import Qwen3OmniTalker, TalkerConfig
+    from omni_jax.models.registry import abstract_module
 
     torch.manual_seed(seed)
     rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [24, 20, 20], "mrope_interleaved": True}
@@ -59,7 +59,7 @@ def build(seed: int = 0):
         for name, p in hf.named_parameters():
             if ".experts." in name or name.endswith("mlp.gate.weight"):
                 p.normal_(0.0, 0.02)  # transformers leaves these uninitialised
-    ours = nnx.eval_shape(lambda: Qwen3OmniTalker(TalkerConfig.from_hf(hf.config.to_dict()), rngs=nnx.Rngs(0)))
+    ours = abstract_module(lambda rngs: Qwen3OmniTalker(TalkerConfig.from_hf(hf.config.to_dict()), rngs=rngs))
     load_hf_into(ours, {k: v.detach().numpy() for k, v in hf.state_dict().items()}, prefix="")
     return hf, ours
 

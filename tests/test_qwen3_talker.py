@@ -19,6 +19,7 @@ from conversion.mapping import load_hf_into
 from omni_jax.engine.sampling import apply_top_k_top_p
 from omni_jax.models.layers.attention import AttentionMetadata
 from omni_jax.models.qwen3_omni.code2wav import Code2WavConfig, Qwen3OmniCode2Wav
+from omni_jax.models.registry import abstract_module
 from omni_jax.models.qwen3_omni.talker import Qwen3OmniTalker, TalkerConfig
 
 pytestmark = pytest.mark.parity
@@ -92,7 +93,7 @@ def hf_talker():
 @pytest.fixture(scope="module")
 def talker(hf_talker):
     cfg = TalkerConfig.from_hf(hf_talker.config.to_dict())
-    model = nnx.eval_shape(lambda: Qwen3OmniTalker(cfg, rngs=nnx.Rngs(0)))  # shapes only: loaded below
+    model = abstract_module(lambda rngs: Qwen3OmniTalker(cfg, rngs=rngs))  # shapes only: loaded below
     load_hf_into(model, _state(hf_talker), prefix="")
     return model
 
@@ -149,15 +150,15 @@ def test_load_from_checkpoint_layout(talker, hf_talker, hf_code2wav):
             disk["talker." + key] = value
     disk.update({"code2wav." + k: v for k, v in _state(hf_code2wav).items()})
     assert "talker.model.layers.0.mlp.experts.3.up_proj.weight" in disk
-    loaded = nnx.eval_shape(lambda: Qwen3OmniTalker(talker.cfg, rngs=nnx.Rngs(0)))
+    loaded = abstract_module(lambda rngs: Qwen3OmniTalker(talker.cfg, rngs=rngs))
     load_hf_into(loaded, FusedExperts(disk), prefix="talker.")
     want = dict(nnx.to_flat_state(nnx.state(talker, nnx.Param)))
     got = dict(nnx.to_flat_state(nnx.state(loaded, nnx.Param)))
     assert want.keys() == got.keys()
     for path in want:
         np.testing.assert_array_equal(np.asarray(got[path].get_value()), np.asarray(want[path].get_value()))
-    c2w = nnx.eval_shape(lambda: Qwen3OmniCode2Wav(Code2WavConfig.from_hf(hf_code2wav.config.to_dict()),
-                                                   rngs=nnx.Rngs(0)))
+    c2w = abstract_module(lambda rngs: Qwen3OmniCode2Wav(Code2WavConfig.from_hf(hf_code2wav.config.to_dict()),
+                                                    rngs=rngs))
     load_hf_into(c2w, disk, prefix="code2wav.")
 
 
@@ -390,7 +391,7 @@ def hf_code2wav():
 @pytest.fixture(scope="module")
 def code2wav(hf_code2wav):
     cfg = Code2WavConfig.from_hf(hf_code2wav.config.to_dict())
-    model = nnx.eval_shape(lambda: Qwen3OmniCode2Wav(cfg, rngs=nnx.Rngs(0)))
+    model = abstract_module(lambda rngs: Qwen3OmniCode2Wav(cfg, rngs=rngs))
     load_hf_into(model, _state(hf_code2wav), prefix="")
     return model
 

@@ -20,6 +20,7 @@ from omni_jax.models.qwen3_omni.expert_keys import FusedExperts, fuse_expert_key
 from omni_jax.errors import CheckpointError
 from omni_jax.models.layers.attention import AttentionMetadata
 from omni_jax.models.layers.moe import MoEConfig, SparseMoeBlock, dense_moe_reference
+from omni_jax.models.registry import abstract_module  # shape-only parameters: load_hf_into fills them
 from omni_jax.models.qwen3_omni.thinker_text import Qwen3TextConfig, Qwen3TextDecoder
 
 pytestmark = pytest.mark.parity
@@ -48,11 +49,6 @@ def text_cfg(hf_dir) -> Qwen3TextConfig:
         return Qwen3TextConfig.from_hf(json.load(f)["thinker_config"]["text_config"])
 
 
-def _abstract(make):
-    """The module with shape-only parameters (no random init): load_hf_into fills them."""
-    return nnx.eval_shape(make)
-
-
 @functools.partial(jax.jit, static_argnames=("capture",))
 def _forward(model, x, positions, meta, caches=None, capture=(), deepstack=None):
     return model(x, positions, meta, caches, capture, deepstack)
@@ -63,11 +59,11 @@ _apply = jax.jit(lambda module, x: module(x))
 
 @pytest.fixture(scope="module")
 def decoder(text_cfg, disk_tensors):
-    model = _abstract(lambda: Qwen3TextDecoder(text_cfg, rngs=nnx.Rngs(0)))
+    model = abstract_module(lambda rngs: Qwen3TextDecoder(text_cfg, rngs=rngs))
     load_hf_into(model, FusedExperts(disk_tensors), prefix="thinker.model.",
                  ignore=(r"^audio_tower\.", r"^visual\."))
-    lm_head = _abstract(lambda: nnx.Linear(text_cfg.hidden_size, text_cfg.vocab_size, use_bias=False,
-                                           rngs=nnx.Rngs(0)))
+    lm_head = abstract_module(lambda rngs: nnx.Linear(text_cfg.hidden_size, text_cfg.vocab_size, use_bias=False,
+                                                              rngs=rngs))
     load_hf_into(lm_head, disk_tensors, prefix="thinker.lm_head.")
     return model, lm_head
 
@@ -81,7 +77,7 @@ def _close(ours, ref, tol=TOL, rel=1e-3):
 
 
 def _block_from_hf(hf_block, cfg: MoEConfig) -> SparseMoeBlock:
-    block = _abstract(lambda: SparseMoeBlock(cfg, rngs=nnx.Rngs(0)))
+    block = abstract_module(lambda rngs: SparseMoeBlock(cfg, rngs=rngs))
     return load_hf_into(block, {k: v.numpy() for k, v in hf_block.state_dict().items()}, prefix="")
 
 
@@ -127,8 +123,8 @@ def test_moe_padding_tokens_route_nowhere(text_cfg):
 
 @pytest.mark.lowering
 def test_moe_block_lowers_for_cuda(text_cfg):
-    block = _abstract(lambda: SparseMoeBlock(text_cfg.moe, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
-                                             rngs=nnx.Rngs(0)))
+    block = abstract_module(lambda rngs: SparseMoeBlock(text_cfg.moe, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                                                              rngs=rngs))
     graph, state = nnx.split(block)
 
     def f(state, x):
@@ -263,7 +259,7 @@ def test_dense_layers_and_unnormalised_routing_match_hf():
             p.copy_((1.0 if "norm" in name else 0.0) + std * torch.randn(p.shape, generator=g))
     cfg = Qwen3TextConfig.from_hf(d)
     assert not cfg.is_moe_layer(1) and cfg.is_moe_layer(0)
-    model = _abstract(lambda: Qwen3TextDecoder(cfg, rngs=nnx.Rngs(0)))
+    model = abstract_module(lambda rngs: Qwen3TextDecoder(cfg, rngs=rngs))
     load_hf_into(model, {k: v.numpy() for k, v in hf.state_dict().items()}, prefix="")
     ids = np.random.default_rng(6).integers(0, 256, 15)
     positions = np.stack([np.arange(15), np.arange(15) // 2, np.arange(15) % 4])
@@ -301,7 +297,7 @@ def test_fused_expert_keys_roundtrip(disk_tensors, hf_model, text_cfg):
 
 
 def test_fused_view_plans_the_generic_mapping(disk_tensors, text_cfg):
-    model = _abstract(lambda: Qwen3TextDecoder(text_cfg, rngs=nnx.Rngs(0)))
+    model = abstract_module(lambda rngs: Qwen3TextDecoder(text_cfg, rngs=rngs))
     _, state, _ = nnx.split(model, nnx.Param, ...)
     shapes = {p: tuple(v.get_value().shape) for p, v in nnx.to_flat_state(state)}
     plan = map_hf_tensors(FusedExperts(disk_tensors), shapes, "thinker.model.",

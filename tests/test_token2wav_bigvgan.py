@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 from conversion.mapping import load_hf_into, transform_for
+from omni_jax.models.registry import abstract_module
 from omni_jax.models.qwen2_5_omni.token2wav_bigvgan import (
     HF_RENAMES,
     AntiAliasedActivation1d,
@@ -68,7 +69,7 @@ def random_mel(mel_dim: int, frames: int, seed: int) -> np.ndarray:
 def abstract_vocoder(config: BigVGANConfig) -> Qwen2_5OmniBigVGAN:
     """The module with shape-only parameters: loading fills them all, and eager random init
     (one small compile per parameter shape) would cost more than the whole parity test."""
-    return nnx.eval_shape(lambda: Qwen2_5OmniBigVGAN(config, rngs=nnx.Rngs(0)))
+    return abstract_module(lambda rngs: Qwen2_5OmniBigVGAN(config, rngs=rngs))
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from omni_jax.models.registry import abstract_module  # noqa: E402
 from omni_jax.models.qwen2_5_omni.token2wav_dit import (  # noqa: E402
     HF_RENAMES, DiTConfig, Qwen2_5OmniDiT, block_attention_mask, time_grid)
 
@@ -240,7 +241,7 @@ def test_real_size_checkpoint_layout():
         hf_shapes = {k: tuple(v.shape) for k, v in Qwen2_5OmniToken2WavDiTModel(hf_config).state_dict().items()}
     cfg = DiTConfig.from_hf(hf_config.to_dict())
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.look_backward_layers) == (22, 1024, (0, 20))
-    _, params, _ = nnx.split(nnx.eval_shape(lambda: Qwen2_5OmniDiT(cfg, rngs=nnx.Rngs(0))), nnx.Param, ...)
+    _, params, _ = nnx.split(abstract_module(lambda rngs: Qwen2_5OmniDiT(cfg, rngs=rngs)), nnx.Param, ...)
     shapes = {p: tuple(v.get_value().shape) for p, v in nnx.to_flat_state(params)}
     plan = map_hf_tensors(hf_shapes, shapes, "", HF_RENAMES)
     for path, (key, leaf) in plan.items():

@@ -14,7 +14,6 @@ table width, page pool and GQA group as the stage's steps.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 from pathlib import Path
@@ -72,32 +71,8 @@ def stage_model(family: str, model_stage: str, hf_config: dict, dtype=DTYPE):
     if key not in _MODELS:
         spec = stages_of(family)[model_stage]
         cfg = spec.parse_config(hf_config[spec.config_key])
-        with _cheap_tracer_errors():
-            _MODELS[key] = (abstract_stage(spec, cfg, dtype), cfg)
+        _MODELS[key] = (abstract_stage(spec, cfg, dtype), cfg)
     return _MODELS[key]
-
-
-@contextlib.contextmanager
-def _cheap_tracer_errors():
-    """Skip the origin part of tracer error messages while building abstract models.
-
-    nnx's Variable.set_value probes `getattr(value, "sharding", None)`; on a tracer that
-    raises an AttributeError whose message walks the whole jaxpr built so far, so tracing
-    a model's initialisers is quadratic in its parameter count (the 7B thinker: 145 s
-    instead of 6 s). The message is discarded by getattr, so nothing is lost.
-    """
-    from jax._src.interpreters import partial_eval as pe
-
-    cls = pe.DynamicJaxprTracer
-    original = cls.__dict__.get("_origin_msg")
-    cls._origin_msg = lambda self: ""
-    try:
-        yield
-    finally:
-        if original is None:
-            del cls._origin_msg
-        else:
-            cls._origin_msg = original
 
 
 _MODELS: dict = {}

@@ -9,7 +9,9 @@ from __future__ import annotations
 import importlib
 import json
 import os
+from typing import Callable
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -67,9 +69,32 @@ def resolve_model(model: str) -> str:
     return model
 
 
+class _ShapeOnlyStream(nnx.RngStream):
+    """An rng stream that hands out its key as it is, without counting draws.
+
+    An abstract build reads shapes only, so the keys' values do not matter. Counting them
+    would: nnx's Variable.set_value probes `getattr(value, "sharding", None)` on the updated
+    count, and on a tracer that raises an error whose message walks the whole jaxpr traced so
+    far. Building a model under tracing would then cost time quadratic in its parameter count
+    (the tiny token2wav: 2.7 s instead of 0.4 s).
+    """
+
+    def __call__(self) -> jax.Array:
+        return self.key[...]
+
+
+def abstract_module(build: Callable[[nnx.Rngs], nnx.Module]) -> nnx.Module:
+    """`build(rngs)` with shapes only (no memory): for planning, loading and conversion."""
+    def traced():
+        rngs = nnx.Rngs()
+        rngs.default = _ShapeOnlyStream(0, tag="default")  # every named stream falls back to it
+        return build(rngs)
+    return nnx.eval_shape(traced)
+
+
 def abstract_stage(spec: StageSpec, stage_config, dtype=jnp.float32) -> nnx.Module:
     """The stage module with shapes only (no memory), for planning and loading."""
-    return nnx.eval_shape(lambda: spec.build(stage_config, dtype, nnx.Rngs(0)))
+    return abstract_module(lambda rngs: spec.build(stage_config, dtype, rngs))
 
 
 def param_shapes(module: nnx.Module) -> dict[tuple, tuple]:

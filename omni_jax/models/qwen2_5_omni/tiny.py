@@ -22,6 +22,7 @@ from flax import nnx
 from ...checkpoint import CONFIG_FILE, FORMAT_VERSION, GENERATION_CONFIG_FILE, save_stage
 from ...inputs.qwen_tokenizer import build_qwen2_5_omni_tokenizer
 from ...paths import cache_root
+from ..registry import abstract_module
 from .specs import STAGES, write_side_files
 
 TINY_VERSION = 4  # 4: weights drawn with numpy (`random_params`) instead of flax's initializers
@@ -75,7 +76,7 @@ def random_params(build, cfg, rng: np.random.Generator) -> dict[tuple, np.ndarra
     (biases and log-scale activations 0, norm scales 1, kernels and embeddings normal with
     variance 1/fan-in). The module is only traced for its shapes: running flax's
     initializers compiles one program per parameter shape, half a minute for the tiny model."""
-    module = nnx.eval_shape(lambda: build(cfg, jnp.float32, nnx.Rngs(0)))
+    module = abstract_module(lambda rngs: build(cfg, jnp.float32, rngs))
     _, params, _ = nnx.split(module, nnx.Param, ...)
     arrays = {}
     for path, v in nnx.to_flat_state(params):

@@ -141,7 +141,7 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens,
     already in the pages; block_tables: int32 [S, max_blocks]. Row i of
     sequence s is at position kv_lens[s] - q_len_s + i and attends to
     positions <= its own (the last ``sliding_window`` of them if set). Rows
-    past cu_q_lens[S] return zeros. Tuning: ``block_q`` query tokens per tile
+    before cu_q_lens[0] or past cu_q_lens[S] return zeros. Tuning: ``block_q`` query tokens per tile
     (default: the table's rows / padded group), ``pages_per_compute_block``
     (default: the table's KV tokens per step), Triton ``num_warps``/``num_stages``; unset
     ones come from ``PREFILL_TUNING`` for the GPU being compiled for.
@@ -196,7 +196,8 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens,
         name=f"ragged_paged_prefill_bs{block_size}_bq{bq}_ppb{ppb}",
     )(*sched, tables, qg, k_pages, v_pages)
 
-    # Rows no tile wrote (past cu_q_lens[S]) are uninitialized on GPU.
+    # Rows no tile wrote (outside cu_q_lens[0]..cu_q_lens[S]) are uninitialized on GPU.
     out = out[:t, :, :group].reshape(t, hq, d)
-    written = jnp.arange(t, dtype=jnp.int32) < cu[num_seqs]
+    rows = jnp.arange(t, dtype=jnp.int32)
+    written = (rows >= cu[0]) & (rows < cu[num_seqs])
     return jnp.where(written[:, None, None], out, jnp.zeros_like(out))

@@ -256,8 +256,8 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens,
     q: [T, Hq, D] packed query rows; sequence s owns rows
     ``cu_q_lens[s]:cu_q_lens[s+1]`` and ``kv_lens[s]`` = cached + new tokens
     (new K/V already in the pages). Row i of sequence s sits at absolute
-    position ``kv_lens[s] - q_len_s + i``. Rows at or past ``cu_q_lens[S]``
-    return zeros. Rows are processed ``token_chunk`` at a time; within a
+    position ``kv_lens[s] - q_len_s + i``. Rows before ``cu_q_lens[0]`` or
+    at or past ``cu_q_lens[S]`` return zeros. Rows are processed ``token_chunk`` at a time; within a
     block, each sequence present gathers its pages once (``step_tokens`` keys
     per step) and scores all the block's rows in one matmul, so cost is
     (sequences per block) x block x context. The defaults were the fastest on
@@ -273,11 +273,11 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens,
     cu = cu_q_lens.astype(jnp.int32)
     kv_lens = kv_lens.astype(jnp.int32)
     rows = jnp.arange(t, dtype=jnp.int32)
-    # Row -> sequence: the last s with cu[s] <= row. Rows past cu[S] get an
-    # index clamped into range and position -1 (they see nothing).
+    # Row -> sequence: the last s with cu[s] <= row. Rows outside cu[0]..cu[S]
+    # get an index clamped into range and position -1 (they see nothing).
     seq = jnp.clip(jnp.searchsorted(cu, rows, side="right") - 1, 0, s - 1)
     pos = kv_lens[seq] - (cu[seq + 1] - cu[seq]) + (rows - cu[seq])
-    pos = jnp.where(rows < cu[s], pos, -1)
+    pos = jnp.where((rows >= cu[0]) & (rows < cu[s]), pos, -1)
 
     chunk = max(1, min(int(token_chunk), t))
     pad = -t % chunk

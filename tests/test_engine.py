@@ -101,6 +101,35 @@ def test_concurrent_greedy_matches_transformers(engine, qwen2_5_omni_hf_model):
     assert_pool_empty(engine)
 
 
+def test_decodes_and_a_prefill_chunk_run_as_one_device_call(engine, qwen2_5_omni_hf_model):
+    """A step mixing decodes with a prompt chunk is one call of the step program (the decodes
+    through the decode kernel inside it); every request still decodes as transformers does."""
+    rng = np.random.default_rng(7)
+    early = {f"early{i}": rng.integers(0, 151000, n) for i, n in enumerate((6, 11))}
+    late = rng.integers(0, 151000, 50)  # longer than the 32-token budget: chunked next to decodes
+    calls, run = [], engine.runner._step_fn
+    engine.runner._step_fn = lambda *a, **k: calls.append(a[4]) or run(*a, **k)
+    try:
+        for rid, ids in early.items():
+            engine.add_request(rid, ids, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+        tokens, steps = {}, engine.stats["steps"]
+        while engine.has_unfinished():
+            for o in engine.step():
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if "late" not in tokens and engine.stats["steps"] == steps + 1:
+                engine.add_request("late", late, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+                tokens["late"] = []
+    finally:
+        engine.runner._step_fn = run
+    # Async scheduling may launch a step ahead of the one it finishes: count the finished ones.
+    assert len(calls) == engine.stats["steps"] - steps
+    assert sum(not m.decode_only and int(m.num_decodes) > 0 for m in calls) >= 2  # mixed steps
+    for rid, ids in {**early, "late": late}.items():
+        assert tokens[rid] == hf_greedy(qwen2_5_omni_hf_model, ids), rid
+    assert engine.stats["decode_steps"] + engine.stats["prefill_steps"] == engine.stats["steps"]
+    assert_pool_empty(engine)
+
+
 def test_prefix_cache_hits_and_same_tokens(engine, qwen2_5_omni_hf_model):
     prompt = np.random.default_rng(5).integers(0, 151000, 60)
     engine.add_request("first", prompt, SamplingParams(temperature=0.0, max_tokens=4))

@@ -262,6 +262,46 @@ def test_ragged_single_token_chunks_equal_decode():
     assert not np.asarray(ragged[-1]).any()
 
 
+def test_ragged_rows_before_the_first_sequence_see_nothing():
+    """cu_q_lens[0] > 0: the rows before it belong to no sequence (a mixed step's decode rows,
+    see test_mixed_step_attends_decodes_and_chunks_in_one_call)."""
+    q_lens, kv_lens, rows = ragged_batch(16)
+    k, v, tables = make_cache(11, kv_lens, 4, 64, 16, F32, width=5)
+    q = make_q(11, rows + 3, 8, 64, F32)
+    cu = cu_of(q_lens) + 3
+    args = (q, k, v, tables, jnp.asarray(kv_lens, jnp.int32), cu)
+    want = naive_ragged(*args)
+    for out in (ragged_paged_attention(*args, interpret=True), reference.ragged_paged_attention(*args)):
+        assert_close(out, want, F32)
+        assert not np.asarray(out[:3]).any()
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_mixed_step_attends_decodes_and_chunks_in_one_call(window):
+    """The attention layer's mixed step: `num_decodes` one-token sequences first (decode kernel),
+    then prefill chunks (ragged kernel), equal to every sequence scored on its own."""
+    from omni_jax.models.layers.attention import AttentionMetadata, paged_attention_step
+
+    bs, hq, hkv, d = 16, 8, 2, 64
+    q_lens = [1, 1, 1, 5, 37, 1, 0]          # three decodes, two chunks, a one-token chunk, padding
+    kv_lens = [3 * bs + 2, 1, bs, 21, 37, 2 * bs + 5, 0]
+    rows = sum(q_lens) + 6
+    k, v, tables = make_cache(12, kv_lens, hkv, d, bs, F32, width=5)
+    q = make_q(12, rows, hq, d, F32)
+    cu = cu_of(q_lens)
+    # New K/V go to the dummy block: the pages keep the keys the naive attention reads.
+    meta = AttentionMetadata(mode="paged", backend="reference", slot_mapping=jnp.zeros(rows, jnp.int32),
+                             block_tables=tables, kv_lens=jnp.asarray(kv_lens, jnp.int32), cu_q_lens=cu,
+                             num_decodes=jnp.int32(3))
+    zeros = jnp.zeros((rows, hkv, d), F32)
+    scale = d ** -0.5
+    out, _ = paged_attention_step(q, zeros, zeros, (k, v), meta, scale, sliding_window=window)
+    k_real = k.at[0].set(jnp.nan)  # the step wrote into block 0; the naive attention never reads it
+    want = naive_ragged(q, k_real, v.at[0].set(jnp.nan), tables, jnp.asarray(kv_lens), cu, window=window)
+    assert_close(out, want, F32)
+    assert not np.asarray(out[sum(q_lens):]).any()
+
+
 # ------------------------------------------- references vs naive numpy
 
 

@@ -58,9 +58,9 @@ def recording(engine):
     """Every sampled logits row, step by step (the runner's StepResults)."""
     rows, run = [], engine.runner.execute
     def execute(*a, **k):
-        parts = run(*a, **k)
-        rows.extend(np.asarray(p.logits)[:len(p.sample_rows)] for p in parts)
-        return parts
+        result = run(*a, **k)
+        rows.append(np.asarray(result.logits)[:len(result.sample_rows)])
+        return result
     engine.runner.execute = execute
     return rows
 

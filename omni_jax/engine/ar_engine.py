@@ -167,9 +167,9 @@ class _Launched:
     """A step whose device work is launched and whose outputs are not applied yet."""
 
     sched: Any               # SchedulerOutput
-    parts: list              # runner StepResults
-    draws: list              # per part: (requests, device SampleResult) or None
-    prompt_draws: list       # per part: (rows per request, device prompt LogprobsOutput) or None
+    result: Any              # the runner's StepResult
+    draw: Any                # (requests, device SampleResult) or None
+    prompt_draw: Any         # (rows per request, device prompt LogprobsOutput) or None
     host_time: float         # seconds spent launching it
 
 
@@ -363,24 +363,24 @@ class AREngine:
         want_hidden = any(c.request.data is not None and c.request.data.capture_hidden for c in chunks)
         try:
             tables = sched.block_table_array(self.runner.cfg.max_blocks_per_seq)
-            parts = self.runner.execute(chunks, tables, want_hidden=want_hidden, fed=fed)
-            draws = [self._draw(part, chunks, output_offset) for part in parts]
-            prompt_draws = [self._prompt_draw(part, chunks) for part in parts]
+            result = self.runner.execute(chunks, tables, want_hidden=want_hidden, fed=fed)
+            draw = self._draw(result, chunks, output_offset)
+            prompt_draw = self._prompt_draw(result, chunks)
         except Exception as e:  # fail this step's requests, keep serving
             return self._fail(sched, e)
-        return _Launched(sched, parts, draws, prompt_draws, time.perf_counter() - t0)
+        return _Launched(sched, result, draw, prompt_draw, time.perf_counter() - t0)
 
     def _launch_ahead(self, current: "_Launched") -> "_Launched | list[StageOutput] | None":
         """Launch the decode step after `current`, fed by its tokens on the device, if the
         step allows (see ARScheduler.schedule_ahead); None if not."""
-        if not self.cfg.async_scheduling or len(current.parts) != 1:
+        if not self.cfg.async_scheduling:
             return None
-        part, draw = current.parts[0], current.draws[0]
+        result, draw = current.result, current.draw
         chunks = current.sched.scheduled
         # Only plain decodes: whatever needs the sampled token on the host before the next
         # step (penalty histories, embedding inputs such as after-sample feedback, hidden
         # states) waits.
-        if (part.kind != "decode" or draw is None or part.sample_rows != list(range(len(chunks)))
+        if (result.kind != "decode" or draw is None or result.sample_rows != list(range(len(chunks)))
                 or any(_needs_host_token(c.request) for c in chunks)):
             return None
         nxt = self.scheduler.schedule_ahead(current.sched)
@@ -402,35 +402,27 @@ class AREngine:
     def _finish(self, launched: "_Launched") -> list[StageOutput]:
         """Wait for a launched step's tokens and apply them: finish checks, outputs."""
         t0 = time.perf_counter()
-        sched, parts = launched.sched, launched.parts
+        sched, result = launched.sched, launched.result
         chunks = sched.scheduled
         try:
-            sampled, logprobs, codes, embeds = {}, {}, {}, {}
-            for part, draw in zip(parts, launched.draws):
-                s, lp, c = self._collect(part, draw)
-                sampled.update(s)
-                logprobs.update(lp or {})
-                codes.update(c)
-                embeds.update(self._sampled_embeddings(draw))
-            for draw in launched.prompt_draws:
-                self._collect_prompt(draw)
+            sampled, logprobs, codes = self._collect(result, launched.draw)
+            embeds = self._sampled_embeddings(launched.draw)
+            self._collect_prompt(launched.prompt_draw)
         except Exception as e:
             return self._fail(sched, e)
         step_outputs = self.scheduler.update_from_output(sched, sampled)
         self.stats["steps"] += 1
         self.stats["preemptions"] += len(sched.preempted_request_ids)
-        for part in parts:
-            self.stats[f"{part.kind}_steps"] += 1
+        self.stats[f"{result.kind}_steps"] += 1
         self.stats["step_time"] += launched.host_time + time.perf_counter() - t0
 
         out = []
         hidden_of = {}  # request id -> (first position, {layer: [tokens of this step, H]})
-        for part in parts:
-            for j, ci in enumerate(part.chunk_indices):
-                c = chunks[ci]
-                if part.hidden and c.request.data is not None and c.request.data.capture_hidden:
-                    a, b = part.token_offsets[j], part.token_offsets[j + 1]
-                    hidden_of[c.request_id] = (c.start, {k: v[a:b] for k, v in part.hidden.items()})
+        for j, ci in enumerate(result.chunk_indices):
+            c = chunks[ci]
+            if result.hidden and c.request.data is not None and c.request.data.capture_hidden:
+                a, b = result.token_offsets[j], result.token_offsets[j + 1]
+                hidden_of[c.request_id] = (c.start, {k: v[a:b] for k, v in result.hidden.items()})
         # A request going on sends its new token's layer-0 row now, one step before the token is
         # fed back (the same values again then): a stage reading embeddings need not wait for it.
         for o in step_outputs:
@@ -445,7 +437,7 @@ class AREngine:
                 o.prompt_logprobs = r.prompt_logprobs
             if o.request_id in hidden_of:
                 o.hidden_offset, o.hidden_states = hidden_of[o.request_id]
-            if o.request_id in logprobs:
+            if logprobs and o.request_id in logprobs:
                 o.logprobs = [logprobs[o.request_id]] if o.new_token_ids else None
             if o.request_id in codes and o.new_token_ids:
                 o.codes = codes[o.request_id][None]
@@ -461,7 +453,7 @@ class AREngine:
         return out
 
     def _draw(self, result, chunks, output_offset: int = 0):
-        """Launch the sampler on one part's logits rows: (requests, device result), or None."""
+        """Launch the sampler on the step's logits rows: (requests, device result), or None."""
         rows = result.sample_rows
         if not rows:
             return None
@@ -478,7 +470,7 @@ class AREngine:
         return reqs, self._sample_fn(result.logits, md, flags=flags)
 
     def _prompt_draw(self, result, chunks):
-        """Launch the prompt logprobs of one part's chunks that ask for them and still have
+        """Launch the prompt logprobs of the step's chunks that ask for them and still have
         prompt positions to score: ({request id: (request, positions, rows)}, device result) or None.
 
         Row q of a chunk scores prompt token q + 1; positions already scored (a preempted
@@ -504,7 +496,7 @@ class AREngine:
 
     @staticmethod
     def _collect_prompt(draw) -> None:
-        """Append a part's prompt logprobs to their requests, in prompt order."""
+        """Append the step's prompt logprobs to their requests, in prompt order."""
         if draw is None:
             return
         jobs, res = draw
@@ -520,7 +512,7 @@ class AREngine:
                     "top": list(zip(host.top_token_ids[row, :n].tolist(), host.top_logprobs[row, :n].tolist()))})
 
     def _collect(self, result, draw):
-        """One part's sampled tokens on the host: ({request_id: token}, logprobs or None,
+        """The step's sampled tokens on the host: ({request_id: token}, logprobs or None,
         {request_id: after-sample codes})."""
         if draw is None:
             return {}, None, {}

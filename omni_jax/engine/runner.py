@@ -161,7 +161,7 @@ class StepResult:
     token_offsets: np.ndarray       # [len(chunk_indices) + 1] start of each chunk in the packed tokens
     kind: str                       # "prefill" | "decode"
     bucket: int
-    chunk_indices: list[int]        # which scheduled chunks this part ran (token_offsets follow them)
+    chunk_indices: list[int]        # the scheduled chunks in packed order (token_offsets follow them)
 
 
 def stage_mesh(cfg: RunnerConfig):
@@ -364,15 +364,14 @@ class ModelRunner:
         req_index[:n] = np.arange(n)
         abs_pos[:n] = starts
 
-    def prepare(self, chunks: Sequence[ScheduledChunk], block_tables: np.ndarray):
-        """Pack and pad one step's chunks. `block_tables[i]` belongs to chunks[i]."""
+    def prepare(self, chunks: Sequence[ScheduledChunk], block_tables: np.ndarray, num_decodes: int = 0):
+        """Pack and pad one step's chunks. `block_tables[i]` belongs to chunks[i]; the first
+        `num_decodes` chunks are one-token chunks for the decode kernel (see `execute`)."""
         cfg = self.cfg
         n_chunks = len(chunks)
         lens = np.fromiter((c.num_tokens for c in chunks), np.int64, n_chunks)
         total = int(lens.sum())
-        with_deepstack = any(self._has_deepstack(c) for c in chunks)
-        # DeepStack steps always take the prefill path (its only compiled variant).
-        decode = all(c.num_tokens == 1 for c in chunks) and not with_deepstack
+        decode = num_decodes == n_chunks
         if decode:
             bucket = pick_bucket(n_chunks, cfg.decode_buckets)
             t_pad, s_pad = bucket, bucket
@@ -392,7 +391,7 @@ class ModelRunner:
         overlay = np.zeros((t_pad, self.hidden_size), np.float32) if rich else None
         overlay_mask = np.zeros(t_pad, bool) if rich else None
         extra = np.zeros((t_pad, self.hidden_size), np.float32) if rich else None
-        deepstack = rich and with_deepstack
+        deepstack = rich and any(self._has_deepstack(c) for c in chunks)
         ds = np.zeros((cfg.deepstack_layers, t_pad, self.hidden_size), np.float32) if deepstack else None
         if decode and not rich:
             self._pack_decode(chunks, token_ids, positions, req_index, abs_pos)
@@ -425,7 +424,7 @@ class ModelRunner:
 
         meta = AttentionMetadata(mode="paged", backend=cfg.backend, decode_only=decode,
                                  slot_mapping=slot_mapping, block_tables=tables, kv_lens=kv_lens,
-                                 cu_q_lens=cu_q_lens)
+                                 cu_q_lens=cu_q_lens, num_decodes=None if decode else np.int32(num_decodes))
         return dict(token_ids=token_ids, positions=positions, meta=meta, logits_indices=logits_indices,
                     overlay=overlay, overlay_mask=overlay_mask, extra=extra, rich=rich,
                     deepstack_feats=ds, deepstack=deepstack, kind="decode" if decode else "prefill",
@@ -433,41 +432,35 @@ class ModelRunner:
 
     # -------------------------------------------------------------- execution
     def execute(self, chunks: Sequence[ScheduledChunk], block_tables: np.ndarray,
-                want_hidden: bool = False, fed: jax.Array | None = None) -> list[StepResult]:
-        """Run one step on the device; the KV cache is updated in place.
+                want_hidden: bool = False, fed: jax.Array | None = None) -> StepResult:
+        """Run one step on the device, as one call; the KV cache is updated in place.
 
-        One-token chunks (decodes) and longer chunks (prefills) go to separate
-        device calls, each through the attention path made for it: a mixed batch
-        in the ragged path would score every decode row against a whole block.
-        Each part's `sample_rows` index into `chunks`.
+        One-token chunks (decodes) are packed first and attend through the decode kernel,
+        longer chunks through the ragged one, in the same program (AttentionMetadata.num_decodes):
+        the ragged path would score every decode row against a whole block of rows. The
+        result's `chunk_indices` give that packed order; its `sample_rows` index into `chunks`.
 
         `fed`: the previous step's sampled tokens, still on the device, for a step
         scheduled ahead (async scheduling): chunk i's token is `fed[chunks[i].fed_by_row]`
         (then every chunk is such a decode).
         """
-        # A one-token prompt chunk at a visual token needs DeepStack: prefill path.
+        # A one-token prompt chunk at a visual token needs DeepStack: the ragged path's rows.
         single = [i for i, c in enumerate(chunks) if c.num_tokens == 1 and not self._has_deepstack(c)]
-        multi = sorted(set(range(len(chunks))) - set(single))
-        parts = []
-        for idx in (multi, single):
-            if not idx:
-                continue
-            sub = [chunks[i] for i in idx]
-            b = self.prepare(sub, block_tables[idx])
-            if fed is not None:
-                rows = np.zeros(b["bucket"], np.int32)  # padding rows read row 0: any valid id
-                rows[:len(sub)] = [c.fed_by_row for c in sub]
-                b["token_ids"] = self._feed_fn(fed, rows)
-            logits, captured, final_hidden = self._run(b)
-            sample_hidden = captured.pop("sample_hidden", None)
-            hidden = {}
-            if want_hidden and captured:
-                hidden = {k: np.asarray(v)[:b["total"]] for k, v in captured.items()}
-            parts.append(StepResult(logits=logits, sample_hidden=sample_hidden, final_hidden=final_hidden,
-                                    sample_rows=[idx[j] for j in b["sample_rows"]],
-                                    hidden=hidden, token_offsets=b["offsets"], kind=b["kind"],
-                                    bucket=b["bucket"], chunk_indices=idx))
-        return parts
+        order = single + sorted(set(range(len(chunks))) - set(single))
+        packed = [chunks[i] for i in order]
+        b = self.prepare(packed, block_tables[order], num_decodes=len(single))
+        if fed is not None:
+            rows = np.zeros(b["bucket"], np.int32)  # padding rows read row 0: any valid id
+            rows[:len(packed)] = [c.fed_by_row for c in packed]
+            b["token_ids"] = self._feed_fn(fed, rows)
+        logits, captured, final_hidden = self._run(b)
+        sample_hidden = captured.pop("sample_hidden", None)
+        hidden = {}
+        if want_hidden and captured:
+            hidden = {k: np.asarray(v)[:b["total"]] for k, v in captured.items()}
+        return StepResult(logits=logits, sample_hidden=sample_hidden, final_hidden=final_hidden,
+                          sample_rows=[order[j] for j in b["sample_rows"]], hidden=hidden,
+                          token_offsets=b["offsets"], kind=b["kind"], bucket=b["bucket"], chunk_indices=order)
 
     def _run(self, b):
         if b["rich"]:
@@ -517,12 +510,14 @@ class ModelRunner:
     def _dummy_batch(self, kind: str, size: int, rich: bool, deepstack: bool = False):
         """All-padding inputs of one bucket: every write lands in the dummy block."""
         cfg = self.cfg
-        s_pad = size if kind == "decode" else cfg.max_num_seqs
+        decode = kind == "decode"
+        s_pad = size if decode else cfg.max_num_seqs
         meta = AttentionMetadata(
-            mode="paged", backend=cfg.backend, decode_only=kind == "decode",
+            mode="paged", backend=cfg.backend, decode_only=decode,
             slot_mapping=(np.arange(size) % cfg.block_size).astype(np.int32),
             block_tables=np.zeros((s_pad, cfg.max_blocks_per_seq), np.int32),
-            kv_lens=np.zeros(s_pad, np.int32), cu_q_lens=np.zeros(s_pad + 1, np.int32))
+            kv_lens=np.zeros(s_pad, np.int32), cu_q_lens=np.zeros(s_pad + 1, np.int32),
+            num_decodes=None if decode else np.int32(0))
         h = self.hidden_size
         return dict(token_ids=np.zeros(size, np.int32), positions=np.zeros((3, size), np.int32), meta=meta,
                     logits_indices=np.zeros(s_pad, np.int32),

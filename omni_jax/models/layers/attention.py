@@ -7,10 +7,12 @@ described by :class:`AttentionMetadata`:
   of its own segment (``segment_ids``; -1 marks padding). This is the reference path
   used for parity tests and one-shot full-sequence forwards.
 * ``mode="paged"``: new K/V are written into the paged cache at ``slot_mapping``,
-  then attention reads the pages through the block tables: the ragged prefill kernel
-  for mixed chunks, the decode kernel when every sequence brings one token
-  (``decode_only``). ``backend`` picks the Pallas kernels ("pallas", GPU) or their
-  pure-JAX references ("reference", CPU).
+  then attention reads the pages through the block tables: the decode kernel when
+  every sequence brings one token (``decode_only``); otherwise the ragged prefill
+  kernel, and, when ``num_decodes`` is given, the decode kernel for the first
+  ``num_decodes`` sequences, which bring one token each in the first rows. So one
+  step of decodes and prefill chunks is one device call. ``backend`` picks the Pallas
+  kernels ("pallas", GPU) or their pure-JAX references ("reference", CPU).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class AttentionMetadata:
     block_tables: jnp.ndarray | None = None  # [S, max_blocks]
     kv_lens: jnp.ndarray | None = None       # [S] cached + new tokens
     cu_q_lens: jnp.ndarray | None = None     # [S+1]
+    num_decodes: jnp.ndarray | None = None   # [] int32: leading one-token sequences (not decode_only)
 
     @staticmethod
     def dense(num_tokens: int, segment_ids=None) -> "AttentionMetadata":
@@ -110,10 +113,22 @@ def _paged_attention_local(q, k, v, kv_cache, meta: AttentionMetadata, sm_scale,
     if meta.decode_only:
         out = ops.paged_attention(q, k_pages, v_pages, meta.block_tables, meta.kv_lens,
                                   sm_scale=sm_scale, sliding_window=sliding_window)
-    else:
-        out = ops.ragged_paged_attention(q, k_pages, v_pages, meta.block_tables, meta.kv_lens,
-                                         meta.cu_q_lens, sm_scale=sm_scale,
-                                         sliding_window=sliding_window)
+        return out, (k_pages, v_pages)
+    cu_q_lens = meta.cu_q_lens
+    if meta.num_decodes is not None:
+        # The decode sequences become empty ones just past their rows: the ragged kernel then
+        # leaves those rows alone instead of scoring each against a whole block of rows.
+        cu_q_lens = jnp.maximum(cu_q_lens, meta.num_decodes)
+    out = ops.ragged_paged_attention(q, k_pages, v_pages, meta.block_tables, meta.kv_lens, cu_q_lens,
+                                     sm_scale=sm_scale, sliding_window=sliding_window)
+    if meta.num_decodes is not None:
+        # Sequence i < num_decodes owns row i; the rest of the first d rows see nothing here.
+        d = min(q.shape[0], meta.kv_lens.shape[0])
+        mine = jnp.arange(d) < meta.num_decodes
+        dec = ops.paged_attention(q[:d], k_pages, v_pages, meta.block_tables[:d],
+                                  jnp.where(mine, meta.kv_lens[:d], 0),
+                                  sm_scale=sm_scale, sliding_window=sliding_window)
+        out = out.at[:d].set(jnp.where(mine[:, None, None], dec, out[:d]))
     return out, (k_pages, v_pages)
 
 

@@ -328,6 +328,10 @@ def test_streamed_text_and_stop_strings(tmp_path_factory):
     assert (tokens, texts) == sync[:2]
     assert final["t2"].finish_reason == "stop" and final["t2"].stop_reason == stop
     assert texts["t2"] == full[:full.find(stop)] and len(tokens["t2"]) < 12
+    # Stop strings wait for min_tokens, as stop ids do.
+    waited = [plain[0], plain[1], SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12, stop=[stop])]
+    tokens, texts, final = run(True, waited)
+    assert final["t2"].finish_reason == "length" and len(tokens["t2"]) == 12 and stop in texts["t2"]
 
 
 def run_all_text(engine, max_steps=500):
@@ -360,8 +364,8 @@ def test_incremental_detokenizer_matches_whole_decode(stops):
         out, stopped, i = "", None, 0
         while i < len(ids) and stopped is None:
             n = int(rng.integers(1, 4))
-            delta, stopped = det.update(ids[i:i + n])
-            out += delta
+            stopped = det.update(ids[i:i + n])
+            out += det.take()
             i += n
         whole = tok.decode(ids[:i], skip_special_tokens=True)
         if stopped is None:

@@ -84,7 +84,8 @@ class _Detokenizer:
         self.prefix_offset = 0  # the window starts here: context tokens, text already out
         self.read_offset = 0    # the tokens before this one are in `text`
         self.text = ""
-        self.sent = 0
+        self.sent = 0   # text[:sent] is out
+        self.ready = 0  # text[:ready] may go out
 
     def _read(self, final: bool = False) -> None:
         """Append the text of the tokens past read_offset once it is whole."""
@@ -102,26 +103,33 @@ class _Detokenizer:
             self.text += window[len(prefix):]
             self.prefix_offset, self.read_offset = self.read_offset, len(ids)
 
-    def update(self, new_token_ids: Sequence[int]) -> tuple[str, str | None]:
-        """New text after these tokens (held back while it may still grow into a stop string)."""
+    def update(self, new_token_ids: Sequence[int], check_stops: bool = True) -> str | None:
+        """Take these tokens; the stop string their text reaches, if `check_stops` (the
+        scheduler's finish check calls this). Text stays held back while it may still grow
+        into a stop string; `take` hands out the rest."""
         self.token_ids.extend(new_token_ids)
         self._read()
         full = self.text
-        for stop in self.stops:
-            at = full.find(stop, max(0, self.sent - len(stop) + 1))
-            if at >= 0:
-                end = at + len(stop) if self.include_stop else at
-                delta, self.sent = full[self.sent:end], end
-                return delta, stop
+        if check_stops:
+            for stop in self.stops:
+                at = full.find(stop, max(0, self.sent - len(stop) + 1))
+                if at >= 0:
+                    self.ready = at + len(stop) if self.include_stop else at
+                    return stop
         hold = max((len(s) - 1 for s in self.stops), default=0)
-        end = max(self.sent, len(full) - hold)
-        delta, self.sent = full[self.sent:end], end
-        return delta, None
+        self.ready = max(self.ready, len(full) - hold)
+        return None
+
+    def take(self) -> str:
+        """The text ready since the last call."""
+        delta, self.sent = self.text[self.sent:self.ready], max(self.sent, self.ready)
+        return delta
 
     def flush(self) -> str:
         """The text not out yet, at the end of the request."""
         self._read(final=True)
         delta, self.sent = self.text[self.sent:], len(self.text)
+        self.ready = self.sent
         return delta
 
 
@@ -274,6 +282,8 @@ class AREngine:
         req = Request(request_id, ids, params, arrival_time=arrival_time, mm_hashes=mm_hashes,
                       has_prompt_embeds=rich, cache_salt=_prompt_embeds_salt(inputs, rich),
                       eos_token_ids=self.cfg.eos_token_ids, data=inputs)
+        if self.tokenizer is not None:
+            req.detokenizer = _Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
         if stream:
             req.input_limit = len(ids) + (0 if inputs.extra_embeds is None else len(inputs.extra_embeds))
             self._streamed[request_id] = _StreamedRows(inputs.extra_embeds, extra_proj)
@@ -282,8 +292,8 @@ class AREngine:
         except ValueError as e:
             self._streamed.pop(request_id, None)
             raise RequestError(f"request {request_id!r}: {e}") from None
-        if self.tokenizer is not None:
-            self._detok[request_id] = _Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
+        if req.detokenizer is not None:  # kept past the request's release, for its last text
+            self._detok[request_id] = req.detokenizer
 
     def _check_overlay(self, request_id: str, inputs: StageInputs, num_prompt: int) -> None:
         """RequestError unless the overlay rows fit the model and the index fits the prompt
@@ -577,12 +587,7 @@ class AREngine:
         det = self._detok.get(eo.request_id)
         if det is None:
             return
-        if eo.new_token_ids:
-            delta, stop = det.update(eo.new_token_ids)
-            eo.text_delta = delta
-            if stop is not None and not eo.finished:
-                self.scheduler.finish_request(eo.request_id, reason="stop", stop_reason=stop)
-                eo.finished, eo.finish_reason, eo.stop_reason = True, "stop", stop
+        eo.text_delta = det.take()  # the scheduler fed it this step's tokens
         if eo.finished:
             if not isinstance(eo.stop_reason, str):
                 eo.text_delta += det.flush()

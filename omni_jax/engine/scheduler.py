@@ -221,7 +221,7 @@ class _QueueScheduler:
         stop_reason: Optional[int | str] = None,
         error: Optional[str] = None,
     ) -> bool:
-        """Finish a request from outside (stop string, abort, error) wherever it is.
+        """Finish a request from outside (abort, error) wherever it is.
 
         Frees its resources at once. False if the id is unknown or already finished.
         """
@@ -470,15 +470,23 @@ class ARScheduler(_QueueScheduler):
 
     # -- results -------------------------------------------------------------------------------
     def _check_stop(self, req: Request, token: int) -> bool:
-        """Apply the finish conditions after `token` was appended; True if it finished."""
-        if req.num_output_tokens >= req.min_tokens:
+        """Apply the finish conditions after `token` was appended; True if it finished.
+
+        The one place a request's own end is decided: end ids, stop ids, stop strings (found by
+        its detokenizer, which takes every token), lengths. Aborts and errors come from outside
+        (finish_request)."""
+        may_stop = req.num_output_tokens >= req.min_tokens
+        stop_string = None
+        if req.detokenizer is not None:
+            stop_string = req.detokenizer.update([token], check_stops=may_stop)
+        if may_stop:
             eos = req.eos_token_ids if req.eos_token_ids is not None else self.eos_token_ids
             if not req.ignore_eos and token in eos:
                 req.status = RequestStatus.FINISHED_STOPPED
                 return True
-            if token in req.stop_token_ids:
+            if token in req.stop_token_ids or stop_string is not None:
                 req.status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = token
+                req.stop_reason = token if stop_string is None else stop_string
                 return True
         if (req.max_tokens is not None and req.num_output_tokens >= req.max_tokens) or req.num_tokens >= self.max_len:
             req.status = RequestStatus.FINISHED_LENGTH_CAPPED

@@ -141,8 +141,8 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens,
     already in the pages; block_tables: int32 [S, max_blocks]. Row i of
     sequence s is at position kv_lens[s] - q_len_s + i and attends to
     positions <= its own (the last ``sliding_window`` of them if set). Rows
-    before cu_q_lens[0] or past cu_q_lens[S] return zeros. Tuning: ``block_q`` query tokens per tile
-    (default: the table's rows / padded group), ``pages_per_compute_block``
+    before cu_q_lens[0] or past cu_q_lens[S] return zeros. Tuning: ``block_q``
+    query tokens per tile (default: the table's rows / padded group), ``pages_per_compute_block``
     (default: the table's KV tokens per step), Triton ``num_warps``/``num_stages``; unset
     ones come from ``PREFILL_TUNING`` for the GPU being compiled for.
     Returns [T, Hq, D] in q's dtype.

@@ -257,13 +257,14 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens,
     ``cu_q_lens[s]:cu_q_lens[s+1]`` and ``kv_lens[s]`` = cached + new tokens
     (new K/V already in the pages). Row i of sequence s sits at absolute
     position ``kv_lens[s] - q_len_s + i``. Rows before ``cu_q_lens[0]`` or
-    at or past ``cu_q_lens[S]`` return zeros. Rows are processed ``token_chunk`` at a time; within a
-    block, each sequence present gathers its pages once (``step_tokens`` keys
-    per step) and scores all the block's rows in one matmul, so cost is
-    (sequences per block) x block x context. The defaults were the fastest on
-    CPU for both short and long chunks (small key steps waste less of the
-    causal triangle). Many one-row sequences in a step are better served by
-    :func:`paged_attention`. Returns [T, Hq, D] in q's dtype.
+    at or past ``cu_q_lens[S]`` return zeros. Rows are processed
+    ``token_chunk`` at a time; within a block, each sequence present gathers
+    its pages once (``step_tokens`` keys per step) and scores all the block's
+    rows in one matmul, so cost is (sequences per block) x block x context.
+    The defaults were the fastest on CPU for both short and long chunks (small
+    key steps waste less of the causal triangle). Many one-row sequences in a
+    step are better served by :func:`paged_attention` (the attention layer
+    sends a mixed step's decodes there). Returns [T, Hq, D] in q's dtype.
     """
     del interpret, tuning
     t, hq, d = q.shape

@@ -107,8 +107,8 @@ class Request:
         # (vLLM-Omni's WAITING_FOR_CHUNK) and is skipped, keeping its KV, until it arrives.
         self.input_limit: Optional[int] = None
         self.stop_reason: Optional[int | str] = None  # the stop token id or stop string that ended it
-        # The engine's incremental detokenizer (None without a tokenizer or stop strings to find):
-        # the scheduler hands it each appended token, and it names the stop string that ends the text.
+        # The engine's incremental detokenizer (None in a stage without a tokenizer): the
+        # scheduler hands it each appended token, and it names the stop string that ends the text.
         self.detokenizer: Any = None
         self.error: Optional[str] = None
         # Chained prefix-cache hashes of the full blocks, filled incrementally by the KV cache manager.

@@ -78,6 +78,8 @@ class _Detokenizer:
 
     def __init__(self, tokenizer, stops: Sequence[str], include_stop: bool):
         self.tokenizer, self.stops, self.include_stop = tokenizer, list(stops), include_stop
+        # Text held back while it may still grow into a stop string.
+        self.hold = max((len(s) - 1 for s in self.stops), default=0)
         # Its own copy of the output ids: a request that finishes is released by the
         # scheduler before its last token's text is made.
         self.token_ids: list[int] = []
@@ -116,8 +118,7 @@ class _Detokenizer:
                 if at >= 0:
                     self.ready = at + len(stop) if self.include_stop else at
                     return stop
-        hold = max((len(s) - 1 for s in self.stops), default=0)
-        self.ready = max(self.ready, len(full) - hold)
+        self.ready = max(self.ready, len(full) - self.hold)
         return None
 
     def take(self) -> str:
@@ -447,7 +448,7 @@ class AREngine:
                 o.prompt_logprobs = r.prompt_logprobs
             if o.request_id in hidden_of:
                 o.hidden_offset, o.hidden_states = hidden_of[o.request_id]
-            if logprobs and o.request_id in logprobs:
+            if o.request_id in logprobs:
                 o.logprobs = [logprobs[o.request_id]] if o.new_token_ids else None
             if o.request_id in codes and o.new_token_ids:
                 o.codes = codes[o.request_id][None]
@@ -522,17 +523,16 @@ class AREngine:
                     "top": list(zip(host.top_token_ids[row, :n].tolist(), host.top_logprobs[row, :n].tolist()))})
 
     def _collect(self, result, draw):
-        """The step's sampled tokens on the host: ({request_id: token}, logprobs or None,
+        """The step's sampled tokens on the host: ({request_id: token}, {request_id: logprobs},
         {request_id: after-sample codes})."""
         if draw is None:
-            return {}, None, {}
+            return {}, {}, {}
         reqs, res = draw
         tokens = np.asarray(res.token_ids)
         sampled = {r.request_id: int(tokens[j]) for j, r in enumerate(reqs)}
         codes = self._after_sample(result, res.token_ids, reqs) if self.runner.cfg.after_sample else {}
-        lp = None
+        lp = {}
         if res.logprobs is not None:
-            lp = {}
             host = jax.tree.map(np.asarray, res.logprobs)
             for j, r in enumerate(reqs):
                 n = r.sampling_params.logprobs

@@ -67,6 +67,7 @@ def build_models(dtype="float32", seed=0):
 
     from conversion.mapping import load_hf_into
     from omni_jax.models.layers.decoder import DecoderConfig, TextDecoder
+    from omni_jax.models.layers.linear import Linear
 
     torch.manual_seed(seed)
     cfg = hf_config()
@@ -77,8 +78,8 @@ def build_models(dtype="float32", seed=0):
     class CausalLM(nnx.Module):
         def __init__(self, dcfg):
             self.model = TextDecoder(dcfg, dtype=jdt, param_dtype=jdt, rngs=nnx.Rngs(0))
-            self.lm_head = nnx.Linear(dcfg.hidden_size, dcfg.vocab_size, use_bias=False, dtype=jdt,
-                                      param_dtype=jdt, rngs=nnx.Rngs(0))
+            self.lm_head = Linear(dcfg.hidden_size, dcfg.vocab_size, use_bias=False, dtype=jdt,
+                                  param_dtype=jdt, rngs=nnx.Rngs(0))
 
         def embed(self, ids):
             return self.model.embed(ids)

@@ -29,6 +29,7 @@ import kernels_pallas
 from kernels_pallas import reference
 
 from . import parallel
+from .linear import Linear
 from .norms import RMSNorm
 from .rope import apply_rope
 
@@ -154,10 +155,10 @@ class Attention(nnx.Module):
         self.cfg = cfg
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         h, nq, nkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nnx.Linear(h, nq * d, use_bias=cfg.qkv_bias, **kw)
-        self.k_proj = nnx.Linear(h, nkv * d, use_bias=cfg.qkv_bias, **kw)
-        self.v_proj = nnx.Linear(h, nkv * d, use_bias=cfg.qkv_bias, **kw)
-        self.o_proj = nnx.Linear(nq * d, h, use_bias=cfg.o_bias, **kw)
+        self.q_proj = Linear(h, nq * d, use_bias=cfg.qkv_bias, **kw)
+        self.k_proj = Linear(h, nkv * d, use_bias=cfg.qkv_bias, **kw)
+        self.v_proj = Linear(h, nkv * d, use_bias=cfg.qkv_bias, **kw)
+        self.o_proj = Linear(nq * d, h, use_bias=cfg.o_bias, **kw)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)

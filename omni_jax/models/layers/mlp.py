@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from .linear import Linear
+
 ACTIVATIONS = {
     "silu": jax.nn.silu,
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
@@ -20,9 +22,9 @@ class GatedMLP(nnx.Module):
     def __init__(self, hidden: int, intermediate: int, *, act: str = "silu", bias: bool = False,
                  dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         kw = dict(use_bias=bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.gate_proj = nnx.Linear(hidden, intermediate, **kw)
-        self.up_proj = nnx.Linear(hidden, intermediate, **kw)
-        self.down_proj = nnx.Linear(intermediate, hidden, **kw)
+        self.gate_proj = Linear(hidden, intermediate, **kw)
+        self.up_proj = Linear(hidden, intermediate, **kw)
+        self.down_proj = Linear(intermediate, hidden, **kw)
         self.act = ACTIVATIONS[act]
 
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:

@@ -88,6 +88,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from . import parallel
+from .linear import Linear
 from .mlp import ACTIVATIONS, GatedMLP
 
 # lhs [P, in] (rows ragged by expert) x rhs [E, out, in] (contract in) -> [P, out].
@@ -180,7 +181,8 @@ def blocked_grouped_matmul(rows, weights, group_sizes, out_dtype=jnp.float32, bl
         first = jnp.minimum(lo, p - b)
         blk = jax.lax.dynamic_slice_in_dim(rows, first, b, axis=0)
         w = jax.lax.dynamic_index_in_dim(weights, expert[j], axis=0, keepdims=False)  # [out, in]
-        res = jax.lax.dot_general(blk, w, (((1,), (1,)), ((), ())), preferred_element_type=out_dtype)
+        # fp32 accumulation, as in layers.linear (XLA:CPU's fast bf16 matmul produces fp32)
+        res = jax.lax.dot_general(blk, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         idx = first + offs
         mask = ((idx >= lo) & (idx < hi))[:, None]
         cur = jax.lax.dynamic_slice_in_dim(out, first, b, axis=0)
@@ -198,7 +200,7 @@ def ragged_dot_grouped_matmul(rows, weights, group_sizes, out_dtype=jnp.float32)
     """:func:`grouped_matmul` through ``jax.lax.ragged_dot_general`` (a grouped GEMM on TPU only)."""
     return jax.lax.ragged_dot_general(
         rows, weights, group_sizes.astype(jnp.int32), _GROUPED_DIMS,
-        preferred_element_type=out_dtype)
+        preferred_element_type=jnp.float32).astype(out_dtype)
 
 
 def grouped_matmul(rows: jnp.ndarray, weights: jnp.ndarray, group_sizes: jnp.ndarray,
@@ -318,12 +320,12 @@ class SparseMoeBlock(nnx.Module):
         self.cfg = cfg
         self.dtype = dtype
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.gate = nnx.Linear(cfg.hidden_size, cfg.num_experts, use_bias=False, **kw)
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, use_bias=False, **kw)
         self.experts = MoEExperts(cfg, param_dtype=param_dtype, rngs=rngs)
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size,
                                           act=cfg.hidden_act, **kw)
-            self.shared_expert_gate = nnx.Linear(cfg.hidden_size, 1, use_bias=False, **kw)
+            self.shared_expert_gate = Linear(cfg.hidden_size, 1, use_bias=False, **kw)
 
     def __call__(self, x: jnp.ndarray, valid: jnp.ndarray | None = None) -> jnp.ndarray:
         """x [T, H] -> [T, H]; valid [T] bool (optional) marks real tokens (see moe_experts)."""

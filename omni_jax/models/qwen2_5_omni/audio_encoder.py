@@ -37,6 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ..layers.linear import Linear
+
 # transformers' ACT2FN names -> JAX functions ("gelu" is the exact, erf-based GELU).
 _ACTIVATIONS = {
     "gelu": functools.partial(jax.nn.gelu, approximate=False),
@@ -213,7 +215,7 @@ class AudioAttention(nnx.Module):
             raise ValueError(f"d_model {d} is not divisible by {self.num_heads} heads")
         self.head_dim = d // self.num_heads
         self.precision = precision
-        lin = functools.partial(nnx.Linear, d, d, dtype=dtype, param_dtype=param_dtype,
+        lin = functools.partial(Linear, d, d, dtype=dtype, param_dtype=param_dtype,
                                 precision=precision, rngs=rngs)
         self.q_proj = lin()
         self.k_proj = lin(use_bias=False)
@@ -245,10 +247,10 @@ class AudioEncoderLayer(nnx.Module):
         self.self_attn = AudioAttention(config, dtype=dtype, param_dtype=param_dtype,
                                         precision=precision, rngs=rngs)
         self.self_attn_layer_norm = norm()
-        self.fc1 = nnx.Linear(d, config.encoder_ffn_dim, dtype=dtype, param_dtype=param_dtype,
-                              precision=precision, rngs=rngs)
-        self.fc2 = nnx.Linear(config.encoder_ffn_dim, d, dtype=dtype, param_dtype=param_dtype,
-                              precision=precision, rngs=rngs)
+        self.fc1 = Linear(d, config.encoder_ffn_dim, dtype=dtype, param_dtype=param_dtype,
+                          precision=precision, rngs=rngs)
+        self.fc2 = Linear(config.encoder_ffn_dim, d, dtype=dtype, param_dtype=param_dtype,
+                          precision=precision, rngs=rngs)
         self.final_layer_norm = norm()
 
     def __call__(self, x: jax.Array, key_mask: jax.Array) -> jax.Array:
@@ -284,7 +286,7 @@ class Qwen2_5OmniAudioEncoder(nnx.Module):
         self.layers = nnx.List([AudioEncoderLayer(config, **common) for _ in range(config.encoder_layers)])
         self.ln_post = nnx.LayerNorm(d, epsilon=_LN_EPS, use_fast_variance=False,
                                      dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.proj = nnx.Linear(d, config.output_dim, **common)
+        self.proj = Linear(d, config.output_dim, **common)
 
     def __call__(self, input_features: jax.Array, frame_index: jax.Array, frame_mask: jax.Array,
                  token_mask: jax.Array, pool_index: jax.Array) -> jax.Array:

@@ -14,6 +14,7 @@ from typing import Sequence
 import jax.numpy as jnp
 from flax import nnx
 
+from ..layers.linear import Linear
 from ...errors import require
 from ..layers.attention import AttentionMetadata
 from ..layers.decoder import DecoderConfig, TextDecoder
@@ -60,9 +61,9 @@ class Qwen2_5OmniTalker(nnx.Module):
     def __init__(self, cfg: TalkerConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg = cfg
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.thinker_to_talker_proj = nnx.Linear(cfg.embedding_size, cfg.text.hidden_size, **kw)
+        self.thinker_to_talker_proj = Linear(cfg.embedding_size, cfg.text.hidden_size, **kw)
         self.model = TextDecoder(cfg.text, **kw)
-        self.codec_head = nnx.Linear(cfg.text.hidden_size, cfg.text.vocab_size, use_bias=False, **kw)
+        self.codec_head = Linear(cfg.text.hidden_size, cfg.text.vocab_size, use_bias=False, **kw)
 
     def embed(self, token_ids):
         """Codec embeddings [T, embedding_size] (the thinker's width)."""

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ..layers.linear import Linear
 from ...errors import require
 from ..layers.attention import AttentionMetadata
 from ..layers.decoder import DecoderConfig, TextDecoder
@@ -73,7 +74,7 @@ class Qwen2_5OmniThinker(nnx.Module):
         self.model = TextDecoder(cfg.text, **kw)
         self.audio_tower = Qwen2_5OmniAudioEncoder(cfg.audio, **kw)
         self.visual = Qwen2_5OmniVisionEncoder(cfg.vision, **kw)
-        self.lm_head = nnx.Linear(cfg.text.hidden_size, cfg.text.vocab_size, use_bias=False, **kw)
+        self.lm_head = Linear(cfg.text.hidden_size, cfg.text.vocab_size, use_bias=False, **kw)
 
     def embed(self, token_ids):
         """Token embeddings [T, hidden] (placeholders keep their own embedding)."""

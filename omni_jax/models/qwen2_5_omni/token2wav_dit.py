@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from omni_jax.models.layers.linear import Linear
 from omni_jax.models.layers.rope import apply_rope, inv_frequencies, rope_cos_sin
 
 # HF key (relative to "token2wav.code2wav_dit_model.") -> NNX path. The time MLP
@@ -298,7 +299,7 @@ class DiTInputEmbedding(nnx.Module):
 
     def __init__(self, config: DiTConfig, *, rngs, **kw):
         in_dim = config.mel_dim + config.enc_dim + config.enc_emb_dim + config.emb_dim
-        self.proj = nnx.Linear(in_dim, config.hidden_size, rngs=rngs, **kw)
+        self.proj = Linear(in_dim, config.hidden_size, rngs=rngs, **kw)
         self.spk_encoder = ECAPATimeDelayNet(config, rngs=rngs, **kw)
 
     def __call__(self, x, spk, code_embed, cond):
@@ -323,8 +324,8 @@ class TimeMLP(nnx.Module):
     """fc2(SiLU(fc1(x))); HF's ModuleList indexes 0 and 2 (see HF_RENAMES)."""
 
     def __init__(self, in_dim: int, dim: int, *, rngs, **kw):
-        self.fc1 = nnx.Linear(in_dim, dim, rngs=rngs, **kw)
-        self.fc2 = nnx.Linear(dim, dim, rngs=rngs, **kw)
+        self.fc1 = Linear(in_dim, dim, rngs=rngs, **kw)
+        self.fc2 = Linear(dim, dim, rngs=rngs, **kw)
 
     def __call__(self, x):
         return self.fc2(jax.nn.silu(self.fc1(x)))
@@ -349,7 +350,7 @@ class AdaLayerNormZero(nnx.Module):
     """LayerNorm modulated by the time embedding; also returns the gates for attention/MLP."""
 
     def __init__(self, dim: int, *, rngs, **kw):
-        self.linear = nnx.Linear(dim, dim * 6, rngs=rngs, **kw)
+        self.linear = Linear(dim, dim * 6, rngs=rngs, **kw)
 
     def __call__(self, x, emb):
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = jnp.split(
@@ -362,7 +363,7 @@ class AdaLayerNormZeroFinal(nnx.Module):
     """Final modulated LayerNorm (scale first, then shift)."""
 
     def __init__(self, dim: int, *, rngs, **kw):
-        self.linear = nnx.Linear(dim, dim * 2, rngs=rngs, **kw)
+        self.linear = Linear(dim, dim * 2, rngs=rngs, **kw)
 
     def __call__(self, x, emb):
         scale, shift = jnp.split(self.linear(jax.nn.silu(emb)), 2, axis=-1)
@@ -373,8 +374,8 @@ class DiTMLP(nnx.Module):
     """fc2(GELU-tanh(fc1(x))); HF's ModuleList indexes 0 and 3 (see HF_RENAMES)."""
 
     def __init__(self, dim: int, mult: int, *, rngs, **kw):
-        self.fc1 = nnx.Linear(dim, int(dim * mult), rngs=rngs, **kw)
-        self.fc2 = nnx.Linear(int(dim * mult), dim, rngs=rngs, **kw)
+        self.fc1 = Linear(dim, int(dim * mult), rngs=rngs, **kw)
+        self.fc2 = Linear(int(dim * mult), dim, rngs=rngs, **kw)
 
     def __call__(self, x):
         return self.fc2(jax.nn.gelu(self.fc1(x), approximate=True))
@@ -395,10 +396,10 @@ class DiTAttention(nnx.Module):
         self.block_size = config.block_size
         self.precision = precision
         kw = dict(kw, precision=precision, rngs=rngs)
-        self.to_q = nnx.Linear(config.hidden_size, inner, **kw)
-        self.to_k = nnx.Linear(config.hidden_size, inner, **kw)
-        self.to_v = nnx.Linear(config.hidden_size, inner, **kw)
-        self.to_out = nnx.Linear(inner, config.hidden_size, **kw)
+        self.to_q = Linear(config.hidden_size, inner, **kw)
+        self.to_k = Linear(config.hidden_size, inner, **kw)
+        self.to_v = Linear(config.hidden_size, inner, **kw)
+        self.to_out = Linear(inner, config.hidden_size, **kw)
 
     def _rope_head0(self, x, cos, sin):
         # The checkpoint was trained with interleaved RoPE on head 0 only; HF de-interleaves
@@ -480,7 +481,7 @@ class Qwen2_5OmniDiT(nnx.Module):
         self.transformer_blocks = nnx.List([
             DiTDecoderLayer(config, *config.layer_window(i), **kw) for i in range(config.num_hidden_layers)])
         self.norm_out = AdaLayerNormZeroFinal(config.hidden_size, **kw)
-        self.proj_out = nnx.Linear(config.hidden_size, config.mel_dim, **kw)
+        self.proj_out = Linear(config.hidden_size, config.mel_dim, **kw)
 
     # -- pieces ------------------------------------------------------------------------
     def speaker_embedding(self, ref_mel):

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from omni_jax.models.layers.linear import Linear
 from omni_jax.models.layers.mlp import GatedMLP
 from omni_jax.models.layers.norms import RMSNorm
 from omni_jax.models.layers.rope import apply_rope, inv_frequencies
@@ -316,10 +317,10 @@ class VisionAttention(nnx.Module):
         kw = dict(use_bias=True, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.num_heads = config.num_heads
         self.head_dim = config.head_dim
-        self.q = nnx.Linear(dim, dim, **kw)
-        self.k = nnx.Linear(dim, dim, **kw)
-        self.v = nnx.Linear(dim, dim, **kw)
-        self.proj = nnx.Linear(dim, dim, **kw)
+        self.q = Linear(dim, dim, **kw)
+        self.k = Linear(dim, dim, **kw)
+        self.v = Linear(dim, dim, **kw)
+        self.proj = Linear(dim, dim, **kw)
 
     def __call__(self, x, cos, sin, segment_ids, max_segment_len=None):
         n = x.shape[0]
@@ -353,8 +354,8 @@ class MergerMLP(nnx.Module):
 
     def __init__(self, dim_in: int, dim_out: int, *, dtype, param_dtype, rngs: nnx.Rngs):
         kw = dict(use_bias=True, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.fc1 = nnx.Linear(dim_in, dim_in, **kw)
-        self.fc2 = nnx.Linear(dim_in, dim_out, **kw)
+        self.fc1 = Linear(dim_in, dim_in, **kw)
+        self.fc2 = Linear(dim_in, dim_out, **kw)
 
     def __call__(self, x):
         # nn.GELU() default is the exact (erf) form.

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from omni_jax.models.layers.linear import Linear
 from omni_jax.models.qwen2_5_omni.audio_encoder import AudioEncoderConfig as _Qwen25AudioEncoderConfig
 from omni_jax.models.qwen2_5_omni.audio_encoder import (
     _ACTIVATIONS,
@@ -260,7 +261,7 @@ class Qwen3AudioAttention(AudioAttention):
     def __init__(self, config: AudioEncoderConfig, *, dtype, param_dtype, precision, rngs: nnx.Rngs):
         super().__init__(config, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
         d = config.d_model
-        self.k_proj = nnx.Linear(d, d, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
+        self.k_proj = Linear(d, d, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
 
 
 class Qwen3AudioEncoderLayer(AudioEncoderLayer):
@@ -298,12 +299,12 @@ class Qwen3OmniAudioEncoder(nnx.Module):
         self.conv2d1 = conv(1, ds)
         self.conv2d2 = conv(ds, ds)
         self.conv2d3 = conv(ds, ds)
-        self.conv_out = nnx.Linear(ds * config.freq_bins, d, use_bias=False, **common)
+        self.conv_out = Linear(ds * config.freq_bins, d, use_bias=False, **common)
         self.layers = nnx.List([Qwen3AudioEncoderLayer(config, **common) for _ in range(config.encoder_layers)])
         self.ln_post = nnx.LayerNorm(d, epsilon=_LN_EPS, use_fast_variance=False,
                                      dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.proj1 = nnx.Linear(d, d, **common)
-        self.proj2 = nnx.Linear(d, config.output_dim, **common)
+        self.proj1 = Linear(d, d, **common)
+        self.proj2 = Linear(d, config.output_dim, **common)
 
     def __call__(self, input_features: jax.Array, frame_index: jax.Array, frame_mask: jax.Array,
                  chunk_extent: jax.Array, token_index: jax.Array, token_mask: jax.Array,

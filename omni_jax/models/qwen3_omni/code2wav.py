@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ..layers.linear import Linear
 from ..layers.attention import Attention, AttentionConfig, AttentionMetadata
 from ..layers.mlp import GatedMLP
 from ..layers.norms import RMSNorm
@@ -234,8 +235,8 @@ class ConvNeXtBlock(nnx.Module):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.dwconv = CausalConvNet(dim, dim, 7, groups=dim, **kw)
         self.norm = nnx.LayerNorm(dim, epsilon=1e-6, **kw)
-        self.pwconv1 = nnx.Linear(dim, 4 * dim, **kw)
-        self.pwconv2 = nnx.Linear(4 * dim, dim, **kw)
+        self.pwconv1 = Linear(dim, 4 * dim, **kw)
+        self.pwconv2 = Linear(4 * dim, dim, **kw)
         self.gamma = nnx.Param(jnp.full((dim,), 1e-6, param_dtype))
 
     def __call__(self, x, stream: ConvStream | None = None):

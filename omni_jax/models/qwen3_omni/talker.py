@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..layers.linear import Linear
 from ...errors import require
 from ...engine.sampling import apply_top_k_top_p, gumbel_argmax, top_k_top_p_candidates
 from ..layers.attention import AttentionMetadata
@@ -180,8 +181,8 @@ class TalkerResizeMLP(nnx.Module):
     def __init__(self, in_dim: int, inter: int, out_dim: int, act: str, *, dtype=jnp.float32,
                  param_dtype=jnp.float32, rngs: nnx.Rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.linear_fc1 = nnx.Linear(in_dim, inter, **kw)
-        self.linear_fc2 = nnx.Linear(inter, out_dim, **kw)
+        self.linear_fc1 = Linear(in_dim, inter, **kw)
+        self.linear_fc2 = Linear(inter, out_dim, **kw)
         self.act = ACTIVATIONS[act]
 
     def __call__(self, x):
@@ -280,8 +281,8 @@ class Qwen3OmniCodePredictor(nnx.Module):
                  param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.model = CodePredictorModel(cfg, num_code_groups, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.lm_head = nnx.List([
-            nnx.Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype,
-                       rngs=rngs)
+            Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                   rngs=rngs)
             for _ in range(num_code_groups - 1)])
 
 
@@ -327,7 +328,7 @@ class Qwen3OmniTalker(nnx.Module):
                                                text.hidden_size, text.hidden_act, **kw)
         self.hidden_projection = TalkerResizeMLP(cfg.thinker_hidden_size, text.intermediate_size,
                                                  text.hidden_size, text.hidden_act, **kw)
-        self.codec_head = nnx.Linear(text.hidden_size, text.vocab_size, use_bias=False, **kw)
+        self.codec_head = Linear(text.hidden_size, text.vocab_size, use_bias=False, **kw)
         self.code_predictor = Qwen3OmniCodePredictor(cfg.code_predictor, cfg.num_code_groups, **kw)
 
     # --- stage-model contract (AR engine) -----------------------------------------------

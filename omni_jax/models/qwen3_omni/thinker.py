@@ -20,6 +20,7 @@ from typing import Sequence
 import jax.numpy as jnp
 from flax import nnx
 
+from ..layers.linear import Linear
 from ...errors import require
 from ...inputs.rope_index import RopeIndexConfig
 from ..layers.attention import AttentionMetadata
@@ -106,7 +107,7 @@ class Qwen3OmniThinker(nnx.Module):
         self.model = Qwen3TextDecoder(cfg.text, **kw)
         self.audio_tower = Qwen3OmniAudioEncoder(cfg.audio, **kw)
         self.visual = Qwen3OmniVisionEncoder(cfg.vision, **kw)
-        self.lm_head = nnx.Linear(cfg.text.hidden_size, cfg.text.vocab_size, use_bias=False, **kw)
+        self.lm_head = Linear(cfg.text.hidden_size, cfg.text.vocab_size, use_bias=False, **kw)
 
     def embed(self, token_ids):
         """Token embeddings [T, hidden] (placeholders keep their own embedding)."""

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from omni_jax.models.layers.linear import Linear
 from omni_jax.models.layers.rope import apply_rope, inv_frequencies
 from omni_jax.models.qwen2_5_omni.audio_encoder import _ACTIVATIONS
 from omni_jax.models.qwen2_5_omni.vision_encoder import (
@@ -233,8 +234,8 @@ class VisionAttention(nnx.Module):
         kw = dict(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
         self.num_heads = config.num_heads
         self.head_dim = config.head_dim
-        self.qkv = nnx.Linear(dim, 3 * dim, **kw)
-        self.proj = nnx.Linear(dim, dim, **kw)
+        self.qkv = Linear(dim, 3 * dim, **kw)
+        self.proj = Linear(dim, dim, **kw)
 
     def __call__(self, x, cos, sin, segment_ids, max_segment_len=None):
         n = x.shape[0]
@@ -253,8 +254,8 @@ class VisionMLP(nnx.Module):
     def __init__(self, config: VisionEncoderConfig, *, dtype, param_dtype, precision, rngs: nnx.Rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
         self.act = config.hidden_act
-        self.linear_fc1 = nnx.Linear(config.hidden_size, config.intermediate_size, **kw)
-        self.linear_fc2 = nnx.Linear(config.intermediate_size, config.hidden_size, **kw)
+        self.linear_fc1 = Linear(config.hidden_size, config.intermediate_size, **kw)
+        self.linear_fc2 = Linear(config.intermediate_size, config.hidden_size, **kw)
 
     def __call__(self, x):
         return self.linear_fc2(_ACTIVATIONS[self.act](self.linear_fc1(x)))

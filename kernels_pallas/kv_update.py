@@ -19,36 +19,42 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["write_kv_pages"]
+__all__ = ["write_kv_pages", "page_dtype", "page_values", "BF16_BITS"]
+
+
+# Pages of this dtype hold bf16 values as their bits. XLA:CPU gathers and scatters 16-bit
+# floats by converting the whole operand (the cache: 43 MB a layer at the engine benchmark's
+# size) to fp32 and back, and bitcasting bf16 pages to their bits inside a step copies them;
+# integer pages it gathers and scatters in place. So the XLA reference backend keeps a bf16
+# cache as uint16 (`page_dtype`); the Pallas kernels take bf16 pages as they are.
+BF16_BITS = jnp.dtype(jnp.uint16)
+
+
+def page_dtype(kv_dtype, backend: str):
+    """The dtype a KV cache of `kv_dtype` is stored in for `backend` ("pallas" | "reference")."""
+    kv_dtype = jnp.dtype(kv_dtype)
+    return BF16_BITS if backend == "reference" and kv_dtype == jnp.bfloat16 else kv_dtype
+
+
+def page_values(x):
+    """Values read from pages (or gathered from them): bf16 bits become bf16."""
+    return lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == BF16_BITS else x
 
 
 def _scatter_rows(pages, new, slots):
     nb, bs, hkv, d = pages.shape
-    new = new.astype(pages.dtype)
-
-    def as_floats(pages, new, slots):
-        flat = pages.reshape(nb * bs, hkv, d)
-        return flat.at[slots].set(new, mode="drop").reshape(pages.shape)
-
-    def as_bits(pages, new, slots):
-        bits = lax.bitcast_convert_type(pages, jnp.uint16).reshape(nb * bs, hkv, d)
-        bits = bits.at[slots].set(lax.bitcast_convert_type(new, jnp.uint16), mode="drop")
-        return lax.bitcast_convert_type(bits.reshape(pages.shape), pages.dtype)
-
-    if pages.dtype.itemsize != 2:
-        return as_floats(pages, new, slots)
-    # XLA:CPU scatters 16-bit floats by converting the whole cache to fp32 and back
-    # (66 ms a layer for the engine benchmark's bf16 cache); their bits it scatters
-    # as they are. GPUs scatter bf16 natively: only CPU lowerings take the bits.
-    return lax.platform_dependent(pages, new, slots, cpu=as_bits, default=as_floats)
+    if pages.dtype == BF16_BITS:
+        new = lax.bitcast_convert_type(new.astype(jnp.bfloat16), BF16_BITS)
+    flat = pages.reshape(nb * bs, hkv, d)
+    return flat.at[slots].set(new.astype(pages.dtype), mode="drop").reshape(pages.shape)
 
 
 def write_kv_pages(k_pages, v_pages, k_new, v_new, slot_mapping):
     """Returns (k_pages, v_pages) with token t's K/V stored at slot_mapping[t].
 
-    k_pages/v_pages: [num_blocks, block_size, Hkv, D]; k_new/v_new:
-    [T, Hkv, D] (cast to the pages' dtype); slot_mapping: int32 [T]. In place
-    when called from a jitted function that donates the pages.
+    k_pages/v_pages: [num_blocks, block_size, Hkv, D]; k_new/v_new: [T, Hkv, D]
+    (cast to the pages' dtype; to bf16 bits for `BF16_BITS` pages); slot_mapping:
+    int32 [T]. In place when called from a jitted function that donates the pages.
     """
     num_slots = k_pages.shape[0] * k_pages.shape[1]
     slots = slot_mapping.astype(jnp.int32)

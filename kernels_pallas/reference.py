@@ -9,7 +9,9 @@ back to q's dtype.
 Conventions shared with the kernels:
 
 * pages are ``[num_blocks, block_size, num_kv_heads, head_dim]``; block 0 is a
-  reserved dummy block, block tables are padded with 0;
+  reserved dummy block, block tables are padded with 0; here they may also be
+  uint16 pages holding bf16 bits, as the engine stores a bf16 cache for this
+  backend (``kv_update.page_dtype``);
 * a query at absolute position ``p`` attends to key positions ``0..p``, or,
   with ``sliding_window=w``, to ``max(0, p - w + 1)..p`` (exactly ``w``
   tokens including itself);
@@ -26,7 +28,7 @@ from jax import lax
 
 # The production KV write already is plain XLA (a scatter), so the reference
 # is the same function; see kv_update.py for why no kernel is used.
-from kernels_pallas.kv_update import write_kv_pages
+from kernels_pallas.kv_update import page_values, write_kv_pages
 
 __all__ = ["paged_attention", "ragged_paged_attention", "write_kv_pages"]
 
@@ -54,25 +56,8 @@ def _block_diagonal(q):
 
 
 def _gather_pages(pages, blocks):
-    """`pages[blocks]` inside a loop body, bit for bit, without converting all pages.
-
-    XLA:CPU gathers 16-bit floats by converting the operand to fp32 first; inside a
-    loop the pages are invariant, so that convert is hoisted out of the loop and
-    every call converts the whole cache (2 x 43 MB per layer and decode step at the
-    engine benchmark's size: bf16 decode ran 15x slower than fp32). The barrier
-    keeps the pages in the loop, and the gather runs on their bits, which XLA
-    takes as they are.
-    """
-    def as_bits(pages, blocks):
-        # Tied to `blocks` (loop-variant), the barrier cannot be hoisted either.
-        pages, blocks = lax.optimization_barrier((pages, blocks))
-        bits = lax.bitcast_convert_type(pages, jnp.uint16)
-        return lax.bitcast_convert_type(bits[blocks], pages.dtype)
-
-    if pages.dtype.itemsize != 2:
-        return pages[blocks]
-    # GPUs gather bf16 natively: only CPU lowerings take the bits.
-    return lax.platform_dependent(pages, blocks, cpu=as_bits, default=lambda p, b: p[b])
+    """`pages[blocks]` as values (`BF16_BITS` pages are gathered as bits, then read as bf16)."""
+    return page_values(pages[blocks])
 
 
 def _attend(q, k_pages, v_pages, tables, pos, sliding_window, sm_scale,

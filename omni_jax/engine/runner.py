@@ -32,6 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kernels_pallas import page_dtype
+
 from ..models.layers.attention import AttentionMetadata
 from ..models.layers.parallel import TP, kv_heads_stored, use_mesh
 from . import sharding
@@ -192,20 +194,20 @@ class ModelRunner:
         self._param_leaves, self._param_def = jax.tree.flatten(self.state)
         self.hidden_size = hidden_size
         self.dtype = dtype or jax.tree_util.tree_leaves(self.state)[0].dtype
-        kv_dtype = self.cfg.kv_dtype or self.dtype
+        stored_dtype = page_dtype(self.cfg.kv_dtype or self.dtype, self.cfg.backend)
         kv_heads = kv_heads_stored(num_kv_heads, tp)
         if self.cfg.num_blocks is None:
-            per_block = 2 * num_layers * self.cfg.block_size * (kv_heads // tp) * head_dim * jnp.dtype(kv_dtype).itemsize
+            per_block = 2 * num_layers * self.cfg.block_size * (kv_heads // tp) * head_dim * jnp.dtype(stored_dtype).itemsize
             first = None if self.mesh is None else self.mesh.devices.flat[0]
             self.cfg = dataclasses.replace(self.cfg, num_blocks=resolve_num_blocks(self.cfg, per_block, first))
         shape = (self.cfg.num_blocks, self.cfg.block_size, kv_heads, head_dim)
         if self.mesh is None:
-            self.kv_caches = [(jnp.zeros(shape, kv_dtype), jnp.zeros(shape, kv_dtype)) for _ in range(num_layers)]
+            self.kv_caches = [(jnp.zeros(shape, stored_dtype), jnp.zeros(shape, stored_dtype)) for _ in range(num_layers)]
         else:
             # Made in place, shard by shard: never a whole cache on one device.
-            zeros = jax.jit(lambda: jnp.zeros(shape, kv_dtype), out_shardings=sharding.kv_cache_sharding(self.mesh))
+            zeros = jax.jit(lambda: jnp.zeros(shape, stored_dtype), out_shardings=sharding.kv_cache_sharding(self.mesh))
             self.kv_caches = [(zeros(), zeros()) for _ in range(num_layers)]
-        self.kv_bytes = 2 * num_layers * int(np.prod(shape)) * jnp.dtype(kv_dtype).itemsize  # all devices
+        self.kv_bytes = 2 * num_layers * int(np.prod(shape)) * jnp.dtype(stored_dtype).itemsize  # all devices
         self._step_fn = jax.jit(self._forward, static_argnames=("rich", "deepstack"), donate_argnums=(1,))
         self._after_sample_fn = jax.jit(self._after_sample)
         self._feed_fn = jax.jit(lambda fed, rows: jnp.take(fed, rows, axis=0))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -16,9 +19,18 @@ def fp32_accumulating_dot_general(lhs, rhs, dimension_numbers, precision=None,
     on every call, about 2x slower. GPUs accumulate bf16 matmuls in fp32 anyway, so the
     numerics are those of a bf16 GEMM everywhere; for fp32 operands nothing changes.
     """
-    out = jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                              preferred_element_type=jnp.float32, **kwargs)
-    return out.astype(preferred_element_type or jnp.result_type(lhs, rhs))
+    dtype = preferred_element_type or jnp.result_type(lhs, rhs)
+    dot = functools.partial(jax.lax.dot_general, precision=precision, preferred_element_type=jnp.float32,
+                            **kwargs)
+    if (lhs.dtype.itemsize == 2 and math.prod(lhs.shape[:-1]) == 1
+            and dimension_numbers == (((lhs.ndim - 1,), (0,)), ((), ()))):
+        # XLA:CPU makes a one-row matmul a vector-matrix product, which its bf16 path does
+        # not take: it converts the whole weight to fp32 on every call (15x slower for the
+        # engine benchmark's lm_head at batch 1). Two rows keep the matrix path.
+        two = jnp.broadcast_to(lhs.reshape(1, -1), (2, lhs.shape[-1]))
+        out = dot(two, rhs, (((1,), (0,)), ((), ())))[:1]
+        return out.reshape(lhs.shape[:-1] + rhs.shape[1:]).astype(dtype)
+    return dot(lhs, rhs, dimension_numbers).astype(dtype)
 
 
 class Linear(nnx.Linear):

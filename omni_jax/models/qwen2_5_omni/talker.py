@@ -14,10 +14,10 @@ from typing import Sequence
 import jax.numpy as jnp
 from flax import nnx
 
-from ..layers.linear import Linear
 from ...errors import require
 from ..layers.attention import AttentionMetadata
 from ..layers.decoder import DecoderConfig, TextDecoder
+from ..layers.linear import Linear
 
 # Where from_hf reads its token ids (errors name it).
 SECTION = "talker_config"

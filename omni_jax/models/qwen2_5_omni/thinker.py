@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ..layers.linear import Linear
 from ...errors import require
 from ..layers.attention import AttentionMetadata
 from ..layers.decoder import DecoderConfig, TextDecoder
+from ..layers.linear import Linear
 from .audio_encoder import AudioEncoderConfig, Qwen2_5OmniAudioEncoder
 from .vision_encoder import Qwen2_5OmniVisionEncoder, VisionEncoderConfig
 

@@ -37,8 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ..layers.linear import Linear
 from ..layers.attention import Attention, AttentionConfig, AttentionMetadata
+from ..layers.linear import Linear
 from ..layers.mlp import GatedMLP
 from ..layers.norms import RMSNorm
 from ..layers.rope import inv_frequencies, mrope_band_rows, rope_cos_sin

@@ -44,10 +44,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..layers.linear import Linear
 from ...errors import require
 from ...engine.sampling import apply_top_k_top_p, gumbel_argmax, top_k_top_p_candidates
 from ..layers.attention import AttentionMetadata
+from ..layers.linear import Linear
 from ..layers.mlp import ACTIVATIONS
 from ..layers.norms import RMSNorm
 from ..layers.rope import inv_frequencies, mrope_band_rows, rope_cos_sin

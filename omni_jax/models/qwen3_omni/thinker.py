@@ -20,10 +20,10 @@ from typing import Sequence
 import jax.numpy as jnp
 from flax import nnx
 
-from ..layers.linear import Linear
 from ...errors import require
 from ...inputs.rope_index import RopeIndexConfig
 from ..layers.attention import AttentionMetadata
+from ..layers.linear import Linear
 from .audio_encoder import AudioEncoderConfig, Qwen3OmniAudioEncoder
 from .thinker_text import Qwen3TextConfig, Qwen3TextDecoder
 from .vision_encoder import Qwen3OmniVisionEncoder, VisionEncoderConfig

@@ -25,15 +25,16 @@ __all__ = ["write_kv_pages", "page_dtype", "page_values", "BF16_BITS"]
 # Pages of this dtype hold bf16 values as their bits. XLA:CPU gathers and scatters 16-bit
 # floats by converting the whole operand (the cache: 43 MB a layer at the engine benchmark's
 # size) to fp32 and back, and bitcasting bf16 pages to their bits inside a step copies them;
-# integer pages it gathers and scatters in place. So the XLA reference backend keeps a bf16
-# cache as uint16 (`page_dtype`); the Pallas kernels take bf16 pages as they are.
+# integer pages it gathers and scatters in place. So the CPU backends (the XLA reference and
+# kernels_cpu) keep a bf16 cache as uint16 (`page_dtype`); the Pallas kernels take bf16 pages
+# as they are.
 BF16_BITS = jnp.dtype(jnp.uint16)
 
 
 def page_dtype(kv_dtype, backend: str):
-    """The dtype a KV cache of `kv_dtype` is stored in for `backend` ("pallas" | "reference")."""
+    """The dtype a KV cache of `kv_dtype` is stored in for `backend` ("pallas" | "cpu" | "reference")."""
     kv_dtype = jnp.dtype(kv_dtype)
-    return BF16_BITS if backend == "reference" and kv_dtype == jnp.bfloat16 else kv_dtype
+    return BF16_BITS if backend != "pallas" and kv_dtype == jnp.bfloat16 else kv_dtype
 
 
 def page_values(x):

@@ -27,7 +27,7 @@ from typing import Any, Mapping, Sequence
 import msgspec.structs
 import yaml
 
-from .engine.runner import RunnerConfig
+from .engine.runner import BACKENDS, RunnerConfig
 from .engine.sampling import SamplingParams
 from .models.registry import family_names
 
@@ -48,7 +48,6 @@ __all__ = [
 ]
 
 RUNNERS = ("ar", "oneshot")
-BACKENDS = ("pallas", "reference")
 DTYPES = ("float32", "bfloat16")
 OUTPUT_MODALITIES = ("text", "audio")
 PRESETS_DIR = Path(__file__).resolve().parent / "configs"

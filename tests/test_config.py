@@ -234,7 +234,7 @@ def test_negative_value_names_pipeline_stage_and_field():
     ("health_timeout_s", float("inf"), "positive number of seconds"),
     ("auto_restart", "yes", "must be true or false"),
     ("runner", "diffusion", "must be one of 'ar', 'oneshot'"),
-    ("backend", "triton", "must be one of null, 'pallas', 'reference'"),
+    ("backend", "triton", "must be one of null, 'pallas', 'cpu', 'reference'"),
     ("dtype", "float16", "must be one of null, 'float32', 'bfloat16'"),
     ("final_output", "video", "must be one of null, 'text', 'audio'"),
     ("hidden_layers", [0, -1], "integers >= 0"),

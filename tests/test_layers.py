@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("omni_jax", "kernels_pallas", "conversion")
+PACKAGES = ("omni_jax", "kernels_pallas", "kernels_cpu", "conversion")
 
 # Bottom to top; a module belongs to the layer of its longest matching prefix.
 LAYERS = (
-    ("kernels", ("kernels_pallas",)),
+    ("kernels", ("kernels_pallas", "kernels_cpu")),
     ("building blocks", ("omni_jax.models.layers", "omni_jax.errors", "omni_jax.paths")),
     ("engine", ("omni_jax.engine",)),
     ("inputs", ("omni_jax.inputs",)),

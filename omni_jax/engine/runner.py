@@ -34,7 +34,7 @@ from flax import nnx
 
 from kernels_pallas import page_dtype
 
-from ..models.layers.attention import AttentionMetadata
+from ..models.layers.attention import BACKENDS, AttentionMetadata, default_backend
 from ..models.layers.parallel import TP, kv_heads_stored, use_mesh
 from . import sharding
 from .buckets import pick_bucket, pow2_buckets
@@ -87,7 +87,7 @@ class RunnerConfig:
     max_model_len: int = 8192
     token_buckets: tuple[int, ...] | None = None   # prefill; default powers of two from 16
     decode_buckets: tuple[int, ...] | None = None  # decode batch sizes; default powers of two from 1
-    backend: str | None = None                     # "pallas" | "reference"; default from the platform
+    backend: str | None = None                     # a key of BACKENDS; default from the platform
     capture_layers: tuple[int, ...] = ()           # hidden states returned per token (HF indexing)
     rich_inputs: bool = False                      # compile overlay/extra-embedding variants
     deepstack_layers: int = 0                      # DeepStack feature levels the model takes (0: none)
@@ -110,9 +110,9 @@ class RunnerConfig:
             raise ValueError(f"token_buckets {tb} must reach max_num_batched_tokens {self.max_num_batched_tokens}")
         if db[-1] < self.max_num_seqs:
             raise ValueError(f"decode_buckets {db} must reach max_num_seqs {self.max_num_seqs}")
-        backend = self.backend or ("pallas" if jax.default_backend() == "gpu" else "reference")
-        if backend not in ("pallas", "reference"):
-            raise ValueError(f"backend must be 'pallas' or 'reference', got {backend!r}")
+        backend = self.backend or default_backend()
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
         return dataclasses.replace(self, token_buckets=tuple(tb), decode_buckets=tuple(db), backend=backend)
 
     @property

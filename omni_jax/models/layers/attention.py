@@ -12,19 +12,22 @@ described by :class:`AttentionMetadata`:
   kernel, and, when ``num_decodes`` is given, the decode kernel for the first
   ``num_decodes`` sequences, which bring one token each in the first rows. So one
   step of decodes and prefill chunks is one device call. ``backend`` picks the Pallas
-  kernels ("pallas", GPU) or their pure-JAX references ("reference", CPU).
+  kernels ("pallas", GPU), the C++ CPU kernels ("cpu") or the pure-JAX references
+  ("reference"); all three have the same ops (``BACKENDS``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 from jax.sharding import PartitionSpec as P
 
+import kernels_cpu
 import kernels_pallas
 from kernels_pallas import reference
 
@@ -32,6 +35,24 @@ from . import parallel
 from .linear import Linear
 from .norms import RMSNorm
 from .rope import apply_rope
+
+log = logging.getLogger("omni_jax.attention")
+
+# The attention backends by name; each has paged_attention, ragged_paged_attention and
+# write_kv_pages with the same signatures.
+BACKENDS = {"pallas": kernels_pallas, "cpu": kernels_cpu, "reference": reference}
+
+
+def default_backend() -> str:
+    """The Pallas kernels on GPUs; on CPU the C++ kernels, or the XLA reference where they
+    cannot be built (no C++ compiler), with a warning that says why."""
+    if jax.default_backend() == "gpu":
+        return "pallas"
+    why = kernels_cpu.unavailable_reason()
+    if why is not None:
+        log.warning("the CPU attention kernels are unavailable, using the XLA reference: %s", why)
+        return "reference"
+    return "cpu"
 
 
 @struct.dataclass
@@ -108,7 +129,7 @@ def paged_attention_step(q, k, v, kv_cache, meta: AttentionMetadata, sm_scale, s
 
 
 def _paged_attention_local(q, k, v, kv_cache, meta: AttentionMetadata, sm_scale, sliding_window=None):
-    ops = kernels_pallas if meta.backend == "pallas" else reference
+    ops = BACKENDS[meta.backend]
     k_pages, v_pages = kv_cache
     k_pages, v_pages = ops.write_kv_pages(k_pages, v_pages, k, v, meta.slot_mapping)
     if meta.decode_only:

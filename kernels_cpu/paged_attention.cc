@@ -286,6 +286,132 @@ void attend_item(const Pages<PT>& pg, const Item& item, const Row* rows, const Q
   }
 }
 
+// A prefill work item (rows of one sequence, one KV head) as small matrix products: many
+// query rows share each key, so the keys are gathered transposed ([d][key], padded to whole
+// tiles with zeros) and each step multiplies 4 queries by 64 keys in 16 registers, with no
+// horizontal sums; the values are summed 4 (or 2, for head dim 128) queries at a time. Each
+// query keeps its own visible range; scores outside it are never used (probabilities 0).
+template <typename QT, typename PT, int NV>
+void attend_prefill_item(const Pages<PT>& pg, const Item& item, const Row* rows, const QT* q,
+                         QT* out, int64_t hq, float scale, Scratch& s) {
+  constexpr int64_t D = NV * 16, kKeyTile = 64, kQueryTile = 4;
+  constexpr int kValueQueries = NV <= 4 ? 4 : 2;
+  const int64_t hkv = pg.num_kv_heads, G = hq / hkv, bs = pg.block_size, stride = hkv * D;
+  const int64_t h = item.heads;
+  int64_t lo = INT64_MAX, hi = -1;
+  for (int64_t r = item.first; r < item.first + item.count; ++r) {
+    if (rows[r].pos >= std::max<int64_t>(rows[r].lo, 0)) {
+      lo = std::min(lo, rows[r].lo);
+      hi = std::max(hi, rows[r].pos);
+    }
+  }
+  if (hi < 0) return;
+  const int64_t n = hi - lo + 1, padded = (n + kKeyTile - 1) / kKeyTile * kKeyTile;
+  s.k.assign(D * padded, 0.0f);  // [d][key]
+  s.v.resize(n * D);             // [key][d]
+  for (int64_t p = lo / bs; p <= hi / bs; ++p) {
+    const int64_t block = std::min<int64_t>(std::max(item.table[p], 0), pg.num_blocks - 1);
+    const int64_t a = std::max(lo - p * bs, int64_t{0}), e = std::min(hi - p * bs, bs - 1);
+    const PT* kp = pg.k + block * bs * stride + h * D;
+    const PT* vp = pg.v + block * bs * stride + h * D;
+    for (int64_t o = a; o <= e; ++o) {
+      const int64_t t = p * bs + o - lo;
+      for (int64_t i = 0; i < D; ++i) s.k[i * padded + t] = load(kp[o * stride + i]);
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) s.v[t * D + i] = load(vp[o * stride + i]);
+    }
+  }
+  // The item's queries: (row, head) pairs with their visible keys [begin, end) (relative to lo).
+  struct Query {
+    int64_t at, begin, end;
+  };
+  std::vector<Query> queries;
+  for (int64_t r = item.first; r < item.first + item.count; ++r) {
+    const Row& row = rows[r];
+    if (row.pos < std::max<int64_t>(row.lo, 0)) continue;
+    for (int64_t g = 0; g < G; ++g)
+      queries.push_back({(row.row * hq + h * G + g) * D, row.lo - lo, row.pos - lo + 1});
+  }
+  const int64_t nq = static_cast<int64_t>(queries.size());
+  s.q.resize(nq * D);
+  s.scores.resize(nq * padded);
+  for (int64_t j = 0; j < nq; ++j)
+    for (int64_t i = 0; i < D; ++i) s.q[j * D + i] = load(q[queries[j].at + i]) * scale;
+  // Scores, 4 queries x 64 keys per tile, over the keys any of the 4 sees.
+  for (int64_t j0 = 0; j0 < nq; j0 += kQueryTile) {
+    const int64_t jn = std::min(kQueryTile, nq - j0);
+    int64_t begin = INT64_MAX, end = 0;
+    for (int64_t j = j0; j < j0 + jn; ++j) {
+      begin = std::min(begin, queries[j].begin);
+      end = std::max(end, queries[j].end);
+    }
+    const float* qs[kQueryTile];
+    for (int64_t j = 0; j < kQueryTile; ++j) qs[j] = s.q.data() + std::min(j0 + j, nq - 1) * D;
+    for (int64_t t0 = begin / kKeyTile * kKeyTile; t0 < end; t0 += kKeyTile) {
+      v16 acc[kQueryTile][4] = {};
+      for (int64_t i = 0; i < D; ++i) {
+        const float* kt = s.k.data() + i * padded + t0;
+        const v16 k0 = load16(kt), k1 = load16(kt + 16), k2 = load16(kt + 32), k3 = load16(kt + 48);
+        for (int j = 0; j < kQueryTile; ++j) {
+          const float x = qs[j][i];
+          acc[j][0] += x * k0;
+          acc[j][1] += x * k1;
+          acc[j][2] += x * k2;
+          acc[j][3] += x * k3;
+        }
+      }
+      for (int64_t j = 0; j < jn; ++j)
+        std::memcpy(s.scores.data() + (j0 + j) * padded + t0, acc[j], sizeof acc[j]);
+    }
+  }
+  // Softmax of each query over its own keys; zeros elsewhere in its tile's range.
+  const bool round_p = sizeof(PT) == 2;
+  std::vector<float>& inv = s.out;
+  inv.resize(nq);
+  for (int64_t j = 0; j < nq; ++j) {
+    float* sc = s.scores.data() + j * padded;
+    const int64_t b = queries[j].begin, e = queries[j].end;
+    float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+    for (int64_t t = b; t < e; ++t) m = sc[t] > m ? sc[t] : m;
+    float l = 0.0f;
+#pragma omp simd reduction(+ : l)
+    for (int64_t t = b; t < e; ++t) {
+      const float x = exp_nonpositive(sc[t] - m);
+      l += x;
+      sc[t] = round_p ? round_bf16(x) : x;
+    }
+    std::fill(sc, sc + b, 0.0f);
+    std::fill(sc + e, sc + padded, 0.0f);
+    inv[j] = 1.0f / l;
+  }
+  // Values: kValueQueries queries at a time share each value row.
+  for (int64_t j0 = 0; j0 < nq; j0 += kValueQueries) {
+    const int64_t jn = std::min<int64_t>(kValueQueries, nq - j0);
+    int64_t begin = INT64_MAX, end = 0;
+    for (int64_t j = j0; j < j0 + jn; ++j) {
+      begin = std::min(begin, queries[j].begin);
+      end = std::max(end, queries[j].end);
+    }
+    const float* ps[kValueQueries];
+    for (int j = 0; j < kValueQueries; ++j) ps[j] = s.scores.data() + std::min(j0 + j, nq - 1) * padded;
+    v16 acc[kValueQueries][NV] = {};
+    for (int64_t t = begin; t < end; ++t) {
+      v16 vr[NV];
+      for (int i = 0; i < NV; ++i) vr[i] = load16(s.v.data() + t * D + 16 * i);
+      for (int j = 0; j < kValueQueries; ++j) {
+        const float w = ps[j][t];
+        for (int i = 0; i < NV; ++i) acc[j][i] += w * vr[i];
+      }
+    }
+    for (int64_t j = 0; j < jn; ++j) {
+      QT* o = out + queries[j0 + j].at;
+      for (int i = 0; i < NV; ++i)
+        for (int x = 0; x < 16; ++x) store(o + 16 * i + x, acc[j][i][x] * inv[j0 + j]);
+    }
+  }
+}
+
 // body(i) for i in [0, n), on the caller and up to the pool's other threads. Items go to
 // whichever thread asks next; the caller returns when every item is done. A pool task that
 // starts late finds nothing left and returns without touching the call's buffers.
@@ -316,6 +442,12 @@ void run_items(ffi::ThreadPool& pool, const std::vector<Item>& items, const std:
                const QT* q, QT* out, const Pages<PT>& pg, int64_t hq, int64_t d, float scale) {
   parallel_for(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
     thread_local Scratch scratch;
+    // Several rows per item (prefill) go through the tiled path; one row (decode) reads its
+    // pages straight, as it is bound by memory, not arithmetic.
+    if constexpr (NV > 0) {
+      if (items[i].count > 1)
+        return attend_prefill_item<QT, PT, NV>(pg, items[i], rows.data(), q, out, hq, scale, scratch);
+    }
     attend_item<QT, PT, NV>(pg, items[i], rows.data(), q, out, hq, d, scale, scratch);
   });
 }

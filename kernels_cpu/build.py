@@ -4,9 +4,9 @@ The library is built with the host's C++ compiler (`$CXX`, else `c++`) against t
 headers that ship with jaxlib, tuned for this CPU (`-march=native`). It is kept under the
 package (`_build/`, or a per-user temporary directory where that is read-only) with a name
 that hashes everything it depends on: the source, the flags, jaxlib's version and the CPU.
-`.ci/setup` builds it at install time (`build()`); otherwise the first
-engine that uses it builds it (a few seconds). Several processes may build at once: each
-writes its own file and renames it into place.
+`.ci/setup` builds it at install time (`build()`); otherwise the first engine that uses it
+does (a few seconds). Several processes may build at once: each writes its own file and
+renames it into place.
 """
 from __future__ import annotations
 
@@ -88,6 +88,10 @@ def build() -> Path:
         raise KernelBuildError(f"compiling {SOURCE.name} failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}")
     os.replace(tmp, path)
     log.warning("compiled the CPU attention kernels in %.1f s: %s", time.perf_counter() - start, path)
+    # Builds of other sources or machines are stale here (a process that loaded one keeps it).
+    for old in path.parent.glob("paged_attention-*.so"):
+        if old != path:
+            old.unlink(missing_ok=True)
     return path
 
 

@@ -1,10 +1,12 @@
 // Paged attention for XLA:CPU, called through the XLA FFI (kernels_cpu/__init__.py).
 //
 // Why C++: XLA:CPU runs the pure-JAX reference (kernels_pallas/reference.py) as many small
-// batched matmuls plus scatter merges, far below the machine's memory bandwidth. Here each
-// (query row, KV head) reads its sequence's pages once: one pass over K for the scores of the
-// head's whole query group, an exact softmax, one pass over V. Work items spread over XLA's
-// intra-op thread pool.
+// batched matmuls plus scatter merges, far below what the machine can do, and that was most
+// of every engine step. Here a work item is one sequence's rows: it gathers the keys and
+// values they see from the pages once (into fp32, contiguous), then takes an exact softmax
+// per query. Decode items (one row, all KV heads) are bound by reading the pages; prefill
+// items (up to 16 rows, one KV head) by arithmetic, so they run as small register-tiled
+// matrix products. Items spread over XLA's intra-op thread pool.
 //
 // Semantics are the reference's: pages [num_blocks, block_size, Hkv, D] in fp32, bf16, or
 // uint16 holding bf16 bits (how the engine stores a bf16 cache on CPU); a query at position p
@@ -19,7 +21,6 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <string>
 #include <thread>
 #include <vector>
 
@@ -211,48 +212,61 @@ struct Scratch {
   std::vector<float> k, v, scores, q, out;
 };
 
-// One work item: the keys its rows see, lo..hi, are gathered once from the pages into fp32
-// (bf16 converted once), then each row and query head scores them, takes an exact softmax
-// and sums the values.
-template <typename QT, typename PT, int NV>
-void attend_item(const Pages<PT>& pg, const Item& item, const Row* rows, const QT* q, QT* out,
-                 int64_t hq, int64_t d, float scale, Scratch& s) {
-  const int64_t hkv = pg.num_kv_heads, G = hq / hkv, bs = pg.block_size, stride = hkv * d;
-  int64_t lo = INT64_MAX, hi = -1;
+// The keys lo..hi that any of the item's rows sees; false if none sees any.
+inline bool visible_keys(const Item& item, const Row* rows, int64_t& lo, int64_t& hi) {
+  lo = INT64_MAX;
+  hi = -1;
   for (int64_t r = item.first; r < item.first + item.count; ++r) {
     if (rows[r].pos >= std::max<int64_t>(rows[r].lo, 0)) {
       lo = std::min(lo, rows[r].lo);
       hi = std::max(hi, rows[r].pos);
     }
   }
-  if (hi < 0) return;  // nothing visible: the rows stay zeros
-  const int64_t n = hi - lo + 1;
-  const int64_t nh = item.num_heads;
+  return hi >= 0;
+}
+
+// fn(t, k, v) for each key lo + t, t in [0, hi - lo], page by page through the block table;
+// k and v point at the key's row for KV head h (the following heads come next in memory).
+template <typename PT, typename F>
+void for_each_key(const Pages<PT>& pg, const int32_t* table, int64_t lo, int64_t hi, int64_t h,
+                  int64_t d, const F& fn) {
+  const int64_t bs = pg.block_size, stride = pg.num_kv_heads * d;
+  for (int64_t p = lo / bs; p <= hi / bs; ++p) {
+    // A block id out of range (never written by the engine) is clamped, not read past.
+    const int64_t block = std::min<int64_t>(std::max(table[p], 0), pg.num_blocks - 1);
+    const int64_t first = std::max(lo - p * bs, int64_t{0}), last = std::min(hi - p * bs, bs - 1);
+    const PT* k = pg.k + block * bs * stride + h * d;
+    const PT* v = pg.v + block * bs * stride + h * d;
+    for (int64_t o = first; o <= last; ++o) fn(p * bs + o - lo, k + o * stride, v + o * stride);
+  }
+}
+
+// One work item: the keys its rows see, lo..hi, are gathered once from the pages into fp32
+// (bf16 converted once), then each row and query head scores them, takes an exact softmax
+// and sums the values.
+template <typename QT, typename PT, int NV>
+void attend_item(const Pages<PT>& pg, const Item& item, const Row* rows, const QT* q, QT* out,
+                 int64_t hq, int64_t d, float scale, Scratch& s) {
+  const int64_t G = hq / pg.num_kv_heads;
+  int64_t lo, hi;
+  if (!visible_keys(item, rows, lo, hi)) return;  // the rows stay zeros
+  const int64_t n = hi - lo + 1, nh = item.num_heads;
   s.k.resize(nh * n * d);  // [head][key][d]
   s.v.resize(nh * n * d);
   s.scores.resize(n);
   s.q.resize(d);
   s.out.resize(d);
-  for (int64_t p = lo / bs; p <= hi / bs; ++p) {
-    // A block id out of range (never written by the engine) is clamped, not read past.
-    const int64_t block = std::min<int64_t>(std::max(item.table[p], 0), pg.num_blocks - 1);
-    const int64_t a = std::max(lo - p * bs, int64_t{0}), e = std::min(hi - p * bs, bs - 1);
-    const PT* kp = pg.k + block * bs * stride + item.heads * d;
-    const PT* vp = pg.v + block * bs * stride + item.heads * d;
-    for (int64_t o = a; o <= e; ++o) {
-      for (int64_t h = 0; h < nh; ++h) {
-        float* kd = s.k.data() + (h * n + p * bs + o - lo) * d;
-        float* vd = s.v.data() + (h * n + p * bs + o - lo) * d;
-        const PT* ks = kp + o * stride + h * d;
-        const PT* vs = vp + o * stride + h * d;
+  for_each_key(pg, item.table, lo, hi, item.heads, d, [&](int64_t t, const PT* k, const PT* v) {
+    for (int64_t h = 0; h < nh; ++h) {
+      float* kd = s.k.data() + (h * n + t) * d;
+      float* vd = s.v.data() + (h * n + t) * d;
 #pragma omp simd
-        for (int64_t i = 0; i < d; ++i) {
-          kd[i] = load(ks[i]);
-          vd[i] = load(vs[i]);
-        }
+      for (int64_t i = 0; i < d; ++i) {
+        kd[i] = load(k[h * d + i]);
+        vd[i] = load(v[h * d + i]);
       }
     }
-  }
+  });
   const bool round_p = sizeof(PT) == 2;
   for (int64_t r = item.first; r < item.first + item.count; ++r) {
     const Row& row = rows[r];
@@ -296,31 +310,17 @@ void attend_prefill_item(const Pages<PT>& pg, const Item& item, const Row* rows,
                          QT* out, int64_t hq, float scale, Scratch& s) {
   constexpr int64_t D = NV * 16, kKeyTile = 64, kQueryTile = 4;
   constexpr int kValueQueries = NV <= 4 ? 4 : 2;
-  const int64_t hkv = pg.num_kv_heads, G = hq / hkv, bs = pg.block_size, stride = hkv * D;
-  const int64_t h = item.heads;
-  int64_t lo = INT64_MAX, hi = -1;
-  for (int64_t r = item.first; r < item.first + item.count; ++r) {
-    if (rows[r].pos >= std::max<int64_t>(rows[r].lo, 0)) {
-      lo = std::min(lo, rows[r].lo);
-      hi = std::max(hi, rows[r].pos);
-    }
-  }
-  if (hi < 0) return;
+  const int64_t G = hq / pg.num_kv_heads, h = item.heads;
+  int64_t lo, hi;
+  if (!visible_keys(item, rows, lo, hi)) return;
   const int64_t n = hi - lo + 1, padded = (n + kKeyTile - 1) / kKeyTile * kKeyTile;
   s.k.assign(D * padded, 0.0f);  // [d][key]
   s.v.resize(n * D);             // [key][d]
-  for (int64_t p = lo / bs; p <= hi / bs; ++p) {
-    const int64_t block = std::min<int64_t>(std::max(item.table[p], 0), pg.num_blocks - 1);
-    const int64_t a = std::max(lo - p * bs, int64_t{0}), e = std::min(hi - p * bs, bs - 1);
-    const PT* kp = pg.k + block * bs * stride + h * D;
-    const PT* vp = pg.v + block * bs * stride + h * D;
-    for (int64_t o = a; o <= e; ++o) {
-      const int64_t t = p * bs + o - lo;
-      for (int64_t i = 0; i < D; ++i) s.k[i * padded + t] = load(kp[o * stride + i]);
+  for_each_key(pg, item.table, lo, hi, h, D, [&](int64_t t, const PT* k, const PT* v) {
+    for (int64_t i = 0; i < D; ++i) s.k[i * padded + t] = load(k[i]);
 #pragma omp simd
-      for (int64_t i = 0; i < D; ++i) s.v[t * D + i] = load(vp[o * stride + i]);
-    }
-  }
+    for (int64_t i = 0; i < D; ++i) s.v[t * D + i] = load(v[i]);
+  });
   // The item's queries: (row, head) pairs with their visible keys [begin, end) (relative to lo).
   struct Query {
     int64_t at, begin, end;

@@ -258,6 +258,9 @@ def test_ctrl_c_in_generate_aborts_what_it_submitted(omni, monkeypatch):
     aborted, abort = [], omni._orch.abort
     monkeypatch.setattr(omni._orch, "abort", lambda rid: (aborted.append(rid), abort(rid)))
     long = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)  # > 0.5 s at ~1 ms a step
+    # SIGINT raises KeyboardInterrupt, as in a plain Python process: a test runner's worker
+    # (pytest-xdist) or an earlier test's library may have put another handler in place.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     t0 = time.monotonic()
@@ -266,6 +269,7 @@ def test_ctrl_c_in_generate_aborts_what_it_submitted(omni, monkeypatch):
             omni.generate([{"prompt_token_ids": [21, 22, 23 + i]} for i in range(6)], sampling_params=long)
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - t0 < 10
     assert len(set(aborted)) == 6, aborted
     stats = _idle_thinker(omni)

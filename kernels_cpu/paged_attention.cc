@@ -212,6 +212,22 @@ struct Scratch {
   std::vector<float> k, v, scores, q, out;
 };
 
+// Scores x[0..n) become exp(x - max) (rounded to bf16 with round_p, for bf16 values);
+// returns 1 / their sum (taken before rounding, as the reference does).
+inline float softmax_weights(float* x, int64_t n, bool round_p) {
+  float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+  for (int64_t t = 0; t < n; ++t) m = x[t] > m ? x[t] : m;
+  float l = 0.0f;
+#pragma omp simd reduction(+ : l)
+  for (int64_t t = 0; t < n; ++t) {
+    const float e = exp_nonpositive(x[t] - m);
+    l += e;
+    x[t] = round_p ? round_bf16(e) : e;
+  }
+  return 1.0f / l;
+}
+
 // The keys lo..hi that any of the item's rows sees; false if none sees any.
 inline bool visible_keys(const Item& item, const Row* rows, int64_t& lo, int64_t& hi) {
   lo = INT64_MAX;
@@ -279,22 +295,8 @@ void attend_item(const Pages<PT>& pg, const Item& item, const Row* rows, const Q
       for (int64_t i = 0; i < d; ++i) s.q[i] = load(q[at + i]) * scale;
       float* sc = s.scores.data();
       Head<NV>::scores(s.q.data(), keys, len, d, sc);
-      float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-      for (int64_t t = 0; t < len; ++t) m = sc[t] > m ? sc[t] : m;
-      float l = 0.0f;
-#pragma omp simd reduction(+ : l)
-      for (int64_t t = 0; t < len; ++t) {
-        const float e = exp_nonpositive(sc[t] - m);
-        l += e;
-        sc[t] = e;
-      }
-      if (round_p) {
-#pragma omp simd
-        for (int64_t t = 0; t < len; ++t) sc[t] = round_bf16(sc[t]);
-      }
+      const float inv = softmax_weights(sc, len, round_p);
       Head<NV>::weighted_sum(sc, values, len, d, s.out.data());
-      const float inv = 1.0f / l;
       for (int64_t i = 0; i < d; ++i) store(out + at + i, s.out[i] * inv);
     }
   }
@@ -371,19 +373,9 @@ void attend_prefill_item(const Pages<PT>& pg, const Item& item, const Row* rows,
   for (int64_t j = 0; j < nq; ++j) {
     float* sc = s.scores.data() + j * padded;
     const int64_t b = queries[j].begin, e = queries[j].end;
-    float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-    for (int64_t t = b; t < e; ++t) m = sc[t] > m ? sc[t] : m;
-    float l = 0.0f;
-#pragma omp simd reduction(+ : l)
-    for (int64_t t = b; t < e; ++t) {
-      const float x = exp_nonpositive(sc[t] - m);
-      l += x;
-      sc[t] = round_p ? round_bf16(x) : x;
-    }
+    inv[j] = softmax_weights(sc + b, e - b, round_p);
     std::fill(sc, sc + b, 0.0f);
     std::fill(sc + e, sc + padded, 0.0f);
-    inv[j] = 1.0f / l;
   }
   // Values: kValueQueries queries at a time share each value row.
   for (int64_t j0 = 0; j0 < nq; j0 += kValueQueries) {

@@ -3,8 +3,8 @@
 ``paged_attention`` (decode) and ``ragged_paged_attention`` (packed prefill chunks) have the
 signatures and semantics of the Pallas kernels and of their XLA references
 (``kernels_pallas.reference``), which the tests hold them to; they run as XLA FFI custom
-calls of ``paged_attention.cc``, compiled for this machine by ``build.py``. The KV write is
-the shared XLA scatter (``kernels_pallas.kv_update``).
+calls of ``paged_attention.cc``, which ``setup.py`` compiles for this machine when OmniJax is
+installed. The KV write is the shared XLA scatter (``kernels_pallas.kv_update``).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_cpu.build import KernelBuildError, register, unavailable_reason
+from kernels_cpu.library import KernelBuildError, register, unavailable_reason
 from kernels_pallas.kv_update import write_kv_pages
 
 __all__ = ["paged_attention", "ragged_paged_attention", "write_kv_pages", "KernelBuildError",

@@ -594,3 +594,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OmniJaxRaggedPagedAttention, RaggedPagedAttentionI
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<float>("sm_scale")
                                   .Attr<int32_t>("sliding_window"));
+
+// The key setup.py built this library for (kernels_cpu/build_info.py: source, flags, CPU);
+// kernels_cpu/library.py refuses a library whose key no longer matches.
+#ifndef OMNI_JAX_BUILD_KEY
+#error "build through setup.py (pip install -e .): it defines OMNI_JAX_BUILD_KEY"
+#endif
+extern "C" const char* OmniJaxBuildKey() { return OMNI_JAX_BUILD_KEY; }

@@ -27,7 +27,7 @@ step's device work, so only the host work that sticks out counts. On this CPU th
 OmniJax is configured as a user serving this workload on CPU would: every request
 running at once (max_num_seqs 64), a 1024-token step budget (--token-budget),
 16-token blocks, max_model_len 656 (longest prompt + most new tokens). Attention runs
-through the XLA reference path (kernels_pallas/reference.py), the CPU backend.
+through the platform's default backend: on CPU the C++ kernels (kernels_cpu/).
 The machine is usually shared, and two engines at once slow each other down by 2x:
 compare runs taken on a quiet machine (the load averages printed say whether it was).
 """

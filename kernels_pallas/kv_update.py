@@ -46,8 +46,10 @@ def _scatter_rows(pages, new, slots):
     nb, bs, hkv, d = pages.shape
     if pages.dtype == BF16_BITS:
         new = lax.bitcast_convert_type(new.astype(jnp.bfloat16), BF16_BITS)
+    else:
+        new = new.astype(pages.dtype)
     flat = pages.reshape(nb * bs, hkv, d)
-    return flat.at[slots].set(new.astype(pages.dtype), mode="drop").reshape(pages.shape)
+    return flat.at[slots].set(new, mode="drop").reshape(pages.shape)
 
 
 def write_kv_pages(k_pages, v_pages, k_new, v_new, slot_mapping):

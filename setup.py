@@ -1,6 +1,6 @@
 """Compiles the C++ CPU attention kernels (`kernels_cpu/paged_attention.cc`) with the package,
-through setuptools' `build_ext` and the host's C++ compiler ($CXX). Everything else about the
-package is in pyproject.toml.
+through setuptools' `build_ext` and the host's compiler (Python's, or $CC / $CXX). Everything
+else about the package is in pyproject.toml.
 
 The extension is optional: without a working compiler the install still succeeds and the
 engine falls back to the XLA reference attention, with a warning that says why.

@@ -227,6 +227,10 @@ class StageConfig:
     devices: tuple[int, ...] | None = None
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
+    # A stage whose devices sit in several JAX processes (jax.distributed, runtime/spmd.py): each
+    # of the `num_processes` uses `devices` (its local indices, TP * EP / num_processes of them);
+    # process 0 is the stage process and starts the others on this host.
+    num_processes: int = 1
     memory_fraction: float | None = None  # share of the device this stage's process may use
     ready_timeout_s: float = 600.0
     # A ready stage that answers nothing (not even the orchestrator's heartbeat) for this
@@ -323,7 +327,7 @@ class StageConfig:
             set_(name, float(t))
 
     def _validate_placement(self, set_) -> None:
-        for name in ("tensor_parallel_size", "expert_parallel_size"):
+        for name in ("tensor_parallel_size", "expert_parallel_size", "num_processes"):
             set_(name, _positive_int(name, getattr(self, name)))
         if self.device is not None and (not _is_int(self.device) or self.device < 0):
             raise _invalid("device", f"must be null or a device index >= 0, got {self.device!r}")
@@ -340,10 +344,16 @@ class StageConfig:
             set_("devices", (int(self.device),))
         set_("device", None)  # read as devices: one spelling after validation
         n = self.tensor_parallel_size * self.expert_parallel_size
-        if self.devices is not None and len(self.devices) != n:
-            raise _invalid("devices", f"must list tensor_parallel_size * expert_parallel_size = "
-                                      f"{self.tensor_parallel_size} * {self.expert_parallel_size} = {n} "
-                                      f"devices, got {list(self.devices)!r}")
+        if n % self.num_processes:
+            raise _invalid("num_processes", f"must divide tensor_parallel_size * expert_parallel_size = {n} "
+                                            f"(each process holds as many devices), got {self.num_processes}")
+        per_process = n // self.num_processes
+        if self.devices is not None and len(self.devices) != per_process:
+            each, over = ("each process's ", f" / {self.num_processes}") if self.num_processes > 1 else ("", "")
+            raise _invalid("devices", f"must list {each}tensor_parallel_size * expert_parallel_size"
+                                      f"{' / num_processes' if over else ''} = {self.tensor_parallel_size} * "
+                                      f"{self.expert_parallel_size}{over} = {per_process} devices, "
+                                      f"got {list(self.devices)!r}")
         if self.runner == "oneshot" and n > 1:
             field = "tensor_parallel_size" if self.tensor_parallel_size > 1 else "expert_parallel_size"
             raise _invalid(field, "must be 1 on a 'oneshot' stage (vocoders run replicated on one "

@@ -272,6 +272,9 @@ def test_placement_fields():
     q = p.replace_stage("thinker", devices=[0, 1], tensor_parallel_size=2)
     assert q.stage("thinker").devices == (0, 1)
     assert StageConfig.from_dict(q.stage("thinker").to_dict()) == q.stage("thinker")
+    # Over two processes, `devices` are each process's own: 2 x 2 for TP 4.
+    m = StageConfig(name="t", devices=[0, 1], tensor_parallel_size=4, num_processes=2)
+    assert (m.devices, m.num_devices, m.num_processes) == ((0, 1), 4, 2)
 
 
 @pytest.mark.parametrize("kw, field, expected", [
@@ -284,6 +287,11 @@ def test_placement_fields():
     (dict(devices=[-1]), "devices", "integers >= 0"),
     (dict(device=1, devices=[2]), "device", "one-device spelling"),
     (dict(runner="oneshot", tensor_parallel_size=2), "tensor_parallel_size", "'oneshot'"),
+    (dict(num_processes=0), "num_processes", "must be a positive integer"),
+    (dict(num_processes=2), "num_processes", "must divide tensor_parallel_size * expert_parallel_size = 1"),
+    (dict(tensor_parallel_size=4, num_processes=3), "num_processes", "must divide"),
+    (dict(devices=[0, 1, 2, 3], tensor_parallel_size=4, num_processes=2), "devices",
+     "must list each process's tensor_parallel_size * expert_parallel_size / num_processes = 4 * 1 / 2 = 2 devices"),
 ])
 def test_placement_errors_name_the_field(kw, field, expected):
     with pytest.raises(ConfigError) as e:
@@ -352,3 +360,118 @@ def test_speech_pipeline_tensor_parallel(converted_thinker_fp32):
     assert a.shape == b.shape and a.size > 0 and np.abs(a - b).max() <= 1e-4
     # Each stage process picked its devices by index (one-device stages: the default device).
     assert "[omni-jax token2wav INFO] runs on cpu:4" in proc.stderr
+
+
+# ------------------------------------------------------------------ a stage over two processes
+
+MULTIPROCESS_DRIVER = r'''
+import json, os, signal, sys, threading, time
+import numpy as np
+from omni_jax import OmniJax, SamplingParams
+from omni_jax.config import load_pipeline_config
+
+
+def children(pid):
+    """Live child processes of `pid` (from /proc)."""
+    found = []
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+        except OSError:
+            continue
+        if int(ppid) == pid and state != "Z":
+            found.append(int(d))
+    return found
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def compilations(omni):
+    return omni.stage_stats()["thinker"]["num_compilations"]
+
+
+ckpt = sys.argv[1]
+base = load_pipeline_config("qwen2_5_omni_tiny").with_overrides(thinker=dict(
+    token_buckets=[32], decode_buckets=[1, 2], max_num_seqs=2, max_num_batched_tokens=32,
+    audio_chunk_buckets=[1], vision_patch_buckets=[64]))
+pipelines = {"one": base.with_overrides(thinker=dict(devices=[0])),
+             "two": base.with_overrides(thinker=dict(devices=[0, 1], tensor_parallel_size=4, num_processes=2))}
+rng = np.random.default_rng(5)
+prompts = [{"prompt_token_ids": rng.integers(0, 151000, n).tolist()} for n in (17, 40, 9)]
+params = [SamplingParams(temperature=0.0, max_tokens=12),
+          SamplingParams(temperature=0.0, repetition_penalty=1.1, max_tokens=20),  # a 2-chunk prompt
+          SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=16)]
+unseeded = SamplingParams(temperature=1.0, max_tokens=10)  # each process would draw its own seed
+result = {}
+for name, pipeline in pipelines.items():
+    with OmniJax(model=ckpt, pipeline=pipeline, output_modalities=["text"]) as omni:
+        warm = compilations(omni)
+        outs = omni.generate(prompts + prompts[:1], sampling_params=params + [unseeded], use_tqdm=False)
+        r = result[name] = dict(tokens=[o.token_ids for o in outs[:3]], errors=[o.error for o in outs],
+                                unseeded=len(outs[3].token_ids), new_compilations=compilations(omni) - warm)
+        if name != "two":
+            continue
+        leader = omni.stage_pids()["thinker"]
+        followers = children(leader)
+        r["followers"] = len(followers)
+        # Process 1 dies in the middle of a request: the request fails, naming the stage, and the
+        # stage (both processes) starts again and serves.
+        got = []
+        t = threading.Thread(target=lambda: got.extend(omni.generate(
+            prompts[:1], sampling_params=SamplingParams(temperature=0.0, max_tokens=100000, ignore_eos=True),
+            use_tqdm=False)))
+        t.start()
+        time.sleep(2.0)
+        os.kill(followers[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        t.join(60)
+        r["failed_after_s"] = time.monotonic() - t0
+        r["kill_error"] = got[0].error if got else None
+        r["leader_alive"] = alive(leader)
+        while omni.stage_stats()["thinker"].get("healthy") != 1.0:
+            time.sleep(0.5)
+        again = omni.generate(prompts[:1], sampling_params=params[0], use_tqdm=False)[0]
+        r["after_restart"] = again.token_ids
+        # Process 0 dies: its follower goes with it (no orphan).
+        leader = omni.stage_pids()["thinker"]
+        followers = children(leader)
+        os.kill(leader, signal.SIGKILL)
+        t0 = time.monotonic()
+        while any(alive(p) for p in followers) and time.monotonic() - t0 < 10:
+            time.sleep(0.1)
+        r["orphans"] = [p for p in followers if alive(p)]
+print("RESULT" + json.dumps(result))
+'''
+
+
+@pytest.mark.pipeline
+@pytest.mark.slow
+def test_stage_over_two_processes(converted_thinker_fp32):
+    """Issue #18: a thinker at TP 4 over two JAX processes (jax.distributed on loopback, 2 x 2 CPU
+    devices) gives the one-device thinker's tokens, greedy and seeded, through OmniJax.generate,
+    and compiles nothing after warm-up; an unseeded random request does not set the processes
+    apart. Killing process 1 fails the stage's request naming the stage within 10 s, then the
+    stage comes back and serves; killing process 0 takes process 1 with it."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    proc = subprocess.run([sys.executable, "-c", MULTIPROCESS_DRIVER, converted_thinker_fp32], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.split("RESULT", 1)[1])
+    print(json.dumps(result))
+    one, two = result["one"], result["two"]
+    assert one["errors"] == two["errors"] == [None] * 4
+    assert two["tokens"] == one["tokens"] and [len(t) for t in one["tokens"]] == [12, 20, 16]
+    assert two["unseeded"] == one["unseeded"] == 10
+    assert one["new_compilations"] == two["new_compilations"] == 0
+    assert two["followers"] == 1
+    assert "'thinker' died" in two["kill_error"] and two["failed_after_s"] < 10
+    assert two["after_restart"] == one["tokens"][0]
+    assert two["orphans"] == []

@@ -6,6 +6,7 @@ decoder per direction turns a frame into the right class and rejects anything el
 * orchestrator -> stage: `StageRequest` = `AddRequest | AbortRequests | HealthCheck | Shutdown`
 * stage -> orchestrator: `StageReply` = `StageOutputs | Ready | StageFailure | HealthReply`
 * stage -> next stage (direct, never through the orchestrator): `StageData`
+* process 0 of a stage -> its other processes (a stage over several processes): `StageTick`
 
 Fields typed `np.ndarray` (anywhere, including inside lists and dicts) do not go through
 msgpack: `omni_jax.runtime.transport` sends each array as its own ZMQ frame and rebuilds it
@@ -37,6 +38,7 @@ __all__ = [
     "StageOutput",
     "StageOutputs",
     "StageData",
+    "StageTick",
     "Ready",
     "StageFailure",
     "HealthReply",
@@ -317,3 +319,19 @@ class StageData(_Message):
     codes: np.ndarray | None = None
     finished: bool = False
     finish_reason: str | None = None
+
+
+# ---------------------------------------------------------------------------------------
+# Process 0 of a stage -> its other processes
+# ---------------------------------------------------------------------------------------
+
+
+class StageTick(_Message):
+    """One turn of a multi-process stage's loop (runtime/spmd.py): the messages process 0
+    handled, in order, and whether it then stepped the engine. The other processes do the same
+    with theirs, so that every process runs the same device programs. `last_step`: a digest of
+    process 0's outputs at its last step, which each process checks against its own."""
+
+    messages: list[AddRequest | AbortRequests | HealthCheck | Shutdown | StageData] = []
+    step: bool = False
+    last_step: str = ""

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from kernels_pallas import page_dtype
 
@@ -125,19 +126,22 @@ def resolve_num_blocks(cfg: RunnerConfig, bytes_per_block: int, device=None) -> 
     the first), `bytes_per_block` being what one block takes on each device.
 
     On a device without memory stats (CPU) the pool holds max_num_seqs full-length
-    sequences, which is what the scheduler can ever use.
+    sequences, which is what the scheduler can ever use. A stage over several processes takes
+    the smallest count of theirs: they must schedule alike (runtime/spmd.py).
     """
-    stats = (device or jax.devices()[0]).memory_stats() or {}
+    stats = (device or jax.local_devices()[0]).memory_stats() or {}
     limit = stats.get("bytes_limit")
-    want = cfg.max_num_seqs * cdiv(cfg.max_model_len, cfg.block_size) + 1
-    if not limit:
-        return want
-    free = limit - stats.get("bytes_in_use", 0)
-    fit = int(free * cfg.kv_memory_fraction) // bytes_per_block
-    if fit < 2:
-        raise ValueError(f"no device memory left for the KV cache ({free / 2**20:.0f} MiB free, "
-                         f"{bytes_per_block / 2**20:.2f} MiB per block)")
-    return min(fit, want)
+    n = cfg.max_num_seqs * cdiv(cfg.max_model_len, cfg.block_size) + 1
+    if limit:
+        free = limit - stats.get("bytes_in_use", 0)
+        fit = int(free * cfg.kv_memory_fraction) // bytes_per_block
+        if fit < 2:
+            raise ValueError(f"no device memory left for the KV cache ({free / 2**20:.0f} MiB free, "
+                             f"{bytes_per_block / 2**20:.2f} MiB per block)")
+        n = min(fit, n)
+    if jax.process_count() > 1:
+        n = int(multihost_utils.process_allgather(np.int64(n)).min())
+    return n
 
 
 @dataclasses.dataclass
@@ -198,7 +202,7 @@ class ModelRunner:
         kv_heads = kv_heads_stored(num_kv_heads, tp)
         if self.cfg.num_blocks is None:
             per_block = 2 * num_layers * self.cfg.block_size * (kv_heads // tp) * head_dim * jnp.dtype(stored_dtype).itemsize
-            first = None if self.mesh is None else self.mesh.devices.flat[0]
+            first = None if self.mesh is None else self.mesh.local_devices[0]
             self.cfg = dataclasses.replace(self.cfg, num_blocks=resolve_num_blocks(self.cfg, per_block, first))
         shape = (self.cfg.num_blocks, self.cfg.block_size, kv_heads, head_dim)
         if self.mesh is None:

@@ -23,9 +23,10 @@ What is split, and why the rest is not:
   same reason. Small projections between stages (thinker_to_talker_proj, ...) and norms
   are replicated.
 
-Device indices of the stage config are local positions in `jax.devices()`, except in a
-stage process on GPU, which sees only its devices (CUDA_VISIBLE_DEVICES, runtime/stage_worker.py)
-at positions 0..n-1.
+Device indices of the stage config are local positions in the process's devices, except in
+a stage process on GPU, which sees only its devices (CUDA_VISIBLE_DEVICES, runtime/stage_worker.py)
+at positions 0..n-1. A stage over several JAX processes takes the same positions in each
+process, process 0's devices first (runtime/spmd.py).
 """
 
 from __future__ import annotations
@@ -43,28 +44,37 @@ from ..models.layers.parallel import EP, TP, kv_heads_stored
 
 
 def stage_devices(indices: Sequence[int] | None, count: int) -> list:
-    """The jax devices of a stage: `indices` (None: the first `count`), see module docstring."""
-    all_devices = jax.devices()
+    """The jax devices of a stage, `count` in all: `indices` (None: the first) in each JAX
+    process's own devices, process by process (a stage over several processes, runtime/spmd.py);
+    see the module docstring."""
+    num_processes = jax.process_count()
+    if count % num_processes:
+        raise ValueError(f"{count} devices do not divide over {num_processes} processes")
     if indices is None:
-        indices = range(count)
+        indices = range(count // num_processes)
     indices = list(indices)
+    per_process = [[d for d in jax.devices() if d.process_index == p] for p in range(num_processes)]
+    local = per_process[jax.process_index()]
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     if jax.default_backend() == "gpu" and visible == ",".join(map(str, indices)):
         indices = list(range(len(indices)))
-    missing = [i for i in indices if i >= len(all_devices)]
+    missing = [i for i in indices if i >= len(local)]
     if missing:
-        raise ValueError(f"devices {indices}: this process has only {len(all_devices)} devices "
-                         f"({all_devices[0].platform}); no device {missing[0]}")
-    return [all_devices[i] for i in indices]
+        raise ValueError(f"devices {indices}: this process has only {len(local)} devices "
+                         f"({local[0].platform}); no device {missing[0]}")
+    return [devices[i] for devices in per_process for i in indices]
 
 
 def build_mesh(devices: Sequence[int] | None, tensor_parallel_size: int, expert_parallel_size: int) -> Mesh | None:
-    """The stage's ("ep", "tp") mesh, or None for a one-device stage (no mesh, as before)."""
+    """The stage's ("ep", "tp") mesh, or None for a one-device stage (no mesh, as before).
+    `devices`: each process's local indices (see stage_devices)."""
     n = tensor_parallel_size * expert_parallel_size
     if n == 1:
         return None
-    if devices is not None and len(devices) != n:
-        raise ValueError(f"devices {list(devices)} must be tensor_parallel_size * expert_parallel_size = {n}")
+    per_process = n // jax.process_count()
+    if devices is not None and len(devices) != per_process:
+        raise ValueError(f"devices {list(devices)} must be tensor_parallel_size * expert_parallel_size"
+                         f"{' / processes' if jax.process_count() > 1 else ''} = {per_process}")
     grid = np.array(stage_devices(devices, n), dtype=object).reshape(expert_parallel_size, tensor_parallel_size)
     return Mesh(grid, (EP, TP))
 

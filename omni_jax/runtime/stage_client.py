@@ -52,7 +52,12 @@ class StageClient:
         self.num_restarts = 0
 
     def start(self) -> None:
-        self.process = subprocess.Popen(self._argv, stdin=subprocess.DEVNULL)
+        env = None
+        if self.cfg.num_processes > 1:
+            # The processes of one stage must iterate sets alike (runtime/spmd.py); the
+            # others inherit this.
+            env = dict(os.environ, PYTHONHASHSEED=os.environ.get("PYTHONHASHSEED", "0").replace("random", "0"))
+        self.process = subprocess.Popen(self._argv, stdin=subprocess.DEVNULL, env=env)
 
     def restart(self, reason: str) -> None:
         """Kill what is left of the process and start a new one on the same sockets; its `Ready`

@@ -20,6 +20,7 @@ step fails that step's requests (inside the engine) and the loop goes on.
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 import sys
@@ -37,6 +38,7 @@ from ..engine.protocol import (AbortRequests, AddRequest, HealthCheck, HealthRep
 from ..engine.sharding import stage_devices
 from ..models.handoff import UpstreamOutputs
 from ..models.registry import get_family
+from . import spmd
 from .transport import Channel, ProtocolError, stage_addresses
 
 log = logging.getLogger("omni_jax.stage")
@@ -76,12 +78,14 @@ class StageServer:
     """One stage's engine behind its sockets (see module docstring)."""
 
     def __init__(self, stage: StageConfig, engine, family: str, ckpt_dir: str, ipc_dir: str, ctx: zmq.Context,
-                 inbox: Channel, outbox: Channel):
+                 inbox: Channel | None, outbox: Channel | None, leader: spmd.Leader | None = None):
+        """`leader`: this is process 0 of a multi-process stage; inbox and outbox None: one of
+        its other processes (see `follow`), whose replies go nowhere."""
         self.name, self.stage, self.engine = stage.name, stage, engine
         self.family, self.ckpt_dir, self.ipc_dir, self.ctx = family, ckpt_dir, ipc_dir, ctx
-        self.inbox, self.outbox = inbox, outbox
-        self.data_inbox = Channel(zmq.PULL, stage_addresses(ipc_dir, self.name).data, bind=True,
-                                  decode_type=StageData, context=ctx)
+        self.inbox, self.outbox, self.leader = inbox, outbox or _DISCARD, leader
+        self.data_inbox = None if inbox is None else Channel(
+            zmq.PULL, stage_addresses(ipc_dir, self.name).data, bind=True, decode_type=StageData, context=ctx)
         self._handoff = None                       # the family's stage-input functions, on first use
         self._peers: dict[str, Channel] = {}       # stage -> its data inbox
         self.forward: dict[str, str] = {}          # request id -> stage its outputs go to
@@ -90,19 +94,40 @@ class StageServer:
         self.streamed: dict[str, list] = {}        # started, input still coming: id -> [add message, units given]
         self.caller_hidden: dict[str, tuple[list[int], int]] = {}  # id -> (layers, first position) the caller wants
         self.closed: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self.poller = zmq.Poller()
-        self.poller.register(inbox.socket, zmq.POLLIN)
-        self.poller.register(self.data_inbox.socket, zmq.POLLIN)
+        # A stage over several processes: the digest of the last step's outputs (spmd.py).
+        self.last_step = spmd.outputs_digest(()) if leader is not None or inbox is None else None
 
     def serve(self) -> None:
         """Receive, step and send until Shutdown."""
+        poller = zmq.Poller()
+        poller.register(self.inbox.socket, zmq.POLLIN)
+        poller.register(self.data_inbox.socket, zmq.POLLIN)
         running = True
         while running:
-            self.poller.poll(0 if self.engine.has_unfinished() else IDLE_POLL_MS)
+            poller.poll(0 if self.engine.has_unfinished() else IDLE_POLL_MS)
             running = self._drain(self.inbox, self._on_request)
             self._drain(self.data_inbox, self._on_data)
-            if running and self.engine.has_unfinished():
+            step = running and self.engine.has_unfinished()
+            if self.leader is not None:
+                self.leader.publish(step, self.last_step)
+            if step:
                 self._step()
+
+    def follow(self, ticks: Channel) -> None:
+        """Another process of a multi-process stage: do what process 0 did, turn by turn, until
+        Shutdown (runtime/spmd.py)."""
+        steps = 0
+        while True:
+            tick = ticks.recv()
+            if tick.last_step != self.last_step:
+                raise spmd.OutOfStep(f"stage {self.name!r}: this process's outputs at step {steps} differ from "
+                                     f"process 0's")
+            for msg in tick.messages:
+                if (self._on_data(msg) if isinstance(msg, StageData) else self._on_request(msg)) is False:
+                    return
+            if tick.step:
+                self._step()
+                steps += 1
 
     def _drain(self, channel: Channel, handle) -> bool:
         """Handle every queued message; False once Shutdown arrived."""
@@ -116,6 +141,9 @@ class StageServer:
                 continue
             if msg is None:
                 return True
+            if self.leader is not None:
+                msg = self.leader.pin(msg)
+                self.leader.record(msg)
             if handle(msg) is False:
                 return False
 
@@ -238,6 +266,8 @@ class StageServer:
     def _step(self) -> None:
         t = time.perf_counter()
         outputs = self.engine.step()
+        if self.last_step is not None:
+            self.last_step = spmd.outputs_digest(outputs)
         if not outputs:
             return
         replies = []
@@ -272,6 +302,8 @@ class StageServer:
         return rows, o.hidden_offset + skip
 
     def _peer(self, stage: str) -> Channel:
+        if self.inbox is None:
+            return _DISCARD
         if stage not in self._peers:
             self._peers[stage] = Channel(zmq.PUSH, stage_addresses(self.ipc_dir, stage).data, bind=False,
                                          context=self.ctx)
@@ -279,7 +311,20 @@ class StageServer:
 
     def close(self) -> None:
         for c in (self.data_inbox, *self._peers.values()):
-            c.close()
+            if c is not None:
+                c.close()
+        if self.leader is not None:
+            self.leader.close()
+
+
+class _Discard:
+    """Where the replies of a follower process go (process 0 sends the stage's)."""
+
+    def send(self, msg) -> None:
+        pass
+
+
+_DISCARD = _Discard()
 
 
 def _input_units(built: AddRequest) -> int:
@@ -291,18 +336,28 @@ def _input_units(built: AddRequest) -> int:
 
 
 def serve_stage(stage: dict, ckpt_dir: str, family: str, ipc_dir: str, async_chunk: bool = False) -> None:
-    """Serve one stage until `Shutdown` (exits the process if the stage cannot start)."""
+    """Serve one stage until `Shutdown` (exits the process if the stage cannot start). A stage
+    over several processes starts the others here first (runtime/spmd.py)."""
     name = stage["name"]
     addrs = stage_addresses(ipc_dir, name)
     ctx = zmq.Context()
     inbox = Channel(zmq.PULL, addrs.requests, bind=False, decode_type=StageRequest, context=ctx)
     outbox = Channel(zmq.PUSH, addrs.replies, bind=False, context=ctx)
+    followers = None
     try:
         t0 = time.perf_counter()
         config = StageConfig.from_dict(stage)
+        leader = None
+        if config.num_processes > 1:
+            port = spmd.free_port()
+            followers = spmd.FollowerWatch(name, spmd.start_followers(
+                dict(stage_json=json.dumps(stage), ckpt_dir=ckpt_dir, family=family, ipc_dir=ipc_dir,
+                     async_chunk=async_chunk), config.num_processes, port))
+            leader = spmd.Leader(ipc_dir, name, config.num_processes, ctx)
+            spmd.initialize(config.num_processes, 0, port, int(config.ready_timeout_s))
         _use_stage_device(config)
         engine = build_stage_engine(family, config, ckpt_dir, async_chunk)
-        server = StageServer(config, engine, family, ckpt_dir, ipc_dir, ctx, inbox, outbox)
+        server = StageServer(config, engine, family, ckpt_dir, ipc_dir, ctx, inbox, outbox, leader)
         outbox.send(Ready(stage=name, pid=os.getpid(), warmup_seconds=time.perf_counter() - t0,
                           num_compilations=engine.num_compilations))
     except BaseException as e:  # report why the stage could not start, then exit
@@ -312,8 +367,27 @@ def serve_stage(stage: dict, ckpt_dir: str, family: str, ipc_dir: str, async_chu
         _flush_and_close(outbox, inbox, ctx)
         sys.exit(1)
     server.serve()
+    if followers is not None:
+        followers.stop()
     server.close()
     _flush_and_close(outbox, inbox, ctx)
+
+
+def follow_stage(stage: dict, ckpt_dir: str, family: str, ipc_dir: str, async_chunk: bool, process_id: int,
+                 port: int) -> None:
+    """Process `process_id` > 0 of a multi-process stage: build the same engine, then follow
+    process 0's ticks until Shutdown (runtime/spmd.py)."""
+    config = StageConfig.from_dict(stage)
+    ctx = zmq.Context()
+    ticks = spmd.ticks(ipc_dir, config.name, process_id, ctx)
+    spmd.initialize(config.num_processes, process_id, port, int(config.ready_timeout_s))
+    engine = build_stage_engine(family, config, ckpt_dir, async_chunk)
+    server = StageServer(config, engine, family, ckpt_dir, ipc_dir, ctx, None, None)
+    server.follow(ticks)
+    jax.distributed.shutdown()  # with process 0 (spmd.FollowerWatch.stop)
+    server.close()
+    ticks.close()
+    ctx.term()
 
 
 def _use_stage_device(config: StageConfig) -> None:

@@ -23,17 +23,18 @@ import time
 import jax
 
 from ..paths import cache_root
-from .stage_loop import serve_stage
+from .stage_loop import follow_stage, serve_stage
 
 
-def _exit_with_parent(parent_pid: int, ipc_dir: str, period_s: float = 0.5) -> None:
+def _exit_with_parent(parent_pid: int, ipc_dir: str | None, period_s: float = 0.5) -> None:
     """Exit at once when the parent process is gone (no orphan stages), even mid-compile,
-    removing the parent's socket directory (a killed parent could not)."""
+    removing the parent's socket directory (a killed parent could not) if `ipc_dir`."""
     def watch():
         while True:
             time.sleep(period_s)
             if os.getppid() != parent_pid:
-                shutil.rmtree(ipc_dir, ignore_errors=True)
+                if ipc_dir is not None:
+                    shutil.rmtree(ipc_dir, ignore_errors=True)
                 os._exit(0)
 
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
@@ -61,16 +62,22 @@ def configure_compile_cache() -> None:
 
 
 def stage_main(stage_json: str, ckpt_dir: str, family: str, ipc_dir: str, parent_pid: int,
-               async_chunk: bool = False) -> None:
-    """Entry point of a stage process (arguments are plain strings: nothing is unpickled)."""
-    _exit_with_parent(parent_pid, ipc_dir)
+               async_chunk: bool = False, process_id: int = 0, port: int | None = None) -> None:
+    """Entry point of a stage process (arguments are plain strings: nothing is unpickled).
+    `process_id` > 0: another process of a multi-process stage, started by process 0 (its
+    parent), with `port` its jax.distributed coordinator's (runtime/spmd.py)."""
+    # The orchestrator's socket directory is its stage process's to clean up, not a follower's.
+    _exit_with_parent(parent_pid, ipc_dir if process_id == 0 else None)
     stage = json.loads(stage_json)
-    name = stage["name"]
+    name = stage["name"] + (f" process {process_id}" if process_id else "")
     logging.basicConfig(level=os.environ.get("OMNI_JAX_LOG_LEVEL", "WARNING"),
                         format=f"[omni-jax {name} %(levelname)s] %(message)s")
     _configure_device(stage)
     configure_compile_cache()
-    serve_stage(stage, ckpt_dir, family, ipc_dir, async_chunk)
+    if process_id:
+        follow_stage(stage, ckpt_dir, family, ipc_dir, async_chunk, process_id, port)
+    else:
+        serve_stage(stage, ckpt_dir, family, ipc_dir, async_chunk)
 
 
 def main(argv=None) -> None:

@@ -45,7 +45,10 @@ from .runtime.orchestrator import Orchestrator, OrchestratorRequest
 from .update_collector import UpdateCollector
 
 
-def _resolve(model: str, pipeline) -> tuple[str, PipelineConfig]:
+def resolve_checkpoint_and_pipeline(model: str, pipeline) -> tuple[str, PipelineConfig]:
+    """(checkpoint directory, pipeline config) of a model ("tiny" or a converted checkpoint) and a
+    pipeline (preset name, YAML path, PipelineConfig; None: the family's default); a pipeline for
+    another family is a ConfigError."""
     ckpt = resolve_model(model)
     family = read_config(ckpt)["family"]
     if pipeline is None:
@@ -84,7 +87,7 @@ class _Frontend:
         `media_limits`: what media a prompt may hold, checked before decoding (None: the defaults)."""
         if media_limits is not None and not isinstance(media_limits, MediaLimits):
             raise TypeError(f"media_limits must be a MediaLimits, got {type(media_limits).__name__}")
-        self.checkpoint, self.pipeline = _resolve(model, pipeline)
+        self.checkpoint, self.pipeline = resolve_checkpoint_and_pipeline(model, pipeline)
         if async_chunk is not None:
             if not isinstance(async_chunk, bool):
                 raise ConfigError(f"async_chunk must be True, False or None, got {async_chunk!r}")

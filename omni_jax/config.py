@@ -228,9 +228,13 @@ class StageConfig:
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
     # A stage whose devices sit in several JAX processes (jax.distributed, runtime/spmd.py): each
-    # of the `num_processes` uses `devices` (its local indices, TP * EP / num_processes of them);
-    # process 0 is the stage process and starts the others on this host.
+    # of the `num_processes` uses `devices` (its local indices, TP * EP / num_processes of them).
+    # Process 0 is the stage process; it starts the others on this host, unless
+    # `coordinator_address` ("host:port", this host's address on a private network) says they
+    # run on other hosts, started there with `omni-jax stage-process`: process 0 then serves
+    # jax.distributed's coordinator on that port and process N's input on port + N.
     num_processes: int = 1
+    coordinator_address: str | None = None
     memory_fraction: float | None = None  # share of the device this stage's process may use
     ready_timeout_s: float = 600.0
     # A ready stage that answers nothing (not even the orchestrator's heartbeat) for this
@@ -358,6 +362,14 @@ class StageConfig:
             field = "tensor_parallel_size" if self.tensor_parallel_size > 1 else "expert_parallel_size"
             raise _invalid(field, "must be 1 on a 'oneshot' stage (vocoders run replicated on one "
                                   f"device), got {getattr(self, field)}")
+        address = self.coordinator_address
+        if address is not None:
+            match = re.fullmatch(r"([^\s:/]+):(\d+)", address) if isinstance(address, str) else None
+            if match is None or not 0 < int(match[2]) <= 65535 - self.num_processes:
+                raise _invalid("coordinator_address", f"must be null or 'host:port' (port + num_processes "
+                                                      f"within 65535), got {address!r}")
+            if self.num_processes == 1:
+                raise _invalid("coordinator_address", "is for a stage over several processes (num_processes > 1)")
 
     @property
     def num_devices(self) -> int:

@@ -275,6 +275,29 @@ def test_placement_fields():
     # Over two processes, `devices` are each process's own: 2 x 2 for TP 4.
     m = StageConfig(name="t", devices=[0, 1], tensor_parallel_size=4, num_processes=2)
     assert (m.devices, m.num_devices, m.num_processes) == ((0, 1), 4, 2)
+    h = StageConfig(name="t", tensor_parallel_size=2, num_processes=2, coordinator_address="node0.internal:7000")
+    assert StageConfig.from_dict(h.to_dict()) == h
+
+
+def test_stage_process_command_errors(capsys, tmp_path):
+    """`omni-jax stage-process` refuses, naming the problem, a stage that does not span hosts, an
+    unknown stage and a process id the stage does not have."""
+    import yaml
+
+    from omni_jax.cli import main
+
+    assert main(["stage-process", "--model", "tiny", "--stage", "thinker", "--process-id", "1"]) == 1
+    assert "stage 'thinker' has no coordinator_address" in capsys.readouterr().err
+    assert main(["stage-process", "--model", "tiny", "--stage", "speaker", "--process-id", "1"]) == 1
+    assert "has no stage 'speaker'" in capsys.readouterr().err
+    hosts = tmp_path / "hosts.yaml"
+    hosts.write_text(yaml.safe_dump(load_pipeline_config("qwen2_5_omni_tiny").with_overrides(thinker=dict(
+        tensor_parallel_size=2, num_processes=2, coordinator_address="127.0.0.1:7000")).to_dict()))
+    for process_id in (0, 2):
+        assert main(["stage-process", "--model", "tiny", "--pipeline", str(hosts), "--stage", "thinker",
+                     "--process-id", str(process_id)]) == 1
+        assert f"--process-id must be 1 .. 1 (stage 'thinker' has num_processes 2), got {process_id}" in \
+            capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kw, field, expected", [
@@ -292,6 +315,11 @@ def test_placement_fields():
     (dict(tensor_parallel_size=4, num_processes=3), "num_processes", "must divide"),
     (dict(devices=[0, 1, 2, 3], tensor_parallel_size=4, num_processes=2), "devices",
      "must list each process's tensor_parallel_size * expert_parallel_size / num_processes = 4 * 1 / 2 = 2 devices"),
+    (dict(tensor_parallel_size=2, num_processes=2, coordinator_address="10.0.0.1"), "coordinator_address",
+     "'host:port'"),
+    (dict(tensor_parallel_size=2, num_processes=2, coordinator_address="10.0.0.1:65535"), "coordinator_address",
+     "within 65535"),
+    (dict(coordinator_address="10.0.0.1:7000"), "coordinator_address", "num_processes > 1"),
 ])
 def test_placement_errors_name_the_field(kw, field, expected):
     with pytest.raises(ConfigError) as e:
@@ -365,8 +393,9 @@ def test_speech_pipeline_tensor_parallel(converted_thinker_fp32):
 # ------------------------------------------------------------------ a stage over two processes
 
 MULTIPROCESS_DRIVER = r'''
-import json, os, signal, sys, threading, time
+import json, os, signal, socket, subprocess, sys, threading, time
 import numpy as np
+import yaml
 from omni_jax import OmniJax, SamplingParams
 from omni_jax.config import load_pipeline_config
 
@@ -397,12 +426,20 @@ def compilations(omni):
     return omni.stage_stats()["thinker"]["num_compilations"]
 
 
-ckpt = sys.argv[1]
+ckpt, tmp = sys.argv[1], sys.argv[2]
 base = load_pipeline_config("qwen2_5_omni_tiny").with_overrides(thinker=dict(
     token_buckets=[32], decode_buckets=[1, 2], max_num_seqs=2, max_num_batched_tokens=32,
     audio_chunk_buckets=[1], vision_patch_buckets=[64]))
-pipelines = {"one": base.with_overrides(thinker=dict(devices=[0])),
-             "two": base.with_overrides(thinker=dict(devices=[0, 1], tensor_parallel_size=4, num_processes=2))}
+two = dict(devices=[0, 1], tensor_parallel_size=4, num_processes=2)
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+# Process 1 started by hand, as on another host: the pipeline as a YAML both processes read.
+hosts = os.path.join(tmp, "two_hosts.yaml")
+with open(hosts, "w") as f:
+    yaml.safe_dump(base.with_overrides(thinker=dict(two, coordinator_address=f"127.0.0.1:{port}")).to_dict(), f)
+pipelines = {"one": base.with_overrides(thinker=dict(devices=[0])), "hosts": hosts,
+             "two": base.with_overrides(thinker=two)}
 rng = np.random.default_rng(5)
 prompts = [{"prompt_token_ids": rng.integers(0, 151000, n).tolist()} for n in (17, 40, 9)]
 params = [SamplingParams(temperature=0.0, max_tokens=12),
@@ -411,11 +448,17 @@ params = [SamplingParams(temperature=0.0, max_tokens=12),
 unseeded = SamplingParams(temperature=1.0, max_tokens=10)  # each process would draw its own seed
 result = {}
 for name, pipeline in pipelines.items():
+    if name == "hosts":
+        by_hand = subprocess.Popen([sys.executable, "-m", "omni_jax.cli", "stage-process", "--model", ckpt,
+                                    "--pipeline", hosts, "--stage", "thinker", "--process-id", "1"],
+                                   stderr=subprocess.PIPE, text=True)
     with OmniJax(model=ckpt, pipeline=pipeline, output_modalities=["text"]) as omni:
         warm = compilations(omni)
         outs = omni.generate(prompts + prompts[:1], sampling_params=params + [unseeded], use_tqdm=False)
         r = result[name] = dict(tokens=[o.token_ids for o in outs[:3]], errors=[o.error for o in outs],
                                 unseeded=len(outs[3].token_ids), new_compilations=compilations(omni) - warm)
+        if name == "hosts":
+            r["own_processes"] = len(children(omni.stage_pids()["thinker"]))
         if name != "two":
             continue
         leader = omni.stage_pids()["thinker"]
@@ -447,30 +490,38 @@ for name, pipeline in pipelines.items():
         while any(alive(p) for p in followers) and time.monotonic() - t0 < 10:
             time.sleep(0.1)
         r["orphans"] = [p for p in followers if alive(p)]
+r = result["hosts"]
+r["by_hand_exit"] = by_hand.wait(30)  # it stopped with process 0
+r["by_hand_said"] = by_hand.stderr.read()
 print("RESULT" + json.dumps(result))
 '''
 
 
 @pytest.mark.pipeline
 @pytest.mark.slow
-def test_stage_over_two_processes(converted_thinker_fp32):
+def test_stage_over_two_processes(converted_thinker_fp32, tmp_path):
     """Issue #18: a thinker at TP 4 over two JAX processes (jax.distributed on loopback, 2 x 2 CPU
     devices) gives the one-device thinker's tokens, greedy and seeded, through OmniJax.generate,
     and compiles nothing after warm-up; an unseeded random request does not set the processes
-    apart. Killing process 1 fails the stage's request naming the stage within 10 s, then the
-    stage comes back and serves; killing process 0 takes process 1 with it."""
+    apart (a process out of step would stop the stage). So does the multi-host launch, process 1
+    started by hand with `omni-jax stage-process`. Killing process 1 fails the stage's request
+    naming the stage within 10 s, then the stage comes back and serves; killing process 0 takes
+    process 1 with it."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
-    proc = subprocess.run([sys.executable, "-c", MULTIPROCESS_DRIVER, converted_thinker_fp32], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", MULTIPROCESS_DRIVER, converted_thinker_fp32, str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.split("RESULT", 1)[1])
     print(json.dumps(result))
-    one, two = result["one"], result["two"]
-    assert one["errors"] == two["errors"] == [None] * 4
-    assert two["tokens"] == one["tokens"] and [len(t) for t in one["tokens"]] == [12, 20, 16]
-    assert two["unseeded"] == one["unseeded"] == 10
-    assert one["new_compilations"] == two["new_compilations"] == 0
+    one, hosts, two = result["one"], result["hosts"], result["two"]
+    for r in (one, hosts, two):
+        assert r["errors"] == [None] * 4
+        assert r["tokens"] == one["tokens"] and [len(t) for t in r["tokens"]] == [12, 20, 16]
+        assert r["unseeded"] == 10 and r["new_compilations"] == 0
+    # With coordinator_address, process 0 starts no process: the one started by hand joined it.
+    assert hosts["own_processes"] == 0 and hosts["by_hand_exit"] == 0
+    assert "process 1 of 2 is ready" in hosts["by_hand_said"]
     assert two["followers"] == 1
     assert "'thinker' died" in two["kill_error"] and two["failed_after_s"] < 10
     assert two["after_restart"] == one["tokens"][0]

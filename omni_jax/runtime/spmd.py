@@ -16,21 +16,26 @@ scheduler's broadcast output):
 
 What a process would otherwise choose for itself is pinned by process 0 before it handles a
 message: an unseeded random request's seed (the engine draws one at random) and a missing
-arrival time (the scheduler's order). The processes share one PYTHONHASHSEED (the stage
-client sets it), and the KV block count is the smallest any process can hold (runner.py).
+arrival time (the scheduler's order). The processes share one PYTHONHASHSEED, `HASH_SEED`
+(set by the stage client and `omni-jax stage-process`), and the KV block count is the smallest any process can hold (runner.py).
 Each tick carries a digest of process 0's outputs at its last step; a follower whose own
 differ is out of step (something above was missed) and stops the stage, rather than letting
 the processes launch different programs and wait on each other for ever.
 
-Start: process 0 picks a free 127.0.0.1 port for jax.distributed's coordinator (bound to
-127.0.0.1 only), starts processes 1.. on this host, and all of them call
-`jax.distributed.initialize` (XLA:CPU needs gloo collectives across processes). Ticks travel
-over ipc sockets in the orchestrator's private directory.
+Start: all processes call `jax.distributed.initialize` (XLA:CPU needs gloo collectives
+across processes) and check that their stage configs are the same. On one host (no
+`coordinator_address`), process 0 picks a free 127.0.0.1 port for the coordinator, starts
+processes 1.. itself, and ticks travel over ipc sockets in the orchestrator's private
+directory. Over several hosts, the user starts processes 1.. there (`omni-jax stage-process`);
+process 0 serves the coordinator on `coordinator_address` ("host:port") and process N's
+ticks on port + N, on that address only: like jax.distributed's own, these are for a private
+network (no authentication).
 
-Failure: a follower exits when process 0 does (the stage worker's parent watchdog), and
-process 0 exits as soon as a follower does, since it could only wait in a collective for
-ever; the orchestrator then fails the stage's requests and starts the stage again, as for
-any stage that died.
+Failure: a follower exits when process 0 does (the parent watchdog of the stage worker on
+one host, jax.distributed's heartbeat across hosts), and process 0 exits as soon as a local
+follower does, since it could only wait in a collective for ever (a remote one: when the
+heartbeat times out); the orchestrator then fails the stage's requests and starts the stage
+again, as for any stage that died.
 """
 
 from __future__ import annotations
@@ -47,47 +52,63 @@ import time
 
 import jax
 import msgspec.structs
+import numpy as np
 import zmq
+from jax.experimental import multihost_utils
 
+from ..config import StageConfig
 from ..engine.protocol import AddRequest, StageTick
 from .transport import Channel, encode, ipc_address
 
 log = logging.getLogger("omni_jax.stage")
 
-# How often process 0 looks at its followers, and how long jax.distributed may take to notice
-# a process gone (its own heartbeat; the watchdog here is quicker) or to shut down.
+# How often process 0 looks at its local followers, and how long jax.distributed may take to
+# notice a process gone (its heartbeat; the watchdog here is quicker) or to shut down.
 WATCH_PERIOD_S = 0.2
+HASH_SEED = "0"  # PYTHONHASHSEED of every process of a multi-process stage
 HEARTBEAT_TIMEOUT_S = 10
 SHUTDOWN_TIMEOUT_S = 10
 
 
-def tick_address(ipc_dir: str, stage: str, process_id: int) -> str:
-    return ipc_address(ipc_dir, f"{stage}-tick{process_id}")
+def tick_address(stage: StageConfig, ipc_dir: str | None, process_id: int) -> str:
+    """Where process `process_id` receives its ticks (see the module docstring)."""
+    if stage.coordinator_address is None:
+        return ipc_address(ipc_dir, f"{stage.name}-tick{process_id}")
+    host, port = stage.coordinator_address.rsplit(":", 1)
+    return f"tcp://{host}:{int(port) + process_id}"
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the coordinator binds it a moment later)."""
+def local_coordinator() -> str:
+    """A coordinator address free on 127.0.0.1 now (jax.distributed binds it a moment later)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
-def initialize(num_processes: int, process_id: int, port: int, init_timeout_s: int) -> None:
+def initialize(stage: StageConfig, process_id: int, coordinator: str) -> None:
     """Join the stage's jax.distributed job, before JAX creates its backend."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    address = f"127.0.0.1:{port}"
-    jax.distributed.initialize(address, num_processes, process_id, coordinator_bind_address=address,
-                               initialization_timeout=init_timeout_s,
+    jax.distributed.initialize(coordinator, stage.num_processes, process_id, coordinator_bind_address=coordinator,
+                               initialization_timeout=int(stage.ready_timeout_s),
                                heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
                                shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S)
 
 
-def start_followers(worker_args: dict, num_processes: int, port: int) -> list[subprocess.Popen]:
+def check_same_stage(stage: StageConfig, family: str, async_chunk: bool) -> None:
+    """Every process builds the engine process 0 builds, or the stage does not start."""
+    mine = json.dumps([stage.to_dict(), family, async_chunk], sort_keys=True).encode()
+    digest = np.frombuffer(hashlib.blake2b(mine, digest_size=8).digest(), np.uint32)
+    if not np.array_equal(multihost_utils.broadcast_one_to_all(digest), digest):
+        raise ValueError(f"stage {stage.name!r}: process {jax.process_index()} was started with another stage "
+                         f"config, family or async_chunk than process 0 (start it with the same pipeline)")
+
+
+def start_followers(worker_args: dict, num_processes: int, coordinator: str) -> list[subprocess.Popen]:
     """Processes 1.. of the stage, on this host: the stage worker again, with their process id,
-    the coordinator's port, and this process as the parent they live and die with."""
+    the coordinator, and this process as the parent they live and die with."""
     procs = []
     for process_id in range(1, num_processes):
-        args = dict(worker_args, parent_pid=os.getpid(), process_id=process_id, port=port)
+        args = dict(worker_args, parent_pid=os.getpid(), process_id=process_id, coordinator=coordinator)
         procs.append(subprocess.Popen([sys.executable, "-m", "omni_jax.runtime.stage_worker", json.dumps(args)],
                                       stdin=subprocess.DEVNULL))
     return procs
@@ -110,10 +131,8 @@ class FollowerWatch:
                     os._exit(1)
 
     def stop(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
-        """The stage shuts down (its last tick, Shutdown, sent): leave the distributed job with
-        the followers, then let them exit (killed if they do not in time)."""
+        """The stage has shut down: let the followers exit (killed if they do not in time)."""
         self.stopping = True
-        jax.distributed.shutdown()
         for p in self.procs:
             try:
                 p.wait(timeout_s)
@@ -137,9 +156,9 @@ def outputs_digest(outputs) -> str:
 class Leader:
     """Process 0's side: pins and records the messages of one loop turn, then sends them."""
 
-    def __init__(self, ipc_dir: str, stage: str, num_processes: int, ctx: zmq.Context):
-        self.channels = [Channel(zmq.PUSH, tick_address(ipc_dir, stage, p), bind=True, context=ctx)
-                         for p in range(1, num_processes)]
+    def __init__(self, stage: StageConfig, ipc_dir: str, ctx: zmq.Context):
+        self.channels = [Channel(zmq.PUSH, tick_address(stage, ipc_dir, p), bind=True, context=ctx)
+                         for p in range(1, stage.num_processes)]
         self.messages: list = []
 
     @staticmethod
@@ -173,7 +192,7 @@ class Leader:
             channel.socket.close(linger=2000)  # the last tick (Shutdown) must leave
 
 
-def ticks(ipc_dir: str, stage: str, process_id: int, ctx: zmq.Context) -> Channel:
+def ticks(stage: StageConfig, ipc_dir: str | None, process_id: int, ctx: zmq.Context) -> Channel:
     """A follower's end of its tick channel."""
-    return Channel(zmq.PULL, tick_address(ipc_dir, stage, process_id), bind=False, decode_type=StageTick,
+    return Channel(zmq.PULL, tick_address(stage, ipc_dir, process_id), bind=False, decode_type=StageTick,
                    context=ctx)

@@ -17,6 +17,7 @@ import time
 import zmq
 
 from ..engine.protocol import AbortRequests, AddRequest, HealthCheck, Ready, Shutdown, StageFailure, StageReply
+from . import spmd
 from .transport import Channel, stage_addresses
 
 # How long a send to a stage may wait. Sockets queue without limit (DEFAULT_HWM), so a send
@@ -53,10 +54,8 @@ class StageClient:
 
     def start(self) -> None:
         env = None
-        if self.cfg.num_processes > 1:
-            # The processes of one stage must iterate sets alike (runtime/spmd.py); the
-            # others inherit this.
-            env = dict(os.environ, PYTHONHASHSEED=os.environ.get("PYTHONHASHSEED", "0").replace("random", "0"))
+        if self.cfg.num_processes > 1:  # the processes of one stage hash alike (spmd.py)
+            env = dict(os.environ, PYTHONHASHSEED=spmd.HASH_SEED)
         self.process = subprocess.Popen(self._argv, stdin=subprocess.DEVNULL, env=env)
 
     def restart(self, reason: str) -> None:

@@ -349,12 +349,15 @@ def serve_stage(stage: dict, ckpt_dir: str, family: str, ipc_dir: str, async_chu
         config = StageConfig.from_dict(stage)
         leader = None
         if config.num_processes > 1:
-            port = spmd.free_port()
-            followers = spmd.FollowerWatch(name, spmd.start_followers(
-                dict(stage_json=json.dumps(stage), ckpt_dir=ckpt_dir, family=family, ipc_dir=ipc_dir,
-                     async_chunk=async_chunk), config.num_processes, port))
-            leader = spmd.Leader(ipc_dir, name, config.num_processes, ctx)
-            spmd.initialize(config.num_processes, 0, port, int(config.ready_timeout_s))
+            coordinator = config.coordinator_address
+            if coordinator is None:  # every process on this host: start the others
+                coordinator = spmd.local_coordinator()
+                followers = spmd.FollowerWatch(name, spmd.start_followers(
+                    dict(stage_json=json.dumps(stage), ckpt_dir=ckpt_dir, family=family, ipc_dir=ipc_dir,
+                         async_chunk=async_chunk), config.num_processes, coordinator))
+            leader = spmd.Leader(config, ipc_dir, ctx)
+            spmd.initialize(config, 0, coordinator)
+            spmd.check_same_stage(config, family, async_chunk)
         _use_stage_device(config)
         engine = build_stage_engine(family, config, ckpt_dir, async_chunk)
         server = StageServer(config, engine, family, ckpt_dir, ipc_dir, ctx, inbox, outbox, leader)
@@ -367,24 +370,31 @@ def serve_stage(stage: dict, ckpt_dir: str, family: str, ipc_dir: str, async_chu
         _flush_and_close(outbox, inbox, ctx)
         sys.exit(1)
     server.serve()
-    if followers is not None:
-        followers.stop()
+    if config.num_processes > 1:
+        if followers is not None:
+            followers.stopping = True
+        jax.distributed.shutdown()  # with the others, who had the Shutdown tick
+        if followers is not None:
+            followers.stop()
     server.close()
     _flush_and_close(outbox, inbox, ctx)
 
 
-def follow_stage(stage: dict, ckpt_dir: str, family: str, ipc_dir: str, async_chunk: bool, process_id: int,
-                 port: int) -> None:
+def follow_stage(stage: dict, ckpt_dir: str, family: str, ipc_dir: str | None, async_chunk: bool,
+                 process_id: int, coordinator: str) -> None:
     """Process `process_id` > 0 of a multi-process stage: build the same engine, then follow
-    process 0's ticks until Shutdown (runtime/spmd.py)."""
+    process 0's ticks until Shutdown (runtime/spmd.py). `ipc_dir`: the orchestrator's, when
+    process 0 started this one on its host."""
     config = StageConfig.from_dict(stage)
     ctx = zmq.Context()
-    ticks = spmd.ticks(ipc_dir, config.name, process_id, ctx)
-    spmd.initialize(config.num_processes, process_id, port, int(config.ready_timeout_s))
+    ticks = spmd.ticks(config, ipc_dir, process_id, ctx)
+    spmd.initialize(config, process_id, coordinator)
+    spmd.check_same_stage(config, family, async_chunk)
     engine = build_stage_engine(family, config, ckpt_dir, async_chunk)
+    log.info("process %d of %d is ready", process_id, config.num_processes)
     server = StageServer(config, engine, family, ckpt_dir, ipc_dir, ctx, None, None)
     server.follow(ticks)
-    jax.distributed.shutdown()  # with process 0 (spmd.FollowerWatch.stop)
+    jax.distributed.shutdown()  # with process 0, after the Shutdown tick
     server.close()
     ticks.close()
     ctx.term()

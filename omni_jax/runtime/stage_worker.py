@@ -25,6 +25,8 @@ import jax
 from ..paths import cache_root
 from .stage_loop import follow_stage, serve_stage
 
+log = logging.getLogger("omni_jax.stage")
+
 
 def _exit_with_parent(parent_pid: int, ipc_dir: str | None, period_s: float = 0.5) -> None:
     """Exit at once when the parent process is gone (no orphan stages), even mid-compile,
@@ -62,10 +64,10 @@ def configure_compile_cache() -> None:
 
 
 def stage_main(stage_json: str, ckpt_dir: str, family: str, ipc_dir: str, parent_pid: int,
-               async_chunk: bool = False, process_id: int = 0, port: int | None = None) -> None:
+               async_chunk: bool = False, process_id: int = 0, coordinator: str | None = None) -> None:
     """Entry point of a stage process (arguments are plain strings: nothing is unpickled).
     `process_id` > 0: another process of a multi-process stage, started by process 0 (its
-    parent), with `port` its jax.distributed coordinator's (runtime/spmd.py)."""
+    parent) with the address of its jax.distributed coordinator (runtime/spmd.py)."""
     # The orchestrator's socket directory is its stage process's to clean up, not a follower's.
     _exit_with_parent(parent_pid, ipc_dir if process_id == 0 else None)
     stage = json.loads(stage_json)
@@ -75,9 +77,22 @@ def stage_main(stage_json: str, ckpt_dir: str, family: str, ipc_dir: str, parent
     _configure_device(stage)
     configure_compile_cache()
     if process_id:
-        follow_stage(stage, ckpt_dir, family, ipc_dir, async_chunk, process_id, port)
+        follow_stage(stage, ckpt_dir, family, ipc_dir, async_chunk, process_id, coordinator)
     else:
         serve_stage(stage, ckpt_dir, family, ipc_dir, async_chunk)
+
+
+def follow_remote(stage: dict, ckpt_dir: str, family: str, async_chunk: bool, process_id: int) -> None:
+    """Process `process_id` of a stage spanning hosts, started by hand on its host
+    (`omni-jax stage-process`); it reaches process 0 at the stage's coordinator_address."""
+    logging.basicConfig(level=os.environ.get("OMNI_JAX_LOG_LEVEL", "WARNING"),
+                        format=f"[omni-jax {stage['name']} process {process_id} %(levelname)s] %(message)s")
+    if "OMNI_JAX_LOG_LEVEL" not in os.environ:
+        logging.getLogger("omni_jax.stage").setLevel(logging.INFO)  # say when it is ready, by hand
+    log.info("joining process 0 at %s", stage["coordinator_address"])
+    _configure_device(stage)
+    configure_compile_cache()
+    follow_stage(stage, ckpt_dir, family, None, async_chunk, process_id, stage["coordinator_address"])
 
 
 def main(argv=None) -> None:

@@ -108,6 +108,30 @@ def test_decode_steps_compile_and_alias_the_kv_cache(tier, target):
         assert r["alias_bytes"] >= r["info"]["kv_bytes"] > 0, (r["name"], r["alias_bytes"])
 
 
+@pytest.mark.parametrize("target", TARGETS)
+def test_thinker_decode_step_compiles_at_tensor_parallel_2(tier, target):
+    """Issue #18: the Qwen2.5 thinker's largest decode step as the engine runs it at
+    tensor_parallel_size 2, over two GPUs of the target: each GPU holds about half the
+    weights and KV pages (the encoders and norms stay whole), the pages are still updated in
+    place, and each attention kernel covers half the KV heads."""
+    steps = {r["info"].get("kind"): r for r in tier[target]["reports"]
+             if (r["preset"], r["stage"]) == ("qwen2_5_omni", "thinker")}
+    one, tp2 = steps["decode"], steps["decode_tp"]
+    assert tp2["ok"], tp2["error"]
+    assert tp2["info"]["tensor_parallel_size"] == 2 and tp2["info"]["bucket"] == one["info"]["bucket"]
+    share = tp2["argument_bytes"] / one["argument_bytes"]  # per device
+    print(f"{target}: TP 1 / TP 2 per GPU: arguments {one['argument_bytes'] / 2**30:.2f} / "
+          f"{tp2['argument_bytes'] / 2**30:.2f} GiB, KV aliased {one['alias_bytes'] / 2**20:.0f} / "
+          f"{tp2['alias_bytes'] / 2**20:.0f} MiB, launches {one['launches']} / {tp2['launches']}, "
+          f"compile {one['seconds']:.1f} / {tp2['seconds']:.1f} s")
+    assert 0.5 < share < 0.6, share
+    assert tp2["alias_bytes"] >= one["info"]["kv_bytes"] // 2 > 0
+    assert len(tp2["kernels"]) == len(one["kernels"]) >= 24
+    for k1, k2 in zip(one["kernels"], tp2["kernels"]):
+        assert k2["grid"][1] * 2 == k1["grid"][1], (k1, k2)  # grid: (batch, KV heads, splits)
+        assert k2["spill_stores"] == 0
+
+
 def test_sampler_variants_compile(tier):
     got = {r["info"]["variant"]: r for r in tier["a100"]["reports"] if r["info"].get("kind") == "sample"}
     assert set(got) == {"greedy", "random"}

@@ -213,7 +213,7 @@ class AREngine:
         self._streamed: dict[str, _StreamedRows] = {}  # requests whose extra rows are still coming
         self._in_flight: _Launched | None = None  # launched, outputs not applied yet
         self.stats = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "ahead_steps": 0, "step_time": 0.0,
-                      "preemptions": 0}
+                      "preemptions": 0, "failed_steps": 0}
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids, sampling_params: SamplingParams | None = None,
@@ -403,6 +403,7 @@ class AREngine:
         return launched
 
     def _fail(self, sched, error: Exception) -> list[StageOutput]:
+        self.stats["failed_steps"] += 1
         out = []
         for o in self.scheduler.fail_scheduled(sched, f"{type(error).__name__}: {error}"):
             out.append(o)

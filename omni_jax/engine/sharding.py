@@ -122,7 +122,7 @@ def param_spec(path: str, shape: tuple, mesh: Mesh, num_kv_heads: int) -> P:
     return P(*axes)
 
 
-def _path(keypath) -> str:
+def state_path(keypath) -> str:
     """'model/layers/0/self_attn/q_proj/kernel' from a state leaf's key path."""
     keys = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in keypath]
     if keys and keys[-1] == "value":  # the array inside an nnx Variable
@@ -144,7 +144,7 @@ def shard_params(state: nnx.State, mesh: Mesh, num_kv_heads: int) -> nnx.State:
     where = param_sharding(mesh, num_kv_heads)
 
     def place(keypath, x):
-        return jax.device_put(x, where(_path(keypath), x.shape))
+        return jax.device_put(x, where(state_path(keypath), x.shape))
 
     return jax.tree_util.tree_map_with_path(place, state)
 

@@ -26,9 +26,11 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 from jax.experimental import topologies
-from jax.sharding import AbstractDevice, AbstractMesh, SingleDeviceSharding
+from jax.sharding import AbstractDevice, AbstractMesh, Mesh, SingleDeviceSharding
 
+from ..models.layers.parallel import EP, TP
 from .targets import Target
 
 # Pallas kernels are named after these prefixes (pallas_call name=...).
@@ -128,6 +130,13 @@ class Compiler:
             device_kind=self.device.device_kind, num_cores=None, platform="cuda"))
         self.ptxas = os.path.join(cuda_data_dir(), "bin", "ptxas")
 
+    def stage_mesh(self, tensor_parallel_size: int) -> Mesh:
+        """A stage's ("ep", "tp") mesh over `tensor_parallel_size` GPUs of this target in one host
+        (the engine's layout, engine/sharding.py)."""
+        topology = topologies.get_topology_desc(platform="cuda", target_config=self.target.config_text,
+                                                topology=f"1x1x{tensor_parallel_size}")
+        return Mesh(np.array(topology.devices).reshape(1, tensor_parallel_size), (EP, TP))
+
     def sds(self, shape, dtype) -> jax.ShapeDtypeStruct:
         """An abstract argument placed on the target device."""
         return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=self.sharding)
@@ -136,12 +145,14 @@ class Compiler:
         """Abstract arrays (anything with shape and dtype) of a pytree, placed on the target."""
         return jax.tree.map(lambda x: self.sds(x.shape, x.dtype), tree)
 
-    def compile(self, name: str, jitted, *args, check_kernels: bool = True, **kwargs) -> CompileReport:
-        """Lower and compile `jitted(*args, **kwargs)`; errors become a failed report."""
+    def compile(self, name: str, jitted, *args, check_kernels: bool = True, mesh: Mesh | None = None,
+                **kwargs) -> CompileReport:
+        """Lower and compile `jitted(*args, **kwargs)`; errors become a failed report. `mesh`: the
+        program runs over it (`stage_mesh`; its arguments carry their shardings)."""
         dump = tempfile.mkdtemp(prefix="omni_jax_aot_")
         t0 = time.perf_counter()
         try:
-            with jax.sharding.use_abstract_mesh(self.mesh):
+            with jax.sharding.use_abstract_mesh(self.mesh if mesh is None else mesh.abstract_mesh):
                 lowered = jitted.lower(*args, **kwargs)
             compiled = lowered.compile(compiler_options={"xla_dump_to": dump})
         except Exception as e:  # the compiler's verdict is the result

@@ -14,6 +14,7 @@ table width, page pool and GQA group as the stage's steps.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from pathlib import Path
@@ -27,6 +28,7 @@ import kernels_pallas
 
 from ..checkpoint import read_config
 from ..config import PipelineConfig, StageConfig, load_pipeline_config
+from ..engine import sharding
 from ..engine.ar_engine import AREngine, EngineConfig
 from ..engine.oneshot_engine import chunk_sizes
 from ..inputs.rope_index import RopeIndexConfig
@@ -34,6 +36,7 @@ from ..models.qwen2_5_omni.media import MediaBuckets, ThinkerMediaEncoder
 from ..models.qwen2_5_omni.token2wav import Token2WavSynthesizer
 from ..models.qwen2_5_omni.voices import Voices
 from ..models.qwen3_omni.code2wav_stage import Code2WavSynthesizer
+from ..models.layers.parallel import TP
 from ..models.qwen3_omni.media import Qwen3ThinkerMediaEncoder
 from ..models.registry import abstract_stage, stages_of
 
@@ -52,6 +55,7 @@ class Program:
     kwargs: dict
     bucket: int = 0
     info: dict = dataclasses.field(default_factory=dict)
+    mesh: Any = None   # a stage mesh of the target's GPUs: the args carry their shardings on it
 
 
 def real_hf_config(family: str) -> dict:
@@ -164,6 +168,25 @@ def ar_engine_programs(family: str, stage: StageConfig, hf_config: dict, num_blo
             out.append(Program(f"{base}/{name}/{b}" + (f"x{np.shape(args[0])[0]}" if name == "feed" else ""),
                                name, fn, args, kwargs, b))
     return out
+
+
+def sharded_step(step: Program, mesh, num_kv_heads: int) -> Program:
+    """A step program of `ar_engine_programs` as the engine runs it over `mesh` (a stage at
+    tensor parallelism, engine/sharding.py): the runner's own step traced with that mesh, the
+    parameters placed by PARAM_RULES, the KV pages split over their heads, the rest replicated."""
+    runner = copy.copy(step.fn.__wrapped__.__self__)  # the one-device runner the step was recorded on
+    runner.mesh = mesh
+    fn = jax.jit(runner._forward, static_argnames=("rich", "deepstack"), donate_argnums=(1,))
+    where = sharding.param_sharding(mesh, num_kv_heads)
+    paths = [sharding.state_path(k) for k, _ in jax.tree_util.tree_flatten_with_path(runner.state)[0]]
+    params = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where(p, x.shape)) for p, x in zip(paths, step.args[0])]
+    pages = sharding.kv_cache_sharding(mesh)
+    kv = [tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=pages) for x in layer) for layer in step.args[1]]
+    whole = sharding.replicated(mesh)
+    rest = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=whole), step.args[2:])
+    tp = int(mesh.shape[TP])
+    return dataclasses.replace(step, name=f"{step.name}/tp{tp}", kind=f"{step.kind}_tp", fn=fn,
+                               args=(params, kv, *rest), info=dict(step.info, tensor_parallel_size=tp), mesh=mesh)
 
 
 def media_programs(family: str, stage: StageConfig, hf_config: dict) -> list[Program]:

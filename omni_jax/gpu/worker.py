@@ -93,10 +93,11 @@ def _step_variant(stage) -> str:
     return "plain" if stage.model_stage == "thinker" else "rich"
 
 
-def select_tier(family: str, stage, hf_config: dict, num_blocks: int, target_name: str) -> list:
+def select_tier(family: str, stage, hf_config: dict, num_blocks: int, target_name: str, stage_mesh=None) -> list:
     """What the gpu_compile tier checks (a few minutes on 2 cores): on both targets the
     Pallas kernels at every bucket and the Qwen2.5 stages' largest decode steps (KV
-    donation); on A100 also the cheap sampler variants (greedy, random). The programs
+    donation), the thinker's also at tensor parallel 2 over two GPUs (`stage_mesh`:
+    Compiler.stage_mesh); on A100 also the cheap sampler variants (greedy, random). The programs
     that take minutes to compile (the MoE stages' steps, prefill steps, the sorting
     sampler variants, encoders, vocoders) are in `select_full`; on A100 the Qwen2.5
     vision encoder's smallest call is here too."""
@@ -107,6 +108,9 @@ def select_tier(family: str, stage, hf_config: dict, num_blocks: int, target_nam
         return out
     progs = P.ar_engine_programs(family, stage, hf_config, num_blocks)
     out.append(max(_ends(progs, "decode", _step_variant(stage)), key=lambda p: p.bucket))
+    if stage.model_stage == "thinker" and stage_mesh is not None:
+        num_kv_heads = P.text_config(family, stage.model_stage, hf_config).num_kv_heads
+        out.append(P.sharded_step(out[-1], stage_mesh(2), num_kv_heads))
     if target_name == "a100" and stage.model_stage == "thinker":
         top = max(p.bucket for p in progs if p.kind == "sample")
         out += [p for p in progs if p.kind == "sample" and p.bucket == top
@@ -185,15 +189,18 @@ def main(argv=None) -> int:
             stages.append(facts)
             blocks = max(facts["num_blocks"], 2)
             if args.select in ("tier", "full"):
-                pick = select_tier if args.select == "tier" else select_full
-                progs = pick(pipeline.family, stage, hf, blocks, target.name)
+                if args.select == "tier":
+                    progs = select_tier(pipeline.family, stage, hf, blocks, target.name, compiler.stage_mesh)
+                else:
+                    progs = select_full(pipeline.family, stage, hf, blocks, target.name)
                 if stage.model_stage == "thinker":
                     reports.append(negative_control(compiler, pipeline.family, stage, hf, blocks).to_dict()
                                    | {"stage": stage.name, "preset": pipeline.name})
             else:
                 progs = select_plan(pipeline.family, stage, hf, blocks, args.ends)
             for p in progs:
-                r = compiler.compile(p.name, p.fn, *compiler.place(p.args), **p.kwargs)
+                placed = p.args if p.mesh is not None else compiler.place(p.args)
+                r = compiler.compile(p.name, p.fn, *placed, mesh=p.mesh, **p.kwargs)
                 r.info = dict(p.info, kind=p.kind, bucket=p.bucket)
                 reports.append(r.to_dict() | {"stage": stage.name, "preset": pipeline.name})
                 print(f"{r.name}: {'ok' if r.ok else r.error} ({r.seconds:.1f}s)", file=sys.stderr, flush=True)

@@ -124,11 +124,23 @@ class FollowerWatch:
     def _watch(self) -> None:
         while not self.stopping:
             time.sleep(WATCH_PERIOD_S)
-            for process_id, p in enumerate(self.procs, start=1):
-                if p.poll() is not None and not self.stopping:
-                    log.error("stage %r: its process %d (pid %d) exited with code %s; the stage stops",
-                              self.stage, process_id, p.pid, p.returncode)
-                    os._exit(1)
+            self._exit_if_one_is_gone()
+
+    def _exit_if_one_is_gone(self) -> None:
+        for process_id, p in enumerate(self.procs, start=1):
+            if p.poll() is not None and not self.stopping:
+                log.error("stage %r: its process %d (pid %d) exited with code %s; the stage stops",
+                          self.stage, process_id, p.pid, p.returncode)
+                os._exit(1)
+
+    def after_failed_step(self, grace_s: float = 1.0) -> None:
+        """A step failed: if a follower is gone (the collective found its sockets closed, and its
+        exit shows a moment later), stop now rather than fail the step's requests with the
+        collective's error and go on alone."""
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            self._exit_if_one_is_gone()
+            time.sleep(0.05)
 
     def stop(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
         """The stage has shut down: let the followers exit (killed if they do not in time)."""
@@ -156,9 +168,11 @@ def outputs_digest(outputs) -> str:
 class Leader:
     """Process 0's side: pins and records the messages of one loop turn, then sends them."""
 
-    def __init__(self, stage: StageConfig, ipc_dir: str, ctx: zmq.Context):
+    def __init__(self, stage: StageConfig, ipc_dir: str, ctx: zmq.Context, watch: FollowerWatch | None):
+        """`watch`: the followers process 0 started (None: on other hosts)."""
         self.channels = [Channel(zmq.PUSH, tick_address(stage, ipc_dir, p), bind=True, context=ctx)
                          for p in range(1, stage.num_processes)]
+        self.watch = watch
         self.messages: list = []
 
     @staticmethod
@@ -186,6 +200,10 @@ class Leader:
         for channel in self.channels:
             channel.send_frames(frames)
         self.messages = []
+
+    def after_failed_step(self) -> None:
+        if self.watch is not None:
+            self.watch.after_failed_step()
 
     def close(self) -> None:
         for channel in self.channels:

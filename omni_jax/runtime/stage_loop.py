@@ -265,7 +265,10 @@ class StageServer:
     # ------------------------------------------------------------------ step
     def _step(self) -> None:
         t = time.perf_counter()
+        failed = self.engine.stats.get("failed_steps", 0)
         outputs = self.engine.step()
+        if self.leader is not None and self.engine.stats.get("failed_steps", 0) > failed:
+            self.leader.after_failed_step()
         if self.last_step is not None:
             self.last_step = spmd.outputs_digest(outputs)
         if not outputs:
@@ -355,7 +358,7 @@ def serve_stage(stage: dict, ckpt_dir: str, family: str, ipc_dir: str, async_chu
                 followers = spmd.FollowerWatch(name, spmd.start_followers(
                     dict(stage_json=json.dumps(stage), ckpt_dir=ckpt_dir, family=family, ipc_dir=ipc_dir,
                          async_chunk=async_chunk), config.num_processes, coordinator))
-            leader = spmd.Leader(config, ipc_dir, ctx)
+            leader = spmd.Leader(config, ipc_dir, ctx, followers)
             spmd.initialize(config, 0, coordinator)
             spmd.check_same_stage(config, family, async_chunk)
         _use_stage_device(config)

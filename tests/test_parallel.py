@@ -335,20 +335,27 @@ import numpy as np
 from omni_jax import OmniJax, SamplingParams
 from omni_jax.config import load_pipeline_config
 
-ckpt = sys.argv[1]
+family, ckpt = sys.argv[1], sys.argv[2]
 # Few buckets and tokens: six stage processes warm up one after the other on a shared CPU.
-base = load_pipeline_config("qwen2_5_omni_tiny").with_overrides(
-    thinker=dict(token_buckets=[32], decode_buckets=[1], max_num_seqs=1, max_num_batched_tokens=32,
-                 audio_chunk_buckets=[1], vision_patch_buckets=[64]),
-    talker=dict(token_buckets=[32], decode_buckets=[1], max_num_seqs=1, max_num_batched_tokens=32),
-    token2wav=dict(token_buckets=[48], decode_buckets=[1], max_num_seqs=1, max_num_batched_tokens=48,
-                   codec_chunk_frames=10))  # chunks of 10 codes: one streamed window shape
+small = dict(token_buckets=[32], decode_buckets=[1], max_num_seqs=1, max_num_batched_tokens=32)
+if family == "qwen2_5_omni":
+    preset, vocoder, voice = "qwen2_5_omni_tiny", "token2wav", "Ethan"
+    ids = np.random.default_rng(11).integers(0, 151000, 17).tolist()
+    # chunks of 10 codes: one streamed window shape
+    vocoder_sizes = dict(small, token_buckets=[48], max_num_batched_tokens=48, codec_chunk_frames=10)
+else:  # the talker speaks the assistant turn: a chat prompt
+    import hf_tiny_qwen3 as tiny
+    preset, vocoder, voice = "qwen3_omni_tiny", "code2wav", "ethan"
+    ids = tiny.text_prompt_ids()
+    vocoder_sizes = {}
+base = load_pipeline_config(preset).with_overrides(
+    thinker=dict(small, audio_chunk_buckets=[1], vision_patch_buckets=[64]), talker=small,
+    **{vocoder: vocoder_sizes})
 pipelines = {
-    "one": base.with_overrides(thinker=dict(devices=[0]), talker=dict(devices=[0]), token2wav=dict(devices=[0])),
+    "one": base.with_overrides(thinker=dict(devices=[0]), talker=dict(devices=[0]), **{vocoder: dict(devices=[0])}),
     "tp2": base.with_overrides(thinker=dict(devices=[0, 1], tensor_parallel_size=2),
-                               talker=dict(devices=[2, 3], tensor_parallel_size=2), token2wav=dict(devices=[4])),
+                               talker=dict(devices=[2, 3], tensor_parallel_size=2), **{vocoder: dict(devices=[4])}),
 }
-ids = np.random.default_rng(11).integers(0, 151000, 17).tolist()
 params = [SamplingParams(temperature=0.0, max_tokens=5),
           SamplingParams(temperature=0.0, repetition_penalty=1.05, max_tokens=24), SamplingParams(seed=7)]
 result = {}
@@ -356,9 +363,10 @@ for name, pipeline in pipelines.items():
     with OmniJax(model=ckpt, pipeline=pipeline, output_modalities=["text", "audio"]) as omni:
         warm = {s: st["num_compilations"] for s, st in omni.stage_stats().items()}
         out = omni.generate([{"prompt_token_ids": ids}], sampling_params_list=params,
-                            output_modalities=["text", "audio"], voice="Ethan")[0]
+                            output_modalities=["text", "audio"], voice=voice)[0]
         served = {s: st["num_compilations"] for s, st in omni.stage_stats().items()}
-    result[name] = dict(error=out.error, text=out.token_ids, codes=out.stage_token_ids.get("talker"),
+    codes = out.stage_token_ids.get("talker")
+    result[name] = dict(error=out.error, text=out.token_ids, codes=None if codes is None else np.asarray(codes).tolist(),
                         audio=None if out.audio is None else np.asarray(out.audio).tolist(),
                         compilations_after_warmup=warm, compilations_after_generate=served)
 print("RESULT" + json.dumps(result))
@@ -367,14 +375,18 @@ print("RESULT" + json.dumps(result))
 
 @pytest.mark.pipeline
 @pytest.mark.slow
-def test_speech_pipeline_tensor_parallel(converted_thinker_fp32):
-    """Issue #18's pipeline check: through OmniJax.generate, thinker on devices 0-1 and talker on
-    2-3 at TP 2, the vocoder on device 4, give the one-device pipeline's greedy text, codec tokens
-    and audio; no stage compiles after warm-up. The stage processes inherit XLA_FLAGS (8 devices)."""
+@pytest.mark.parametrize("family", ["qwen2_5_omni", "qwen3_omni"])
+def test_speech_pipeline_tensor_parallel(family, converted_thinker_fp32, converted_qwen3_fp32):
+    """Issue #18's pipeline check, both families: through OmniJax.generate, thinker on devices 0-1
+    and talker on 2-3 at TP 2, the vocoder on device 4, give the one-device pipeline's greedy
+    text, codec tokens and audio; no stage compiles after warm-up. The stage processes inherit
+    XLA_FLAGS (8 devices)."""
+    ckpt = converted_thinker_fp32 if family == "qwen2_5_omni" else converted_qwen3_fp32
+    vocoder = "token2wav" if family == "qwen2_5_omni" else "code2wav"
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
                OMNI_JAX_LOG_LEVEL="INFO", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
-    proc = subprocess.run([sys.executable, "-c", PIPELINE_DRIVER, converted_thinker_fp32], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", PIPELINE_DRIVER, family, ckpt], env=env,
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.split("RESULT", 1)[1])
     print(json.dumps({k: {f: v for f, v in r.items() if f != "audio"} for k, r in result.items()}))
@@ -387,7 +399,7 @@ def test_speech_pipeline_tensor_parallel(converted_thinker_fp32):
     a, b = np.asarray(one["audio"]), np.asarray(tp2["audio"])
     assert a.shape == b.shape and a.size > 0 and np.abs(a - b).max() <= 1e-4
     # Each stage process picked its devices by index (one-device stages: the default device).
-    assert "[omni-jax token2wav INFO] runs on cpu:4" in proc.stderr
+    assert f"[omni-jax {vocoder} INFO] runs on cpu:4" in proc.stderr
 
 
 # ------------------------------------------------------------------ a stage over two processes

@@ -347,7 +347,7 @@ else:  # the talker speaks the assistant turn: a chat prompt
     import hf_tiny_qwen3 as tiny
     preset, vocoder, voice = "qwen3_omni_tiny", "code2wav", "ethan"
     ids = tiny.text_prompt_ids()
-    vocoder_sizes = {}
+    vocoder_sizes = dict(small, token_buckets=[64], max_num_batched_tokens=64, max_model_len=64)
 base = load_pipeline_config(preset).with_overrides(
     thinker=dict(small, audio_chunk_buckets=[1], vision_patch_buckets=[64]), talker=small,
     **{vocoder: vocoder_sizes})
@@ -454,10 +454,11 @@ pipelines = {"one": base.with_overrides(thinker=dict(devices=[0])), "hosts": hos
              "two": base.with_overrides(thinker=two)}
 rng = np.random.default_rng(5)
 prompts = [{"prompt_token_ids": rng.integers(0, 151000, n).tolist()} for n in (17, 40, 9)]
-params = [SamplingParams(temperature=0.0, max_tokens=12),
-          SamplingParams(temperature=0.0, repetition_penalty=1.1, max_tokens=20),  # a 2-chunk prompt
-          SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=16)]
-unseeded = SamplingParams(temperature=1.0, max_tokens=10)  # each process would draw its own seed
+# Few tokens: a step over two processes waits on gloo collectives (about 0.25 s on 2 cores).
+params = [SamplingParams(temperature=0.0, max_tokens=6),
+          SamplingParams(temperature=0.0, repetition_penalty=1.1, max_tokens=8),  # a 2-chunk prompt
+          SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=8)]
+unseeded = SamplingParams(temperature=1.0, max_tokens=6)  # each process would draw its own seed
 result = {}
 for name, pipeline in pipelines.items():
     if name == "hosts":
@@ -529,8 +530,8 @@ def test_stage_over_two_processes(converted_thinker_fp32, tmp_path):
     one, hosts, two = result["one"], result["hosts"], result["two"]
     for r in (one, hosts, two):
         assert r["errors"] == [None] * 4
-        assert r["tokens"] == one["tokens"] and [len(t) for t in r["tokens"]] == [12, 20, 16]
-        assert r["unseeded"] == 10 and r["new_compilations"] == 0
+        assert r["tokens"] == one["tokens"] and [len(t) for t in r["tokens"]] == [6, 8, 8]
+        assert r["unseeded"] == 6 and r["new_compilations"] == 0
     # With coordinator_address, process 0 starts no process: the one started by hand joined it.
     assert hosts["own_processes"] == 0 and hosts["by_hand_exit"] == 0
     assert "process 1 of 2 is ready" in hosts["by_hand_said"]

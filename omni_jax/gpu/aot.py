@@ -130,12 +130,13 @@ class Compiler:
             device_kind=self.device.device_kind, num_cores=None, platform="cuda"))
         self.ptxas = os.path.join(cuda_data_dir(), "bin", "ptxas")
 
-    def stage_mesh(self, tensor_parallel_size: int) -> Mesh:
-        """A stage's ("ep", "tp") mesh over `tensor_parallel_size` GPUs of this target in one host
-        (the engine's layout, engine/sharding.py)."""
+    def stage_mesh(self, tensor_parallel_size: int, expert_parallel_size: int = 1) -> Mesh:
+        """A stage's ("ep", "tp") mesh over TP * EP GPUs of this target in one host (the
+        engine's layout, engine/sharding.py)."""
+        n = tensor_parallel_size * expert_parallel_size
         topology = topologies.get_topology_desc(platform="cuda", target_config=self.target.config_text,
-                                                topology=f"1x1x{tensor_parallel_size}")
-        return Mesh(np.array(topology.devices).reshape(1, tensor_parallel_size), (EP, TP))
+                                                topology=f"1x1x{n}")
+        return Mesh(np.array(topology.devices).reshape(expert_parallel_size, tensor_parallel_size), (EP, TP))
 
     def sds(self, shape, dtype) -> jax.ShapeDtypeStruct:
         """An abstract argument placed on the target device."""

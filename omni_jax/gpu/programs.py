@@ -36,7 +36,7 @@ from ..models.qwen2_5_omni.media import MediaBuckets, ThinkerMediaEncoder
 from ..models.qwen2_5_omni.token2wav import Token2WavSynthesizer
 from ..models.qwen2_5_omni.voices import Voices
 from ..models.qwen3_omni.code2wav_stage import Code2WavSynthesizer
-from ..models.layers.parallel import TP
+from ..models.layers.parallel import EP, TP
 from ..models.qwen3_omni.media import Qwen3ThinkerMediaEncoder
 from ..models.registry import abstract_stage, stages_of
 
@@ -172,8 +172,9 @@ def ar_engine_programs(family: str, stage: StageConfig, hf_config: dict, num_blo
 
 def sharded_step(step: Program, mesh, num_kv_heads: int) -> Program:
     """A step program of `ar_engine_programs` as the engine runs it over `mesh` (a stage at
-    tensor parallelism, engine/sharding.py): the runner's own step traced with that mesh, the
-    parameters placed by PARAM_RULES, the KV pages split over their heads, the rest replicated."""
+    tensor / expert parallelism, engine/sharding.py): the runner's own step traced with that
+    mesh, the parameters placed by PARAM_RULES, the KV pages split over their heads, the rest
+    replicated."""
     runner = copy.copy(step.fn.__wrapped__.__self__)  # the one-device runner the step was recorded on
     runner.mesh = mesh
     fn = jax.jit(runner._forward, static_argnames=("rich", "deepstack"), donate_argnums=(1,))
@@ -184,9 +185,10 @@ def sharded_step(step: Program, mesh, num_kv_heads: int) -> Program:
     kv = [tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=pages) for x in layer) for layer in step.args[1]]
     whole = sharding.replicated(mesh)
     rest = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=whole), step.args[2:])
-    tp = int(mesh.shape[TP])
-    return dataclasses.replace(step, name=f"{step.name}/tp{tp}", kind=f"{step.kind}_tp", fn=fn,
-                               args=(params, kv, *rest), info=dict(step.info, tensor_parallel_size=tp), mesh=mesh)
+    tp, ep = int(mesh.shape[TP]), int(mesh.shape[EP])
+    return dataclasses.replace(step, name=f"{step.name}/tp{tp}" + (f"ep{ep}" if ep > 1 else ""), kind=f"{step.kind}_tp",
+                               fn=fn, args=(params, kv, *rest), mesh=mesh,
+                               info=dict(step.info, tensor_parallel_size=tp, expert_parallel_size=ep))
 
 
 def media_programs(family: str, stage: StageConfig, hf_config: dict) -> list[Program]:

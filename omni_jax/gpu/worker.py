@@ -93,7 +93,7 @@ def _step_variant(stage) -> str:
     return "plain" if stage.model_stage == "thinker" else "rich"
 
 
-def select_tier(family: str, stage, hf_config: dict, num_blocks: int, target_name: str, stage_mesh=None) -> list:
+def select_tier(family: str, stage, hf_config: dict, num_blocks: int, target_name: str, stage_mesh) -> list:
     """What the gpu_compile tier checks (a few minutes on 2 cores): on both targets the
     Pallas kernels at every bucket and the Qwen2.5 stages' largest decode steps (KV
     donation), the thinker's also at tensor parallel 2 over two GPUs (`stage_mesh`:
@@ -108,7 +108,7 @@ def select_tier(family: str, stage, hf_config: dict, num_blocks: int, target_nam
         return out
     progs = P.ar_engine_programs(family, stage, hf_config, num_blocks)
     out.append(max(_ends(progs, "decode", _step_variant(stage)), key=lambda p: p.bucket))
-    if stage.model_stage == "thinker" and stage_mesh is not None:
+    if stage.model_stage == "thinker":
         num_kv_heads = P.text_config(family, stage.model_stage, hf_config).num_kv_heads
         out.append(P.sharded_step(out[-1], stage_mesh(2), num_kv_heads))
     if target_name == "a100" and stage.model_stage == "thinker":
@@ -120,12 +120,12 @@ def select_tier(family: str, stage, hf_config: dict, num_blocks: int, target_nam
     return out
 
 
-def select_full(family: str, stage, hf_config: dict, num_blocks: int, target_name: str) -> list:
+def select_full(family: str, stage, hf_config: dict, num_blocks: int, target_name: str, stage_mesh) -> list:
     """Everything the issue lists, per target: kernels at every bucket; the smallest and
-    largest decode and prefill steps of every AR stage; the sampler variants at the
-    largest batch; the after-sample hook; the encoders and vocoders at their smallest
-    bucket. Tens of minutes on 2 cores (the MoE steps and the token2wav DiT take minutes
-    each); run by `python -m omni_jax.gpu.client --full`."""
+    largest decode and prefill steps of every AR stage, and the largest decode step over two
+    GPUs at tensor parallel 2 (a MoE thinker: also at expert parallel 2); the sampler variants at the largest batch; the after-sample
+    hook; the encoders and vocoders at their smallest bucket. Tens of minutes on 2 cores (the
+    MoE steps and the token2wav DiT take minutes each); run by `python -m omni_jax.gpu.client --full`."""
     if stage.runner != "ar":
         voc = P.vocoder_programs(family, stage, hf_config)
         calls = {p.info.get("call") for p in voc}  # Qwen3's code2wav: whole and streamed calls
@@ -135,6 +135,11 @@ def select_full(family: str, stage, hf_config: dict, num_blocks: int, target_nam
     progs = P.ar_engine_programs(family, stage, hf_config, num_blocks)
     v = _step_variant(stage)
     out += _ends(progs, "decode", v) + _ends(progs, "prefill", v)
+    text = P.text_config(family, stage.model_stage, hf_config)
+    decode = max(_ends(progs, "decode", v), key=lambda p: p.bucket)
+    out.append(P.sharded_step(decode, stage_mesh(2), text.num_kv_heads))
+    if getattr(text, "num_experts", 0):
+        out.append(P.sharded_step(decode, stage_mesh(1, 2), text.num_kv_heads))
     top = max(p.bucket for p in progs if p.kind == "sample")
     out += [p for p in progs if p.kind in ("sample", "after_sample") and p.bucket == top]
     if stage.model_stage == "thinker":
@@ -189,10 +194,8 @@ def main(argv=None) -> int:
             stages.append(facts)
             blocks = max(facts["num_blocks"], 2)
             if args.select in ("tier", "full"):
-                if args.select == "tier":
-                    progs = select_tier(pipeline.family, stage, hf, blocks, target.name, compiler.stage_mesh)
-                else:
-                    progs = select_full(pipeline.family, stage, hf, blocks, target.name)
+                pick = select_tier if args.select == "tier" else select_full
+                progs = pick(pipeline.family, stage, hf, blocks, target.name, compiler.stage_mesh)
                 if stage.model_stage == "thinker":
                     reports.append(negative_control(compiler, pipeline.family, stage, hf, blocks).to_dict()
                                    | {"stage": stage.name, "preset": pipeline.name})

@@ -142,14 +142,23 @@ class FollowerWatch:
             self._exit_if_one_is_gone()
             time.sleep(0.05)
 
-    def stop(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
-        """The stage has shut down: let the followers exit (killed if they do not in time)."""
-        self.stopping = True
+    def wait(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+        """Let the followers exit (killed if they do not in time)."""
         for p in self.procs:
             try:
                 p.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def leave(watch: FollowerWatch | None) -> None:
+    """Process 0, after its Shutdown tick: leave the distributed job with the others (their
+    exits are no longer failures), then let those it started exit."""
+    if watch is not None:
+        watch.stopping = True
+    jax.distributed.shutdown()
+    if watch is not None:
+        watch.wait()
 
 
 class OutOfStep(RuntimeError):

@@ -12,6 +12,9 @@ request with `forward_to` go to that stage's inbox as `StageData`; the orchestra
 them without codes, and with hidden states only of the layers and rows the caller asked for
 (`AddRequest.output_hidden_states`).
 
+A stage over several JAX processes runs this loop in process 0, which sends each turn to
+the others (`follow`, runtime/spmd.py).
+
 A request the engine rejects, or whose input cannot be built, comes back as a
 `StageFailure` naming it; a malformed message is logged and dropped; an exception in a
 step fails that step's requests (inside the engine) and the loop goes on.
@@ -374,11 +377,7 @@ def serve_stage(stage: dict, ckpt_dir: str, family: str, ipc_dir: str, async_chu
         sys.exit(1)
     server.serve()
     if config.num_processes > 1:
-        if followers is not None:
-            followers.stopping = True
-        jax.distributed.shutdown()  # with the others, who had the Shutdown tick
-        if followers is not None:
-            followers.stop()
+        spmd.leave(followers)
     server.close()
     _flush_and_close(outbox, inbox, ctx)
 

@@ -155,7 +155,8 @@ def ar_engine_programs(family: str, stage: StageConfig, hf_config: dict, num_blo
             variant = "deepstack" if kwargs.get("deepstack") else ("rich" if kwargs.get("rich") else "plain")
             args = (args[0], real_kv) + tuple(args[2:])
             out.append(Program(f"{base}/{kind}/{variant}/{bucket}", kind, fn, args, kwargs, bucket,
-                               info=dict(variant=variant, kv_bytes=2 * text.num_layers * int(np.prod(shape)) * 2)))
+                               info=dict(variant=variant, kv_bytes=2 * text.num_layers * int(np.prod(shape)) * 2,
+                                         num_kv_heads=text.num_kv_heads)))
         elif name == "sample":
             b = int(args[0].shape[0])
             flags = kwargs["flags"]
@@ -170,7 +171,7 @@ def ar_engine_programs(family: str, stage: StageConfig, hf_config: dict, num_blo
     return out
 
 
-def sharded_step(step: Program, mesh, num_kv_heads: int) -> Program:
+def sharded_step(step: Program, mesh) -> Program:
     """A step program of `ar_engine_programs` as the engine runs it over `mesh` (a stage at
     tensor / expert parallelism, engine/sharding.py): the runner's own step traced with that
     mesh, the parameters placed by PARAM_RULES, the KV pages split over their heads, the rest
@@ -178,7 +179,7 @@ def sharded_step(step: Program, mesh, num_kv_heads: int) -> Program:
     runner = copy.copy(step.fn.__wrapped__.__self__)  # the one-device runner the step was recorded on
     runner.mesh = mesh
     fn = jax.jit(runner._forward, static_argnames=("rich", "deepstack"), donate_argnums=(1,))
-    where = sharding.param_sharding(mesh, num_kv_heads)
+    where = sharding.param_sharding(mesh, step.info["num_kv_heads"])
     paths = [sharding.state_path(k) for k, _ in jax.tree_util.tree_flatten_with_path(runner.state)[0]]
     params = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where(p, x.shape)) for p, x in zip(paths, step.args[0])]
     pages = sharding.kv_cache_sharding(mesh)

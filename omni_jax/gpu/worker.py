@@ -109,8 +109,7 @@ def select_tier(family: str, stage, hf_config: dict, num_blocks: int, target_nam
     progs = P.ar_engine_programs(family, stage, hf_config, num_blocks)
     out.append(max(_ends(progs, "decode", _step_variant(stage)), key=lambda p: p.bucket))
     if stage.model_stage == "thinker":
-        num_kv_heads = P.text_config(family, stage.model_stage, hf_config).num_kv_heads
-        out.append(P.sharded_step(out[-1], stage_mesh(2), num_kv_heads))
+        out.append(P.sharded_step(out[-1], stage_mesh(2)))
     if target_name == "a100" and stage.model_stage == "thinker":
         top = max(p.bucket for p in progs if p.kind == "sample")
         out += [p for p in progs if p.kind == "sample" and p.bucket == top
@@ -123,9 +122,10 @@ def select_tier(family: str, stage, hf_config: dict, num_blocks: int, target_nam
 def select_full(family: str, stage, hf_config: dict, num_blocks: int, target_name: str, stage_mesh) -> list:
     """Everything the issue lists, per target: kernels at every bucket; the smallest and
     largest decode and prefill steps of every AR stage, and the largest decode step over two
-    GPUs at tensor parallel 2 (a MoE thinker: also at expert parallel 2); the sampler variants at the largest batch; the after-sample
-    hook; the encoders and vocoders at their smallest bucket. Tens of minutes on 2 cores (the
-    MoE steps and the token2wav DiT take minutes each); run by `python -m omni_jax.gpu.client --full`."""
+    GPUs at tensor parallel 2 (MoE stages: also at expert parallel 2); the sampler variants
+    at the largest batch; the after-sample hook; the encoders and vocoders at their smallest
+    bucket. Tens of minutes on 2 cores (the MoE steps and the token2wav DiT take minutes
+    each); run by `python -m omni_jax.gpu.client --full`."""
     if stage.runner != "ar":
         voc = P.vocoder_programs(family, stage, hf_config)
         calls = {p.info.get("call") for p in voc}  # Qwen3's code2wav: whole and streamed calls
@@ -135,11 +135,10 @@ def select_full(family: str, stage, hf_config: dict, num_blocks: int, target_nam
     progs = P.ar_engine_programs(family, stage, hf_config, num_blocks)
     v = _step_variant(stage)
     out += _ends(progs, "decode", v) + _ends(progs, "prefill", v)
-    text = P.text_config(family, stage.model_stage, hf_config)
     decode = max(_ends(progs, "decode", v), key=lambda p: p.bucket)
-    out.append(P.sharded_step(decode, stage_mesh(2), text.num_kv_heads))
-    if getattr(text, "num_experts", 0):
-        out.append(P.sharded_step(decode, stage_mesh(1, 2), text.num_kv_heads))
+    out.append(P.sharded_step(decode, stage_mesh(2)))
+    if getattr(P.text_config(family, stage.model_stage, hf_config), "num_experts", 0):
+        out.append(P.sharded_step(decode, stage_mesh(1, 2)))
     top = max(p.bucket for p in progs if p.kind == "sample")
     out += [p for p in progs if p.kind in ("sample", "after_sample") and p.bucket == top]
     if stage.model_stage == "thinker":

@@ -268,9 +268,9 @@ class StageServer:
     # ------------------------------------------------------------------ step
     def _step(self) -> None:
         t = time.perf_counter()
-        failed = self.engine.stats.get("failed_steps", 0)
+        failed = self.engine.stats["failed_steps"] if self.leader is not None else 0
         outputs = self.engine.step()
-        if self.leader is not None and self.engine.stats.get("failed_steps", 0) > failed:
+        if self.leader is not None and self.engine.stats["failed_steps"] > failed:
             self.leader.after_failed_step()
         if self.last_step is not None:
             self.last_step = spmd.outputs_digest(outputs)

@@ -63,6 +63,15 @@ def configure_compile_cache() -> None:
         jax.config.update("jax_compilation_cache_dir", os.path.join(cache_root(), "jax-compile-cache"))
 
 
+def _set_up_process(stage: dict, process_id: int) -> None:
+    """Logging, devices and compilation cache of a stage process, before JAX's backend exists."""
+    name = stage["name"] + (f" process {process_id}" if process_id else "")
+    logging.basicConfig(level=os.environ.get("OMNI_JAX_LOG_LEVEL", "WARNING"),
+                        format=f"[omni-jax {name} %(levelname)s] %(message)s")
+    _configure_device(stage)
+    configure_compile_cache()
+
+
 def stage_main(stage_json: str, ckpt_dir: str, family: str, ipc_dir: str, parent_pid: int,
                async_chunk: bool = False, process_id: int = 0, coordinator: str | None = None) -> None:
     """Entry point of a stage process (arguments are plain strings: nothing is unpickled).
@@ -71,11 +80,7 @@ def stage_main(stage_json: str, ckpt_dir: str, family: str, ipc_dir: str, parent
     # The orchestrator's socket directory is its stage process's to clean up, not a follower's.
     _exit_with_parent(parent_pid, ipc_dir if process_id == 0 else None)
     stage = json.loads(stage_json)
-    name = stage["name"] + (f" process {process_id}" if process_id else "")
-    logging.basicConfig(level=os.environ.get("OMNI_JAX_LOG_LEVEL", "WARNING"),
-                        format=f"[omni-jax {name} %(levelname)s] %(message)s")
-    _configure_device(stage)
-    configure_compile_cache()
+    _set_up_process(stage, process_id)
     if process_id:
         follow_stage(stage, ckpt_dir, family, ipc_dir, async_chunk, process_id, coordinator)
     else:
@@ -85,13 +90,10 @@ def stage_main(stage_json: str, ckpt_dir: str, family: str, ipc_dir: str, parent
 def follow_remote(stage: dict, ckpt_dir: str, family: str, async_chunk: bool, process_id: int) -> None:
     """Process `process_id` of a stage spanning hosts, started by hand on its host
     (`omni-jax stage-process`); it reaches process 0 at the stage's coordinator_address."""
-    logging.basicConfig(level=os.environ.get("OMNI_JAX_LOG_LEVEL", "WARNING"),
-                        format=f"[omni-jax {stage['name']} process {process_id} %(levelname)s] %(message)s")
+    _set_up_process(stage, process_id)
     if "OMNI_JAX_LOG_LEVEL" not in os.environ:
         logging.getLogger("omni_jax.stage").setLevel(logging.INFO)  # say when it is ready, by hand
     log.info("joining process 0 at %s", stage["coordinator_address"])
-    _configure_device(stage)
-    configure_compile_cache()
     follow_stage(stage, ckpt_dir, family, None, async_chunk, process_id, stage["coordinator_address"])
 
 

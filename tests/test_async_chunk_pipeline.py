@@ -88,15 +88,16 @@ def family_engines(request, converted_thinker_fp32, converted_qwen3_fp32):
 
 def collect(omni: AsyncOmniJax, prompts, params, abort_when=None):
     """Run prompts together; per prompt the list of updates. `abort_when(i, update)` -> True
-    aborts prompt i at that update."""
+    aborts prompt i at that update (once)."""
 
     async def one(i, p):
-        updates = []
+        updates, aborted = [], False
         gen = omni.generate(p, sampling_params_list=params, request_id=f"p{i}-{time.monotonic_ns()}", output_modalities=["text", "audio"])
         async for out in gen:
             updates.append(out)
-            if abort_when is not None and abort_when(i, out):
+            if abort_when is not None and not aborted and abort_when(i, out):
                 omni.abort(out.request_id)
+                aborted = True
         return updates
 
     async def go():
@@ -171,10 +172,12 @@ def test_abort_in_each_phase_frees_every_stage(family_engines, phase):
     def abort_when(i, out):
         if i != 0:
             return False
+        # At least, not exactly: a reader slower than the engine gets merged updates, whose token
+        # count can step over any one number (then the request ran to its end: a flaky 'length').
         if phase == "thinker":
-            return len(out.token_ids) == 1  # before the talker can start (it needs two tokens)
+            return len(out.token_ids) >= 1  # the first text: the talker needs two tokens to start
         if phase == "talker":
-            return len(out.token_ids) == 12  # thinker and talker both running
+            return len(out.token_ids) >= 12  # thinker and talker both running
         if phase == "vocoder":
             return out.audio_delta is not None and len(out.audio_delta) > 0
         return len(out.new_token_ids) > 0 and len(out.token_ids) == params[0].max_tokens  # talker, vocoder left

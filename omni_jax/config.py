@@ -249,6 +249,12 @@ class StageConfig:
     # set its own first chunk (SamplingParams.extra_args["initial_codec_chunk_frames"]).
     codec_chunk_frames: int = 25
     initial_codec_chunk_frames: int = 10
+    # Streamed vocoders that need context around a chunk (Qwen2.5-Omni's DiT): codec frames
+    # decoded with it before and after the ones kept; null: the model's own choice. More
+    # context costs compute (and, ahead, latency) and brings the audio closer to the whole
+    # decode's (models/qwen2_5_omni/token2wav.py measures the error of each).
+    codec_left_context_frames: int | None = None
+    codec_right_context_frames: int | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -322,6 +328,10 @@ class StageConfig:
         set_("memory_fraction", _fraction("memory_fraction", self.memory_fraction, optional=True))
         for name in ("codec_chunk_frames", "initial_codec_chunk_frames"):
             set_(name, _positive_int(name, getattr(self, name)))
+        for name in ("codec_left_context_frames", "codec_right_context_frames"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or v < 0):
+                raise _invalid(name, f"must be null or an integer >= 0, got {v!r}")
         if not isinstance(self.auto_restart, bool):
             raise _invalid("auto_restart", f"must be true or false, got {self.auto_restart!r}")
         for name in ("ready_timeout_s", "health_timeout_s"):

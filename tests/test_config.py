@@ -246,6 +246,8 @@ def test_negative_value_names_pipeline_stage_and_field():
     ("num_blocks", 1, "integer >= 2"),
     ("num_blocks", 8, "must be >= 17 so that one request of max_model_len (256)"),
     ("default_sampling", [1], "must be a mapping"),
+    ("codec_right_context_frames", -1, "must be null or an integer >= 0, got -1"),
+    ("codec_left_context_frames", 2.5, "must be null or an integer >= 0, got 2.5"),
 ])
 def test_bad_values_name_the_field(field, value, expected):
     msg = error_of(with_stage(0, **{field: value}))

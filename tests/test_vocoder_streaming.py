@@ -324,13 +324,15 @@ def test_token2wav_stage_compiles_its_pipelines_path(monkeypatch, async_chunk):
     seen = {}
     monkeypatch.setattr(qwen2_5_family, "build_token2wav_engine", lambda ckpt, **kw: seen.update(kw))
     stage = types.SimpleNamespace(token_buckets=None, decode_buckets=None, max_num_seqs=None,
-                                  codec_chunk_frames=12, initial_codec_chunk_frames=4)
+                                  codec_chunk_frames=12, initial_codec_chunk_frames=4,
+                                  codec_left_context_frames=None, codec_right_context_frames=24)
     qwen2_5_family.FAMILY.engines["token2wav"](stage, "ckpt", async_chunk)
     assert seen["streamed"] is async_chunk and seen["chunk_frames"] == 12
+    assert seen["left_context"] is None and seen["right_context"] == 24
 
 
 class _DelayedSynth:
-    """A synthesizer whose audio trails its codes by 5 frames (as Qwen2.5's token2wav, by 41):
+    """A synthesizer whose audio trails its codes by 5 frames (as Qwen2.5's token2wav, by 22):
     one sample per frame that no later code can change."""
 
     tokens_per_frame = 1

@@ -33,7 +33,9 @@ def _token2wav(stage, ckpt_dir: str, async_chunk: bool):
     return build_token2wav_engine(ckpt_dir, length_buckets=stage.token_buckets or (64, 256, 1024),
                                   batch_buckets=stage.decode_buckets or (1, 2, 4), max_num_seqs=stage.max_num_seqs,
                                   chunk_frames=stage.codec_chunk_frames,
-                                  initial_chunk_frames=stage.initial_codec_chunk_frames, streamed=async_chunk)
+                                  initial_chunk_frames=stage.initial_codec_chunk_frames, streamed=async_chunk,
+                                  left_context=stage.codec_left_context_frames,
+                                  right_context=stage.codec_right_context_frames)
 
 
 FAMILY = ModelFamily(

@@ -13,7 +13,7 @@ from ...engine.oneshot_engine import OneShotEngine, chunk_sizes
 from ...engine.runner import RunnerConfig, stage_mesh
 from ...inputs.rope_index import RopeIndexConfig
 from .media import MediaBuckets, ThinkerMediaEncoder
-from .token2wav import Token2WavSynthesizer
+from .token2wav import StreamContext, Token2WavSynthesizer
 from .voices import Voices
 
 
@@ -109,16 +109,24 @@ def build_thinker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | No
     return engine
 
 
+def _stream_context(left: int | None, right: int | None) -> StreamContext:
+    """The default StreamContext with the given DiT context (codes) where it is not None."""
+    given = dict(left_codes=left, right_codes=right)
+    return StreamContext(**{k: v for k, v in given.items() if v is not None})
+
+
 def build_token2wav_engine(ckpt_dir: str, *, length_buckets=(64, 256, 1024), batch_buckets=(1, 2, 4),
                            max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
                            chunk_frames: int = 25, initial_chunk_frames: int = 10, streamed: bool = False,
+                           left_context: int | None = None, right_context: int | None = None,
                            warmup: bool = True):
     """The vocoder stage: requests batched through DiT + BigVGAN (fp32, no KV cache), whole or streamed.
 
     `max_num_seqs` requests per step (default batch_buckets[-1]); more than the largest
     batch take several calls, run side by side. With async chunk the engine streams a request
     once `initial_chunk_frames`, then chunks growing to `chunk_frames` new codes arrived; the
-    streamed calls are compiled for windows of each chunk size plus its context. `streamed`: requests
+    streamed calls are compiled for windows of each chunk size plus its context (`left_context`
+    and `right_context` codes of DiT context, None: `StreamContext`'s). `streamed`: requests
     arrive streamed (the pipeline's async_chunk), so warm-up compiles the streamed calls
     instead of the whole-request ones (the other path still works, compiling on first use).
     """
@@ -126,7 +134,8 @@ def build_token2wav_engine(ckpt_dir: str, *, length_buckets=(64, 256, 1024), bat
     max_num_seqs = max_num_seqs or batch_buckets[-1]
     synth = Token2WavSynthesizer(model, Voices.load(ckpt_dir), length_buckets=length_buckets,
                                  batch_buckets=batch_buckets, max_num_seqs=max_num_seqs,
-                                 stream_chunk_codes=chunk_sizes(initial_chunk_frames, chunk_frames))
+                                 stream_chunk_codes=chunk_sizes(initial_chunk_frames, chunk_frames),
+                                 stream_context=_stream_context(left_context, right_context))
 
     engine = OneShotEngine(synth, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens or max_num_seqs * length_buckets[-1],

@@ -23,26 +23,29 @@ into the part of the waveform that no later code can change.
   kept frames are used (cropped, no cross-fade); a kept code waits for `right_codes` of
   look-ahead unless the request is final.
 * BigVGAN is convolutional with a finite reach, `BigVGANConfig.context_frames()` (34 mel
-  frames each side): each vocoder window reads that much final mel beyond what it keeps,
-  or the request's own border, so its samples are exactly the whole vocoder's given the
-  mel. The final mel it still needs stays cached per request; the last 34 frames of it
-  wait for the next chunk (or the end).
+  frames each side), but in fp32 a frame's influence fades below rounding long before that:
+  each vocoder window reads `StreamContext.vocoder_frames` (20) of final mel beyond what it
+  keeps, or the request's own border. The final mel it still needs stays cached per request;
+  its last 20 frames wait for the next chunk (or the end).
 
-The waveform then differs from the whole decode only by the DiT's truncated context.
-Measured on the tiny checkpoint with unit-gain DiT weights and an audible vocoder (with
-its own init the waveform peaks at 2e-4 and even no context errs by only 2e-10), max abs
-error of 203- and 131-code requests streamed in 10-then-25-code and uneven pieces,
-waveform peak 0.66:
+The default context is the one the model's authors stream with (Qwen2.5-Omni's own
+streaming token2wav: 2 blocks of DiT context behind a chunk, 1 ahead, 20 mel frames of
+vocoder context). Measured on the tiny checkpoint with unit-gain DiT weights and an audible
+vocoder (with its own init the waveform peaks at 2e-4 and even no context errs by only
+2e-10): max abs error of 64- and 41-code requests streamed in 10-then-25-code and uneven
+pieces, waveform peak 0.62:
 
-    left / right codes   0 / 24   12 / 24   24 / 24   48 / 24   24 / 0   24 / 12   24 / 36   36 / 36
-    max abs error        7.4e-3   2.3e-4    6.8e-5    6.8e-5    8.5e-3   2.8e-3    4.1e-6    1.4e-6
+    DiT left / right codes   24 / 24   24 / 12   12 / 12   24 / 6    24 / 0
+    max abs error            4.1e-5    2.1e-3    2.1e-3    5.6e-3    1.1e-2
 
-(one code per piece: 9.2e-5 at 24 / 24). The default, 24 / 24 (two blocks each side),
-recomputes 48-59 codes of context per chunk (a 25-code chunk runs an 84-code window, a
-3.4x DiT cost; the vocoder runs 68 frames of context per 50) and holds audio back by
-24 + 17 codes, so the first audio needs 42 codes. In the real model two look-back layers
-give more paths into the past, so expect its left error to be somewhat larger.
-A request's audio depends (within that error) on how its codes were split.
+and of the vocoder alone (118 mel frames in windows, against the whole): 20 frames of
+context 2.5e-7, 16 6.5e-6, 12 4.4e-4, 10 2.8e-3. Earlier, on 203- and 131-code requests:
+24 / 24 6.8e-5, 36 / 36 1.4e-6. So the default (24 / 12) errs by about 2e-3 at a 0.6 peak
+(-49 dB) and holds audio back by 12 + 10 codes, where 24 / 24 errs by under 1e-4 and holds
+it back by 24 + 10 (the stage's `codec_right_context_frames` chooses). A 25-code chunk runs
+a window of 24 + up to 11 (its start rounded down to a block) + 25 + 12 codes. In the real
+model two look-back layers give more paths into the past, so expect its left error to be
+somewhat larger. A request's audio depends (within that error) on how its codes were split.
 """
 
 from __future__ import annotations
@@ -116,14 +119,16 @@ MIN_BUCKET_FILL = 0.75
 
 @dataclasses.dataclass(frozen=True)
 class StreamContext:
-    """Codec tokens of DiT context around the codes a streamed chunk keeps (see the module docstring).
+    """Context around what a streamed chunk keeps (see the module docstring for the error each leaves).
 
-    `left_codes`: at least this many before them (the window start is rounded down to an
-    attention block, so up to one block more); `right_codes`: the look-ahead after them.
+    `left_codes`: DiT codes at least this many before them (the window start is rounded down
+    to an attention block, so up to one block more); `right_codes`: the DiT's look-ahead
+    after them; `vocoder_frames`: mel frames the vocoder reads on each side (at most its reach).
     """
 
     left_codes: int = 24
-    right_codes: int = 24
+    right_codes: int = 12
+    vocoder_frames: int = 20
 
 
 def plan_windows(lo: int, hi: int, limit: int, left: int, right: int, align: int,
@@ -187,17 +192,22 @@ class Token2WavSynthesizer:
         self._mel_fn = jax.jit(lambda s, *a: nnx.merge(self.graphdef, s).mel(*a, **self.kw))
         self._wave_fn = jax.jit(lambda s, mel, frames: nnx.merge(self.graphdef, s).waveform(mel, frames))
         self.context = stream_context
-        self.vocoder_context = self.cfg.bigvgan.context_frames()
+        reach = self.cfg.bigvgan.context_frames()
+        self.vocoder_context = tuple(min(stream_context.vocoder_frames, r) for r in reach)
         block, rep = self.cfg.dit.block_size, self.cfg.dit.repeats
         self.block_codes = block // math.gcd(block, rep)  # windows start on an attention block
         # Streamed calls have a shape per chunk size the engine asks for (`stream_chunk_codes`):
         # that many new codes with their context, so a small first chunk costs a small window
         # (the whole-request buckets are coarse: the real preset's smallest is 256 codes).
-        # Chunks that piled up take several windows of the largest.
-        self.stream_code_buckets = tuple(sorted({
+        # Chunks that piled up take several windows of the largest. The first chunk's windows
+        # start at the request's first code, so they need no left context and get their own
+        # (smaller) shapes: the time to first audio pays for no padding.
+        first = min(stream_chunk_codes)
+        self.stream_code_buckets = tuple(sorted({first + self.stream_delay_frames} | {
             stream_context.left_codes + self.block_codes - 1 + k + stream_context.right_codes
             for k in stream_chunk_codes}))
-        self.stream_frame_buckets = tuple(sorted({sum(self.vocoder_context) + rep * k for k in stream_chunk_codes}))
+        self.stream_frame_buckets = tuple(sorted({rep * first + self.vocoder_context[1]} | {
+            sum(self.vocoder_context) + rep * k for k in stream_chunk_codes}))
         self._streams: dict[str, _StreamState] = {}
         dit = model.code2wav_dit_model
         spk_fn = jax.jit(lambda s, m: nnx.merge(*nnx.split(dit)[:1], s).speaker_embedding(m))

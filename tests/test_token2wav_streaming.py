@@ -109,6 +109,8 @@ def test_plan_windows_keep_everything_once(limit):
         assert start % 12 == 0 and a - start >= 24 and end == min(b + 24, limit) and end - start <= 64
         assert nxt is None or nxt[1] == b
     assert plan_windows(0, 9, 9, 24, 24, 12, 64) == [(0, 0, 9, 9)]  # borders are the request's own
+    # A window that reaches the end needs no room for look-ahead: one window, not two.
+    assert plan_windows(30, 60, 60, 24, 24, 12, 64) == [(0, 30, 60, 60)]
     assert plan_windows(5, 5, 9, 24, 24, 12, 64) == []
     with pytest.raises(ValueError, match="cannot hold 24 \\+ 24 of context"):
         plan_windows(40, 60, 90, 24, 24, 12, 48)
@@ -132,9 +134,9 @@ def test_vocoder_context_is_exact_to_rounding(synth):
     whole mel's samples within fp32 rounding (measured 2.2e-7; 12 frames: 4.4e-4)."""
     assert synth.vocoder_context == (20, 20)
     hop, (left, right) = synth.cfg.bigvgan.hop_length, synth.vocoder_context
-    mel = (2 * np.random.default_rng(1).standard_normal((88, 80)) - 5).astype(np.float32)
-    whole = synth._vocode([mel])[0]
-    windows = plan_windows(0, len(mel), len(mel), left, right, 1, synth.stream_frame_buckets[-1])
+    mel = (2 * np.random.default_rng(1).standard_normal((118, 80)) - 5).astype(np.float32)
+    whole = np.asarray(synth._wave_fn(synth.state, mel[None], np.array([len(mel)], np.int32)))[0]
+    windows = plan_windows(0, len(mel), len(mel), left, right, 1, 80)
     assert len(windows) > 1
     wav = np.concatenate([w[hop * (a - s):hop * (b - s)] for w, (s, a, b, _) in
                           zip(synth._vocode([mel[s:e] for s, _, _, e in windows]), windows)])
@@ -215,7 +217,8 @@ def test_each_chunk_size_has_its_own_window(synth):
     reach, first = ctx.left_codes + small.block_codes - 1 + ctx.right_codes, 10 + small.stream_delay_frames
     assert small.stream_code_buckets == (first, reach + 10, reach + 25)
     left, right = small.vocoder_context
-    assert small.stream_frame_buckets == (rep * 10 + right, left + right + rep * 10, left + right + rep * 25)
+    assert small.stream_frame_buckets == (rep * 10 + right, left + right + rep * 10, left + right + rep * 25,
+                                          rep * (reach + 25))  # the mel of the largest DiT window
     shapes = {"dit": [], "vocoder": []}
 
     def mel_fn(state, codes, *rest):

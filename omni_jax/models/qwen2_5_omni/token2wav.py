@@ -137,12 +137,13 @@ def plan_windows(lo: int, hi: int, limit: int, left: int, right: int, align: int
 
     Each reads [start, end) and keeps [keep_start, keep_end): start is keep_start - left
     rounded down to a multiple of `align` (or 0), end is keep_end + right (or `limit`, where
-    the input ends); no window is longer than `max_len`.
+    the input ends: a window that reaches it needs no room for look-ahead); no window is
+    longer than `max_len`.
     """
     out, a = [], lo
     while a < hi:
         start = max(0, a - left) // align * align
-        b = min(hi, start + max_len - right)
+        b = hi if hi == limit and limit - start <= max_len else min(hi, start + max_len - right)
         if b <= a:
             raise ValueError(f"a window of at most {max_len} cannot hold {left} + {right} of context "
                              f"(start rounded down to a multiple of {align}) and keep anything")
@@ -199,15 +200,17 @@ class Token2WavSynthesizer:
         # Streamed calls have a shape per chunk size the engine asks for (`stream_chunk_codes`):
         # that many new codes with their context, so a small first chunk costs a small window
         # (the whole-request buckets are coarse: the real preset's smallest is 256 codes).
-        # Chunks that piled up take several windows of the largest. The first chunk's windows
-        # start at the request's first code, so they need no left context and get their own
-        # (smaller) shapes: the time to first audio pays for no padding.
+        # Chunks that piled up take several windows of the largest; the vocoder's largest holds
+        # the mel of the largest DiT window, so a request whose codes all came at once (under
+        # load) costs about its whole decode. The first chunk's windows start at the request's
+        # first code, so they need no left context and get their own (smaller) shapes: the time
+        # to first audio pays for no padding.
         first = min(stream_chunk_codes)
         self.stream_code_buckets = tuple(sorted({first + self.stream_delay_frames} | {
             stream_context.left_codes + self.block_codes - 1 + k + stream_context.right_codes
             for k in stream_chunk_codes}))
         self.stream_frame_buckets = tuple(sorted({rep * first + self.vocoder_context[1]} | {
-            sum(self.vocoder_context) + rep * k for k in stream_chunk_codes}))
+            sum(self.vocoder_context) + rep * k for k in stream_chunk_codes} | {rep * self.stream_code_buckets[-1]}))
         self._streams: dict[str, _StreamState] = {}
         dit = model.code2wav_dit_model
         spk_fn = jax.jit(lambda s, m: nnx.merge(*nnx.split(dit)[:1], s).speaker_embedding(m))

@@ -215,10 +215,11 @@ def test_each_chunk_size_has_its_own_window(synth):
     small = Token2WavSynthesizer(nnx.merge(synth.graphdef, synth.state), synth.voices, length_buckets=(64,),
                                  batch_buckets=(1, 2), stream_chunk_codes=(10, 25))
     reach, first = ctx.left_codes + small.block_codes - 1 + ctx.right_codes, 10 + small.stream_delay_frames
-    assert small.stream_code_buckets == (first, reach + 10, reach + 25)
+    assert small.stream_code_buckets == (reach + 10, reach + 25)
     left, right = small.vocoder_context
-    assert small.stream_frame_buckets == (rep * 10 + right, left + right + rep * 10, left + right + rep * 25,
+    assert small.stream_frame_buckets == (left + right + rep * 10, left + right + rep * 25,
                                           rep * (reach + 25))  # the mel of the largest DiT window
+    assert small.first_window == (first, rep * 10 + right)
     shapes = {"dit": [], "vocoder": []}
 
     def mel_fn(state, codes, *rest):
@@ -231,11 +232,14 @@ def test_each_chunk_size_has_its_own_window(synth):
 
     small._mel_fn, small._wave_fn = mel_fn, wave_fn
     req = _request("c", 200, "Chelsie", 7)
-    _stream(small, [req], [[first, 25, 143]])
-    # The first chunk (10 codes and what their audio waits for) fits the first windows, which
-    # start at the first code: no left context; the 143 codes that came at once take several
-    # windows of the largest shape.
-    assert shapes["dit"][0] == (1, first) and shapes["vocoder"][0][1] == small.stream_frame_buckets[0]
-    assert {t for _, t in shapes["dit"]} <= set(small.stream_code_buckets)
-    assert {t for _, t, _ in shapes["vocoder"]} <= set(small.stream_frame_buckets)
+    other = _request("d", 200, "Ethan", 8)
+    _stream(small, [req, other], [[first, 25, 143], [0, first]])
+    # The first chunk (10 codes and what their audio waits for) decoded alone fits the first
+    # windows, which start at the first code: no left context. Two first chunks together run
+    # at batch 2, where only the chunk shapes exist. The 143 codes that came at once take
+    # several windows of the largest shape.
+    assert shapes["dit"][0] == (1, first) and shapes["vocoder"][0][:2] == (1, small.first_window[1])
+    assert shapes["dit"][1] == (2, reach + 10)
+    assert {t for _, t in shapes["dit"][1:]} <= set(small.stream_code_buckets)
+    assert {t for _, t, _ in shapes["vocoder"][1:]} <= set(small.stream_frame_buckets)
     assert (2, reach + 25) in shapes["dit"]

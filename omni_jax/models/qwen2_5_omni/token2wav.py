@@ -203,14 +203,17 @@ class Token2WavSynthesizer:
         # Chunks that piled up take several windows of the largest; the vocoder's largest holds
         # the mel of the largest DiT window, so a request whose codes all came at once (under
         # load) costs about its whole decode. The first chunk's windows start at the request's
-        # first code, so they need no left context and get their own (smaller) shapes: the time
-        # to first audio pays for no padding.
+        # first code, so they need no left context: a first chunk decoded alone (what the time
+        # to first audio waits for when the stage is not busy) gets its own smaller shapes,
+        # `first_window` (codes, frames); only at the smallest batch, each shape costing seconds
+        # of compile at every stage start.
         first = min(stream_chunk_codes)
-        self.stream_code_buckets = tuple(sorted({first + self.stream_delay_frames} | {
+        self.stream_code_buckets = tuple(sorted({
             stream_context.left_codes + self.block_codes - 1 + k + stream_context.right_codes
             for k in stream_chunk_codes}))
-        self.stream_frame_buckets = tuple(sorted({rep * first + self.vocoder_context[1]} | {
-            sum(self.vocoder_context) + rep * k for k in stream_chunk_codes} | {rep * self.stream_code_buckets[-1]}))
+        self.stream_frame_buckets = tuple(sorted({sum(self.vocoder_context) + rep * k for k in stream_chunk_codes}
+                                                 | {rep * self.stream_code_buckets[-1]}))
+        self.first_window = (first + self.stream_delay_frames, rep * first + self.vocoder_context[1])
         self._streams: dict[str, _StreamState] = {}
         dit = model.code2wav_dit_model
         spk_fn = jax.jit(lambda s, m: nnx.merge(*nnx.split(dit)[:1], s).speaker_embedding(m))
@@ -301,14 +304,15 @@ class Token2WavSynthesizer:
 
     def _mels(self, rows: list[_CodeRow]) -> list[np.ndarray]:
         """The streamed DiT call: each row's mel [repeats * n, mel_dim]."""
-        t = pick_bucket(max(len(r.codes) for r in rows), self.stream_code_buckets)
+        t = self._stream_bucket(max(len(r.codes) for r in rows), len(rows), self.stream_code_buckets,
+                                self.first_window[0])
         mel = np.asarray(self._mel_fn(self.state, *self._pack(rows, t)))
         return [mel[j, :len(r.codes) * self.cfg.dit.repeats] for j, r in enumerate(rows)]
 
     def _vocode(self, mels: list[np.ndarray]) -> list[np.ndarray]:
         """The streamed vocoder call: each mel's waveform (mels of at most the largest frame bucket)."""
         b = pick_bucket(len(mels), self.batch_buckets)
-        t = pick_bucket(max(len(m) for m in mels), self.stream_frame_buckets)
+        t = self._stream_bucket(max(len(m) for m in mels), len(mels), self.stream_frame_buckets, self.first_window[1])
         x = np.zeros((b, t, self.cfg.dit.mel_dim), np.float32)
         frames = np.ones(b, np.int32)
         for j, m in enumerate(mels):
@@ -316,6 +320,13 @@ class Token2WavSynthesizer:
             frames[j] = len(m)
         wav = np.asarray(self._wave_fn(self.state, x, frames))
         return [wav[j, :self.cfg.bigvgan.num_samples(frames[j])] for j in range(len(mels))]
+
+    def _stream_bucket(self, n: int, rows: int, buckets: tuple[int, ...], first: int) -> int:
+        """The length of a streamed call of `rows` rows of at most `n`: the first-window shape
+        where it fits and exists (at the smallest batch), else the bucket."""
+        if n <= first and pick_bucket(rows, self.batch_buckets) == self.batch_buckets[0]:
+            return first
+        return pick_bucket(n, buckets)
 
     def _noise(self, req, num_codes: int) -> np.ndarray:
         """The request's initial noise for its first `num_codes` codes (its own, or drawn from its seed)."""
@@ -415,13 +426,14 @@ class Token2WavSynthesizer:
                 jax.block_until_ready(self._fn(self.state, *self._zeros(b, t)))
 
     def warmup_stream(self) -> None:
-        """Compile the streamed DiT and vocoder calls (a length per chunk size) at every batch bucket."""
-        for b in self.batch_buckets:
-            for t in self.stream_code_buckets:
-                jax.block_until_ready(self._mel_fn(self.state, *self._zeros(b, t)))
-            for t in self.stream_frame_buckets:
-                jax.block_until_ready(self._wave_fn(self.state, np.zeros((b, t, self.cfg.dit.mel_dim), np.float32),
-                                                    np.ones(b, np.int32)))
+        """Compile the streamed DiT and vocoder calls (a length per chunk size) at every batch
+        bucket, and the first window's at the smallest."""
+        b0, (first_codes, first_frames) = self.batch_buckets[0], self.first_window
+        for b, t in [(b, t) for b in self.batch_buckets for t in self.stream_code_buckets] + [(b0, first_codes)]:
+            jax.block_until_ready(self._mel_fn(self.state, *self._zeros(b, t)))
+        for b, f in [(b, f) for b in self.batch_buckets for f in self.stream_frame_buckets] + [(b0, first_frames)]:
+            jax.block_until_ready(self._wave_fn(self.state, np.zeros((b, f, self.cfg.dit.mel_dim), np.float32),
+                                                np.ones(b, np.int32)))
 
     def _zeros(self, b: int, t: int) -> tuple[np.ndarray, ...]:
         """Zero DiT inputs of a (batch, length) bucket."""

@@ -130,6 +130,43 @@ def test_decodes_and_a_prefill_chunk_run_as_one_device_call(engine, qwen2_5_omni
     assert_pool_empty(engine)
 
 
+def test_decode_packing_equals_the_general_packing(engine):
+    """The decode step's own packing (whole-array, rows kept from the last decode step) gives
+    every token the id, positions, KV slot, KV length and logits row the general packer gives."""
+    from omni_jax.engine.protocol import StageInputs
+    from omni_jax.engine.request import Request
+    from omni_jax.engine.runner import ScheduledChunk
+
+    runner = engine.runner
+    mrope = np.stack([np.arange(9), np.arange(9) // 2, np.arange(9) + 5])
+    reqs = [Request("plain", np.arange(5) + 10),
+            Request("delta", np.arange(7) + 20, data=StageInputs(mrope_delta=-3)),
+            Request("prompt", np.arange(9) + 30, data=StageInputs(mrope_positions=mrope, mrope_delta=4))]
+    for r, n in zip(reqs, (12, 3, 0)):
+        r.append_output_token_ids(list(range(40, 40 + n)))
+    tables = np.array([[3, 5, 0, 0], [7, 0, 0, 0], [2, 0, 0, 0]], np.int32)
+    for step in range(3):  # again with the same requests: rows kept from the step before
+        # The last request's chunk is one prompt token (8, then 9...: positions from the prompt's M-RoPE rows).
+        chunks = [ScheduledChunk(r, r.num_tokens - 1 if i < 2 else 6 + step, 1, sample=i != 1)
+                  for i, r in enumerate(reqs)]
+        decode = runner.prepare(chunks, tables, num_decodes=len(chunks))
+        general = runner.prepare(chunks, tables, num_decodes=0)
+        assert decode["kind"] == "decode" and general["kind"] == "prefill"
+        n = len(chunks)
+        np.testing.assert_array_equal(decode["token_ids"][:n], general["token_ids"][:n])
+        np.testing.assert_array_equal(decode["positions"][:, :n], general["positions"][:, :n])
+        for key in ("slot_mapping", "kv_lens"):
+            np.testing.assert_array_equal(getattr(decode["meta"], key)[:n], getattr(general["meta"], key)[:n], key)
+        np.testing.assert_array_equal(decode["meta"].block_tables[:n], general["meta"].block_tables[:n])
+        assert decode["sample_rows"] == general["sample_rows"] == [0, 2]
+        np.testing.assert_array_equal(decode["logits_indices"][:2], general["logits_indices"][:2])
+        # Padding rows write to the dummy block and read nothing.
+        assert (decode["meta"].slot_mapping[n:] // runner.cfg.block_size == 0).all()
+        assert not decode["meta"].kv_lens[n:].any()
+        for r in reqs[:2]:
+            r.append_output_token_ids([50 + step])
+
+
 def test_prefix_cache_hits_and_same_tokens(engine, qwen2_5_omni_hf_model):
     prompt = np.random.default_rng(5).integers(0, 151000, 60)
     engine.add_request("first", prompt, SamplingParams(temperature=0.0, max_tokens=4))

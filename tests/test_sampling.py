@@ -540,6 +540,29 @@ def test_banned_ids_follow_batch_changes():
     assert banned([b], [[0, 0]]) == [[6, 7], []]
 
 
+def test_steady_state_builds_equal_fresh_ones():
+    """A build with the same params in the same rows as the last one reuses its arrays: every
+    array must still be what a fresh builder packs (step column, min_tokens gating ending,
+    penalty histories, a batch that changes)."""
+    V, eos = 40, 1
+    params = [SamplingParams(temperature=0.7, top_k=5, seed=3, min_tokens=3, suppress_token_ids=[4]),
+              SamplingParams(temperature=0.0), SamplingParams(repetition_penalty=1.3, seed=1, top_p=0.9)]
+    outputs, prompts = [[], [2], [5, 6]], [[7, 8], [9], [10, 11, 12]]
+    builder = SamplingMetadataBuilder()
+    for step in range(9):
+        if step == 6:  # rows change places
+            params, outputs, prompts = params[::-1], outputs[::-1], prompts[::-1]
+        md, flags = builder.build(params, outputs, prompts, 4, V, eos_token_ids=[eos])
+        fresh, fresh_flags = SamplingMetadataBuilder().build(
+            params, [list(o) for o in outputs], [list(p) for p in prompts], 4, V, eos_token_ids=[eos])
+        assert flags == fresh_flags
+        for name in ("floats", "ints", "banned_ids", "history_ids"):
+            np.testing.assert_array_equal(getattr(md, name), getattr(fresh, name), err_msg=f"{name}, step {step}")
+        for o in outputs:
+            o.append(step + 10)
+    assert builder._last_build is not None and builder._last_build.banned is not None  # the steady path ran
+
+
 def test_suppressed_tokens_never_sampled():
     V = 64
     x = np.zeros(V, np.float32)

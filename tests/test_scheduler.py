@@ -62,6 +62,8 @@ class FakeRunner:
         self.bs = sched.block_size
         self.kv = np.full((sched.num_blocks, self.bs), -1, dtype=np.int64)
         self.eos_every = eos_every
+        self.width = -(-sched.max_model_len // self.bs)
+        self.last = None  # the previous step's (output, table): tables are built as the engine does
 
     @staticmethod
     def content(req: Request, upto: int) -> np.ndarray:
@@ -75,7 +77,10 @@ class FakeRunner:
     def step(self, out: SchedulerOutput) -> dict[str, list[int]]:
         if out.is_empty:
             return {}
-        table = out.block_table_array()
+        table = out.block_table_array(self.width, like=self.last)
+        # Rows copied from the previous step's table are exactly the rebuilt ones.
+        np.testing.assert_array_equal(table, out.block_table_array(self.width))
+        self.last = (out, table)
         sampled = {}
         for row, s in enumerate(out.scheduled):
             req = s.request

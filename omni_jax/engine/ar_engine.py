@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -171,6 +171,14 @@ def _prompt_embeds_salt(inputs: StageInputs | None, rich: bool) -> str | None:
     return inputs.content_hash()
 
 
+class _BatchFlags(NamedTuple):
+    """What some request of a step needs beyond plain decoding."""
+
+    host_token: bool       # its sampled token on the host before its next step (_needs_host_token)
+    capture_hidden: bool   # hidden states returned
+    prompt_logprobs: bool  # prompt logprobs
+
+
 @dataclasses.dataclass
 class _Launched:
     """A step whose device work is launched and whose outputs are not applied yet."""
@@ -179,6 +187,7 @@ class _Launched:
     result: Any              # the runner's StepResult
     draw: Any                # (requests, device SampleResult) or None
     prompt_draw: Any         # (rows per request, device prompt LogprobsOutput) or None
+    flags: _BatchFlags       # what its requests need beyond plain decoding
     host_time: float         # seconds spent launching it
 
 
@@ -212,6 +221,8 @@ class AREngine:
         self._pending: list[StageOutput] = []
         self._streamed: dict[str, _StreamedRows] = {}  # requests whose extra rows are still coming
         self._in_flight: _Launched | None = None  # launched, outputs not applied yet
+        self._flags_of: tuple[list[Request], _BatchFlags] = ([], _BatchFlags(False, False, False))
+        self._last_tables: tuple[Any, np.ndarray] | None = None  # the last step's (SchedulerOutput, block tables)
         self.stats = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "ahead_steps": 0, "step_time": 0.0,
                       "preemptions": 0, "failed_steps": 0}
 
@@ -371,15 +382,28 @@ class AREngine:
         """
         t0 = time.perf_counter()
         chunks = sched.scheduled
-        want_hidden = any(c.request.data is not None and c.request.data.capture_hidden for c in chunks)
+        flags = self._batch_flags(chunks)
         try:
-            tables = sched.block_table_array(self.runner.cfg.max_blocks_per_seq)
-            result = self.runner.execute(chunks, tables, want_hidden=want_hidden, fed=fed)
+            tables = sched.block_table_array(self.runner.cfg.max_blocks_per_seq, like=self._last_tables)
+            self._last_tables = (sched, tables)
+            result = self.runner.execute(chunks, tables, want_hidden=flags.capture_hidden, fed=fed)
             draw = self._draw(result, chunks, output_offset)
-            prompt_draw = self._prompt_draw(result, chunks)
+            prompt_draw = self._prompt_draw(result, chunks) if flags.prompt_logprobs else None
         except Exception as e:  # fail this step's requests, keep serving
             return self._fail(sched, e)
-        return _Launched(sched, result, draw, prompt_draw, time.perf_counter() - t0)
+        return _Launched(sched, result, draw, prompt_draw, flags, time.perf_counter() - t0)
+
+    def _batch_flags(self, chunks) -> "_BatchFlags":
+        """What the step's requests need beyond plain decoding, kept while the same requests come
+        in the same order (the steady state: one pass of identity checks instead of several)."""
+        reqs, flags = self._flags_of
+        if len(reqs) != len(chunks) or any(c.request is not r for c, r in zip(chunks, reqs)):
+            reqs = [c.request for c in chunks]
+            flags = _BatchFlags(any(map(_needs_host_token, reqs)),
+                                any(r.data is not None and r.data.capture_hidden for r in reqs),
+                                any(r.num_prompt_logprobs is not None for r in reqs))
+            self._flags_of = (reqs, flags)
+        return flags
 
     def _launch_ahead(self, current: "_Launched") -> "_Launched | list[StageOutput] | None":
         """Launch the decode step after `current`, fed by its tokens on the device, if the
@@ -392,7 +416,7 @@ class AREngine:
         # step (penalty histories, embedding inputs such as after-sample feedback, hidden
         # states) waits.
         if (result.kind != "decode" or draw is None or result.sample_rows != list(range(len(chunks)))
-                or any(_needs_host_token(c.request) for c in chunks)):
+                or current.flags.host_token):
             return None
         nxt = self.scheduler.schedule_ahead(current.sched)
         if nxt is None:
@@ -428,22 +452,27 @@ class AREngine:
         self.stats[f"{result.kind}_steps"] += 1
         self.stats["step_time"] += launched.host_time + time.perf_counter() - t0
 
-        out = []
         hidden_of = {}  # request id -> (first position, {layer: [tokens of this step, H]})
-        for j, ci in enumerate(result.chunk_indices):
-            c = chunks[ci]
-            if result.hidden and c.request.data is not None and c.request.data.capture_hidden:
-                a, b = result.token_offsets[j], result.token_offsets[j + 1]
-                hidden_of[c.request_id] = (c.start, {k: v[a:b] for k, v in result.hidden.items()})
+        if result.hidden:
+            for j, ci in enumerate(result.chunk_indices):
+                c = chunks[ci]
+                if c.request.data is not None and c.request.data.capture_hidden:
+                    a, b = result.token_offsets[j], result.token_offsets[j + 1]
+                    hidden_of[c.request_id] = (c.start, {k: v[a:b] for k, v in result.hidden.items()})
+        wants_prompt_lp = {}
+        if launched.flags.prompt_logprobs:
+            wants_prompt_lp = {c.request_id: c.request for c in chunks if c.request.num_prompt_logprobs is not None}
+        if not (hidden_of or wants_prompt_lp or logprobs or codes or self._detok or self._streamed):
+            return step_outputs  # plain tokens: nothing to add (the steady state of a text stage)
         # A request going on sends its new token's layer-0 row now, one step before the token is
         # fed back (the same values again then): a stage reading embeddings need not wait for it.
         for o in step_outputs:
             if o.request_id in embeds and o.request_id in hidden_of and o.new_token_ids and not o.finished:
                 hidden = hidden_of[o.request_id][1]
                 hidden[0] = np.concatenate([hidden[0], embeds[o.request_id][None]])
-        # Prompt logprobs go out whole with a request's first token (as vLLM's first output).
-        wants_prompt_lp = {c.request_id: c.request for c in chunks if c.request.num_prompt_logprobs is not None}
+        out = []
         for o in step_outputs:
+            # Prompt logprobs go out whole with a request's first token (as vLLM's first output).
             r = wants_prompt_lp.get(o.request_id)
             if r is not None and o.new_token_ids and r.num_output_tokens == len(o.new_token_ids):
                 o.prompt_logprobs = r.prompt_logprobs
@@ -530,7 +559,7 @@ class AREngine:
             return {}, {}, {}
         reqs, res = draw
         tokens = np.asarray(res.token_ids)
-        sampled = {r.request_id: int(tokens[j]) for j, r in enumerate(reqs)}
+        sampled = dict(zip([r.request_id for r in reqs], tokens[:len(reqs)].tolist()))
         codes = self._after_sample(result, res.token_ids, reqs) if self.runner.cfg.after_sample else {}
         lp = {}
         if res.logprobs is not None:

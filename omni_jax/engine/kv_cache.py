@@ -284,12 +284,13 @@ class KVCacheManager:
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the request's blocks that are full of written KV (call after the step ran)."""
+        start = self.num_cached_blocks.get(request.request_id)
+        # Most steps fill no block: that test first, it is every decode's cost.
+        if start is None or num_computed_tokens // self.block_size <= start:
+            return
         if not (self.enable_prefix_caching and request.use_prefix_cache):
             return
-        blocks = self.req_to_blocks.get(request.request_id)
-        if blocks is None:
-            return
-        start = self.num_cached_blocks[request.request_id]
+        blocks = self.req_to_blocks[request.request_id]
         num_full = min(num_computed_tokens // self.block_size, len(blocks))
         if num_full <= start:
             return

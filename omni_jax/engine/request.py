@@ -189,6 +189,20 @@ class Request:
         self._num_tokens = end
         self.output_token_ids.extend(token_ids)
 
+    def token_id(self, index: int) -> int:
+        """The token at `index` of all_token_ids."""
+        return int(self._token_buf[index])
+
+    def append_token(self, token_id: int) -> None:
+        """Append one generated token (the per-step path of append_output_token_ids)."""
+        end = self._num_tokens
+        if end == len(self._token_buf):
+            self.append_output_token_ids(token_id)
+            return
+        self._token_buf[end] = token_id
+        self._num_tokens = end + 1
+        self.output_token_ids.append(token_id)
+
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "

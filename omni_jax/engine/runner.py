@@ -217,6 +217,7 @@ class ModelRunner:
         self._feed_fn = jax.jit(lambda fed, rows: jnp.take(fed, rows, axis=0))
         self._embed_fn = jax.jit(self._embed)
         self._prompt_logprobs_fn = jax.jit(self._prompt_logprobs)
+        self._decode_rows = None  # (requests, prompt lengths, position offsets) of the last decode step
 
     # -------------------------------------------------------------- jitted body
     def _forward(self, param_leaves, kv_caches, token_ids, positions, meta, logits_indices,
@@ -343,43 +344,62 @@ class ModelRunner:
             if fed.any():
                 extra[offset + np.nonzero(fed)[0]] += inp.feedback_embeds[k[fed]]
 
-    def _pack_decode(self, chunks, token_ids, positions, req_index, abs_pos) -> None:
-        """One token per chunk: fill the step arrays with one pass of plain Python reads.
+    def _prepare_decode(self, chunks: Sequence[ScheduledChunk], block_tables: np.ndarray, bucket: int):
+        """`prepare` of a step of one-token chunks without embedding inputs: the hot path.
 
-        The decode step is the hot path: per-chunk numpy calls would cost more than the
-        arithmetic (host overhead per step is what bounds small models).
+        A few whole-array operations and one pass over the chunks: host time per step is
+        what bounds a small model. The requests' position offsets are kept from the previous
+        decode step while it had the same requests in the same rows (the steady state).
         """
-        n = len(chunks)
-        starts = [c.start for c in chunks]
-        ids, pos = [], []
-        for c, start in zip(chunks, starts):
-            req = c.request
-            # A token still on the device is filled in by `execute`.
-            ids.append(0 if c.fed_by_row >= 0 else req.all_token_ids[start])
-            inp = req.data
-            if start < req.num_prompt_tokens:  # a one-token prompt chunk
-                if inp is not None and inp.mrope_positions is not None:
-                    pos.append(tuple(int(x) for x in inp.mrope_positions[:, start]))
-                else:
-                    pos.append((start, start, start))
-            else:
-                p = start + (inp.mrope_delta if inp is not None else 0)
-                pos.append((p, p, p))
-        token_ids[:n] = ids
-        positions[:, :n] = np.asarray(pos, np.int64).T
-        req_index[:n] = np.arange(n)
-        abs_pos[:n] = starts
+        cfg, n = self.cfg, len(chunks)
+        reqs = [c.request for c in chunks]
+        starts = np.fromiter([c.start for c in chunks], np.int64, n)
+        rows = self._decode_rows
+        if rows is None or len(rows[0]) != n or any(a is not b for a, b in zip(rows[0], reqs)):
+            prompt_lens = np.fromiter([r.num_prompt_tokens for r in reqs], np.int64, n)
+            deltas = np.fromiter([0 if r.data is None else r.data.mrope_delta for r in reqs], np.int64, n)
+            rows = self._decode_rows = (reqs, prompt_lens, deltas)
+        positions = np.zeros((3, bucket), np.int32)
+        positions[:, :n] = starts + rows[2]
+        for i in np.flatnonzero(starts < rows[1]).tolist():  # a one-token prompt chunk
+            positions[:, i] = self._positions(chunks[i])[:, 0]
+        token_ids = np.zeros(bucket, np.int32)
+        unfed = [i for i, c in enumerate(chunks) if c.fed_by_row < 0]  # a token still on the device: `execute`
+        if unfed:
+            token_ids[unfed] = [reqs[i].token_id(chunks[i].start) for i in unfed]
+        tables = np.zeros((bucket, cfg.max_blocks_per_seq), np.int32)
+        tables[:n, :block_tables.shape[1]] = block_tables[:, :cfg.max_blocks_per_seq]
+        bs = cfg.block_size
+        slot_mapping = np.full(bucket, DUMMY_BLOCK_ID * bs, np.int32)
+        slot_mapping[n:] += np.arange(n, bucket, dtype=np.int32) % bs
+        slot_mapping[:n] = tables[np.arange(n), starts // bs] * bs + starts % bs
+        kv_lens = np.zeros(bucket, np.int32)
+        kv_lens[:n] = starts + 1
+        cu_q_lens = np.full(bucket + 1, n, np.int32)
+        cu_q_lens[:n + 1] = np.arange(n + 1)
+        sample_rows = [i for i, c in enumerate(chunks) if c.sample]
+        logits_indices = np.zeros(bucket, np.int32)
+        logits_indices[:len(sample_rows)] = sample_rows
+        meta = AttentionMetadata(mode="paged", backend=cfg.backend, decode_only=True, slot_mapping=slot_mapping,
+                                 block_tables=tables, kv_lens=kv_lens, cu_q_lens=cu_q_lens, num_decodes=None)
+        return dict(token_ids=token_ids, positions=positions, meta=meta, logits_indices=logits_indices,
+                    overlay=None, overlay_mask=None, extra=None, rich=False, deepstack_feats=None, deepstack=False,
+                    kind="decode", bucket=bucket, offsets=np.arange(n + 1), sample_rows=sample_rows, total=n)
 
     def prepare(self, chunks: Sequence[ScheduledChunk], block_tables: np.ndarray, num_decodes: int = 0):
         """Pack and pad one step's chunks. `block_tables[i]` belongs to chunks[i]; the first
         `num_decodes` chunks are one-token chunks for the decode kernel (see `execute`)."""
         cfg = self.cfg
         n_chunks = len(chunks)
-        lens = np.fromiter((c.num_tokens for c in chunks), np.int64, n_chunks)
-        total = int(lens.sum())
         decode = num_decodes == n_chunks
+        rich = cfg.rich_inputs and any(c.request.data is not None and c.request.data.is_rich for c in chunks)
         if decode:
             bucket = pick_bucket(n_chunks, cfg.decode_buckets)
+            if not rich:
+                return self._prepare_decode(chunks, block_tables, bucket)
+        lens = np.fromiter((c.num_tokens for c in chunks), np.int64, n_chunks)
+        total = int(lens.sum())
+        if decode:
             t_pad, s_pad = bucket, bucket
         else:
             bucket = pick_bucket(total, cfg.token_buckets)
@@ -393,23 +413,19 @@ class ModelRunner:
         positions = np.zeros((3, t_pad), np.int32)
         req_index = np.full(t_pad, -1, np.int64)
         abs_pos = np.zeros(t_pad, np.int64)
-        rich = any(c.request.data is not None and c.request.data.is_rich for c in chunks) and cfg.rich_inputs
         overlay = np.zeros((t_pad, self.hidden_size), np.float32) if rich else None
         overlay_mask = np.zeros(t_pad, bool) if rich else None
         extra = np.zeros((t_pad, self.hidden_size), np.float32) if rich else None
         deepstack = rich and any(self._has_deepstack(c) for c in chunks)
         ds = np.zeros((cfg.deepstack_layers, t_pad, self.hidden_size), np.float32) if deepstack else None
-        if decode and not rich:
-            self._pack_decode(chunks, token_ids, positions, req_index, abs_pos)
-        else:
-            for i, c in enumerate(chunks):
-                a, b = offsets[i], offsets[i + 1]
-                token_ids[a:b] = c.request.all_token_ids[c.start:c.start + c.num_tokens]
-                positions[:, a:b] = self._positions(c)
-                req_index[a:b] = i
-                abs_pos[a:b] = np.arange(c.start, c.start + c.num_tokens)
-                if rich:
-                    self._rich_rows(c, overlay, overlay_mask, extra, a, ds)
+        for i, c in enumerate(chunks):
+            a, b = offsets[i], offsets[i + 1]
+            token_ids[a:b] = c.request.all_token_ids[c.start:c.start + c.num_tokens]
+            positions[:, a:b] = self._positions(c)
+            req_index[a:b] = i
+            abs_pos[a:b] = np.arange(c.start, c.start + c.num_tokens)
+            if rich:
+                self._rich_rows(c, overlay, overlay_mask, extra, a, ds)
 
         width = cfg.max_blocks_per_seq
         tables = np.zeros((s_pad, width), np.int32)
@@ -451,10 +467,17 @@ class ModelRunner:
         (then every chunk is such a decode).
         """
         # A one-token prompt chunk at a visual token needs DeepStack: the ragged path's rows.
-        single = [i for i, c in enumerate(chunks) if c.num_tokens == 1 and not self._has_deepstack(c)]
-        order = single + sorted(set(range(len(chunks))) - set(single))
-        packed = [chunks[i] for i in order]
-        b = self.prepare(packed, block_tables[order], num_decodes=len(single))
+        if self.cfg.deepstack_layers and self.cfg.rich_inputs:
+            single = [i for i, c in enumerate(chunks) if c.num_tokens == 1 and not self._has_deepstack(c)]
+        else:
+            single = [i for i, c in enumerate(chunks) if c.num_tokens == 1]
+        if len(single) == len(chunks):  # a decode step: already in packed order
+            order, packed = single, chunks
+        else:
+            order = single + sorted(set(range(len(chunks))) - set(single))
+            packed = [chunks[i] for i in order]
+            block_tables = block_tables[order]
+        b = self.prepare(packed, block_tables, num_decodes=len(single))
         if fed is not None:
             rows = [c.fed_by_row for c in packed]
             if fed.shape[0] == b["bucket"] and rows == list(range(len(rows))):

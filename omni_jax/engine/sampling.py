@@ -442,6 +442,7 @@ class SamplingMetadataBuilder:
         self._histories: dict[int, _History] = {}
         self._last: _LastHistory | None = None
         self._last_banned: tuple[list, np.ndarray] | None = None
+        self._last_build: _LastBuild | None = None
         self._builds = 0
 
     # -- caches ---------------------------------------------------------------------------
@@ -503,6 +504,13 @@ class SamplingMetadataBuilder:
             raise ValueError(f"{n} requests do not fit batch bucket {batch_bucket}")
         self._builds += 1
         B = batch_bucket
+        if num_output_tokens is None:
+            num_out = np.fromiter([len(t) for t in output_token_ids_list], np.int64, n)
+        else:
+            num_out = np.asarray(num_output_tokens, np.int64)[:n]
+        again = self._build_again(params_list, output_token_ids_list, prompt_token_ids_list, B, vocab_size, num_out)
+        if again is not None:
+            return again
         cache = self._prepared
         preps = []
         for p in params_list:
@@ -512,10 +520,6 @@ class SamplingMetadataBuilder:
             preps.append(prep)
         rec = np.fromiter([q.row for q in preps], _ROW_DTYPE, n)
         cols = rec["i"]
-        if num_output_tokens is None:
-            num_out = np.fromiter([len(t) for t in output_token_ids_list], np.int64, n)
-        else:
-            num_out = np.asarray(num_output_tokens, np.int64)[:n]
 
         floats = np.empty((B, _NUM_F), np.float32)
         floats[:n] = rec["f"]
@@ -557,7 +561,34 @@ class SamplingMetadataBuilder:
                 penalties, output_token_ids_list, prompt_token_ids_list, ints, B)
         if self._builds % 64 == 0:
             self._evict(params_list)
+        self._last_build = _LastBuild(list(params_list), B, vocab_size, cols, floats, ints,
+                                      None if gated.any() else banned_ids, flags)
         return SamplingMetadata(floats, ints, banned_ids, history_ids), flags
+
+    def _build_again(self, params_list, outputs, prompts, B, vocab_size, num_out):
+        """The steady state of decoding: the same params in the same rows as the last build and
+        no row below its min_tokens. Then only the step column (and fresh seeds of unseeded
+        rows) changes: the last build's arrays are reused instead of packed row by row."""
+        last = self._last_build
+        n = len(params_list)
+        if (last is None or last.banned is None or last.batch_bucket != B or last.vocab_size != vocab_size
+                or len(last.params) != n
+                or any(a is not b for a, b in zip(last.params, params_list))
+                or (num_out < last.cols[:, _C_MIN_TOKENS]).any()):
+            return None
+        ints = last.ints.copy()  # a fresh array: the last one may still be read by an in-flight step
+        ints[:n, I_STEP] = num_out
+        cols = last.cols
+        unseeded = np.flatnonzero((cols[:, _C_GREEDY] == 0) & (cols[:, _C_SEEDED] == 0))
+        if unseeded.size:
+            ints[unseeded, I_SEED_HI:I_SEED_LO + 1] = self._rng.integers(
+                np.iinfo(np.int32).min, np.iinfo(np.int32).max, (unseeded.size, 2), dtype=np.int32, endpoint=True)
+        history_ids = None
+        if last.flags.any_penalties:
+            history_ids = self._history(cols[:, _C_PENALTIES].astype(bool), outputs, prompts, ints, B)
+        if self._builds % 64 == 0:
+            self._evict(params_list)
+        return SamplingMetadata(last.floats, ints, last.banned, history_ids), last.flags
 
     def _evict(self, params_list: Sequence[SamplingParams]) -> None:
         # Finished requests leave entries behind. Histories hold whole token buffers, so
@@ -659,6 +690,19 @@ class SamplingMetadataBuilder:
             if tail is not None:
                 hist[i, head.size:head.size + tail.size] = tail
         return hist, np.asarray(prompt_lens, np.int64)
+
+
+class _LastBuild(NamedTuple):
+    """The previous build's inputs and arrays, for the steady-state path (`_build_again`)."""
+
+    params: list  # the SamplingParams of its rows (compared by identity)
+    batch_bucket: int
+    vocab_size: int
+    cols: np.ndarray     # the rows' packed integer columns
+    floats: np.ndarray
+    ints: np.ndarray
+    banned: np.ndarray | None  # None: some row was below its min_tokens (its eos/stop ids banned)
+    flags: SamplingFlags
 
 
 class _LastHistory(NamedTuple):

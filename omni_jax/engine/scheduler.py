@@ -58,6 +58,9 @@ def _eos_ids(config: Any) -> frozenset[int]:
 
 
 # -- step description ---------------------------------------------------------------------------
+_NO_TOKENS = np.empty(0, np.int32)  # the token ids of a step scheduled ahead: still on the device
+_NO_TOKENS.flags.writeable = False
+
 @dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step: tokens [num_computed_tokens, + num_scheduled_tokens)."""
@@ -131,14 +134,27 @@ class SchedulerOutput:
         """Scheduled requests that get a sampled token (a non-final prefill chunk gets none)."""
         return [s.request_id for s in self.scheduled if s.needs_logits]
 
-    def block_table_array(self, width: Optional[int] = None) -> np.ndarray:
-        """int32 `[num_scheduled, width]` block tables padded with the dummy block id."""
+    def block_table_array(self, width: Optional[int] = None, like: Optional[tuple["SchedulerOutput", np.ndarray]] = None
+                          ) -> np.ndarray:
+        """int32 `[num_scheduled, width]` block tables padded with the dummy block id.
+
+        like: (an earlier output, its table): rows whose block list is the very list that
+        output's same row had are copied from its table, not rebuilt (a decode step scheduled
+        ahead shares the lists of the requests that gained no block)."""
         width = max((len(s.block_ids) for s in self.scheduled), default=0) if width is None else width
-        table = np.full((len(self.scheduled), width), DUMMY_BLOCK_ID, dtype=np.int32)
-        for row, s in enumerate(self.scheduled):
+        rows = range(len(self.scheduled))
+        if like is not None and len(like[0].scheduled) == len(self.scheduled) and like[1].shape[1] == width:
+            table = like[1].copy()
+            rows = [row for row, (s, t) in enumerate(zip(self.scheduled, like[0].scheduled))
+                    if s.block_ids is not t.block_ids]
+        else:
+            table = np.full((len(self.scheduled), width), DUMMY_BLOCK_ID, dtype=np.int32)
+        for row in rows:
+            s = self.scheduled[row]
             if len(s.block_ids) > width:
                 raise ValueError(f"request {s.request_id!r} holds {len(s.block_ids)} blocks > width {width}")
             table[row, : len(s.block_ids)] = s.block_ids
+            table[row, len(s.block_ids):] = DUMMY_BLOCK_ID  # a copied row may have held more
         return table
 
 
@@ -433,35 +449,42 @@ class ARScheduler(_QueueScheduler):
         if len(self._pending) != 1 or self._pending[0] is not prev or self.waiting:
             return None
         steps = prev.scheduled
-        if len(steps) != len(self.running) or not all(
-                s.needs_logits and s.request.status == RequestStatus.RUNNING for s in steps):
+        if len(steps) != len(self.running):
             return None
-        kv, bs = self.kv_cache_manager, self.block_size
-        nexts = []  # (request, its index in prev.scheduled)
+        # One pass of plain attribute reads per request: this runs every decode step, and
+        # its host time is what the device waits for on a small model.
+        kv, bs, max_len, running = self.kv_cache_manager, self.block_size, self.max_len, RequestStatus.RUNNING
+        held_ids = kv.req_to_block_ids
+        nexts = []  # (prev's entry, its index in prev.scheduled, blocks held if one more is needed)
+        need = 0
         for row, s in enumerate(steps):
             req = s.request
-            if req.input_limit is not None and req.num_tokens >= req.input_limit:
+            if not s.needs_logits or req.status is not running:
+                return None
+            n = req.num_tokens
+            if req.input_limit is not None and n >= req.input_limit:
                 return None  # its next token's input (async chunk) has not arrived
             # After prev's token: output count + 1, length + 1.
-            if (req.max_tokens is not None and req.num_output_tokens + 1 >= req.max_tokens) \
-                    or req.num_tokens + 1 >= self.max_len:
+            if (req.max_tokens is not None and len(req.output_token_ids) + 1 >= req.max_tokens) or n + 1 >= max_len:
                 continue
-            nexts.append((req, row))
-        if not nexts:
-            return None
-        need = sum(req.num_computed_tokens + 1 > kv.num_held_blocks(req.request_id) * bs for req, _ in nexts)
-        if need > kv.num_free_blocks:
+            held = len(held_ids[req.request_id])
+            grows = req.num_computed_tokens + 1 > held * bs
+            need += grows
+            nexts.append((s, row, held if grows else -1))
+        if not nexts or need > kv.num_free_blocks:
             return None
         scheduled = []
-        for req, row in nexts:
-            held = kv.num_held_blocks(req.request_id)
-            kv.allocate_slots(req, 1)  # cannot fail: counted above
+        for s, row, held in nexts:
+            req = s.request
             start = req.num_computed_tokens
-            block_ids = kv.get_block_table(req.request_id)
+            if held < 0:  # prev's table, unchanged: shared, as tables are never mutated once made
+                block_ids, new_block_ids = s.block_ids, []
+            else:
+                kv.allocate_slots(req, 1)  # cannot fail: counted above
+                block_ids = kv.get_block_table(req.request_id)
+                new_block_ids = block_ids[held:]
             scheduled.append(ScheduledRequest(
-                request_id=req.request_id, request=req, num_scheduled_tokens=1, num_computed_tokens=start,
-                is_new=False, is_resumed=False, needs_logits=True, block_ids=block_ids,
-                new_block_ids=block_ids[held:], token_ids=np.empty(0, np.int32), fed_by_row=row))
+                req.request_id, req, 1, start, False, False, True, block_ids, new_block_ids, _NO_TOKENS, row))
             req.num_computed_tokens = start + 1
         out = SchedulerOutput(scheduled=scheduled, total_num_scheduled_tokens=len(scheduled),
                               finished_request_ids=self._take_finished_ids())
@@ -475,7 +498,8 @@ class ARScheduler(_QueueScheduler):
         The one place a request's own end is decided: end ids, stop ids, stop strings (found by
         its detokenizer, which takes every token), lengths. Aborts and errors come from outside
         (finish_request)."""
-        may_stop = req.num_output_tokens >= req.min_tokens
+        num_out = len(req.output_token_ids)
+        may_stop = num_out >= req.min_tokens
         stop_string = None
         if req.detokenizer is not None:
             stop_string = req.detokenizer.update([token], check_stops=may_stop)
@@ -488,7 +512,7 @@ class ARScheduler(_QueueScheduler):
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = token if stop_string is None else stop_string
                 return True
-        if (req.max_tokens is not None and req.num_output_tokens >= req.max_tokens) or req.num_tokens >= self.max_len:
+        if (req.max_tokens is not None and num_out >= req.max_tokens) or req.num_tokens >= self.max_len:
             req.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False
@@ -514,23 +538,26 @@ class ARScheduler(_QueueScheduler):
         self._pop_pending(scheduler_output)
         outputs: list[StageOutput] = []
         any_finished = False
+        requests, cache_blocks, running = self.requests, self.kv_cache_manager.cache_blocks, RequestStatus.RUNNING
         for s, tokens in zip(scheduler_output.scheduled, sampled):
-            req = self.requests.get(s.request_id)
-            if req is not s.request or req.status != RequestStatus.RUNNING:
+            req = requests.get(s.request_id)
+            if req is not s.request or req.status is not running:
                 continue  # aborted or finished from outside since schedule()
             new_token_ids: list[int] = []
             for token in tokens:
-                req.append_output_token_ids(token)
+                req.append_token(token)
                 new_token_ids.append(token)
                 if self._check_stop(req, token):
                     break
             # Only now is the chunk's KV written, so only now may others hit its full blocks.
-            self.kv_cache_manager.cache_blocks(req, s.kv_len)
-            if req.is_finished:
+            cache_blocks(req, s.num_computed_tokens + s.num_scheduled_tokens)
+            if req.status is not running:
                 self._release(req)
                 any_finished = True
-            if new_token_ids or req.is_finished:
                 outputs.append(_step_output(req, new_token_ids))
+            elif new_token_ids:
+                outputs.append(StageOutput(request_id=req.request_id, new_token_ids=new_token_ids,
+                                           num_cached_tokens=req.num_cached_tokens))
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
@@ -540,6 +567,8 @@ class ARScheduler(_QueueScheduler):
         """The sampled token ids of each scheduled request (empty where no logits were due)."""
 
         def as_list(value: Any, rid: str) -> list[int]:
+            if type(value) is int:  # the usual case, first
+                return [value]
             if value is None:
                 raise ValueError(f"update_from_output: no sampled token for request {rid!r}")
             if isinstance(value, (int, np.integer)):

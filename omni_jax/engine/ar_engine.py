@@ -553,13 +553,17 @@ class AREngine:
                     "top": list(zip(host.top_token_ids[row, :n].tolist(), host.top_logprobs[row, :n].tolist()))})
 
     def _collect(self, result, draw):
-        """The step's sampled tokens on the host: ({request_id: token}, {request_id: logprobs},
-        {request_id: after-sample codes})."""
+        """The step's sampled tokens on the host (as update_from_output takes them: a list in
+        the order of the scheduled requests when each has a row in turn, else by request id),
+        {request_id: logprobs}, {request_id: after-sample codes}."""
         if draw is None:
             return {}, {}, {}
         reqs, res = draw
         tokens = np.asarray(res.token_ids)
-        sampled = dict(zip([r.request_id for r in reqs], tokens[:len(reqs)].tolist()))
+        if result.sample_rows == list(range(len(reqs))):  # a row per scheduled request, in order
+            sampled = tokens[:len(reqs)].tolist()
+        else:
+            sampled = dict(zip([r.request_id for r in reqs], tokens[:len(reqs)].tolist()))
         codes = self._after_sample(result, res.token_ids, reqs) if self.runner.cfg.after_sample else {}
         lp = {}
         if res.logprobs is not None:

@@ -543,12 +543,17 @@ class ARScheduler(_QueueScheduler):
             req = requests.get(s.request_id)
             if req is not s.request or req.status is not running:
                 continue  # aborted or finished from outside since schedule()
-            new_token_ids: list[int] = []
-            for token in tokens:
-                req.append_token(token)
-                new_token_ids.append(token)
-                if self._check_stop(req, token):
-                    break
+            if type(tokens) is int:  # one token: the usual case
+                req.append_token(tokens)
+                new_token_ids = [tokens]
+                self._check_stop(req, tokens)
+            else:
+                new_token_ids = []
+                for token in tokens:
+                    req.append_token(token)
+                    new_token_ids.append(token)
+                    if self._check_stop(req, token):
+                        break
             # Only now is the chunk's KV written, so only now may others hit its full blocks.
             cache_blocks(req, s.num_computed_tokens + s.num_scheduled_tokens)
             if req.status is not running:
@@ -563,16 +568,17 @@ class ARScheduler(_QueueScheduler):
         return outputs
 
     @staticmethod
-    def _sampled_per_request(out: SchedulerOutput, sampled: Any) -> list[list[int]]:
-        """The sampled token ids of each scheduled request (empty where no logits were due)."""
+    def _sampled_per_request(out: SchedulerOutput, sampled: Any) -> list[int | list[int]]:
+        """The sampled token id(s) of each scheduled request: an int for one token, else a list
+        (empty where no logits were due)."""
 
-        def as_list(value: Any, rid: str) -> list[int]:
-            if type(value) is int:  # the usual case, first
-                return [value]
+        def as_list(value: Any, rid: str) -> int | list[int]:
+            if type(value) is int:  # the usual case, first: one token, kept as it is
+                return value
             if value is None:
                 raise ValueError(f"update_from_output: no sampled token for request {rid!r}")
             if isinstance(value, (int, np.integer)):
-                return [int(value)]
+                return int(value)
             tokens = [int(t) for t in value]
             if not tokens:
                 raise ValueError(f"update_from_output: no sampled token for request {rid!r}")

@@ -222,6 +222,7 @@ class AREngine:
         self._streamed: dict[str, _StreamedRows] = {}  # requests whose extra rows are still coming
         self._in_flight: _Launched | None = None  # launched, outputs not applied yet
         self._flags_of: tuple[list[Request], _BatchFlags] = ([], _BatchFlags(False, False, False))
+        self._draw_lists: tuple = (None,)  # (the batch, its params, outputs, prompts) for the sampler
         self._last_tables: tuple[Any, np.ndarray] | None = None  # the last step's (SchedulerOutput, block tables)
         self.stats = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "ahead_steps": 0, "step_time": 0.0,
                       "preemptions": 0, "failed_steps": 0}
@@ -498,13 +499,20 @@ class AREngine:
         rows = result.sample_rows
         if not rows:
             return None
-        reqs = [chunks[i].request for i in rows]
+        batch = self._flags_of[0]  # this step's requests (_launch just asked for their flags)
+        if len(rows) == len(batch) and rows == list(range(len(rows))):  # each in its own row, in order
+            if self._draw_lists[0] is not batch:  # the builder's inputs, kept while the batch is the same
+                self._draw_lists = (batch, [r.sampling_params for r in batch], [r.output_token_ids for r in batch],
+                                    [r.prompt_token_ids for r in batch])
+            reqs, params, outputs, prompts = self._draw_lists
+        else:
+            reqs = [chunks[i].request for i in rows]
+            params, outputs, prompts = ([r.sampling_params for r in reqs], [r.output_token_ids for r in reqs],
+                                        [r.prompt_token_ids for r in reqs])
         bucket = result.logits.shape[0]
         md, flags = self.sampling_builder.build(
-            [r.sampling_params for r in reqs], [r.output_token_ids for r in reqs],
-            [r.prompt_token_ids for r in reqs], bucket, result.logits.shape[1],
-            eos_token_ids=self.cfg.eos_token_ids,
-            num_output_tokens=[len(r.output_token_ids) + output_offset for r in reqs] if output_offset else None)
+            params, outputs, prompts, bucket, result.logits.shape[1], eos_token_ids=self.cfg.eos_token_ids,
+            num_output_tokens=[len(o) + output_offset for o in outputs] if output_offset else None)
         flags = _canonical(flags)
         if flags.any_penalties and md.history_ids is None:
             md = md.replace(history_ids=self._empty_history(bucket))

@@ -593,6 +593,8 @@ class ARScheduler(_QueueScheduler):
         else:
             values = sampled.tolist() if isinstance(sampled, np.ndarray) else list(sampled)
         if len(values) == len(out.scheduled):
+            if all(needs) and all(type(v) is int for v in values):  # one token each: the usual step
+                return values
             return [as_list(v, s.request_id) if need else []
                     for v, s, need in zip(values, out.scheduled, needs)]
         if len(values) == sum(needs):

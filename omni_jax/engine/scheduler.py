@@ -572,7 +572,7 @@ class ARScheduler(_QueueScheduler):
         """The sampled token id(s) of each scheduled request: an int for one token, else a list
         (empty where no logits were due)."""
 
-        def as_list(value: Any, rid: str) -> int | list[int]:
+        def tokens_of(value: Any, rid: str) -> int | list[int]:
             if type(value) is int:  # the usual case, first: one token, kept as it is
                 return value
             if value is None:
@@ -586,7 +586,7 @@ class ARScheduler(_QueueScheduler):
 
         needs = [s.needs_logits for s in out.scheduled]
         if isinstance(sampled, Mapping):
-            return [as_list(sampled.get(s.request_id), s.request_id) if s.needs_logits else []
+            return [tokens_of(sampled.get(s.request_id), s.request_id) if s.needs_logits else []
                     for s in out.scheduled]
         if sampled is None:
             values: list[Any] = []
@@ -595,11 +595,11 @@ class ARScheduler(_QueueScheduler):
         if len(values) == len(out.scheduled):
             if all(needs) and all(type(v) is int for v in values):  # one token each: the usual step
                 return values
-            return [as_list(v, s.request_id) if need else []
+            return [tokens_of(v, s.request_id) if need else []
                     for v, s, need in zip(values, out.scheduled, needs)]
         if len(values) == sum(needs):
             rows = iter(values)
-            return [as_list(next(rows), s.request_id) if need else [] for s, need in zip(out.scheduled, needs)]
+            return [tokens_of(next(rows), s.request_id) if need else [] for s, need in zip(out.scheduled, needs)]
         raise ValueError(
             f"update_from_output: {len(values)} sampled entries for {len(out.scheduled)} scheduled "
             f"requests ({sum(needs)} needing logits)"

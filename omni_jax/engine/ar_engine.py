@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -171,12 +171,31 @@ def _prompt_embeds_salt(inputs: StageInputs | None, rich: bool) -> str | None:
     return inputs.content_hash()
 
 
-class _BatchFlags(NamedTuple):
-    """What some request of a step needs beyond plain decoding."""
+class _Batch:
+    """A step's requests in order and what they need, kept by the engine while the same requests
+    come in the same order (the steady state of decoding), so that it is not worked out again
+    request by request every step."""
 
-    host_token: bool       # its sampled token on the host before its next step (_needs_host_token)
-    capture_hidden: bool   # hidden states returned
-    prompt_logprobs: bool  # prompt logprobs
+    def __init__(self, requests: list[Request]):
+        self.requests = requests
+        self.host_token = any(map(_needs_host_token, requests))  # a sampled token needed on the host
+        self.capture_hidden = any(r.data is not None and r.data.capture_hidden for r in requests)
+        self.prompt_logprobs = any(r.num_prompt_logprobs is not None for r in requests)
+        self._sampler_inputs = None
+
+    def same(self, chunks) -> bool:
+        """Whether `chunks` are a step of these requests, in this order."""
+        reqs = self.requests
+        return len(reqs) == len(chunks) and all(c.request is r for c, r in zip(chunks, reqs))
+
+    @property
+    def sampler_inputs(self) -> tuple[list, list, list]:
+        """The requests' sampling params, output and prompt id lists (the builder's inputs)."""
+        if self._sampler_inputs is None:
+            reqs = self.requests
+            self._sampler_inputs = ([r.sampling_params for r in reqs], [r.output_token_ids for r in reqs],
+                                    [r.prompt_token_ids for r in reqs])
+        return self._sampler_inputs
 
 
 @dataclasses.dataclass
@@ -187,7 +206,7 @@ class _Launched:
     result: Any              # the runner's StepResult
     draw: Any                # (requests, device SampleResult) or None
     prompt_draw: Any         # (rows per request, device prompt LogprobsOutput) or None
-    flags: _BatchFlags       # what its requests need beyond plain decoding
+    batch: _Batch            # its requests and what they need
     host_time: float         # seconds spent launching it
 
 
@@ -221,8 +240,7 @@ class AREngine:
         self._pending: list[StageOutput] = []
         self._streamed: dict[str, _StreamedRows] = {}  # requests whose extra rows are still coming
         self._in_flight: _Launched | None = None  # launched, outputs not applied yet
-        self._flags_of: tuple[list[Request], _BatchFlags] = ([], _BatchFlags(False, False, False))
-        self._draw_lists: tuple = (None,)  # (the batch, its params, outputs, prompts) for the sampler
+        self._batch = _Batch([])  # the last step's requests
         self._last_tables: tuple[Any, np.ndarray] | None = None  # the last step's (SchedulerOutput, block tables)
         self.stats = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "ahead_steps": 0, "step_time": 0.0,
                       "preemptions": 0, "failed_steps": 0}
@@ -383,28 +401,18 @@ class AREngine:
         """
         t0 = time.perf_counter()
         chunks = sched.scheduled
-        flags = self._batch_flags(chunks)
+        if not self._batch.same(chunks):
+            self._batch = _Batch([c.request for c in chunks])
+        batch = self._batch
         try:
             tables = sched.block_table_array(self.runner.cfg.max_blocks_per_seq, like=self._last_tables)
             self._last_tables = (sched, tables)
-            result = self.runner.execute(chunks, tables, want_hidden=flags.capture_hidden, fed=fed)
-            draw = self._draw(result, chunks, output_offset)
-            prompt_draw = self._prompt_draw(result, chunks) if flags.prompt_logprobs else None
+            result = self.runner.execute(chunks, tables, want_hidden=batch.capture_hidden, fed=fed)
+            draw = self._draw(result, chunks, batch, output_offset)
+            prompt_draw = self._prompt_draw(result, chunks) if batch.prompt_logprobs else None
         except Exception as e:  # fail this step's requests, keep serving
             return self._fail(sched, e)
-        return _Launched(sched, result, draw, prompt_draw, flags, time.perf_counter() - t0)
-
-    def _batch_flags(self, chunks) -> "_BatchFlags":
-        """What the step's requests need beyond plain decoding, kept while the same requests come
-        in the same order (the steady state: one pass of identity checks instead of several)."""
-        reqs, flags = self._flags_of
-        if len(reqs) != len(chunks) or any(c.request is not r for c, r in zip(chunks, reqs)):
-            reqs = [c.request for c in chunks]
-            flags = _BatchFlags(any(map(_needs_host_token, reqs)),
-                                any(r.data is not None and r.data.capture_hidden for r in reqs),
-                                any(r.num_prompt_logprobs is not None for r in reqs))
-            self._flags_of = (reqs, flags)
-        return flags
+        return _Launched(sched, result, draw, prompt_draw, batch, time.perf_counter() - t0)
 
     def _launch_ahead(self, current: "_Launched") -> "_Launched | list[StageOutput] | None":
         """Launch the decode step after `current`, fed by its tokens on the device, if the
@@ -417,7 +425,7 @@ class AREngine:
         # step (penalty histories, embedding inputs such as after-sample feedback, hidden
         # states) waits.
         if (result.kind != "decode" or draw is None or result.sample_rows != list(range(len(chunks)))
-                or current.flags.host_token):
+                or current.batch.host_token):
             return None
         nxt = self.scheduler.schedule_ahead(current.sched)
         if nxt is None:
@@ -461,7 +469,7 @@ class AREngine:
                     a, b = result.token_offsets[j], result.token_offsets[j + 1]
                     hidden_of[c.request_id] = (c.start, {k: v[a:b] for k, v in result.hidden.items()})
         wants_prompt_lp = {}
-        if launched.flags.prompt_logprobs:
+        if launched.batch.prompt_logprobs:
             wants_prompt_lp = {c.request_id: c.request for c in chunks if c.request.num_prompt_logprobs is not None}
         if not (hidden_of or wants_prompt_lp or logprobs or codes or self._detok or self._streamed):
             return step_outputs  # plain tokens: nothing to add (the steady state of a text stage)
@@ -494,17 +502,13 @@ class AREngine:
                 out.append(StageOutput(request_id=rid, hidden_states=hidden, hidden_offset=offset))
         return out
 
-    def _draw(self, result, chunks, output_offset: int = 0):
+    def _draw(self, result, chunks, batch: _Batch, output_offset: int = 0):
         """Launch the sampler on the step's logits rows: (requests, device result), or None."""
         rows = result.sample_rows
         if not rows:
             return None
-        batch = self._flags_of[0]  # this step's requests (_launch just asked for their flags)
-        if len(rows) == len(batch) and rows == list(range(len(rows))):  # each in its own row, in order
-            if self._draw_lists[0] is not batch:  # the builder's inputs, kept while the batch is the same
-                self._draw_lists = (batch, [r.sampling_params for r in batch], [r.output_token_ids for r in batch],
-                                    [r.prompt_token_ids for r in batch])
-            reqs, params, outputs, prompts = self._draw_lists
+        if len(rows) == len(chunks) and rows == list(range(len(rows))):  # each in its own row, in order
+            reqs, (params, outputs, prompts) = batch.requests, batch.sampler_inputs
         else:
             reqs = [chunks[i].request for i in rows]
             params, outputs, prompts = ([r.sampling_params for r in reqs], [r.output_token_ids for r in reqs],

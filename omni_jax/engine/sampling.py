@@ -508,9 +508,17 @@ class SamplingMetadataBuilder:
             num_out = np.fromiter([len(t) for t in output_token_ids_list], np.int64, n)
         else:
             num_out = np.asarray(num_output_tokens, np.int64)[:n]
-        again = self._build_again(params_list, output_token_ids_list, prompt_token_ids_list, B, vocab_size, num_out)
-        if again is not None:
-            return again
+        built = (self._build_again(params_list, output_token_ids_list, prompt_token_ids_list, B, vocab_size, num_out)
+                 or self._build_new(params_list, output_token_ids_list, prompt_token_ids_list, B, vocab_size,
+                                    eos_token_ids, num_out))
+        if self._builds % 64 == 0:
+            self._evict(params_list)
+        return built
+
+    def _build_new(self, params_list, output_token_ids_list, prompt_token_ids_list, B, vocab_size, eos_token_ids,
+                   num_out):
+        """`build` row by row, from the params' packed rows."""
+        n = len(params_list)
         cache = self._prepared
         preps = []
         for p in params_list:
@@ -559,8 +567,6 @@ class SamplingMetadataBuilder:
         if flags.any_penalties:
             history_ids = self._history(
                 penalties, output_token_ids_list, prompt_token_ids_list, ints, B)
-        if self._builds % 64 == 0:
-            self._evict(params_list)
         self._last_build = _LastBuild(list(params_list), B, vocab_size, cols, floats, ints,
                                       None if gated.any() else banned_ids, flags)
         return SamplingMetadata(floats, ints, banned_ids, history_ids), flags
@@ -586,8 +592,6 @@ class SamplingMetadataBuilder:
         history_ids = None
         if last.flags.any_penalties:
             history_ids = self._history(cols[:, _C_PENALTIES].astype(bool), outputs, prompts, ints, B)
-        if self._builds % 64 == 0:
-            self._evict(params_list)
         return SamplingMetadata(last.floats, ints, last.banned, history_ids), last.flags
 
     def _evict(self, params_list: Sequence[SamplingParams]) -> None:

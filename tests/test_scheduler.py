@@ -681,6 +681,27 @@ def test_schedule_ahead_conditions_and_order():
     assert_no_leak(sched)
 
 
+def test_a_step_ahead_is_fed_in_place_only_with_every_request_in_its_row():
+    """`fed_in_place` (the engine and runner then skip their per-request checks) holds only
+    while the step ahead keeps every request of the step before it, each in its own row."""
+    sched = make_sched(num_blocks=64)
+    runner = FakeRunner(sched)
+    sched.add_request(new_req("a", 5, SP(max_tokens=2)))
+    sched.add_request(new_req("b", 5, SP(max_tokens=10)))
+    prev = sched.schedule()  # both prompts, each sampling its first token
+    ahead = sched.schedule_ahead(prev)
+    assert ahead.fed_in_place and [(s.request_id, s.fed_by_row) for s in ahead.scheduled] == [("a", 0), ("b", 1)]
+    sched.update_from_output(prev, runner.step(prev))
+    after = sched.schedule_ahead(ahead)  # a's token from `ahead` is its last by length: a is left out
+    assert [(s.request_id, s.fed_by_row) for s in after.scheduled] == [("b", 1)]
+    assert not after.fed_in_place
+    for out in (ahead, after):
+        sched.update_from_output(out, runner.step(out))
+    assert sched.requests["b"].num_output_tokens == 3 and "a" not in sched.requests
+    sched.abort_request("b")
+    assert_no_leak(sched)
+
+
 def test_failed_step_scheduled_ahead():
     """A step scheduled ahead that fails (its launch raised) fails its requests; the step
     before it is still applied, skipping them, and nothing leaks."""

@@ -401,13 +401,15 @@ class AREngine:
         """
         t0 = time.perf_counter()
         chunks = sched.scheduled
-        if not self._batch.same(chunks):
+        # A step fed in place has the batch of the step launched before it: this one's.
+        if not (sched.fed_in_place or self._batch.same(chunks)):
             self._batch = _Batch([c.request for c in chunks])
         batch = self._batch
         try:
             tables = sched.block_table_array(self.runner.cfg.max_blocks_per_seq, like=self._last_tables)
             self._last_tables = (sched, tables)
-            result = self.runner.execute(chunks, tables, want_hidden=batch.capture_hidden, fed=fed)
+            result = self.runner.execute(chunks, tables, want_hidden=batch.capture_hidden, fed=fed,
+                                         fed_in_place=sched.fed_in_place)
             draw = self._draw(result, chunks, batch, output_offset)
             prompt_draw = self._prompt_draw(result, chunks) if batch.prompt_logprobs else None
         except Exception as e:  # fail this step's requests, keep serving
@@ -424,8 +426,7 @@ class AREngine:
         # Only plain decodes: whatever needs the sampled token on the host before the next
         # step (penalty histories, embedding inputs such as after-sample feedback, hidden
         # states) waits.
-        if (result.kind != "decode" or draw is None or result.sample_rows != list(range(len(chunks)))
-                or current.batch.host_token):
+        if result.kind != "decode" or draw is None or not result.rows_in_order or current.batch.host_token:
             return None
         nxt = self.scheduler.schedule_ahead(current.sched)
         if nxt is None:
@@ -507,7 +508,7 @@ class AREngine:
         rows = result.sample_rows
         if not rows:
             return None
-        if len(rows) == len(chunks) and rows == list(range(len(rows))):  # each in its own row, in order
+        if result.rows_in_order:  # each in its own row, in order
             reqs, (params, outputs, prompts) = batch.requests, batch.sampler_inputs
         else:
             reqs = [chunks[i].request for i in rows]
@@ -516,7 +517,8 @@ class AREngine:
         bucket = result.logits.shape[0]
         md, flags = self.sampling_builder.build(
             params, outputs, prompts, bucket, result.logits.shape[1], eos_token_ids=self.cfg.eos_token_ids,
-            num_output_tokens=[len(o) + output_offset for o in outputs] if output_offset else None)
+            num_output_tokens=np.fromiter(map(len, outputs), np.int64, len(outputs)) + output_offset
+            if output_offset else None)
         flags = _canonical(flags)
         if flags.any_penalties and md.history_ids is None:
             md = md.replace(history_ids=self._empty_history(bucket))
@@ -565,15 +567,15 @@ class AREngine:
                     "top": list(zip(host.top_token_ids[row, :n].tolist(), host.top_logprobs[row, :n].tolist()))})
 
     def _collect(self, result, draw):
-        """The step's sampled tokens on the host (as update_from_output takes them: a list in
+        """The step's sampled tokens on the host (as update_from_output takes them: an array in
         the order of the scheduled requests when each has a row in turn, else by request id),
         {request_id: logprobs}, {request_id: after-sample codes}."""
         if draw is None:
             return {}, {}, {}
         reqs, res = draw
         tokens = np.asarray(res.token_ids)
-        if result.sample_rows == list(range(len(reqs))):  # a row per scheduled request, in order
-            sampled = tokens[:len(reqs)].tolist()
+        if result.rows_in_order:  # a row per scheduled request, in order
+            sampled = tokens[:len(reqs)]
         else:
             sampled = dict(zip([r.request_id for r in reqs], tokens[:len(reqs)].tolist()))
         codes = self._after_sample(result, res.token_ids, reqs) if self.runner.cfg.after_sample else {}

@@ -92,6 +92,10 @@ class Request:
         self.min_tokens: int = int(_sampling_attr(sampling_params, "min_tokens", 0))
         self.ignore_eos: bool = bool(_sampling_attr(sampling_params, "ignore_eos", False))
         self.stop_token_ids = frozenset(int(t) for t in _sampling_attr(sampling_params, "stop_token_ids", ()))
+        # Resolved against the scheduler's defaults at admission (`admit`): the ids that may end
+        # the request, and the length at which it is capped.
+        self.end_ids: frozenset[int] = frozenset()
+        self.length_limit = 0
         # Top-n of the prompt logprobs asked for (None: none); the engine appends one entry per
         # prompt position from 1 on as prefill chunks compute them.
         self.num_prompt_logprobs: Optional[int] = getattr(sampling_params, "prompt_logprobs", None)
@@ -121,6 +125,14 @@ class Request:
         self._num_tokens = len(self.prompt_token_ids)
         self._token_buf = np.empty(max(16, 2 * self._num_tokens), dtype=np.int32)
         self._token_buf[: self._num_tokens] = self.prompt_token_ids
+
+    def admit(self, default_eos_token_ids: frozenset[int], max_len: int) -> None:
+        """Resolve the stop conditions against the scheduler's: its end ids if the request has
+        none, and its length limit (`max_len` tokens, the model's or the KV pool's)."""
+        if self.eos_token_ids is None:
+            self.eos_token_ids = default_eos_token_ids
+        self.end_ids = self.stop_token_ids if self.ignore_eos else self.stop_token_ids | self.eos_token_ids
+        self.length_limit = max_len if self.max_tokens is None else min(max_len, self.num_prompt_tokens + self.max_tokens)
 
     # -- sizes --------------------------------------------------------------------------------
     @property

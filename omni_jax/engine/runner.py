@@ -168,6 +168,7 @@ class StepResult:
     kind: str                       # "prefill" | "decode"
     bucket: int
     chunk_indices: list[int]        # the scheduled chunks in packed order (token_offsets follow them)
+    rows_in_order: bool = False     # sample_rows == range(len(chunks)): each chunk has a row, in order
 
 
 def stage_mesh(cfg: RunnerConfig):
@@ -344,7 +345,8 @@ class ModelRunner:
             if fed.any():
                 extra[offset + np.nonzero(fed)[0]] += inp.feedback_embeds[k[fed]]
 
-    def _prepare_decode(self, chunks: Sequence[ScheduledChunk], block_tables: np.ndarray, bucket: int):
+    def _prepare_decode(self, chunks: Sequence[ScheduledChunk], block_tables: np.ndarray, bucket: int,
+                        fed: bool = False):
         """`prepare` of a step of one-token chunks without embedding inputs: the hot path.
 
         A few whole-array operations and one pass over the chunks: host time per step is
@@ -363,10 +365,10 @@ class ModelRunner:
         positions[:, :n] = starts + rows[2]
         for i in np.flatnonzero(starts < rows[1]).tolist():  # a one-token prompt chunk
             positions[:, i] = self._positions(chunks[i])[:, 0]
-        token_ids = np.zeros(bucket, np.int32)
-        unfed = [i for i, c in enumerate(chunks) if c.fed_by_row < 0]  # a token still on the device: `execute`
-        if unfed:
-            token_ids[unfed] = [reqs[i].token_id(chunks[i].start) for i in unfed]
+        token_ids = None  # a step scheduled ahead: its tokens are still on the device (`execute`)
+        if not fed:
+            token_ids = np.zeros(bucket, np.int32)
+            token_ids[:n] = [r.token_id(c.start) for r, c in zip(reqs, chunks)]
         tables = np.zeros((bucket, cfg.max_blocks_per_seq), np.int32)
         tables[:n, :block_tables.shape[1]] = block_tables[:, :cfg.max_blocks_per_seq]
         bs = cfg.block_size
@@ -377,7 +379,7 @@ class ModelRunner:
         kv_lens[:n] = starts + 1
         cu_q_lens = np.full(bucket + 1, n, np.int32)
         cu_q_lens[:n + 1] = np.arange(n + 1)
-        sample_rows = [i for i, c in enumerate(chunks) if c.sample]
+        sample_rows = list(range(n)) if fed else [i for i, c in enumerate(chunks) if c.sample]
         logits_indices = np.zeros(bucket, np.int32)
         logits_indices[:len(sample_rows)] = sample_rows
         meta = AttentionMetadata(mode="paged", backend=cfg.backend, decode_only=True, slot_mapping=slot_mapping,
@@ -386,9 +388,12 @@ class ModelRunner:
                     overlay=None, overlay_mask=None, extra=None, rich=False, deepstack_feats=None, deepstack=False,
                     kind="decode", bucket=bucket, offsets=np.arange(n + 1), sample_rows=sample_rows, total=n)
 
-    def prepare(self, chunks: Sequence[ScheduledChunk], block_tables: np.ndarray, num_decodes: int = 0):
+    def prepare(self, chunks: Sequence[ScheduledChunk], block_tables: np.ndarray, num_decodes: int = 0,
+                fed: bool = False):
         """Pack and pad one step's chunks. `block_tables[i]` belongs to chunks[i]; the first
-        `num_decodes` chunks are one-token chunks for the decode kernel (see `execute`)."""
+        `num_decodes` chunks are one-token chunks for the decode kernel (see `execute`).
+        `fed`: a step scheduled ahead, whose tokens `execute` takes from the device (then
+        token_ids is None here)."""
         cfg = self.cfg
         n_chunks = len(chunks)
         decode = num_decodes == n_chunks
@@ -396,7 +401,7 @@ class ModelRunner:
         if decode:
             bucket = pick_bucket(n_chunks, cfg.decode_buckets)
             if not rich:
-                return self._prepare_decode(chunks, block_tables, bucket)
+                return self._prepare_decode(chunks, block_tables, bucket, fed)
         lens = np.fromiter((c.num_tokens for c in chunks), np.int64, n_chunks)
         total = int(lens.sum())
         if decode:
@@ -454,7 +459,7 @@ class ModelRunner:
 
     # -------------------------------------------------------------- execution
     def execute(self, chunks: Sequence[ScheduledChunk], block_tables: np.ndarray,
-                want_hidden: bool = False, fed: jax.Array | None = None) -> StepResult:
+                want_hidden: bool = False, fed: jax.Array | None = None, fed_in_place: bool = False) -> StepResult:
         """Run one step on the device, as one call; the KV cache is updated in place.
 
         One-token chunks (decodes) are packed first and attend through the decode kernel,
@@ -464,38 +469,48 @@ class ModelRunner:
 
         `fed`: the previous step's sampled tokens, still on the device, for a step
         scheduled ahead (async scheduling): chunk i's token is `fed[chunks[i].fed_by_row]`
-        (then every chunk is such a decode).
+        (then every chunk is such a decode); `fed_in_place`: chunk i's row is i for every i.
         """
-        # A one-token prompt chunk at a visual token needs DeepStack: the ragged path's rows.
-        if self.cfg.deepstack_layers and self.cfg.rich_inputs:
-            single = [i for i, c in enumerate(chunks) if c.num_tokens == 1 and not self._has_deepstack(c)]
+        n = len(chunks)
+        if fed is not None:  # scheduled ahead: one-token decodes only, already in packed order
+            order, packed, num_decodes = None, chunks, n
         else:
-            single = [i for i, c in enumerate(chunks) if c.num_tokens == 1]
-        if len(single) == len(chunks):  # a decode step: already in packed order
-            order, packed = single, chunks
-        else:
-            order = single + sorted(set(range(len(chunks))) - set(single))
-            packed = [chunks[i] for i in order]
-            block_tables = block_tables[order]
-        b = self.prepare(packed, block_tables, num_decodes=len(single))
+            # A one-token prompt chunk at a visual token needs DeepStack: the ragged path's rows.
+            if self.cfg.deepstack_layers and self.cfg.rich_inputs:
+                single = [i for i, c in enumerate(chunks) if c.num_tokens == 1 and not self._has_deepstack(c)]
+            else:
+                single = [i for i, c in enumerate(chunks) if c.num_tokens == 1]
+            num_decodes = len(single)
+            if num_decodes == n:  # a decode step: already in packed order
+                order, packed = None, chunks
+            else:
+                order = single + sorted(set(range(n)) - set(single))
+                packed = [chunks[i] for i in order]
+                block_tables = block_tables[order]
+        b = self.prepare(packed, block_tables, num_decodes=num_decodes, fed=fed is not None)
         if fed is not None:
-            rows = [c.fed_by_row for c in packed]
-            if fed.shape[0] == b["bucket"] and rows == list(range(len(rows))):
+            if fed.shape[0] == b["bucket"] and fed_in_place:
                 # Every request in its previous row (none left): the tokens as they are, one
                 # device call less per step (the steady state of async scheduling).
                 b["token_ids"] = fed
             else:
                 padded = np.zeros(b["bucket"], np.int32)  # padding rows read row 0: any valid id
-                padded[:len(rows)] = rows
+                padded[:n] = [c.fed_by_row for c in packed]
                 b["token_ids"] = self._feed_fn(fed, padded)
         logits, captured, final_hidden = self._run(b)
         sample_hidden = captured.pop("sample_hidden", None)
         hidden = {}
         if want_hidden and captured:
             hidden = {k: np.asarray(v)[:b["total"]] for k, v in captured.items()}
+        if order is None:
+            sample_rows, order = b["sample_rows"], list(range(n))
+        else:
+            sample_rows = [order[j] for j in b["sample_rows"]]
+        # A step scheduled ahead samples every chunk (all are decodes) in its row.
+        in_order = len(sample_rows) == n and (fed is not None or sample_rows == list(range(n)))
         return StepResult(logits=logits, sample_hidden=sample_hidden, final_hidden=final_hidden,
-                          sample_rows=[order[j] for j in b["sample_rows"]], hidden=hidden,
-                          token_offsets=b["offsets"], kind=b["kind"], bucket=b["bucket"], chunk_indices=order)
+                          sample_rows=sample_rows, hidden=hidden, token_offsets=b["offsets"], kind=b["kind"],
+                          bucket=b["bucket"], chunk_indices=order, rows_in_order=in_order)
 
     def _run(self, b):
         if b["rich"]:

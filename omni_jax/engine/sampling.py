@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 import secrets
 from typing import Any, NamedTuple, Sequence
 
@@ -505,7 +506,7 @@ class SamplingMetadataBuilder:
         self._builds += 1
         B = batch_bucket
         if num_output_tokens is None:
-            num_out = np.fromiter([len(t) for t in output_token_ids_list], np.int64, n)
+            num_out = np.fromiter(map(len, output_token_ids_list), np.int64, n)
         else:
             num_out = np.asarray(num_output_tokens, np.int64)[:n]
         built = (self._build_again(params_list, output_token_ids_list, prompt_token_ids_list, B, vocab_size, num_out)
@@ -579,7 +580,7 @@ class SamplingMetadataBuilder:
         n = len(params_list)
         if (last is None or last.banned is None or last.batch_bucket != B or last.vocab_size != vocab_size
                 or len(last.params) != n
-                or any(a is not b for a, b in zip(last.params, params_list))
+                or not all(map(operator.is_, last.params, params_list))
                 or (num_out < last.cols[:, _C_MIN_TOKENS]).any()):
             return None
         ints = last.ints.copy()  # a fresh array: the last one may still be read by an in-flight step

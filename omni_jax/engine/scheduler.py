@@ -116,6 +116,10 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     finished_request_ids: list[str] = field(default_factory=list)  # since the last step: drop their state
     preempted_request_ids: list[str] = field(default_factory=list)  # this step: drop their state
+    # Scheduled ahead with every request of the step before it, in the same rows, each fed by
+    # the token sampled in its own row: that step's batch one position on (the steady state of
+    # decoding, which the engine and runner need not check request by request).
+    fed_in_place: bool = False
 
     @property
     def is_empty(self) -> bool:
@@ -330,6 +334,7 @@ class ARScheduler(_QueueScheduler):
             )
         if request.max_tokens is not None and request.max_tokens < 1:
             raise ValueError(f"request {rid!r}: max_tokens must be >= 1, got {request.max_tokens}")
+        request.admit(self.eos_token_ids, self.max_len)
         self._enqueue(request)
 
     # -- scheduling ----------------------------------------------------------------------------
@@ -453,7 +458,7 @@ class ARScheduler(_QueueScheduler):
             return None
         # One pass of plain attribute reads per request: this runs every decode step, and
         # its host time is what the device waits for on a small model.
-        kv, bs, max_len, running = self.kv_cache_manager, self.block_size, self.max_len, RequestStatus.RUNNING
+        kv, bs, running = self.kv_cache_manager, self.block_size, RequestStatus.RUNNING
         held_ids = kv.req_to_block_ids
         nexts = []  # (prev's entry, its index in prev.scheduled, blocks held if one more is needed)
         need = 0
@@ -464,13 +469,13 @@ class ARScheduler(_QueueScheduler):
             n = req.num_tokens
             if req.input_limit is not None and n >= req.input_limit:
                 return None  # its next token's input (async chunk) has not arrived
-            # After prev's token: output count + 1, length + 1.
-            if (req.max_tokens is not None and len(req.output_token_ids) + 1 >= req.max_tokens) or n + 1 >= max_len:
-                continue
-            held = len(held_ids[req.request_id])
-            grows = req.num_computed_tokens + 1 > held * bs
-            need += grows
-            nexts.append((s, row, held if grows else -1))
+            if n + 1 >= req.length_limit:
+                continue  # prev's token is its last by length
+            if req.num_computed_tokens < len(held_ids[req.request_id]) * bs:
+                nexts.append((s, row, -1))
+            else:
+                need += 1
+                nexts.append((s, row, len(held_ids[req.request_id])))
         if not nexts or need > kv.num_free_blocks:
             return None
         scheduled = []
@@ -487,7 +492,8 @@ class ARScheduler(_QueueScheduler):
                 req.request_id, req, 1, start, False, False, True, block_ids, new_block_ids, _NO_TOKENS, row))
             req.num_computed_tokens = start + 1
         out = SchedulerOutput(scheduled=scheduled, total_num_scheduled_tokens=len(scheduled),
-                              finished_request_ids=self._take_finished_ids())
+                              finished_request_ids=self._take_finished_ids(),
+                              fed_in_place=len(scheduled) == len(steps))
         self._pending.append(out)
         return out
 
@@ -504,15 +510,14 @@ class ARScheduler(_QueueScheduler):
         if req.detokenizer is not None:
             stop_string = req.detokenizer.update([token], check_stops=may_stop)
         if may_stop:
-            eos = req.eos_token_ids if req.eos_token_ids is not None else self.eos_token_ids
-            if not req.ignore_eos and token in eos:
+            if not req.ignore_eos and token in req.eos_token_ids:
                 req.status = RequestStatus.FINISHED_STOPPED
                 return True
             if token in req.stop_token_ids or stop_string is not None:
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = token if stop_string is None else stop_string
                 return True
-        if (req.max_tokens is not None and num_out >= req.max_tokens) or req.num_tokens >= self.max_len:
+        if req.num_tokens >= req.length_limit:
             req.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False
@@ -546,7 +551,9 @@ class ARScheduler(_QueueScheduler):
             if type(tokens) is int:  # one token: the usual case
                 req.append_token(tokens)
                 new_token_ids = [tokens]
-                self._check_stop(req, tokens)
+                # Most tokens end nothing: the whole check only for one that may.
+                if tokens in req.end_ids or req.num_tokens >= req.length_limit or req.detokenizer is not None:
+                    self._check_stop(req, tokens)
             else:
                 new_token_ids = []
                 for token in tokens:
@@ -584,17 +591,19 @@ class ARScheduler(_QueueScheduler):
                 raise ValueError(f"update_from_output: no sampled token for request {rid!r}")
             return tokens
 
-        needs = [s.needs_logits for s in out.scheduled]
         if isinstance(sampled, Mapping):
             return [tokens_of(sampled.get(s.request_id), s.request_id) if s.needs_logits else []
                     for s in out.scheduled]
         if sampled is None:
             values: list[Any] = []
+        elif isinstance(sampled, np.ndarray) and sampled.ndim == 1 and sampled.dtype.kind in "iu":
+            values = sampled.tolist()  # ints, one per entry: no need to look at each
+            if len(values) == len(out.scheduled) and (out.fed_in_place or all(s.needs_logits for s in out.scheduled)):
+                return values  # one token each: the usual step
         else:
             values = sampled.tolist() if isinstance(sampled, np.ndarray) else list(sampled)
+        needs = [s.needs_logits for s in out.scheduled]
         if len(values) == len(out.scheduled):
-            if all(needs) and all(type(v) is int for v in values):  # one token each: the usual step
-                return values
             return [tokens_of(v, s.request_id) if need else []
                     for v, s, need in zip(values, out.scheduled, needs)]
         if len(values) == sum(needs):

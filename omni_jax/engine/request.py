@@ -132,7 +132,8 @@ class Request:
         if self.eos_token_ids is None:
             self.eos_token_ids = default_eos_token_ids
         self.end_ids = self.stop_token_ids if self.ignore_eos else self.stop_token_ids | self.eos_token_ids
-        self.length_limit = max_len if self.max_tokens is None else min(max_len, self.num_prompt_tokens + self.max_tokens)
+        self.length_limit = max_len if self.max_tokens is None else min(
+            max_len, self.num_prompt_tokens + self.max_tokens)
 
     # -- sizes --------------------------------------------------------------------------------
     @property

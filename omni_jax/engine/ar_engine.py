@@ -171,6 +171,11 @@ def _prompt_embeds_salt(inputs: StageInputs | None, rich: bool) -> str | None:
     return inputs.content_hash()
 
 
+def _sampler_inputs(reqs: list[Request]) -> tuple[list, list, list]:
+    """The requests' sampling params, output and prompt id lists (the sampler builder's inputs)."""
+    return [r.sampling_params for r in reqs], [r.output_token_ids for r in reqs], [r.prompt_token_ids for r in reqs]
+
+
 class _Batch:
     """A step's requests in order and what they need, kept by the engine while the same requests
     come in the same order (the steady state of decoding), so that it is not worked out again
@@ -190,11 +195,9 @@ class _Batch:
 
     @property
     def sampler_inputs(self) -> tuple[list, list, list]:
-        """The requests' sampling params, output and prompt id lists (the builder's inputs)."""
+        """`_sampler_inputs` of these requests, made once."""
         if self._sampler_inputs is None:
-            reqs = self.requests
-            self._sampler_inputs = ([r.sampling_params for r in reqs], [r.output_token_ids for r in reqs],
-                                    [r.prompt_token_ids for r in reqs])
+            self._sampler_inputs = _sampler_inputs(self.requests)
         return self._sampler_inputs
 
 
@@ -512,13 +515,11 @@ class AREngine:
             reqs, (params, outputs, prompts) = batch.requests, batch.sampler_inputs
         else:
             reqs = [chunks[i].request for i in rows]
-            params, outputs, prompts = ([r.sampling_params for r in reqs], [r.output_token_ids for r in reqs],
-                                        [r.prompt_token_ids for r in reqs])
+            params, outputs, prompts = _sampler_inputs(reqs)
         bucket = result.logits.shape[0]
         md, flags = self.sampling_builder.build(
             params, outputs, prompts, bucket, result.logits.shape[1], eos_token_ids=self.cfg.eos_token_ids,
-            num_output_tokens=np.fromiter(map(len, outputs), np.int64, len(outputs)) + output_offset
-            if output_offset else None)
+            output_offset=output_offset)
         flags = _canonical(flags)
         if flags.any_penalties and md.history_ids is None:
             md = md.replace(history_ids=self._empty_history(bucket))

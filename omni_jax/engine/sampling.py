@@ -489,13 +489,13 @@ class SamplingMetadataBuilder:
         vocab_size: int,
         *,
         eos_token_ids: Sequence[int] = (),
-        num_output_tokens: Sequence[int] | np.ndarray | None = None,
+        output_offset: int = 0,
     ) -> tuple[SamplingMetadata, SamplingFlags]:
         """Pack one step's sampler inputs for rows 0..n-1 of a batch padded to `batch_bucket`.
 
         `output_token_ids_list[i]`: the tokens request i has generated so far (list or
-        int32 array); its length is the PRNG step and drives min_tokens (pass
-        `num_output_tokens` if the lists are not kept). `prompt_token_ids_list[i]`: the
+        int32 array); its length plus `output_offset` (the tokens a step scheduled ahead has
+        not appended yet) is the PRNG step and drives min_tokens. `prompt_token_ids_list[i]`: the
         prompt ids, used only by the repetition penalty (may be None when no request has
         penalties). `eos_token_ids`: the stage's eos ids, banned during min_tokens.
         `vocab_size`: the width of the logits the sampler will see.
@@ -505,10 +505,7 @@ class SamplingMetadataBuilder:
             raise ValueError(f"{n} requests do not fit batch bucket {batch_bucket}")
         self._builds += 1
         B = batch_bucket
-        if num_output_tokens is None:
-            num_out = np.fromiter(map(len, output_token_ids_list), np.int64, n)
-        else:
-            num_out = np.asarray(num_output_tokens, np.int64)[:n]
+        num_out = np.fromiter(map(len, output_token_ids_list), np.int64, n) + output_offset
         built = (self._build_again(params_list, output_token_ids_list, prompt_token_ids_list, B, vocab_size, num_out)
                  or self._build_new(params_list, output_token_ids_list, prompt_token_ids_list, B, vocab_size,
                                     eos_token_ids, num_out))

@@ -34,9 +34,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from kernels_pallas.grouped_matmul import default_block_rows  # noqa: E402
 from omni_jax.models.layers.moe import (  # noqa: E402
-    MoEConfig, SparseMoeBlock, blocked_grouped_matmul, default_block_rows, dense_moe_reference,
-    moe_experts, route)
+    MoEConfig, SparseMoeBlock, blocked_grouped_matmul, dense_moe_reference, moe_experts, route)
 
 
 def _time(fn, args, reps: int, budget_s: float) -> float:
@@ -79,7 +79,7 @@ def _blocks_executed(cfg, x, gate_w, gate_up, block_rows):
     flat = experts.reshape(-1)
     sizes = jnp.zeros((e,), jnp.int32).at[flat].add(1)
     rows = jnp.take(x, jnp.argsort(flat, stable=True) // k, axis=0)
-    b = default_block_rows(t * k, e) if block_rows is None else min(block_rows, t * k)
+    b = min(block_rows or default_block_rows(t * k, e, smallest=8), t * k)
     _, count = jax.jit(lambda r, w, g: blocked_grouped_matmul(r, w, g, block_rows=b, count_blocks=True))(
         rows, gate_up, sizes)
     return int(count), b

@@ -1,15 +1,16 @@
 """Pallas GPU kernels for paged attention, with pure-JAX references.
 
-``paged_attention`` (decode) and ``ragged_paged_attention`` (packed prefill
-chunks) run as Pallas Triton kernels on NVIDIA GPUs; ``reference`` holds XLA
+``paged_attention`` (decode), ``ragged_paged_attention`` (packed prefill
+chunks) and ``grouped_matmul`` (the MoE experts) run as Pallas Triton kernels on NVIDIA GPUs; ``reference`` holds XLA
 versions of the same signatures (the CPU backend); ``write_kv_pages`` stores
 new tokens' K/V at a slot mapping; ``page_dtype`` says what dtype a backend's
 pages are stored in.
 """
 from kernels_pallas import reference
+from kernels_pallas.grouped_matmul import grouped_matmul
 from kernels_pallas.kv_update import page_dtype, write_kv_pages
 from kernels_pallas.paged_attention import paged_attention
 from kernels_pallas.ragged_paged_attention import ragged_paged_attention
 
-__all__ = ["paged_attention", "ragged_paged_attention", "write_kv_pages", "page_dtype",
+__all__ = ["paged_attention", "ragged_paged_attention", "grouped_matmul", "write_kv_pages", "page_dtype",
            "reference"]

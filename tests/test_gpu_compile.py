@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from kernels_pallas.grouped_matmul import GROUPED_TUNING, default_block_rows, grouped_tuning
 from kernels_pallas.paged_attention import DECODE_TUNING, decode_tuning
 from kernels_pallas.ragged_paged_attention import PREFILL_TUNING
 from kernels_pallas.tuning import capability_of_kind, target_capability
@@ -59,6 +60,9 @@ def test_kernels_compile_at_every_bucket_within_limits(tier, target):
     for preset, stage in _ar_stages():
         expected = [f"{preset}/{stage.name}/kernel/decode/{b}" for b in stage.resolved_decode_buckets] + \
                    [f"{preset}/{stage.name}/kernel/prefill/{t}" for t in stage.resolved_token_buckets]
+        if preset == "qwen3_omni":  # MoE decoders: the expert matmuls at every step size
+            expected += [f"{preset}/{stage.name}/kernel/experts/{t}"
+                         for t in sorted({*stage.resolved_decode_buckets, *stage.resolved_token_buckets})]
         for name in expected:
             r = reports.get(name)
             assert r is not None, f"{target}: {name} was not compiled"
@@ -73,12 +77,21 @@ def test_kernels_compile_at_every_bucket_within_limits(tier, target):
 @pytest.mark.parametrize("target", TARGETS)
 def test_kernels_take_the_targets_tuning_row(tier, target):
     cc = load_target(target).compute_capability
-    row = decode_tuning(cc)
+    row, experts = decode_tuning(cc), grouped_tuning(cc)
+    seen = set()
     for r in _reports(tier, target, "kernel"):
         for k in r["kernels"]:
             if k["name"].startswith("paged_decode"):
                 assert f"_ppb{row['tokens_per_step'] // 16}_" in k["name"], (target, k["name"])
                 assert k["threads"][0] == 32 * row["num_warps"], (target, k)
+            if k["name"].startswith("grouped_matmul"):
+                rows = int(k["name"].split("_bm")[1].split("_")[0])
+                assert rows == default_block_rows(r["info"]["rows"], r["info"]["experts"])
+                assert f"_bn{experts['block_n']}_bk{experts['block_k']}" in k["name"], (target, k["name"])
+                warps = next(w for top, w in experts["warps"] if rows <= top)
+                assert k["threads"][0] == 32 * warps, (target, k)
+                seen.add(rows)
+    assert seen == {16, 32, 64, 128}, seen  # every row block the preset buckets give, decode to prefill
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -151,7 +164,7 @@ def test_qwen2_5_vision_encoder_compiles_on_a100(tier):
 
 def test_tuning_tables_fit_every_target():
     for t in all_targets():
-        for table in (DECODE_TUNING, PREFILL_TUNING):
+        for table in (DECODE_TUNING, PREFILL_TUNING, GROUPED_TUNING):
             assert t.compute_capability in table, (t.name, table)
     assert capability_of_kind(load_target("h100").device_kind) == 90
     assert capability_of_kind(load_target("a100").device_kind) == 80

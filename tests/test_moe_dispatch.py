@@ -1,4 +1,5 @@
-"""MoE grouped-matmul dispatch: blocked vs ragged_dot vs dense, and the blocked path's cost."""
+"""MoE grouped-matmul dispatch: blocked vs ragged_dot vs the Pallas GPU kernel vs dense, and the
+blocked path's cost."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import kernels_pallas
+from kernels_pallas.grouped_matmul import max_blocks
 from omni_jax.models.layers.moe import (
-    MoEConfig, SparseMoeBlock, blocked_grouped_matmul, dense_moe_reference, grouped_matmul, max_blocks,
-    moe_experts, ragged_dot_grouped_matmul, route)
+    MoEConfig, SparseMoeBlock, blocked_grouped_matmul, dense_moe_reference, grouped_matmul, moe_experts,
+    ragged_dot_grouped_matmul, route)
 
 pytestmark = pytest.mark.parity
 
@@ -69,6 +72,37 @@ def test_impls_agree_over_random_routings(p, g, k_in, n_out, block):
         assert np.all(got_b[total:] == 0), name  # rows of no group come out zero
         np.testing.assert_allclose(np.asarray(default(rows, w, s)), got_b, atol=1e-6, rtol=1e-6,
                                    err_msg=name)  # CPU default: blocked
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("p,g,k_in,n_out,block,dtype", [
+    (37, 5, 24, 40, None, jnp.float32),    # default row block; K and N not multiples of the tiles
+    (5, 16, 16, 16, None, jnp.float32),    # fewer rows than experts (decode)
+    (96, 6, 32, 48, 16, jnp.float32),      # group boundaries on block boundaries
+    (64, 4, 32, 32, 32, jnp.bfloat16),
+])
+def test_pallas_kernel_matches_blocked_over_random_routings(p, g, k_in, n_out, block, dtype):
+    """The GPU kernel (Pallas interpret mode, 16 x 16 tiles so every program loops over K and N
+    splits into tiles) against the blocked path and numpy: same rows, zeros past the groups."""
+    rng = np.random.default_rng(p * 100 + g)
+    rows = jnp.asarray(rng.standard_normal((p, k_in)), dtype)
+    w = jnp.asarray(rng.standard_normal((g, n_out, k_in)), dtype)
+    kernel = jax.jit(lambda r, w_, s: kernels_pallas.grouped_matmul(
+        r, w_, s, out_dtype=dtype, block_rows=block, block_n=16, block_k=16, interpret=True))
+    blocked = jax.jit(lambda r, w_, s: blocked_grouped_matmul(r, w_, s, out_dtype=dtype))
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    for name, sizes in _routings(rng, p, g).items():
+        s = jnp.asarray(sizes, jnp.int32)
+        total = int(sizes.sum())
+        got = np.asarray(kernel(rows, w, s).astype(jnp.float32))
+        ref = _numpy_grouped(np.asarray(rows.astype(jnp.float32)), np.asarray(w.astype(jnp.float32)), sizes)
+        np.testing.assert_allclose(got[:total], ref[:total], atol=tol * 10, rtol=tol, err_msg=name)
+        np.testing.assert_allclose(got, np.asarray(blocked(rows, w, s).astype(jnp.float32)), atol=tol * 10,
+                                   rtol=tol, err_msg=name)
+        assert np.all(got[total:] == 0), name  # rows of no group come out zero
+    with pytest.raises(ValueError, match="block_rows=8 must be a power of two >= 16"):
+        kernels_pallas.grouped_matmul(rows, w, s, block_rows=8, interpret=True)
+    assert kernels_pallas.grouped_matmul(rows[:0], w, s, interpret=True).shape == (0, n_out)
 
 
 def test_moe_experts_impls_match_dense_reference():
@@ -191,9 +225,11 @@ def test_default_impl_per_lowering_platform():
     def text(fn, platform):
         return jax.jit(fn).trace(state, x).lower(lowering_platforms=(platform,)).as_text()
 
-    # GPU defaults to the blocked loop until a grouped-GEMM kernel is plugged in.
+    # GPU: the Pallas kernel, one launch per grouped matmul (gate/up, down); CPU: the blocked loop.
     cuda = text(lambda s, v: nnx.merge(graph, s)(v), "cuda")
-    assert "ragged_dot" not in cuda and "stablehlo.while" in cuda
+    assert "ragged_dot" not in cuda
+    assert len(re.findall(r'custom_call @__gpu\$xla\.gpu\.triton.*?name = "grouped_matmul', cuda)) == 2, cuda
+    assert "grouped_matmul" not in text(lambda s, v: nnx.merge(graph, s)(v), "cpu")
     # The ragged_dot path stays available on request.
     def forced(s, v):
         m = nnx.merge(graph, s)

@@ -34,7 +34,7 @@ from ..models.layers.parallel import EP, TP
 from .targets import Target
 
 # Pallas kernels are named after these prefixes (pallas_call name=...).
-PALLAS_PREFIXES = ("paged_decode", "ragged_paged_prefill")
+PALLAS_PREFIXES = ("paged_decode", "ragged_paged_prefill", "grouped_matmul")
 # Thunks that only order or wrap others; every other thunk line is one launch.
 _CONTROL_THUNKS = {"kSequential", "kWhile", "kConditional", "kWaitForStreams", "kCommandBuffer"}
 _THUNK_RE = re.compile(r"^\s*\d+:\s+(k\w+)\s.*?\]\s+(\S+)(.*)$")

@@ -254,7 +254,8 @@ def vocoder_programs(family: str, stage: StageConfig, hf_config: dict) -> list[P
 
 # ------------------------------------------------------------------ kernels
 def kernel_programs(family: str, stage: StageConfig, hf_config: dict, num_blocks: int) -> list[Program]:
-    """The Pallas kernels at every decode and prefill bucket of an AR stage (bf16)."""
+    """The Pallas kernels at every decode and prefill bucket of an AR stage (bf16): attention,
+    and a MoE decoder's expert matmuls."""
     text = text_config(family, stage.model_stage, hf_config)
     hq, hkv, d = text.num_heads, text.num_kv_heads, text.head_dim
     width = stage.blocks_per_seq
@@ -274,6 +275,27 @@ def kernel_programs(family: str, stage: StageConfig, hf_config: dict, num_blocks
         out.append(Program(f"{base}/kernel/prefill/{t}", "kernel",
                            jax.jit(kernels_pallas.ragged_paged_attention), args, {}, t,
                            info=dict(kernel="ragged_paged_attention")))
+    if getattr(text, "num_experts", 0):
+        out += expert_kernel_programs(base, text, sorted({*stage.resolved_decode_buckets, *stage.resolved_token_buckets}))
+    return out
+
+
+def expert_kernel_programs(base: str, text, token_counts) -> list[Program]:
+    """A MoE decoder's two grouped matmuls (gate/up, down: models/layers/moe.py) for each
+    step size in tokens, in one program each (every token routed to num_experts_per_tok)."""
+    e, h, i = text.num_experts, text.hidden_size, text.moe_intermediate_size
+
+    def experts(rows, gate_up, down, sizes):
+        inter = kernels_pallas.grouped_matmul(rows, gate_up, sizes, out_dtype=DTYPE)
+        return kernels_pallas.grouped_matmul(jax.nn.silu(inter[:, :i]) * inter[:, i:], down, sizes)
+
+    s = jax.ShapeDtypeStruct
+    out = []
+    for t in token_counts:
+        p = t * text.num_experts_per_tok
+        args = (s((p, h), DTYPE), s((e, 2 * i, h), DTYPE), s((e, h, i), DTYPE), s((e,), jnp.int32))
+        out.append(Program(f"{base}/kernel/experts/{t}", "kernel", jax.jit(experts), args, {}, t,
+                           info=dict(kernel="grouped_matmul", rows=p, experts=e)))
     return out
 
 

@@ -33,9 +33,13 @@ token-expert pairs:
 Grouped matmul implementations (``impl``; the default is chosen per lowering
 platform with ``lax.platform_dependent``, see ``DEFAULT_IMPL``):
 
-* ``"blocked"`` (CPU, GPU): each expert's run of sorted rows is cut into blocks
+* ``"pallas"`` (GPU): ``kernels_pallas.grouped_matmul``, one Pallas (Triton) launch per
+  grouped matmul: each program takes one row block of one expert (the plan below) and
+  one tile of output columns, and reads that expert's weight tiles in place.
+* ``"blocked"`` (CPU): each expert's run of sorted rows is cut into blocks
   of ``B`` rows (the last block of a group is partial; the plan is built on device
-  from a cumsum of the per-expert block counts, no host sync), and a while loop
+  from a cumsum of the per-expert block counts, no host sync: ``blocked_plan``, shared
+  with the GPU kernel), and a while loop
   with a *dynamic* trip count = the number of used blocks runs one
   ``[B, in] x [in, out]`` matmul per block against that block's expert weights
   (a dynamic slice of the weight table, never a gathered ``[n_blocks, out, in]``
@@ -44,24 +48,20 @@ platform with ``lax.platform_dependent``, see ``DEFAULT_IMPL``):
   FLOPs = used_blocks * 2*B*in*out <= 2*(P + E'*(B-1))*in*out: proportional to the
   routed rows plus at most one partial block per hit expert. Weights are read
   once per used block (once per hit expert when its group fits one block).
-  The block size defaults to ~ the mean group size (:func:`default_block_rows`,
+  The block size defaults to ~ the mean group size (``default_block_rows``,
   8..128), so a decode step (P a few times E or less: 1-3 rows per hit expert)
   pays up to B/(rows per expert) x the routed FLOPs in padding, which is harmless
   there (weight reads dominate) and vanishes relative to P for prefill. Blocks run
   one after another (no cross-block parallelism) and, as a while loop, forward only
-  (no reverse-mode AD): an inference path. On GPU expect each block to be its own
-  few small kernels (slice, dot, select, update; not measured): launch-bound for
-  many small blocks, hence a stopgap there.
+  (no reverse-mode AD): an inference path. Not for GPUs: compiled for one (omni_jax/gpu),
+  each block copies its expert's weights out of the table before the matmul (XLA:GPU
+  does not fuse the dynamic slice into the GEMM: a temporary of one expert's weights)
+  and runs as several small kernels, block after block.
 * ``"ragged_dot"`` (TPU): ``jax.lax.ragged_dot_general``, meant to be a real grouped
   GEMM where the backend has one (TPU; not verified here, no TPU). JAX's own CPU
   lowering expands it into a zero-masked ``[E, P, in]`` batch (E times the FLOPs of
   the routed work and an ``E*P*in`` temporary), and XLA:GPU by default rewrites
-  the ``chlo.ragged_dot`` it emits the same way unless a grouped-GEMM backend takes
-  it (not measured here: no GPU). Hence GPU defaults to ``"blocked"`` until a
-  Pallas grouped-GEMM kernel is plugged in as another ``impl``; the next step on
-  Hopper is ``jax.experimental.pallas.ops.gpu.ragged_dot_mgpu.ragged_dot`` (same
-  (rows, weights, group_sizes) contract; takes this [G, out, in] weight orientation
-  with ``transpose_rhs=True``; ``blackwell_ragged_dot_mgpu`` sits beside it).
+  the ``chlo.ragged_dot`` it emits the same way unless a grouped-GEMM backend takes it.
 
 Measured (benchmarks/moe.py, 2-core shared CPU, fp32, H=512 I=256 E=32 k=4, whole
 block incl. routing, best of 5): T=16: blocked 6.6 ms, ragged_dot 70 ms (10.5x),
@@ -86,6 +86,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+
+import kernels_pallas
+from kernels_pallas.grouped_matmul import blocked_plan, default_block_rows
 
 from . import parallel
 from .linear import Linear
@@ -113,48 +116,9 @@ class MoEConfig:
 
 
 # Grouped-matmul implementation per lowering platform (module docstring); anything
-# not listed uses "blocked". Swap "cuda" to a grouped-GEMM kernel once one is wired in.
-DEFAULT_IMPL = {"cpu": "blocked", "cuda": "blocked", "rocm": "blocked", "tpu": "ragged_dot"}
-IMPLS = ("blocked", "ragged_dot")
-
-
-def default_block_rows(num_rows: int, num_groups: int) -> int:
-    """Static row-block size for :func:`blocked_grouped_matmul`: ~ the mean group size.
-
-    A power of two in [8, 128], at most num_rows: big enough that a block is a real
-    matmul, small enough that the <= 1 partial block per group (E*(B-1) padded rows
-    at worst) stays small next to the P routed rows.
-    """
-    mean = -(-num_rows // max(num_groups, 1))
-    b = 8
-    while b < mean and b < 128:
-        b *= 2
-    return max(1, min(b, num_rows))
-
-
-def max_blocks(num_rows: int, num_groups: int, block_rows: int) -> int:
-    """Static bound on used blocks: sum_g ceil(s_g/B) <= (P + G*(B-1)) // B, and <= P."""
-    return max(1, min(num_rows, (num_rows + num_groups * (block_rows - 1)) // block_rows))
-
-
-def blocked_plan(group_sizes: jnp.ndarray, num_rows: int, block_rows: int):
-    """Per-block (expert, first row, end row) arrays [max_blocks] and the used-block count.
-
-    Block j belongs to group e_j with cum_blocks[e_j - 1] <= j < cum_blocks[e_j]; it
-    covers rows [start_j, end_j) of the sorted rows, end_j - start_j <= block_rows.
-    Entries past the used count are junk and never read.
-    """
-    sizes = group_sizes.astype(jnp.int32)
-    n = max_blocks(num_rows, sizes.shape[0], block_rows)
-    blocks = (sizes + block_rows - 1) // block_rows
-    cum_blocks = jnp.cumsum(blocks)
-    row_start = jnp.cumsum(sizes) - sizes
-    j = jnp.arange(n, dtype=jnp.int32)
-    expert = jnp.minimum(jnp.searchsorted(cum_blocks, j, side="right"), sizes.shape[0] - 1)
-    expert = expert.astype(jnp.int32)
-    start = row_start[expert] + (j - (cum_blocks[expert] - blocks[expert])) * block_rows
-    end = jnp.minimum(start + block_rows, row_start[expert] + sizes[expert])
-    return expert, start, end, cum_blocks[-1]
+# not listed uses "blocked" (ROCm: the Triton kernel is compiled and checked for CUDA only).
+DEFAULT_IMPL = {"cpu": "blocked", "cuda": "pallas", "rocm": "blocked", "tpu": "ragged_dot"}
+IMPLS = ("blocked", "ragged_dot", "pallas")
 
 
 def blocked_grouped_matmul(rows, weights, group_sizes, out_dtype=jnp.float32, block_rows=None,
@@ -169,7 +133,7 @@ def blocked_grouped_matmul(rows, weights, group_sizes, out_dtype=jnp.float32, bl
     if p == 0:
         out = jnp.zeros((0, n_out), out_dtype)
         return (out, jnp.zeros((), jnp.int32)) if count_blocks else out
-    b = default_block_rows(p, weights.shape[0]) if block_rows is None else min(block_rows, p)
+    b = min(block_rows or default_block_rows(p, weights.shape[0], smallest=8), p)
     expert, start, end, used = blocked_plan(group_sizes, p, b)
     offs = jnp.arange(b, dtype=jnp.int32)
 
@@ -210,11 +174,13 @@ def grouped_matmul(rows: jnp.ndarray, weights: jnp.ndarray, group_sizes: jnp.nda
 
     Row r uses the weights of the group whose cumulative range holds r; rows past
     sum(group_sizes) belong to no group and must be ignored by the caller.
-    impl: "blocked" | "ragged_dot" | None (per lowering platform, ``DEFAULT_IMPL``).
+    impl: "blocked" | "ragged_dot" | "pallas" (the GPU kernel) | None (per lowering platform,
+    ``DEFAULT_IMPL``).
     """
     blocked = functools.partial(blocked_grouped_matmul, out_dtype=out_dtype, block_rows=block_rows)
     ragged = functools.partial(ragged_dot_grouped_matmul, out_dtype=out_dtype)
-    fns = {"blocked": blocked, "ragged_dot": ragged}
+    pallas = functools.partial(kernels_pallas.grouped_matmul, out_dtype=out_dtype, block_rows=block_rows)
+    fns = {"blocked": blocked, "ragged_dot": ragged, "pallas": pallas}
     if impl is not None:
         if impl not in fns:
             raise ValueError(f"unknown grouped matmul impl {impl!r}; expected one of {IMPLS}")

@@ -1,0 +1,167 @@
+"""Grouped matmul for mixture-of-experts layers: a Pallas kernel for NVIDIA GPUs.
+
+``rows [P, K]`` sorted by group (expert), ``weights [G, N, K]`` (a group's weights as
+[out, in], the layout the MoE layer stores), ``group_sizes [G]``: row r is multiplied by
+the weights of the group whose run of rows holds it. Backend: Pallas' Triton lowering
+(see ``paged_attention``'s docstring for why not Mosaic GPU).
+
+Algorithm: each group's run of rows is cut into blocks of ``block_rows`` (the last block
+of a run is partial), planned on the device from a cumsum of the per-group block counts
+(``blocked_plan``: no host sync). One program per (row block, tile of N columns) loads
+its group's weight tiles in place, through pointers into the whole table, and runs a
+K loop of ``[block_rows, block_k] x [block_k, block_n]`` dots in fp32. Every program
+of the static grid past the used blocks does nothing. So a step reads each routed
+group's weights once per row block, never copies them, and is one launch, where a loop
+of per-block XLA matmuls would copy each block's weights out of the table first (a
+``dynamic-slice`` XLA:GPU does not fuse into a GEMM) and launch several kernels per
+block, one block after another.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kernels_pallas.paged_attention import dot_precision, next_pow2
+from kernels_pallas.tuning import pick, target_capability
+
+__all__ = ["grouped_matmul", "blocked_plan", "max_blocks", "default_block_rows", "GROUPED_TUNING",
+           "grouped_tuning"]
+
+# Launch settings per compute capability (most conservative row first), from compiling
+# at the real Qwen3-Omni MoE shapes for each target; tests/test_gpu_compile.py checks
+# every row block size the engine can pick. ``warps`` maps the largest row block a
+# setting serves to its warp count (the fp32 accumulator is block_rows x block_n). Seen:
+# 16-row blocks (decode) with 4 warps, 36 KB of shared memory, 64-72 registers; 128-row
+# blocks (prefill) with 8 warps, 64 KB (A100) / 96 KB (H100), 100-132 registers; no spills.
+GROUPED_TUNING = {
+    80: dict(block_n=128, block_k=64, warps=((32, 4), (128, 8)), num_stages=3),
+    90: dict(block_n=128, block_k=64, warps=((32, 4), (128, 8)), num_stages=3),
+}
+
+
+def grouped_tuning(capability: int | None = None) -> dict:
+    """The kernel's launch settings for a GPU (default: the one being compiled for)."""
+    return pick(GROUPED_TUNING, target_capability() if capability is None else capability)
+
+
+def max_blocks(num_rows: int, num_groups: int, block_rows: int) -> int:
+    """Static bound on used blocks: sum_g ceil(s_g/B) <= (P + G*(B-1)) // B, and <= P."""
+    return max(1, min(num_rows, (num_rows + num_groups * (block_rows - 1)) // block_rows))
+
+
+def blocked_plan(group_sizes: jnp.ndarray, num_rows: int, block_rows: int):
+    """Per-block (group, first row, end row) arrays [max_blocks] and the used-block count.
+
+    Block j belongs to group g_j with cum_blocks[g_j - 1] <= j < cum_blocks[g_j]; it
+    covers rows [start_j, end_j) of the sorted rows, end_j - start_j <= block_rows.
+    Entries past the used count are junk and never read.
+    """
+    sizes = group_sizes.astype(jnp.int32)
+    n = max_blocks(num_rows, sizes.shape[0], block_rows)
+    blocks = (sizes + block_rows - 1) // block_rows
+    cum_blocks = jnp.cumsum(blocks)
+    row_start = jnp.cumsum(sizes) - sizes
+    j = jnp.arange(n, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(cum_blocks, j, side="right"), sizes.shape[0] - 1)
+    group = group.astype(jnp.int32)
+    start = row_start[group] + (j - (cum_blocks[group] - blocks[group])) * block_rows
+    end = jnp.minimum(start + block_rows, row_start[group] + sizes[group])
+    return group, start, end, cum_blocks[-1]
+
+
+def default_block_rows(num_rows: int, num_groups: int, smallest: int = 16) -> int:
+    """Row-block size: ~ the mean group size, a power of two in [smallest, 128] (16, the
+    smallest Triton dot, for this kernel). Big enough that a block is a real matmul, small
+    enough that the <= 1 partial block per group (G*(B-1) padded rows at worst) stays
+    small next to the P routed rows."""
+    mean = -(-num_rows // max(num_groups, 1))
+    return min(128, max(smallest, next_pow2(mean)))
+
+
+def _kernel(group_ref, start_ref, end_ref, used_ref, rows_ref, w_ref, _zeros_ref, out_ref, *,
+            block_rows, block_n, block_k, precision):
+    j, n = pl.program_id(0), pl.program_id(1)
+    num_rows, k_dim = rows_ref.shape
+    n_dim = w_ref.shape[1]
+
+    @pl.when(j < used_ref[()])
+    def _():
+        g, lo, hi = group_ref[()], start_ref[()], end_ref[()]
+        # A block that would run past the last row is shifted back inside (rows >= block_rows,
+        # see grouped_matmul) and masked to its own rows: every row index is real and distinct,
+        # so a masked-off row never writes over another block's (as in interpret mode, which
+        # stores masked rows back as they were read).
+        first = jnp.minimum(lo, num_rows - block_rows)
+        r = first + jnp.arange(block_rows, dtype=jnp.int32)
+        c = n * block_n + jnp.arange(block_n, dtype=jnp.int32)
+        row_ok, col_ok = (r >= lo) & (r < hi), c < n_dim
+        # Index every axis with an array: interpret mode discharges only all-array (or
+        # all-slice) indexers; Triton takes both.
+        gi = jnp.full((1, 1), g, jnp.int32)
+
+        def body(i, acc):
+            kk = i * block_k + jnp.arange(block_k, dtype=jnp.int32)
+            k_ok = kk < k_dim
+            a = plgpu.load(rows_ref.at[r[:, None], kk[None, :]],
+                           mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = plgpu.load(w_ref.at[gi, c[:, None], kk[None, :]],
+                           mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            return acc + plgpu.dot(a, b, trans_b=True, precision=precision)
+
+        acc = lax.fori_loop(0, pl.cdiv(k_dim, block_k), body, jnp.zeros((block_rows, block_n), jnp.float32))
+        plgpu.store(out_ref.at[r[:, None], c[None, :]], acc.astype(out_ref.dtype),
+                    mask=row_ok[:, None] & col_ok[None, :])
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "block_rows", "block_n", "block_k", "num_warps",
+                                             "num_stages", "interpret"))
+def grouped_matmul(rows, weights, group_sizes, out_dtype=jnp.float32, *, block_rows=None, block_n=None,
+                   block_k=None, num_warps=None, num_stages=None, interpret=False):
+    """rows [P, K] sorted by group; weights [G, N, K]; group_sizes [G] int -> [P, N] in out_dtype.
+
+    Rows past sum(group_sizes) belong to no group and come out zero. Products accumulate
+    in fp32 (IEEE fp32 dots for fp32 inputs). Tuning: ``block_rows`` (a power of two >= 16;
+    default ~ the mean group size), ``block_n``, ``block_k``, Triton ``num_warps`` and
+    ``num_stages``; unset ones come from ``GROUPED_TUNING`` for the GPU being compiled for.
+    """
+    p, k_dim = rows.shape
+    g, n_dim, k_w = weights.shape
+    if k_w != k_dim:
+        raise ValueError(f"rows have {k_dim} columns, the weights contract {k_w}")
+    if group_sizes.shape != (g,):
+        raise ValueError(f"group_sizes {group_sizes.shape} != ({g},)")
+    if p == 0:
+        return jnp.zeros((0, n_dim), out_dtype)
+    tune = grouped_tuning()
+    bm = block_rows or default_block_rows(p, g)
+    if bm != next_pow2(bm) or bm < 16:
+        raise ValueError(f"block_rows={bm} must be a power of two >= 16")
+    bn, bk = block_n or tune["block_n"], block_k or tune["block_k"]
+    warps = num_warps or next((w for top, w in tune["warps"] if bm <= top), tune["warps"][-1][1])
+    group, start, end, used = blocked_plan(group_sizes, p, bm)
+    nb = group.shape[0]
+    rows_in = rows if p >= bm else jnp.pad(rows, ((0, bm - p), (0, 0)))  # a block's worth of rows at least
+    p_in = rows_in.shape[0]
+    kernel = functools.partial(_kernel, block_rows=bm, block_n=bn, block_k=bk,
+                               precision=dot_precision(rows.dtype))
+    block = pl.BlockSpec((None,), lambda j, n: (j,))
+    whole = lambda shape: pl.BlockSpec(shape, lambda j, n: (0,) * len(shape))  # noqa: E731
+    out = pl.pallas_call(
+        kernel,
+        grid=(nb, pl.cdiv(n_dim, bn)),
+        in_specs=[block, block, block, pl.BlockSpec((), lambda j, n: ()),
+                  whole(rows_in.shape), whole(weights.shape), whole((p_in, n_dim))],
+        out_specs=whole((p_in, n_dim)),
+        out_shape=jax.ShapeDtypeStruct((p_in, n_dim), out_dtype),
+        # The output starts as zeros (rows of no group stay so); each program writes its block.
+        input_output_aliases={6: 0},
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=num_stages or tune["num_stages"]),
+        interpret=interpret,
+        name=f"grouped_matmul_bm{bm}_bn{bn}_bk{bk}",
+    )(group, start, end, used, rows_in, weights, jnp.zeros((p_in, n_dim), out_dtype))
+    return out if p_in == p else out[:p]

@@ -1,4 +1,4 @@
-"""Kernel benchmark: Pallas paged attention against its XLA reference.
+"""Kernel benchmark: the Pallas kernels (paged attention, MoE grouped matmul) against XLA.
 
     python benchmarks/kernels.py            # GPU: timing tables
     python benchmarks/kernels.py --quick    # GPU: a few shapes only
@@ -10,6 +10,9 @@ write and the XLA reference of each, and prints achieved HBM bandwidth
 (bytes of K/V pages actually read plus q and output), its fraction of the
 device's peak, and the kernel / XLA-reference speedup. Target: decode at
 batch 64, 4k context, >= 70% of peak on H100 and >= 1.5x the reference.
+It also times the MoE experts' grouped matmul at Qwen3-Omni-30B-A3B thinker shapes
+(128 experts, 8 per token, hidden 2048, expert width 768): the Pallas kernel against the
+blocked XLA loop (models/layers/moe.py), with the bandwidth of the routed experts' weights.
 
 Without a GPU it runs the kernels once in Pallas interpret mode on small
 shapes as a smoke check and says clearly that no timing was taken.
@@ -29,6 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kernels_pallas import reference  # noqa: E402
+from kernels_pallas.grouped_matmul import grouped_matmul, grouped_tuning  # noqa: E402
 from kernels_pallas.kv_update import write_kv_pages  # noqa: E402
 from kernels_pallas.paged_attention import decode_tuning, paged_attention  # noqa: E402
 from kernels_pallas.ragged_paged_attention import (  # noqa: E402
@@ -52,6 +56,9 @@ DECODE_SHAPES = [(1, 512), (1, 4096), (1, 32768), (8, 4096), (8, 32768),
                  (256, 512), (256, 2048), (256, 4096)]
 QUICK_DECODE = [(1, 32768), (64, 4096), (256, 2048)]
 BS_SHAPES = [(64, 4096), (1, 32768), (256, 2048)]
+# Qwen3-Omni-30B-A3B thinker experts: (experts, per token, hidden, expert width); step sizes.
+EXPERTS = (128, 8, 2048, 768)
+EXPERT_TOKENS = [1, 8, 64, 512, 4096]
 # (new tokens per sequence, cached tokens, sequences) for prefill.
 PREFILL_SHAPES = [(2048, 0, 1), (512, 3584, 4), (256, 8192, 8)]
 
@@ -193,6 +200,37 @@ def bench_kv_write(peak):
               f"{fmt_bw(nbytes, secs, peak)}")
 
 
+def routed(key, tokens, experts, per_token):
+    """Group sizes of `tokens` tokens routed to `per_token` distinct random experts each."""
+    choice = jax.vmap(lambda k: jax.random.choice(k, experts, (per_token,), replace=False))(
+        jax.random.split(key, tokens))
+    return jnp.zeros((experts,), jnp.int32).at[choice.reshape(-1)].add(1)
+
+
+def bench_experts(peak):
+    """The gate/up grouped matmul of one MoE layer: Pallas kernel vs the blocked XLA loop."""
+    from omni_jax.models.layers.moe import blocked_grouped_matmul
+
+    e, k, h, i = EXPERTS
+    print(f"\nMoE gate/up grouped matmul ({e} experts, {k} per token, [{2 * i}, {h}] each, bf16);"
+          " HBM: the routed experts' weights")
+    print(f"{'tokens':>6} {'experts hit':>11} | {'kernel ms':>9} {'kernel HBM':>20} | {'xla ms':>8} | speedup")
+    w = jax.random.normal(jax.random.key(6), (e, 2 * i, h), DTYPE)
+    kern = jax.jit(lambda r, w_, s: grouped_matmul(r, w_, s, out_dtype=DTYPE))
+    ref = jax.jit(lambda r, w_, s: blocked_grouped_matmul(r, w_, s, out_dtype=DTYPE))
+    for t in EXPERT_TOKENS:
+        sizes = routed(jax.random.key(t), t, e, k)
+        rows = jax.random.normal(jax.random.key(7), (t * k, h), DTYPE)
+        hit = int(jnp.count_nonzero(sizes))
+        nbytes = hit * 2 * i * h * ITEM + rows.size * ITEM + t * k * 2 * i * ITEM
+        tk = time_call(kern, rows, w, sizes)
+        tr = time_call(ref, rows, w, sizes, iters=5, reps=3)
+        err = float(jnp.max(jnp.abs(kern(rows, w, sizes).astype(jnp.float32)
+                                    - ref(rows, w, sizes).astype(jnp.float32))))
+        print(f"{t:6d} {hit:11d} | {tk * 1e3:9.3f} {fmt_bw(nbytes, tk, peak)} | {tr * 1e3:8.3f} | "
+              f"{tr / tk:5.2f}x{'' if err < 0.5 else f'  MISMATCH {err:.3g}'}")
+
+
 def report_target(rows, peak):
     hits = [r for r in rows if r[:3] == (64, 4096, 16)]
     if not hits:
@@ -228,9 +266,16 @@ def smoke_check():
                                  interpret=True)
     want = reference.ragged_paged_attention(qr, k, v, tables, seq_lens, cu)
     err_r = float(jnp.max(jnp.abs(out.astype(jnp.float32) - want)))
-    ok = err_d < 2e-2 and err_r < 2e-2
-    print(f"decode max abs err {err_d:.2e}, ragged max abs err {err_r:.2e}: "
-          f"{'OK' if ok else 'MISMATCH'}")
+    sizes = jnp.asarray([5, 0, 17, 9], jnp.int32)      # 31 rows of 32: one of no expert
+    rows = jnp.asarray(rng.standard_normal((32, 64)), DTYPE)
+    w = jnp.asarray(rng.standard_normal((4, 48, 64)), DTYPE)
+    from omni_jax.models.layers.moe import blocked_grouped_matmul
+
+    out = grouped_matmul(rows, w, sizes, interpret=True)
+    err_g = float(jnp.max(jnp.abs(out - blocked_grouped_matmul(rows, w, sizes))))
+    ok = err_d < 2e-2 and err_r < 2e-2 and err_g < 2e-2
+    print(f"decode max abs err {err_d:.2e}, ragged max abs err {err_r:.2e}, grouped matmul max abs "
+          f"err {err_g:.2e}: {'OK' if ok else 'MISMATCH'}")
     return 0 if ok else 1
 
 
@@ -249,13 +294,14 @@ def main(argv=None):
           f"{f'{peak / 1e12:.2f} TB/s ({name})' if peak else name}")
     # The launch settings the engine uses on this GPU (the kernels' per-target tables,
     # checked by the gpu_compile tests); --sweep times the alternatives.
-    print(f"Tuning: decode {decode_tuning()}, prefill {prefill_tuning()}")
+    print(f"Tuning: decode {decode_tuning()}, prefill {prefill_tuning()}, experts {grouped_tuning()}")
     rows = bench_decode(QUICK_DECODE if args.quick else DECODE_SHAPES, [16],
                         peak)
     if not args.quick:
         rows += bench_decode(BS_SHAPES, [32, 64], peak)
         bench_prefill(peak)
         bench_kv_write(peak)
+        bench_experts(peak)
     if args.sweep:
         sweep_decode(peak)
     report_target(rows, peak)

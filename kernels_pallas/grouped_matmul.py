@@ -37,7 +37,8 @@ __all__ = ["grouped_matmul", "blocked_plan", "max_blocks", "default_block_rows",
 # every row block size the engine can pick. ``warps`` maps the largest row block a
 # setting serves to its warp count (the fp32 accumulator is block_rows x block_n). Seen:
 # 16-row blocks (decode) with 4 warps, 36 KB of shared memory, 64-72 registers; 128-row
-# blocks (prefill) with 8 warps, 64 KB (A100) / 96 KB (H100), 100-132 registers; no spills.
+# blocks (prefill) with 8 warps, 64 KB (A100) / 96 KB (H100), 100-132 registers, where
+# 4 warps sit at ptxas's 255-register cap on A100 (202 on H100); no spills.
 GROUPED_TUNING = {
     80: dict(block_n=128, block_k=64, warps=((32, 4), (128, 8)), num_stages=3),
     90: dict(block_n=128, block_k=64, warps=((32, 4), (128, 8)), num_stages=3),

@@ -9,8 +9,8 @@ Algorithm: each group's run of rows is cut into blocks of ``block_rows`` (the la
 of a run is partial), planned on the device from a cumsum of the per-group block counts
 (``blocked_plan``: no host sync). One program per (row block, tile of N columns) loads
 its group's weight tiles in place, through pointers into the whole table, and runs a
-K loop of ``[block_rows, block_k] x [block_k, block_n]`` dots in fp32. Every program
-of the static grid past the used blocks does nothing. So a step reads each routed
+K loop of ``[block_rows, block_k] x [block_k, block_n]`` dots in fp32. The programs of
+the static grid past the used blocks zero the rows of no group. So a step reads each routed
 group's weights once per row block, never copies them, and is one launch, where a loop
 of per-block XLA matmuls would copy each block's weights out of the table first (a
 ``dynamic-slice`` XLA:GPU does not fuse into a GEMM) and launch several kernels per
@@ -84,26 +84,30 @@ def default_block_rows(num_rows: int, num_groups: int, smallest: int = 16) -> in
     return min(128, max(smallest, next_pow2(mean)))
 
 
-def _kernel(group_ref, start_ref, end_ref, used_ref, rows_ref, w_ref, _zeros_ref, out_ref, *,
-            block_rows, block_n, block_k, precision):
+def _kernel(group_ref, start_ref, end_ref, used_ref, total_ref, rows_ref, w_ref, out_ref, *,
+            block_rows, block_n, block_k, num_real_rows, precision):
     j, n = pl.program_id(0), pl.program_id(1)
     num_rows, k_dim = rows_ref.shape
     n_dim = w_ref.shape[1]
+    used = used_ref[()]
+    c = n * block_n + jnp.arange(block_n, dtype=jnp.int32)
+    col_ok = c < n_dim
 
-    @pl.when(j < used_ref[()])
-    def _():
-        g, lo, hi = group_ref[()], start_ref[()], end_ref[()]
+    def block(lo, hi):
         # A block that would run past the last row is shifted back inside (rows >= block_rows,
         # see grouped_matmul) and masked to its own rows: every row index is real and distinct,
         # so a masked-off row never writes over another block's (as in interpret mode, which
         # stores masked rows back as they were read).
         first = jnp.minimum(lo, num_rows - block_rows)
         r = first + jnp.arange(block_rows, dtype=jnp.int32)
-        c = n * block_n + jnp.arange(block_n, dtype=jnp.int32)
-        row_ok, col_ok = (r >= lo) & (r < hi), c < n_dim
+        return r, (r >= lo) & (r < hi)
+
+    @pl.when(j < used)
+    def _():
+        r, row_ok = block(start_ref[()], end_ref[()])
         # Index every axis with an array: interpret mode discharges only all-array (or
         # all-slice) indexers; Triton takes both.
-        gi = jnp.full((1, 1), g, jnp.int32)
+        gi = jnp.full((1, 1), group_ref[()], jnp.int32)
 
         def body(i, acc):
             kk = i * block_k + jnp.arange(block_k, dtype=jnp.int32)
@@ -116,6 +120,15 @@ def _kernel(group_ref, start_ref, end_ref, used_ref, rows_ref, w_ref, _zeros_ref
 
         acc = lax.fori_loop(0, pl.cdiv(k_dim, block_k), body, jnp.zeros((block_rows, block_n), jnp.float32))
         plgpu.store(out_ref.at[r[:, None], c[None, :]], acc.astype(out_ref.dtype),
+                    mask=row_ok[:, None] & col_ok[None, :])
+
+    # The programs past the used blocks write the zeros of the rows of no group, a block each
+    # (a zero-filled output aliased in would be one more [P, N] buffer per call, which XLA
+    # materialises for every layer of a step at once).
+    @pl.when(j >= used)
+    def _():
+        r, row_ok = block(total_ref[()] + (j - used) * block_rows, num_real_rows)
+        plgpu.store(out_ref.at[r[:, None], c[None, :]], jnp.zeros((block_rows, block_n), out_ref.dtype),
                     mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -145,24 +158,25 @@ def grouped_matmul(rows, weights, group_sizes, out_dtype=jnp.float32, *, block_r
     bn, bk = block_n or tune["block_n"], block_k or tune["block_k"]
     warps = num_warps or next((w for top, w in tune["warps"] if bm <= top), tune["warps"][-1][1])
     group, start, end, used = blocked_plan(group_sizes, p, bm)
-    nb = group.shape[0]
+    # Grid: the plan's blocks, then enough for the rows of no group (at most all of them).
+    nb = group.shape[0] + pl.cdiv(p, bm)
+    group, start, end = (jnp.pad(x, (0, nb - x.shape[0])) for x in (group, start, end))
+    total = jnp.sum(group_sizes.astype(jnp.int32))
     rows_in = rows if p >= bm else jnp.pad(rows, ((0, bm - p), (0, 0)))  # a block's worth of rows at least
     p_in = rows_in.shape[0]
-    kernel = functools.partial(_kernel, block_rows=bm, block_n=bn, block_k=bk,
+    kernel = functools.partial(_kernel, block_rows=bm, block_n=bn, block_k=bk, num_real_rows=p,
                                precision=dot_precision(rows.dtype))
     block = pl.BlockSpec((None,), lambda j, n: (j,))
+    scalar = pl.BlockSpec((), lambda j, n: ())
     whole = lambda shape: pl.BlockSpec(shape, lambda j, n: (0,) * len(shape))  # noqa: E731
     out = pl.pallas_call(
         kernel,
         grid=(nb, pl.cdiv(n_dim, bn)),
-        in_specs=[block, block, block, pl.BlockSpec((), lambda j, n: ()),
-                  whole(rows_in.shape), whole(weights.shape), whole((p_in, n_dim))],
+        in_specs=[block, block, block, scalar, scalar, whole(rows_in.shape), whole(weights.shape)],
         out_specs=whole((p_in, n_dim)),
         out_shape=jax.ShapeDtypeStruct((p_in, n_dim), out_dtype),
-        # The output starts as zeros (rows of no group stay so); each program writes its block.
-        input_output_aliases={6: 0},
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=num_stages or tune["num_stages"]),
         interpret=interpret,
         name=f"grouped_matmul_bm{bm}_bn{bn}_bk{bk}",
-    )(group, start, end, used, rows_in, weights, jnp.zeros((p_in, n_dim), out_dtype))
+    )(group, start, end, used, total, rows_in, weights)
     return out if p_in == p else out[:p]

@@ -95,7 +95,8 @@ def _step_variant(stage) -> str:
 
 def select_tier(family: str, stage, hf_config: dict, num_blocks: int, target_name: str, stage_mesh) -> list:
     """What the gpu_compile tier checks (a few minutes on 2 cores): on both targets the
-    Pallas kernels at every bucket and the Qwen2.5 stages' largest decode steps (KV
+    Pallas kernels at every bucket (MoE stages: also their expert matmuls over 1 and 4
+    layers) and the Qwen2.5 stages' largest decode steps (KV
     donation), the thinker's also at tensor parallel 2 over two GPUs (`stage_mesh`:
     Compiler.stage_mesh); on A100 also the cheap sampler variants (greedy, random). The programs
     that take minutes to compile (the MoE stages' steps, prefill steps, the sorting
@@ -105,7 +106,7 @@ def select_tier(family: str, stage, hf_config: dict, num_blocks: int, target_nam
         return []
     out = P.kernel_programs(family, stage, hf_config, num_blocks)
     if family != "qwen2_5_omni":
-        return out
+        return out + _expert_layers(family, stage, hf_config)
     progs = P.ar_engine_programs(family, stage, hf_config, num_blocks)
     out.append(max(_ends(progs, "decode", _step_variant(stage)), key=lambda p: p.bucket))
     if stage.model_stage == "thinker":
@@ -117,6 +118,14 @@ def select_tier(family: str, stage, hf_config: dict, num_blocks: int, target_nam
         # The vision encoder once failed only here (Triton GEMM tiling; media.py): keep it compiling.
         out += _ends(P.media_programs(family, stage, hf_config), "vision")[:1]
     return out
+
+
+def _expert_layers(family: str, stage, hf_config: dict) -> list:
+    """A MoE stage's expert matmuls over 1 and 4 layers at its largest step (temporaries)."""
+    text = P.text_config(family, stage.model_stage, hf_config)
+    if not getattr(text, "num_experts", 0):
+        return []
+    return P.expert_layers_programs(f"{family}/{stage.name}", text, max(stage.resolved_token_buckets))
 
 
 def select_full(family: str, stage, hf_config: dict, num_blocks: int, target_name: str, stage_mesh) -> list:

@@ -280,21 +280,23 @@ def kernel_programs(family: str, stage: StageConfig, hf_config: dict, num_blocks
     return out
 
 
+def _expert_matmuls(rows, gate_up, down, sizes):
+    """A MoE layer's two grouped matmuls (gate/up, then down: models/layers/moe.py)."""
+    inter = kernels_pallas.grouped_matmul(rows, gate_up, sizes, out_dtype=DTYPE)
+    i = down.shape[-1]
+    return kernels_pallas.grouped_matmul(jax.nn.silu(inter[:, :i]) * inter[:, i:], down, sizes)
+
+
 def expert_kernel_programs(base: str, text, token_counts) -> list[Program]:
-    """A MoE decoder's two grouped matmuls (gate/up, down: models/layers/moe.py) for each
-    step size in tokens, in one program each (every token routed to num_experts_per_tok)."""
+    """A MoE decoder's expert matmuls for each step size in tokens, in one program each
+    (every token routed to num_experts_per_tok)."""
     e, h, i = text.num_experts, text.hidden_size, text.moe_intermediate_size
-
-    def experts(rows, gate_up, down, sizes):
-        inter = kernels_pallas.grouped_matmul(rows, gate_up, sizes, out_dtype=DTYPE)
-        return kernels_pallas.grouped_matmul(jax.nn.silu(inter[:, :i]) * inter[:, i:], down, sizes)
-
     s = jax.ShapeDtypeStruct
     out = []
     for t in token_counts:
         p = t * text.num_experts_per_tok
         args = (s((p, h), DTYPE), s((e, 2 * i, h), DTYPE), s((e, h, i), DTYPE), s((e,), jnp.int32))
-        out.append(Program(f"{base}/kernel/experts/{t}", "kernel", jax.jit(experts), args, {}, t,
+        out.append(Program(f"{base}/kernel/experts/{t}", "kernel", jax.jit(_expert_matmuls), args, {}, t,
                            info=dict(kernel="grouped_matmul", rows=p, experts=e)))
     return out
 
@@ -307,8 +309,7 @@ def expert_layers_programs(base: str, text, tokens: int, layer_counts=(1, 4)) ->
 
     def layers(x, gate_ups, downs, sizes):
         for gate_up, down in zip(gate_ups, downs):
-            inter = kernels_pallas.grouped_matmul(jnp.repeat(x, k, axis=0), gate_up, sizes, out_dtype=DTYPE)
-            y = kernels_pallas.grouped_matmul(jax.nn.silu(inter[:, :i]) * inter[:, i:], down, sizes)
+            y = _expert_matmuls(jnp.repeat(x, k, axis=0), gate_up, down, sizes)
             x = (x + y.reshape(tokens, k, h).sum(1)).astype(DTYPE)
         return x
 

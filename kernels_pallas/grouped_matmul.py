@@ -55,24 +55,26 @@ def max_blocks(num_rows: int, num_groups: int, block_rows: int) -> int:
     return max(1, min(num_rows, (num_rows + num_groups * (block_rows - 1)) // block_rows))
 
 
-def blocked_plan(group_sizes: jnp.ndarray, num_rows: int, block_rows: int):
-    """Per-block (group, first row, end row) arrays [max_blocks] and the used-block count.
+def blocked_plan(group_sizes: jnp.ndarray, num_rows: int, block_rows: int, num_blocks: int | None = None):
+    """Per-block (group, first row, end row) arrays [num_blocks, default max_blocks], the
+    used-block count and the rows that belong to a group (sum of the sizes).
 
     Block j belongs to group g_j with cum_blocks[g_j - 1] <= j < cum_blocks[g_j]; it
     covers rows [start_j, end_j) of the sorted rows, end_j - start_j <= block_rows.
     Entries past the used count are junk and never read.
     """
     sizes = group_sizes.astype(jnp.int32)
-    n = max_blocks(num_rows, sizes.shape[0], block_rows)
+    n = num_blocks or max_blocks(num_rows, sizes.shape[0], block_rows)
     blocks = (sizes + block_rows - 1) // block_rows
     cum_blocks = jnp.cumsum(blocks)
-    row_start = jnp.cumsum(sizes) - sizes
+    row_end = jnp.cumsum(sizes)
+    row_start = row_end - sizes
     j = jnp.arange(n, dtype=jnp.int32)
     group = jnp.minimum(jnp.searchsorted(cum_blocks, j, side="right"), sizes.shape[0] - 1)
     group = group.astype(jnp.int32)
     start = row_start[group] + (j - (cum_blocks[group] - blocks[group])) * block_rows
-    end = jnp.minimum(start + block_rows, row_start[group] + sizes[group])
-    return group, start, end, cum_blocks[-1]
+    end = jnp.minimum(start + block_rows, row_end[group])
+    return group, start, end, cum_blocks[-1], row_end[-1]
 
 
 def default_block_rows(num_rows: int, num_groups: int, smallest: int = 16) -> int:
@@ -157,11 +159,9 @@ def grouped_matmul(rows, weights, group_sizes, out_dtype=jnp.float32, *, block_r
         raise ValueError(f"block_rows={bm} must be a power of two >= 16")
     bn, bk = block_n or tune["block_n"], block_k or tune["block_k"]
     warps = num_warps or next((w for top, w in tune["warps"] if bm <= top), tune["warps"][-1][1])
-    group, start, end, used = blocked_plan(group_sizes, p, bm)
     # Grid: the plan's blocks, then enough for the rows of no group (at most all of them).
-    nb = group.shape[0] + pl.cdiv(p, bm)
-    group, start, end = (jnp.pad(x, (0, nb - x.shape[0])) for x in (group, start, end))
-    total = jnp.sum(group_sizes.astype(jnp.int32))
+    nb = max_blocks(p, g, bm) + pl.cdiv(p, bm)
+    group, start, end, used, total = blocked_plan(group_sizes, p, bm, nb)
     rows_in = rows if p >= bm else jnp.pad(rows, ((0, bm - p), (0, 0)))  # a block's worth of rows at least
     p_in = rows_in.shape[0]
     kernel = functools.partial(_kernel, block_rows=bm, block_n=bn, block_k=bk, num_real_rows=p,

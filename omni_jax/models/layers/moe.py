@@ -134,7 +134,7 @@ def blocked_grouped_matmul(rows, weights, group_sizes, out_dtype=jnp.float32, bl
         out = jnp.zeros((0, n_out), out_dtype)
         return (out, jnp.zeros((), jnp.int32)) if count_blocks else out
     b = min(block_rows or default_block_rows(p, weights.shape[0], smallest=8), p)
-    expert, start, end, used = blocked_plan(group_sizes, p, b)
+    expert, start, end, used, _ = blocked_plan(group_sizes, p, b)
     offs = jnp.arange(b, dtype=jnp.int32)
 
     def body(j, carry):

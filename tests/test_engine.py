@@ -133,8 +133,7 @@ def test_decodes_and_a_prefill_chunk_run_as_one_device_call(engine, qwen2_5_omni
 def test_decode_packing_equals_the_general_packing(engine):
     """The decode step's own packing (whole-array, rows kept from the last decode step) gives
     every token the id, positions, KV slot, KV length and logits row the general packer gives."""
-    from omni_jax.engine.protocol import StageInputs
-    from omni_jax.engine.request import Request
+    from omni_jax.engine.protocol import Request, StageInputs
     from omni_jax.engine.runner import ScheduledChunk
 
     runner = engine.runner

@@ -252,7 +252,7 @@ def test_one_token_chunk_at_a_visual_token_gets_deepstack(engine, qwen3_omni_hf_
 
     from flax import nnx
 
-    from omni_jax.engine.request import Request
+    from omni_jax.engine.protocol import Request
     from omni_jax.engine.runner import ModelRunner, ScheduledChunk
 
     p = Prompt(seed=9).text(3).image((1, 8, 8)).text(2).done()

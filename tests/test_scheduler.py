@@ -9,9 +9,8 @@ from typing import Optional
 import numpy as np
 import pytest
 
-from omni_jax.engine.kv_cache import compute_slot_mapping
-from omni_jax.engine.request import Request, RequestStatus
-from omni_jax.engine.protocol import StageOutput
+from omni_jax.engine.protocol import Request, RequestStatus, StageOutput
+from omni_jax.engine.runner import compute_slot_mapping
 from omni_jax.engine.scheduler import (
     ARScheduler,
     OneShotScheduler,

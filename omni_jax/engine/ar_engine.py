@@ -20,8 +20,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from .protocol import StageInputs, StageOutput
-from .request import Request
+from .protocol import Request, StageInputs, StageOutput
 from .runner import ModelRunner, RunnerConfig, compilation_count
 from .sampling import MAX_LOGPROBS, PAD_TOKEN_ID, SamplingFlags, SamplingMetadataBuilder, SamplingParams, sample
 from .scheduler import ARScheduler, SchedulerConfig

@@ -30,8 +30,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .ar_engine import RequestError
-from .protocol import StageOutput
-from .request import FINISH_REASON_TO_STATUS, Request, RequestStatus
+from .protocol import FINISH_REASON_TO_STATUS, Request, RequestStatus, StageOutput
 from .runner import compilation_count
 from .sampling import SamplingParams
 from .scheduler import OneShotScheduler, SchedulerConfig

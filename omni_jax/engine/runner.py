@@ -39,9 +39,34 @@ from ..models.layers.attention import BACKENDS, AttentionMetadata, default_backe
 from ..models.layers.parallel import TP, kv_heads_stored, use_mesh
 from . import sharding
 from .buckets import pick_bucket, pow2_buckets
-from .kv_cache import DUMMY_BLOCK_ID, cdiv
-from .request import Request
+from .protocol import Request
 from .sampling import MAX_LOGPROBS, LogprobsOutput, token_logprobs
+
+
+# Block 0 of the KV pages is the dummy block: padding slots write into it, so the KV cache
+# manager never hands it out.
+DUMMY_BLOCK_ID = 0
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def compute_slot_mapping(
+    block_tables: np.ndarray, req_indices: np.ndarray, positions: np.ndarray, block_size: int
+) -> np.ndarray:
+    """KV slot of each token: `block_tables[req, pos // block_size] * block_size + pos % block_size`.
+
+    Vectorised over tokens; tokens with a negative request index (padding) map to the dummy
+    block's slots.
+    """
+    req_indices = np.asarray(req_indices)
+    positions = np.asarray(positions)
+    pad = req_indices < 0
+    rows = np.where(pad, 0, req_indices)
+    cols = np.where(pad, 0, positions // block_size)
+    slots = block_tables[rows, cols].astype(np.int64) * block_size + positions % block_size
+    return np.where(pad, DUMMY_BLOCK_ID * block_size + positions % block_size, slots).astype(np.int32)
 
 
 # ------------------------------------------------------------------ compile counter
@@ -435,11 +460,7 @@ class ModelRunner:
         width = cfg.max_blocks_per_seq
         tables = np.zeros((s_pad, width), np.int32)
         tables[:n_chunks, :block_tables.shape[1]] = block_tables[:, :width]
-        rows = np.where(req_index < 0, 0, req_index)
-        cols = np.where(req_index < 0, 0, abs_pos // cfg.block_size)
-        slot_mapping = np.where(
-            req_index < 0, DUMMY_BLOCK_ID * cfg.block_size + np.arange(t_pad) % cfg.block_size,
-            tables[rows, cols].astype(np.int64) * cfg.block_size + abs_pos % cfg.block_size).astype(np.int32)
+        slot_mapping = compute_slot_mapping(tables, req_index, abs_pos, cfg.block_size)
         kv_lens = np.zeros(s_pad, np.int32)
         kv_lens[:n_chunks] = [c.start + c.num_tokens for c in chunks]
         cu_q_lens = np.full(s_pad + 1, total, np.int32)

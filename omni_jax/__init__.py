@@ -2,7 +2,7 @@
 
 from .checkpoint import load_checkpoint
 from .engine.sampling import SamplingParams
-from .outputs import Logprob, OmniRequestOutput
+from .runtime.orchestrator import Logprob, OmniRequestOutput
 
 __all__ = ["OmniJax", "AsyncOmniJax", "SamplingParams", "OmniRequestOutput", "Logprob", "load_checkpoint"]
 

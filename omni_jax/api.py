@@ -39,9 +39,8 @@ from .engine.sampling import SamplingParams, is_utf8
 from .inputs.media import MediaLimits
 from .inputs.processor import PromptError
 from .models.registry import get_family, resolve_model
-from .outputs import OmniRequestOutput, RequestMetrics
 from .prompt_workers import PromptWorkers
-from .runtime.orchestrator import Orchestrator, OrchestratorRequest
+from .runtime.orchestrator import OmniRequestOutput, Orchestrator, OrchestratorRequest, RequestMetrics
 from .update_collector import UpdateCollector
 
 

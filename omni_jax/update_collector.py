@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from .outputs import OmniRequestOutput
+from .runtime.orchestrator import OmniRequestOutput
 
 
 class UpdateCollector:

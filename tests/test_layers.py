@@ -8,6 +8,7 @@ prompt inputs -> model families -> runtime -> front ends. Imports are read from 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -187,3 +188,19 @@ def test_benchmarks_import_no_circle():
                 found.add(n.module)
         graph[p.stem] = found - {p.stem}
     assert len(graph) > 3 and _cycles(graph) == []
+
+
+def test_readme_request_path_names_real_files_and_at_most_14():
+    """README's Layout lists the files one text request crosses: they exist, their number is the one
+    it states, and it stays within 14 (a module split off the path has to be a real gain)."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("The path of one text request"):text.index("A speech request goes")]
+    stated = int(re.search(r"through (\d+) files", section).group(1))
+    files = set()
+    for name in re.findall(r"`([\w/]+(?:\.py|/))`", section):
+        path = ROOT / name if name.startswith("kernels_") else ROOT / "omni_jax" / name
+        assert path.exists(), f"README's request path names {name}, which does not exist"
+        files.add(name)
+    # The kernels are the path's end: the backend's package counts once (GPU or CPU).
+    count = len(files) - (("kernels_pallas/" in files) and ("kernels_cpu/" in files))
+    assert count == stated <= 14, sorted(files)

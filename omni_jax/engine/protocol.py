@@ -346,9 +346,7 @@ class StageTick(_Message):
     last_step: str = ""
 
 
-# --- the request inside a stage's scheduler ---
-
-
+# ============================================================ the request inside a stage's scheduler
 class RequestStatus(enum.IntEnum):
     """Where a request is in its life. Every status from FINISHED_STOPPED on is final."""
 

@@ -199,11 +199,12 @@ def test_engine_streams_beside_whole_requests(engine, spy):
     engine.extend_request("a", flat(a[:, :2]), complete=False)
     engine.extend_request("b", flat(b[:, 2:4]), complete=False)
     assert not engine.has_unfinished()
-    # a: 4 frames, b: 5: both due, one stream call.
+    # a: 4 frames, b: 5: both due, one stream call. A first chunk takes only its own frames
+    # (a: 3 of its 4), so that its window is the smallest.
     engine.extend_request("a", flat(a[:, 2:4]), complete=False)
     engine.extend_request("b", flat(b[:, 4:5]), complete=False)
     step_all(engine, outs, frames_at, {"a": 4, "b": 5})
-    assert spy.calls[-1] == [("a", 4, False), ("b", 5, False)]
+    assert spy.calls[-1] == [("a", 3, False), ("b", 5, False)]
     assert len(outs["a"]) == len(outs["b"]) == 1 and not outs["a"][0].finished
     # The rest in uneven pieces, interleaved, with another whole request on the way.
     sent = {"a": 4, "b": 5}
@@ -218,8 +219,10 @@ def test_engine_streams_beside_whole_requests(engine, spy):
         assert all(o.audio is not None and o.audio.dtype == np.float32 for o in got)
         assert_same(np.concatenate([o.audio for o in got]), whole(engine, codes))
     # A chunk is due at 3 new frames first (b: its own 5), then at as many as are audio already,
-    # within [first, 7]: a at 4, then 4 more (8; arrivals give 12), then 7 (21); b at 5, then 5 (11).
-    assert (frames_at["a"], frames_at["b"]) == ([4, 12, 21, 40], [5, 11, 23])
+    # within [first, 7]: a's first at 4 (decoding 3), then 3 more (6; arrivals give 7), then 7
+    # (14; arrivals give 21); b at 5, then 5 (10; arrivals give 11).
+    assert (frames_at["a"], frames_at["b"]) == ([4, 7, 21, 40], [5, 11, 23])
+    assert [len(call) for call in spy.calls] == [2, 1, 1, 1, 1, 1] and spy.calls[1] == [("a", 7, False)]
     assert not engine.streams and sorted(spy.released) == ["a", "b"] and not engine.synthesizer._histories
     assert engine.num_compilations == before
 
@@ -370,6 +373,24 @@ def test_chunks_count_the_audio_a_delayed_synthesizer_can_make():
     engine.extend_request("r", np.zeros(0, np.int32), complete=True)
     out = engine.step()
     assert out[-1].finished and sum(sizes) + len(out[-1].audio) == 20
+
+
+def test_a_first_chunk_takes_only_its_own_codes():
+    """Codes that piled up while the stage was busy: the first chunk still decodes only the
+    delay plus its first frames (the smallest window, the earliest audio); the rest comes in
+    the next step. A stream that is complete at its first chunk decodes everything at once."""
+    from omni_jax.engine.oneshot_engine import OneShotEngine
+
+    synth = _DelayedSynth()
+    engine = OneShotEngine(synth, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64,
+                           chunk_frames=4, initial_chunk_frames=3)
+    engine.add_request("r", np.zeros(30, np.int32), stream=True)
+    engine.add_request("c", np.zeros(30, np.int32), stream=True)
+    engine.extend_request("c", np.zeros(0, np.int32), complete=True)
+    first = engine.step()
+    assert synth.calls == [[8, 30]]
+    assert [len(o.audio) for o in first] == [3, 30] and first[1].finished
+    assert [len(o.audio) for o in engine.step()] == [22] and synth.calls[1] == [30]
 
 
 def test_chunks_grow_from_the_first_to_the_steady_size():

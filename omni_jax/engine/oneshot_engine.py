@@ -140,8 +140,14 @@ class CodecStream:
         return self.num_tokens // tokens_per_frame - delay_frames - done >= next_chunk_frames(
             done, self.initial_chunk_frames, chunk_frames)
 
-    def job(self) -> ChunkJob:
-        return ChunkJob(self.request, self.codes, self.emitted, self.complete)
+    def job(self, tokens_per_frame: int, delay_frames: int = 0) -> ChunkJob:
+        """The chunk to decode now. A first chunk takes only the codes its audio needs even when
+        more have piled up (the stage was busy): its window is the smallest, so the first audio
+        comes as early as it can; the codes past it go in the next chunk."""
+        codes = self.codes
+        if self.decoded_frames == 0 and not self.complete:
+            codes = codes[:(self.initial_chunk_frames + delay_frames) * tokens_per_frame]
+        return ChunkJob(self.request, codes, self.emitted, self.complete)
 
 
 class OneShotEngine:
@@ -272,7 +278,7 @@ class OneShotEngine:
     def _run_chunks(self, streams: list[CodecStream]) -> list[StageOutput]:
         if not streams:
             return []
-        jobs = [s.job() for s in streams]
+        jobs = [s.job(self.tokens_per_frame, self.delay_frames) for s in streams]
         try:
             pieces = self.synthesize.stream(jobs)
             if len(pieces) != len(jobs):

@@ -207,6 +207,69 @@ def test_released_request_rebuilds_its_context(synth):
     assert "r" not in synth._streams  # the final job freed it
 
 
+def _record_shapes(small: Token2WavSynthesizer) -> dict:
+    """Stand-ins for the streamed DiT and vocoder calls that record their input shapes (nothing compiles)."""
+    shapes, rep = {"dit": [], "vocoder": []}, small.cfg.dit.repeats
+
+    def mel_fn(state, codes, *rest):
+        shapes["dit"].append(codes.shape)
+        return np.zeros((codes.shape[0], rep * codes.shape[1], small.cfg.dit.mel_dim), np.float32)
+
+    def wave_fn(state, x, frames):
+        shapes["vocoder"].append(x.shape)
+        return np.zeros((x.shape[0], small.cfg.bigvgan.num_samples(x.shape[1])), np.float32)
+
+    small._mel_fn, small._wave_fn = mel_fn, wave_fn
+    return shapes
+
+
+def test_piled_up_codes_take_one_window_up_to_the_whole_bucket(synth):
+    """Above the chunk windows come lengths up to the whole-request bucket (if at most twice the
+    largest), each at most a fifth longer than the one before: a request whose codes piled up
+    goes in one window instead of several of the largest chunk's, each paying its context
+    (unless a call has idle parallel workers)."""
+    rep, model = synth.cfg.dit.repeats, nnx.merge(synth.graphdef, synth.state)
+    small = Token2WavSynthesizer(model, synth.voices, length_buckets=(64, 128), batch_buckets=(1, 2),
+                                 stream_chunk_codes=(10, 25))
+    top = small.stream_code_buckets[1]
+    assert small.stream_code_buckets[0] < top < 128 == small.stream_code_buckets[-1]
+    ladder = small.stream_code_buckets[1:]
+    assert all(b < a <= 1.2 * b for a, b in zip(ladder[1:], ladder))
+    assert {rep * t for t in ladder} <= set(small.stream_frame_buckets)
+    # A whole-request bucket more than twice the largest chunk window adds nothing.
+    assert Token2WavSynthesizer(model, synth.voices, length_buckets=(64, 256), batch_buckets=(1, 2),
+                                stream_chunk_codes=(10, 25)).stream_code_buckets == small.stream_code_buckets[:2]
+    shapes = _record_shapes(small)
+    req = _request("p", 128, "Chelsie", 9)
+    _stream(small, [req], [[small.first_window[0], 128 - small.first_window[0]]])
+    assert shapes["dit"] == [(1, small.first_window[0]), (1, 128)]
+    assert shapes["vocoder"][1] == (1, rep * 128, small.cfg.dit.mel_dim)
+    # With two parallel calls (max_num_seqs 4 in batches of at most 2), a lone piece runs as
+    # windows of at most the largest chunk's, side by side; two pieces take one window each.
+    wide = Token2WavSynthesizer(model, synth.voices, length_buckets=(64, 128), batch_buckets=(1, 2),
+                                max_num_seqs=4, stream_chunk_codes=(10, 25))
+    shapes = _record_shapes(wide)
+    first = wide.first_window[0]
+    _stream(wide, [req], [[first, 128 - first]])
+    assert len(shapes["dit"]) == 3 and all(t <= top for _, t in shapes["dit"][1:])
+    shapes["dit"].clear()
+    _stream(wide, [req, _request("q", 128, "Ethan", 10)], [[first, 128 - first]] * 2)
+    assert shapes["dit"] == [(2, first), (2, 128)]
+
+
+def test_rows_of_very_different_sizes_go_in_separate_runs(synth):
+    """A run is padded to its longest row and its batch bucket: four short windows beside four
+    long ones run apart, eight of one size together (a call costs CALL_CELLS more)."""
+    small = Token2WavSynthesizer(nnx.merge(synth.graphdef, synth.state), synth.voices, length_buckets=(64,),
+                                 batch_buckets=(1, 4, 8), stream_chunk_codes=(10, 25))
+    length = lambda longest: longest  # noqa: E731
+    assert small.size_split([40] * 4 + [150] * 4, length) == [(0, 4), (4, 8)]
+    assert small.size_split([100] * 8, length) == [(0, 8)]
+    # Two rows would pad to a batch of 4: two calls of one cost less.
+    assert small.size_split([40, 40, 150], length) == [(0, 1), (1, 2), (2, 3)]
+    assert small.size_split([], length) == []
+
+
 def test_each_chunk_size_has_its_own_window(synth):
     """Windows are compiled per chunk size (and for the first chunk): a small chunk runs a small
     window, and chunks that piled up run windows of the largest (shapes recorded from stand-in
@@ -220,24 +283,15 @@ def test_each_chunk_size_has_its_own_window(synth):
     assert small.stream_frame_buckets == (left + right + rep * 10, left + right + rep * 25,
                                           rep * (reach + 25))  # the mel of the largest DiT window
     assert small.first_window == (first, rep * 10 + right)
-    shapes = {"dit": [], "vocoder": []}
-
-    def mel_fn(state, codes, *rest):
-        shapes["dit"].append(codes.shape)
-        return np.zeros((codes.shape[0], rep * codes.shape[1], small.cfg.dit.mel_dim), np.float32)
-
-    def wave_fn(state, x, frames):
-        shapes["vocoder"].append(x.shape)
-        return np.zeros((x.shape[0], small.cfg.bigvgan.num_samples(x.shape[1])), np.float32)
-
-    small._mel_fn, small._wave_fn = mel_fn, wave_fn
+    shapes = _record_shapes(small)
     req = _request("c", 200, "Chelsie", 7)
     other = _request("d", 200, "Ethan", 8)
     _stream(small, [req, other], [[first, 25, 143], [0, first]])
     # The first chunk (10 codes and what their audio waits for) decoded alone fits the first
-    # windows, which start at the first code: no left context. Two first chunks together run
-    # at batch 2, where only the chunk shapes exist. The 143 codes that came at once take
-    # several windows of the largest shape.
+    # windows, which start at the first code: no left context. Beside a 25-code chunk, a first
+    # chunk rides in the same run (one call of 2 padded rows costs less than two calls). The 143
+    # codes that came at once take several windows of the largest shape (the whole-request
+    # bucket, 64 codes, is smaller: no window reaches beyond the chunks').
     assert shapes["dit"][0] == (1, first) and shapes["vocoder"][0][:2] == (1, small.first_window[1])
     assert shapes["dit"][1] == (2, reach + 10)
     assert {t for _, t in shapes["dit"][1:]} <= set(small.stream_code_buckets)

@@ -115,6 +115,9 @@ class Qwen2_5OmniToken2Wav(nnx.Module):
 
 # See Token2WavSynthesizer.batch_split.
 MIN_BUCKET_FILL = 0.75
+# What a device call costs beyond its padded cells, in cells (codes of a DiT row, frames of a
+# vocoder row): about 10 ms on CPU, the time of 30-45 cells (benchmarks/e2e_speech.py's model).
+CALL_CELLS = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,19 +203,25 @@ class Token2WavSynthesizer:
         # Streamed calls have a shape per chunk size the engine asks for (`stream_chunk_codes`):
         # that many new codes with their context, so a small first chunk costs a small window
         # (the whole-request buckets are coarse: the real preset's smallest is 256 codes).
-        # Chunks that piled up take several windows of the largest; the vocoder's largest holds
-        # the mel of the largest DiT window, so a request whose codes all came at once (under
-        # load) costs about its whole decode. The first chunk's windows start at the request's
-        # first code, so they need no left context: a first chunk decoded alone (what the time
-        # to first audio waits for when the stage is not busy) gets its own smaller shapes,
-        # `first_window` (codes, frames); only at the smallest batch, each shape costing seconds
-        # of compile at every stage start.
+        # The vocoder's largest holds the mel of the largest DiT window. The first chunk's
+        # windows start at the request's first code, so they need no left context: first chunks
+        # (what the time to first audio waits for; the engine decodes no more codes in them)
+        # get their own smaller shapes, `first_window` (codes, frames), at every batch.
         first = min(stream_chunk_codes)
-        self.stream_code_buckets = tuple(sorted({
-            stream_context.left_codes + self.block_codes - 1 + k + stream_context.right_codes
-            for k in stream_chunk_codes}))
+        windows = {stream_context.left_codes + self.block_codes - 1 + k + stream_context.right_codes
+                   for k in stream_chunk_codes}
+        # Codes that piled up (under load, and a stream's last piece) take windows up to the
+        # smallest whole-request bucket above the chunk windows, if at most twice the largest:
+        # most of a request in one window, where windows of the largest chunk would each pay
+        # their context again. Lengths in between step by at most a fifth: a padded code costs
+        # as much as a real one.
+        self.chunk_window = top = max(windows)
+        for whole in [t for t in self.length_buckets if top < t <= 2 * top][:1]:
+            steps = math.ceil(math.log(whole / top) / math.log(1.2))
+            windows |= {top + (whole - top) * i // steps for i in range(1, steps + 1)}
+        self.stream_code_buckets = tuple(sorted(windows))
         self.stream_frame_buckets = tuple(sorted({sum(self.vocoder_context) + rep * k for k in stream_chunk_codes}
-                                                 | {rep * self.stream_code_buckets[-1]}))
+                                                 | {rep * t for t in self.stream_code_buckets if t >= top}))
         self.first_window = (first + self.stream_delay_frames, rep * first + self.vocoder_context[1])
         self._streams: dict[str, _StreamState] = {}
         dit = model.code2wav_dit_model
@@ -266,11 +275,34 @@ class Token2WavSynthesizer:
             i += take
         return runs
 
-    def _map(self, rows: list, run, size=None) -> list:
-        """`run` over the bucket-sized runs of `rows` (side by side); one result per row, in order.
-        With `size`, rows of similar size share a run (a run is padded to its longest)."""
+    def size_split(self, sizes: Sequence[int], length) -> list[tuple[int, int]]:
+        """(start, end) of the runs that serve rows of ascending `sizes` at the least padded cost.
+
+        A run of n rows, the longest m, costs its padded cells (batch bucket x `length(m)`)
+        plus CALL_CELLS: on CPU a padded cell costs as much as a real one (a batch of 8 windows
+        of 130 codes padded to one of 318 took twice its due), so rows of very different sizes
+        go in separate runs.
+        """
+        best, cut = [0.0] + [math.inf] * len(sizes), [0] * (len(sizes) + 1)
+        for i in range(1, len(sizes) + 1):
+            for j in range(max(0, i - self.batch_buckets[-1]), i):
+                cost = best[j] + CALL_CELLS + pick_bucket(i - j, self.batch_buckets) * length(sizes[i - 1])
+                if cost < best[i]:
+                    best[i], cut[i] = cost, j
+        runs, i = [], len(sizes)
+        while i:
+            runs.append((cut[i], i))
+            i = cut[i]
+        return runs[::-1]
+
+    def _map(self, rows: list, run, size=None, length=None) -> list:
+        """`run` over the runs of `rows` (side by side); one result per row, in order. Without
+        `size`, bucket-sized runs in order; with it, runs of rows of similar size (`size_split`,
+        `length(longest)`: a run's padded length)."""
         order = list(range(len(rows))) if size is None else sorted(range(len(rows)), key=lambda i: size(rows[i]))
-        runs = self.calls.map(lambda r: run([rows[i] for i in order[r[0]:r[1]]]), self.batch_split(len(rows)))
+        split = (self.batch_split(len(rows)) if size is None
+                 else self.size_split([size(rows[i]) for i in order], length))
+        runs = self.calls.map(lambda r: run([rows[i] for i in order[r[0]:r[1]]]), split)
         out = [None] * len(rows)
         for i, res in zip(order, (res for run_out in runs for res in run_out)):
             out[i] = res
@@ -304,15 +336,14 @@ class Token2WavSynthesizer:
 
     def _mels(self, rows: list[_CodeRow]) -> list[np.ndarray]:
         """The streamed DiT call: each row's mel [repeats * n, mel_dim]."""
-        t = self._stream_bucket(max(len(r.codes) for r in rows), len(rows), self.stream_code_buckets,
-                                self.first_window[0])
+        t = self._code_window(max(len(r.codes) for r in rows))
         mel = np.asarray(self._mel_fn(self.state, *self._pack(rows, t)))
         return [mel[j, :len(r.codes) * self.cfg.dit.repeats] for j, r in enumerate(rows)]
 
     def _vocode(self, mels: list[np.ndarray]) -> list[np.ndarray]:
         """The streamed vocoder call: each mel's waveform (mels of at most the largest frame bucket)."""
         b = pick_bucket(len(mels), self.batch_buckets)
-        t = self._stream_bucket(max(len(m) for m in mels), len(mels), self.stream_frame_buckets, self.first_window[1])
+        t = self._frame_window(max(len(m) for m in mels))
         x = np.zeros((b, t, self.cfg.dit.mel_dim), np.float32)
         frames = np.ones(b, np.int32)
         for j, m in enumerate(mels):
@@ -321,12 +352,14 @@ class Token2WavSynthesizer:
         wav = np.asarray(self._wave_fn(self.state, x, frames))
         return [wav[j, :self.cfg.bigvgan.num_samples(frames[j])] for j in range(len(mels))]
 
-    def _stream_bucket(self, n: int, rows: int, buckets: tuple[int, ...], first: int) -> int:
-        """The length of a streamed call of `rows` rows of at most `n`: the first-window shape
-        where it fits and exists (at the smallest batch), else the bucket."""
-        if n <= first and pick_bucket(rows, self.batch_buckets) == self.batch_buckets[0]:
-            return first
-        return pick_bucket(n, buckets)
+    def _code_window(self, n: int) -> int:
+        """The padded length of a streamed DiT call of rows of at most `n` codes: the first
+        window where it fits, else the bucket."""
+        return self.first_window[0] if n <= self.first_window[0] else pick_bucket(n, self.stream_code_buckets)
+
+    def _frame_window(self, n: int) -> int:
+        """The padded length of a streamed vocoder call of rows of at most `n` frames (as `_code_window`)."""
+        return self.first_window[1] if n <= self.first_window[1] else pick_bucket(n, self.stream_frame_buckets)
 
     def _noise(self, req, num_codes: int) -> np.ndarray:
         """The request's initial noise for its first `num_codes` codes (its own, or drawn from its seed)."""
@@ -377,17 +410,21 @@ class Token2WavSynthesizer:
     def _extend_mel(self, jobs, states: list[_StreamState]) -> None:
         """Make final the mel of every code with `right_codes` of look-ahead (all of them when final)."""
         rep, ctx = self.cfg.dit.repeats, self.context
+        # Fewer pieces than parallel calls: windows no longer than the largest chunk's, so a
+        # long piece runs as several side by side (the DiT's many small ops run on one core).
+        cap = self.stream_code_buckets[-1] if len(jobs) >= self.calls.workers else self.chunk_window
         rows, keep = [], []
         for job, st in zip(jobs, states):
             n = len(job.codes)
             windows = plan_windows(st.code_end, n if job.final else n - ctx.right_codes, n, ctx.left_codes,
-                                   ctx.right_codes, self.block_codes, self.stream_code_buckets[-1])
+                                   ctx.right_codes, self.block_codes, cap)
             noise = self._noise(job.request, n) if windows else None
             for start, a, b, end in windows:
                 rows.append(_CodeRow(np.asarray(job.codes[start:end], np.int32), noise[rep * start:rep * end],
                                      job.request.data.voice))
                 keep.append((st, rep * (a - start), rep * (b - start), b))
-        for mel, (st, k0, k1, code_end) in zip(self._map(rows, self._mels, lambda r: len(r.codes)), keep):
+        mels = self._map(rows, self._mels, lambda r: len(r.codes), self._code_window)
+        for mel, (st, k0, k1, code_end) in zip(mels, keep):
             st.mel = np.concatenate([st.mel, mel[k0:k1]])
             st.code_end = code_end
 
@@ -404,7 +441,7 @@ class Token2WavSynthesizer:
                 rows.append(st.mel[start - st.mel_start:end - st.mel_start])
                 keep.append((i, hop * (a - start), hop * (b - start)))
         pieces = [[np.zeros(0, np.float32)] for _ in jobs]
-        for wav, (i, s0, s1) in zip(self._map(rows, self._vocode, len), keep):
+        for wav, (i, s0, s1) in zip(self._map(rows, self._vocode, len, self._frame_window), keep):
             pieces[i].append(wav[s0:s1])
         out = []
         for job, st, ps in zip(jobs, states, pieces):
@@ -426,12 +463,12 @@ class Token2WavSynthesizer:
                 jax.block_until_ready(self._fn(self.state, *self._zeros(b, t)))
 
     def warmup_stream(self) -> None:
-        """Compile the streamed DiT and vocoder calls (a length per chunk size) at every batch
-        bucket, and the first window's at the smallest."""
-        b0, (first_codes, first_frames) = self.batch_buckets[0], self.first_window
-        for b, t in [(b, t) for b in self.batch_buckets for t in self.stream_code_buckets] + [(b0, first_codes)]:
+        """Compile the streamed DiT and vocoder calls (the first window, a length per chunk size
+        and the lengths above) at every batch bucket."""
+        first_codes, first_frames = self.first_window
+        for b, t in [(b, t) for b in self.batch_buckets for t in (first_codes, *self.stream_code_buckets)]:
             jax.block_until_ready(self._mel_fn(self.state, *self._zeros(b, t)))
-        for b, f in [(b, f) for b in self.batch_buckets for f in self.stream_frame_buckets] + [(b0, first_frames)]:
+        for b, f in [(b, f) for b in self.batch_buckets for f in (first_frames, *self.stream_frame_buckets)]:
             jax.block_until_ready(self._wave_fn(self.state, np.zeros((b, f, self.cfg.dit.mel_dim), np.float32),
                                                 np.ones(b, np.int32)))
 

@@ -231,25 +231,24 @@ def test_piled_up_codes_take_one_window_up_to_the_whole_bucket(synth):
     rep, model = synth.cfg.dit.repeats, nnx.merge(synth.graphdef, synth.state)
     small = Token2WavSynthesizer(model, synth.voices, length_buckets=(64, 128), batch_buckets=(1, 2),
                                  stream_chunk_codes=(10, 25))
-    top = small.stream_code_buckets[1]
-    assert small.stream_code_buckets[0] < top < 128 == small.stream_code_buckets[-1]
-    ladder = small.stream_code_buckets[1:]
+    first, chunk, top = small.stream_code_buckets[:3]  # the first window, the two chunk windows
+    assert small.first_window[0] == first < chunk < top < 128 == small.stream_code_buckets[-1]
+    ladder = small.stream_code_buckets[2:]
     assert all(b < a <= 1.2 * b for a, b in zip(ladder[1:], ladder))
     assert {rep * t for t in ladder} <= set(small.stream_frame_buckets)
     # A whole-request bucket more than twice the largest chunk window adds nothing.
     assert Token2WavSynthesizer(model, synth.voices, length_buckets=(64, 256), batch_buckets=(1, 2),
-                                stream_chunk_codes=(10, 25)).stream_code_buckets == small.stream_code_buckets[:2]
+                                stream_chunk_codes=(10, 25)).stream_code_buckets == (first, chunk, top)
     shapes = _record_shapes(small)
     req = _request("p", 128, "Chelsie", 9)
-    _stream(small, [req], [[small.first_window[0], 128 - small.first_window[0]]])
-    assert shapes["dit"] == [(1, small.first_window[0]), (1, 128)]
+    _stream(small, [req], [[first, 128 - first]])
+    assert shapes["dit"] == [(1, first), (1, 128)]
     assert shapes["vocoder"][1] == (1, rep * 128, small.cfg.dit.mel_dim)
     # With two parallel calls (max_num_seqs 4 in batches of at most 2), a lone piece runs as
     # windows of at most the largest chunk's, side by side; two pieces take one window each.
     wide = Token2WavSynthesizer(model, synth.voices, length_buckets=(64, 128), batch_buckets=(1, 2),
                                 max_num_seqs=4, stream_chunk_codes=(10, 25))
     shapes = _record_shapes(wide)
-    first = wide.first_window[0]
     _stream(wide, [req], [[first, 128 - first]])
     assert len(shapes["dit"]) == 3 and all(t <= top for _, t in shapes["dit"][1:])
     shapes["dit"].clear()
@@ -278,9 +277,9 @@ def test_each_chunk_size_has_its_own_window(synth):
     small = Token2WavSynthesizer(nnx.merge(synth.graphdef, synth.state), synth.voices, length_buckets=(64,),
                                  batch_buckets=(1, 2), stream_chunk_codes=(10, 25))
     reach, first = ctx.left_codes + small.block_codes - 1 + ctx.right_codes, 10 + small.stream_delay_frames
-    assert small.stream_code_buckets == (reach + 10, reach + 25)
+    assert small.stream_code_buckets == (first, reach + 10, reach + 25)
     left, right = small.vocoder_context
-    assert small.stream_frame_buckets == (left + right + rep * 10, left + right + rep * 25,
+    assert small.stream_frame_buckets == (rep * 10 + right, left + right + rep * 10, left + right + rep * 25,
                                           rep * (reach + 25))  # the mel of the largest DiT window
     assert small.first_window == (first, rep * 10 + right)
     shapes = _record_shapes(small)

@@ -206,8 +206,9 @@ class Token2WavSynthesizer:
         # The vocoder's largest holds the mel of the largest DiT window. The first chunk's
         # windows start at the request's first code, so they need no left context: first chunks
         # (what the time to first audio waits for; the engine decodes no more codes in them)
-        # get their own smaller shapes, `first_window` (codes, frames), at every batch.
+        # get their own smaller shapes, `first_window` (codes, frames), among the buckets.
         first = min(stream_chunk_codes)
+        self.first_window = (first + self.stream_delay_frames, rep * first + self.vocoder_context[1])
         windows = {stream_context.left_codes + self.block_codes - 1 + k + stream_context.right_codes
                    for k in stream_chunk_codes}
         # Codes that piled up (under load, and a stream's last piece) take windows up to the
@@ -219,10 +220,9 @@ class Token2WavSynthesizer:
         for whole in [t for t in self.length_buckets if top < t <= 2 * top][:1]:
             steps = math.ceil(math.log(whole / top) / math.log(1.2))
             windows |= {top + (whole - top) * i // steps for i in range(1, steps + 1)}
-        self.stream_code_buckets = tuple(sorted(windows))
+        self.stream_code_buckets = tuple(sorted(windows | {self.first_window[0]}))
         self.stream_frame_buckets = tuple(sorted({sum(self.vocoder_context) + rep * k for k in stream_chunk_codes}
-                                                 | {rep * t for t in self.stream_code_buckets if t >= top}))
-        self.first_window = (first + self.stream_delay_frames, rep * first + self.vocoder_context[1])
+                                                 | {rep * t for t in windows if t >= top} | {self.first_window[1]}))
         self._streams: dict[str, _StreamState] = {}
         dit = model.code2wav_dit_model
         spk_fn = jax.jit(lambda s, m: nnx.merge(*nnx.split(dit)[:1], s).speaker_embedding(m))
@@ -336,14 +336,14 @@ class Token2WavSynthesizer:
 
     def _mels(self, rows: list[_CodeRow]) -> list[np.ndarray]:
         """The streamed DiT call: each row's mel [repeats * n, mel_dim]."""
-        t = self._code_window(max(len(r.codes) for r in rows))
+        t = pick_bucket(max(len(r.codes) for r in rows), self.stream_code_buckets)
         mel = np.asarray(self._mel_fn(self.state, *self._pack(rows, t)))
         return [mel[j, :len(r.codes) * self.cfg.dit.repeats] for j, r in enumerate(rows)]
 
     def _vocode(self, mels: list[np.ndarray]) -> list[np.ndarray]:
         """The streamed vocoder call: each mel's waveform (mels of at most the largest frame bucket)."""
         b = pick_bucket(len(mels), self.batch_buckets)
-        t = self._frame_window(max(len(m) for m in mels))
+        t = pick_bucket(max(len(m) for m in mels), self.stream_frame_buckets)
         x = np.zeros((b, t, self.cfg.dit.mel_dim), np.float32)
         frames = np.ones(b, np.int32)
         for j, m in enumerate(mels):
@@ -351,15 +351,6 @@ class Token2WavSynthesizer:
             frames[j] = len(m)
         wav = np.asarray(self._wave_fn(self.state, x, frames))
         return [wav[j, :self.cfg.bigvgan.num_samples(frames[j])] for j in range(len(mels))]
-
-    def _code_window(self, n: int) -> int:
-        """The padded length of a streamed DiT call of rows of at most `n` codes: the first
-        window where it fits, else the bucket."""
-        return self.first_window[0] if n <= self.first_window[0] else pick_bucket(n, self.stream_code_buckets)
-
-    def _frame_window(self, n: int) -> int:
-        """The padded length of a streamed vocoder call of rows of at most `n` frames (as `_code_window`)."""
-        return self.first_window[1] if n <= self.first_window[1] else pick_bucket(n, self.stream_frame_buckets)
 
     def _noise(self, req, num_codes: int) -> np.ndarray:
         """The request's initial noise for its first `num_codes` codes (its own, or drawn from its seed)."""
@@ -423,7 +414,7 @@ class Token2WavSynthesizer:
                 rows.append(_CodeRow(np.asarray(job.codes[start:end], np.int32), noise[rep * start:rep * end],
                                      job.request.data.voice))
                 keep.append((st, rep * (a - start), rep * (b - start), b))
-        mels = self._map(rows, self._mels, lambda r: len(r.codes), self._code_window)
+        mels = self._map(rows, self._mels, lambda r: len(r.codes), lambda n: pick_bucket(n, self.stream_code_buckets))
         for mel, (st, k0, k1, code_end) in zip(mels, keep):
             st.mel = np.concatenate([st.mel, mel[k0:k1]])
             st.code_end = code_end
@@ -441,7 +432,8 @@ class Token2WavSynthesizer:
                 rows.append(st.mel[start - st.mel_start:end - st.mel_start])
                 keep.append((i, hop * (a - start), hop * (b - start)))
         pieces = [[np.zeros(0, np.float32)] for _ in jobs]
-        for wav, (i, s0, s1) in zip(self._map(rows, self._vocode, len, self._frame_window), keep):
+        wavs = self._map(rows, self._vocode, len, lambda n: pick_bucket(n, self.stream_frame_buckets))
+        for wav, (i, s0, s1) in zip(wavs, keep):
             pieces[i].append(wav[s0:s1])
         out = []
         for job, st, ps in zip(jobs, states, pieces):
@@ -465,10 +457,9 @@ class Token2WavSynthesizer:
     def warmup_stream(self) -> None:
         """Compile the streamed DiT and vocoder calls (the first window, a length per chunk size
         and the lengths above) at every batch bucket."""
-        first_codes, first_frames = self.first_window
-        for b, t in [(b, t) for b in self.batch_buckets for t in (first_codes, *self.stream_code_buckets)]:
+        for b, t in [(b, t) for b in self.batch_buckets for t in self.stream_code_buckets]:
             jax.block_until_ready(self._mel_fn(self.state, *self._zeros(b, t)))
-        for b, f in [(b, f) for b in self.batch_buckets for f in (first_frames, *self.stream_frame_buckets)]:
+        for b, f in [(b, f) for b in self.batch_buckets for f in self.stream_frame_buckets]:
             jax.block_until_ready(self._wave_fn(self.state, np.zeros((b, f, self.cfg.dit.mel_dim), np.float32),
                                                 np.ones(b, np.int32)))
 

@@ -458,7 +458,9 @@ prompts = [{"prompt_token_ids": rng.integers(0, 151000, n).tolist()} for n in (1
 params = [SamplingParams(temperature=0.0, max_tokens=6),
           SamplingParams(temperature=0.0, repetition_penalty=1.1, max_tokens=8),  # a 2-chunk prompt
           SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=8)]
-unseeded = SamplingParams(temperature=1.0, max_tokens=6)  # each process would draw its own seed
+# Each process would draw its own seed. ignore_eos: a random draw may hit an end token early, and
+# the length must tell that all 6 steps ran in step on both processes.
+unseeded = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)
 result = {}
 for name, pipeline in pipelines.items():
     if name == "hosts":
@@ -469,7 +471,7 @@ for name, pipeline in pipelines.items():
         warm = compilations(omni)
         outs = omni.generate(prompts + prompts[:1], sampling_params=params + [unseeded], use_tqdm=False)
         r = result[name] = dict(tokens=[o.token_ids for o in outs[:3]], errors=[o.error for o in outs],
-                                unseeded=len(outs[3].token_ids), new_compilations=compilations(omni) - warm)
+                                unseeded=[len(outs[3].token_ids), outs[3].finish_reason], new_compilations=compilations(omni) - warm)
         if name == "hosts":
             r["own_processes"] = len(children(omni.stage_pids()["thinker"]))
         if name != "two":
@@ -531,7 +533,7 @@ def test_stage_over_two_processes(converted_thinker_fp32, tmp_path):
     for r in (one, hosts, two):
         assert r["errors"] == [None] * 4
         assert r["tokens"] == one["tokens"] and [len(t) for t in r["tokens"]] == [6, 8, 8]
-        assert r["unseeded"] == 6 and r["new_compilations"] == 0
+        assert r["unseeded"] == [6, "length"] and r["new_compilations"] == 0
     # With coordinator_address, process 0 starts no process: the one started by hand joined it.
     assert hosts["own_processes"] == 0 and hosts["by_hand_exit"] == 0
     assert "process 1 of 2 is ready" in hosts["by_hand_said"]

@@ -177,6 +177,28 @@ def test_qwen2_5_vision_encoder_compiles_on_a100(tier):
     assert got[0]["launches"] > 0
 
 
+def test_full_selection_compiles_every_vocoder_call():
+    """`client --full` compiles each kind of call a vocoder stage makes, as recorded from the
+    synthesizers' own warm-ups: the whole request, and the streamed halves (async chunk) at
+    every stream window of the preset and every batch bucket. Nothing is compiled here."""
+    from omni_jax.gpu import programs as P, worker
+
+    calls = {"qwen2_5_omni": ["stream-mel", "stream-wave", "whole"],
+             "qwen3_omni": ["stream-conv", "stream-frames", "whole"]}
+    for name in PRESETS:
+        pipeline = load_pipeline_config(name)
+        stage = next(s for s in pipeline.stages if s.runner != "ar")
+        hf = P.real_hf_config(pipeline.family)
+        programs = P.vocoder_programs(pipeline.family, stage, hf)
+        for call in calls[name]:
+            shapes = {(p.info["batch"], p.bucket) for p in programs if p.info["call"] == call}
+            lengths = {t for _, t in shapes}
+            assert len(lengths) > 1 and shapes == {(b, t) for b in stage.decode_buckets for t in lengths}, call
+        picked = worker.select_full(pipeline.family, stage, hf, 2, "h100", None)
+        assert sorted(p.info["call"] for p in picked) == calls[name]
+        assert all(p.info["batch"] == min(stage.decode_buckets) for p in picked)
+
+
 def test_tuning_tables_fit_every_target():
     for t in all_targets():
         for table in (DECODE_TUNING, PREFILL_TUNING, GROUPED_TUNING):

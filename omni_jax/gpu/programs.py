@@ -33,7 +33,7 @@ from ..engine.ar_engine import AREngine, EngineConfig
 from ..engine.oneshot_engine import chunk_sizes
 from ..inputs.rope_index import RopeIndexConfig
 from ..models.qwen2_5_omni.media import MediaBuckets, ThinkerMediaEncoder
-from ..models.qwen2_5_omni.token2wav import Token2WavSynthesizer
+from ..models.qwen2_5_omni.token2wav import StreamContext, Token2WavSynthesizer
 from ..models.qwen2_5_omni.voices import Voices
 from ..models.qwen3_omni.code2wav_stage import Code2WavSynthesizer
 from ..models.layers.parallel import EP, TP
@@ -223,14 +223,24 @@ def vocoder_programs(family: str, stage: StageConfig, hf_config: dict) -> list[P
     batches = stage.decode_buckets or (1, 2, 4)
     out = []
     if family == "qwen2_5_omni":
-        synth = Token2WavSynthesizer(model, Voices({}), length_buckets=lengths, batch_buckets=batches)
+        synth = Token2WavSynthesizer(model, Voices({}), length_buckets=lengths, batch_buckets=batches,
+                                     stream_chunk_codes=chunk_sizes(stage.initial_codec_chunk_frames,
+                                                                    stage.codec_chunk_frames),
+                                     stream_context=StreamContext.given(stage.codec_left_context_frames,
+                                                                        stage.codec_right_context_frames))
         calls: list = []
-        synth._fn = _Recorder("vocoder", synth._fn, lambda *a: np.zeros(1), calls)
+        # Whole requests in one call; streamed ones (async chunk) through the DiT and the
+        # vocoder apart, at their own windows.
+        synth._fn = _Recorder("whole", synth._fn, lambda *a: np.zeros(1), calls)
+        synth._mel_fn = _Recorder("stream-mel", synth._mel_fn, lambda *a: np.zeros(1), calls)
+        synth._wave_fn = _Recorder("stream-wave", synth._wave_fn, lambda *a: np.zeros(1), calls)
         synth.warmup()
-        for _, fn, args, kwargs in calls:
-            b, t = args[1].shape
-            out.append(Program(f"{family}/{stage.name}/b{b}/t{t}", "vocoder", fn, args, kwargs, t,
-                               info=dict(batch=b)))
+        synth.warmup_stream()
+        for call, fn, args, kwargs in calls:
+            b, t = args[1].shape[:2]
+            prefix = "" if call == "whole" else f"{call}/"
+            out.append(Program(f"{family}/{stage.name}/{prefix}b{b}/t{t}", "vocoder", fn, args, kwargs, t,
+                               info=dict(batch=b, call=call)))
     else:
         synth = Code2WavSynthesizer(model, length_buckets=lengths, batch_buckets=batches,
                                     stream_chunk_frames=chunk_sizes(stage.initial_codec_chunk_frames,

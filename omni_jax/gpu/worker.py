@@ -137,9 +137,9 @@ def select_full(family: str, stage, hf_config: dict, num_blocks: int, target_nam
     each); run by `python -m omni_jax.gpu.client --full`."""
     if stage.runner != "ar":
         voc = P.vocoder_programs(family, stage, hf_config)
-        calls = {p.info.get("call") for p in voc}  # Qwen3's code2wav: whole and streamed calls
-        return [min((p for p in voc if p.info.get("call") == c), key=lambda p: (p.info["batch"], p.bucket))
-                for c in sorted(calls, key=str)]
+        calls = {p.info["call"] for p in voc}  # the whole request, and the streamed calls
+        return [min((p for p in voc if p.info["call"] == c), key=lambda p: (p.info["batch"], p.bucket))
+                for c in sorted(calls)]
     out = P.kernel_programs(family, stage, hf_config, num_blocks)
     progs = P.ar_engine_programs(family, stage, hf_config, num_blocks)
     v = _step_variant(stage)

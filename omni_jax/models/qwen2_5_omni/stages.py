@@ -109,12 +109,6 @@ def build_thinker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | No
     return engine
 
 
-def _stream_context(left: int | None, right: int | None) -> StreamContext:
-    """The default StreamContext with the given DiT context (codes) where it is not None."""
-    given = dict(left_codes=left, right_codes=right)
-    return StreamContext(**{k: v for k, v in given.items() if v is not None})
-
-
 def build_token2wav_engine(ckpt_dir: str, *, length_buckets=(64, 256, 1024), batch_buckets=(1, 2, 4),
                            max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
                            chunk_frames: int = 25, initial_chunk_frames: int = 10, streamed: bool = False,
@@ -135,7 +129,7 @@ def build_token2wav_engine(ckpt_dir: str, *, length_buckets=(64, 256, 1024), bat
     synth = Token2WavSynthesizer(model, Voices.load(ckpt_dir), length_buckets=length_buckets,
                                  batch_buckets=batch_buckets, max_num_seqs=max_num_seqs,
                                  stream_chunk_codes=chunk_sizes(initial_chunk_frames, chunk_frames),
-                                 stream_context=_stream_context(left_context, right_context))
+                                 stream_context=StreamContext.given(left_context, right_context))
 
     engine = OneShotEngine(synth, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens or max_num_seqs * length_buckets[-1],

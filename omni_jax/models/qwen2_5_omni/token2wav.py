@@ -133,6 +133,12 @@ class StreamContext:
     right_codes: int = 12
     vocoder_frames: int = 20
 
+    @classmethod
+    def given(cls, left_codes: int | None = None, right_codes: int | None = None) -> "StreamContext":
+        """The defaults, with the DiT context (codes) a stage config gives where it is not None."""
+        given = dict(left_codes=left_codes, right_codes=right_codes)
+        return cls(**{k: v for k, v in given.items() if v is not None})
+
 
 def plan_windows(lo: int, hi: int, limit: int, left: int, right: int, align: int,
                  max_len: int) -> list[tuple[int, int, int, int]]:

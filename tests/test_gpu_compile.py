@@ -137,6 +137,20 @@ def test_decode_steps_compile_and_alias_the_kv_cache(tier, target):
 
 
 @pytest.mark.parametrize("target", TARGETS)
+def test_streamed_vocoder_calls_compile(tier, target):
+    """The calls the vocoder stages serve with under async chunk (on in both presets):
+    Qwen2.5's DiT and vocoder halves, Qwen3's pre-transformer and convolutions, each at its
+    smallest window and batch (the first chunk's, what the time to first audio waits for)."""
+    got = {(r["preset"], r["info"]["call"]): r for r in _reports(tier, target, "vocoder")}
+    assert set(got) == {("qwen2_5_omni", "stream-mel"), ("qwen2_5_omni", "stream-wave"),
+                        ("qwen3_omni", "stream-frames"), ("qwen3_omni", "stream-conv")}
+    for (preset, call), r in got.items():
+        assert r["ok"], f"{r['name']}: {r['error']}"
+        assert r["launches"] > 100, r["name"]
+        assert r["info"]["batch"] == min(load_pipeline_config(preset).stage(r["stage"]).decode_buckets)
+
+
+@pytest.mark.parametrize("target", TARGETS)
 def test_thinker_decode_step_compiles_at_tensor_parallel_2(tier, target):
     """Issue #18: the Qwen2.5 thinker's largest decode step as the engine runs it at
     tensor_parallel_size 2, over two GPUs of the target: each GPU holds about half the

@@ -100,10 +100,12 @@ def select_tier(family: str, stage, hf_config: dict, num_blocks: int, target_nam
     donation), the thinker's also at tensor parallel 2 over two GPUs (`stage_mesh`:
     Compiler.stage_mesh); on A100 also the cheap sampler variants (greedy, random). The programs
     that take minutes to compile (the MoE stages' steps, prefill steps, the sorting
-    sampler variants, encoders, vocoders) are in `select_full`; on A100 the Qwen2.5
-    vision encoder's smallest call is here too."""
+    sampler variants, encoders, whole-request vocoder calls) are in `select_full`; on A100
+    the Qwen2.5 vision encoder's smallest call is here too. The vocoders' streamed calls,
+    what both presets serve with (async chunk), take seconds: their smallest shapes are here."""
     if stage.runner != "ar":
-        return []
+        return [p for p in select_full(family, stage, hf_config, num_blocks, target_name, stage_mesh)
+                if p.info["call"] != "whole"]
     out = P.kernel_programs(family, stage, hf_config, num_blocks)
     if family != "qwen2_5_omni":
         return out + _expert_layers(family, stage, hf_config)

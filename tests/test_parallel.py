@@ -471,7 +471,8 @@ for name, pipeline in pipelines.items():
         warm = compilations(omni)
         outs = omni.generate(prompts + prompts[:1], sampling_params=params + [unseeded], use_tqdm=False)
         r = result[name] = dict(tokens=[o.token_ids for o in outs[:3]], errors=[o.error for o in outs],
-                                unseeded=[len(outs[3].token_ids), outs[3].finish_reason], new_compilations=compilations(omni) - warm)
+                                unseeded=[len(outs[3].token_ids), outs[3].finish_reason],
+                                new_compilations=compilations(omni) - warm)
         if name == "hosts":
             r["own_processes"] = len(children(omni.stage_pids()["thinker"]))
         if name != "two":

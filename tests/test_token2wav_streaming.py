@@ -261,12 +261,12 @@ def test_rows_of_very_different_sizes_go_in_separate_runs(synth):
     long ones run apart, eight of one size together (a call costs CALL_CELLS more)."""
     small = Token2WavSynthesizer(nnx.merge(synth.graphdef, synth.state), synth.voices, length_buckets=(64,),
                                  batch_buckets=(1, 4, 8), stream_chunk_codes=(10, 25))
-    length = lambda longest: longest  # noqa: E731
-    assert small.size_split([40] * 4 + [150] * 4, length) == [(0, 4), (4, 8)]
-    assert small.size_split([100] * 8, length) == [(0, 8)]
+    lengths = (40, 100, 150)  # each row's own length: the padding is the batch's
+    assert small.size_split([40] * 4 + [150] * 4, lengths) == [(0, 4), (4, 8)]
+    assert small.size_split([100] * 8, lengths) == [(0, 8)]
     # Two rows would pad to a batch of 4: two calls of one cost less.
-    assert small.size_split([40, 40, 150], length) == [(0, 1), (1, 2), (2, 3)]
-    assert small.size_split([], length) == []
+    assert small.size_split([40, 40, 150], lengths) == [(0, 1), (1, 2), (2, 3)]
+    assert small.size_split([], lengths) == []
 
 
 def test_each_chunk_size_has_its_own_window(synth):

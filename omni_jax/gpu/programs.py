@@ -229,11 +229,12 @@ def vocoder_programs(family: str, stage: StageConfig, hf_config: dict) -> list[P
                                      stream_context=StreamContext.given(stage.codec_left_context_frames,
                                                                         stage.codec_right_context_frames))
         calls: list = []
+        nothing = lambda *a: np.zeros(1)  # noqa: E731
         # Whole requests in one call; streamed ones (async chunk) through the DiT and the
         # vocoder apart, at their own windows.
-        synth._fn = _Recorder("whole", synth._fn, lambda *a: np.zeros(1), calls)
-        synth._mel_fn = _Recorder("stream-mel", synth._mel_fn, lambda *a: np.zeros(1), calls)
-        synth._wave_fn = _Recorder("stream-wave", synth._wave_fn, lambda *a: np.zeros(1), calls)
+        synth._fn = _Recorder("whole", synth._fn, nothing, calls)
+        synth._mel_fn = _Recorder("stream-mel", synth._mel_fn, nothing, calls)
+        synth._wave_fn = _Recorder("stream-wave", synth._wave_fn, nothing, calls)
         synth.warmup()
         synth.warmup_stream()
         for call, fn, args, kwargs in calls:

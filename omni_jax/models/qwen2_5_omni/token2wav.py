@@ -281,18 +281,19 @@ class Token2WavSynthesizer:
             i += take
         return runs
 
-    def size_split(self, sizes: Sequence[int], length) -> list[tuple[int, int]]:
+    def size_split(self, sizes: Sequence[int], buckets: Sequence[int]) -> list[tuple[int, int]]:
         """(start, end) of the runs that serve rows of ascending `sizes` at the least padded cost.
 
-        A run of n rows, the longest m, costs its padded cells (batch bucket x `length(m)`)
-        plus CALL_CELLS: on CPU a padded cell costs as much as a real one (a batch of 8 windows
-        of 130 codes padded to one of 318 took twice its due), so rows of very different sizes
-        go in separate runs.
+        A run of n rows, the longest m, costs its padded cells (batch bucket x m's bucket among
+        `buckets`) plus CALL_CELLS: on CPU a padded cell costs as much as a real one (a batch of
+        8 windows of 130 codes padded to one of 318 took twice its due), so rows of very
+        different sizes go in separate runs.
         """
         best, cut = [0.0] + [math.inf] * len(sizes), [0] * (len(sizes) + 1)
         for i in range(1, len(sizes) + 1):
+            length = pick_bucket(sizes[i - 1], buckets)  # of every run ending at row i
             for j in range(max(0, i - self.batch_buckets[-1]), i):
-                cost = best[j] + CALL_CELLS + pick_bucket(i - j, self.batch_buckets) * length(sizes[i - 1])
+                cost = best[j] + CALL_CELLS + pick_bucket(i - j, self.batch_buckets) * length
                 if cost < best[i]:
                     best[i], cut[i] = cost, j
         runs, i = [], len(sizes)
@@ -301,13 +302,13 @@ class Token2WavSynthesizer:
             i = cut[i]
         return runs[::-1]
 
-    def _map(self, rows: list, run, size=None, length=None) -> list:
+    def _map(self, rows: list, run, size=None, buckets=None) -> list:
         """`run` over the runs of `rows` (side by side); one result per row, in order. Without
-        `size`, bucket-sized runs in order; with it, runs of rows of similar size (`size_split`,
-        `length(longest)`: a run's padded length)."""
+        `size`, bucket-sized runs in order; with it, runs of rows of similar size (`size_split`
+        over the length `buckets` the rows are padded to)."""
         order = list(range(len(rows))) if size is None else sorted(range(len(rows)), key=lambda i: size(rows[i]))
         split = (self.batch_split(len(rows)) if size is None
-                 else self.size_split([size(rows[i]) for i in order], length))
+                 else self.size_split([size(rows[i]) for i in order], buckets))
         runs = self.calls.map(lambda r: run([rows[i] for i in order[r[0]:r[1]]]), split)
         out = [None] * len(rows)
         for i, res in zip(order, (res for run_out in runs for res in run_out)):
@@ -420,7 +421,7 @@ class Token2WavSynthesizer:
                 rows.append(_CodeRow(np.asarray(job.codes[start:end], np.int32), noise[rep * start:rep * end],
                                      job.request.data.voice))
                 keep.append((st, rep * (a - start), rep * (b - start), b))
-        mels = self._map(rows, self._mels, lambda r: len(r.codes), lambda n: pick_bucket(n, self.stream_code_buckets))
+        mels = self._map(rows, self._mels, lambda r: len(r.codes), self.stream_code_buckets)
         for mel, (st, k0, k1, code_end) in zip(mels, keep):
             st.mel = np.concatenate([st.mel, mel[k0:k1]])
             st.code_end = code_end
@@ -438,7 +439,7 @@ class Token2WavSynthesizer:
                 rows.append(st.mel[start - st.mel_start:end - st.mel_start])
                 keep.append((i, hop * (a - start), hop * (b - start)))
         pieces = [[np.zeros(0, np.float32)] for _ in jobs]
-        wavs = self._map(rows, self._vocode, len, lambda n: pick_bucket(n, self.stream_frame_buckets))
+        wavs = self._map(rows, self._vocode, len, self.stream_frame_buckets)
         for wav, (i, s0, s1) in zip(wavs, keep):
             pieces[i].append(wav[s0:s1])
         out = []

@@ -1,5 +1,12 @@
 """OmniJax: serve Qwen-Omni models (text, image, audio, video in; text and speech out) with JAX."""
 
+import os
+
+# OmniJax takes only tokenizers and processors from transformers, never its models: its advice,
+# on import without torch, that "models won't be available" would only confuse (the demo's
+# output stays clean on a machine without torch). Other advisory warnings are off with it.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
 from .checkpoint import load_checkpoint
 from .engine.sampling import SamplingParams
 from .runtime.orchestrator import Logprob, OmniRequestOutput

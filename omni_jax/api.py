@@ -38,20 +38,20 @@ from .engine.protocol import AddRequest, MultiModalPayload, StageInputs
 from .engine.sampling import SamplingParams, is_utf8
 from .inputs.media import MediaLimits
 from .inputs.processor import PromptError
-from .models.registry import get_family, resolve_model
+from .models.registry import get_family, resolve_model, tiny_family
 from .prompt_workers import PromptWorkers
 from .runtime.orchestrator import OmniRequestOutput, Orchestrator, OrchestratorRequest, RequestMetrics
 from .update_collector import UpdateCollector
 
 
 def resolve_checkpoint_and_pipeline(model: str, pipeline) -> tuple[str, PipelineConfig]:
-    """(checkpoint directory, pipeline config) of a model ("tiny" or a converted checkpoint) and a
+    """(checkpoint directory, pipeline config) of a model (a built-in tiny one or a converted checkpoint) and a
     pipeline (preset name, YAML path, PipelineConfig; None: the family's default); a pipeline for
     another family is a ConfigError."""
     ckpt = resolve_model(model)
     family = read_config(ckpt)["family"]
     if pipeline is None:
-        pipeline = default_pipeline_for(family, tiny=(model == "tiny"))
+        pipeline = default_pipeline_for(family, tiny=tiny_family(model) is not None)
     elif not isinstance(pipeline, PipelineConfig):
         pipeline = load_pipeline_config(pipeline)
     if pipeline.family != family:

@@ -20,7 +20,7 @@ from .errors import CheckpointError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="converted checkpoint directory, or 'tiny' (default)")
+    p.add_argument("--model", default="tiny", help="converted checkpoint directory, or a built-in tiny random model: 'tiny' (Qwen2.5-Omni, default) or 'tiny-qwen3_omni'")
     p.add_argument("--pipeline", default=None, help="pipeline preset name or YAML path (default: the model's)")
     p.add_argument("--prompt", default=None, help="the user message")
     p.add_argument("--prompt-embeds", default=None, metavar="FILE.npy",

@@ -26,7 +26,7 @@ FAMILY_MODULES: dict[str, str] = {
 # HF `model_type` -> family name
 MODEL_TYPES: dict[str, str] = {"qwen2_5_omni": "qwen2_5_omni", "qwen3_omni_moe": "qwen3_omni"}
 
-# The family of `--model tiny`, the built-in demo model.
+# The family of `--model tiny`, the built-in demo model; `tiny-<family>` names any family's.
 TINY_FAMILY = "qwen2_5_omni"
 
 
@@ -62,11 +62,24 @@ def stages_of(family: str) -> dict[str, StageSpec]:
     return get_family(family).stages
 
 
-def resolve_model(model: str) -> str:
-    """A checkpoint directory for a `model` argument ('tiny' builds the demo model on first use)."""
+def tiny_family(model: str) -> str | None:
+    """The family of a built-in tiny model's name ("tiny", "tiny-qwen3_omni"), else None."""
     if model == "tiny":
-        return get_family(TINY_FAMILY).tiny_checkpoint()
-    return model
+        return TINY_FAMILY
+    if model.startswith("tiny-") and model[5:] in FAMILY_MODULES:
+        return model[5:]
+    return None
+
+
+def resolve_model(model: str) -> str:
+    """A checkpoint directory for a `model` argument (a built-in tiny model is built on first use)."""
+    family = tiny_family(model)
+    if family is None:
+        return model
+    build = get_family(family).tiny_checkpoint
+    if build is None:
+        raise UnknownModelError(f"family {family!r} has no built-in tiny model")
+    return build()
 
 
 class _ShapeOnlyStream(nnx.RngStream):

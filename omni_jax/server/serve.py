@@ -26,7 +26,7 @@ from .engine import ServedEngine
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="converted checkpoint directory, or 'tiny' (default)")
+    p.add_argument("--model", default="tiny", help="converted checkpoint directory, or a built-in tiny random model: 'tiny' (Qwen2.5-Omni, default) or 'tiny-qwen3_omni'")
     p.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
     p.add_argument("--pipeline", default=None, help="pipeline preset name or YAML path (default: the model's)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")

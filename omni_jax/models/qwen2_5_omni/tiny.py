@@ -9,21 +9,15 @@ once into a cache directory and reused.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import sys
-import tempfile
 
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from ...checkpoint import CONFIG_FILE, FORMAT_VERSION, GENERATION_CONFIG_FILE, save_stage
+from ...checkpoint import CONFIG_FILE
 from ...inputs.qwen_tokenizer import build_qwen2_5_omni_tokenizer
 from ...paths import cache_root
-from ..registry import abstract_module
-from .specs import STAGES, write_side_files
+from ..random_checkpoint import write_random_checkpoint
 
 TINY_VERSION = 4  # 4: weights drawn with numpy (`random_params`) instead of flax's initializers
 # <|endoftext|> and <|im_end|> end the reply, as in the released checkpoint's generation config.
@@ -71,29 +65,6 @@ def tiny_speakers(hf_config: dict, seed: int = 0) -> dict:
             for name, bos in (("Chelsie", 151870), ("Ethan", 151871))}
 
 
-def random_params(build, cfg, rng: np.random.Generator) -> dict[tuple, np.ndarray]:
-    """A stage's parameters by path, drawn with numpy as flax's default initializers would
-    (biases and log-scale activations 0, norm scales 1, kernels and embeddings normal with
-    variance 1/fan-in). The module is only traced for its shapes: running flax's
-    initializers compiles one program per parameter shape, half a minute for the tiny model."""
-    module = abstract_module(lambda rngs: build(cfg, jnp.float32, rngs))
-    _, params, _ = nnx.split(module, nnx.Param, ...)
-    arrays = {}
-    for path, v in nnx.to_flat_state(params):
-        shape, leaf = v.get_value().shape, path[-1]
-        if leaf in ("bias", "alpha", "beta"):
-            a = np.zeros(shape)
-        elif leaf in ("scale", "weight") and len(shape) == 1:
-            a = np.ones(shape)
-        elif leaf in ("kernel", "embedding"):
-            fan_in = shape[-1] if leaf == "embedding" else int(np.prod(shape[:-1]))
-            a = rng.standard_normal(shape) / np.sqrt(fan_in)
-        else:
-            raise ValueError(f"no tiny-model initializer for parameter {'/'.join(map(str, path))} {shape}")
-        arrays[path] = a.astype(np.float32)
-    return arrays
-
-
 def default_cache_dir() -> str:
     return os.path.join(cache_root(), f"tiny-qwen2_5_omni-v{TINY_VERSION}")
 
@@ -101,32 +72,9 @@ def default_cache_dir() -> str:
 def build_tiny_checkpoint(out_dir: str, seed: int = 0) -> str:
     """Write a random-initialised tiny checkpoint (OmniJax format, fp32) with a real Qwen tokenizer."""
     hf_config = tiny_config()
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".omni-jax-tiny-", dir=parent)
-    try:
-        stages, tables = [], {}
-        rng = np.random.default_rng(seed)
-        for name, spec in STAGES.items():
-            arrays = random_params(spec.build, spec.parse_config(hf_config[spec.config_key]), rng)
-            save_stage(os.path.join(tmp, name), arrays)
-            if ("model", "embed_tokens", "embedding") in arrays:
-                tables[f"{name}.model.embed_tokens.weight"] = arrays[("model", "embed_tokens", "embedding")]
-            stages.append(name)
-        write_side_files(None, tables.__getitem__, hf_config, tmp, speakers=tiny_speakers(hf_config, seed))
-        build_qwen2_5_omni_tokenizer(tmp)
-        with open(os.path.join(tmp, GENERATION_CONFIG_FILE), "w") as f:
-            json.dump(TINY_GENERATION_CONFIG, f)
-        with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
-            json.dump({"format_version": FORMAT_VERSION, "family": "qwen2_5_omni", "dtype": "float32",
-                       "stages": stages, "hf_config": hf_config}, f, indent=1)
-        if os.path.exists(out_dir):
-            shutil.rmtree(out_dir)
-        os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+    return write_random_checkpoint(out_dir, hf_config, seed=seed, generation_config=TINY_GENERATION_CONFIG,
+                                   speakers=tiny_speakers(hf_config, seed),
+                                   write_tokenizer=build_qwen2_5_omni_tokenizer)
 
 
 def tiny_checkpoint(cache_dir: str | None = None) -> str:

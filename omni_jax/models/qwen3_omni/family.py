@@ -10,6 +10,7 @@ from .pipeline import load_handoff
 from .processor import Qwen3InputProcessor
 from .specs import STAGES, write_side_files
 from .stages import build_talker_engine, build_thinker_engine
+from .tiny import tiny_checkpoint
 
 
 def _code2wav(stage, ckpt_dir: str, async_chunk: bool):
@@ -33,4 +34,5 @@ FAMILY = ModelFamily(
     handoff=load_handoff,
     prompt_processor=Qwen3InputProcessor.from_checkpoint,
     side_files=write_side_files,
+    tiny_checkpoint=tiny_checkpoint,
 )

@@ -1,9 +1,19 @@
-"""Session fixtures: tiny random HF checkpoints (built once, never downloaded)."""
+"""Session fixtures: tiny random checkpoints (built once, never downloaded).
+
+Where torch is installed (the Python 3.11 environment), the tiny checkpoints are built by
+transformers and converted, so the same weights serve the parity tests and the rest. Without
+torch (the Python 3.12 run of `.ci/py312`) the converted fixtures are the package's
+numpy-built tiny models instead (same architectures, other random weights), the tests that
+need the transformers reference carry the `torch` marker (`-m "not torch"` deselects them),
+and the modules that import torch at the top are not collected: the summary names them.
+"""
 
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import os
+import re
 import shutil
 import tempfile
 
@@ -23,6 +33,44 @@ import pytest
 
 import hf_tiny
 
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+# The fixtures that build or load a model with transformers (and so need torch).
+REFERENCE_FIXTURES = {"qwen2_5_omni_hf_dir", "qwen2_5_omni_hf_model", "qwen3_omni_hf_dir", "qwen3_omni_hf_model"}
+_TOP_LEVEL_IMPORT = re.compile(r"^(?:import|from) (\w+)", re.M)
+_not_collected: list[str] = []
+
+
+def _imports_torch(path, seen=()) -> bool:
+    """Whether a module of the suite imports torch at the top, itself or through another module
+    of the suite."""
+    names = set(_TOP_LEVEL_IMPORT.findall(path.read_text()))
+    local = [path.parent / f"{n}.py" for n in names]
+    return "torch" in names or any(m.is_file() and m not in seen and _imports_torch(m, (*seen, path)) for m in local)
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Without torch, a test module that imports it at the top cannot be imported: leave it out
+    (and say so in the summary) instead of failing the collection."""
+    if HAVE_TORCH or collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    if _imports_torch(collection_path):
+        _not_collected.append(collection_path.name)
+        return True
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that use a transformers-built model need torch: mark them `torch`."""
+    for item in items:
+        if REFERENCE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.torch)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _not_collected:
+        terminalreporter.write_line(f"torch is not installed: {len(_not_collected)} modules that import it were not "
+                                    f"collected: {', '.join(sorted(_not_collected))}")
+
 
 @pytest.fixture(scope="session")
 def qwen2_5_omni_hf_dir(tmp_path_factory) -> str:
@@ -37,12 +85,11 @@ def qwen2_5_omni_hf_model(qwen2_5_omni_hf_dir):
 
 
 @pytest.fixture(scope="session")
-def converted_thinker_fp32(qwen2_5_omni_hf_dir, tmp_path_factory) -> str:
-    """The tiny checkpoint converted to OmniJax format in fp32."""
-    from conversion.convert import convert
-
-    return convert(qwen2_5_omni_hf_dir, str(tmp_path_factory.mktemp("omni_jax") / "tiny_fp32"),
-                   dtype="float32", progress=False)
+def converted_thinker_fp32(request, tmp_path_factory) -> str:
+    """The tiny Qwen2.5-Omni in OmniJax format, fp32: the transformers-built checkpoint converted,
+    or without torch the package's numpy-built tiny model."""
+    return _converted(request, "qwen2_5_omni_hf_dir", str(tmp_path_factory.mktemp("omni_jax") / "tiny_fp32"),
+                      "omni_jax.models.qwen2_5_omni.tiny")
 
 
 @pytest.fixture(scope="session")
@@ -62,9 +109,15 @@ def qwen3_omni_hf_model(qwen3_omni_hf_dir):
 
 
 @pytest.fixture(scope="session")
-def converted_qwen3_fp32(qwen3_omni_hf_dir, tmp_path_factory) -> str:
-    """The tiny Qwen3-Omni converted to OmniJax format in fp32."""
+def converted_qwen3_fp32(request, tmp_path_factory) -> str:
+    """The tiny Qwen3-Omni in OmniJax format, fp32 (as `converted_thinker_fp32`)."""
+    return _converted(request, "qwen3_omni_hf_dir", str(tmp_path_factory.mktemp("omni_jax_q3") / "tiny_fp32"),
+                      "omni_jax.models.qwen3_omni.tiny")
+
+
+def _converted(request, hf_dir_fixture: str, out: str, tiny_module: str) -> str:
+    if not HAVE_TORCH:
+        return importlib.import_module(tiny_module).build_tiny_checkpoint(out)
     from conversion.convert import convert
 
-    return convert(qwen3_omni_hf_dir, str(tmp_path_factory.mktemp("omni_jax_q3") / "tiny_fp32"),
-                   dtype="float32", progress=False)
+    return convert(request.getfixturevalue(hf_dir_fixture), out, dtype="float32", progress=False)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 import hf_tiny_qwen3 as tiny
 from omni_jax.models.qwen3_omni.audio_encoder import audio_output_lengths
@@ -82,6 +81,8 @@ class Prompt:
 
     def hf_kwargs(self) -> dict:
         """The media arguments of transformers' thinker forward / generate."""
+        import torch
+
         kw = {}
         if self.mm.audio_features:
             frames = [f.shape[1] for f in self.mm.audio_features]

@@ -6,7 +6,6 @@ import wave
 
 import numpy as np
 import pytest
-import torch
 
 from omni_jax import OmniJax, SamplingParams
 from omni_jax.config import load_pipeline_config
@@ -29,6 +28,8 @@ def tiny_speech_pipeline():
 
 def hf_token2wav(model, codes, voice, noise):
     """transformers' token2wav on `codes` with its torch.randn replaced by `noise`."""
+    import torch
+
     spk = model.speaker_map[voice]
     orig = torch.randn
 
@@ -47,6 +48,8 @@ def hf_token2wav(model, codes, voice, noise):
 
 def hf_generate(model, ids, voice, thinker_tokens, talker_tokens):
     """transformers generate(return_audio): greedy thinker and talker; (text ids, codes)."""
+    import torch
+
     captured = {}
     orig = model.token2wav.forward
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 import hf_tiny
 from omni_jax.engine.ar_engine import RequestError
@@ -47,6 +46,8 @@ def run_all(engine, max_steps=500):
 
 
 def hf_greedy(model, ids, n=MAX_TOKENS, **mm):
+    import torch
+
     with torch.no_grad():
         out = model.thinker.generate(input_ids=torch.tensor(ids)[None],
                                      attention_mask=torch.ones(1, len(ids), dtype=torch.long),
@@ -73,6 +74,8 @@ def image_prompt(grid):
 
 
 def test_concurrent_greedy_matches_transformers(engine, qwen2_5_omni_hf_model):
+    import torch
+
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 151000, n) for n in (5, 17, 33, 40, 64, 9, 70, 3)]
     mel = hf_tiny.random_mel(75, seed=4)

@@ -13,7 +13,6 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
 from omni_jax import AsyncOmniJax, OmniJax, SamplingParams
 from omni_jax.config import load_pipeline_config
@@ -43,6 +42,8 @@ def prompts(n, seed=0, lo=3, hi=40):
 
 
 def test_generate_matches_transformers_and_engine(omni, qwen2_5_omni_hf_model, converted_thinker_fp32):
+    import torch
+
     from omni_jax.engine.runner import RunnerConfig
     from omni_jax.models.qwen2_5_omni.stages import build_thinker_engine
 
@@ -69,6 +70,8 @@ def test_generate_matches_transformers_and_engine(omni, qwen2_5_omni_hf_model, c
 def test_logprobs_reach_the_caller_equal_to_transformers(omni, qwen2_5_omni_hf_model):
     """logprobs=3: per output token the sampled token's log-softmax and rank, and the top 3,
     equal to transformers' log-softmax of the logits (greedy and seeded sampling)."""
+    import torch
+
     p = prompts(1, seed=5)[0]
     for params in (SamplingParams(temperature=0.0, max_tokens=5, logprobs=3),
                    SamplingParams(temperature=0.8, seed=11, max_tokens=5, logprobs=3)):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 import hf_tiny_qwen3 as tiny
 from omni_jax.engine.protocol import AddRequest
@@ -31,6 +30,8 @@ def hf_generate(model, prompt: Prompt, voice: str = "ethan"):
 
     Returns (text ids, codes [G, frames], waveform); code2wav's input is captured on the way.
     """
+    import torch
+
     captured = {}
     orig = model.code2wav.chunked_decode
 

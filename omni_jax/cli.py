@@ -4,7 +4,7 @@
     omni-jax generate --model OUT_DIR|tiny --prompt TEXT | --prompt-embeds FILE.npy
     omni-jax serve --model OUT_DIR|tiny [--port 8000]     (OpenAI-compatible server)
     omni-jax bench --base-url URL [--concurrency N]      (load run against a server)
-    omni-jax plan --model PRESET|OUT_DIR --gpu h100|a100
+    omni-jax plan --model PRESET|OUT_DIR --gpu h100|a100|h200
     omni-jax stage-process --model OUT_DIR --pipeline PRESET|YAML --stage NAME --process-id N
                                                          (a stage's process on another host)
 """

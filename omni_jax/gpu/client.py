@@ -31,8 +31,14 @@ def gpu_python() -> str:
 def worker_env(python: str) -> dict:
     """Environment of a worker: CPU as JAX's platform (the CUDA plugin then registers without
     a driver), XLA pointed at pip's ptxas, and this checkout first on the path."""
-    site = subprocess.run([python, "-c", "import nvidia.cuda_nvcc as m; print(list(m.__path__)[0])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    # pip's CUDA compiler: CUDA 12's wheel is the package nvidia.cuda_nvcc, CUDA 13's lays every
+    # component out under nvidia/cu13 (either holds bin/ptxas and nvvm/libdevice, what XLA needs).
+    find = ("import importlib\nfor name in ('nvidia.cuda_nvcc', 'nvidia.cu13'):\n"
+            "    try:\n        print(list(importlib.import_module(name).__path__)[0]); break\n"
+            "    except ImportError:\n        pass")
+    site = subprocess.run([python, "-c", find], capture_output=True, text=True, check=True).stdout.strip()
+    if not site:
+        raise FileNotFoundError(f"{python} has no pip CUDA compiler (nvidia-cuda-nvcc-cu12 or nvidia-cuda-nvcc 13)")
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
                XLA_FLAGS=f"--xla_gpu_cuda_data_dir={site}", TF_CPP_MIN_LOG_LEVEL="2")
     return env

@@ -1,6 +1,6 @@
 """`omni-jax plan`: memory and roofline plan of a pipeline preset on one GPU model.
 
-    omni-jax plan --model qwen2_5_omni|qwen3_omni|CKPT_DIR --gpu h100|a100 [--context 2048] [--ends]
+    omni-jax plan --model qwen2_5_omni|qwen3_omni|CKPT_DIR --gpu h100|a100|h200 [--context 2048] [--ends]
 
 Compiles every decode and prefill step of the preset's AR stages for the target (in the
 GPU compile environment, see `omni_jax.gpu`) and prints, per stage: parameter bytes,
@@ -26,14 +26,14 @@ from collections import defaultdict
 from ..checkpoint import read_config
 from ..config import ConfigError, default_pipeline_for, list_presets
 from . import client
-from .targets import load_target
+from .targets import FILES, load_target
 
 GB = 1e9
 
 
 def add_arguments(p) -> None:
     p.add_argument("--model", required=True, help="a preset name or a converted checkpoint directory")
-    p.add_argument("--gpu", default="h100", choices=("h100", "a100"))
+    p.add_argument("--gpu", default="h100", choices=sorted(FILES))
     p.add_argument("--context", type=int, default=2048, help="KV tokens each sequence reads per decode step")
     p.add_argument("--ends", action="store_true", help="compile only the smallest and largest bucket")
     p.add_argument("--json", default=None, help="also write the plan as JSON to this file")

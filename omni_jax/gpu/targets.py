@@ -13,14 +13,14 @@ from pathlib import Path
 
 TARGETS_DIR = Path(__file__).resolve().parent / "targets"
 # Short names accepted on the command line -> config file stem.
-FILES = {"h100": "h100_sxm", "a100": "a100_sxm_80"}
+FILES = {"h100": "h100_sxm", "a100": "a100_sxm_80", "h200": "h200_sxm"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Target:
     """One GPU model as XLA sees it when compiling without the device."""
 
-    name: str                    # "h100" | "a100"
+    name: str                    # "h100" | "a100" | "h200"
     config_text: str             # the GpuTargetConfigProto text XLA compiles for
     device_kind: str             # device_description_str, what jax reports as device_kind
     compute_capability: int      # 90, 80

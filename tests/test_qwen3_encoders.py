@@ -33,7 +33,7 @@ from omni_jax.models.qwen3_omni.vision_encoder import (
     vision_metadata,
 )
 
-pytestmark = pytest.mark.parity
+pytestmark = [pytest.mark.parity, pytest.mark.torch]  # the references are built here with torch
 
 ATOL = 1e-4
 MEL = 32

@@ -299,6 +299,7 @@ def test_top_k_1_equals_greedy_in_mixed_batch():
 # --- truncation masks ------------------------------------------------------------------
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("k, p", [(5, 1.0), (0, 0.8), (30, 0.5), (-1, 0.95), (200, 0.3), (1, 1.0)])
 def test_top_k_top_p_mask_matches_numpy_and_transformers(k, p):
     import torch
@@ -339,6 +340,7 @@ def test_top_k_top_p_mask_on_a_wide_vocabulary_with_ties_and_banned_tokens():
     assert got[7].sum() == 1 and got[7, 123]
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("min_p", [0.0, 0.05, 0.3, 1.0])
 def test_min_p_mask_matches_numpy_and_transformers(min_p):
     import torch
@@ -478,6 +480,7 @@ def test_penalties_match_numpy_reference():
         [np.argmax(_np_penalties(logits[i], prompts[i], outputs[i], *cfg[i])) for i in range(n)])
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("penalty", [1.2, 0.7])
 def test_repetition_penalty_matches_transformers(penalty):
     import torch

@@ -26,7 +26,7 @@ from omni_jax.models.qwen2_5_omni.token2wav_bigvgan import (
     upsample1d,
 )
 
-pytestmark = pytest.mark.parity
+pytestmark = [pytest.mark.parity, pytest.mark.torch]  # the reference vocoder is built here with torch
 
 ATOL = 1e-4
 RTOL = 1e-4  # of the reference's peak magnitude

@@ -6,20 +6,18 @@ import functools
 import json
 import os
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
+from flax import nnx
+
+from omni_jax.models.registry import abstract_module
+from omni_jax.models.qwen2_5_omni.token2wav_dit import (
+    HF_RENAMES, DiTConfig, Qwen2_5OmniDiT, block_attention_mask, time_grid)
 
 pytestmark = pytest.mark.parity
-
-torch = pytest.importorskip("torch")
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from omni_jax.models.registry import abstract_module  # noqa: E402
-from omni_jax.models.qwen2_5_omni.token2wav_dit import (  # noqa: E402
-    HF_RENAMES, DiTConfig, Qwen2_5OmniDiT, block_attention_mask, time_grid)
 
 PREFIX = "token2wav.code2wav_dit_model."
 ATOL = 1e-4

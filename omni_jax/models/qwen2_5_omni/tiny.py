@@ -15,17 +15,15 @@ import shutil
 import sys
 import tempfile
 
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from ...checkpoint import CONFIG_FILE, FORMAT_VERSION, GENERATION_CONFIG_FILE, save_stage
+from ...checkpoint import CONFIG_FILE, DTYPES, FORMAT_VERSION, GENERATION_CONFIG_FILE, save_stage
 from ...inputs.qwen_tokenizer import build_qwen2_5_omni_tokenizer
 from ...paths import cache_root
-from ..registry import abstract_module
+from ..random_weights import device_params, random_params
 from .specs import STAGES, write_side_files
 
-TINY_VERSION = 4  # 4: weights drawn with numpy (`random_params`) instead of flax's initializers
+TINY_VERSION = 4  # 4: weights drawn with numpy (`random_weights.random_params`) instead of flax's initializers
 # <|endoftext|> and <|im_end|> end the reply, as in the released checkpoint's generation config.
 TINY_GENERATION_CONFIG = {"eos_token_id": [151643, 151645], "pad_token_id": 151643}
 
@@ -71,54 +69,44 @@ def tiny_speakers(hf_config: dict, seed: int = 0) -> dict:
             for name, bos in (("Chelsie", 151870), ("Ethan", 151871))}
 
 
-def random_params(build, cfg, rng: np.random.Generator) -> dict[tuple, np.ndarray]:
-    """A stage's parameters by path, drawn with numpy as flax's default initializers would
-    (biases and log-scale activations 0, norm scales 1, kernels and embeddings normal with
-    variance 1/fan-in). The module is only traced for its shapes: running flax's
-    initializers compiles one program per parameter shape, half a minute for the tiny model."""
-    module = abstract_module(lambda rngs: build(cfg, jnp.float32, rngs))
-    _, params, _ = nnx.split(module, nnx.Param, ...)
-    arrays = {}
-    for path, v in nnx.to_flat_state(params):
-        shape, leaf = v.get_value().shape, path[-1]
-        if leaf in ("bias", "alpha", "beta"):
-            a = np.zeros(shape)
-        elif leaf in ("scale", "weight") and len(shape) == 1:
-            a = np.ones(shape)
-        elif leaf in ("kernel", "embedding"):
-            fan_in = shape[-1] if leaf == "embedding" else int(np.prod(shape[:-1]))
-            a = rng.standard_normal(shape) / np.sqrt(fan_in)
-        else:
-            raise ValueError(f"no tiny-model initializer for parameter {'/'.join(map(str, path))} {shape}")
-        arrays[path] = a.astype(np.float32)
-    return arrays
-
-
 def default_cache_dir() -> str:
     return os.path.join(cache_root(), f"tiny-qwen2_5_omni-v{TINY_VERSION}")
 
 
 def build_tiny_checkpoint(out_dir: str, seed: int = 0) -> str:
     """Write a random-initialised tiny checkpoint (OmniJax format, fp32) with a real Qwen tokenizer."""
-    hf_config = tiny_config()
+    return build_random_checkpoint(out_dir, tiny_config(), seed=seed)
+
+
+def build_random_checkpoint(out_dir: str, hf_config: dict, *, seed: int = 0, dtype: str = "float32",
+                            on_device: bool = False) -> str:
+    """Write a random Qwen2.5-Omni checkpoint of the sizes in `hf_config` (the tiny one, or the
+    real 7B for the GPU check) with the real Qwen tokenizer and two random voices.
+
+    `on_device`: draw the weights with JAX on the default device (`device_params`) instead of
+    numpy, minutes faster for a real-size model; numpy keeps the tiny model's values fixed.
+    """
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".omni-jax-tiny-", dir=parent)
+    tmp = tempfile.mkdtemp(prefix=".omni-jax-random-", dir=parent)
     try:
         stages, tables = [], {}
         rng = np.random.default_rng(seed)
-        for name, spec in STAGES.items():
-            arrays = random_params(spec.build, spec.parse_config(hf_config[spec.config_key]), rng)
+        for i, (name, spec) in enumerate(STAGES.items()):
+            cfg = spec.parse_config(hf_config[spec.config_key])
+            arrays = (device_params(spec.build, cfg, DTYPES[dtype], seed + i) if on_device
+                      else random_params(spec.build, cfg, rng, DTYPES[dtype]))
             save_stage(os.path.join(tmp, name), arrays)
             if ("model", "embed_tokens", "embedding") in arrays:
                 tables[f"{name}.model.embed_tokens.weight"] = arrays[("model", "embed_tokens", "embedding")]
             stages.append(name)
+            del arrays
         write_side_files(None, tables.__getitem__, hf_config, tmp, speakers=tiny_speakers(hf_config, seed))
         build_qwen2_5_omni_tokenizer(tmp)
         with open(os.path.join(tmp, GENERATION_CONFIG_FILE), "w") as f:
             json.dump(TINY_GENERATION_CONFIG, f)
         with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
-            json.dump({"format_version": FORMAT_VERSION, "family": "qwen2_5_omni", "dtype": "float32",
+            json.dump({"format_version": FORMAT_VERSION, "family": "qwen2_5_omni", "dtype": dtype,
                        "stages": stages, "hf_config": hf_config}, f, indent=1)
         if os.path.exists(out_dir):
             shutil.rmtree(out_dir)

@@ -1,10 +1,11 @@
 """Random parameters for any stage of any family, with no checkpoint and no torch.
 
 One rule per parameter kind, as flax's default initializers draw them (biases and log-scale
-activations 0, norm scales 1, kernels, embeddings and expert weights normal with variance
-1/fan-in, layer scales 0.01), and two ways to draw: with numpy on the host (the tiny demo
+activations 0, norm scales 1, kernels, embeddings and expert weights of variance 1/fan-in,
+layer scales 0.01), and two ways to draw: with numpy on the host (normal; the tiny demo
 model, whose values must stay the same from run to run), or with JAX on the default device
-(a real-size stage for the GPU check: 7B parameters in a second, never through host memory).
+(uniform of the same variance, cheaper to compile; a real-size stage for the GPU check, never
+through host memory).
 The module is only traced for its shapes (`abstract_module`): running flax's initializers
 compiles one program per parameter shape.
 """
@@ -58,19 +59,45 @@ def random_params(build: Callable, cfg, rng: np.random.Generator, dtype=jnp.floa
     return arrays
 
 
-@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
-def _normal(key, fan_in, *, shape, dtype):
-    return (jax.random.normal(key, shape, jnp.float32) * jax.lax.rsqrt(fan_in)).astype(dtype)
+GROUP_BYTES = 1 << 30  # parameters drawn together, at most: the program's temporaries stay small
+
+
+@functools.partial(jax.jit, static_argnames=("specs",))
+def _draw(key, specs):
+    """Every parameter of `specs` ((shape, dtype, kind, value) each) in one program: one
+    compilation for the whole stage (one per shape would be hundreds), the parameters of one
+    shape drawn together up to GROUP_BYTES (the program's size does not grow with the layers,
+    its temporaries stay far below the weights: a 30B model fills most of a GPU)."""
+    groups: dict = {}
+    for i, spec in enumerate(specs):
+        groups.setdefault(spec, []).append(i)
+    out = [None] * len(specs)
+    g = 0
+    for (shape, dtype, kind, x), members in groups.items():
+        per = max(1, GROUP_BYTES // max(1, int(np.prod(shape)) * np.dtype(dtype).itemsize))
+        for c in range(0, len(members), per):
+            chunk = members[c:c + per]
+            if kind == "const":
+                block = jnp.full((len(chunk), *shape), x, dtype)
+            else:  # uniform of the normal's std (cheaper to compile: no erfinv), in the parameter's dtype
+                bound = float(np.sqrt(3.0 / x))
+                block = jax.random.uniform(jax.random.fold_in(key, g), (len(chunk), *shape), dtype, -bound, bound)
+            g += 1
+            for j, i in enumerate(chunk):
+                out[i] = block[j]
+    return out
 
 
 def _draw_on_device(params, seed: int):
-    """(path, array) per parameter of an abstract Param state, drawn on the device."""
-    key = jax.random.key(seed)
-    for i, (path, v) in enumerate(nnx.to_flat_state(params)):
+    """(path, array) per parameter of an abstract Param state, drawn on the default device."""
+    flat = list(nnx.to_flat_state(params))
+    specs = []
+    for path, v in flat:
         value = v.get_value()
-        kind, x = param_init(path, value.shape)
-        yield path, (jnp.full(value.shape, x, value.dtype) if kind == "const" else
-                        _normal(jax.random.fold_in(key, i), jnp.float32(x), shape=value.shape, dtype=value.dtype))
+        specs.append((tuple(value.shape), np.dtype(value.dtype), *param_init(path, value.shape)))
+    # rbg keys: XLA's own RngBitGenerator, one op per draw (threefry unrolls into code that took
+    # 45 s to compile for the tiny thinker on a loaded CPU).
+    return zip([path for path, _ in flat], _draw(jax.random.key(seed, impl="rbg"), tuple(specs)))
 
 
 def device_params(build: Callable, cfg, dtype, seed: int = 0) -> dict[tuple, jax.Array]:

@@ -98,7 +98,8 @@ def build_random_checkpoint(out_dir: str, hf_config: dict, *, seed: int = 0, dty
                       else random_params(spec.build, cfg, rng, DTYPES[dtype]))
             save_stage(os.path.join(tmp, name), arrays)
             if ("model", "embed_tokens", "embedding") in arrays:
-                tables[f"{name}.model.embed_tokens.weight"] = arrays[("model", "embed_tokens", "embedding")]
+                # on the host: the voices read rows of it by id lists (jax arrays take no lists)
+                tables[f"{name}.model.embed_tokens.weight"] = np.asarray(arrays[("model", "embed_tokens", "embedding")])
             stages.append(name)
             del arrays
         write_side_files(None, tables.__getitem__, hf_config, tmp, speakers=tiny_speakers(hf_config, seed))

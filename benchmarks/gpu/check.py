@@ -17,6 +17,7 @@ import importlib
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -134,6 +135,7 @@ def orchestrate(args) -> int:
             json.dump(dict(header=header, parts=results), f, indent=1)
         with open(os.path.join(out, "results.md"), "w") as f:
             f.write(report_mod.markdown(header, results))
+    shutil.rmtree(parts_dir, ignore_errors=True)
     print("\n" + report_mod.markdown(header, results), flush=True)
     print(f"[check] wall time {header['wall_s']}s; results in {out}", flush=True)
     return 0 if all(p["status"] in ("ok", "unavailable") for p in results) else 1

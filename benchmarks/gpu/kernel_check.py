@@ -46,8 +46,8 @@ def run(size, rep, results_dir) -> None:
         ok = r["rel_err"] <= REL_TOL  # False for NaN
         ratio = f", XLA / kernel {r['xla_s'] / r['kernel_s']:.2f}x" if "xla_s" in r else ""
         rep.add(f"{name} time", r["kernel_s"] * 1e3, "ms",
-                f"{bw / 1e9:.0f} GB/s = {100 * bw / peak:.0f}% of copy{ratio}"
-                + (f", {r['flops'] / r['kernel_s'] / 1e12:.1f} TFLOP/s" if "flops" in r else ""))
+                f"{bw / 1e9:.3g} GB/s = {100 * bw / peak:.3g}% of copy{ratio}"
+                + (f", {r['flops'] / r['kernel_s'] / 1e12:.3g} TFLOP/s" if "flops" in r else ""))
         rep.add(f"{name} error", r["rel_err"], "rel L2",
                 f"max abs {r['max_err']:.3g}" + ("" if ok else f" FAIL: over {REL_TOL}"))
         return bw / peak

@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 # import name -> distribution, as benchmarks/gpu/requirements.txt pins them
 WHEEL_MODULES = {
@@ -90,3 +91,14 @@ def run(size, rep, results_dir) -> None:
     from omni_jax.runtime import orchestrator  # noqa: F401 - zmq + msgspec
     from omni_jax.server import app  # noqa: F401 - fastapi + pydantic, no PyAV at import
     rep.add("omni_jax, runtime and server import", "ok", note=os.path.dirname(omni_jax.__file__))
+    # What the check runs must import with PyAV absent (it is not carried), also where it is installed.
+    blocked = subprocess.run([sys.executable, "-c", NO_AV], capture_output=True, text=True, timeout=120)
+    rep.add("imports with PyAV blocked", "ok" if blocked.returncode == 0 else "failed",
+            note="" if blocked.returncode == 0 else "FAIL: " + blocked.stderr.strip().splitlines()[-1][:200])
+
+
+NO_AV = """import sys
+sys.modules["av"] = None  # import av now raises ImportError
+import omni_jax.api, omni_jax.server.app, omni_jax.inputs.processor
+import omni_jax.models.qwen2_5_omni.family, omni_jax.models.qwen3_omni.family
+"""

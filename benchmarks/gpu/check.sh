@@ -27,4 +27,7 @@ fi
 export OMNI_JAX_CHECK_SITE="$site"
 export PYTHONPATH="${site:+$site:}$root${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-exec "$py" "$root/benchmarks/gpu/check.py" "$@"
+rc=0
+"$py" "$root/benchmarks/gpu/check.py" "$@" || rc=$?
+[ -n "$site" ] && rm -rf "$site"
+exit $rc

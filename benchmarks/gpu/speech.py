@@ -41,21 +41,24 @@ def pipeline_for(size, n: int):
 
     text = size.speech_thinker_tokens
     codes = size.speech_talker_tokens
+    # The part's time budget bounds the start-up, not the presets' ready timeouts (the tiny one's
+    # 300 s ran out for the vocoder on a loaded 2-core machine).
+    wait = dict(ready_timeout_s=float(size.budgets["speech"]))
     if size.name == "gpu":
         max_len, blocks = 1024, n * (1024 // 16) + 1
         return load_pipeline_config("qwen2_5_omni").with_overrides(
             thinker=dict(max_num_seqs=n, decode_buckets=sorted({1, n}), token_buckets=[64, 512],
-                         max_num_batched_tokens=512, max_model_len=max_len, num_blocks=blocks),
+                         max_num_batched_tokens=512, max_model_len=max_len, num_blocks=blocks, **wait),
             talker=dict(max_num_seqs=n, decode_buckets=sorted({1, n}), token_buckets=[64, 512],
-                        max_num_batched_tokens=512, max_model_len=max_len, num_blocks=blocks),
+                        max_num_batched_tokens=512, max_model_len=max_len, num_blocks=blocks, **wait),
             token2wav=dict(max_num_seqs=n, decode_buckets=sorted({1, n}), token_buckets=[256],
-                           max_num_batched_tokens=n * 256, max_model_len=256))
+                           max_num_batched_tokens=n * 256, max_model_len=256, **wait))
     assert codes <= 256 and text <= 64
     return load_pipeline_config("qwen2_5_omni_tiny").with_overrides(
-        thinker=dict(max_num_seqs=n, decode_buckets=sorted({1, n})),
-        talker=dict(max_num_seqs=n, decode_buckets=sorted({1, n})),
+        thinker=dict(max_num_seqs=n, decode_buckets=sorted({1, n}), **wait),
+        talker=dict(max_num_seqs=n, decode_buckets=sorted({1, n}), **wait),
         token2wav=dict(max_num_seqs=n, decode_buckets=sorted({1, n}), token_buckets=[64],
-                       max_num_batched_tokens=n * 64, max_model_len=64))
+                       max_num_batched_tokens=n * 64, max_model_len=64, **wait))
 
 
 def run(size, rep, results_dir) -> None:

@@ -73,7 +73,9 @@ def device_peak(device):
 
 
 def time_call(fn, *args, iters=20, reps=5):
-    """Median seconds per call of an already-jitted fn (compiles first)."""
+    """Median seconds per call of a jitted fn over `reps` samples of `iters` calls each
+    (compiles and runs once first; JAX dispatches asynchronously, so each sample ends with
+    the device done)."""
     jax.block_until_ready(fn(*args))
     samples = []
     for _ in range(reps):
@@ -85,13 +87,13 @@ def time_call(fn, *args, iters=20, reps=5):
     return statistics.median(samples)
 
 
-def make_pool(key, num_seqs, context, bs):
+def make_pool(key, num_seqs, context, bs, hkv=HKV, d=D):
     """K/V pages for num_seqs sequences of `context` tokens, blocks shuffled
     over the pool as in a long-running server; block 0 is the dummy."""
     width = -(-context // bs)
     num_blocks = 1 + num_seqs * width
     kk, kv, kp = jax.random.split(key, 3)
-    shape = (num_blocks, bs, HKV, D)
+    shape = (num_blocks, bs, hkv, d)
     k = jax.random.normal(kk, shape, DTYPE)
     v = jax.random.normal(kv, shape, DTYPE)
     perm = 1 + jax.random.permutation(kp, num_blocks - 1)
@@ -117,24 +119,14 @@ def bench_decode(shapes, block_sizes, peak, tuning=None):
           f"{'kernel HBM':>20} | {'xla ms':>8} {'xla HBM':>20} | speedup")
     for bs in block_sizes:
         for batch, ctx in shapes:
-            k, v, tables = make_pool(jax.random.key(batch + ctx), batch, ctx, bs)
-            q = jax.random.normal(jax.random.key(1), (batch, HQ, D), DTYPE)
-            lens = jnp.full((batch,), ctx, jnp.int32)
-            kern = jax.jit(lambda *a: paged_attention(*a, **(tuning or {})))
-            ref = jax.jit(reference.paged_attention)
-            nbytes = kv_bytes(batch * ctx) + 2 * q.size * ITEM + tables.size * 4
-            tk = time_call(kern, q, k, v, tables, lens)
-            tr = time_call(ref, q, k, v, tables, lens, iters=5, reps=3)
-            err = float(jnp.max(jnp.abs(kern(q, k, v, tables, lens).astype(
-                jnp.float32) - ref(q, k, v, tables, lens).astype(jnp.float32))))
+            r = decode_point(batch, ctx, (HQ, HKV, D), bs=bs, tuning=tuning)
+            tk, tr, nbytes = r["kernel_s"], r["xla_s"], r["bytes"]
             print(f"{batch:5d} {ctx:6d} {bs:3d} | {tk * 1e3:9.3f} "
                   f"{fmt_bw(nbytes, tk, peak)} | {tr * 1e3:8.3f} "
                   f"{fmt_bw(nbytes, tr, peak)} | {tr / tk:5.2f}x"
-                  f"{'' if err < 2e-2 else f'  MISMATCH {err:.3g}'}")
+                  f"{'' if r['rel_err'] < 2e-2 else '  MISMATCH %.3g' % r['rel_err']}")
             rows.append((batch, ctx, bs, tk, tr, nbytes))
-            del k, v
     return rows
-
 
 def sweep_decode(peak):
     """Tuning sweep at the target point (batch 64, 4k context, block 16)."""
@@ -164,41 +156,18 @@ def bench_prefill(peak):
     print(f"{'new':>5} {'cached':>6} {'seqs':>4} | {'kernel ms':>9} "
           f"{'TFLOP/s':>8} | {'xla ms':>8} | speedup")
     for new, cached, seqs in PREFILL_SHAPES:
-        ctx = new + cached
-        k, v, tables = make_pool(jax.random.key(ctx), seqs, ctx, 16)
-        t = new * seqs
-        q = jax.random.normal(jax.random.key(2), (t, HQ, D), DTYPE)
-        kv_lens = jnp.full((seqs,), ctx, jnp.int32)
-        cu = jnp.arange(seqs + 1, dtype=jnp.int32) * new
-        args = (q, k, v, tables, kv_lens, cu)
-        tk = time_call(jax.jit(ragged_paged_attention), *args, iters=5)
-        tr = time_call(jax.jit(reference.ragged_paged_attention), *args,
-                       iters=2, reps=3)
-        pairs = seqs * (new * cached + new * (new + 1) / 2)
-        flops = 4 * pairs * HQ * D
+        r = prefill_point(new, cached, seqs, (HQ, HKV, D))
+        tk, tr = r["kernel_s"], r["xla_s"]
         print(f"{new:5d} {cached:6d} {seqs:4d} | {tk * 1e3:9.3f} "
-              f"{flops / tk / 1e12:8.1f} | {tr * 1e3:8.3f} | {tr / tk:5.2f}x")
-
+              f"{r['flops'] / tk / 1e12:8.1f} | {tr * 1e3:8.3f} | {tr / tk:5.2f}x"
+              f"{'' if r['rel_err'] < 2e-2 else '  MISMATCH %.3g' % r['rel_err']}")
 
 def bench_kv_write(peak):
     print("\nKV write (XLA scatter, donated pages)")
     for tokens in (256, 2048, 8192):
-        k, v, _ = make_pool(jax.random.key(3), 1, 64 * 1024, 16)
-        kn = jax.random.normal(jax.random.key(4), (tokens, HKV, D), DTYPE)
-        slots = jax.random.permutation(jax.random.key(5), k.shape[0] * 16)
-        slots = slots[:tokens].astype(jnp.int32)
-        step = jax.jit(write_kv_pages, donate_argnums=(0, 1))
-        k, v = step(k, v, kn, kn, slots)
-        jax.block_until_ready(k)
-        t0 = time.perf_counter()
-        for _ in range(20):
-            k, v = step(k, v, kn, kn, slots)
-        jax.block_until_ready(k)
-        secs = (time.perf_counter() - t0) / 20
-        nbytes = 2 * kv_bytes(tokens)                  # read new + write pages
-        print(f"  {tokens:5d} tokens: {secs * 1e6:8.1f} us "
-              f"{fmt_bw(nbytes, secs, peak)}")
-
+        r = kv_write_point(tokens, (HQ, HKV, D))
+        print(f"  {tokens:5d} tokens: {r['kernel_s'] * 1e6:8.1f} us "
+              f"{fmt_bw(r['bytes'], r['kernel_s'], peak)}{'' if r['max_err'] == 0 else '  WRONG PAGES'}")
 
 def routed(key, tokens, experts, per_token):
     """Group sizes of `tokens` tokens routed to `per_token` distinct random experts each."""
@@ -209,26 +178,111 @@ def routed(key, tokens, experts, per_token):
 
 def bench_experts(peak):
     """The gate/up grouped matmul of one MoE layer: Pallas kernel vs the blocked XLA loop."""
-    from omni_jax.models.layers.moe import blocked_grouped_matmul
-
     e, k, h, i = EXPERTS
     print(f"\nMoE gate/up grouped matmul ({e} experts, {k} per token, [{2 * i}, {h}] each, bf16);"
           " HBM: the routed experts' weights")
     print(f"{'tokens':>6} {'experts hit':>11} | {'kernel ms':>9} {'kernel HBM':>20} | {'xla ms':>8} | speedup")
-    w = jax.random.normal(jax.random.key(6), (e, 2 * i, h), DTYPE)
-    kern = jax.jit(lambda r, w_, s: grouped_matmul(r, w_, s, out_dtype=DTYPE))
-    ref = jax.jit(lambda r, w_, s: blocked_grouped_matmul(r, w_, s, out_dtype=DTYPE))
     for t in EXPERT_TOKENS:
-        sizes = routed(jax.random.key(t), t, e, k)
-        rows = jax.random.normal(jax.random.key(7), (t * k, h), DTYPE)
-        hit = int(jnp.count_nonzero(sizes))
-        nbytes = hit * 2 * i * h * ITEM + rows.size * ITEM + t * k * 2 * i * ITEM
-        tk = time_call(kern, rows, w, sizes)
-        tr = time_call(ref, rows, w, sizes, iters=5, reps=3)
-        err = float(jnp.max(jnp.abs(kern(rows, w, sizes).astype(jnp.float32)
-                                    - ref(rows, w, sizes).astype(jnp.float32))))
-        print(f"{t:6d} {hit:11d} | {tk * 1e3:9.3f} {fmt_bw(nbytes, tk, peak)} | {tr * 1e3:8.3f} | "
-              f"{tr / tk:5.2f}x{'' if err < 0.5 else f'  MISMATCH {err:.3g}'}")
+        r = experts_point(t)
+        tk, tr = r["kernel_s"], r["xla_s"]
+        print(f"{t:6d} {r['experts_hit']:11d} | {tk * 1e3:9.3f} {fmt_bw(r['bytes'], tk, peak)} | {tr * 1e3:8.3f} | "
+              f"{tr / tk:5.2f}x{'' if r['rel_err'] < 2e-2 else '  MISMATCH %.3g' % r['rel_err']}")
+
+def copy_bandwidth(nbytes, iters=20, reps=5):
+    """Bytes/s of a device-to-device copy of `nbytes` (read plus write): the HBM ceiling
+    the kernels are held against, measured in the same run."""
+    x = jax.random.normal(jax.random.key(11), (nbytes // ITEM,), DTYPE)
+    secs = time_call(jax.jit(jnp.copy), x, iters=iters, reps=reps)
+    return 2 * nbytes / secs
+
+
+def _errors(out, ref):
+    """(max abs error, relative L2 error ||out - ref|| / ||ref||) in float32; NaN when the
+    reference is all zeros (random inputs never give that: something wrote nothing)."""
+    out, ref = out.astype(jnp.float32), ref.astype(jnp.float32)
+    norm = float(jnp.linalg.norm(ref))
+    rel = float(jnp.linalg.norm(out - ref)) / norm if norm > 0 else float("nan")
+    return float(jnp.max(jnp.abs(out - ref))), rel
+
+
+def _timed_pair(kern, ref, args, iters, interpret):
+    reps = 1 if interpret else 5
+    tk = time_call(kern, *args, iters=iters, reps=reps)
+    tr = time_call(ref, *args, iters=max(1, iters // 4), reps=reps)
+    return tk, tr, _errors(kern(*args), ref(*args))
+
+
+def decode_point(batch, ctx, heads, bs=16, interpret=False, iters=20, tuning=None):
+    """Paged decode at (batch, context) for heads = (q heads, KV heads, head dim); `tuning`
+    overrides the kernel's launch settings."""
+    hq, hkv, d = heads
+    k, v, tables = make_pool(jax.random.key(batch * 7919 + ctx), batch, ctx, bs, hkv, d)
+    q = jax.random.normal(jax.random.key(ctx + 1), (batch, hq, d), DTYPE)
+    lens = jnp.full((batch,), ctx, jnp.int32)
+    kern = jax.jit(lambda *a: paged_attention(*a, interpret=interpret, **(tuning or {})))
+    tk, tr, (err, rel) = _timed_pair(kern, jax.jit(reference.paged_attention), (q, k, v, tables, lens), iters,
+                                     interpret)
+    nbytes = batch * ctx * hkv * d * 2 * ITEM + 2 * q.size * ITEM + tables.size * 4
+    return dict(kernel_s=tk, xla_s=tr, max_err=err, rel_err=rel, bytes=nbytes)
+
+
+def prefill_point(new, cached, seqs, heads, bs=16, interpret=False, iters=5):
+    """Ragged prefill of `seqs` sequences of `new` tokens after `cached` ones."""
+    hq, hkv, d = heads
+    ctx = new + cached
+    k, v, tables = make_pool(jax.random.key(ctx + seqs), seqs, ctx, bs, hkv, d)
+    q = jax.random.normal(jax.random.key(ctx + 2), (new * seqs, hq, d), DTYPE)
+    kv_lens = jnp.full((seqs,), ctx, jnp.int32)
+    cu = jnp.arange(seqs + 1, dtype=jnp.int32) * new
+    kern = jax.jit(lambda *a: ragged_paged_attention(*a, interpret=interpret))
+    tk, tr, (err, rel) = _timed_pair(kern, jax.jit(reference.ragged_paged_attention),
+                                     (q, k, v, tables, kv_lens, cu), iters, interpret)
+    pairs = seqs * (new * cached + new * (new + 1) / 2)
+    nbytes = seqs * ctx * hkv * d * 2 * ITEM + 2 * q.size * ITEM
+    return dict(kernel_s=tk, xla_s=tr, max_err=err, rel_err=rel, bytes=nbytes, flops=4 * pairs * hq * d)
+
+
+def kv_write_point(tokens, heads, bs=16, pool_tokens=64 * 1024, iters=20, interpret=False):
+    """The KV write (an XLA scatter, no kernel: kv_update.py says why) of `tokens` new tokens
+    into a donated page pool; its error is the largest difference between the pages read back
+    at the slots and the new values (exactly 0 when right)."""
+    _, hkv, d = heads
+    k, v, _ = make_pool(jax.random.key(3), 1, pool_tokens, bs, hkv, d)
+    kn = jax.random.normal(jax.random.key(4), (tokens, hkv, d), DTYPE)
+    vn = jax.random.normal(jax.random.key(5), (tokens, hkv, d), DTYPE)
+    slots = (bs + jax.random.permutation(jax.random.key(6), (k.shape[0] - 1) * bs)[:tokens]).astype(jnp.int32)
+    step = jax.jit(write_kv_pages, donate_argnums=(0, 1))
+    k, v = step(k, v, kn, vn, slots)
+    jax.block_until_ready(k)
+    err = max(float(jnp.max(jnp.abs(k.reshape(-1, hkv, d)[slots].astype(jnp.float32) - kn.astype(jnp.float32)))),
+              float(jnp.max(jnp.abs(v.reshape(-1, hkv, d)[slots].astype(jnp.float32) - vn.astype(jnp.float32)))))
+    samples = []
+    for _ in range(1 if interpret else 5):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            k, v = step(k, v, kn, vn, slots)
+        jax.block_until_ready(k)
+        samples.append((time.perf_counter() - t0) / iters)
+    return dict(kernel_s=statistics.median(samples), max_err=err, rel_err=0.0 if err == 0 else float("nan"),
+                bytes=2 * 2 * tokens * hkv * d * ITEM + tokens * 4)
+
+
+def experts_point(tokens, experts=EXPERTS, interpret=False, iters=20):
+    """A MoE layer's gate/up grouped matmul for `tokens` tokens routed to `per_token` random
+    experts each: the Pallas kernel against the blocked XLA loop (models/layers/moe.py)."""
+    from omni_jax.models.layers.moe import blocked_grouped_matmul
+
+    e, k, h, i = experts
+    w = jax.random.normal(jax.random.key(6), (e, 2 * i, h), DTYPE) / np.sqrt(h)
+    sizes = routed(jax.random.key(tokens), tokens, e, k)
+    rows = jax.random.normal(jax.random.key(7 + tokens), (tokens * k, h), DTYPE)
+    kern = jax.jit(lambda r, w_, s: grouped_matmul(r, w_, s, out_dtype=DTYPE, interpret=interpret))
+    ref = jax.jit(lambda r, w_, s: blocked_grouped_matmul(r, w_, s, out_dtype=DTYPE))
+    tk, tr, (err, rel) = _timed_pair(kern, ref, (rows, w, sizes), iters, interpret)
+    hit = int(jnp.count_nonzero(sizes))
+    nbytes = hit * 2 * i * h * ITEM + rows.size * ITEM + tokens * k * 2 * i * ITEM
+    return dict(kernel_s=tk, xla_s=tr, max_err=err, rel_err=rel, bytes=nbytes, experts_hit=hit,
+                flops=2 * tokens * k * 2 * i * h)
 
 
 def report_target(rows, peak):
@@ -291,7 +345,8 @@ def main(argv=None):
         return smoke_check()
     name, peak = device_peak(gpus[0])
     print(f"Device: {gpus[0].device_kind} -> peak HBM "
-          f"{f'{peak / 1e12:.2f} TB/s ({name})' if peak else name}")
+          f"{f'{peak / 1e12:.2f} TB/s ({name})' if peak else name}; "
+          f"a 2 GiB device-to-device copy measures {copy_bandwidth(2 << 30) / 1e12:.2f} TB/s")
     # The launch settings the engine uses on this GPU (the kernels' per-target tables,
     # checked by the gpu_compile tests); --sweep times the alternatives.
     print(f"Tuning: decode {decode_tuning()}, prefill {prefill_tuning()}, experts {grouped_tuning()}")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import wave
 
-import av
 import numpy as np
 
 # format -> (container, codec, encoder sample rate or None for the input rate)
@@ -42,6 +41,10 @@ def wav_bytes(audio: np.ndarray, sample_rate: int) -> bytes:
 
 
 def _av_bytes(audio: np.ndarray, sample_rate: int, fmt: str) -> bytes:
+    # PyAV (35 MB of FFmpeg) is imported only here, as in inputs/media.py: a server that
+    # writes wav or pcm, and the GPU machine's check (which carries no PyAV), run without it.
+    import av
+
     container, codec, rate = _AV_FORMATS[fmt]
     pcm = np.frombuffer(to_pcm16(audio), "<i2")
     buf = io.BytesIO()

@@ -19,7 +19,7 @@ from ...inputs.qwen_tokenizer import build_qwen2_5_omni_tokenizer
 from ...paths import cache_root
 from ..random_checkpoint import write_random_checkpoint
 
-TINY_VERSION = 4  # 4: weights drawn with numpy (`random_params`) instead of flax's initializers
+TINY_VERSION = 4  # 4: weights drawn with numpy (`random_weights.random_params`) instead of flax's initializers
 # <|endoftext|> and <|im_end|> end the reply, as in the released checkpoint's generation config.
 TINY_GENERATION_CONFIG = {"eos_token_id": [151643, 151645], "pad_token_id": 151643}
 
@@ -71,8 +71,16 @@ def default_cache_dir() -> str:
 
 def build_tiny_checkpoint(out_dir: str, seed: int = 0) -> str:
     """Write a random-initialised tiny checkpoint (OmniJax format, fp32) with a real Qwen tokenizer."""
-    hf_config = tiny_config()
-    return write_random_checkpoint(out_dir, hf_config, seed=seed, generation_config=TINY_GENERATION_CONFIG,
+    return build_random_checkpoint(out_dir, tiny_config(), seed=seed)
+
+
+def build_random_checkpoint(out_dir: str, hf_config: dict, *, seed: int = 0, dtype: str = "float32",
+                            on_device: bool = False) -> str:
+    """Write a random Qwen2.5-Omni checkpoint of the sizes in `hf_config` (the tiny one, or the
+    real 7B for the GPU check) with the real Qwen tokenizer and two random voices
+    (`write_random_checkpoint` says how the weights are drawn)."""
+    return write_random_checkpoint(out_dir, hf_config, seed=seed, dtype=dtype, on_device=on_device,
+                                   generation_config=TINY_GENERATION_CONFIG,
                                    speakers=tiny_speakers(hf_config, seed),
                                    write_tokenizer=build_qwen2_5_omni_tokenizer)
 

@@ -1,0 +1,87 @@
+"""The GPU check's two sizes: the real models on a GPU, toy ones on a CPU (`check.sh --cpu`).
+
+Every part runs the same functions at either size; this module is the one place where the
+sizes, the models and the time budgets differ. GPU budgets add up to under 8 minutes with the
+wheel install and the Python start-ups (the device tool gives one command 10).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    name: str                              # "gpu" | "cpu"
+    interpret: bool                        # Pallas kernels in interpret mode (no GPU)
+    dtype: str                             # model weights and KV
+    # kernels: (batch, context) decode points, (new, cached, seqs) prefill points, KV write
+    # token counts, MoE step sizes in tokens, and the bytes the copy-bandwidth probe moves
+    decode_points: tuple
+    prefill_points: tuple
+    kv_write_tokens: tuple
+    expert_tokens: tuple
+    copy_bytes: int
+    kernel_iters: int                      # timed calls per sample (5 samples, median)
+    # thinker engines: decode batches, the prompt before decode timing, steps timed, prefill size
+    decode_batches: tuple
+    moe_decode_batches: tuple
+    decode_prompt: int
+    decode_steps: int
+    prefill_tokens: int
+    # speech pipeline: concurrency levels (as many requests as the level, at least 2),
+    # thinker tokens and talker codes per request
+    speech_concurrency: tuple
+    speech_thinker_tokens: int
+    speech_talker_tokens: int
+    # transformers peer: batches, prompt and new tokens
+    peer_batches: tuple
+    peer_prompt: int
+    peer_new_tokens: int
+    budgets: dict                          # part -> seconds
+
+
+GPU = Size(
+    name="gpu", interpret=False, dtype="bfloat16",
+    decode_points=((1, 4096), (64, 4096)), prefill_points=((2048, 0, 1), (512, 3584, 4)),
+    kv_write_tokens=(2048,), expert_tokens=(8, 64, 2048),
+    copy_bytes=2 << 30, kernel_iters=20,
+    decode_batches=(1, 16, 64), moe_decode_batches=(1, 16, 64), decode_prompt=512, decode_steps=32,
+    prefill_tokens=2048,
+    speech_concurrency=(1, 8), speech_thinker_tokens=32, speech_talker_tokens=200,
+    peer_batches=(1, 16), peer_prompt=512, peer_new_tokens=64,
+    budgets=dict(environment=30, kernels=60, thinker_7b=80, thinker_30b_moe=100, speech=140, peer=50),
+)
+
+CPU = Size(
+    name="cpu", interpret=True, dtype="float32",
+    decode_points=((2, 64),), prefill_points=((16, 16, 2),), kv_write_tokens=(32,), expert_tokens=(4,),
+    copy_bytes=16 << 20, kernel_iters=2,
+    decode_batches=(1, 4), moe_decode_batches=(1, 4), decode_prompt=16, decode_steps=4, prefill_tokens=64,
+    speech_concurrency=(1, 2), speech_thinker_tokens=4, speech_talker_tokens=24,
+    peer_batches=(1, 4), peer_prompt=16, peer_new_tokens=8,
+    budgets=dict(environment=60, kernels=240, thinker_7b=240, thinker_30b_moe=240, speech=600, peer=120),
+)
+
+SIZES = {"gpu": GPU, "cpu": CPU}
+
+
+def hf_config(family: str, size: Size) -> dict:
+    """The HF config a part builds its random model from: the real model's on a GPU, the
+    project's tiny one on a CPU (Qwen2.5: the demo model's; Qwen3: the test suite's)."""
+    if size.name == "gpu":
+        from omni_jax.gpu.programs import real_hf_config
+
+        return real_hf_config(family)
+    if family == "qwen2_5_omni":
+        from omni_jax.models.qwen2_5_omni.tiny import tiny_config
+
+        return tiny_config()
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import hf_tiny_qwen3  # plain dicts; torch is imported only by its builders
+
+    return hf_tiny_qwen3.qwen3_omni_config_dict()

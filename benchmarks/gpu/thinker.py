@@ -1,0 +1,174 @@
+"""Parts `thinker_7b` and `thinker_30b_moe`: a thinker at the real size (GPU) or the tiny one
+(CPU) with random weights drawn on the device (no checkpoint), served by the engine itself
+(`AREngine`: scheduler, paged KV, bucketed jitted steps, on-device sampling).
+
+Measured: the decode step at each batch against its roofline (the bytes one step must read,
+the decoder's weights (a MoE's routed experts by the share a batch is expected to hit) plus
+the KV cache, over the copy bandwidth measured here), prefill tokens/s with one whole
+prompt per step, and the XLA compilations after warm-up (must be 0).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from sizes import ROOT, hf_config
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+BLOCK = 16
+
+
+def build_engine(family: str, size, batches, seed: int = 0):
+    """(engine, text config, module) of a thinker with random weights on the default device,
+    compiled for `batches` (decode) and one token bucket of `size.prefill_tokens`."""
+    from omni_jax.checkpoint import DTYPES
+    from omni_jax.engine.ar_engine import AREngine, EngineConfig
+    from omni_jax.engine.runner import RunnerConfig, cdiv
+    from omni_jax.models.random_weights import random_module
+    from omni_jax.models.registry import stages_of
+
+    spec = stages_of(family)["thinker"]
+    cfg = spec.parse_config(hf_config(family, size)[spec.config_key])
+    model = random_module(spec.build, cfg, DTYPES[size.dtype], seed)
+    text = cfg.text
+    max_len = cdiv(max(size.prefill_tokens, size.decode_prompt + size.decode_steps + 8) + 1, BLOCK) * BLOCK
+    max_seqs = max(batches)
+    rc = RunnerConfig(num_blocks=max_seqs * (max_len // BLOCK) + 1, block_size=BLOCK, max_num_seqs=max_seqs,
+                      max_num_batched_tokens=size.prefill_tokens, max_model_len=max_len,
+                      token_buckets=(size.prefill_tokens,), decode_buckets=tuple(sorted(batches)))
+    # Text only: the plain step variants (media and DeepStack variants compile too in a served
+    # stage; they are other programs, not faster or slower ones).
+    engine = AREngine(model, EngineConfig(runner=rc, vocab_size=text.vocab_size, enable_prefix_caching=False),
+                      num_layers=text.num_layers, num_kv_heads=text.num_kv_heads, head_dim=text.head_dim,
+                      hidden_size=text.hidden_size)
+    return engine, text, model
+
+
+def decode_weight_bytes(model, text, batch: int) -> float:
+    """Bytes of decoder weights one decode step reads: every layer, the final norm and the LM
+    head (one embedding row per token: negligible); a MoE layer's experts by the expected share
+    hit by `batch` tokens routed to k of E experts each, 1 - (1 - k/E)^batch."""
+    from flax import nnx
+
+    experts = getattr(text, "num_experts", 0)
+    hit = 1 - (1 - text.num_experts_per_tok / experts) ** batch if experts else 1.0
+    total = 0.0
+    for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        names = [str(p) for p in path]
+        if not ((names[0] == "model" and names[1] != "embed_tokens") or names[0] == "lm_head"):
+            continue
+        a = v.get_value()
+        total += a.size * a.dtype.itemsize * (hit if "experts" in names else 1.0)
+    return total
+
+
+def kv_bytes_per_token(text, dtype_bytes: int) -> int:
+    return 2 * text.num_layers * text.num_kv_heads * text.head_dim * dtype_bytes
+
+
+def _prompt(rng, n: int, vocab: int) -> list[int]:
+    return rng.integers(0, min(vocab, 150000), n).tolist()
+
+
+def time_decode(engine, batch: int, size, rng) -> float:
+    """Seconds per engine step with `batch` requests all decoding (their prompts prefilled first)."""
+    from omni_jax import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=size.decode_steps + 4, ignore_eos=True)
+    ids = [f"d{batch}-{i}-{time.monotonic_ns()}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, _prompt(rng, size.decode_prompt, engine.vocab_size), params)
+    got = dict.fromkeys(ids, 0)
+    while min(got.values()) < 2:  # every prompt prefilled and decoding
+        for out in engine.step():
+            if out.error:
+                raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+            got[out.request_id] += len(out.new_token_ids)
+    t0 = time.perf_counter()
+    for _ in range(size.decode_steps):
+        engine.step()
+    secs = (time.perf_counter() - t0) / size.decode_steps
+    while engine.has_unfinished():
+        engine.step()
+    return secs
+
+
+def time_prefill(engine, size, rng, reps: int = 3) -> float:
+    """Median seconds from queueing one `prefill_tokens` prompt to its first token (one step)."""
+    from omni_jax import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    samples = []
+    for r in range(reps + 1):  # the first is not counted
+        rid = f"p{r}-{time.monotonic_ns()}"
+        engine.add_request(rid, _prompt(rng, size.prefill_tokens, engine.vocab_size), params)
+        t0 = time.perf_counter()
+        done = False
+        while not done:
+            for out in engine.step():
+                if out.error:
+                    raise RuntimeError(f"prefill request failed: {out.error}")
+                done |= out.request_id == rid and len(out.new_token_ids) > 0
+        if r:
+            samples.append(time.perf_counter() - t0)
+        while engine.has_unfinished():
+            engine.step()
+    return statistics.median(samples)
+
+
+def run_thinker(family: str, batches, size, rep) -> None:
+    import jax
+
+    import kernels as kb
+
+    t0 = time.perf_counter()
+    engine, text, model = build_engine(family, size, batches)
+    jax.block_until_ready(jax.tree.leaves(engine.runner.state))
+    params = sum(a.size for a in jax.tree.leaves(nnx_params(model)))
+    rep.add("random weights on device", time.perf_counter() - t0, "s",
+            f"{params / 1e9:.2f}B parameters, {size.dtype}, {text.num_layers} layers")
+    stats = jax.devices()[0].memory_stats() or {}
+    if stats.get("bytes_in_use"):
+        rep.add("device memory in use", stats["bytes_in_use"] / 2**30, "GiB", "weights and KV pages")
+    bw = kb.copy_bandwidth(size.copy_bytes, iters=size.kernel_iters, reps=1 if size.interpret else 5)
+    rep.add("copy bandwidth (roofline)", bw / 1e9, "GB/s")
+    warm = engine.warmup(progress=False)
+    compiled = engine.num_compilations  # nothing below may compile
+    rep.add("warm-up (compile every bucket)", warm, "s", f"{compiled} compilations so far")
+    rng = np.random.default_rng(0)
+    item = np.dtype(jax.numpy.dtype(size.dtype)).itemsize
+    for b in batches:
+        step = time_decode(engine, b, size, rng)
+        ctx = size.decode_prompt + size.decode_steps // 2 + 2
+        nbytes = decode_weight_bytes(model, text, b) + b * ctx * kv_bytes_per_token(text, item)
+        roof = nbytes / bw
+        target = "" if size.name != "gpu" or b != 1 else (" (target <= 1.5x: " + (
+            "met)" if step / roof <= 1.5 else "NOT MET)"))
+        rep.add(f"decode step b{b}", step * 1e3, "ms",
+                f"{b / step:.0f} tok/s; roofline {roof * 1e3:.3g} ms ({nbytes / 1e9:.2f} GB at {ctx} ctx): "
+                f"{step / roof:.2f}x{target}")
+    secs = time_prefill(engine, size, rng)
+    rep.add(f"prefill {size.prefill_tokens} tokens", size.prefill_tokens / secs, "tok/s",
+            f"{secs * 1e3:.1f} ms to the first token")
+    extra = engine.num_compilations - compiled
+    rep.add("compilations after warm-up", extra, "", "" if extra == 0 else "FAIL: a step compiled while serving")
+
+
+def nnx_params(model):
+    from flax import nnx
+
+    return nnx.state(model, nnx.Param)
+
+
+def run_qwen2_5(size, rep, results_dir) -> None:
+    run_thinker("qwen2_5_omni", size.decode_batches, size, rep)
+
+
+def run_qwen3(size, rep, results_dir) -> None:
+    run_thinker("qwen3_omni", size.moe_decode_batches, size, rep)

@@ -8,8 +8,8 @@ wheel install and the Python start-ups (the device tool gives one command 10).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
-import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -72,16 +72,9 @@ SIZES = {"gpu": GPU, "cpu": CPU}
 
 def hf_config(family: str, size: Size) -> dict:
     """The HF config a part builds its random model from: the real model's on a GPU, the
-    project's tiny one on a CPU (Qwen2.5: the demo model's; Qwen3: the test suite's)."""
+    family's built-in tiny one on a CPU."""
     if size.name == "gpu":
         from omni_jax.gpu.programs import real_hf_config
 
         return real_hf_config(family)
-    if family == "qwen2_5_omni":
-        from omni_jax.models.qwen2_5_omni.tiny import tiny_config
-
-        return tiny_config()
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    import hf_tiny_qwen3  # plain dicts; torch is imported only by its builders
-
-    return hf_tiny_qwen3.qwen3_omni_config_dict()
+    return importlib.import_module(f"omni_jax.models.{family}.tiny").tiny_config()

@@ -28,7 +28,7 @@ from pathlib import Path
 import jax
 import numpy as np
 from jax.experimental import topologies
-from jax.sharding import AbstractDevice, AbstractMesh, Mesh, SingleDeviceSharding
+from jax.sharding import Mesh, SingleDeviceSharding
 
 from ..models.layers.parallel import EP, TP
 from .targets import Target
@@ -125,9 +125,7 @@ class Compiler:
                                                      topology="1x1x1")
         self.device = self.topology.devices[0]
         self.sharding = SingleDeviceSharding(self.device)
-        # Pallas (and the kernels' tuning tables) ask the abstract mesh which GPU this is.
-        self.mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
-            device_kind=self.device.device_kind, num_cores=None, platform="cuda"))
+        self.mesh = target.abstract_mesh()
         self.ptxas = os.path.join(cuda_data_dir(), "bin", "ptxas")
 
     def stage_mesh(self, tensor_parallel_size: int, expert_parallel_size: int = 1) -> Mesh:

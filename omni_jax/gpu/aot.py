@@ -31,6 +31,7 @@ from jax.experimental import topologies
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from ..models.layers.parallel import EP, TP
+from .client import cuda_data_dir
 from .targets import Target
 
 # Pallas kernels are named after these prefixes (pallas_call name=...).
@@ -39,13 +40,6 @@ PALLAS_PREFIXES = ("paged_decode", "ragged_paged_prefill", "grouped_matmul")
 _CONTROL_THUNKS = {"kSequential", "kWhile", "kConditional", "kWaitForStreams", "kCommandBuffer"}
 _THUNK_RE = re.compile(r"^\s*\d+:\s+(k\w+)\s.*?\]\s+(\S+)(.*)$")
 _LAUNCH_RE = re.compile(r"grid:\s*\[([\d, ]+)\]\s*threads:\s*\[([\d, ]+)\]\s*shared_memory:\s*(\d+)")
-
-
-def cuda_data_dir() -> str:
-    """pip's CUDA compiler directory (nvidia-cuda-nvcc-cu12): XLA's and our ptxas."""
-    import nvidia.cuda_nvcc as m
-
-    return str(Path(list(m.__path__)[0]))
 
 
 @dataclasses.dataclass

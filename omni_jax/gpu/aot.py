@@ -28,9 +28,10 @@ from pathlib import Path
 import jax
 import numpy as np
 from jax.experimental import topologies
-from jax.sharding import AbstractDevice, AbstractMesh, Mesh, SingleDeviceSharding
+from jax.sharding import Mesh, SingleDeviceSharding
 
 from ..models.layers.parallel import EP, TP
+from .client import cuda_data_dir
 from .targets import Target
 
 # Pallas kernels are named after these prefixes (pallas_call name=...).
@@ -39,13 +40,6 @@ PALLAS_PREFIXES = ("paged_decode", "ragged_paged_prefill", "grouped_matmul")
 _CONTROL_THUNKS = {"kSequential", "kWhile", "kConditional", "kWaitForStreams", "kCommandBuffer"}
 _THUNK_RE = re.compile(r"^\s*\d+:\s+(k\w+)\s.*?\]\s+(\S+)(.*)$")
 _LAUNCH_RE = re.compile(r"grid:\s*\[([\d, ]+)\]\s*threads:\s*\[([\d, ]+)\]\s*shared_memory:\s*(\d+)")
-
-
-def cuda_data_dir() -> str:
-    """pip's CUDA compiler directory (nvidia-cuda-nvcc-cu12): XLA's and our ptxas."""
-    import nvidia.cuda_nvcc as m
-
-    return str(Path(list(m.__path__)[0]))
 
 
 @dataclasses.dataclass
@@ -125,9 +119,7 @@ class Compiler:
                                                      topology="1x1x1")
         self.device = self.topology.devices[0]
         self.sharding = SingleDeviceSharding(self.device)
-        # Pallas (and the kernels' tuning tables) ask the abstract mesh which GPU this is.
-        self.mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
-            device_kind=self.device.device_kind, num_cores=None, platform="cuda"))
+        self.mesh = target.abstract_mesh()
         self.ptxas = os.path.join(cuda_data_dir(), "bin", "ptxas")
 
     def stage_mesh(self, tensor_parallel_size: int, expert_parallel_size: int = 1) -> Mesh:

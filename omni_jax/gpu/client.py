@@ -7,6 +7,7 @@ subprocess, one per target, side by side, and reads its JSON.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -28,17 +29,25 @@ def gpu_python() -> str:
     return path
 
 
+def cuda_data_dir() -> str:
+    """pip's CUDA compiler directory in this interpreter, with the ptxas and libdevice that XLA
+    and the kernel checks run: CUDA 12's wheel (nvidia-cuda-nvcc-cu12) is the package
+    nvidia.cuda_nvcc, CUDA 13's (nvidia-cuda-nvcc 13) lays every component out under nvidia/cu13."""
+    for name in ("nvidia.cuda_nvcc", "nvidia.cu13"):
+        try:
+            return str(Path(list(importlib.import_module(name).__path__)[0]))
+        except ImportError:
+            continue
+    raise FileNotFoundError("no pip CUDA compiler here: install nvidia-cuda-nvcc-cu12 (CUDA 12) "
+                            "or nvidia-cuda-nvcc 13 (CUDA 13)")
+
+
 def worker_env(python: str) -> dict:
     """Environment of a worker: CPU as JAX's platform (the CUDA plugin then registers without
     a driver), XLA pointed at pip's ptxas, and this checkout first on the path."""
-    # pip's CUDA compiler: CUDA 12's wheel is the package nvidia.cuda_nvcc, CUDA 13's lays every
-    # component out under nvidia/cu13 (either holds bin/ptxas and nvvm/libdevice, what XLA needs).
-    find = ("import importlib\nfor name in ('nvidia.cuda_nvcc', 'nvidia.cu13'):\n"
-            "    try:\n        print(list(importlib.import_module(name).__path__)[0]); break\n"
-            "    except ImportError:\n        pass")
-    site = subprocess.run([python, "-c", find], capture_output=True, text=True, check=True).stdout.strip()
-    if not site:
-        raise FileNotFoundError(f"{python} has no pip CUDA compiler (nvidia-cuda-nvcc-cu12 or nvidia-cuda-nvcc 13)")
+    find = "from omni_jax.gpu.client import cuda_data_dir; print(cuda_data_dir())"
+    site = subprocess.run([python, "-c", find], capture_output=True, text=True, check=True,
+                          env=dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")).stdout.strip()
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
                XLA_FLAGS=f"--xla_gpu_cuda_data_dir={site}", TF_CPP_MIN_LOG_LEVEL="2")
     return env

@@ -11,6 +11,8 @@ import dataclasses
 import re
 from pathlib import Path
 
+from jax.sharding import AbstractDevice, AbstractMesh
+
 TARGETS_DIR = Path(__file__).resolve().parent / "targets"
 # Short names accepted on the command line -> config file stem.
 FILES = {"h100": "h100_sxm", "a100": "a100_sxm_80", "h200": "h200_sxm"}
@@ -29,6 +31,13 @@ class Target:
     registers_per_block_limit: int
     memory_bandwidth: int        # bytes / s
     device_memory_size: int      # bytes
+
+    def abstract_mesh(self) -> AbstractMesh:
+        """A one-device mesh of this GPU, to lower or compile under (`jax.sharding.use_abstract_mesh`):
+        Pallas and the kernels' tuning tables ask it which GPU the program is for (from JAX 0.11
+        on, the Triton backend refuses to lower without a GPU or such a mesh)."""
+        return AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+            device_kind=self.device_kind, num_cores=None, platform="cuda"))
 
     @property
     def arch(self) -> str:

@@ -37,6 +37,8 @@ class MediaPolicy:
         except MediaError as e:
             raise bad_request(f"{param}: {e}", param) from None
         if src.kind == "data":
+            if "," not in url:
+                raise bad_request(f"{param}: malformed data: URL (no ',' after the media type)", param)
             return url
         if src.kind == "remote":
             if src.scheme in ("http", "https"):

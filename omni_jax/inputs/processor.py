@@ -188,7 +188,7 @@ class InputProcessor:
                  media_limits: MediaLimits | None = None):
         self.tokenizer = tokenizer
         self._chat_text = ChatText(tokenizer) if tokenizer is not None else None
-        self._floor = TokenFloor(tokenizer, self._chat_text.specials) if tokenizer is not None else None
+        self._floor = TokenFloor(tokenizer) if tokenizer is not None else None
         self.media_limits = media_limits or MediaLimits()
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
@@ -467,7 +467,7 @@ class InputProcessor:
             raise PromptError("empty prompt")
         if max_prompt_len is not None and ids.size > max_prompt_len:
             # Each media placeholder only grows: refused before any media is decoded.
-            raise PromptError(self._too_long(max_prompt_len, f"it has {ids.size}"))
+            raise PromptError(self._too_long(max_prompt_len, f"it has {ids.size} tokens"))
         if items is not None:
             ids, mm = self._expand(ids, items, by_kind, use_aiv)
         bad = (ids < 0) | (ids >= self.vocab_size)
@@ -476,19 +476,18 @@ class InputProcessor:
         return ProcessedPrompt(ids, mm)
 
     @staticmethod
-    def _too_long(limit: int, how_many: str) -> str:
-        return (f"the prompt is too long: {how_many} tokens; a prompt may have at most {limit} "
+    def _too_long(limit: int, why: str) -> str:
+        return (f"the prompt is too long: {why}; a prompt may have at most {limit} tokens "
                 f"(the first stage's max_model_len {limit + 1}, less one for the reply)")
 
     def _check_fits(self, texts, max_prompt_len: int | None) -> None:
-        """PromptError if the texts certainly make more than max_prompt_len tokens (checked in
-        bounded memory, before the texts are rendered or tokenized)."""
+        """PromptError if the texts cannot make at most max_prompt_len tokens (found in bounded time
+        and memory, before the texts are rendered or tokenized whole: token_floor.py)."""
         if max_prompt_len is None or self._floor is None:
             return
-        texts = [t for t in texts if isinstance(t, str)]
-        if self._floor.exceeds(texts, max_prompt_len, cancel.check):
-            chars = sum(map(len, texts))
-            raise PromptError(self._too_long(max_prompt_len, f"its {chars} characters make more than {max_prompt_len}"))  # noqa: E501
+        why = self._floor.check([t for t in texts if isinstance(t, str)], max_prompt_len, cancel.check)
+        if why is not None:
+            raise PromptError(self._too_long(max_prompt_len, why))
 
     def _embeds_prompt(self, prompt: dict, max_prompt_len: int | None) -> ProcessedPrompt:
         """A `prompt_embeds` prompt: the rows checked and cast to float32, with their token ids."""

@@ -3,7 +3,7 @@ each driven over HTTP against a real server process whose resident memory and CP
 sampled with psutil where the defect was a cost.
 
 The server runs from a working directory holding a directory named `DATA:` and a file outside
-the allowed media directory (the policy bypass of defect 5), with short timeouts (prompt 5 s,
+the allowed media directory (the policy bypass of defect 5), with short timeouts (prompt 3 s,
 headers 2 s, body 2 s) and 2 prompt workers with at most 2 prompts queued, so that each
 limit is reached in seconds.
 """
@@ -38,7 +38,7 @@ pytestmark = pytest.mark.server
 API_KEY = "hostile-test-key"
 MODEL = "tiny"
 HELLO = [{"role": "user", "content": "Hello"}]
-PROMPT_TIMEOUT_S = 5.0
+PROMPT_TIMEOUT_S = 3.0
 HEADER_TIMEOUT_S = 2.0
 BODY_TIMEOUT_S = 2.0
 MAX_PROMPT_TOKENS = 511  # the tiny thinker's max_model_len 512, less one
@@ -204,9 +204,10 @@ def _wav_b64(samples: int = 1600) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def _slow_prompt(items: int = 100) -> dict:
-    """A small body (~450 KB) whose processing takes ~0.2 s per item on this machine: each 0.1 s
-    clip is padded to 300 s for the audio features, as Qwen's processor does."""
+def _slow_prompt(items: int = 120) -> dict:
+    """A small body (~550 KB) whose processing takes 0.04 to 0.2 s per item (idle to loaded machine):
+    each 0.1 s clip is padded to 300 s for the audio features, as Qwen's processor does. Expanded,
+    it still fits the tiny thinker (~500 tokens), so only the time budget stops it."""
     part = {"type": "input_audio", "input_audio": {"data": _wav_b64(), "format": "wav"}}
     return _chat([part] * items)
 
@@ -265,7 +266,7 @@ def test_1_large_text_is_refused_before_it_is_tokenized(server):
 # ---------------------------------------------------------------------------------------- 2: abandoned work
 
 def test_2_abandoned_prompts_stop_costing_and_the_queue_is_bounded(server):
-    """Prompts whose processing takes ~20 s: one past prompt_timeout_s gets its 400 and its
+    """Prompts whose processing takes 5 to 25 s: one past prompt_timeout_s gets its 400 and its
     processing stops; clients that leave stop theirs; beyond 2 workers + 2 queued, a request gets
     503 with Retry-After at once. After each, the server's CPU is back to idle within a second."""
     idle = _cpu_over(server, 2.0)
@@ -294,7 +295,7 @@ def test_2_abandoned_prompts_stop_costing_and_the_queue_is_bounded(server):
     # The others left (or, on a slow machine, met prompt_timeout_s first: httpx's timeout is per read).
     assert all(o[0] == "left" or (o[0] == 400 and o[2] == "invalid_value") for o in outcomes if o[0] != 503), outcomes
     time.sleep(1.0)
-    assert _cpu_over(server, 2.0) < idle + 0.3  # abandoned: the four prompts stopped (~20 s of work each)
+    assert _cpu_over(server, 2.0) < idle + 0.3  # abandoned: the four prompts stopped (5 to 25 s of work each)
     assert _normal_chat_s(server) < 3
 
 

@@ -45,8 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "request gets 503 with Retry-After (default: 4 x --max-request-body-mb)")
     p.add_argument("--prompt-workers", type=int, default=4,
                    help="threads that process prompts (templates, tokenizer, media decoding; default 4)")
-    p.add_argument("--max-queued-prompts", type=int, default=32,
-                   help="prompts that may wait for a prompt worker; more get 503 with Retry-After (default 32)")
+    p.add_argument("--max-queued-prompts", type=int, default=256,
+                   help="prompts that may wait for a prompt worker; more get 503 with Retry-After (default 256)")
     p.add_argument("--header-timeout-s", type=float, default=10.0,
                    help="a request's headers must arrive within this many seconds, else the connection is "
                         "closed (default 10)")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # Per-field bounds: fields with a natural size are refused (400 naming them) past it, so that no
 # value costs more than it can be worth. A message's text is bounded by the model's context (the
@@ -22,7 +22,6 @@ MAX_STOP = 16
 MAX_STOP_CHARS = 1024
 MAX_STAGES = 8          # entries of sampling_params_list
 Name = Annotated[str, Field(max_length=MAX_NAME)]
-StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 CHAT_AUDIO_FORMATS = ("wav", "mp3", "flac", "opus", "pcm16")
 SPEECH_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
@@ -62,7 +61,7 @@ class ChatCompletionRequest(_Body):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP)] | None = None
+    stop: str | list[str] | None = None
     seed: int | None = None
     n: int = 1
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
@@ -79,6 +78,18 @@ class ChatCompletionRequest(_Body):
     ignore_eos: bool | None = None
     # vLLM-Omni: one dict of SamplingParams fields per stage (thinker, talker, vocoder); null keeps a default.
     sampling_params_list: Annotated[list[dict[str, Any] | None], Field(max_length=MAX_STAGES)] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _short_stops(cls, stop):
+        # Checked here, not by a constrained type: an error inside the union would be named
+        # `stop.constrained-str`, and the text's own checks (UTF-8) come later, naming `stop`.
+        if isinstance(stop, list) and len(stop) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings")
+        for s in [stop] if isinstance(stop, str) else stop or []:
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
+        return stop
 
 
 class SpeechRequest(_Body):

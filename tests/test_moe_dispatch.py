@@ -3,6 +3,7 @@ blocked path's cost."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 
@@ -14,6 +15,7 @@ from flax import nnx
 
 import kernels_pallas
 from kernels_pallas.grouped_matmul import max_blocks
+from omni_jax.gpu.targets import load_target
 from omni_jax.models.layers.moe import (
     MoEConfig, SparseMoeBlock, blocked_grouped_matmul, dense_moe_reference, grouped_matmul, moe_experts,
     ragged_dot_grouped_matmul, route)
@@ -222,11 +224,13 @@ def test_default_impl_per_lowering_platform():
     graph, state = nnx.split(block)
     x = jax.ShapeDtypeStruct((64, 32), jnp.bfloat16)
 
-    def text(fn, platform):
-        return jax.jit(fn).trace(state, x).lower(lowering_platforms=(platform,)).as_text()
+    def text(fn, platform, gpu=None):
+        # `gpu`: a GPU's mesh, for Pallas: from JAX 0.11 on, its Triton backend lowers only for a named GPU.
+        with jax.sharding.use_abstract_mesh(gpu) if gpu else contextlib.nullcontext():
+            return jax.jit(fn).trace(state, x).lower(lowering_platforms=(platform,)).as_text()
 
     # GPU: the Pallas kernel, one launch per grouped matmul (gate/up, down); CPU: the blocked loop.
-    cuda = text(lambda s, v: nnx.merge(graph, s)(v), "cuda")
+    cuda = text(lambda s, v: nnx.merge(graph, s)(v), "cuda", load_target("a100").abstract_mesh())
     assert "ragged_dot" not in cuda
     assert len(re.findall(r'custom_call @__gpu\$xla\.gpu\.triton.*?name = "grouped_matmul', cuda)) == 2, cuda
     assert "grouped_matmul" not in text(lambda s, v: nnx.merge(graph, s)(v), "cpu")

@@ -11,7 +11,7 @@ import dataclasses
 import re
 from pathlib import Path
 
-from jax.sharding import AbstractDevice, AbstractMesh
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 TARGETS_DIR = Path(__file__).resolve().parent / "targets"
 # Short names accepted on the command line -> config file stem.
@@ -35,8 +35,10 @@ class Target:
     def abstract_mesh(self) -> AbstractMesh:
         """A one-device mesh of this GPU, to lower or compile under (`jax.sharding.use_abstract_mesh`):
         Pallas and the kernels' tuning tables ask it which GPU the program is for (from JAX 0.11
-        on, the Triton backend refuses to lower without a GPU or such a mesh)."""
-        return AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+        on, the Triton backend refuses to lower without a GPU or such a mesh). Its axis is
+        Auto, as the engine's meshes are (under the default axis types JAX 0.12 asks ragged_dot
+        for explicit output shardings)."""
+        return AbstractMesh((1,), ("x",), axis_types=(AxisType.Auto,), abstract_device=AbstractDevice(
             device_kind=self.device_kind, num_cores=None, platform="cuda"))
 
     @property

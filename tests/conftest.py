@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import tempfile
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -37,7 +38,6 @@ HAVE_TORCH = importlib.util.find_spec("torch") is not None
 # The fixtures that build or load a model with transformers (and so need torch).
 REFERENCE_FIXTURES = {"qwen2_5_omni_hf_dir", "qwen2_5_omni_hf_model", "qwen3_omni_hf_dir", "qwen3_omni_hf_model"}
 _TOP_LEVEL_IMPORT = re.compile(r"^(?:import|from) (\w+)", re.M)
-_not_collected: list[str] = []
 
 
 def _imports_torch(path, seen=()) -> bool:
@@ -53,10 +53,7 @@ def pytest_ignore_collect(collection_path, config):
     (and say so in the summary) instead of failing the collection."""
     if HAVE_TORCH or collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
         return None
-    if _imports_torch(collection_path):
-        _not_collected.append(collection_path.name)
-        return True
-    return None
+    return True if _imports_torch(collection_path) else None
 
 
 def pytest_collection_modifyitems(config, items):
@@ -67,9 +64,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_terminal_summary(terminalreporter):
-    if _not_collected:
-        terminalreporter.write_line(f"torch is not installed: {len(_not_collected)} modules that import it were not "
-                                    f"collected: {', '.join(sorted(_not_collected))}")
+    # Listed here, not gathered while collecting: under xdist the workers collect.
+    if not HAVE_TORCH:
+        left = sorted(p.name for p in Path(__file__).parent.glob("test_*.py") if _imports_torch(p))
+        terminalreporter.write_line(f"torch is not installed: {len(left)} modules that import it were not "
+                                    f"collected: {', '.join(left)}")
 
 
 @pytest.fixture(scope="session")

@@ -33,6 +33,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 import pytest
 
 import hf_tiny
+from omni_jax.models.qwen2_5_omni import tiny as qwen2_5_tiny
+from omni_jax.models.qwen3_omni import tiny as qwen3_tiny
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 # The fixtures that build or load a model with transformers (and so need torch).
@@ -88,7 +90,7 @@ def converted_thinker_fp32(request, tmp_path_factory) -> str:
     """The tiny Qwen2.5-Omni in OmniJax format, fp32: the transformers-built checkpoint converted,
     or without torch the package's numpy-built tiny model."""
     return _converted(request, "qwen2_5_omni_hf_dir", str(tmp_path_factory.mktemp("omni_jax") / "tiny_fp32"),
-                      "omni_jax.models.qwen2_5_omni.tiny")
+                      lambda out: qwen2_5_tiny.build_random_checkpoint(out, qwen2_5_tiny.tiny_config(), tokenizer=False))
 
 
 @pytest.fixture(scope="session")
@@ -111,12 +113,14 @@ def qwen3_omni_hf_model(qwen3_omni_hf_dir):
 def converted_qwen3_fp32(request, tmp_path_factory) -> str:
     """The tiny Qwen3-Omni in OmniJax format, fp32 (as `converted_thinker_fp32`)."""
     return _converted(request, "qwen3_omni_hf_dir", str(tmp_path_factory.mktemp("omni_jax_q3") / "tiny_fp32"),
-                      "omni_jax.models.qwen3_omni.tiny")
+                      qwen3_tiny.build_tiny_checkpoint)
 
 
-def _converted(request, hf_dir_fixture: str, out: str, tiny_module: str) -> str:
+def _converted(request, hf_dir_fixture: str, out: str, build_tiny) -> str:
+    """The transformers-built checkpoint converted, or without torch `build_tiny(out)`: the same
+    files as that conversion writes (no tokenizer: save_pretrained writes none), other weights."""
     if not HAVE_TORCH:
-        return importlib.import_module(tiny_module).build_tiny_checkpoint(out)
+        return build_tiny(out)
     from conversion.convert import convert
 
     return convert(request.getfixturevalue(hf_dir_fixture), out, dtype="float32", progress=False)

@@ -16,13 +16,12 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 
 import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
-from omni_jax.checkpoint import CONFIG_FILE, FORMAT_VERSION, save_stage
+from omni_jax.checkpoint import CONFIG_FILE, FORMAT_VERSION, building_dir, save_stage
 from omni_jax.errors import CheckpointError
 from omni_jax.models.registry import UnknownModelError, abstract_stage, family_of, get_family, param_shapes
 
@@ -71,10 +70,7 @@ def convert(hf_dir: str, out_dir: str, dtype: str = "bfloat16", overwrite: bool 
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and os.listdir(out_dir) and not overwrite:
         raise FileExistsError(f"{out_dir} exists and is not empty (pass --overwrite to replace it)")
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".omni-jax-convert-", dir=parent)
-    try:
+    with building_dir(out_dir, ".omni-jax-convert-") as tmp:
         for name, spec in present.items():
             stage_cfg = spec.parse_config(hf_config[spec.config_key])
             shapes = param_shapes(abstract_stage(spec, stage_cfg))
@@ -94,12 +90,6 @@ def convert(hf_dir: str, out_dir: str, dtype: str = "bfloat16", overwrite: bool 
                   "stages": list(present), "hf_config": hf_config}
         with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
             json.dump(config, f, indent=1)
-        if os.path.exists(out_dir):
-            shutil.rmtree(out_dir)
-        os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 

@@ -13,11 +13,14 @@ names the first one that is not.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
+import shutil
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -49,6 +52,24 @@ POSITIVE_FIELDS = frozenset({
 def path_key(path: tuple) -> str:
     """Flat string key of a parameter path, as stored on disk."""
     return ".".join(str(p) for p in path)
+
+
+@contextlib.contextmanager
+def building_dir(out_dir: str, prefix: str):
+    """A temporary directory beside `out_dir` to write a checkpoint into, renamed to `out_dir`
+    (replacing it) when the block ends, removed if anything fails: an interrupted build leaves
+    nothing half-written."""
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    try:
+        yield tmp
+        if os.path.exists(out_dir):
+            shutil.rmtree(out_dir)
+        os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def save_stage(stage_dir: str, arrays: dict[tuple, np.ndarray]) -> None:

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from typing import Callable
 
 import numpy as np
 
-from ..checkpoint import CONFIG_FILE, DTYPES, FORMAT_VERSION, GENERATION_CONFIG_FILE, save_stage
+from ..checkpoint import CONFIG_FILE, DTYPES, FORMAT_VERSION, GENERATION_CONFIG_FILE, building_dir, save_stage
 from .random_weights import device_params, random_params
 from .registry import family_of, get_family
 
@@ -35,10 +33,7 @@ def write_random_checkpoint(out_dir: str, hf_config: dict, *, seed: int = 0, dty
     """
     family = family_of(hf_config)
     specs = get_family(family).stages
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".omni-jax-random-", dir=parent)
-    try:
+    with building_dir(out_dir, ".omni-jax-random-") as tmp:
         stages, tables = [], {}
         rng = np.random.default_rng(seed)
         for i, (name, spec) in enumerate(specs.items()):
@@ -64,10 +59,4 @@ def write_random_checkpoint(out_dir: str, hf_config: dict, *, seed: int = 0, dty
         with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
             json.dump({"format_version": FORMAT_VERSION, "family": family, "dtype": dtype,
                        "stages": stages, "hf_config": hf_config}, f, indent=1)
-        if os.path.exists(out_dir):
-            shutil.rmtree(out_dir)
-        os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir

@@ -20,7 +20,6 @@ import subprocess
 import sys
 import threading
 import time
-import wave
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -196,20 +195,26 @@ def _normal_chat_s(server) -> float:
     return time.monotonic() - t0
 
 
-def _wav_b64(samples: int = 1600) -> str:
+def _slow_prompt(clips: int = 12) -> dict:
+    """A small body (~0.9 MB) whose processing takes 0.8 s per clip on an idle machine (more when
+    loaded): each clip is 290 s of silence in FLAC, whose audio features are computed in full.
+    Its placeholders fit the tiny thinker, so only the time budget stops it."""
+    url = "data:audio/flac;base64," + base64.b64encode(_silent_flac(290)).decode()
+    part = {"type": "audio_url", "audio_url": {"url": url}}
+    return _chat([part] * clips)
+
+
+def _silent_flac(seconds: int, rate: int = 16000) -> bytes:
+    import av
+
     buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000)
-        w.writeframes((np.sin(np.arange(samples) * 0.05) * 8000).astype("<i2").tobytes())
-    return base64.b64encode(buf.getvalue()).decode()
-
-
-def _slow_prompt(items: int = 120) -> dict:
-    """A small body (~550 KB) whose processing takes 0.04 to 0.2 s per item (idle to loaded machine):
-    each 0.1 s clip is padded to 300 s for the audio features, as Qwen's processor does. Expanded,
-    it still fits the tiny thinker (~500 tokens), so only the time budget stops it."""
-    part = {"type": "input_audio", "input_audio": {"data": _wav_b64(), "format": "wav"}}
-    return _chat([part] * items)
+    with av.open(buf, "w", format="flac") as out:
+        stream = out.add_stream("flac", rate=rate, layout="mono")
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, rate * seconds), np.int16), format="s16", layout="mono")
+        frame.sample_rate = rate
+        for p in list(stream.encode(frame)) + list(stream.encode(None)):
+            out.mux(p)
+    return buf.getvalue()
 
 
 def _flac_without_length(seconds: int, rate: int = 48000, unit_s: int = 4) -> bytes:
@@ -266,7 +271,7 @@ def test_1_large_text_is_refused_before_it_is_tokenized(server):
 # ---------------------------------------------------------------------------------------- 2: abandoned work
 
 def test_2_abandoned_prompts_stop_costing_and_the_queue_is_bounded(server):
-    """Prompts whose processing takes 5 to 25 s: one past prompt_timeout_s gets its 400 and its
+    """Prompts whose processing takes 10 to 30 s: one past prompt_timeout_s gets its 400 and its
     processing stops; clients that leave stop theirs; beyond 2 workers + 2 queued, a request gets
     503 with Retry-After at once. After each, the server's CPU is back to idle within a second."""
     idle = _cpu_over(server, 2.0)

@@ -67,6 +67,11 @@ def add_async_chunk_argument(parser, prefix: str = "") -> None:
                              f"comes in chunks (default: as the pipeline config says; the presets turn it on)")
 
 
+# Stop and suppressed token ids a request may add to a stage's defaults: the stages' compiled samplers
+# have room for their own (eos, a talker's out-of-codebook ids) and at least this many more.
+MAX_REQUEST_BANNED_IDS = 32
+
+
 def _first_stage_inputs(prompt_embeds, capture_hidden: bool) -> StageInputs | None:
     """The first stage's inputs beyond token ids: prompt embeddings as overlay rows (one per
     prompt token) and whether to return hidden states (the talker's, or the caller's)."""
@@ -133,7 +138,26 @@ class _Frontend:
                 raise ValueError(f"the {chain[0]} stage's params are given twice: in sampling_params and in "
                                  f"sampling_params_list[0]")
             given = [thinker] + given[1:]
-        return [g if g is not None else d for g, d in itertools.zip_longest(given, per_stage)]
+        params = [g if g is not None else d for g, d in itertools.zip_longest(given, per_stage)]
+        self._check_stage_limits(params, per_stage, chain)
+        return params
+
+    def _check_stage_limits(self, params: list[SamplingParams], defaults: list[SamplingParams], chain) -> None:
+        """ValueError (naming `sampling_params_list[i].field`) for params a stage of the chain would
+        refuse only once the request reached it: checked here, before any stage works on it."""
+        for i, (p, d, name) in enumerate(zip(params, defaults, chain)):
+            added = (set(p.stop_token_ids) | set(p.suppress_token_ids)) - (set(d.stop_token_ids) | set(d.suppress_token_ids))
+            if len(added) > MAX_REQUEST_BANNED_IDS:
+                raise ValueError(f"sampling_params_list[{i}].stop_token_ids: {len(added)} stop and suppressed token "
+                                 f"ids for stage {name!r}, more than the {MAX_REQUEST_BANNED_IDS} a request may add")
+            if i + 1 < len(chain):
+                nxt = self.pipeline.stage(chain[i + 1])
+                # A one-shot stage (a vocoder) takes the whole output of the stage before it, up to its max_model_len.
+                if nxt.runner == "oneshot" and p.max_tokens > nxt.max_model_len:
+                    field = "min_tokens" if p.min_tokens > nxt.max_model_len else "max_tokens"
+                    raise ValueError(f"sampling_params_list[{i}].{field}: stage {name!r} may write {p.max_tokens} "
+                                     f"tokens (max_tokens), more than the {nxt.max_model_len} stage {nxt.name!r} "
+                                     f"takes (its max_model_len)")
 
     @staticmethod
     def _per_prompt(value, kind, n: int, name: str) -> list:
@@ -319,11 +343,14 @@ class AsyncOmniJax(_Frontend):
 
     def __init__(self, model: str = "tiny", pipeline: str | PipelineConfig | None = None,
                  output_modalities: Sequence[str] = ("text",), async_chunk: bool | None = None,
-                 prompt_workers: int = 4, prompt_timeout_s: float = 30.0, media_limits: MediaLimits | None = None):
+                 prompt_workers: int = 4, prompt_timeout_s: float = 30.0, media_limits: MediaLimits | None = None,
+                 max_queued_prompts: int | None = None):
         """`prompt_workers`: threads that process prompts (chat template, tokenizer, media) off the
         event loop. `prompt_timeout_s`: a prompt whose processing takes longer fails with a
-        PromptError. Other arguments as `OmniJax`."""
-        self._prompts = PromptWorkers(prompt_workers, prompt_timeout_s)  # first: a bad value starts nothing
+        PromptError (and its processing stops). `max_queued_prompts`: how many prompts may wait for
+        a worker; more make `generate` raise `Overloaded` (None: no bound). Other arguments as `OmniJax`."""
+        # first: a bad value starts nothing
+        self._prompts = PromptWorkers(prompt_workers, prompt_timeout_s, max_queued_prompts)
         # Requests between generate() and their submission (weak: an iterator never run just goes).
         self._unsubmitted: weakref.WeakSet[_Unsubmitted] = weakref.WeakSet()
         try:
@@ -342,7 +369,9 @@ class AsyncOmniJax(_Frontend):
         that arrive while the caller is busy come as one (their deltas joined, as vLLM does).
 
         Raises PromptError (a ValueError) for a prompt that cannot be processed, or whose
-        processing (on a worker thread) outlasts `prompt_timeout_s`.
+        processing (on a worker thread) outlasts `prompt_timeout_s`; `Overloaded` when
+        `max_queued_prompts` prompts wait already. Cancelling the first `__anext__` stops the
+        prompt's processing.
         Leaving the loop early (break, cancellation) aborts the request; so does `abort(request_id)`
         at any time after this call, even before the iterator first runs.
         `sampling_params` (the thinker's), `sampling_params_list` (per stage),

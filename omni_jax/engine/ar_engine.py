@@ -29,6 +29,14 @@ from .scheduler import ARScheduler, SchedulerConfig
 class RequestError(ValueError):
     """A request was rejected: the message says what is wrong with it."""
 
+    @classmethod
+    def of(cls, request_id: str, e: ValueError) -> "RequestError":
+        """`e` as the request's error, its id said once (a step below, as the scheduler, may have said it)."""
+        text = str(e)
+        if isinstance(e, RequestError) and repr(request_id) in text:
+            return e
+        return cls(text if repr(request_id) in text else f"request {request_id!r}: {text}")
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -270,7 +278,7 @@ class AREngine:
             if self.vocab_size:
                 params.validate_for_vocab(self.vocab_size)
         except ValueError as e:
-            raise RequestError(f"request {request_id!r}: {e}") from None
+            raise RequestError.of(request_id, e) from None
         if params.stop and self.tokenizer is None:
             raise RequestError(f"request {request_id!r}: stop strings need a tokenizer, and this stage has none")
         if len(params.suppress_token_ids) + len(params.stop_token_ids) + len(self.cfg.eos_token_ids) > self.cfg.banned_width:
@@ -285,7 +293,7 @@ class AREngine:
             try:
                 inputs, mm_hashes = self.prepare_inputs(ids, multi_modal_data)
             except ValueError as e:
-                raise RequestError(f"request {request_id!r}: {e}") from None
+                raise RequestError.of(request_id, e) from None
             inputs.capture_hidden = capture  # a speech request's thinker feeds the talker
         if inputs is not None and inputs.overlay_rows is not None and self.runner.cfg.rich_inputs is False:
             raise RequestError(f"request {request_id!r}: this stage was not built for embedding inputs")
@@ -299,7 +307,7 @@ class AREngine:
             try:
                 inputs = self.project_inputs(inputs)
             except ValueError as e:
-                raise RequestError(f"request {request_id!r}: {e}") from None
+                raise RequestError.of(request_id, e) from None
         if inputs is not None and inputs.overlay_rows is not None:
             self._check_overlay(request_id, inputs, len(ids))
         # Token ids alone do not determine the KV of embedding inputs; and a request that
@@ -324,7 +332,7 @@ class AREngine:
             self.scheduler.add_request(req)
         except ValueError as e:
             self._streamed.pop(request_id, None)
-            raise RequestError(f"request {request_id!r}: {e}") from None
+            raise RequestError.of(request_id, e) from None
         if req.detokenizer is not None:  # kept past the request's release, for its last text
             self._detok[request_id] = req.detokenizer
 

@@ -207,7 +207,7 @@ class OneShotEngine:
             if not stream:
                 self.scheduler.add_request(req)
         except ValueError as e:
-            raise RequestError(f"request {request_id!r}: {e}") from None
+            raise RequestError.of(request_id, e) from None
         if stream:
             req.status = RequestStatus.RUNNING
             self.streams[request_id] = CodecStream(req, first_chunk)
@@ -232,7 +232,7 @@ class OneShotEngine:
             if self.validate is not None:
                 self.validate(s.request)
         except ValueError as e:
-            message = str(e) if isinstance(e, RequestError) else f"request {request_id!r}: {e}"
+            message = str(RequestError.of(request_id, e))
             self._pending.append(self._end_stream(s, "error", message))
             return True
         s.complete = complete

@@ -75,6 +75,8 @@ __all__ = [
 _SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
 INT32_MAX = 2**31 - 1
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
 # Widths the top-logprobs output is padded to, so a batch asking for 3 and one asking
 # for 4 share a compiled variant.
 LOGPROBS_BUCKETS = (0, 5, MAX_LOGPROBS)
@@ -173,9 +175,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tr
 
     def validate(self) -> None:
         """Raise ValueError naming the first field whose value is out of range."""
+        # Floats are checked in the dtype the sampler uses them in (float32): 1e308 is finite in
+        # Python but inf there, and 1e-46 is > 0 but 0 there.
         t = self.temperature
-        if not _is_real(t) or not (0.0 <= t < math.inf):
-            raise _bad("temperature", t, "a finite number >= 0")
+        if not _is_real(t) or not (0.0 <= t <= FLOAT32_MAX):
+            raise _bad("temperature", t, f"a number in [0, {FLOAT32_MAX:.4g}] (finite in float32)")
         # Counts and ids go to the device as int32 and seeds through msgpack as uint64: a
         # larger value must fail here, not wrap or fail to encode inside the engine.
         if not _is_int(self.top_k) or not -1 <= self.top_k <= INT32_MAX:
@@ -185,8 +189,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tr
         if not _is_real(self.min_p) or not (0.0 <= self.min_p <= 1.0):
             raise _bad("min_p", self.min_p, "a number in [0, 1]")
         r = self.repetition_penalty
-        if not _is_real(r) or not (0.0 < r < math.inf):
-            raise _bad("repetition_penalty", r, "a finite number > 0")
+        if not _is_real(r) or not (FLOAT32_TINY <= r <= FLOAT32_MAX):
+            raise _bad("repetition_penalty", r, f"a number in [{FLOAT32_TINY:.4g}, {FLOAT32_MAX:.4g}] (> 0 and "
+                                                f"finite in float32)")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not _is_real(v) or not (-2.0 <= v <= 2.0):

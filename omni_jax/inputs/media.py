@@ -13,7 +13,13 @@ Sources accepted (what a caller of a chat API hands over):
 Every problem raises `MediaError` naming the file and the numbers; the input processor adds
 where in the prompt the item sits. Sizes are checked before any decoding work (`MediaLimits`):
 pixel counts from the image header, sample rates, frame rates and frame counts from the stream
-headers, so a hostile item costs its caller milliseconds, not gigabytes.
+headers, so a hostile item costs its caller milliseconds, not gigabytes. A container can lie or
+say nothing (a FLAC with no length), so decoding checks again as it goes: audio stops once its
+samples pass the duration or sample limit, video once its frames pass the frame limit or a frame
+is larger than the pixel limit; each decoded frame is also a point where a cancelled prompt stops.
+
+Where a source string points is decided by one parser, `parse_source`, which the server's media
+policy uses too, so the policy judges exactly what the reader opens.
 """
 
 from __future__ import annotations
@@ -25,13 +31,18 @@ import io
 import json
 import math
 import os
+import re
 from typing import Any
 
 import numpy as np
 
+from . import cancel
+
 __all__ = [
     "MediaError",
     "MediaLimits",
+    "MediaSource",
+    "parse_source",
     "VideoClip",
     "load_image",
     "load_audio",
@@ -63,6 +74,9 @@ class MediaLimits:
     max_image_pixels: int = 8192 * 8192
     max_video_fps: float = 1000.0
     max_video_frames: int = 36_000
+    # Decoded samples of one audio item at its own rate (mono float32: 4 bytes each, 64 MiB):
+    # 349 s at 48 kHz, 44 s at 384 kHz.
+    max_audio_samples: int = 1 << 24
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -110,6 +124,12 @@ class MediaLimits:
             raise MediaError(f"{what}: fps must be in (0, {self.max_video_fps:g}], got {fps:g}")
         return float(fps)
 
+    def check_samples(self, n: int, what: str) -> None:
+        """MediaError for more decoded samples than max_audio_samples."""
+        if n > self.max_audio_samples:
+            raise MediaError(f"{what} has more than {self.max_audio_samples} samples (max_audio_samples); "
+                             f"decoding stopped there")
+
     def check_frames(self, total: int, what: str) -> None:
         """MediaError for more frames than max_video_frames (each would be decoded or loaded)."""
         if total > self.max_video_frames:
@@ -145,6 +165,48 @@ def _describe(src: Any) -> str:
     return type(src).__name__
 
 
+@dataclasses.dataclass(frozen=True)
+class MediaSource:
+    """Where a media string points: kind "data" (a data: URL, `value` the whole URL), "path" (a
+    local file, `value` the path; file:// URLs unquoted) or "remote" (any other URL scheme)."""
+
+    kind: str
+    value: str
+    scheme: str = ""
+
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
+
+
+def parse_source(src: str, what: str = "media") -> MediaSource:
+    """The one reading of a media string, for the server's policy and for the loader alike.
+
+    Schemes are matched case-insensitively (`DATA:` is a data: URL, as RFC 3986 says), so no
+    spelling of a URL is read as a path by one and as a URL by the other. A path the OS cannot
+    represent (a NUL byte, a lone surrogate) is a MediaError here, not an OS error later."""
+    m = _SCHEME.match(src)
+    scheme = m.group(1).lower() if m else ""
+    if scheme == "data":
+        return MediaSource("data", src, scheme)
+    if scheme == "file":
+        from urllib.parse import unquote, urlparse
+
+        path = unquote(urlparse(src).path, errors="surrogateescape")
+    elif scheme and (src[m.end():].startswith("//") or len(scheme) > 1):
+        # Any other URL (http, https, ftp, s3...), and "name:rest" too: a local name that looks
+        # like a scheme is not worth the doubt (Windows drive letters are one character).
+        return MediaSource("remote", src, scheme)
+    else:
+        path = src
+    if "\x00" in path:
+        raise MediaError(f"{what} path holds a NUL character")
+    try:
+        os.fsencode(path)
+    except UnicodeError:
+        raise MediaError(f"{what} path is not one this system can represent (a lone surrogate?)") from None
+    return MediaSource("path", path, scheme)
+
+
 def _read_source(src: Any, what: str) -> tuple[Any, str]:
     """A path or a binary buffer for a path / file:// / data: URL / bytes source, and how errors name it
     after its kind (the path, "bytes" or "data: URL")."""
@@ -154,12 +216,13 @@ def _read_source(src: Any, what: str) -> tuple[Any, str]:
         src = os.fspath(src)
     if not isinstance(src, str):
         raise MediaError(f"unsupported {what} source of type {type(src).__name__}")
-    if src.startswith("data:"):
+    source = parse_source(src, what)
+    if source.kind == "data":
         head, sep, payload = src.partition(",")
         if not sep:
             raise MediaError(f"malformed {what} data: URL (no ',' after the media type)")
         try:
-            if head.endswith(";base64"):
+            if head.lower().endswith(";base64"):
                 data = base64.b64decode(payload, validate=False)
             else:
                 from urllib.parse import unquote_to_bytes
@@ -168,15 +231,12 @@ def _read_source(src: Any, what: str) -> tuple[Any, str]:
         except (binascii.Error, ValueError) as e:
             raise MediaError(f"{what} data: URL is not valid base64 ({e})") from None
         return io.BytesIO(data), "data: URL"
-    if src.startswith("file://"):
-        from urllib.parse import unquote, urlparse
-
-        src = unquote(urlparse(src).path)
-    elif "://" in src[:16]:
+    if source.kind == "remote":
         raise MediaError(f"{what} {_describe(src)}: remote URLs are not fetched; pass a local path or a data: URL")
-    if not os.path.isfile(src):
-        raise MediaError(f"{what} file {src!r} does not exist or is not a file")
-    return src, repr(src)
+    path = source.value
+    if not os.path.isfile(path):
+        raise MediaError(f"{what} file {_describe(path)} does not exist or is not a file")
+    return path, _describe(path)
 
 
 def _b64_bytes(data: str, what: str) -> bytes:
@@ -237,7 +297,7 @@ def load_image(src: Any, what: str = "image", limits: MediaLimits = DEFAULT_LIMI
     except MediaError:
         raise
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
-        raise MediaError(f"cannot read {what} {name}: {e}") from None
+        raise MediaError(f"cannot read {what} {name}: {_reason(e)}") from None
 
 
 # ---------------------------------------------------------------------------------------
@@ -293,21 +353,50 @@ def _decode_audio_stream(container, stream, name: str, what: str, max_seconds: f
         raise MediaError(f"{what} {name} lasts {meta:.2f} s, longer than the limit of {max_seconds:g} s")
     # Planar float keeps every channel apart whatever the codec's sample format; rate and layout unchanged.
     converter = av.AudioResampler(format="fltp")
-    chunks, rate = [], None
+    chunks, rate, n = [], None, 0
+
+    def take(out) -> None:
+        nonlocal n
+        # Downmixed frame by frame (the channel mean, as of the whole): memory holds one channel.
+        chunks.append(out.to_ndarray().mean(axis=0, dtype=np.float64).astype(np.float32))
+        n += chunks[-1].shape[0]
+        # The header may say nothing or lie: the limits hold on what is decoded.
+        if max_seconds is not None and n / rate > max_seconds + 1e-6:
+            raise MediaError(f"{what} {name} lasts more than {max_seconds:g} s, the limit (decoding stopped at "
+                             f"{n / rate:.2f} s)")
+        limits.check_samples(n, f"{what} {name}")
+
     try:
         for frame in container.decode(stream):
+            cancel.check()
             rate = rate or limits.check_sample_rate(frame.sample_rate, f"{what} {name}")
             for out in converter.resample(frame):
-                chunks.append(out.to_ndarray())
-        for out in converter.resample(None):
-            chunks.append(out.to_ndarray())
+                take(out)
+        if rate is not None:
+            for out in converter.resample(None):
+                take(out)
     except av.error.FFmpegError as e:
-        raise MediaError(f"cannot decode {what} {name}: {e}") from None
+        raise MediaError(f"cannot decode {what} {name}: {_av_reason(e)}") from None
     if not chunks or rate is None:
         raise MediaError(f"{what} {name} has no audio samples")
-    wave = np.concatenate(chunks, axis=1).mean(axis=0, dtype=np.float64).astype(np.float32)
+    wave = np.concatenate(chunks)
+    del chunks
     _check_seconds(wave.shape[0], rate, max_seconds, f"{what} {name}")
     return resample(wave, rate, target_rate)
+
+
+def _av_reason(e) -> str:
+    """An FFmpeg error without the file part (which for a buffer is an object's repr and address)."""
+    return getattr(e, "strerror", None) or _reason(e)
+
+
+def _reason(e: Exception) -> str:
+    """A library's error text with object reprs (`<_io.BytesIO object at 0x...>`) said plainly:
+    replies never carry heap addresses."""
+    return _OBJECT_REPR.sub("the data", str(e))
+
+
+_OBJECT_REPR = re.compile(r"<[^<>]*\bat 0x[0-9a-fA-F]+>")
 
 
 def _open_av(src: Any, what: str):
@@ -316,8 +405,10 @@ def _open_av(src: Any, what: str):
     handle, name = _read_source(src, what)
     try:
         return av.open(handle, "r"), name
-    except (av.error.FFmpegError, OSError, ValueError) as e:
-        raise MediaError(f"cannot read {what} {name}: {e}") from None
+    except av.error.FFmpegError as e:
+        raise MediaError(f"cannot read {what} {name}: {_av_reason(e)}") from None
+    except (OSError, ValueError) as e:
+        raise MediaError(f"cannot read {what} {name}: {type(e).__name__}") from None
 
 
 def load_audio(src: Any, max_seconds: float | None = None, what: str = "audio",
@@ -428,13 +519,18 @@ def _decode_video(src: Any, what: str, fps: float, min_frames: int, max_frames: 
             for i, frame in enumerate(container.decode(stream)):
                 if k >= len(wanted):
                     break
+                cancel.check()
+                # The header's frame size and count may lie: each decoded frame is checked.
+                limits.check_pixels(frame.width, frame.height, f"{what} {name} frame {i}")
+                if i >= limits.max_video_frames:
+                    limits.check_frames(i + 1, f"{what} {name}")
                 if i == wanted[k]:
                     img = frame.to_ndarray(format="rgb24")
                     while k < len(wanted) and wanted[k] == i:
                         picked.append(img)
                         k += 1
         except av.error.FFmpegError as e:
-            raise MediaError(f"cannot decode {what} {name}: {e}") from None
+            raise MediaError(f"cannot decode {what} {name}: {_av_reason(e)}") from None
         if not picked:
             raise MediaError(f"{what} {name} has no decodable frames")
         # The container's frame count can overstate what decodes; repeat the last frame for the rest.

@@ -53,6 +53,8 @@ from .chat_text import ChatText
 from .media import MediaError, MediaLimits, VideoClip, load_audio, load_image, load_video
 from .qwen_tokenizer import DEFAULT_SYSTEM_PROMPT, QWEN2_5_OMNI_CHAT_TEMPLATE
 from .rope_index import RopeIndexConfig, _chunk_ids, audio_output_lengths
+from .token_floor import TokenFloor
+from . import cancel
 
 __all__ = [
     "InputProcessor",
@@ -186,6 +188,7 @@ class InputProcessor:
                  media_limits: MediaLimits | None = None):
         self.tokenizer = tokenizer
         self._chat_text = ChatText(tokenizer) if tokenizer is not None else None
+        self._floor = TokenFloor(tokenizer) if tokenizer is not None else None
         self.media_limits = media_limits or MediaLimits()
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
@@ -414,8 +417,9 @@ class InputProcessor:
 
         speech_output: the caller wants audio out; chat messages without a system message
         then get the family's speech system prompt, if any (raw prompts are left as given).
-        max_prompt_len: longer `prompt_embeds` are refused here, before they travel (the first
-        stage refuses long token prompts itself).
+        max_prompt_len: longer prompts are refused here: a text as soon as it certainly has more
+        tokens (without tokenizing it whole, see token_floor.py), token ids before any media is
+        decoded, `prompt_embeds` before they travel (the first stage checks the expanded prompt).
         """
         if isinstance(prompt, dict) and "prompt_embeds" in prompt:
             return self._embeds_prompt(prompt, max_prompt_len)
@@ -424,6 +428,7 @@ class InputProcessor:
         use_aiv = self.use_audio_in_video
         by_kind = False
         if isinstance(prompt, str):
+            self._check_fits([prompt], max_prompt_len)
             ids = self._encode(prompt)
         elif isinstance(prompt, dict):
             unknown = set(prompt) - _PROMPT_KEYS
@@ -438,11 +443,13 @@ class InputProcessor:
             if "messages" in prompt:
                 if "multi_modal_data" in prompt:
                     raise PromptError("with 'messages', put the media in the message parts, not in 'multi_modal_data'")
+                self._check_fits(_message_texts(prompt["messages"]), max_prompt_len)
                 canonical, items = self._normalize_messages(prompt["messages"], speech_output, hide=True)
                 ids = self._encode_chat(self._render(canonical))
             elif "prompt" in prompt:
                 if not isinstance(prompt["prompt"], str):
                     raise PromptError("'prompt' must be a string")
+                self._check_fits([prompt["prompt"]], max_prompt_len)
                 ids = self._encode(prompt["prompt"])
             else:
                 ids = _token_ids(prompt["prompt_token_ids"])
@@ -458,12 +465,29 @@ class InputProcessor:
             raise PromptError(f"a prompt must be a string or a dict, got {type(prompt).__name__}")
         if ids.size == 0:
             raise PromptError("empty prompt")
+        if max_prompt_len is not None and ids.size > max_prompt_len:
+            # Each media placeholder only grows: refused before any media is decoded.
+            raise PromptError(self._too_long(max_prompt_len, f"it has {ids.size} tokens"))
         if items is not None:
             ids, mm = self._expand(ids, items, by_kind, use_aiv)
         bad = (ids < 0) | (ids >= self.vocab_size)
         if bad.any():
             raise PromptError(f"token id {int(ids[bad][0])} is out of range [0, {self.vocab_size})")
         return ProcessedPrompt(ids, mm)
+
+    @staticmethod
+    def _too_long(limit: int, why: str) -> str:
+        return (f"the prompt is too long: {why}; a prompt may have at most {limit} tokens "
+                f"(the first stage's max_model_len {limit + 1}, less one for the reply)")
+
+    def _check_fits(self, texts, max_prompt_len: int | None) -> None:
+        """PromptError if the texts cannot make at most max_prompt_len tokens (found in bounded time
+        and memory, before the texts are rendered or tokenized whole: token_floor.py)."""
+        if max_prompt_len is None or self._floor is None:
+            return
+        why = self._floor.check([t for t in texts if isinstance(t, str)], max_prompt_len, cancel.check)
+        if why is not None:
+            raise PromptError(self._too_long(max_prompt_len, why))
 
     def _embeds_prompt(self, prompt: dict, max_prompt_len: int | None) -> ProcessedPrompt:
         """A `prompt_embeds` prompt: the rows checked and cast to float32, with their token ids."""
@@ -562,7 +586,9 @@ class InputProcessor:
 
     @staticmethod
     def _guarded(item: _Item, fn, *args):
-        """fn(*args), with any media / processing problem raised as a PromptError naming the item."""
+        """fn(*args), with any media / processing problem raised as a PromptError naming the item.
+        Each such step is also where a cancelled prompt stops (inputs/cancel.py)."""
+        cancel.check()
         try:
             return fn(*args)
         except (MediaError, PromptError) as e:
@@ -643,6 +669,23 @@ def _check_unicode(text: str, where: str = "the prompt") -> None:
     except UnicodeEncodeError as e:  # a lone surrogate, e.g. from a bad JSON escape
         raise PromptError(f"{where} is not valid Unicode text: {e.reason} "
                           f"({text[e.start]!r} at character {e.start})") from None
+
+
+def _message_texts(messages: Any):
+    """The strings a chat's messages hold (roles, contents, text parts); malformed ones are skipped
+    here and named by `_normalize_messages`."""
+    if not isinstance(messages, list):
+        return
+    for m in messages:
+        if not isinstance(m, dict):
+            continue
+        yield m.get("role")
+        content = m.get("content")
+        if isinstance(content, list):
+            for part in content:
+                yield part if isinstance(part, str) else (part.get("text") if isinstance(part, dict) else None)
+        else:
+            yield content
 
 
 def _token_ids(raw: Any) -> np.ndarray:

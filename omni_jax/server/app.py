@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from . import errors
 from .chat import ChatHandler
 from .engine import ServedEngine
-from .errors import APIError, error_body
+from .errors import RETRY_AFTER_S, APIError, error_body, short
 from .messages import MediaPolicy
 from .metrics import Metrics
 from .protocol import ChatCompletionRequest, SpeechRequest
@@ -27,24 +27,42 @@ OPEN_PATHS = ("/health",)
 
 
 class Gate:
-    """ASGI middleware: API key check, request body size limit, and error counting.
+    """ASGI middleware: API key check, request body limits, and error counting.
 
     The body is read (up to the limit) before the app sees it, so an oversized body is
     refused with 413 whatever its transfer encoding; after the body, `receive` is the
-    server's again, so the app still hears a client disconnect.
+    server's again, so the app still hears a client disconnect. Bodies count against a
+    budget of bytes held by all requests at once (`max_inflight_body_bytes`) from their first
+    byte until their reply ends: past it a request gets 503 with Retry-After, so a burst of
+    big uploads cannot grow the process without bound. A body that stops arriving for
+    `body_timeout_s` gets 408. A JSON body with more than `max_json_items` arrays, objects and
+    separators is refused before it is parsed (parsed, each item costs ~100 bytes of Python objects).
     """
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int, metrics: Metrics):
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, metrics: Metrics,
+                 max_inflight_body_bytes: int | None = None, body_timeout_s: float = 30.0,
+                 max_json_items: int = 1 << 18):
         self.app, self.api_key, self.max_body, self.metrics = app, api_key, max_body_bytes, metrics
+        self.budget = max_inflight_body_bytes if max_inflight_body_bytes is not None else 4 * max_body_bytes
+        self.body_timeout_s, self.max_json_items = body_timeout_s, max_json_items
+        self.inflight_bytes = 0
 
-    async def _reject(self, send, status: int, message: str, code: str) -> None:
+    async def _reject(self, send, status: int, message: str, code: str, headers=()) -> None:
         self.metrics.error(status)
         body = json.dumps(error_body(status, message, None, code)).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   *headers]
         if status == 401:
             headers.append((b"www-authenticate", b"Bearer"))
+        if status == 408:
+            headers.append((b"connection", b"close"))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+    async def _busy(self, send) -> None:
+        await self._reject(send, 503, f"the server holds {self.inflight_bytes} bytes of request bodies, its budget "
+                                      f"is {self.budget} (--max-inflight-body-mb); try again shortly",
+                           "server_overloaded", [(b"retry-after", str(RETRY_AFTER_S).encode())])
 
     def _authorized(self, scope) -> bool:
         if self.api_key is None or scope["path"] in OPEN_PATHS:
@@ -66,36 +84,68 @@ class Gate:
         length = dict(scope.get("headers", ())).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
             return await self._reject(send, 413, too_big, "request_too_large")
-        chunks, size, more = [], 0, scope["method"] in ("POST", "PUT", "PATCH")
-        while more:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return
-            size += len(msg.get("body", b""))
-            if size > self.max_body:
-                return await self._reject(send, 413, too_big, "request_too_large")
-            chunks.append(msg.get("body", b""))
-            more = msg.get("more_body", False)
-        replayed = False
+        held = 0
+        try:
+            # A declared length is reserved at once: a client is refused before it uploads.
+            if length is not None and length.isdigit():
+                held = int(length)
+                if self.inflight_bytes + held > self.budget:
+                    held = 0
+                    return await self._busy(send)
+                self.inflight_bytes += held
+            chunks, size, more = [], 0, scope["method"] in ("POST", "PUT", "PATCH")
+            while more:
+                try:
+                    msg = await asyncio.wait_for(receive(), self.body_timeout_s)
+                except TimeoutError:
+                    return await self._reject(send, 408, f"no part of the request body came for {self.body_timeout_s:g} s",
+                                              "request_timeout")
+                if msg["type"] == "http.disconnect":
+                    return
+                piece = msg.get("body", b"")
+                size += len(piece)
+                if size > self.max_body:
+                    return await self._reject(send, 413, too_big, "request_too_large")
+                if size > held:  # a chunked body (or one longer than it said): counted as it comes
+                    if self.inflight_bytes + size - held > self.budget:
+                        return await self._busy(send)
+                    self.inflight_bytes += size - held
+                    held = size
+                chunks.append(piece)
+                more = msg.get("more_body", False)
+            body = b"".join(chunks)
+            del chunks
+            items = body.count(b"{") + body.count(b"[") + body.count(b",")
+            if items > self.max_json_items:
+                return await self._reject(send, 413, f"the request body holds {items} JSON objects, arrays and "
+                                                     f"separators, more than the limit of {self.max_json_items}",
+                                          "request_too_large")
+            replayed = False
 
-        async def replay():
-            nonlocal replayed
-            if not replayed and chunks:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()
+            async def replay():
+                nonlocal replayed, body
+                if not replayed and body:
+                    replayed = True
+                    out, body = body, b""  # the app's copy is the only one kept
+                    return {"type": "http.request", "body": out, "more_body": False}
+                return await receive()
 
-        async def counting_send(msg):
-            if msg["type"] == "http.response.start" and msg["status"] >= 400:
-                self.metrics.error(msg["status"])
-            await send(msg)
+            async def counting_send(msg):
+                if msg["type"] == "http.response.start" and msg["status"] >= 400:
+                    self.metrics.error(msg["status"])
+                await send(msg)
 
-        await self.app(scope, replay, counting_send)
+            await self.app(scope, replay, counting_send)
+        finally:
+            self.inflight_bytes -= held
 
 
 def build_app(engine: ServedEngine, *, api_key: str | None = None, max_body_bytes: int = 64 << 20,
-              allowed_media_dir: str | None = None) -> FastAPI:
-    """The server's app around an engine (started by the caller, shut down with the app)."""
+              allowed_media_dir: str | None = None, max_inflight_body_bytes: int | None = None,
+              body_timeout_s: float = 30.0) -> FastAPI:
+    """The server's app around an engine (started by the caller, shut down with the app).
+    `max_inflight_body_bytes`: the budget of bytes all request bodies may hold at once (None:
+    four times `max_body_bytes`)."""
     metrics = Metrics()
 
     @contextlib.asynccontextmanager
@@ -117,8 +167,9 @@ def build_app(engine: ServedEngine, *, api_key: str | None = None, max_body_byte
         return JSONResponse(error_body(503, why, None, "service_unavailable"), status_code=503)
 
     def model_card() -> dict:
+        # `root` names the model as served, never the checkpoint's path on this machine.
         return {"id": engine.served_name, "object": "model", "created": int(engine.started), "owned_by": "omni-jax",
-                "root": engine.model, "modalities": engine.output_modalities}
+                "root": engine.served_name, "modalities": engine.output_modalities}
 
     @app.get("/v1/models")
     async def models():
@@ -127,7 +178,7 @@ def build_app(engine: ServedEngine, *, api_key: str | None = None, max_body_byte
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         if model_id != engine.served_name:
-            raise APIError(404, f"The model {model_id!r} does not exist", "model", "model_not_found")
+            raise APIError(404, f"The model {short(model_id)} does not exist", "model", "model_not_found")
         return model_card()
 
     @app.get("/metrics")
@@ -148,4 +199,4 @@ def build_app(engine: ServedEngine, *, api_key: str | None = None, max_body_byte
     async def audio_speech(req: SpeechRequest, request: Request):
         return await speech(req, request)
 
-    return Gate(app, api_key, max_body_bytes, metrics)
+    return Gate(app, api_key, max_body_bytes, metrics, max_inflight_body_bytes, body_timeout_s)

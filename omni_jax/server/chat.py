@@ -97,7 +97,7 @@ class ChatHandler:
         params = stage_params(self.engine.stage_defaults(self.engine.stage_names(mods)), req)
         voice = req.audio.voice if req.audio is not None else None
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        gen = await open_request(self.engine, prompt, params, mods, voice, rid, voice_param="audio.voice")
+        gen = await open_request(self.engine, prompt, params, mods, voice, rid, voice_param="audio.voice", request=request)
         self.metrics.in_flight.inc()
         if req.stream:
             return StreamingResponse(self._stream(req, gen, mods), media_type="text/event-stream",
@@ -111,7 +111,7 @@ class ChatHandler:
             return JSONResponse({}, status_code=499)
         self.metrics.finished("chat", out)
         if out.error:
-            raise failure(self.engine, out.error)
+            raise failure(self.engine, out.error, out.request_id)
         return JSONResponse(self._whole(req, out, mods, rid))
 
     def _logprobs(self, req: ChatCompletionRequest, token_ids: list[int], logprobs) -> dict | None:
@@ -163,7 +163,7 @@ class ChatHandler:
                     yield chunk({"audio": {"id": audio_id, "data": piece}})
             self.metrics.finished("chat", out)
             if out.error:
-                err = failure(self.engine, out.error)
+                err = failure(self.engine, out.error, out.request_id)
                 self.metrics.error(err.status)
                 yield event(err.body())
             else:

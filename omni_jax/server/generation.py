@@ -11,14 +11,21 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator
 
+import re
+
+from ..prompt_workers import Overloaded
 from .engine import ServedEngine
-from .errors import APIError, bad_request
+from .errors import APIError, bad_request, overloaded, short
+
+# How often a request whose prompt is being processed checks whether its client is still there.
+DISCONNECT_POLL_S = 0.25
+_SAMPLING_FIELD = re.compile(r"^(sampling_params_list\[\d+\]\.\w+)")
 
 
 def check_model(engine: ServedEngine, model: str) -> None:
     """404 for a model name the server does not serve; 503 while it cannot serve."""
     if model != engine.served_name:
-        raise APIError(404, f"The model {model!r} does not exist; this server serves {engine.served_name!r}",
+        raise APIError(404, f"The model {short(model)} does not exist; this server serves {engine.served_name!r}",
                        "model", "model_not_found")
     ok, why = engine.check()
     if not ok:
@@ -26,6 +33,9 @@ def check_model(engine: ServedEngine, model: str) -> None:
 
 
 def _param_of_prompt_error(message: str) -> str:
+    m = _SAMPLING_FIELD.match(message)
+    if m:
+        return m.group(1)
     if "voice" in message:
         return "voice"
     if "output_modalities" in message:
@@ -80,13 +90,28 @@ class Generation:
 
 
 async def open_request(engine: ServedEngine, prompt, params, modalities, voice, request_id: str,
-                       voice_param: str = "voice") -> Generation:
-    """Submit the request and wait for its first update (400 / 503 on failure to start)."""
+                       voice_param: str = "voice", request=None) -> Generation:
+    """Submit the request and wait for its first update (400 / 503 on failure to start).
+
+    While the prompt is processed, the client's connection is watched (`request`): a client that
+    leaves cancels the processing itself (the prompt workers stop at their next step), not only
+    the reply. 503 with Retry-After when the prompt workers' queue is full."""
     agen = None
+    first_update = None
     try:
         agen = engine.omni.generate(prompt, sampling_params_list=params, request_id=request_id,
                                     output_modalities=list(modalities), voice=voice)
-        first = await agen.__anext__()
+        first_update = asyncio.ensure_future(agen.__anext__())
+        while True:
+            done, _ = await asyncio.wait({first_update}, timeout=DISCONNECT_POLL_S)
+            if done:
+                first = first_update.result()
+                break
+            if request is not None and await request.is_disconnected():
+                await _cancel(first_update, agen)
+                raise APIError(499, "the client closed the connection", None, "client_closed")
+    except Overloaded as e:
+        raise overloaded(str(e)) from None
     except ValueError as e:  # PromptError, unknown voice, modalities the engine was not started with
         msg = str(e)
         param = _param_of_prompt_error(msg)
@@ -95,13 +120,24 @@ async def open_request(engine: ServedEngine, prompt, params, modalities, voice, 
         engine.mark_dead(str(e))
         raise APIError(503, f"the engine cannot serve: {e}", None, "service_unavailable") from None
     except asyncio.CancelledError:
-        if agen is not None:
-            await agen.aclose()
+        await _cancel(first_update, agen)
         raise
     return Generation(engine, request_id, agen, first)
 
 
-def failure(engine: ServedEngine, error: str) -> APIError:
+async def _cancel(first_update, agen) -> None:
+    """Stop a request still being prepared: its prompt's processing (PromptWorkers.run) and its
+    generator (which aborts it if it was submitted meanwhile)."""
+    if first_update is not None and not first_update.done():
+        first_update.cancel()
+        await asyncio.wait({first_update})
+    if first_update is not None and first_update.done() and not first_update.cancelled():
+        first_update.exception()  # retrieved: nobody reads it
+    if agen is not None:
+        await agen.aclose()
+
+
+def failure(engine: ServedEngine, error: str, request_id: str | None = None) -> APIError:
     """The HTTP error for a request the library failed with `error`."""
     ok, why = engine.check()
     if not ok or any(w in error for w in ("died", "restarting", "stopped answering")):
@@ -109,6 +145,9 @@ def failure(engine: ServedEngine, error: str) -> APIError:
         return APIError(503, f"the request failed because a stage failed: {error}", None, "service_unavailable")
     if error.startswith("bad prompt") or any(w in error for w in ("max_model_len", "too long", "too large")):
         return bad_request(error, "messages")  # the prompt exceeds what this deployment was sized for
+    if request_id is not None and error.startswith(f"request {request_id!r}: "):
+        # A stage refused the request as given (its own checks; most are made up front): the client's doing.
+        return bad_request(error[len(f"request {request_id!r}: "):], "sampling_params_list", "invalid_request")
     return APIError(500, f"the request failed: {error}", None, "internal_error")
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .errors import bad_request
+from ..inputs.media import MediaError, parse_source
+from .errors import bad_request, short
 from .protocol import ChatMessage
 
 _URL_PARTS = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
@@ -24,27 +25,33 @@ class MediaPolicy:
         self.allowed_dir = os.path.realpath(allowed_dir) if allowed_dir else None
 
     def source(self, url: Any, param: str) -> str:
-        """The source to hand the processor for a media URL, or a 400 naming `param`."""
+        """The source to hand the processor for a media URL, or a 400 naming `param`.
+
+        The URL is read by the loader's own parser (`parse_source`), so what is judged here is
+        what would be opened; a path outside the allowed directory gets the same reply whether
+        it exists or not."""
         if not isinstance(url, str) or not url:
             raise bad_request(f"{param} must be a non-empty string", param)
-        low = url[:8].lower()
-        if low.startswith("data:"):
+        try:
+            src = parse_source(url, "the media")
+        except MediaError as e:
+            raise bad_request(f"{param}: {e}", param) from None
+        if src.kind == "data":
+            if "," not in url:
+                raise bad_request(f"{param}: malformed data: URL (no ',' after the media type)", param)
             return url
-        if low.startswith(("http://", "https://")):
-            raise bad_request(f"{param}: remote URLs are not fetched by this server; send the media inline as a "
-                              f"data: URL (base64) or as a local path under --allowed-local-media-path", param)
-        path = url[len("file://"):] if low.startswith("file://") else url
-        if "://" in path:
-            raise bad_request(f"{param}: unsupported URL scheme in {url[:40]!r}; use a data: URL or a local path",
+        if src.kind == "remote":
+            if src.scheme in ("http", "https"):
+                raise bad_request(f"{param}: remote URLs are not fetched by this server; send the media inline as a "
+                                  f"data: URL (base64) or as a local path under --allowed-local-media-path", param)
+            raise bad_request(f"{param}: unsupported URL scheme {src.scheme[:16]!r}; use a data: URL or a local path",
                               param)
         if self.allowed_dir is None:
             raise bad_request(f"{param}: local files are not allowed; start the server with "
                               f"--allowed-local-media-path DIR, or send the media as a data: URL", param)
-        real = os.path.realpath(path)
-        if os.path.commonpath([real, self.allowed_dir]) != self.allowed_dir:
-            raise bad_request(f"{param}: {path!r} is outside the allowed media directory", param)
-        if not os.path.isfile(real):
-            raise bad_request(f"{param}: no such file {path!r}", param)
+        real = os.path.realpath(src.value)
+        if os.path.commonpath([real, self.allowed_dir]) != self.allowed_dir or not os.path.isfile(real):
+            raise bad_request(f"{param}: {short(src.value)} is not a file in the allowed media directory", param)
         return real
 
 

@@ -7,9 +7,21 @@ ignored, as vLLM does (clients send vendor extras through `extra_body`).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# Per-field bounds: fields with a natural size are refused (400 naming them) past it, so that no
+# value costs more than it can be worth. A message's text is bounded by the model's context (the
+# prompt processor refuses a text that cannot fit, without tokenizing it), media by the body limit.
+MAX_NAME = 256          # model, user, a message's name
+MAX_VOICE = 64
+MAX_MESSAGES = 4096
+MAX_PARTS = 4096        # content parts of one message
+MAX_STOP = 16
+MAX_STOP_CHARS = 1024
+MAX_STAGES = 8          # entries of sampling_params_list
+Name = Annotated[str, Field(max_length=MAX_NAME)]
 
 CHAT_AUDIO_FORMATS = ("wav", "mp3", "flac", "opus", "pcm16")
 SPEECH_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
@@ -23,14 +35,14 @@ class ChatMessage(_Body):
     """One chat message; `content` parts are checked in messages.py (which knows the media rules)."""
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[Any] | None = None
-    name: str | None = None
+    content: str | Annotated[list[Any], Field(max_length=MAX_PARTS)] | None = None
+    name: Name | None = None
 
 
 class AudioOptions(_Body):
     """`audio`: the voice and the encoding of a spoken reply."""
 
-    voice: str | None = None
+    voice: Annotated[str, Field(max_length=MAX_VOICE)] | None = None
     format: Literal["wav", "mp3", "flac", "opus", "pcm16"] = "wav"
 
 
@@ -41,8 +53,8 @@ class StreamOptions(_Body):
 class ChatCompletionRequest(_Body):
     """POST /v1/chat/completions."""
 
-    model: str
-    messages: list[ChatMessage] = Field(min_length=1)
+    model: Name
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     modalities: list[Literal["text", "audio"]] | None = None
     audio: AudioOptions | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -58,24 +70,36 @@ class ChatCompletionRequest(_Body):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Name | None = None
     # vLLM extras (sent through the client's extra_body).
     top_k: int | None = Field(default=None, ge=-1)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     min_tokens: int | None = Field(default=None, ge=0)
     ignore_eos: bool | None = None
     # vLLM-Omni: one dict of SamplingParams fields per stage (thinker, talker, vocoder); null keeps a default.
-    sampling_params_list: list[dict[str, Any] | None] | None = None
+    sampling_params_list: Annotated[list[dict[str, Any] | None], Field(max_length=MAX_STAGES)] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _short_stops(cls, stop):
+        # Checked here, not by a constrained type: an error inside the union would be named
+        # `stop.constrained-str`, and the text's own checks (UTF-8) come later, naming `stop`.
+        if isinstance(stop, list) and len(stop) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings")
+        for s in [stop] if isinstance(stop, str) else stop or []:
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
+        return stop
 
 
 class SpeechRequest(_Body):
     """POST /v1/audio/speech."""
 
-    model: str
+    model: Name
     input: str = Field(min_length=1, max_length=4096)
-    voice: str | None = None
+    voice: Annotated[str, Field(max_length=MAX_VOICE)] | None = None
     response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = "mp3"
     speed: float = Field(default=1.0, ge=0.25, le=4.0)
     stream_format: Literal["audio", "sse"] = "audio"
-    instructions: str | None = None
-    sampling_params_list: list[dict[str, Any] | None] | None = None
+    instructions: Annotated[str, Field(max_length=4096)] | None = None
+    sampling_params_list: Annotated[list[dict[str, Any] | None], Field(max_length=MAX_STAGES)] | None = None

@@ -23,6 +23,7 @@ from ..inputs.media import MediaLimits
 from ..prompt_workers import PromptWorkers
 from .app import build_app
 from .engine import ServedEngine
+from .timeouts import with_header_timeout
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,8 +40,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-local-media-path", default=None,
                    help="directory whose files requests may name as media (default: none; data: URLs only)")
     p.add_argument("--max-request-body-mb", type=float, default=64.0, help="larger bodies get 413 (default 64)")
+    p.add_argument("--max-inflight-body-mb", type=float, default=None,
+                   help="bytes all request bodies may hold at once, from upload to the reply's end; past it a "
+                        "request gets 503 with Retry-After (default: 4 x --max-request-body-mb)")
     p.add_argument("--prompt-workers", type=int, default=4,
                    help="threads that process prompts (templates, tokenizer, media decoding; default 4)")
+    p.add_argument("--max-queued-prompts", type=int, default=256,
+                   help="prompts that may wait for a prompt worker; more get 503 with Retry-After (default 256)")
+    p.add_argument("--header-timeout-s", type=float, default=10.0,
+                   help="a request's headers must arrive within this many seconds, else the connection is "
+                        "closed (default 10)")
+    p.add_argument("--body-timeout-s", type=float, default=30.0,
+                   help="a request body that stops arriving for this many seconds gets 408 (default 30)")
     p.add_argument("--prompt-timeout-s", type=float, default=30.0,
                    help="a prompt whose processing takes longer fails with a 400 (default 30)")
     p.add_argument("--media-limits", default=None, metavar="JSON",
@@ -75,6 +86,21 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
+def _check_flags(args: argparse.Namespace) -> None:
+    """ValueError naming a flag whose value cannot serve."""
+    if args.api_key is not None and not args.api_key.strip():
+        # An empty key would let `Authorization: Bearer` (an empty token) in: never what was meant.
+        raise ValueError("the API key is empty (--api-key or $OMNI_JAX_API_KEY); give a key, or unset it to "
+                         "serve without one")
+    for flag in ("max_request_body_mb", "header_timeout_s", "body_timeout_s"):
+        value = getattr(args, flag)
+        if not 0 < value < float("inf"):
+            raise ValueError(f"--{flag.replace('_', '-')} must be a positive number, got {value!r}")
+    if args.max_inflight_body_mb is not None and not args.max_inflight_body_mb >= args.max_request_body_mb:
+        raise ValueError(f"--max-inflight-body-mb ({args.max_inflight_body_mb:g}) must be at least "
+                         f"--max-request-body-mb ({args.max_request_body_mb:g}), or no body could be taken")
+
+
 def run(args: argparse.Namespace) -> int:
     mods = [m.strip() for m in args.modalities.split(",") if m.strip()]
     if mods not in (["text"], ["text", "audio"]):
@@ -82,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         limits = None if args.media_limits is None else MediaLimits.from_json(args.media_limits)
-        PromptWorkers.check(args.prompt_workers, args.prompt_timeout_s)
+        PromptWorkers.check(args.prompt_workers, args.prompt_timeout_s, args.max_queued_prompts)
+        _check_flags(args)
     except ValueError as e:
         print(f"omni-jax serve: error: {e}", file=sys.stderr)
         return 2
@@ -100,15 +127,17 @@ def run(args: argparse.Namespace) -> int:
     engine = ServedEngine(args.model, args.served_model_name or args.model, args.pipeline, mods,
                           on_failed=stop_server, async_chunk=args.async_chunk,
                           engine_options=dict(prompt_workers=args.prompt_workers, prompt_timeout_s=args.prompt_timeout_s,
-                                              media_limits=limits))
+                                              media_limits=limits, max_queued_prompts=args.max_queued_prompts))
+    inflight = None if args.max_inflight_body_mb is None else int(args.max_inflight_body_mb * (1 << 20))
     app = build_app(engine, api_key=args.api_key, max_body_bytes=int(args.max_request_body_mb * (1 << 20)),
-                    allowed_media_dir=args.allowed_local_media_path)
+                    allowed_media_dir=args.allowed_local_media_path, max_inflight_body_bytes=inflight,
+                    body_timeout_s=args.body_timeout_s)
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"omni-jax serve: listening on http://{host}:{sock.getsockname()[1]} "
           f"(model {engine.served_name!r}; loading and compiling the stages, /health is 503 until ready)",
           flush=True)
     server = _Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
-                                    access_log=args.log_level == "debug"))
+                                    access_log=args.log_level == "debug", http=with_header_timeout(args.header_timeout_s)))
     engine.start()
     server.run(sockets=[sock])  # returns on SIGINT / SIGTERM, after the app's shutdown stopped the stages
     return 1 if engine.state == "failed" else 0

@@ -61,7 +61,8 @@ class SpeechHandler:
             prompt = speech_prompt(self.engine.omni.processor, req.input)
         except ValueError as e:  # PromptError: text the tokenizer cannot take (a lone surrogate...)
             raise bad_request(str(e), "input") from None
-        gen = await open_request(self.engine, prompt, params, MODALITIES, req.voice, f"speech-{uuid.uuid4().hex}")
+        gen = await open_request(self.engine, prompt, params, MODALITIES, req.voice, f"speech-{uuid.uuid4().hex}",
+                                 request=request)
         self.metrics.in_flight.inc()
         media_type = audio_codec.MEDIA_TYPES[req.response_format]
         if req.stream_format == "sse":
@@ -78,7 +79,7 @@ class SpeechHandler:
             return Response(status_code=499)
         self.metrics.finished("speech", out)
         if out.error:
-            raise failure(self.engine, out.error)
+            raise failure(self.engine, out.error, out.request_id)
         return Response(audio_codec.encode(out.audio, out.sample_rate, req.response_format), media_type=media_type)
 
     async def _pcm(self, gen: Generation):
@@ -104,7 +105,7 @@ class SpeechHandler:
                     yield event({"type": "speech.audio.delta", "audio": data})
             self.metrics.finished("speech", out)
             if out.error:
-                err = failure(self.engine, out.error)
+                err = failure(self.engine, out.error, out.request_id)
                 self.metrics.error(err.status)
                 yield event({"type": "error", **error_body(err.status, err.message, err.param, err.code)})
                 return

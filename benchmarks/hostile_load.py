@@ -23,9 +23,7 @@ import base64
 import io
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -38,14 +36,9 @@ import httpx
 import numpy as np
 import psutil
 import yaml
+from serve_process import served
 
 API_KEY = "hostile-load"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _quick_pipeline(tmp: str) -> str:
@@ -242,23 +235,10 @@ def main() -> int:
     if not 0 < args.seconds <= 600 or not 1 <= args.normal_clients <= 16 or not 0 <= args.hostile_clients <= 16:
         p.error("--seconds must be in (0, 600], --normal-clients in [1, 16], --hostile-clients in [0, 16]")
     with tempfile.TemporaryDirectory(prefix="omni-jax-hostile-") as tmp:
-        port = _free_port()
-        cmd = [sys.executable, "-m", "omni_jax.cli", "serve", "--model", args.model, "--port", str(port),
-               "--host", "127.0.0.1", "--api-key", API_KEY, "--pipeline", args.pipeline or _quick_pipeline(tmp)]
-        log = open(os.path.join(tmp, "serve.log"), "w")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 1800
-            while True:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    sys.exit("the server did not start:\n" + open(log.name).read()[-3000:])
-                try:
-                    if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(1)
+        args_ = ["--model", args.model, "--host", "127.0.0.1", "--api-key", API_KEY,
+                 "--pipeline", args.pipeline or _quick_pipeline(tmp)]
+        log_path = os.path.join(tmp, "serve.log")
+        with served(args_, {**os.environ, "JAX_PLATFORMS": "cpu"}, log_path) as (proc, url):
             bodies = hostile_bodies()
             ps = psutil.Process(proc.pid)
             print(f"hostile_load: {args.seconds:g} s per phase, {args.normal_clients} normal and "
@@ -267,15 +247,8 @@ def main() -> int:
             _report("normal", *_run_phase(url, ps, args, None))
             _report("hostile", *_run_phase(url, ps, args, bodies))
             if proc.poll() is not None:
-                print("the server died during the run:\n" + open(log.name).read()[-3000:])
+                print("the server died during the run:\n" + open(log_path).read()[-3000:])
                 return 1
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
     return 0
 
 

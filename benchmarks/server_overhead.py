@@ -16,21 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
-import httpx
 import numpy as np
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from serve_process import served
 
 
 def _bench(extra: list[str], mods: str, args, env, out: str) -> list[dict]:
@@ -44,28 +36,9 @@ def _bench(extra: list[str], mods: str, args, env, out: str) -> list[dict]:
 
 
 def _server_phase(args, env, tmp: str) -> dict[str, list[dict]]:
-    port = _free_port()
-    log = open(os.path.join(tmp, "serve.log"), "w")
-    cmd = [sys.executable, "-m", "omni_jax.cli", "serve", "--model", args.model, "--port", str(port)]
-    if args.pipeline:
-        cmd += ["--pipeline", args.pipeline]
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 1800
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                sys.exit("the server did not start:\n" + open(log.name).read()[-3000:])
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
+    serve_args = ["--model", args.model] + (["--pipeline", args.pipeline] if args.pipeline else [])
+    with served(serve_args, env, os.path.join(tmp, "serve.log")) as (_, url):
         return {m: _bench(["--base-url", url], m, args, env, os.path.join(tmp, "server.json")) for m in args.modalities}
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
 
 
 def _library_phase(args, env, tmp: str) -> dict[str, list[dict]]:

@@ -36,6 +36,7 @@ from .models.registry import abstract_stage, get_family
 
 CONFIG_FILE = "omni_jax_config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"  # copied from the HF checkpoint
+END_OF_TURN = "<|im_end|>"  # the token every Qwen chat template (both families) closes a turn with
 FORMAT_VERSION = 1
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -146,14 +147,46 @@ def check_config_values(node: Any, where: str, section: str, parsed: bool) -> No
 
 
 def eos_token_ids(ckpt_dir: str) -> tuple[int, ...]:
-    """The ids that end the thinker's reply: `eos_token_id` of the checkpoint's generation config."""
+    """The ids that end the thinker's reply: `eos_token_id` of the checkpoint's generation
+    config. A checkpoint saved without one (transformers' `save_pretrained` may leave it out)
+    ends at the tokenizer's eos token and the chat template's end of turn instead, and says so."""
     path = os.path.join(ckpt_dir, GENERATION_CONFIG_FILE)
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path} is missing: it names the thinker's end-of-reply ids (eos_token_id); "
-                              f"reconvert the checkpoint from a Hugging Face directory that has it")
-    with open(path) as f:
-        eos = require(json.load(f), "eos_token_id", section=path)
-    return tuple(int(i) for i in (eos if isinstance(eos, list) else [eos]))
+    generation = {}
+    if os.path.isfile(path):
+        with open(path) as f:
+            generation = json.load(f)
+    eos = generation.get("eos_token_id")
+    if eos is not None and eos != []:
+        return tuple(int(i) for i in (eos if isinstance(eos, list) else [eos]))
+    found = "has no eos_token_id" if generation else "is missing"
+    ids = _tokenizer_end_ids(ckpt_dir)
+    if not ids:
+        raise CheckpointError(
+            f"{path} {found}, and the tokenizer files name neither an eos_token nor {END_OF_TURN}: "
+            f"no id ends the thinker's reply; add eos_token_id to {GENERATION_CONFIG_FILE}")
+    print(f"[omni-jax] {path} {found}: the reply ends at "
+          + ", ".join(f"{token} ({i})" for token, i in ids.items())
+          + " (the tokenizer's eos token and the chat template's end of turn)", file=sys.stderr)
+    return tuple(sorted(set(ids.values())))
+
+
+def _tokenizer_end_ids(ckpt_dir: str) -> dict[str, int]:
+    """{token: id} of the tokenizer's eos token and END_OF_TURN, read from the tokenizer files
+    (`tokenizer_config.json`, `special_tokens_map.json`, `tokenizer.json`) without building it."""
+    def read(name):
+        p = os.path.join(ckpt_dir, name)
+        if not os.path.isfile(p):
+            return {}
+        with open(p) as f:
+            return json.load(f)
+
+    config, special, fast = read("tokenizer_config.json"), read("special_tokens_map.json"), read("tokenizer.json")
+    vocab = {t["content"]: int(t["id"]) for t in fast.get("added_tokens", ())}
+    vocab.update({t["content"]: int(i) for i, t in config.get("added_tokens_decoder", {}).items()})
+    eos = config.get("eos_token") or special.get("eos_token")
+    if isinstance(eos, dict):  # an AddedToken written out
+        eos = eos.get("content")
+    return {token: vocab[token] for token in dict.fromkeys((eos, END_OF_TURN)) if token in vocab}
 
 
 def parse_stage_config(ckpt_dir: str, spec, hf_config: dict):

@@ -200,12 +200,37 @@ def test_missing_token_ids_name_the_key_and_the_file(converted_fp32, tmp_path):
     json.dump(cfg, open(cfg_path, "w"))
     with pytest.raises(ConfigKeyError, match=r"omni_jax_config\.json.*talker_config.*'tts_codec_pad_token_id'"):
         load_checkpoint(bad, stage="talker")
-    gen_path = os.path.join(bad, "generation_config.json")
+
+
+def test_a_generation_config_without_eos_ends_at_the_tokenizers_end_tokens(tmp_path, capsys):
+    """A checkpoint saved without eos_token_id (or without generation_config.json) ends the reply
+    at the tokenizer's eos token and <|im_end|>, and says so; with neither, the error names the file."""
+    from transformers import AutoTokenizer
+
+    from omni_jax.models.qwen2_5_omni.tiny import tiny_checkpoint
+
+    ckpt = str(tmp_path)  # the small files are all it reads: the built-in tiny model's, no weights
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(os.path.join(tiny_checkpoint(), name), ckpt)
+    tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    expected = tuple(sorted({tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}))
+    gen_path = os.path.join(ckpt, "generation_config.json")
     gen = json.load(open(gen_path))
     del gen["eos_token_id"]
     json.dump(gen, open(gen_path, "w"))
-    with pytest.raises(ConfigKeyError, match=r"generation_config\.json.*'eos_token_id'"):
-        eos_token_ids(bad)
+    assert eos_token_ids(ckpt) == expected
+    assert "generation_config.json has no eos_token_id: the reply ends at <|im_end|> (151645)" in capsys.readouterr().err
     os.remove(gen_path)
-    with pytest.raises(CheckpointError, match=r"generation_config\.json is missing.*eos_token_id"):
-        eos_token_ids(bad)
+    assert eos_token_ids(ckpt) == expected
+    assert "generation_config.json is missing: the reply ends at" in capsys.readouterr().err
+    # As the released checkpoints write them: the ids in tokenizer_config.json, the eos an AddedToken.
+    os.remove(os.path.join(ckpt, "tokenizer.json"))
+    json.dump({"eos_token": {"content": "<|endoftext|>"},
+               "added_tokens_decoder": {"151643": {"content": "<|endoftext|>"}, "151645": {"content": "<|im_end|>"}}},
+              open(os.path.join(ckpt, "tokenizer_config.json"), "w"))
+    assert eos_token_ids(ckpt) == (151643, 151645)
+    # Tokenizer files that name neither token: nothing ends the reply.
+    os.remove(os.path.join(ckpt, "tokenizer_config.json"))
+    with pytest.raises(CheckpointError, match=r"generation_config\.json is missing, and the tokenizer files name "
+                                              r"neither an eos_token nor <\|im_end\|>.*add eos_token_id"):
+        eos_token_ids(ckpt)

@@ -153,7 +153,7 @@ def make_engine(model, dcfg, max_num_seqs=64, token_budget=512, async_scheduling
 
 def run_engine(eng, prompts, new):
     """All requests through the engine at once: (output tokens, seconds, tokens per request)."""
-    from omni_jax.engine.sampling import SamplingParams
+    from omni_jax.engine.sampling_params import SamplingParams
 
     tokens = {f"r{i}": [] for i in range(len(prompts))}
     t0 = time.perf_counter()
@@ -223,7 +223,7 @@ def host_overhead(eng, batch, steps=40, windows=9):
     """
     import jax
 
-    from omni_jax.engine.sampling import SamplingParams
+    from omni_jax.engine.sampling_params import SamplingParams
 
     rng = np.random.default_rng(1)
     for i in range(batch):

@@ -154,7 +154,7 @@ def per_message_overhead() -> None:
         print(f"  {name:28s}: encode {us(lambda: encode(msg), 2000):6.1f} us, "
               f"decode {us(lambda: decode(frames, typ), 2000):6.1f} us "
               f"({len(frames)} frame(s), {size} bytes)")
-    # Part of AddRequest's decode is SamplingParams.__post_init__ validation (sampling.py).
+    # Part of AddRequest's decode is SamplingParams.__post_init__ validation (engine/sampling_params.py).
     print(f"  of which SamplingParams(...) construction + validation: "
           f"{us(lambda: SamplingParams(temperature=0.0, max_tokens=256), 2000):.1f} us "
           f"(equal params: {decode(encode(add), StageRequest).sampling_params == sp_only})")

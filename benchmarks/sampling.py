@@ -19,7 +19,9 @@ import numpy as np
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from omni_jax.engine.sampling import SamplingMetadataBuilder, SamplingParams, sample
+from omni_jax.engine.sampling import sample
+from omni_jax.engine.sampling_metadata import SamplingMetadataBuilder
+from omni_jax.engine.sampling_params import SamplingParams
 
 CASES = {
     "greedy": dict(temperature=0.0),

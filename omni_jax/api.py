@@ -35,7 +35,7 @@ from tqdm import tqdm
 from .checkpoint import read_config
 from .config import ConfigError, PipelineConfig, default_pipeline_for, load_pipeline_config
 from .engine.protocol import AddRequest, MultiModalPayload, StageInputs
-from .engine.sampling import SamplingParams, is_utf8
+from .engine.sampling_params import SamplingParams, is_utf8
 from .inputs.media import MediaLimits
 from .inputs.processor import PromptError
 from .models.registry import get_family, resolve_model, tiny_family

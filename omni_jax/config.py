@@ -28,7 +28,7 @@ import msgspec.structs
 import yaml
 
 from .engine.runner import BACKENDS, RunnerConfig
-from .engine.sampling import SamplingParams
+from .engine.sampling_params import SamplingParams
 from .models.registry import family_names
 
 __all__ = [

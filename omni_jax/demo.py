@@ -15,7 +15,7 @@ import numpy as np
 
 from .api import OmniJax, add_async_chunk_argument
 from .config import ConfigError
-from .engine.sampling import SamplingParams
+from .engine.sampling_params import SamplingParams
 from .errors import CheckpointError
 
 

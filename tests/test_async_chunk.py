@@ -18,7 +18,7 @@ import pytest
 import hf_tiny_qwen3 as tiny
 from omni_jax.engine.protocol import AddRequest, StageData, StageInputs
 from omni_jax.engine.runner import RunnerConfig
-from omni_jax.engine.sampling import SamplingParams
+from omni_jax.engine.sampling_params import SamplingParams
 from omni_jax.models.handoff import UpstreamOutputs, reply_rows
 from omni_jax.runtime.stage_loop import _input_units, to_engine_request
 

@@ -7,7 +7,7 @@ import pytest
 
 from omni_jax.engine.protocol import Request
 from omni_jax.engine.runner import DUMMY_BLOCK_ID, compute_slot_mapping
-from omni_jax.engine.scheduler import BlockPool, KVCacheManager, block_extra_keys, hash_block_tokens
+from omni_jax.engine.kv_cache import BlockPool, KVCacheManager, block_extra_keys, hash_block_tokens
 
 pytestmark = pytest.mark.engine
 

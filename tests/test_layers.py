@@ -188,9 +188,11 @@ def test_benchmarks_import_no_circle():
     assert len(graph) > 3 and _cycles(graph) == []
 
 
-def test_readme_request_path_names_real_files_and_at_most_14():
+def test_readme_request_path_names_real_files_and_at_most_17():
     """README's Layout lists the files one text request crosses: they exist, their number is the one
-    it states, and it stays within 14 (a module split off the path has to be a real gain)."""
+    it states, and it stays within 17 (a module split off the path has to be a real gain). It was 14
+    until the scheduler's KV blocks and the sampler's parameters and per-step inputs, each a job of
+    its own in a module of about 1,000 lines, moved to modules named for them."""
     text = (ROOT / "README.md").read_text()
     section = text[text.index("The path of one text request"):text.index("A speech request goes")]
     stated = int(re.search(r"through (\d+) files", section).group(1))
@@ -201,4 +203,4 @@ def test_readme_request_path_names_real_files_and_at_most_14():
         files.add(name)
     # The kernels are the path's end: the backend's package counts once (GPU or CPU).
     count = len(files) - (("kernels_pallas/" in files) and ("kernels_cpu/" in files))
-    assert count == stated <= 14, sorted(files)
+    assert count == stated <= 17, sorted(files)

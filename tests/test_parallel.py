@@ -28,7 +28,7 @@ import numpy as np
 import jax
 from omni_jax.engine.protocol import AddRequest, StageData, StageInputs
 from omni_jax.engine.runner import RunnerConfig
-from omni_jax.engine.sampling import SamplingParams
+from omni_jax.engine.sampling_params import SamplingParams
 from omni_jax.models.handoff import UpstreamOutputs
 from omni_jax.runtime.stage_loop import to_engine_request
 

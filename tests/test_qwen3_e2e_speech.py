@@ -9,7 +9,7 @@ import hf_tiny_qwen3 as tiny
 from omni_jax.engine.protocol import AddRequest
 from omni_jax.engine.protocol import StageInputs
 from omni_jax.engine.runner import RunnerConfig
-from omni_jax.engine.sampling import SamplingParams
+from omni_jax.engine.sampling_params import SamplingParams
 from omni_jax.runtime.stage_loop import to_engine_request
 from qwen3_prompt import Prompt
 

@@ -23,7 +23,7 @@ import hf_tiny_qwen3 as tiny
 from qwen3_prompt import Prompt
 from omni_jax import load_checkpoint
 from omni_jax.engine.runner import RunnerConfig
-from omni_jax.engine.sampling import SamplingParams
+from omni_jax.engine.sampling_params import SamplingParams
 from omni_jax.models.qwen3_omni.rope_index import get_rope_index_qwen3
 from omni_jax.models.layers.attention import AttentionMetadata
 from omni_jax.models.qwen3_omni.media import MediaBuckets, Qwen3ThinkerMediaEncoder

@@ -1,4 +1,5 @@
-"""Tests for omni_jax.engine.sampling: params validation, metadata building, the sampler."""
+"""Tests for the engine's sampling: params validation (`sampling_params`), metadata building
+(`sampling_metadata`), the sampler (`sampling`)."""
 
 from __future__ import annotations
 
@@ -11,20 +12,21 @@ import numpy as np
 import pytest
 
 from omni_jax.engine.sampling import (
+    TOP_K_CANDIDATES,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+    request_keys,
+    sample,
+)
+from omni_jax.engine.sampling_metadata import (
     LOGPROBS_BUCKETS,
     PAD_TOKEN_ID,
     SamplingFlags,
     SamplingMetadata,
     SamplingMetadataBuilder,
-    SamplingParams,
-    TOP_K_CANDIDATES,
-    apply_min_p,
-    apply_penalties,
-    apply_top_k_top_p,
-    assign_seed,
-    request_keys,
-    sample,
 )
+from omni_jax.engine.sampling_params import SamplingParams, assign_seed
 
 from omni_jax.config import default_pipeline_for
 

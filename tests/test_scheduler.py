@@ -25,7 +25,7 @@ EOS = 2
 
 @dataclass
 class SP:
-    """Local stand-in for engine.sampling.SamplingParams (the scheduler duck-types it)."""
+    """Local stand-in for engine.sampling_params.SamplingParams (the scheduler duck-types it)."""
 
     temperature: float = 0.0
     top_k: int = -1

@@ -12,7 +12,7 @@ import torch
 from omni_jax import load_checkpoint
 from omni_jax.engine.protocol import AddRequest
 from omni_jax.engine.runner import RunnerConfig
-from omni_jax.engine.sampling import SamplingParams
+from omni_jax.engine.sampling_params import SamplingParams
 from omni_jax.runtime.stage_loop import to_engine_request
 from omni_jax.inputs.rope_index import RopeIndexConfig
 from omni_jax.models.layers.attention import AttentionMetadata

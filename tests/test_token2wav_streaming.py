@@ -14,7 +14,7 @@ from omni_jax.checkpoint import load_checkpoint
 from omni_jax.engine.oneshot_engine import ChunkJob, OneShotRequestData
 from omni_jax.engine.protocol import Request
 from omni_jax.engine.runner import compilation_count
-from omni_jax.engine.sampling import SamplingParams
+from omni_jax.engine.sampling_params import SamplingParams
 from omni_jax.models.qwen2_5_omni.token2wav import StreamContext, Token2WavSynthesizer, initial_noise, plan_windows
 from omni_jax.models.qwen2_5_omni.voices import Voices
 

@@ -21,7 +21,7 @@ import hf_tiny_qwen3 as tiny
 from omni_jax.engine.ar_engine import RequestError
 from omni_jax.engine.oneshot_engine import ChunkJob, OneShotRequestData, next_chunk_frames
 from omni_jax.engine.protocol import Request
-from omni_jax.engine.sampling import SamplingParams
+from omni_jax.engine.sampling_params import SamplingParams
 from omni_jax.models.qwen2_5_omni import family as qwen2_5_family
 from omni_jax.models.qwen3_omni import family as qwen3_family
 from omni_jax.models.qwen3_omni.code2wav_stage import build_code2wav_engine

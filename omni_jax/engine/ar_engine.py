@@ -22,7 +22,9 @@ import numpy as np
 
 from .protocol import Request, StageInputs, StageOutput
 from .runner import ModelRunner, RunnerConfig, compilation_count
-from .sampling import MAX_LOGPROBS, PAD_TOKEN_ID, SamplingFlags, SamplingMetadataBuilder, SamplingParams, sample
+from .sampling import sample
+from .sampling_metadata import PAD_TOKEN_ID, SamplingFlags, SamplingMetadataBuilder
+from .sampling_params import MAX_LOGPROBS, SamplingParams
 from .scheduler import ARScheduler, SchedulerConfig
 
 

@@ -32,7 +32,7 @@ import numpy as np
 from .ar_engine import RequestError
 from .protocol import FINISH_REASON_TO_STATUS, Request, RequestStatus, StageOutput
 from .runner import compilation_count
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 from .scheduler import OneShotScheduler, SchedulerConfig
 
 # Codec frames per streamed chunk, and of the first (smaller, so the first audio comes early):

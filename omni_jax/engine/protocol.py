@@ -32,7 +32,7 @@ from typing import Any, Optional, Sequence
 import msgspec
 import numpy as np
 
-from omni_jax.engine.sampling import SamplingParams
+from omni_jax.engine.sampling_params import SamplingParams
 
 __all__ = [
     "Request",

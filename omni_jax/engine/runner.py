@@ -40,7 +40,8 @@ from ..models.layers.parallel import TP, kv_heads_stored, use_mesh
 from . import sharding
 from .buckets import pick_bucket, pow2_buckets
 from .protocol import Request
-from .sampling import MAX_LOGPROBS, LogprobsOutput, token_logprobs
+from .sampling import LogprobsOutput, token_logprobs
+from .sampling_params import MAX_LOGPROBS
 
 
 # Block 0 of the KV pages is the dummy block: padding slots write into it, so the KV cache

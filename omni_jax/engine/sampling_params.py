@@ -1,0 +1,187 @@
+"""`SamplingParams`: how one request's tokens are chosen and when its generation stops.
+
+A frozen msgspec Struct, so it crosses process boundaries as msgpack and can be cached by
+identity on the host (`sampling_metadata`). Every field is checked when it is made: a bad
+value is a ValueError naming the field.
+"""
+
+from __future__ import annotations
+
+import numbers
+import secrets
+from typing import Any
+
+import msgspec
+import msgspec.structs
+import numpy as np
+
+# Temperatures below this are treated as greedy (as vLLM's _SAMPLING_EPS): dividing by
+# them only amplifies float noise.
+_SAMPLING_EPS = 1e-5
+MAX_LOGPROBS = 20
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def is_utf8(s: str) -> bool:
+    """False for text with lone surrogates (no UTF-8 form: msgpack cannot carry it to a stage)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _bad(field: str, value: Any, requirement: str) -> ValueError:
+    return ValueError(f"SamplingParams.{field} must be {requirement}, got {value!r}")
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """How one request's tokens are chosen and when its generation stops.
+
+    Frozen: derive variants with `updated(**changes)`. List-valued fields accept any
+    sequence and are stored as tuples, so an instance never changes after validation (the
+    host-side batch builder caches per-instance data by identity).
+
+    `top_k` 0 or -1 means off; `top_k == 1` or `temperature == 0` (below 1e-5) is greedy.
+    `logprobs=n` returns the sampled token's logprob plus the top `n` (0 = sampled only).
+    `prompt_logprobs=n` returns, per prompt position after the first, the prompt token's
+    logprob plus the top `n` (computed in prefill; such a request reads no prefix cache).
+    `seed=None` draws fresh randomness every step; `with_seed()` / `assign_seed` fixes a
+    random seed at request creation so the request can be replayed.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    max_tokens: int = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    suppress_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    # Stage-specific options beyond sampling (vLLM's name), e.g. a vocoder stage's
+    # "initial_codec_chunk_frames"; the stage that reads a key validates its value.
+    extra_args: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        # Normalise before validating: a bare string for `stop`, lists for the id fields,
+        # numpy scalars (msgpack cannot encode them) to Python numbers.
+        set_ = msgspec.structs.force_setattr
+        if isinstance(self.stop, str):
+            set_(self, "stop", (self.stop,))
+        for name in ("stop", "stop_token_ids", "suppress_token_ids"):
+            value = getattr(self, name)
+            if isinstance(value, (list, np.ndarray)):
+                value = tuple(value)
+                set_(self, name, value)
+            if name != "stop" and isinstance(value, tuple) and all(_is_int(t) for t in value):
+                set_(self, name, tuple(int(t) for t in value))
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if _is_real(value) and type(value) is not float:
+                set_(self, name, float(value))
+        for name in ("top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if _is_int(value) and type(value) is not int:
+                set_(self, name, int(value))
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first field whose value is out of range."""
+        # Floats are checked in the dtype the sampler uses them in (float32): 1e308 is finite in
+        # Python but inf there, and 1e-46 is > 0 but 0 there.
+        t = self.temperature
+        if not _is_real(t) or not (0.0 <= t <= FLOAT32_MAX):
+            raise _bad("temperature", t, f"a number in [0, {FLOAT32_MAX:.4g}] (finite in float32)")
+        # Counts and ids go to the device as int32 and seeds through msgpack as uint64: a
+        # larger value must fail here, not wrap or fail to encode inside the engine.
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= INT32_MAX:
+            raise _bad("top_k", self.top_k, f"an int in [-1, {INT32_MAX}] (0 or -1 disables it)")
+        if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise _bad("top_p", self.top_p, "a number in (0, 1]")
+        if not _is_real(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            raise _bad("min_p", self.min_p, "a number in [0, 1]")
+        r = self.repetition_penalty
+        if not _is_real(r) or not (FLOAT32_TINY <= r <= FLOAT32_MAX):
+            raise _bad("repetition_penalty", r, f"a number in [{FLOAT32_TINY:.4g}, {FLOAT32_MAX:.4g}] (> 0 and "
+                                                f"finite in float32)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or not (-2.0 <= v <= 2.0):
+                raise _bad(name, v, "a number in [-2, 2]")
+        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
+            raise _bad("seed", self.seed, "None or an int in [-2**63, 2**64)")
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s and is_utf8(s) for s in self.stop):
+            raise _bad("stop", self.stop, "a list of non-empty strings of UTF-8 text")
+        for name in ("stop_token_ids", "suppress_token_ids"):
+            ids = getattr(self, name)
+            if not isinstance(ids, tuple) or not all(_is_int(i) and 0 <= i <= INT32_MAX for i in ids):
+                raise _bad(name, ids, f"a list of token ids (ints in [0, {INT32_MAX}])")
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT32_MAX:
+            raise _bad("max_tokens", self.max_tokens, f"an int in [1, {INT32_MAX}]")
+        if not _is_int(self.min_tokens) or not (0 <= self.min_tokens <= self.max_tokens):
+            raise _bad("min_tokens", self.min_tokens,
+                       f"an int in [0, max_tokens={self.max_tokens}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and (not _is_int(n) or not 0 <= n <= MAX_LOGPROBS):
+                raise _bad(name, n, f"None or an int in [0, {MAX_LOGPROBS}]")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(name, getattr(self, name), "a bool")
+        if self.extra_args is not None and (not isinstance(self.extra_args, dict)
+                                            or not all(isinstance(k, str) for k in self.extra_args)):
+            raise _bad("extra_args", self.extra_args, "None or a dict with string keys")
+
+    def validate_for_vocab(self, vocab_size: int) -> None:
+        """Raise ValueError if a stop or suppressed token id is outside the vocabulary."""
+        for name in ("stop_token_ids", "suppress_token_ids"):
+            bad = [i for i in getattr(self, name) if i >= vocab_size]
+            if bad:
+                raise ValueError(
+                    f"SamplingParams.{name} must be token ids < vocab_size={vocab_size}, "
+                    f"got {bad[:8]!r}"
+                )
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when sampling reduces to argmax (temperature ~0 or top_k == 1)."""
+        return self.temperature < _SAMPLING_EPS or self.top_k == 1
+
+    @property
+    def uses_penalties(self) -> bool:
+        """True when any repetition / presence / frequency penalty is active."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    def updated(self, **changes: Any) -> "SamplingParams":
+        """A validated copy with `changes` applied."""
+        return msgspec.structs.replace(self, **changes)
+
+    def with_seed(self) -> "SamplingParams":
+        """This instance if it has a seed, else a copy with a fresh random 32-bit seed."""
+        return self if self.seed is not None else self.updated(seed=secrets.randbits(32))
+
+
+def assign_seed(params: SamplingParams) -> SamplingParams:
+    """Give an unseeded request a random seed at creation, so its draws are replayable."""
+    return params.with_seed()

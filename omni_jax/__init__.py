@@ -9,7 +9,7 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 from .checkpoint import load_checkpoint
 from .engine.sampling_params import SamplingParams
-from .runtime.orchestrator import Logprob, OmniRequestOutput
+from .runtime.outputs import Logprob, OmniRequestOutput
 
 __all__ = ["OmniJax", "AsyncOmniJax", "SamplingParams", "OmniRequestOutput", "Logprob", "load_checkpoint"]
 

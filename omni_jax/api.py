@@ -40,7 +40,8 @@ from .inputs.media import MediaLimits
 from .inputs.processor import PromptError
 from .models.registry import get_family, resolve_model, tiny_family
 from .prompt_workers import PromptWorkers
-from .runtime.orchestrator import OmniRequestOutput, Orchestrator, OrchestratorRequest, RequestMetrics
+from .runtime.orchestrator import Orchestrator, OrchestratorRequest
+from .runtime.outputs import OmniRequestOutput, RequestMetrics
 from .update_collector import UpdateCollector
 
 

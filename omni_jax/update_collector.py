@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from .runtime.orchestrator import OmniRequestOutput
+from .runtime.outputs import OmniRequestOutput
 
 
 class UpdateCollector:

@@ -188,11 +188,12 @@ def test_benchmarks_import_no_circle():
     assert len(graph) > 3 and _cycles(graph) == []
 
 
-def test_readme_request_path_names_real_files_and_at_most_17():
+def test_readme_request_path_names_real_files_and_at_most_19():
     """README's Layout lists the files one text request crosses: they exist, their number is the one
-    it states, and it stays within 17 (a module split off the path has to be a real gain). It was 14
-    until the scheduler's KV blocks and the sampler's parameters and per-step inputs, each a job of
-    its own in a module of about 1,000 lines, moved to modules named for them."""
+    it states, and it stays within 19 (a module split off the path has to be a real gain). It was 14
+    until five jobs left the three largest modules on the path for modules named for them: the
+    scheduler's KV blocks, the sampler's parameters and per-step inputs, the orchestrator's outputs
+    and stage-process handle."""
     text = (ROOT / "README.md").read_text()
     section = text[text.index("The path of one text request"):text.index("A speech request goes")]
     stated = int(re.search(r"through (\d+) files", section).group(1))
@@ -203,4 +204,4 @@ def test_readme_request_path_names_real_files_and_at_most_17():
         files.add(name)
     # The kernels are the path's end: the backend's package counts once (GPU or CPU).
     count = len(files) - (("kernels_pallas/" in files) and ("kernels_cpu/" in files))
-    assert count == stated <= 17, sorted(files)
+    assert count == stated <= 19, sorted(files)

@@ -27,7 +27,7 @@ from omni_jax.inputs.processor import PROMPT_EMBEDS_PLACEHOLDER_ID
 from omni_jax.models.qwen2_5_omni import stages as qwen2_5_stages
 from omni_jax.models.qwen3_omni import stages as qwen3_stages
 from omni_jax.models.qwen3_omni.pipeline import load_handoff
-from omni_jax.runtime.orchestrator import logprobs_of
+from omni_jax.runtime.outputs import logprobs_of
 
 pytestmark = pytest.mark.parity
 

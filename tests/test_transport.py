@@ -433,7 +433,7 @@ def test_stage_client_never_waits_on_an_exited_stage(ipc_dir):
     import sys
 
     from omni_jax.config import load_pipeline_config
-    from omni_jax.runtime.orchestrator import StageClient
+    from omni_jax.runtime.stage_client import StageClient
 
     ctx = zmq.Context()
     cfg = load_pipeline_config("qwen2_5_omni_tiny").stages[0]

@@ -6,7 +6,7 @@ import threading
 
 import numpy as np
 
-from omni_jax.runtime.orchestrator import OmniRequestOutput
+from omni_jax.runtime.outputs import OmniRequestOutput
 from omni_jax.update_collector import UpdateCollector
 
 

@@ -13,281 +13,31 @@ error naming the stage within a second; the stage is started again on the same s
 until it is ready. Without auto_restart, or if it cannot start again, the engine is dead
 and later submissions raise.
 
-This module also holds what the orchestrator builds for callers (`OmniRequestOutput`, its
-`RequestMetrics`) and its handle on each stage process (`StageClient`).
+What callers get back is in `outputs`; the handle on each stage process in `stage_client`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import json
 import logging
-import os
 import queue
 import shutil
-import subprocess
-import sys
 import threading
 import time
-import wave
 from typing import Callable
 
 import msgspec.structs
 import numpy as np
 import zmq
 
-from ..engine.protocol import (AbortRequests, AddRequest, HealthCheck, HealthReply, Ready, Shutdown, StageFailure,
-                               StageOutput, StageOutputs, StageReply)
+from ..engine.protocol import AddRequest, HealthReply, Ready, StageFailure, StageOutput, StageOutputs
 from ..models.handoff import PositionRows
-from . import spmd
-from .transport import Channel, ProtocolError, private_ipc_dir, stage_addresses
+from .outputs import OmniRequestOutput, logprobs_of
+from .stage_client import StageClient
+from .transport import ProtocolError, private_ipc_dir
 
 
-# ============================================================ what callers get back
-@dataclasses.dataclass
-class RequestMetrics:
-    """Timings (seconds, time.monotonic clock) and transfer sizes of one request.
-
-    ttft: arrival -> first text token; tpot: mean time per output token after the
-    first; stage_time: busy time of the steps that served it, per stage;
-    bytes_moved: array bytes sent to and received from stage processes;
-    time_to_first_audio and rtf (processing time / audio duration) once speech lands.
-    """
-
-    arrival_time: float = 0.0
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    num_output_tokens: int = 0
-    stage_time: dict[str, float] = dataclasses.field(default_factory=dict)
-    bytes_moved: int = 0
-    first_audio_time: float | None = None
-    audio_seconds: float = 0.0
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def tpot(self) -> float | None:
-        if self.finish_time is None or self.first_token_time is None or self.num_output_tokens < 2:
-            return None
-        return (self.finish_time - self.first_token_time) / (self.num_output_tokens - 1)
-
-    @property
-    def e2e_latency(self) -> float | None:
-        return None if self.finish_time is None else self.finish_time - self.arrival_time
-
-    @property
-    def time_to_first_audio(self) -> float | None:
-        return None if self.first_audio_time is None else self.first_audio_time - self.arrival_time
-
-    @property
-    def rtf(self) -> float | None:
-        if self.finish_time is None or self.audio_seconds <= 0:
-            return None
-        return (self.finish_time - self.arrival_time) / self.audio_seconds
-
-
-@dataclasses.dataclass(frozen=True)
-class Logprob:
-    """A token's log-probability and its rank in the distribution (1: the most likely), as vLLM's."""
-
-    logprob: float
-    rank: int
-
-
-def logprobs_of(entry: dict) -> dict[int, Logprob]:
-    """The engine's logprobs of one position -> {token id: Logprob}: the sampled (or prompt) token
-    first, then the top ones (an element of vLLM's `SampleLogprobs` / `PromptLogprobs`)."""
-    out = {entry["token_id"]: Logprob(entry["logprob"], entry["rank"])}
-    for rank, (token, logprob) in enumerate(entry["top"], start=1):
-        out.setdefault(token, Logprob(logprob, rank))
-    return out
-
-
-@dataclasses.dataclass
-class OmniRequestOutput:
-    """The state of one request: cumulative text/tokens/audio, plus this update's deltas.
-
-    `generate()` returns finished outputs; the async generator yields one per update,
-    with `text_delta`, `new_token_ids` and `audio_delta` holding what is new.
-    `logprobs` (when the thinker's SamplingParams ask for them): one {token id: Logprob} per
-    output token, aligned with `token_ids`. `prompt_logprobs` (when they ask for them, from the
-    first update on): one per prompt position, None for the first, else {token id: Logprob} with the
-    prompt token and the top ones. `hidden_states` (when `generate(output_hidden_states=
-    [...])` asks, set once finished): layer -> [T, H] float32, the prompt's rows first if asked,
-    then one row per generated token fed back (all but the last).
-    """
-
-    request_id: str
-    prompt_token_ids: list[int] = dataclasses.field(default_factory=list)
-    text: str = ""
-    token_ids: list[int] = dataclasses.field(default_factory=list)
-    finished: bool = False
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    error: str | None = None
-    audio: np.ndarray | None = None
-    sample_rate: int = 24000
-    metrics: RequestMetrics = dataclasses.field(default_factory=RequestMetrics)
-    text_delta: str = ""
-    new_token_ids: list[int] = dataclasses.field(default_factory=list)
-    audio_delta: np.ndarray | None = None
-    stage_token_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # e.g. the talker's codec ids
-    logprobs: list[dict[int, Logprob]] | None = None
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    hidden_states: dict[int, np.ndarray] | None = None
-
-    def save_audio(self, path: str) -> None:
-        """Write the reply's speech as a 16-bit PCM mono WAV file."""
-        if self.audio is None or len(self.audio) == 0:
-            raise ValueError(f"request {self.request_id!r} has no audio (ask for output_modalities=['text', 'audio'])")
-        pcm = np.clip(np.asarray(self.audio, np.float32), -1.0, 1.0)
-        with wave.open(path, "wb") as f:
-            f.setnchannels(1)
-            f.setsampwidth(2)
-            f.setframerate(self.sample_rate)
-            f.writeframes((pcm * 32767.0).astype("<i2").tobytes())
-
-    def after(self, earlier: "OmniRequestOutput") -> "OmniRequestOutput":
-        """This update with the deltas of an earlier one of the same request folded in:
-        one update that says what both said (the cumulative fields are already this one's)."""
-        if earlier.audio_delta is None or self.audio_delta is None:
-            audio = self.audio_delta if earlier.audio_delta is None else earlier.audio_delta
-        else:
-            audio = np.concatenate([earlier.audio_delta, self.audio_delta])
-        return dataclasses.replace(self, text_delta=earlier.text_delta + self.text_delta,
-                                   new_token_ids=earlier.new_token_ids + self.new_token_ids, audio_delta=audio)
-
-    def snapshot(self) -> "OmniRequestOutput":
-        """A copy safe to hand to another thread."""
-        return dataclasses.replace(self, token_ids=list(self.token_ids), new_token_ids=list(self.new_token_ids),
-                                   logprobs=None if self.logprobs is None else list(self.logprobs),
-                                   stage_token_ids={k: list(v) for k, v in self.stage_token_ids.items()},
-                                   metrics=dataclasses.replace(self.metrics,
-                                                               stage_time=dict(self.metrics.stage_time)))
-
-
-# ============================================================ the handle on one stage process
-# The client binds the stage's two ipc sockets (requests out, replies in) inside the
-# orchestrator's private 0700 directory, spawns the process, and waits for its
-# `Ready` with a timeout that names the stage. Only the orchestrator thread uses
-# the sockets after start-up (ZMQ sockets are not thread-safe).
-
-# How long a send to a stage may wait. Sockets queue without limit (DEFAULT_HWM), so a send
-# waits only when the stage's end is gone: a stage that exited leaves its PUSH socket with
-# no peer, and an unbounded send would stop the orchestrator thread, and every request, for ever.
-SEND_TIMEOUT_MS = 200
-
-
-class StageStartupError(RuntimeError):
-    """A stage process did not come up: the message names the stage and why."""
-
-
-class StageClient:
-    """Spawn, talk to, and stop one stage process."""
-
-    def __init__(self, stage_cfg, family: str, ckpt_dir: str, ipc_dir: str, zmq_ctx: zmq.Context,
-                 async_chunk: bool = False):
-        self.cfg = stage_cfg
-        self.name = stage_cfg.name
-        addrs = stage_addresses(ipc_dir, self.name)
-        self.requests = Channel(zmq.PUSH, addrs.requests, bind=True, context=zmq_ctx)
-        self.replies = Channel(zmq.PULL, addrs.replies, bind=True, decode_type=StageReply, context=zmq_ctx)
-        self._argv = [sys.executable, "-m", "omni_jax.runtime.stage_worker", json.dumps(dict(
-            stage_json=json.dumps(stage_cfg.to_dict()), ckpt_dir=ckpt_dir, family=family, ipc_dir=ipc_dir,
-            parent_pid=os.getpid(), async_chunk=async_chunk))]
-        self.process: subprocess.Popen | None = None
-        self.ready: Ready | None = None
-        self.dead_reason: str | None = None       # the process exited
-        self.unhealthy_reason: str | None = None  # alive but silent for longer than health_timeout_s
-        self.last_heard = 0.0                     # time.monotonic() of its last message
-        self.restarting: str | None = None        # why it is being started again, until its Ready
-        self.restart_time = 0.0                   # time.monotonic() of the last restart
-        self.num_restarts = 0
-
-    def start(self) -> None:
-        env = None
-        if self.cfg.num_processes > 1:  # the processes of one stage hash alike (spmd.py)
-            env = dict(os.environ, PYTHONHASHSEED=spmd.HASH_SEED)
-        self.process = subprocess.Popen(self._argv, stdin=subprocess.DEVNULL, env=env)
-
-    def restart(self, reason: str) -> None:
-        """Kill what is left of the process and start a new one on the same sockets; its `Ready`
-        comes through the replies channel like any message (the caller does not wait for it)."""
-        self.kill()
-        self.start()
-        self.restarting, self.restart_time = reason, time.monotonic()
-        self.dead_reason = self.unhealthy_reason = None
-        self.num_restarts += 1
-
-    @property
-    def exitcode(self) -> int | None:
-        return None if self.process is None else self.process.poll()
-
-    def wait_ready(self, timeout_s: float) -> Ready:
-        """Block until the stage says Ready; raise StageStartupError naming it otherwise."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            msg = self.replies.recv(timeout_ms=200)
-            if isinstance(msg, Ready):
-                self.ready = msg
-                self.last_heard = time.monotonic()
-                return msg
-            if isinstance(msg, StageFailure):
-                self.kill()
-                raise StageStartupError(msg.message)
-            if not self.is_alive():
-                raise StageStartupError(f"stage {self.name!r} exited with code {self.exitcode} "
-                                        f"before it was ready")
-        self.kill()
-        raise StageStartupError(f"stage {self.name!r} was not ready within {timeout_s:.0f}s "
-                                f"(loading and compiling took too long; raise ready_timeout_s)")
-
-    def add(self, msg: AddRequest) -> bool:
-        """Send a request; False if the stage cannot take messages (it exited)."""
-        return self._send(msg)
-
-    def abort(self, request_ids: list[str]) -> bool:
-        return not request_ids or self._send(AbortRequests(request_ids=list(request_ids)))
-
-    def health_check(self, nonce: int) -> bool:
-        return self._send(HealthCheck(nonce=nonce))
-
-    def _send(self, msg) -> bool:
-        try:
-            self.requests.send(msg, timeout_ms=SEND_TIMEOUT_MS)
-            return True
-        except TimeoutError:
-            return False
-
-    def is_alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Ask the stage to exit; kill it if it does not within the timeout."""
-        if self.is_alive():
-            try:
-                self.requests.send(Shutdown(), timeout_ms=1000)
-            except (zmq.ZMQError, TimeoutError):
-                pass
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
-        self.kill()
-        self.requests.close()
-        self.replies.close()
-
-    def kill(self) -> None:
-        if self.is_alive():
-            self.process.kill()
-        if self.process is not None:
-            self.process.wait(5.0)
-
-
-# ============================================================ the orchestrator
 log = logging.getLogger("omni_jax.orchestrator")
 
 # How often stage processes are checked for liveness (s).

@@ -14,7 +14,7 @@ Accepted prompt forms (as vLLM):
   "audio": ..., "video": ...} (one item or a list each) where the prompt already holds one
   placeholder triple per item (Qwen2.5-Omni: `<|vision_bos|><|IMAGE|><|vision_eos|>` /
   `<|audio_bos|><|AUDIO|><|audio_eos|>` / `<|vision_bos|><|VIDEO|><|vision_eos|>`; Qwen3-Omni:
-  see processor_qwen3.py), or a ready `MultiModalPayload` (passed on untouched: the prompt must
+  see models/qwen3_omni/processor.py), or a ready `MultiModalPayload` (passed on untouched: the prompt must
   then hold the expanded placeholders already).
 * {"prompt_embeds": array [T, H]} (numpy or JAX, any real dtype, cast to float32; H the
   thinker's hidden size), optionally with "prompt_token_ids" of the same length: the thinker

@@ -22,8 +22,8 @@ import numpy as np
 from tqdm import tqdm
 
 from omni_jax.checkpoint import CONFIG_FILE, FORMAT_VERSION, building_dir, save_stage
-from omni_jax.errors import CheckpointError
-from omni_jax.models.registry import UnknownModelError, abstract_stage, family_of, get_family, param_shapes
+from omni_jax.errors import CheckpointError, UnknownModelError
+from omni_jax.models.registry import abstract_stage, family_of, get_family, param_shapes
 
 from .mapping import convert_tensors, map_hf_tensors
 from .safetensors_reader import SafetensorsCheckpoint

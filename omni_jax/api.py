@@ -33,11 +33,11 @@ import numpy as np
 from tqdm import tqdm
 
 from .checkpoint import read_config
-from .config import ConfigError, PipelineConfig, default_pipeline_for, load_pipeline_config
+from .config import PipelineConfig, default_pipeline_for, load_pipeline_config
 from .engine.protocol import AddRequest, MultiModalPayload, StageInputs
 from .engine.sampling_params import SamplingParams, is_utf8
+from .errors import ConfigError, PromptError
 from .inputs.media import MediaLimits
-from .inputs.processor import PromptError
 from .models.registry import get_family, resolve_model, tiny_family
 from .prompt_workers import PromptWorkers
 from .runtime.orchestrator import Orchestrator, OrchestratorRequest

@@ -20,8 +20,7 @@ from conversion import convert as convert_mod
 
 from . import demo
 from .api import add_async_chunk_argument, resolve_checkpoint_and_pipeline
-from .config import ConfigError
-from .errors import CheckpointError
+from .errors import CheckpointError, ConfigError
 from .gpu import plan
 from .runtime import spmd, stage_worker
 from .server import bench, serve

@@ -28,6 +28,7 @@ import msgspec.structs
 import yaml
 
 from .engine.runner import BACKENDS, RunnerConfig
+from .errors import ConfigError, UnknownStageError
 from .engine.sampling_params import SamplingParams
 from .models.registry import family_names
 
@@ -52,29 +53,6 @@ DTYPES = ("float32", "bfloat16")
 OUTPUT_MODALITIES = ("text", "audio")
 PRESETS_DIR = Path(__file__).resolve().parent / "configs"
 _NO_SOURCE = "<dict>"
-
-
-class ConfigError(ValueError):
-    """An invalid or unknown pipeline configuration.
-
-    `field` is the path of the offending field relative to the object that raised it
-    (e.g. "stages[0].max_num_seqs"), or None when the error is not about one field;
-    `problem` is the message without its location.
-    """
-
-    def __init__(self, message: str, *, field: str | None = None, problem: str | None = None):
-        super().__init__(message)
-        self.field = field
-        self.problem = problem if problem is not None else message
-
-
-class UnknownStageError(ConfigError, KeyError):
-    """`PipelineConfig.stage(name)` for a name the pipeline does not have.
-
-    Also a KeyError, so `except KeyError` around a lookup works as for a dict.
-    """
-
-    __str__ = BaseException.__str__  # KeyError's __str__ would print the message's repr
 
 
 # --------------------------------------------------------------------------- checks

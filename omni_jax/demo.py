@@ -14,9 +14,8 @@ import sys
 import numpy as np
 
 from .api import OmniJax, add_async_chunk_argument
-from .config import ConfigError
+from .errors import CheckpointError, ConfigError
 from .engine.sampling_params import SamplingParams
-from .errors import CheckpointError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

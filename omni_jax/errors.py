@@ -1,10 +1,13 @@
-"""Errors users see, each naming what is wrong."""
+"""The package's errors, in one place: each names what is wrong. (The HTTP server's `APIError`
+is in server/errors.py, with the OpenAI error shape it answers; the CPU kernels' build error is
+in kernels_cpu, a layer below.)"""
 
 from __future__ import annotations
 
 from typing import Any, Mapping
 
 
+# -- a checkpoint (checkpoint.py, conversion)
 class CheckpointError(ValueError):
     """A checkpoint (HF or converted) is missing, damaged, or does not match the model."""
 
@@ -21,3 +24,74 @@ def require(d: Mapping[str, Any], *keys: str, section: str) -> Any:
             return d[key]
     names = " or ".join(repr(k) for k in keys)
     raise ConfigKeyError(f"{section}: missing {names}")
+
+
+# -- a pipeline configuration (config.py)
+class ConfigError(ValueError):
+    """An invalid or unknown pipeline configuration.
+
+    `field` is the path of the offending field relative to the object that raised it
+    (e.g. "stages[0].max_num_seqs"), or None when the error is not about one field;
+    `problem` is the message without its location.
+    """
+
+    def __init__(self, message: str, *, field: str | None = None, problem: str | None = None):
+        super().__init__(message)
+        self.field = field
+        self.problem = problem if problem is not None else message
+
+
+class UnknownStageError(ConfigError, KeyError):
+    """`PipelineConfig.stage(name)` for a name the pipeline does not have.
+
+    Also a KeyError, so `except KeyError` around a lookup works as for a dict.
+    """
+
+    __str__ = BaseException.__str__  # KeyError's __str__ would print the message's repr
+
+
+# -- a model or a request (registry, inputs, engine)
+class UnknownModelError(ValueError):
+    """The checkpoint's architecture is not one OmniJax serves."""
+
+
+class PromptError(ValueError):
+    """A prompt cannot be turned into model inputs: the message says why."""
+
+
+class MediaError(ValueError):
+    """A media item cannot be loaded; the message names the source and the reason."""
+
+
+class RequestError(ValueError):
+    """A request was rejected: the message says what is wrong with it."""
+
+    @classmethod
+    def of(cls, request_id: str, e: ValueError) -> "RequestError":
+        """`e` as the request's error, its id said once (a step below, as the scheduler, may have said it)."""
+        text = str(e)
+        if isinstance(e, RequestError) and repr(request_id) in text:
+            return e
+        return cls(text if repr(request_id) in text else f"request {request_id!r}: {text}")
+
+
+# -- the stage processes (runtime)
+class ProtocolError(ValueError):
+    """A message could not be encoded, or frames received do not form a valid message.
+
+    `request_id`: the request a malformed message was about, when it could still be read,
+    so the receiver can fail that request instead of leaving it unanswered.
+    """
+
+    def __init__(self, message: str, request_id: str | None = None):
+        super().__init__(message)
+        self.request_id = request_id
+
+
+class StageStartupError(RuntimeError):
+    """A stage process did not come up: the message names the stage and why."""
+
+
+class EngineDeadError(RuntimeError):
+    """A stage process died and was not (or could not be) started again: the pipeline cannot
+    serve until the engine is restarted."""

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
 from .inputs import cancel
-from .inputs.processor import PromptError
+from .errors import PromptError
 
 T = TypeVar("T")
 

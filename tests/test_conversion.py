@@ -14,8 +14,8 @@ from conversion.convert import convert, main as convert_main
 from conversion.mapping import inverse_transform_for, map_hf_tensors
 from omni_jax import load_checkpoint
 from omni_jax.checkpoint import CONFIG_FILE, eos_token_ids, read_config
-from omni_jax.errors import CheckpointError, ConfigKeyError
-from omni_jax.models.registry import UnknownModelError, abstract_stage, param_shapes, stages_of
+from omni_jax.errors import CheckpointError, ConfigKeyError, UnknownModelError
+from omni_jax.models.registry import abstract_stage, param_shapes, stages_of
 
 pytestmark = pytest.mark.conversion
 

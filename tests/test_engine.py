@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import hf_tiny
-from omni_jax.engine.ar_engine import RequestError
+from omni_jax.errors import RequestError
 from omni_jax.engine.runner import RunnerConfig
 from omni_jax.engine.sampling_params import SamplingParams
 from omni_jax.models.qwen2_5_omni.audio_encoder import audio_output_lengths

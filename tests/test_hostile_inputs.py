@@ -18,7 +18,8 @@ from PIL import Image
 from omni_jax import AsyncOmniJax, SamplingParams
 from omni_jax.config import load_pipeline_config
 from omni_jax.inputs.media import MediaLimits
-from omni_jax.inputs.processor import InputProcessor, PromptError
+from omni_jax.inputs.processor import InputProcessor
+from omni_jax.errors import PromptError
 from omni_jax.inputs.qwen_tokenizer import build_qwen2_5_omni_tokenizer
 from omni_jax.prompt_workers import PromptWorkers
 

@@ -20,7 +20,8 @@ import torch
 
 from omni_jax.engine.protocol import MultiModalPayload
 from omni_jax.inputs.media import load_audio, load_video, sample_frame_indices
-from omni_jax.inputs.processor import InputProcessor, PromptError
+from omni_jax.inputs.processor import InputProcessor
+from omni_jax.errors import PromptError
 from omni_jax.inputs.qwen_tokenizer import DEFAULT_SYSTEM_PROMPT, build_qwen2_5_omni_tokenizer
 from omni_jax.inputs.rope_index import RopeIndexConfig, get_rope_index
 

@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from omni_jax.engine.protocol import MultiModalPayload
-from omni_jax.inputs.processor import InputProcessor, PromptError
+from omni_jax.inputs.processor import InputProcessor
+from omni_jax.errors import PromptError
 from omni_jax.models.registry import prompt_processor
 from omni_jax.models.qwen3_omni.processor import QWEN3_OMNI_CHAT_TEMPLATE, Qwen3InputProcessor
 from omni_jax.models.qwen3_omni.rope_index import get_rope_index_qwen3

@@ -17,7 +17,8 @@ import sys
 import numpy as np
 import pytest
 
-from omni_jax.config import ConfigError, StageConfig, load_pipeline_config
+from omni_jax.config import StageConfig, load_pipeline_config
+from omni_jax.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-5

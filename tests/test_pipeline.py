@@ -16,7 +16,7 @@ import pytest
 
 from omni_jax import AsyncOmniJax, OmniJax, SamplingParams
 from omni_jax.config import load_pipeline_config
-from omni_jax.runtime.orchestrator import EngineDeadError
+from omni_jax.errors import EngineDeadError
 
 pytestmark = pytest.mark.pipeline
 

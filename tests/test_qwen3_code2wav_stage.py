@@ -24,7 +24,7 @@ import safetensors.numpy as stnp
 import torch
 
 import hf_tiny_qwen3 as tiny
-from omni_jax.engine.ar_engine import RequestError
+from omni_jax.errors import RequestError
 from omni_jax.models.qwen3_omni.code2wav_stage import build_code2wav_engine, plan_windows
 
 pytestmark = pytest.mark.e2e

@@ -198,7 +198,7 @@ def test_unknown_voice_lists_voices(speech_omni):
 
 
 def test_handoff_needs_the_talker_hidden_layers(converted):
-    from omni_jax.config import ConfigError
+    from omni_jax.errors import ConfigError
     from omni_jax.models.qwen3_omni.pipeline import load_handoff
 
     pipeline = tiny_speech_pipeline().with_overrides(thinker=dict(hidden_layers=[0]))

@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 import hf_tiny_qwen3 as tiny
-from omni_jax.engine.ar_engine import RequestError
+from omni_jax.errors import RequestError
 from omni_jax.engine.oneshot_engine import ChunkJob, OneShotRequestData, next_chunk_frames
 from omni_jax.engine.protocol import Request
 from omni_jax.engine.sampling_params import SamplingParams

@@ -20,24 +20,13 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
+from ..errors import RequestError
 from .protocol import Request, StageInputs, StageOutput
 from .runner import ModelRunner, RunnerConfig, compilation_count
 from .sampling import sample
 from .sampling_metadata import PAD_TOKEN_ID, SamplingFlags, SamplingMetadataBuilder
 from .sampling_params import MAX_LOGPROBS, SamplingParams
 from .scheduler import ARScheduler, SchedulerConfig
-
-
-class RequestError(ValueError):
-    """A request was rejected: the message says what is wrong with it."""
-
-    @classmethod
-    def of(cls, request_id: str, e: ValueError) -> "RequestError":
-        """`e` as the request's error, its id said once (a step below, as the scheduler, may have said it)."""
-        text = str(e)
-        if isinstance(e, RequestError) and repr(request_id) in text:
-            return e
-        return cls(text if repr(request_id) in text else f"request {request_id!r}: {text}")
 
 
 @dataclasses.dataclass(frozen=True)

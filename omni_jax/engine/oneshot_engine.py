@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .ar_engine import RequestError
+from ..errors import RequestError
 from .protocol import FINISH_REASON_TO_STATUS, Request, RequestStatus, StageOutput
 from .runner import compilation_count
 from .sampling_params import SamplingParams

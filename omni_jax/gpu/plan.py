@@ -24,7 +24,8 @@ import sys
 from collections import defaultdict
 
 from ..checkpoint import read_config
-from ..config import ConfigError, default_pipeline_for, list_presets
+from ..config import default_pipeline_for, list_presets
+from ..errors import ConfigError
 from . import client
 from .targets import FILES, load_target
 

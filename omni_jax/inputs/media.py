@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import MediaError
 from . import cancel
 
 __all__ = [
@@ -52,11 +53,6 @@ __all__ = [
 ]
 
 TARGET_SAMPLE_RATE = 16000
-
-
-
-class MediaError(ValueError):
-    """A media item cannot be loaded; the message names the source and the reason."""
 
 
 @dataclasses.dataclass(frozen=True)

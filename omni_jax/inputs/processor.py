@@ -49,8 +49,9 @@ from typing import Any
 import numpy as np
 
 from ..engine.protocol import MultiModalPayload
+from ..errors import MediaError, PromptError
 from .chat_text import ChatText
-from .media import MediaError, MediaLimits, VideoClip, load_audio, load_image, load_video
+from .media import MediaLimits, VideoClip, load_audio, load_image, load_video
 from .qwen_tokenizer import DEFAULT_SYSTEM_PROMPT, QWEN2_5_OMNI_CHAT_TEMPLATE
 from .rope_index import RopeIndexConfig, _chunk_ids, audio_output_lengths
 from .token_floor import TokenFloor
@@ -64,10 +65,6 @@ __all__ = [
     "QWEN2_5_OMNI_PREPROCESSOR_CONFIG",
     "QWEN2_5_OMNI_VIDEO_CONFIG",
 ]
-
-
-class PromptError(ValueError):
-    """A prompt cannot be turned into model inputs: the message says why."""
 
 
 @dataclasses.dataclass

@@ -24,7 +24,7 @@ import os
 import numpy as np
 from tokenizers import Tokenizer
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from ..engine.protocol import StageData
 
 

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..errors import UnknownModelError
 from .family import ModelFamily, StageSpec
 
 # name -> module defining FAMILY
@@ -28,10 +29,6 @@ MODEL_TYPES: dict[str, str] = {"qwen2_5_omni": "qwen2_5_omni", "qwen3_omni_moe":
 
 # The family of `--model tiny`, the built-in demo model; `tiny-<family>` names any family's.
 TINY_FAMILY = "qwen2_5_omni"
-
-
-class UnknownModelError(ValueError):
-    """The checkpoint's architecture is not one OmniJax serves."""
 
 
 def family_names() -> tuple[str, ...]:

@@ -32,10 +32,11 @@ import numpy as np
 import zmq
 
 from ..engine.protocol import AddRequest, HealthReply, Ready, StageFailure, StageOutput, StageOutputs
+from ..errors import EngineDeadError, ProtocolError
 from ..models.handoff import PositionRows
 from .outputs import OmniRequestOutput, logprobs_of
 from .stage_client import StageClient
-from .transport import ProtocolError, private_ipc_dir
+from .transport import private_ipc_dir
 
 
 log = logging.getLogger("omni_jax.orchestrator")
@@ -47,11 +48,6 @@ LIVENESS_PERIOD = 0.2
 HEARTBEAT_PERIOD = 1.0
 # The nonce of heartbeats (stats requests count from 1).
 HEARTBEAT_NONCE = 0
-
-
-class EngineDeadError(RuntimeError):
-    """A stage process died and was not (or could not be) started again: the pipeline cannot
-    serve until the engine is restarted."""
 
 
 @dataclasses.dataclass

@@ -17,6 +17,7 @@ import time
 import zmq
 
 from ..engine.protocol import AbortRequests, AddRequest, HealthCheck, Ready, Shutdown, StageFailure, StageReply
+from ..errors import StageStartupError
 from . import spmd
 from .transport import Channel, stage_addresses
 
@@ -24,10 +25,6 @@ from .transport import Channel, stage_addresses
 # waits only when the stage's end is gone: a stage that exited leaves its PUSH socket with
 # no peer, and an unbounded send would stop the orchestrator thread, and every request, for ever.
 SEND_TIMEOUT_MS = 200
-
-
-class StageStartupError(RuntimeError):
-    """A stage process did not come up: the message names the stage and why."""
 
 
 class StageClient:

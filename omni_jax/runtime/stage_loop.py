@@ -42,7 +42,8 @@ from ..engine.sharding import stage_devices
 from ..models.handoff import UpstreamOutputs
 from ..models.registry import get_family
 from . import spmd
-from .transport import Channel, ProtocolError, stage_addresses
+from .transport import Channel, stage_addresses
+from ..errors import ProtocolError
 
 log = logging.getLogger("omni_jax.stage")
 

@@ -63,6 +63,8 @@ import msgspec
 import numpy as np
 import zmq
 
+from ..errors import ProtocolError
+
 __all__ = [
     "ProtocolError",
     "Codec",
@@ -80,18 +82,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-class ProtocolError(ValueError):
-    """A message could not be encoded, or frames received do not form a valid message.
-
-    `request_id`: the request a malformed message was about, when it could still be read,
-    so the receiver can fail that request instead of leaving it unanswered.
-    """
-
-    def __init__(self, message: str, request_id: str | None = None):
-        super().__init__(message)
-        self.request_id = request_id
 
 
 # ---------------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..inputs.media import MediaError, parse_source
+from ..inputs.media import parse_source
+from ..errors import MediaError
 from .errors import bad_request, short
 from .protocol import ChatMessage
 

@@ -33,7 +33,8 @@ import dataclasses
 
 import numpy as np
 
-from ...inputs.processor import InputProcessor, PromptError
+from ...inputs.processor import InputProcessor
+from ...errors import PromptError
 from ...inputs.rope_index import RopeIndexConfig
 from .audio_encoder import audio_output_lengths
 

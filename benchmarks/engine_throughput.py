@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import os
 import tempfile
 import time
@@ -270,8 +271,9 @@ def host_overhead(eng, batch, steps=40, windows=9):
         finally:
             eng.runner._run, eng._sample_fn, eng._collect = run, sample, collect
         # The replay rewrites the steps' KV slots with the values they already hold.
-        replay = [("run", {k: jax.device_put(v) if isinstance(v, np.ndarray) or k == "meta" else v
-                           for k, v in c[1].items()}) if c[0] == "run"
+        replay = [("run", dataclasses.replace(c[1], **{
+                      f.name: jax.device_put(getattr(c[1], f.name)) for f in dataclasses.fields(c[1])
+                      if isinstance(getattr(c[1], f.name), np.ndarray) or f.name == "meta"})) if c[0] == "run"
                   else ("sample", jax.device_put(c[1]), c[2]) for c in calls]
         jax.block_until_ready(replay)
         t = time.perf_counter()

@@ -149,22 +149,22 @@ def test_decode_packing_equals_the_general_packing(engine):
     tables = np.array([[3, 5, 0, 0], [7, 0, 0, 0], [2, 0, 0, 0]], np.int32)
     for step in range(3):  # again with the same requests: rows kept from the step before
         # The last request's chunk is one prompt token (8, then 9...: positions from the prompt's M-RoPE rows).
-        chunks = [ScheduledChunk(r, r.num_tokens - 1 if i < 2 else 6 + step, 1, sample=i != 1)
+        chunks = [ScheduledChunk(r, r.num_tokens - 1 if i < 2 else 6 + step, 1, needs_logits=i != 1)
                   for i, r in enumerate(reqs)]
         decode = runner.prepare(chunks, tables, num_decodes=len(chunks))
         general = runner.prepare(chunks, tables, num_decodes=0)
-        assert decode["kind"] == "decode" and general["kind"] == "prefill"
+        assert decode.kind == "decode" and general.kind == "prefill"
         n = len(chunks)
-        np.testing.assert_array_equal(decode["token_ids"][:n], general["token_ids"][:n])
-        np.testing.assert_array_equal(decode["positions"][:, :n], general["positions"][:, :n])
+        np.testing.assert_array_equal(decode.token_ids[:n], general.token_ids[:n])
+        np.testing.assert_array_equal(decode.positions[:, :n], general.positions[:, :n])
         for key in ("slot_mapping", "kv_lens"):
-            np.testing.assert_array_equal(getattr(decode["meta"], key)[:n], getattr(general["meta"], key)[:n], key)
-        np.testing.assert_array_equal(decode["meta"].block_tables[:n], general["meta"].block_tables[:n])
-        assert decode["sample_rows"] == general["sample_rows"] == [0, 2]
-        np.testing.assert_array_equal(decode["logits_indices"][:2], general["logits_indices"][:2])
+            np.testing.assert_array_equal(getattr(decode.meta, key)[:n], getattr(general.meta, key)[:n], key)
+        np.testing.assert_array_equal(decode.meta.block_tables[:n], general.meta.block_tables[:n])
+        assert decode.sample_rows == general.sample_rows == [0, 2]
+        np.testing.assert_array_equal(decode.logits_indices[:2], general.logits_indices[:2])
         # Padding rows write to the dummy block and read nothing.
-        assert (decode["meta"].slot_mapping[n:] // runner.cfg.block_size == 0).all()
-        assert not decode["meta"].kv_lens[n:].any()
+        assert (decode.meta.slot_mapping[n:] // runner.cfg.block_size == 0).all()
+        assert not decode.meta.kv_lens[n:].any()
         for r in reqs[:2]:
             r.append_output_token_ids([50 + step])
 

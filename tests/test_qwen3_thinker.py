@@ -267,7 +267,7 @@ def test_one_token_chunk_at_a_visual_token_gets_deepstack(engine, qwen3_omni_hf_
     v = int(np.flatnonzero(ids == tiny.IMAGE_TOKEN)[0])
     kinds = []
     for start, n in ((0, v), (v, 1), (v + 1, len(ids) - v - 1)):
-        part = runner.execute([ScheduledChunk(req, start, n, sample=start + n == len(ids))], tables)
+        part = runner.execute([ScheduledChunk(req, start, n, needs_logits=start + n == len(ids))], tables)
         kinds.append(part.kind)
     assert kinds == ["prefill"] * 3
     with torch.no_grad():

@@ -86,17 +86,16 @@ class FakeRunner:
             if req.is_finished:  # scheduled ahead, then finished by the step before: thrown away
                 sampled[s.request_id] = [0]
                 continue
-            assert s.num_scheduled_tokens > 0
+            assert s.num_tokens > 0
             if s.fed_by_row < 0:  # else its token was not known when it was scheduled
                 assert np.array_equal(s.token_ids, req.all_token_ids[s.start : s.start + s.num_tokens])
-            assert (s.start, s.num_tokens, s.sample) == (s.num_computed_tokens, s.num_scheduled_tokens, s.needs_logits)
             assert len(s.block_ids) * self.bs >= s.kv_len
             if s.is_new or s.is_resumed:
                 assert s.new_block_ids == s.block_ids
             pos = np.arange(s.kv_len)
             slots = compute_slot_mapping(table, np.full(len(pos), row), pos, self.bs)
             flat = self.kv.reshape(-1)
-            new = slice(s.num_computed_tokens, s.kv_len)
+            new = slice(s.start, s.kv_len)
             flat[slots[new]] = self.content(req, s.kv_len)[new]
             # Attention reads every position up to the chunk's end: cached prefix included.
             np.testing.assert_array_equal(flat[slots], self.content(req, s.kv_len), err_msg=s.request_id)
@@ -164,7 +163,7 @@ def run_to_end(sched, runner, max_steps=1000, on_step=None):
 
 
 def check_step(sched: ARScheduler, out: SchedulerOutput):
-    assert out.total_num_scheduled_tokens == sum(s.num_scheduled_tokens for s in out.scheduled)
+    assert out.total_num_scheduled_tokens == sum(s.num_tokens for s in out.scheduled)
     assert out.total_num_scheduled_tokens <= sched.max_num_batched_tokens
     assert len(out.scheduled) <= sched.max_num_seqs
     assert len(sched.running) <= sched.max_num_seqs
@@ -198,7 +197,7 @@ def test_chunked_prefill_under_token_budget():
     sp = SP(max_tokens=3)
     sched.add_request(new_req("long", 50, sp))
     finals, tokens, steps = run_to_end(sched, runner)
-    chunks = [(s.scheduled[0].num_computed_tokens, s.scheduled[0].num_scheduled_tokens) for s in steps]
+    chunks = [(s.scheduled[0].start, s.scheduled[0].num_tokens) for s in steps]
     assert chunks == [(0, 16), (16, 16), (32, 16), (48, 2), (50, 1), (51, 1)]
     assert [s.logits_request_ids for s in steps] == [[], [], [], ["long"], ["long"], ["long"]]
     assert steps[0].scheduled[0].is_new and not steps[1].scheduled[0].is_new
@@ -212,7 +211,7 @@ def test_long_prefill_threshold_and_no_chunking():
     sched = make_sched(max_num_batched_tokens=64, long_prefill_token_threshold=10)
     sched.add_request(new_req("a", 25, SP(max_tokens=1)))
     out = sched.schedule()
-    assert out.scheduled[0].num_scheduled_tokens == 10
+    assert out.scheduled[0].num_tokens == 10
     sched.update_from_output(out, {})
     sched.abort_request("a")
     assert_no_leak(sched)
@@ -276,7 +275,7 @@ def test_prefix_cache_through_scheduler():
     assert finals["a"].num_cached_tokens == 0
     sched.add_request(new_req("b", 22, SP(max_tokens=2)))  # same prompt
     out = sched.schedule()
-    assert out.scheduled[0].num_computed_tokens == 20 and out.scheduled[0].num_scheduled_tokens == 2
+    assert out.scheduled[0].start == 20 and out.scheduled[0].num_tokens == 2
     sched.update_from_output(out, runner.step(out))
     finals, _, _ = run_to_end(sched, runner)
     assert finals["b"].num_cached_tokens == 20
@@ -297,10 +296,10 @@ def test_preemption_by_recompute_and_resume():
     preempted = [rid for s in steps for rid in s.preempted_request_ids]
     assert preempted and set(preempted) == {"b"}  # the latest arrival goes
     resumed = [s for st in steps for s in st.scheduled if s.is_resumed]
-    assert resumed and all(s.request_id == "b" and s.num_computed_tokens >= 0 for s in resumed)
+    assert resumed and all(s.request_id == "b" and s.start >= 0 for s in resumed)
     # The resumed prefill recomputes prompt + the outputs so far.
     first_resume = resumed[0]
-    assert first_resume.num_scheduled_tokens + first_resume.num_computed_tokens > 6
+    assert first_resume.kv_len > 6
     for rid in "ab":
         exp, reason, _ = expected_output(hash_seed(rid), 6, sp, sched.max_len)
         assert tokens[rid] == exp and len(exp) == 12 and finals[rid].finish_reason == reason == "length"
@@ -662,7 +661,7 @@ def test_schedule_ahead_conditions_and_order():
     sched.add_request(new_req("a", 6, SP(max_tokens=10)))
     prefill = sched.schedule()
     ahead = sched.schedule_ahead(prefill)  # a whole prompt with logits: its next step is one decode
-    assert [(s.request_id, s.num_computed_tokens, s.fed_by_row) for s in ahead.scheduled] == [("a", 6, 0)]
+    assert [(s.request_id, s.start, s.fed_by_row) for s in ahead.scheduled] == [("a", 6, 0)]
     assert sched.schedule_ahead(ahead) is None  # only right behind the one pending step
     with pytest.raises(RuntimeError, match="before update_from_output"):
         sched.schedule()

@@ -1,7 +1,7 @@
 """ModelRunner: host-side input preparation and the jitted prefill/decode steps of one stage.
 
 Per step the scheduler hands over a list of `ScheduledChunk`s (request, first position,
-token count, whether a token is sampled). The runner packs them into flat numpy arrays
+token count, whether a token is sampled; its `ScheduledRequest`s are ones). The runner packs them into flat numpy arrays
 (token ids, 3-row M-RoPE positions, slot mapping, block tables, query start offsets,
 logits indices), pads them to a shape bucket and calls one of two jitted functions:
 
@@ -170,15 +170,18 @@ def resolve_num_blocks(cfg: RunnerConfig, bytes_per_block: int, device=None) -> 
     return n
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class ScheduledChunk:
-    """One request's share of a step: tokens [start, start + num_tokens) of all_token_ids."""
+    """One request's share of a step: tokens [start, start + num_tokens) of all_token_ids.
+    The scheduler's `ScheduledRequest` is one, with what the scheduler keeps besides."""
 
     request: Request
-    start: int
+    start: int  # the chunk's first position: tokens already in the KV cache
     num_tokens: int
-    sample: bool
-    fed_by_row: int = -1  # >= 0: a decode whose token is still on the device (see execute's `fed`)
+    needs_logits: bool  # the chunk ends at the last known token, so one token is sampled
+    # >= 0: a decode scheduled ahead (async scheduling), whose token the previous step samples
+    # for its entry at this index of the step's chunks, still on the device (see execute's `fed`)
+    fed_by_row: int = -1
 
 
 @dataclasses.dataclass
@@ -195,6 +198,28 @@ class StepResult:
     bucket: int
     chunk_indices: list[int]        # the scheduled chunks in packed order (token_offsets follow them)
     rows_in_order: bool = False     # sample_rows == range(len(chunks)): each chunk has a row, in order
+
+
+@dataclasses.dataclass(slots=True)
+class StepInputs:
+    """One step's chunks packed and padded to a bucket (`ModelRunner.prepare`): the jitted step's
+    inputs, and what `execute` needs to read its outputs back."""
+
+    kind: str                      # "prefill" | "decode": the program that runs it
+    bucket: int                    # padded tokens (prefill) or sequences (decode)
+    token_ids: Any                 # [T_pad] int32; for a step scheduled ahead, filled by `execute` from the device
+    positions: np.ndarray          # [3, T_pad] M-RoPE positions
+    meta: AttentionMetadata
+    logits_indices: np.ndarray     # [S_pad] the packed token whose logits each sampled chunk needs
+    sample_rows: list[int]         # the chunk of each real logits row
+    offsets: np.ndarray            # [num_chunks + 1] start of each chunk in the packed tokens
+    total: int                     # real (unpadded) tokens
+    rich: bool = False             # the variant with overlay / extra embedding rows
+    overlay: np.ndarray | None = None       # [T_pad, H] rows replacing token embeddings (media, prompt embeds)
+    overlay_mask: np.ndarray | None = None  # [T_pad] which rows the overlay replaces
+    extra: np.ndarray | None = None         # [T_pad, H] rows added to the embeddings (a previous stage's)
+    deepstack: bool = False        # the variant that adds DeepStack features
+    deepstack_feats: np.ndarray | None = None  # [levels, T_pad, H]
 
 
 def stage_mesh(cfg: RunnerConfig):
@@ -405,17 +430,16 @@ class ModelRunner:
         kv_lens[:n] = starts + 1
         cu_q_lens = np.full(bucket + 1, n, np.int32)
         cu_q_lens[:n + 1] = np.arange(n + 1)
-        sample_rows = list(range(n)) if fed else [i for i, c in enumerate(chunks) if c.sample]
+        sample_rows = list(range(n)) if fed else [i for i, c in enumerate(chunks) if c.needs_logits]
         logits_indices = np.zeros(bucket, np.int32)
         logits_indices[:len(sample_rows)] = sample_rows
         meta = AttentionMetadata(mode="paged", backend=cfg.backend, decode_only=True, slot_mapping=slot_mapping,
                                  block_tables=tables, kv_lens=kv_lens, cu_q_lens=cu_q_lens, num_decodes=None)
-        return dict(token_ids=token_ids, positions=positions, meta=meta, logits_indices=logits_indices,
-                    overlay=None, overlay_mask=None, extra=None, rich=False, deepstack_feats=None, deepstack=False,
-                    kind="decode", bucket=bucket, offsets=np.arange(n + 1), sample_rows=sample_rows, total=n)
+        return StepInputs(kind="decode", bucket=bucket, token_ids=token_ids, positions=positions, meta=meta,
+                          logits_indices=logits_indices, sample_rows=sample_rows, offsets=np.arange(n + 1), total=n)
 
     def prepare(self, chunks: Sequence[ScheduledChunk], block_tables: np.ndarray, num_decodes: int = 0,
-                fed: bool = False):
+                fed: bool = False) -> StepInputs:
         """Pack and pad one step's chunks. `block_tables[i]` belongs to chunks[i]; the first
         `num_decodes` chunks are one-token chunks for the decode kernel (see `execute`).
         `fed`: a step scheduled ahead, whose tokens `execute` takes from the device (then
@@ -467,17 +491,17 @@ class ModelRunner:
         cu_q_lens = np.full(s_pad + 1, total, np.int32)
         cu_q_lens[:n_chunks + 1] = offsets
 
-        sample_rows = [i for i, c in enumerate(chunks) if c.sample]
+        sample_rows = [i for i, c in enumerate(chunks) if c.needs_logits]
         logits_indices = np.zeros(s_pad, np.int32)
         logits_indices[:len(sample_rows)] = offsets[np.asarray(sample_rows, np.int64) + 1] - 1 if sample_rows else []
 
         meta = AttentionMetadata(mode="paged", backend=cfg.backend, decode_only=decode,
                                  slot_mapping=slot_mapping, block_tables=tables, kv_lens=kv_lens,
                                  cu_q_lens=cu_q_lens, num_decodes=None if decode else np.int32(num_decodes))
-        return dict(token_ids=token_ids, positions=positions, meta=meta, logits_indices=logits_indices,
-                    overlay=overlay, overlay_mask=overlay_mask, extra=extra, rich=rich,
-                    deepstack_feats=ds, deepstack=deepstack, kind="decode" if decode else "prefill",
-                    bucket=bucket, offsets=offsets, sample_rows=sample_rows, total=total)
+        return StepInputs(kind="decode" if decode else "prefill", bucket=bucket, token_ids=token_ids,
+                          positions=positions, meta=meta, logits_indices=logits_indices, sample_rows=sample_rows,
+                          offsets=offsets, total=total, rich=rich, overlay=overlay, overlay_mask=overlay_mask,
+                          extra=extra, deepstack=deepstack, deepstack_feats=ds)
 
     # -------------------------------------------------------------- execution
     def execute(self, chunks: Sequence[ScheduledChunk], block_tables: np.ndarray,
@@ -511,42 +535,38 @@ class ModelRunner:
                 block_tables = block_tables[order]
         b = self.prepare(packed, block_tables, num_decodes=num_decodes, fed=fed is not None)
         if fed is not None:
-            if fed.shape[0] == b["bucket"] and fed_in_place:
+            if fed.shape[0] == b.bucket and fed_in_place:
                 # Every request in its previous row (none left): the tokens as they are, one
                 # device call less per step (the steady state of async scheduling).
-                b["token_ids"] = fed
+                b.token_ids = fed
             else:
-                padded = np.zeros(b["bucket"], np.int32)  # padding rows read row 0: any valid id
+                padded = np.zeros(b.bucket, np.int32)  # padding rows read row 0: any valid id
                 padded[:n] = [c.fed_by_row for c in packed]
-                b["token_ids"] = self._feed_fn(fed, padded)
+                b.token_ids = self._feed_fn(fed, padded)
         logits, captured, final_hidden = self._run(b)
         sample_hidden = captured.pop("sample_hidden", None)
         hidden = {}
         if want_hidden and captured:
-            hidden = {k: np.asarray(v)[:b["total"]] for k, v in captured.items()}
+            hidden = {k: np.asarray(v)[:b.total] for k, v in captured.items()}
         if order is None:
-            sample_rows, order = b["sample_rows"], list(range(n))
+            sample_rows, order = b.sample_rows, list(range(n))
         else:
-            sample_rows = [order[j] for j in b["sample_rows"]]
+            sample_rows = [order[j] for j in b.sample_rows]
         # A step scheduled ahead samples every chunk (all are decodes) in its row.
         in_order = len(sample_rows) == n and (fed is not None or sample_rows == list(range(n)))
         return StepResult(logits=logits, sample_hidden=sample_hidden, final_hidden=final_hidden,
-                          sample_rows=sample_rows, hidden=hidden, token_offsets=b["offsets"], kind=b["kind"],
-                          bucket=b["bucket"], chunk_indices=order, rows_in_order=in_order)
+                          sample_rows=sample_rows, hidden=hidden, token_offsets=b.offsets, kind=b.kind,
+                          bucket=b.bucket, chunk_indices=order, rows_in_order=in_order)
 
-    def _run(self, b):
-        if b["rich"]:
-            overlay, overlay_mask, extra = b["overlay"], b["overlay_mask"], b["extra"]
-        else:
-            overlay = overlay_mask = extra = None
-        deepstack = b.get("deepstack", False)
-        inputs = (b["token_ids"], b["positions"], b["meta"], b["logits_indices"],
-                  overlay, overlay_mask, extra, b.get("deepstack_feats") if deepstack else None)
+    def _run(self, b: StepInputs):
+        inputs = (b.token_ids, b.positions, b.meta, b.logits_indices,
+                  *((b.overlay, b.overlay_mask, b.extra) if b.rich else (None, None, None)),
+                  b.deepstack_feats if b.deepstack else None)
         if self.mesh is not None:
             # Every call's inputs committed alike (host arrays and the fed tokens): one program per bucket.
             inputs = self.on_mesh(inputs)
         logits, self.kv_caches, captured, final_hidden = self._step_fn(
-            self._param_leaves, self.kv_caches, *inputs, rich=b["rich"], deepstack=deepstack)
+            self._param_leaves, self.kv_caches, *inputs, rich=b.rich, deepstack=b.deepstack)
         return logits, captured, final_hidden
 
     # -------------------------------------------------------------- warm-up
@@ -579,7 +599,7 @@ class ModelRunner:
         jax.block_until_ready(self.kv_caches)
         return time.perf_counter() - t0
 
-    def _dummy_batch(self, kind: str, size: int, rich: bool, deepstack: bool = False):
+    def _dummy_batch(self, kind: str, size: int, rich: bool, deepstack: bool = False) -> StepInputs:
         """All-padding inputs of one bucket: every write lands in the dummy block."""
         cfg = self.cfg
         decode = kind == "decode"
@@ -591,10 +611,10 @@ class ModelRunner:
             kv_lens=np.zeros(s_pad, np.int32), cu_q_lens=np.zeros(s_pad + 1, np.int32),
             num_decodes=None if decode else np.int32(0))
         h = self.hidden_size
-        return dict(token_ids=np.zeros(size, np.int32), positions=np.zeros((3, size), np.int32), meta=meta,
-                    logits_indices=np.zeros(s_pad, np.int32),
-                    overlay=np.zeros((size, h), np.float32) if rich else None,
-                    overlay_mask=np.zeros(size, bool) if rich else None,
-                    extra=np.zeros((size, h), np.float32) if rich else None, rich=rich,
-                    deepstack=deepstack,
-                    deepstack_feats=np.zeros((cfg.deepstack_layers, size, h), np.float32) if deepstack else None)
+        return StepInputs(kind=kind, bucket=size, token_ids=np.zeros(size, np.int32),
+                          positions=np.zeros((3, size), np.int32), meta=meta,
+                          logits_indices=np.zeros(s_pad, np.int32), sample_rows=[], offsets=np.zeros(1, np.int64),
+                          total=0, rich=rich, overlay=np.zeros((size, h), np.float32) if rich else None,
+                          overlay_mask=np.zeros(size, bool) if rich else None,
+                          extra=np.zeros((size, h), np.float32) if rich else None, deepstack=deepstack,
+                          deepstack_feats=np.zeros((cfg.deepstack_layers, size, h), np.float32) if deepstack else None)

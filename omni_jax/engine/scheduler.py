@@ -24,7 +24,7 @@ import numpy as np
 
 from omni_jax.engine.kv_cache import KVCacheManager
 from omni_jax.engine.protocol import FINISH_REASON_TO_STATUS, Request, RequestStatus, StageOutput
-from omni_jax.engine.runner import DUMMY_BLOCK_ID, RunnerConfig, cdiv
+from omni_jax.engine.runner import DUMMY_BLOCK_ID, RunnerConfig, ScheduledChunk, cdiv
 
 
 @dataclass
@@ -60,51 +60,31 @@ def _eos_ids(config: Any) -> frozenset[int]:
 _NO_TOKENS = np.empty(0, np.int32)  # the token ids of a step scheduled ahead: still on the device
 _NO_TOKENS.flags.writeable = False
 
-@dataclass(slots=True)
-class ScheduledRequest:
-    """One request's share of a step: tokens [num_computed_tokens, + num_scheduled_tokens)."""
+@dataclass(slots=True, kw_only=True)
+class ScheduledRequest(ScheduledChunk):
+    """One request's share of a step (`ScheduledChunk`: tokens [start, start + num_tokens)), with
+    what the scheduler keeps besides."""
 
     request_id: str
-    request: Request
-    num_scheduled_tokens: int
-    num_computed_tokens: int  # start position of this chunk (tokens already in the KV cache)
     is_new: bool  # first time scheduled: the runner sets up its per-request state
     is_resumed: bool  # re-admitted after preemption: its KV is recomputed from position 0
-    needs_logits: bool  # the chunk ends at the last known token, so one token is sampled
     block_ids: list[int]  # the whole block table after this step's allocation
     new_block_ids: list[int]  # blocks appended this step (all of them if new or resumed)
     token_ids: np.ndarray  # int32 ids of the scheduled positions (empty when fed_by_row >= 0)
-    # Scheduled ahead (async scheduling): the token is the one the previous step samples for
-    # its entry at this index of `scheduled`, still on the device when this step is scheduled.
-    fed_by_row: int = -1
 
     @property
     def is_prefill(self) -> bool:
         """More than one token, or still inside the prompt (prompt embeddings apply)."""
-        return self.num_scheduled_tokens > 1 or self.num_computed_tokens < self.request.num_prompt_tokens
+        return self.num_tokens > 1 or self.start < self.request.num_prompt_tokens
 
     @property
     def positions(self) -> np.ndarray:
-        start = self.num_computed_tokens
-        return np.arange(start, start + self.num_scheduled_tokens, dtype=np.int32)
+        return np.arange(self.start, self.start + self.num_tokens, dtype=np.int32)
 
     @property
     def kv_len(self) -> int:
         """Tokens in the KV cache once this chunk is written (cached + new)."""
-        return self.num_computed_tokens + self.num_scheduled_tokens
-
-    # The runner's chunk vocabulary (runner.ScheduledChunk), so it can take these directly.
-    @property
-    def start(self) -> int:
-        return self.num_computed_tokens
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_scheduled_tokens
-
-    @property
-    def sample(self) -> bool:
-        return self.needs_logits
+        return self.start + self.num_tokens
 
 
 @dataclass
@@ -130,7 +110,7 @@ class SchedulerOutput:
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:
-        return {s.request_id: s.num_scheduled_tokens for s in self.scheduled}
+        return {s.request_id: s.num_tokens for s in self.scheduled}
 
     @property
     def logits_request_ids(self) -> list[str]:
@@ -359,8 +339,8 @@ class ARScheduler(_QueueScheduler):
         scheduled = ScheduledRequest(
             request_id=request.request_id,
             request=request,
-            num_scheduled_tokens=n,
-            num_computed_tokens=start,
+            num_tokens=n,
+            start=start,
             is_new=is_new,
             is_resumed=is_resumed,
             needs_logits=start + n >= request.num_tokens,
@@ -488,7 +468,9 @@ class ARScheduler(_QueueScheduler):
                 block_ids = kv.get_block_table(req.request_id)
                 new_block_ids = block_ids[held:]
             scheduled.append(ScheduledRequest(
-                req.request_id, req, 1, start, False, False, True, block_ids, new_block_ids, _NO_TOKENS, row))
+                request_id=req.request_id, request=req, num_tokens=1, start=start, is_new=False, is_resumed=False,
+                needs_logits=True, block_ids=block_ids, new_block_ids=new_block_ids, token_ids=_NO_TOKENS,
+                fed_by_row=row))
             req.num_computed_tokens = start + 1
         out = SchedulerOutput(scheduled=scheduled, total_num_scheduled_tokens=len(scheduled),
                               finished_request_ids=self._take_finished_ids(),
@@ -561,7 +543,7 @@ class ARScheduler(_QueueScheduler):
                     if self._check_stop(req, token):
                         break
             # Only now is the chunk's KV written, so only now may others hit its full blocks.
-            cache_blocks(req, s.num_computed_tokens + s.num_scheduled_tokens)
+            cache_blocks(req, s.kv_len)
             if req.status is not running:
                 self._release(req)
                 any_finished = True
@@ -661,7 +643,7 @@ class OneShotScheduler(_QueueScheduler):
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled.append(ScheduledRequest(
-                request_id=req.request_id, request=req, num_scheduled_tokens=n, num_computed_tokens=0,
+                request_id=req.request_id, request=req, num_tokens=n, start=0,
                 is_new=True, is_resumed=False, needs_logits=False, block_ids=[], new_block_ids=[],
                 token_ids=req.all_token_ids,
             ))

@@ -59,10 +59,10 @@ def pytest_ignore_collect(collection_path, config):
 
 
 # The modules that take the most worker time (`--durations`, 3.11 suite on 2 cores), about
-# longest first. xdist's loadfile hands out modules in collection order: started last, one of these
-# would run on one worker while the other idles. The ones that build no tiny-preset pipeline
-# (their own buckets, or GPU programs) come first, so that the preset's programs are in the
-# session's compilation cache, made by one module, before the others start theirs.
+# longest first. xdist's loadfile hands out modules in collection order (a first batch to each
+# worker in turn, then one to whichever is free): started last, one of these would run on one
+# worker while the other idles. The two that build no tiny-preset pipeline (their own buckets,
+# GPU programs) start the two workers, as they share no compiled program with the rest.
 SLOW_MODULES = ("test_parallel.py", "test_gpu_compile.py", "test_async_chunk_pipeline.py",
                 "test_server_hostile.py", "test_server.py", "test_token2wav_streaming.py",
                 "test_examples.py")

@@ -31,7 +31,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from .engine import sharding
-from .errors import CheckpointError, ConfigKeyError, require
+from .errors import CheckpointError, ConfigKeyError
 from .models.registry import abstract_stage, get_family
 
 CONFIG_FILE = "omni_jax_config.json"

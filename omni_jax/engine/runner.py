@@ -1,9 +1,10 @@
 """ModelRunner: host-side input preparation and the jitted prefill/decode steps of one stage.
 
 Per step the scheduler hands over a list of `ScheduledChunk`s (request, first position,
-token count, whether a token is sampled; its `ScheduledRequest`s are ones). The runner packs them into flat numpy arrays
-(token ids, 3-row M-RoPE positions, slot mapping, block tables, query start offsets,
-logits indices), pads them to a shape bucket and calls one of two jitted functions:
+token count, whether a token is sampled; its `ScheduledRequest`s are ones). The runner packs
+them into flat numpy arrays (token ids, 3-row M-RoPE positions, slot mapping, block tables,
+query start offsets, logits indices: `StepInputs`), pads them to a shape bucket and calls one
+of two jitted functions:
 
 * prefill: a packed batch of chunks (T tokens, up to `max_num_seqs` sequences) through
   the ragged paged-attention path, compiled per token bucket;

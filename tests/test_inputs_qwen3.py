@@ -23,6 +23,7 @@ import torch
 
 from omni_jax.engine.protocol import MultiModalPayload
 from omni_jax.inputs.processor import InputProcessor
+from omni_jax.inputs.qwen_tokenizer import build_qwen3_omni_tokenizer as build_tokenizer
 from omni_jax.errors import PromptError
 from omni_jax.models.registry import prompt_processor
 from omni_jax.models.qwen3_omni.processor import QWEN3_OMNI_CHAT_TEMPLATE, Qwen3InputProcessor
@@ -34,31 +35,9 @@ IMAGE, VIDEO, AUDIO = 151655, 151656, 151675
 PATTERN = r"<\|image_pad\|>|<\|audio_pad\|>|<\|video_pad\|>"
 
 # Qwen3-Omni's added tokens in id order from 151643 (Qwen3's 26, then the omni ones).
-QWEN3_OMNI_SPECIAL_TOKENS = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
-    "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>",
-    "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>",
-    "</tool_response>", "<think>", "</think>", "<|audio_start|>", "<|audio_end|>", "<tts_pad>",
-    "<tts_text_bos>", "<tts_text_eod>", "<tts_text_bos_single>", "<|audio_pad|>",
-]
-
-
 def build_qwen3_omni_tokenizer():
-    """The Qwen3-Omni tokenizer rebuilt offline: Qwen2 BPE + Qwen3-Omni's added tokens (no chat template)."""
-    from tokenizers import AddedToken, processors
-    from transformers import Qwen2TokenizerFast
-
-    from omni_jax.inputs.qwen_tokenizer import FIRST_SPECIAL_ID, _vocab_and_merges
-
-    vocab, merges = _vocab_and_merges()
-    added = {FIRST_SPECIAL_ID + i: AddedToken(t, normalized=False, special=True)
-             for i, t in enumerate(QWEN3_OMNI_SPECIAL_TOKENS)}
-    tok = Qwen2TokenizerFast(
-        vocab=dict(vocab), merges=list(merges), added_tokens_decoder=added, unk_token=None, bos_token=None,
-        eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        post_processor=processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
-        model_max_length=65536, clean_up_tokenization_spaces=False, split_special_tokens=False)
+    """The product's offline Qwen3-Omni tokenizer, its placeholders where the processor expects them."""
+    tok = build_tokenizer()
     for name, i in (("<|image_pad|>", IMAGE), ("<|video_pad|>", VIDEO), ("<|audio_pad|>", AUDIO),
                     ("<|audio_start|>", 151669), ("<tts_pad>", 151671)):
         assert tok.convert_tokens_to_ids(name) == i

@@ -232,3 +232,36 @@ def build_qwen2_5_omni_tokenizer(out_dir: str | None = None):
     if out_dir is not None:
         tokenizer.save_pretrained(out_dir)
     return tokenizer
+
+
+# Qwen3-Omni's added tokens in id order from 151643 (its tokenizer_config.json's added_tokens_decoder).
+QWEN3_OMNI_SPECIAL_TOKENS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
+    "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>",
+    "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>",
+    "</tool_response>", "<think>", "</think>", "<|audio_start|>", "<|audio_end|>", "<tts_pad>",
+    "<tts_text_bos>", "<tts_text_eod>", "<tts_text_bos_single>", "<|audio_pad|>",
+]
+
+
+def build_qwen3_omni_tokenizer(out_dir: str | None = None):
+    """The Qwen3-Omni tokenizer rebuilt offline: the Qwen2 BPE plus Qwen3-Omni's added tokens (the
+    chat template is the prompt processor's); `save_pretrained` to `out_dir` if given."""
+    from tokenizers import AddedToken, processors
+    from transformers import Qwen2TokenizerFast
+
+    vocab, merges = _vocab_and_merges()
+    added = {FIRST_SPECIAL_ID + i: AddedToken(t, normalized=False, special=True)
+             for i, t in enumerate(QWEN3_OMNI_SPECIAL_TOKENS)}
+    tokenizer = Qwen2TokenizerFast(
+        vocab=dict(vocab), merges=list(merges), added_tokens_decoder=added, unk_token=None, bos_token=None,
+        eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        post_processor=processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+        model_max_length=65536, clean_up_tokenization_spaces=False, split_special_tokens=False)
+    for i, tok in enumerate(QWEN3_OMNI_SPECIAL_TOKENS):
+        if tokenizer.convert_tokens_to_ids(tok) != FIRST_SPECIAL_ID + i:
+            raise RuntimeError(f"{tok} did not land on id {FIRST_SPECIAL_ID + i}")
+    if out_dir is not None:
+        tokenizer.save_pretrained(out_dir)
+    return tokenizer

@@ -25,10 +25,12 @@ import os
 import sys
 
 from ...checkpoint import CONFIG_FILE
+from ...inputs.qwen_tokenizer import build_qwen3_omni_tokenizer
 from ...paths import cache_root
 from ..random_checkpoint import write_random_checkpoint
 
-TINY_VERSION = 1
+# 2: the built-in model has the Qwen3-Omni tokenizer (chat prompts, the server's realtime API).
+TINY_VERSION = 2
 
 # Real Qwen3-Omni ids (QWEN_NOTES.md and the released config.json).
 VOCAB = 152064
@@ -143,10 +145,12 @@ def default_cache_dir() -> str:
     return os.path.join(cache_root(), f"tiny-qwen3_omni-v{TINY_VERSION}")
 
 
-def build_tiny_checkpoint(out_dir: str, seed: int = 0) -> str:
-    """Write a random-initialised tiny checkpoint (OmniJax format, fp32). Like a converted
-    Qwen3-Omni without tokenizer files, its prompts use the built-in Qwen tokenizer."""
-    return write_random_checkpoint(out_dir, tiny_config(), seed=seed, generation_config=TINY_GENERATION_CONFIG)
+def build_tiny_checkpoint(out_dir: str, seed: int = 0, tokenizer: bool = False) -> str:
+    """Write a random-initialised tiny checkpoint (OmniJax format, fp32); with `tokenizer`, the
+    Qwen3-Omni tokenizer's files too (without, it is like a conversion of a checkpoint that
+    has none: prompts must then be token ids)."""
+    return write_random_checkpoint(out_dir, tiny_config(), seed=seed, generation_config=TINY_GENERATION_CONFIG,
+                                   write_tokenizer=build_qwen3_omni_tokenizer if tokenizer else None)
 
 
 def tiny_checkpoint(cache_dir: str | None = None) -> str:
@@ -154,5 +158,5 @@ def tiny_checkpoint(cache_dir: str | None = None) -> str:
     path = cache_dir or default_cache_dir()
     if not os.path.isfile(os.path.join(path, CONFIG_FILE)):
         print(f"[omni-jax] building the tiny Qwen3-Omni model in {path}", file=sys.stderr, flush=True)
-        build_tiny_checkpoint(path)
+        build_tiny_checkpoint(path, tokenizer=True)
     return path

@@ -5,7 +5,8 @@ any byte cancels that timer, and a new connection has no timer at all: a client 
 headers a byte every few seconds holds a connection (and a socket, and a slot of any
 connection limit) for ever. Here every request's headers must be complete within
 `header_timeout_s` of the connection's opening or of the previous response's end, however
-they trickle; past it the connection is closed. Bodies have their own idle timeout (the Gate).
+they trickle; past it the connection is closed. Bodies have their own idle timeout (the Gate);
+a connection upgraded to a WebSocket has no deadline (its session has its own limits).
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ class HeaderTimeoutH11(H11Protocol):
     def on_response_complete(self) -> None:
         super().on_response_complete()
         self._arm_header_deadline()
+
+    def handle_websocket_upgrade(self, event) -> None:
+        # The connection becomes a WebSocket (/v1/realtime): no more request headers will come.
+        self._disarm_header_deadline()
+        super().handle_websocket_upgrade(event)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_deadline()

@@ -240,6 +240,14 @@ class _Frontend:
         """Stop a request in every stage; it finishes with finish_reason 'abort'."""
         self._orch.abort(request_id)
 
+    @property
+    def voices(self) -> list[str]:
+        """The voices a speech reply can take, the default first (empty: no speech stages)."""
+        if self._handoff is None:
+            return []
+        v = self._handoff.voices
+        return [v.default, *(n for n in v.names if n != v.default)]
+
     def shutdown(self) -> None:
         """Stop every stage process; the object cannot be used afterwards."""
         self._orch.shutdown()

@@ -349,6 +349,8 @@ class Orchestrator:
             if o.error is not None:
                 self._finish(req, error=o.error)
                 continue
+            if stage == req.chain[0] and o.num_cached_tokens:
+                out.num_cached_tokens = o.num_cached_tokens
             if self._delivers_text(req, stage) and (o.new_token_ids or o.text_delta):
                 if m.first_token_time is None:
                     m.first_token_time = now

@@ -81,7 +81,8 @@ class OmniRequestOutput:
     first update on): one per prompt position, None for the first, else {token id: Logprob} with the
     prompt token and the top ones. `hidden_states` (when `generate(output_hidden_states=
     [...])` asks, set once finished): layer -> [T, H] float32, the prompt's rows first if asked,
-    then one row per generated token fed back (all but the last).
+    then one row per generated token fed back (all but the last). `num_cached_tokens`: as
+    vLLM's RequestOutput, the prompt tokens of the first stage that came from its prefix cache.
     """
 
     request_id: str
@@ -102,6 +103,7 @@ class OmniRequestOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     hidden_states: dict[int, np.ndarray] | None = None
+    num_cached_tokens: int = 0  # prompt tokens the first stage found in its prefix cache (not computed)
 
     def save_audio(self, path: str) -> None:
         """Write the reply's speech as a 16-bit PCM mono WAV file."""

@@ -14,7 +14,7 @@ _PER_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5
 _RTF = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0, 50.0)
 # HTTP status -> the error type label.
 ERROR_TYPES = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
-               413: "too_large", 500: "internal", 503: "unavailable"}
+               413: "too_large", 429: "rate_limited", 500: "internal", 503: "unavailable"}
 # stage_stats key -> (metric name, help)
 _STAGE_GAUGES = {
     "num_running": ("omni_jax_stage_requests_running", "Requests running in the stage's scheduler"),
@@ -60,6 +60,9 @@ class Metrics:
                              registry=r)
         self.e2e = Histogram("omni_jax_e2e_request_latency_seconds", "Arrival to finish", buckets=_LATENCY,
                              registry=r)
+        self.prompt_tokens = Counter("omni_jax_prompt_tokens", "Prompt tokens of finished requests: computed, or "
+                                     "found in the first stage's prefix cache", ["source"], registry=r)
+        self.realtime_sessions = Gauge("omni_jax_realtime_sessions", "Open /v1/realtime sessions", registry=r)
         self.stages = _StageCollector()
         r.register(self.stages)
 
@@ -75,6 +78,9 @@ class Metrics:
         self.requests.labels(endpoint, out.finish_reason or "unknown").inc()
         if out.error:
             self.errors.labels("request_failed").inc()
+        cached = out.num_cached_tokens
+        self.prompt_tokens.labels("cached").inc(cached)
+        self.prompt_tokens.labels("computed").inc(max(len(out.prompt_token_ids) - cached, 0))
         m = out.metrics
         for hist, value in ((self.ttft, m.ttft), (self.tpot, m.tpot), (self.ttfa, m.time_to_first_audio),
                             (self.rtf, m.rtf), (self.e2e, m.e2e_latency)):

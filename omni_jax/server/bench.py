@@ -3,6 +3,7 @@
 
     omni-jax bench --base-url http://127.0.0.1:8000 --concurrency 16 --num-requests 64 --modalities text,audio
     omni-jax bench --library tiny --concurrency 16 --num-requests 64      # the library, no HTTP
+    omni-jax bench --backend realtime --concurrency 1,4,16 --barge-in     # spoken turns (bench_realtime.py)
 
 `--concurrency` clients each send their next request when the last one ends. Every
 request is streamed; it reports req/s and, with p50/p90/p99, TTFT, TPOT (from the
@@ -15,44 +16,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import dataclasses
 import json
 import sys
 import time
 
 import aiohttp
-import msgspec
-import numpy as np
 
 from ..api import AsyncOmniJax, add_async_chunk_argument
-
-SAMPLE_RATE = 24000
-_decode = msgspec.json.Decoder().decode
-
-
-@dataclasses.dataclass
-class Result:
-    """What one request measured (seconds from its start)."""
-
-    ok: bool = False
-    error: str | None = None
-    ttft: float | None = None
-    latency: float | None = None
-    tokens: int = 0
-    ttfa: float | None = None
-    audio_seconds: float = 0.0
-
-    @property
-    def tpot(self) -> float | None:
-        if self.ttft is None or self.latency is None or self.tokens < 2:
-            return None
-        return (self.latency - self.ttft) / (self.tokens - 1)
-
-    @property
-    def rtf(self) -> float | None:
-        return self.latency / self.audio_seconds if self.audio_seconds > 0 else None
-
+from .bench_load import SAMPLE_RATE, Result, closed_loop, http_one, summarize
+from .bench_realtime import run_levels
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (default %(default)s)")
@@ -69,6 +41,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default="Tell me about the weather today.")
     p.add_argument("--warmup", type=int, default=1, help="requests sent before timing (default 1)")
     p.add_argument("--json", default=None, help="also write the summary to this JSON file")
+    p.add_argument("--backend", default="chat", choices=["chat", "realtime"],
+                   help="chat: streamed chat completions; realtime: spoken turns over /v1/realtime, then the same "
+                        "turns through chat completions (bench_realtime.py)")
+    p.add_argument("--utterance", default=None, metavar="WAV",
+                   help="realtime: the spoken turn (default: espeak-ng saying --prompt)")
+    p.add_argument("--barge-in", action="store_true", help="realtime: also speak over a second reply, timing the cut")
 
 
 def _body(args, model: str, mods: list[str], i: int) -> dict:
@@ -79,54 +57,6 @@ def _body(args, model: str, mods: list[str], i: int) -> dict:
         body["audio"] = {"format": "pcm16"}
         body["sampling_params_list"] = [None, {"seed": 1000 + i}]
     return body
-
-
-async def _sse_events(response: aiohttp.ClientResponse):
-    """The JSON payloads of a server-sent event stream, then None for `[DONE]`."""
-    buf = b""
-    async for raw in response.content.iter_any():
-        buf += raw
-        *events, buf = buf.split(b"\n\n")
-        for event in events:
-            if not event.startswith(b"data: "):
-                continue
-            if event == b"data: [DONE]":
-                yield None
-                return
-            yield _decode(event[6:])
-
-
-async def _http_one(session: aiohttp.ClientSession, url: str, body: dict, headers: dict) -> Result:
-    res, t0 = Result(), time.perf_counter()
-    try:
-        async with session.post(url, json=body, headers=headers) as r:
-            if r.status != 200:
-                res.error = f"HTTP {r.status}: {(await r.read())[:200]!r}"
-                return res
-            audio_bytes = 0
-            async for event in _sse_events(r):
-                if event is None:  # [DONE]
-                    break
-                if "error" in event:
-                    res.error = event["error"].get("message")
-                    return res
-                if event.get("usage"):
-                    res.tokens = event["usage"]["completion_tokens"]
-                for choice in event.get("choices", ()):
-                    delta = choice.get("delta", {})
-                    if delta.get("content") and res.ttft is None:
-                        res.ttft = time.perf_counter() - t0
-                    data = (delta.get("audio") or {}).get("data")
-                    if data:
-                        if res.ttfa is None:
-                            res.ttfa = time.perf_counter() - t0
-                        audio_bytes += len(base64.b64decode(data))
-            res.audio_seconds = audio_bytes / 2 / SAMPLE_RATE
-    except aiohttp.ClientError as e:
-        res.error = f"{type(e).__name__}: {e}"
-        return res
-    res.latency, res.ok = time.perf_counter() - t0, True
-    return res
 
 
 async def _library_one(omni, args, mods: list[str], i: int) -> Result:
@@ -150,41 +80,11 @@ async def _library_one(omni, args, mods: list[str], i: int) -> Result:
     return res
 
 
-async def _closed_loop(send, n: int, concurrency: int) -> tuple[list[Result], float]:
-    """`concurrency` workers sending `n` requests in all; (results, wall seconds)."""
-    results: list[Result] = []
-    counter = iter(range(n))
-
-    async def worker():
-        for i in counter:
-            results.append(await send(i))
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return results, time.perf_counter() - t0
-
-
-def summarize(results: list[Result], wall: float) -> dict:
-    """req/s and mean / p50 / p90 / p99 of each latency measure over the successful requests."""
-    ok = [r for r in results if r.ok]
-    out = {"requests": len(results), "failed": len(results) - len(ok), "wall_s": wall,
-           "req_per_s": len(ok) / wall if wall > 0 else 0.0,
-           "output_tok_per_s": sum(r.tokens for r in ok) / wall if wall > 0 else 0.0,
-           "errors": sorted({r.error for r in results if r.error})[:5]}
-    for name in ("ttft", "tpot", "ttfa", "rtf", "latency"):
-        values = [v for v in (getattr(r, name) for r in ok) if v is not None]
-        if values:
-            a = np.asarray(values)
-            out[name] = {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)),
-                         "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99))}
-    return out
-
-
 def _print(summary: dict, label: str) -> None:
     print(f"{label}: {summary['requests']} requests ({summary['failed']} failed) in {summary['wall_s']:.2f} s: "
           f"{summary['req_per_s']:.2f} req/s, {summary['output_tok_per_s']:.1f} output tok/s")
     for name, unit, scale in (("ttft", "ms", 1e3), ("tpot", "ms", 1e3), ("ttfa", "ms", 1e3), ("rtf", "", 1.0),
-                              ("latency", "ms", 1e3)):
+                              ("latency", "ms", 1e3), ("barge_in", "ms", 1e3)):
         if name in summary:
             s = summary[name]
             print(f"  {name:8s} mean {s['mean'] * scale:9.2f}  p50 {s['p50'] * scale:9.2f}  "
@@ -204,7 +104,7 @@ async def _run(args, levels: list[int]) -> list[dict]:
             for i in range(args.warmup):
                 await _library_one(omni, args, mods, -1 - i)
             for level in levels:
-                results, wall = await _closed_loop(lambda i: _library_one(omni, args, mods, i), args.num_requests,
+                results, wall = await closed_loop(lambda i: _library_one(omni, args, mods, i), args.num_requests,
                                                    level)
                 summaries.append(summarize(results, wall))
         finally:
@@ -223,10 +123,10 @@ async def _run(args, levels: list[int]) -> list[dict]:
                 model = (await r.json())["data"][0]["id"]
         url = f"{base}/v1/chat/completions"
         for i in range(args.warmup):
-            await _http_one(session, url, _body(args, model, mods, -1 - i), headers)
+            await http_one(session, url, _body(args, model, mods, -1 - i), headers)
         for level in levels:
-            results, wall = await _closed_loop(
-                lambda i: _http_one(session, url, _body(args, model, mods, i), headers), args.num_requests, level)
+            results, wall = await closed_loop(
+                lambda i: http_one(session, url, _body(args, model, mods, i), headers), args.num_requests, level)
             summaries.append(summarize(results, wall))
     return summaries
 
@@ -239,16 +139,20 @@ def run(args: argparse.Namespace) -> int:
         print("omni-jax bench: error: --concurrency must be a positive int or a comma list of them", file=sys.stderr)
         return 2
     try:
-        summaries = asyncio.run(_run(args, levels))
+        if args.backend == "realtime":
+            labelled = asyncio.run(run_levels(args, levels))
+        else:
+            target = f"library {args.library}" if args.library else args.base_url
+            labelled = [(f"{target} [{args.modalities}] concurrency {level}", summary)
+                        for level, summary in zip(levels, asyncio.run(_run(args, levels)))]
     except (aiohttp.ClientError, OSError) as e:
         print(f"omni-jax bench: error: cannot reach {args.base_url}: {e}", file=sys.stderr)
         return 1
-    target = f"library {args.library}" if args.library else args.base_url
     report = []
-    for level, summary in zip(levels, summaries):
-        label = f"{target} [{args.modalities}] concurrency {level}"
+    for label, summary in labelled:
         _print(summary, label)
-        report.append({"label": label, "concurrency": level, **summary})
+        report.append({"label": label, **summary})
+    summaries = [summary for _, summary in labelled]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -8,7 +8,7 @@ import hmac
 import json
 import logging
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.responses import JSONResponse, Response
 
 from . import errors
@@ -18,7 +18,10 @@ from .errors import RETRY_AFTER_S, APIError, error_body, short
 from .messages import MediaPolicy
 from .metrics import Metrics
 from .protocol import ChatCompletionRequest, SpeechRequest
+from .realtime import RealtimeEndpoint, RealtimeLimits
+from .reply_audio import ReplyAudio
 from .speech import SpeechHandler
+from .transcription import TranscriptionHandler
 
 log = logging.getLogger("omni_jax.server")
 
@@ -142,10 +145,12 @@ class Gate:
 
 def build_app(engine: ServedEngine, *, api_key: str | None = None, max_body_bytes: int = 64 << 20,
               allowed_media_dir: str | None = None, max_inflight_body_bytes: int | None = None,
-              body_timeout_s: float = 30.0) -> FastAPI:
+              body_timeout_s: float = 30.0, realtime: RealtimeLimits = RealtimeLimits(),
+              reply_audio_ttl_s: float = 3600.0) -> FastAPI:
     """The server's app around an engine (started by the caller, shut down with the app).
     `max_inflight_body_bytes`: the budget of bytes all request bodies may hold at once (None:
-    four times `max_body_bytes`)."""
+    four times `max_body_bytes`). `realtime`: the limits of /v1/realtime sessions. `reply_audio_ttl_s`: how
+    long a spoken chat reply can be referred to by its audio id."""
     metrics = Metrics()
 
     @contextlib.asynccontextmanager
@@ -155,8 +160,10 @@ def build_app(engine: ServedEngine, *, api_key: str | None = None, max_body_byte
 
     app = FastAPI(title="OmniJax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     errors.install(app)
-    chat = ChatHandler(engine, MediaPolicy(allowed_media_dir), metrics)
+    policy = MediaPolicy(allowed_media_dir)
+    chat = ChatHandler(engine, policy, metrics, ReplyAudio(reply_audio_ttl_s))
     speech = SpeechHandler(engine, metrics)
+    transcribe, translate = TranscriptionHandler(engine, metrics), TranscriptionHandler(engine, metrics, translate=True)
     app.state.engine, app.state.metrics = engine, metrics
 
     @app.get("/health")
@@ -198,5 +205,21 @@ def build_app(engine: ServedEngine, *, api_key: str | None = None, max_body_byte
     @app.post("/v1/audio/speech")
     async def audio_speech(req: SpeechRequest, request: Request):
         return await speech(req, request)
+
+    @app.post("/v1/audio/transcriptions")
+    async def audio_transcriptions(request: Request, file: UploadFile = File(...), model: str = Form(...),
+                                   language: str | None = Form(None), prompt: str | None = Form(None),
+                                   response_format: str = Form("json"), temperature: float = Form(0.0),
+                                   stream: bool = Form(False)):
+        return await transcribe(request, await file.read(), model, language, prompt, response_format, temperature,
+                                stream)
+
+    @app.post("/v1/audio/translations")
+    async def audio_translations(request: Request, file: UploadFile = File(...), model: str = Form(...),
+                                 prompt: str | None = Form(None), response_format: str = Form("json"),
+                                 temperature: float = Form(0.0)):
+        return await translate(request, await file.read(), model, None, prompt, response_format, temperature, False)
+
+    app.add_api_websocket_route("/v1/realtime", RealtimeEndpoint(engine, policy, metrics, api_key, realtime))
 
     return Gate(app, api_key, max_body_bytes, metrics, max_inflight_body_bytes, body_timeout_s)

@@ -23,6 +23,7 @@ from .engine import ServedEngine
 from .errors import bad_request, error_body
 from .generation import Generation, check_model, failure, finish_reason, open_request
 from .messages import MediaPolicy, to_prompt
+from .reply_audio import ReplyAudio
 from .metrics import Metrics
 from .protocol import ChatCompletionRequest
 from .sampling import stage_params
@@ -30,8 +31,6 @@ from .sse import DONE, event
 
 # Audio deltas longer than this are split over several chunks (keeps SSE events small).
 MAX_AUDIO_CHUNK_SAMPLES = 12000
-# How long a reply's audio id is said to be valid (OpenAI's multi-turn audio reference).
-AUDIO_TTL_S = 3600
 
 
 def _modalities(req: ChatCompletionRequest, engine: ServedEngine) -> list[str]:
@@ -86,14 +85,14 @@ def audio_pieces(delta: np.ndarray | None) -> list[str]:
 class ChatHandler:
     """Serves chat completions on one engine."""
 
-    def __init__(self, engine: ServedEngine, policy: MediaPolicy, metrics: Metrics):
-        self.engine, self.policy, self.metrics = engine, policy, metrics
+    def __init__(self, engine: ServedEngine, policy: MediaPolicy, metrics: Metrics, replies: ReplyAudio):
+        self.engine, self.policy, self.metrics, self.replies = engine, policy, metrics, replies
 
     async def __call__(self, req: ChatCompletionRequest, request: Request):
         check_model(self.engine, req.model)
         _validate(req)
         mods = _modalities(req, self.engine)
-        prompt = to_prompt(req.messages, self.policy)
+        prompt = to_prompt(req.messages, self.policy, self.replies)
         params = stage_params(self.engine.stage_defaults(self.engine.stage_names(mods)), req)
         voice = req.audio.voice if req.audio is not None else None
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -125,8 +124,9 @@ class ChatHandler:
         if "audio" in mods:
             fmt = req.audio.format if req.audio is not None else "wav"
             data = audio_codec.encode(out.audio, out.sample_rate, fmt)
-            message["audio"] = {"id": f"audio_{rid[len('chatcmpl-'):]}", "data": base64.b64encode(data).decode(),
-                                "expires_at": int(time.time()) + AUDIO_TTL_S, "transcript": out.text}
+            audio_id = f"audio_{rid[len('chatcmpl-'):]}"
+            message["audio"] = {"id": audio_id, "data": base64.b64encode(data).decode(),
+                                "expires_at": self.replies.put(audio_id, out.text), "transcript": out.text}
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": req.model,
                 "system_fingerprint": None,
                 "choices": [{"index": 0, "message": message, "logprobs": self._logprobs(req, out.token_ids, out.logprobs),
@@ -167,7 +167,7 @@ class ChatHandler:
                 self.metrics.error(err.status)
                 yield event(err.body())
             else:
-                last = {"audio": {"id": audio_id, "expires_at": int(time.time()) + AUDIO_TTL_S}} if with_audio else {}
+                last = {"audio": {"id": audio_id, "expires_at": self.replies.put(audio_id, out.text)}} if with_audio else {}
                 yield chunk(last, finish_reason(out.finish_reason))
                 if include_usage:
                     yield event({**head, "choices": [], "usage": _usage(out)})

@@ -14,6 +14,7 @@ from ..inputs.media import parse_source
 from ..errors import MediaError
 from .errors import bad_request, short
 from .protocol import ChatMessage
+from .reply_audio import ReplyAudio
 
 _URL_PARTS = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
 _INPUT_AUDIO_FORMATS = ("wav", "mp3")
@@ -83,12 +84,21 @@ def _part(part: Any, where: str, policy: MediaPolicy) -> dict:
                       f"video_url", f"{where}.type")
 
 
-def to_prompt(messages: list[ChatMessage], policy: MediaPolicy) -> dict:
-    """The OmniJax chat prompt for OpenAI messages (400 naming the first bad part)."""
+def to_prompt(messages: list[ChatMessage], policy: MediaPolicy, replies: ReplyAudio | None = None) -> dict:
+    """The OmniJax chat prompt for OpenAI messages (400 naming the first bad part). An assistant
+    message with `audio.id` stands for that earlier spoken reply (`replies` keeps them)."""
     out = []
     for i, m in enumerate(messages):
         role = "system" if m.role == "developer" else m.role
         content = m.content
+        if m.audio is not None:
+            if role != "assistant":
+                raise bad_request(f"messages[{i}].audio is only allowed in assistant messages", f"messages[{i}].audio")
+            said = replies.transcript(m.audio.id) if replies is not None else None
+            if said is None:
+                raise bad_request(f"messages[{i}].audio.id: no spoken reply {short(m.audio.id)} is kept here (unknown or "
+                                  f"expired)", f"messages[{i}].audio.id")
+            content = said if not content else content
         if content is None:
             content = ""
         if isinstance(content, list):

@@ -31,12 +31,19 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class AudioReference(_Body):
+    """An earlier spoken reply by its `message.audio.id` (OpenAI's multi-turn audio)."""
+
+    id: Name
+
+
 class ChatMessage(_Body):
     """One chat message; `content` parts are checked in messages.py (which knows the media rules)."""
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | Annotated[list[Any], Field(max_length=MAX_PARTS)] | None = None
     name: Name | None = None
+    audio: AudioReference | None = None
 
 
 class AudioOptions(_Body):

@@ -17,12 +17,14 @@ import socket
 import sys
 
 import uvicorn
+from uvicorn.config import WS_PROTOCOLS
 
 from ..api import add_async_chunk_argument
 from ..inputs.media import MediaLimits
 from ..prompt_workers import PromptWorkers
 from .app import build_app
 from .engine import ServedEngine
+from .realtime import RealtimeLimits
 from .timeouts import with_header_timeout
 
 
@@ -58,6 +60,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="media checked before decoding, e.g. '{\"max_image_pixels\": 16777216, \"max_video_frames\": "
                         "3600}' (keys: min_sample_rate, max_sample_rate, max_image_pixels, max_video_fps, "
                         "max_video_frames; default: MediaLimits())")
+    p.add_argument("--max-realtime-sessions", type=int, default=16,
+                   help="open /v1/realtime sessions at most; one more gets an error event and close code 1008 (default 16)")
+    p.add_argument("--realtime-max-buffer-s", type=float, default=60.0,
+                   help="seconds of input audio a realtime session holds before a commit (default 60)")
+    p.add_argument("--realtime-max-session-s", type=float, default=1800.0,
+                   help="a realtime session is closed after this many seconds (default 1800, OpenAI's 30 minutes)")
+    p.add_argument("--reply-audio-ttl-s", type=float, default=3600.0,
+                   help="how long a chat reply's audio id can bring that reply into a later request (default 3600)")
     add_async_chunk_argument(p)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
@@ -70,6 +80,11 @@ def _bind(host: str, port: int) -> socket.socket:
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
+
+
+# uvicorn's WebSocket protocol on the websockets package (its older implementation warns that
+# it is deprecated; uvicorn releases before the sans-I/O one have only that).
+WS = "websockets-sansio" if "websockets-sansio" in WS_PROTOCOLS else "websockets"
 
 
 class _Server(uvicorn.Server):
@@ -92,7 +107,10 @@ def _check_flags(args: argparse.Namespace) -> None:
         # An empty key would let `Authorization: Bearer` (an empty token) in: never what was meant.
         raise ValueError("the API key is empty (--api-key or $OMNI_JAX_API_KEY); give a key, or unset it to "
                          "serve without one")
-    for flag in ("max_request_body_mb", "header_timeout_s", "body_timeout_s"):
+    if args.max_realtime_sessions < 0:
+        raise ValueError(f"--max-realtime-sessions must be 0 or more, got {args.max_realtime_sessions}")
+    for flag in ("max_request_body_mb", "header_timeout_s", "body_timeout_s", "realtime_max_buffer_s",
+                 "realtime_max_session_s", "reply_audio_ttl_s"):
         value = getattr(args, flag)
         if not 0 < value < float("inf"):
             raise ValueError(f"--{flag.replace('_', '-')} must be a positive number, got {value!r}")
@@ -128,16 +146,22 @@ def run(args: argparse.Namespace) -> int:
                           on_failed=stop_server, async_chunk=args.async_chunk,
                           engine_options=dict(prompt_workers=args.prompt_workers, prompt_timeout_s=args.prompt_timeout_s,
                                               media_limits=limits, max_queued_prompts=args.max_queued_prompts))
+    max_body = int(args.max_request_body_mb * (1 << 20))
+    realtime = RealtimeLimits(max_sessions=args.max_realtime_sessions, max_buffer_s=args.realtime_max_buffer_s,
+                              max_session_s=args.realtime_max_session_s, max_message_bytes=max_body)
     inflight = None if args.max_inflight_body_mb is None else int(args.max_inflight_body_mb * (1 << 20))
-    app = build_app(engine, api_key=args.api_key, max_body_bytes=int(args.max_request_body_mb * (1 << 20)),
+    app = build_app(engine, api_key=args.api_key, max_body_bytes=max_body,
                     allowed_media_dir=args.allowed_local_media_path, max_inflight_body_bytes=inflight,
-                    body_timeout_s=args.body_timeout_s)
+                    body_timeout_s=args.body_timeout_s, realtime=realtime,
+                    reply_audio_ttl_s=args.reply_audio_ttl_s)
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"omni-jax serve: listening on http://{host}:{sock.getsockname()[1]} "
           f"(model {engine.served_name!r}; loading and compiling the stages, /health is 503 until ready)",
           flush=True)
     server = _Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
-                                    access_log=args.log_level == "debug", http=with_header_timeout(args.header_timeout_s)))
+                                    access_log=args.log_level == "debug", http=with_header_timeout(args.header_timeout_s),
+                                    # one realtime message at most the body limit (larger: close code 1009)
+                                    ws=WS, ws_max_size=max_body))
     engine.start()
     server.run(sockets=[sock])  # returns on SIGINT / SIGTERM, after the app's shutdown stopped the stages
     return 1 if engine.state == "failed" else 0

@@ -1,0 +1,384 @@
+"""`/v1/realtime`: the WebSocket endpoint and the loop of one session.
+
+The endpoint checks the API key at the handshake (a wrong one is refused there, 401), then
+admits at most `max_sessions` sessions; past that a session gets an `error` event and close
+code 1008. A session reads client events one at a time, answers each (a bad one gets an
+`error` event; the socket stays open), and runs at most one response at a time as a task, so
+that it keeps reading while the response streams: a cancel or the user's speech (barge-in)
+reaches the response at once. Sends share one lock; each waits for the socket's buffer to
+drain, so a slow reader slows its own response (backpressure) instead of growing memory, and
+one that stops reading for `send_timeout_s` is closed. When the session ends for any reason
+its response and transcriptions are aborted in every stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import logging
+from types import SimpleNamespace
+
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
+
+from ..errors import APIError, error_response
+from ..messages import MediaPolicy
+from ..metrics import Metrics
+from ..sampling import stage_params
+from ..transcription import token_usage, transcription_prompt
+from ..generation import open_request
+from .audio_buffer import BufferError, decode_pcm16
+from .conversation import Conversation, ConversationItem, Part, item_from_event
+from .events import (ConversationItemCreate, ConversationItemDelete, ConversationItemRetrieve,
+                     ConversationItemTruncate, EventError, InputAudioBufferAppend, InputAudioBufferClear,
+                     InputAudioBufferCommit, ResponseCancel, ResponseCreate, SessionUpdate, new_id, parse)
+from .response import Response
+from .session import SessionConfig
+from .turns import Turns
+from .vad import RATE
+
+log = logging.getLogger("omni_jax.server")
+POLICY_VIOLATION, TOO_BIG = 1008, 1009
+MIN_COMMIT_MS = 100          # OpenAI refuses to commit less
+KEY_PROTOCOL = "openai-insecure-api-key."   # how a browser, which cannot set headers, sends the key
+
+
+@dataclasses.dataclass(frozen=True)
+class RealtimeLimits:
+    max_sessions: int = 16
+    max_buffer_s: float = 60.0        # input audio held before a commit
+    max_session_s: float = 1800.0
+    max_items: int = 512              # conversation items of one session
+    max_message_bytes: int = 16 << 20  # one client message (uvicorn closes with 1009 past it)
+    send_timeout_s: float = 30.0
+
+
+class RealtimeEndpoint:
+    """The `/v1/realtime` WebSocket route on one engine."""
+
+    def __init__(self, engine, policy: MediaPolicy, metrics: Metrics, api_key: str | None,
+                 limits: RealtimeLimits = RealtimeLimits()):
+        self.engine, self.policy, self.metrics, self.api_key, self.limits = engine, policy, metrics, api_key, limits
+        self.active = 0
+
+    def _key(self, ws: WebSocket) -> str | None:
+        auth = ws.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() == "bearer":
+            return token.strip()
+        for proto in _protocols(ws):
+            if proto.startswith(KEY_PROTOCOL):
+                return proto[len(KEY_PROTOCOL):]
+        return None
+
+    async def __call__(self, ws: WebSocket) -> None:
+        if self.api_key is not None:
+            key = self._key(ws)
+            if key is None or not hmac.compare_digest(key.encode(), self.api_key.encode()):
+                self.metrics.error(401)
+                await ws.send_denial_response(error_response(
+                    401, "Invalid or missing API key: send 'Authorization: Bearer KEY'", None, "invalid_api_key"))
+                return
+        await ws.accept(subprotocol="realtime" if "realtime" in _protocols(ws) else None)
+        refusal = self._refusal(ws.query_params.get("model"))
+        if refusal is not None:
+            await _send_and_close(ws, refusal)
+            return
+        self.active += 1
+        self.metrics.realtime_sessions.inc()
+        try:
+            await RealtimeSession(ws, self.engine, self.policy, self.metrics, self.limits).run()
+        finally:
+            self.active -= 1
+            self.metrics.realtime_sessions.dec()
+
+    def _refusal(self, model: str | None) -> EventError | None:
+        if model is not None and model != self.engine.served_name:
+            return EventError(f"The model {model[:64]!r} does not exist; this server serves "
+                              f"{self.engine.served_name!r}", "model_not_found", "model")
+        ok, why = self.engine.check()
+        if not ok:
+            return EventError(why, "service_unavailable", type="server_error")
+        if self.active >= self.limits.max_sessions:
+            self.metrics.error(429)
+            return EventError(f"the server holds its limit of {self.limits.max_sessions} realtime sessions "
+                              f"(--max-realtime-sessions); try again later", "session_limit_reached",
+                              type="rate_limit_error")
+        return None
+
+
+def _protocols(ws: WebSocket) -> list[str]:
+    return [p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
+
+
+async def _send_and_close(ws: WebSocket, error: EventError) -> None:
+    try:
+        await ws.send_text(json.dumps(error.event()))
+        await ws.close(POLICY_VIOLATION, error.message[:120])
+    except Exception:  # the client left first
+        pass
+
+
+class RealtimeSession:
+    """One connection's session: settings, conversation, input audio, and its response."""
+
+    def __init__(self, ws: WebSocket, engine, policy: MediaPolicy, metrics: Metrics, limits: RealtimeLimits):
+        self.ws, self.engine, self.policy, self.metrics, self.limits = ws, engine, policy, metrics, limits
+        voices = engine.omni.voices if "audio" in engine.output_modalities else []
+        self.config = SessionConfig(engine.served_name, voices)
+        self.conversation = Conversation(limits.max_items)
+        self.conversation_id = new_id("conv")
+        self.turns = Turns(limits.max_buffer_s, self.config.turn_detection)
+        self.speech_item: str | None = None       # the item id a detected turn will get
+        self.response: Response | None = None
+        self.tasks: set[asyncio.Task] = set()     # transcriptions
+        self._lock = asyncio.Lock()
+        self.closed = False
+
+    async def send(self, event: dict) -> None:
+        """Send one server event (dropped once the client is gone)."""
+        if self.closed:
+            return
+        text = json.dumps(event)
+        async with self._lock:
+            try:
+                await asyncio.wait_for(self.ws.send_text(text), self.limits.send_timeout_s)
+            except asyncio.TimeoutError:
+                self.closed = True
+                log.warning("realtime session %s: the client read nothing for %gs; closing", self.config.id,
+                            self.limits.send_timeout_s)
+                await self._close(POLICY_VIOLATION, "the client stopped reading")
+            except Exception:  # disconnected: the receive loop sees it and ends the session
+                self.closed = True
+
+    async def _close(self, code: int, reason: str) -> None:
+        self.closed = True
+        if self.ws.application_state == WebSocketState.CONNECTED:
+            try:
+                await self.ws.close(code, reason)
+            except Exception:
+                pass
+
+    async def run(self) -> None:
+        await self.send({"type": "session.created", "event_id": new_id("event"), "session": self.config.as_json()})
+        try:
+            async with asyncio.timeout(self.limits.max_session_s):
+                while not self.closed:
+                    msg = await self.ws.receive()
+                    if msg["type"] == "websocket.disconnect":
+                        break
+                    data = msg.get("text") if msg.get("text") is not None else msg.get("bytes")
+                    try:
+                        await self.handle(parse(data))
+                    except EventError as e:
+                        await self.send(e.event())
+                    except Exception as e:  # a bug: said, logged, and the session goes on
+                        log.exception("realtime session %s: error handling an event", self.config.id)
+                        await self.send(EventError(f"internal error: {type(e).__name__}", "internal_error",
+                                                   type="server_error").event())
+        except TimeoutError:
+            await self.send(EventError(f"the session reached its limit of {self.limits.max_session_s:g} s",
+                                       "session_expired").event())
+            await self._close(1000, "session expired")
+        except WebSocketDisconnect:
+            pass
+        finally:
+            self.closed = True
+            if self.response is not None:
+                await self.response.cancel("client_cancelled")
+            for t in list(self.tasks):
+                t.cancel()
+            if self.tasks:
+                await asyncio.wait(self.tasks)
+            await self._close(1000, "")
+
+    # ------------------------------------------------------------------------------------ events
+
+    async def handle(self, ev) -> None:
+        if isinstance(ev, InputAudioBufferAppend):
+            await self._append(ev)
+        elif isinstance(ev, SessionUpdate):
+            had_vad = self.config.turn_detection
+            self.config.update(ev.session, ev.event_id)
+            if self.config.turn_detection != had_vad:
+                self.turns.configure(self.config.turn_detection)
+            await self.send({"type": "session.updated", "event_id": new_id("event"), "session": self.config.as_json()})
+        elif isinstance(ev, InputAudioBufferCommit):
+            held = self.turns.buffer.ms
+            if held < MIN_COMMIT_MS:
+                raise EventError(f"buffer too small: expected at least {MIN_COMMIT_MS} ms of audio, but the buffer "
+                                 f"holds {held} ms", "input_audio_buffer_commit_empty", None, ev.event_id)
+            await self._commit(self.turns.commit(), self.speech_item)
+        elif isinstance(ev, InputAudioBufferClear):
+            self.turns.clear()
+            self.speech_item = None
+            await self.send({"type": "input_audio_buffer.cleared", "event_id": new_id("event")})
+        elif isinstance(ev, ConversationItemCreate):
+            try:
+                item = await asyncio.to_thread(item_from_event, ev.item, self.policy, self.limits.max_buffer_s)
+            except EventError as e:
+                e.event_id = ev.event_id
+                raise
+            await self._add_item(item, ev.previous_item_id, ev.event_id)
+        elif isinstance(ev, ConversationItemDelete):
+            self.conversation.delete(ev.item_id, ev.event_id)
+            await self.send({"type": "conversation.item.deleted", "event_id": new_id("event"), "item_id": ev.item_id})
+        elif isinstance(ev, ConversationItemRetrieve):
+            item = self.conversation.get(ev.item_id, ev.event_id)
+            await self.send({"type": "conversation.item.retrieved", "event_id": new_id("event"),
+                             "item": item.as_json()})
+        elif isinstance(ev, ConversationItemTruncate):
+            if self.response is not None and self.response.item.id == ev.item_id:
+                await self.response.cancel("client_cancelled")
+            self.conversation.truncate(ev.item_id, ev.content_index, ev.audio_end_ms, ev.event_id)
+            await self.send({"type": "conversation.item.truncated", "event_id": new_id("event"), "item_id": ev.item_id,
+                             "content_index": ev.content_index, "audio_end_ms": ev.audio_end_ms})
+        elif isinstance(ev, ResponseCreate):
+            await self._respond(ev)
+        elif isinstance(ev, ResponseCancel):
+            if self.response is None or (ev.response_id is not None and ev.response_id != self.response.id):
+                raise EventError("there is no active response to cancel" if self.response is None else
+                                 f"response {ev.response_id!r} is not the active one", "response_cancel_not_active",
+                                 None, ev.event_id)
+            await self.response.cancel("client_cancelled")
+
+    async def _append(self, ev: InputAudioBufferAppend) -> None:
+        try:
+            wave24 = decode_pcm16(ev.audio)
+            turn_events = await asyncio.to_thread(self.turns.append, wave24)
+        except BufferError as e:
+            raise EventError(str(e), "invalid_value", "audio", ev.event_id) from None
+        for vev, audio in turn_events:
+            if vev.kind == "speech_started":
+                self.speech_item = new_id("item")
+                await self.send({"type": "input_audio_buffer.speech_started", "event_id": new_id("event"),
+                                 "audio_start_ms": vev.ms, "item_id": self.speech_item})
+                td = self.config.turn_detection
+                if self.response is not None and td is not None and td.interrupt_response:
+                    await self.response.cancel("turn_detected")   # barge-in
+            else:
+                await self.send({"type": "input_audio_buffer.speech_stopped", "event_id": new_id("event"),
+                                 "audio_end_ms": vev.ms, "item_id": self.speech_item})
+                await self._commit(audio, self.speech_item)
+                if self.config.turn_detection is not None and self.config.turn_detection.create_response:
+                    await self._respond(None)
+
+    async def _commit(self, audio, item_id: str | None) -> None:
+        item = ConversationItem(item_id or new_id("item"), "user", [Part("input_audio", audio=audio)])
+        self.speech_item = None
+        previous = self.conversation.add(item)
+        await self.send({"type": "input_audio_buffer.committed", "event_id": new_id("event"),
+                         "item_id": item.id, "previous_item_id": previous})
+        await self._announce(item, previous)
+        if self.config.transcription is not None:
+            self._spawn(self._transcribe(item))
+
+    async def _add_item(self, item: ConversationItem, previous_item_id: str | None, event_id: str | None) -> None:
+        try:
+            previous = self.conversation.add(item, previous_item_id)
+        except EventError as e:
+            e.event_id = event_id
+            raise
+        await self._announce(item, previous)
+
+    async def _announce(self, item: ConversationItem, previous: str | None) -> None:
+        body = {"item": item.as_json(), "previous_item_id": previous}
+        await self.send({"type": "conversation.item.added", "event_id": new_id("event"), **body})
+        await self.send({"type": "conversation.item.done", "event_id": new_id("event"), **body})
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _transcribe(self, item: ConversationItem) -> None:
+        """conversation.item.input_audio_transcription.completed (or .failed) for a committed item."""
+        part, tc = item.parts[0], self.config.transcription
+        prompt = transcription_prompt(part.audio, RATE, tc.language, tc.prompt)
+        params = [self.engine.stage_defaults(["thinker"])[0].updated(temperature=0.0)]
+        gen = None
+        try:
+            gen = await open_request(self.engine, prompt, params, ["text"], None, new_id("transcribe"))
+            out = None
+            async for out in gen.updates():
+                pass
+            if out.error:
+                raise RuntimeError(out.error)
+            part.transcript = out.text
+            await self.send({"type": "conversation.item.input_audio_transcription.completed",
+                             "event_id": new_id("event"), "item_id": item.id, "content_index": 0,
+                             "transcript": out.text, "usage": token_usage(out)})
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            await self.send({"type": "conversation.item.input_audio_transcription.failed", "event_id": new_id("event"),
+                             "item_id": item.id, "content_index": 0,
+                             "error": {"type": "server_error", "code": "transcription_failed",
+                                       "message": str(getattr(e, "message", e))[:500]}})
+        finally:
+            if gen is not None:
+                await gen.close()
+
+    async def _respond(self, ev: ResponseCreate | None) -> None:
+        if self.response is not None:
+            raise EventError(f"Conversation already has an active response in progress: {self.response.id}. Wait "
+                             f"until the response is finished before creating a new one.",
+                             "conversation_already_has_active_response", None, ev.event_id if ev else None)
+        fields = ev.response if ev is not None else None
+        event_id = ev.event_id if ev is not None else None
+        sent = fields.model_fields_set if fields is not None else set()
+        cfg = self.config
+        modalities = fields.output_modalities if fields is not None and fields.output_modalities else cfg.output_modalities
+        if modalities == ["audio"] and not cfg.voices:
+            raise EventError("this model has no speech output; ask for output_modalities ['text']", "invalid_value",
+                             "response.output_modalities", event_id)
+        voice = cfg.voice
+        if fields is not None and fields.audio is not None and fields.audio.output is not None \
+                and fields.audio.output.voice is not None:
+            voice = cfg.check_voice(fields.audio.output.voice, "response.audio.output.voice", event_id)
+        if fields is not None and fields.tools:
+            raise EventError("tools (function calling) are not supported by this server", "unsupported",
+                             "response.tools", event_id)
+        instructions = fields.instructions if "instructions" in sent and fields.instructions is not None \
+            else cfg.instructions
+        max_tokens = fields.max_output_tokens if "max_output_tokens" in sent and fields.max_output_tokens \
+            else cfg.max_output_tokens
+        temperature = fields.temperature if "temperature" in sent and fields.temperature is not None \
+            else cfg.temperature
+        out_of_band = fields is not None and (fields.conversation == "none" or fields.input is not None)
+        if fields is not None and fields.input is not None:
+            context = Conversation(self.limits.max_items)
+            for it in fields.input:
+                context.add(await asyncio.to_thread(item_from_event, it, self.policy, self.limits.max_buffer_s))
+        else:
+            context = self.conversation
+        messages = context.messages(instructions)
+        if not any(m["role"] != "system" for m in messages):
+            raise EventError("the conversation is empty: add an item or commit audio first", "invalid_value",
+                             None, event_id)
+        chain = ["text", "audio"] if modalities == ["audio"] else ["text"]
+        fields_of = SimpleNamespace(max_tokens=max_tokens if isinstance(max_tokens, int) else None,
+                                    temperature=temperature,
+                                    sampling_params_list=fields.sampling_params_list if fields is not None else None)
+        try:
+            params = stage_params(self.engine.stage_defaults(self.engine.stage_names(chain)), fields_of)
+        except APIError as e:
+            raise EventError(e.message, "invalid_value", f"response.{e.param}" if e.param else "response",
+                             event_id) from None
+        part = Part("output_audio", transcript="") if modalities == ["audio"] else Part("output_text", text="")
+        item = ConversationItem(new_id("item"), "assistant", [part], status="in_progress")
+        previous = None if out_of_band else self.conversation.add(item)
+
+        def finished(out) -> None:
+            self.response = None
+            if out is not None and out.finished:
+                self.metrics.finished("realtime", out)
+            else:
+                self.metrics.aborted("realtime")
+
+        self.response = Response(self.engine, self.send, messages, modalities=modalities, voice=voice, params=params,
+                                 max_output_tokens=max_tokens, conversation_id=None if out_of_band else
+                                 self.conversation_id, item=item,
+                                 metadata=fields.metadata if fields is not None else None,
+                                 previous_item_id=previous, on_finished=finished).start()

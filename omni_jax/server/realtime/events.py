@@ -1,0 +1,239 @@
+"""Client events of OpenAI's Realtime API (GA), validated; and the `error` event.
+
+Each client event type has a pydantic model; `parse` turns one WebSocket text message into
+one of them or raises `EventError`, which the connection sends back as an `error` event
+(OpenAI's shape: type, code, message, param, and the client's event_id) and goes on.
+Fields OpenAI has that this server does not serve (tools, semantic VAD, other audio formats)
+are refused by name rather than ignored; unknown fields are ignored, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAX_TEXT = 1 << 20          # characters of one text part or of the instructions
+MAX_ITEMS_PER_EVENT = 64
+MAX_PARTS = 64
+MAX_ID = 64
+Id = Annotated[str, Field(min_length=1, max_length=MAX_ID)]
+
+_ids = itertools.count()
+
+
+def new_id(prefix: str) -> str:
+    """An id in OpenAI's style (`event_...`, `item_...`, `resp_...`), unique in this process."""
+    return f"{prefix}_{uuid.uuid4().hex[:16]}{next(_ids):x}"
+
+
+class EventError(Exception):
+    """A client event the server cannot act on: sent back as an `error` event."""
+
+    def __init__(self, message: str, code: str = "invalid_value", param: str | None = None,
+                 event_id: str | None = None, type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.code, self.param, self.event_id, self.type = message, code, param, event_id, type
+
+    def event(self) -> dict:
+        return {"type": "error", "event_id": new_id("event"),
+                "error": {"type": self.type, "code": self.code, "message": self.message, "param": self.param,
+                          "event_id": self.event_id}}
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class AudioFormat(_Model):
+    type: Literal["audio/pcm"] = "audio/pcm"
+    rate: Literal[24000] = 24000
+
+
+class ServerVADConfig(_Model):
+    type: Literal["server_vad"]
+    threshold: float = Field(default=0.5, ge=0.0, le=1.0)
+    prefix_padding_ms: int = Field(default=300, ge=0, le=5000)
+    silence_duration_ms: int = Field(default=500, ge=30, le=10000)
+    create_response: bool = True
+    interrupt_response: bool = True
+    idle_timeout_ms: int | None = None
+
+
+class TranscriptionConfig(_Model):
+    model: Annotated[str, Field(max_length=256)] | None = None
+    language: Annotated[str, Field(max_length=32)] | None = None
+    prompt: Annotated[str, Field(max_length=4096)] | None = None
+
+
+class AudioInput(_Model):
+    format: AudioFormat | None = None
+    transcription: TranscriptionConfig | None = None
+    turn_detection: ServerVADConfig | None = None
+    noise_reduction: dict | None = None   # accepted; the VAD works on the audio as sent
+
+
+class AudioOutput(_Model):
+    format: AudioFormat | None = None
+    voice: Annotated[str, Field(max_length=64)] | None = None
+    speed: float = Field(default=1.0, ge=0.25, le=1.5)
+
+
+class SessionAudio(_Model):
+    input: AudioInput | None = None
+    output: AudioOutput | None = None
+
+
+Modalities = Annotated[list[Literal["text", "audio"]], Field(min_length=1, max_length=1)]
+MaxTokens = Annotated[int, Field(ge=1, le=1 << 20)] | Literal["inf"]
+
+
+class SessionFields(_Model):
+    """`session` of session.update (only the fields sent change anything)."""
+
+    type: Literal["realtime"] = "realtime"
+    model: Annotated[str, Field(max_length=256)] | None = None
+    instructions: Annotated[str, Field(max_length=MAX_TEXT)] | None = None
+    output_modalities: Modalities | None = None
+    audio: SessionAudio | None = None
+    max_output_tokens: MaxTokens | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+
+
+class ContentPart(_Model):
+    type: Literal["input_text", "input_audio", "input_image", "text", "output_text", "output_audio"]
+    text: Annotated[str, Field(max_length=MAX_TEXT)] | None = None
+    audio: str | None = None
+    transcript: Annotated[str, Field(max_length=MAX_TEXT)] | None = None
+    image_url: str | None = None
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class Item(_Model):
+    id: Id | None = None
+    type: Literal["message"]
+    role: Literal["user", "assistant", "system"]
+    content: Annotated[list[ContentPart], Field(min_length=1, max_length=MAX_PARTS)]
+    status: Literal["completed", "incomplete", "in_progress"] | None = None
+
+
+class ResponseAudio(_Model):
+    output: AudioOutput | None = None
+
+
+class ResponseFields(_Model):
+    """`response` of response.create: overrides for this response only."""
+
+    instructions: Annotated[str, Field(max_length=MAX_TEXT)] | None = None
+    output_modalities: Modalities | None = None
+    audio: ResponseAudio | None = None
+    max_output_tokens: MaxTokens | None = None
+    conversation: Literal["auto", "none"] | None = None
+    input: Annotated[list[Item], Field(max_length=MAX_ITEMS_PER_EVENT)] | None = None
+    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = None
+    tools: list[Any] | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    # vLLM-Omni's extra, as in chat completions: one dict of SamplingParams fields per stage.
+    sampling_params_list: Annotated[list[dict[str, Any] | None], Field(max_length=8)] | None = None
+
+
+class _Event(_Model):
+    event_id: Annotated[str, Field(max_length=MAX_ID)] | None = None
+
+
+class SessionUpdate(_Event):
+    type: Literal["session.update"]
+    session: SessionFields
+
+
+class InputAudioBufferAppend(_Event):
+    type: Literal["input_audio_buffer.append"]
+    audio: str
+
+
+class InputAudioBufferCommit(_Event):
+    type: Literal["input_audio_buffer.commit"]
+
+
+class InputAudioBufferClear(_Event):
+    type: Literal["input_audio_buffer.clear"]
+
+
+class ConversationItemCreate(_Event):
+    type: Literal["conversation.item.create"]
+    item: Item
+    previous_item_id: Id | None = None
+
+
+class ConversationItemDelete(_Event):
+    type: Literal["conversation.item.delete"]
+    item_id: Id
+
+
+class ConversationItemRetrieve(_Event):
+    type: Literal["conversation.item.retrieve"]
+    item_id: Id
+
+
+class ConversationItemTruncate(_Event):
+    type: Literal["conversation.item.truncate"]
+    item_id: Id
+    content_index: int = Field(ge=0)
+    audio_end_ms: int = Field(ge=0)
+
+
+class ResponseCreate(_Event):
+    type: Literal["response.create"]
+    response: ResponseFields | None = None
+
+
+class ResponseCancel(_Event):
+    type: Literal["response.cancel"]
+    response_id: Id | None = None
+
+
+class OutputAudioBufferClear(_Event):
+    type: Literal["output_audio_buffer.clear"]
+
+
+CLIENT_EVENTS: dict[str, type[_Event]] = {
+    cls.model_fields["type"].annotation.__args__[0]: cls
+    for cls in (SessionUpdate, InputAudioBufferAppend, InputAudioBufferCommit, InputAudioBufferClear,
+                ConversationItemCreate, ConversationItemDelete, ConversationItemRetrieve, ConversationItemTruncate,
+                ResponseCreate, ResponseCancel, OutputAudioBufferClear)
+}
+
+
+def _param(loc) -> str:
+    out = ""
+    for p in loc:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+def parse(text: str | bytes) -> _Event:
+    """One client message -> its event model (EventError naming what is wrong)."""
+    try:
+        data = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise EventError(f"the message is not valid JSON: {e}", "invalid_json") from None
+    if not isinstance(data, dict):
+        raise EventError("a client event must be a JSON object with a 'type'", "invalid_event")
+    event_id = data.get("event_id") if isinstance(data.get("event_id"), str) else None
+    kind = data.get("type")
+    cls = CLIENT_EVENTS.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        shown = repr(kind)[:80]
+        raise EventError(f"unknown event type {shown}; this server takes {sorted(CLIENT_EVENTS)}",
+                         "unknown_event_type", "type", event_id)
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = _param(first["loc"])
+        raise EventError(f"{kind}: {param}: {first['msg']}", "invalid_value", param, event_id) from None

@@ -1,0 +1,90 @@
+"""A realtime session's settings: OpenAI's `session` object, its defaults and `session.update`.
+
+Only the fields an update sends change anything; `turn_detection: null` turns server VAD
+off (manual commits). What this server cannot serve is refused by name, and a refused update
+changes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from .events import EventError, ServerVADConfig, SessionFields, TranscriptionConfig, new_id
+
+PCM = {"type": "audio/pcm", "rate": 24000}
+
+
+@dataclasses.dataclass
+class SessionConfig:
+    model: str
+    voices: list[str]                       # the model's voices, default first (empty: no speech)
+    id: str = dataclasses.field(default_factory=lambda: new_id("sess"))
+    instructions: str = ""
+    output_modalities: list[str] = dataclasses.field(default_factory=lambda: ["audio"])
+    voice: str | None = None
+    speed: float = 1.0
+    turn_detection: ServerVADConfig | None = dataclasses.field(
+        default_factory=lambda: ServerVADConfig(type="server_vad"))
+    transcription: TranscriptionConfig | None = None
+    max_output_tokens: int | str = "inf"
+    temperature: float | None = None
+
+    def __post_init__(self):
+        if not self.voices:
+            self.output_modalities = ["text"]
+        self.voice = self.voice or (self.voices[0] if self.voices else None)
+
+    def update(self, s: SessionFields, event_id: str | None = None) -> None:
+        """Apply session.update's fields (EventError naming the first one refused; nothing changed then)."""
+        sent = s.model_fields_set
+        if s.model is not None and s.model != self.model:
+            raise EventError(f"this session serves {self.model!r}; it cannot switch to {s.model[:64]!r}",
+                             "invalid_value", "session.model", event_id)
+        if s.tools:
+            raise EventError("tools (function calling) are not supported by this server", "unsupported",
+                             "session.tools", event_id)
+        if s.output_modalities == ["audio"] and not self.voices:
+            raise EventError("this model has no speech output; use output_modalities ['text']", "invalid_value",
+                             "session.output_modalities", event_id)
+        new = dataclasses.replace(self)
+        for name in ("instructions", "output_modalities", "max_output_tokens", "temperature"):
+            if name in sent:
+                value = getattr(s, name)
+                default = getattr(SessionConfig(self.model, self.voices), name)
+                setattr(new, name, default if value is None else value)
+        audio = s.audio
+        if audio is not None and audio.input is not None:
+            fields = audio.input.model_fields_set
+            if "turn_detection" in fields:
+                new.turn_detection = audio.input.turn_detection
+            if "transcription" in fields:
+                new.transcription = audio.input.transcription
+        if audio is not None and audio.output is not None:
+            out = audio.output
+            if out.voice is not None:
+                new.voice = self.check_voice(out.voice, "session.audio.output.voice", event_id)
+            new.speed = out.speed
+        self.__dict__.update(new.__dict__)
+
+    def check_voice(self, voice: str, param: str, event_id: str | None = None) -> str:
+        names = {v.lower(): v for v in self.voices}
+        if voice.lower() not in names:
+            choice = ", ".join(self.voices) if self.voices else "none: this model has no speech output"
+            raise EventError(f"unknown voice {voice[:64]!r}; available voices: {choice}", "invalid_value", param,
+                             event_id)
+        return names[voice.lower()]
+
+    def as_json(self) -> dict[str, Any]:
+        """The `session` object of session.created / session.updated."""
+        return {
+            "type": "realtime", "object": "realtime.session", "id": self.id, "model": self.model,
+            "instructions": self.instructions, "output_modalities": list(self.output_modalities),
+            "max_output_tokens": self.max_output_tokens, "tools": [], "tool_choice": "auto",
+            "audio": {
+                "input": {"format": PCM, "noise_reduction": None,
+                          "transcription": None if self.transcription is None else self.transcription.model_dump(),
+                          "turn_detection": None if self.turn_detection is None else self.turn_detection.model_dump()},
+                "output": {"format": PCM, "voice": self.voice, "speed": self.speed},
+            },
+        }

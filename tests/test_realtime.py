@@ -1,0 +1,579 @@
+"""`/v1/realtime` as a voice client uses it: the official `openai` client's realtime connection
+against a real `omni-jax serve` (test_server's fixtures: the same tiny pipeline, so its
+compiles are cached), checked against `OmniJax.generate`; then hostile clients with a raw
+WebSocket. The VAD, buffer and event parsing are tested on their own first.
+
+Speech for the tests is synthesised with espeak-ng (installed by .ci/setup) and padded with
+silence, so the server's VAD sees a real spoken turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import concurrent.futures
+import io
+import json
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import wave
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import soxr
+import uvicorn
+import websockets.sync.client as ws_client
+import yaml
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from omni_jax import SamplingParams
+from omni_jax.server.realtime.audio_buffer import InputAudioBuffer
+from omni_jax.server.realtime.events import EventError, ServerVADConfig, parse
+from omni_jax.server.realtime.turns import Turns
+from omni_jax.server.app import build_app
+from omni_jax.server.engine import ServedEngine
+from omni_jax.server.realtime.vad import ServerVAD
+from test_async_chunk_pipeline import pipeline_for
+from test_server import (API_KEY, HELLO, MAX_BODY_MB, MODEL, VOCODER_SEED, _assert_same_audio, _idle,  # noqa: F401
+                         _free_port, _lib_params, _metrics, env, library, media_dir, server)
+from test_server import pipeline_yaml as server_pipeline_yaml
+
+pytestmark = pytest.mark.server
+
+SR = 24000
+SPL = [None, None, VOCODER_SEED]
+
+
+def _speech(text: str, lead_s: float = 0.3, tail_s: float = 1.0) -> np.ndarray:
+    """espeak-ng saying `text`, at 24 kHz, between silences."""
+    assert shutil.which("espeak-ng"), "espeak-ng is needed (bash .ci/setup installs it)"
+    wav = subprocess.run(["espeak-ng", "--stdout", text], capture_output=True, check=True).stdout
+    with wave.open(io.BytesIO(wav)) as w:
+        rate, x = w.getframerate(), np.frombuffer(w.readframes(w.getnframes()), "<i2") / 32768.0
+    x = soxr.resample(x, rate, SR).astype(np.float32)
+    return np.concatenate([np.zeros(int(lead_s * SR), np.float32), x, np.zeros(int(tail_s * SR), np.float32)])
+
+
+def _b64(audio: np.ndarray) -> str:
+    return base64.b64encode((np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes()).decode()
+
+
+def _voiced(audio: np.ndarray) -> tuple[float, float]:
+    """(first, last) time in ms where the signal is not silent."""
+    idx = np.flatnonzero(np.abs(audio) > 0.01)
+    return idx[0] * 1000 / SR, idx[-1] * 1000 / SR
+
+
+# ---------------------------------------------------------------------------------------- pieces
+
+def test_vad_finds_one_spoken_turn_and_keeps_its_audio():
+    audio = _speech("Hello there. What is the weather like today?", lead_s=1.0, tail_s=1.5)
+    start, end = _voiced(audio)
+    turns = Turns(60, ServerVADConfig(type="server_vad", prefix_padding_ms=300, silence_duration_ms=500))
+    events = []
+    for i in range(0, len(audio), 2400):  # 100 ms appends, as a client streams them
+        events += turns.append(audio[i:i + 2400])
+        assert len(turns.buffer) <= 16000 * (end / 1000 + 1)  # between turns only the padding is held
+    assert [e.kind for e, _ in events] == ["speech_started", "speech_stopped"]
+    (started, _), (stopped, turn) = events
+    # the turn opens prefix_padding before the voice and closes silence_duration after it
+    assert abs(started.ms - (start - 300)) <= 60
+    assert end + 500 - 60 <= stopped.ms <= end + 500 + 400  # espeak's last syllable fades
+    assert len(turn) == stopped.sample - started.sample  # the whole turn, at 16 kHz
+    assert np.abs(turn).max() > 0.1 and len(turns.buffer) < 16000
+    assert ServerVAD().feed(np.zeros(SR, np.float32)) == []
+
+
+def test_buffer_bounds_and_positions():
+    buf = InputAudioBuffer(max_seconds=1.0)
+    buf.append(np.zeros(SR // 2, np.float32))
+    with pytest.raises(ValueError, match="at most 1 s"):
+        buf.append(np.zeros(SR, np.float32))
+    held = len(buf)
+    assert buf.take(end=buf.start + 100).shape == (100,) and len(buf) == held - 100
+    buf.clear()
+    assert len(buf) == 0 and buf.start == buf.end
+
+
+@pytest.mark.parametrize("message, code, param", [
+    ("{not json", "invalid_json", None),
+    ("[1, 2]", "invalid_event", None),
+    ('{"type": "response.explode"}', "unknown_event_type", "type"),
+    ('{"type": "input_audio_buffer.append"}', "invalid_value", "audio"),
+    ('{"type": "session.update", "session": {"output_modalities": ["text", "audio"]}}', "invalid_value",
+     "session.output_modalities"),
+    ('{"type": "session.update", "session": {"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}}}',
+     "invalid_value", "session.audio.input.turn_detection.type"),
+    ('{"type": "conversation.item.truncate", "item_id": "x", "content_index": 0, "audio_end_ms": -1}',
+     "invalid_value", "audio_end_ms"),
+])
+def test_bad_events_name_what_is_wrong(message, code, param):
+    with pytest.raises(EventError) as e:
+        parse(message)
+    assert e.value.code == code and e.value.param == param
+    event = e.value.event()
+    assert event["type"] == "error" and event["error"]["type"] == "invalid_request_error"
+
+
+# ---------------------------------------------------------------------------------------- helpers
+
+@pytest.fixture(scope="module")
+def pipeline_yaml(server_pipeline_yaml) -> str:
+    """test_server's pipeline (its compiles are cached), with an audio encoder bucket for spoken
+    turns of up to 6.4 s (the tiny encoder's chunks are 0.2 s; the preset's largest bucket is 4)."""
+    with open(server_pipeline_yaml) as f:
+        cfg = yaml.safe_load(f)
+    next(s for s in cfg["stages"] if s["name"] == "thinker")["audio_chunk_buckets"] = [1, 4, 32]
+    path = server_pipeline_yaml.replace(".yaml", "_realtime.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    return path
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def _until(conn, kind: str, seen: list | None = None, timeout_s: float = 120.0):
+    """Events up to and including the first of type `kind` (appended to `seen`); that event."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert time.monotonic() < deadline, f"no {kind} in {timeout_s} s; seen {[e.type for e in seen or []]}"
+        ev = conn.recv()
+        if seen is not None:
+            seen.append(ev)
+        assert ev.type != "error" or kind == "error", ev.error
+        if ev.type == kind:
+            return ev
+
+
+def _audio_of(events) -> np.ndarray:
+    pcm = b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta")
+    return np.frombuffer(pcm, "<i2") / 32767.0
+
+
+def _text_of(events, kind: str) -> str:
+    return "".join(e.delta for e in events if e.type == kind)
+
+
+def _say_hello(conn, **response):
+    conn.conversation.item.create(item={"type": "message", "role": "user",
+                                        "content": [{"type": "input_text", "text": "Hello"}]})
+    conn.response.create(response={"sampling_params_list": SPL, **response})
+
+
+# ---------------------------------------------------------------------------------------- happy paths
+
+def test_text_turn_speaks_as_the_library(client, library):
+    want = library.generate({"messages": HELLO}, sampling_params_list=_lib_params(library, 8),
+                            output_modalities=["text", "audio"], voice="Chelsie")[0]
+    with client.realtime.connect(model=MODEL) as conn:
+        created = _until(conn, "session.created")
+        assert created.session.audio.output.voice == "Chelsie"
+        assert created.session.output_modalities == ["audio"]
+        assert created.session.audio.input.turn_detection.type == "server_vad"
+        _say_hello(conn, max_output_tokens=8, temperature=0.0)
+        seen = []
+        done = _until(conn, "response.done", seen)
+    kinds = [e.type for e in seen]
+    # OpenAI's order: the response, its item and part, the deltas, then the .done events
+    for a, b in [("response.created", "response.output_item.added"),
+                 ("response.output_item.added", "response.content_part.added"),
+                 ("response.content_part.added", "response.output_audio.delta"),
+                 ("response.output_audio.delta", "response.output_audio.done"),
+                 ("response.output_audio_transcript.done", "response.content_part.done"),
+                 ("response.output_item.done", "response.done")]:
+        assert kinds.index(a) < kinds.index(b), (a, b, kinds)
+    transcript = _text_of(seen, "response.output_audio_transcript.delta")
+    assert transcript == want.text and transcript
+    assert next(e for e in seen if e.type == "response.output_audio_transcript.done").transcript == want.text
+    _assert_same_audio(_audio_of(seen), want.audio)
+    r = done.response
+    assert r.status == "incomplete" and r.status_details.reason == "max_output_tokens"  # 8 tokens: cut short
+    assert r.usage.output_tokens == len(want.token_ids) and r.usage.input_tokens == len(want.prompt_token_ids)
+    assert r.output[0].content[0].transcript == want.text
+
+
+def _speak(conn, audio: np.ndarray, seen: list):
+    """Stream `audio` as a microphone would (100 ms appends); the VAD's turn events."""
+    for i in range(0, len(audio), 2400):
+        conn.input_audio_buffer.append(audio=_b64(audio[i:i + 2400]))
+    started = _until(conn, "input_audio_buffer.speech_started", seen)
+    stopped = _until(conn, "input_audio_buffer.speech_stopped", seen)
+    committed = _until(conn, "input_audio_buffer.committed", seen)
+    assert started.item_id == stopped.item_id == committed.item_id
+    start, end = _voiced(audio)
+    assert abs(started.audio_start_ms - (start - 300)) <= 60 and stopped.audio_end_ms > end
+    return committed
+
+
+def test_spoken_turn_by_server_vad(client):
+    audio = _speech("Hello there. What is the weather like today?")
+    with client.realtime.connect(model=MODEL) as conn:
+        _until(conn, "session.created")
+        conn.session.update(session={"type": "realtime", "max_output_tokens": 6,
+                                     "audio": {"input": {"transcription": {"model": MODEL}}}})
+        _until(conn, "session.updated")
+        seen = []
+        committed = _speak(conn, audio, seen)
+        done = _until(conn, "response.done", seen).response  # create_response: the VAD's turn is answered
+        if not any(e.type == "conversation.item.input_audio_transcription.completed" for e in seen):
+            _until(conn, "conversation.item.input_audio_transcription.completed", seen)
+    assert done.status == "incomplete" and done.usage.input_tokens > 0
+    assert _audio_of(seen).size > 0 and _text_of(seen, "response.output_audio_transcript.delta")
+    transcribed = next(e for e in seen if e.type == "conversation.item.input_audio_transcription.completed")
+    assert transcribed.item_id == committed.item_id and transcribed.transcript and transcribed.usage.input_tokens > 0
+
+
+def test_a_second_turn_computes_only_what_is_new(client, server):
+    """Each turn's prompt extends the last: the thinker's prefix cache serves the old part. (Text
+    replies: a speech reply's talker needs the thinker's hidden states of every prompt position,
+    so those requests compute the whole prompt; see the README.)"""
+    before = _metrics(server)
+    with client.realtime.connect(model=MODEL) as conn:
+        _until(conn, "session.created")
+        conn.session.update(session={"type": "realtime", "max_output_tokens": 6, "output_modalities": ["text"]})
+        _until(conn, "session.updated")
+        _speak(conn, _speech("Hello there. What is the weather like today?"), [])
+        first = _until(conn, "response.done").response
+        conn.conversation.item.create(item={"type": "message", "role": "user",
+                                            "content": [{"type": "input_text", "text": "And tomorrow?"}]})
+        conn.response.create()
+        second = _until(conn, "response.done").response
+    cached = second.usage.input_token_details.cached_tokens
+    assert first.usage.input_token_details.cached_tokens == 0
+    assert second.usage.input_tokens > first.usage.input_tokens
+    assert cached >= first.usage.input_tokens // 16 * 16 - 16 and cached > 0, second.usage  # 16: the block size
+    after = _metrics(server)
+    key = 'omni_jax_prompt_tokens_total{source="cached"}'
+    assert after[key] - before.get(key, 0) >= cached
+
+
+def test_barge_in_cancels_the_reply_and_frees_every_stage(client, server):
+    speech = _speech("Stop, please.", lead_s=0.1, tail_s=0.1)
+    with client.realtime.connect(model=MODEL) as conn:
+        _until(conn, "session.created")
+        _say_hello(conn, max_output_tokens=200)
+        seen = []
+        _until(conn, "response.output_audio.delta", seen)  # the reply is playing
+        t0 = time.monotonic()
+        for i in range(0, len(speech), 2400):
+            conn.input_audio_buffer.append(audio=_b64(speech[i:i + 2400]))
+        done = _until(conn, "response.done", seen)
+        latency = time.monotonic() - t0
+        assert "input_audio_buffer.speech_started" in [e.type for e in seen]
+        assert done.response.status == "cancelled" and done.response.status_details.reason == "turn_detected"
+        item = done.response.output[0]
+        assert item.status == "incomplete"
+        # the item keeps the audio that was sent before the cut
+        assert _audio_of(seen).size > 0
+    assert latency < 30
+    _idle(server)
+
+
+def test_manual_commit_with_vad_off_hears_the_audio(client, library):
+    audio = _speech("Good morning.", lead_s=0.1, tail_s=0.1)
+    with client.realtime.connect(model=MODEL) as conn:
+        _until(conn, "session.created")
+        conn.session.update(session={"type": "realtime", "output_modalities": ["text"],
+                                     "audio": {"input": {"turn_detection": None}}})
+        updated = _until(conn, "session.updated")
+        assert updated.session.audio.input.turn_detection is None
+        conn.input_audio_buffer.append(audio=_b64(audio))
+        conn.input_audio_buffer.commit()
+        committed = _until(conn, "input_audio_buffer.committed")
+        conn.response.create(response={"max_output_tokens": 6, "temperature": 0.0,
+                                       "sampling_params_list": [{"ignore_eos": True}]})
+        seen = []
+        _until(conn, "response.done", seen)
+    assert committed.item_id
+    assert not any(e.type.startswith("input_audio_buffer.speech") for e in seen)
+    # the same 16 kHz samples the server's streamed resampler made from the appended audio
+    heard = soxr.ResampleStream(SR, 16000, 1, dtype="float32").resample_chunk(audio.astype(np.float32))
+    heard = np.round(np.clip(heard, -1, 1) * 32767) / 32768  # the wire's PCM16
+    want = library.generate({"messages": [{"role": "user", "content": [{"type": "audio", "audio": (heard, 16000)}]}]},
+                            SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), output_modalities=["text"])[0]
+    assert _text_of(seen, "response.output_text.delta") == want.text and want.text
+
+
+def test_text_only_session_and_an_image_item(client, library, media_dir):
+    png = (media_dir / "cat.png").read_bytes()
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    want = library.generate({"messages": [{"role": "user", "content": [
+        {"type": "image", "image": str(media_dir / "cat.png")}, {"type": "text", "text": "What is it?"}]}]},
+        SamplingParams(temperature=0.0, max_tokens=5), output_modalities=["text"])[0]
+    with client.realtime.connect(model=MODEL) as conn:
+        _until(conn, "session.created")
+        conn.session.update(session={"type": "realtime", "output_modalities": ["text"]})
+        _until(conn, "session.updated")
+        conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+            {"type": "input_image", "image_url": url}, {"type": "input_text", "text": "What is it?"}]})
+        added = _until(conn, "conversation.item.added")
+        assert [c.type for c in added.item.content] == ["input_image", "input_text"]
+        conn.response.create(response={"max_output_tokens": 5, "temperature": 0.0})
+        seen = []
+        done = _until(conn, "response.done", seen)
+    kinds = {e.type for e in seen}
+    assert "response.output_audio.delta" not in kinds and "response.output_text.done" in kinds
+    assert _text_of(seen, "response.output_text.delta") == want.text and want.text
+    assert done.response.output[0].content[0].text == want.text
+
+
+def test_cancel_and_conversation_edits(client, server):
+    with client.realtime.connect(model=MODEL) as conn:
+        _until(conn, "session.created")
+        conn.response.cancel()
+        err = _until(conn, "error")
+        assert err.error.code == "response_cancel_not_active"
+        _say_hello(conn, max_output_tokens=200)
+        _until(conn, "response.output_audio.delta")
+        conn.response.create()  # one at a time
+        assert _until(conn, "error").error.code == "conversation_already_has_active_response"
+        conn.response.cancel()
+        done = _until(conn, "response.done")
+        assert done.response.status == "cancelled" and done.response.status_details.reason == "client_cancelled"
+        item = done.response.output[0]
+        sent_ms = item.content[0].transcript is not None
+        conn.conversation.item.truncate(item_id=item.id, content_index=0, audio_end_ms=0)
+        truncated = _until(conn, "conversation.item.truncated")
+        assert truncated.audio_end_ms == 0 and sent_ms
+        conn.conversation.item.retrieve(item_id=item.id)
+        got = _until(conn, "conversation.item.retrieved")
+        assert got.item.content[0].transcript == ""  # nothing of it was heard
+        conn.conversation.item.delete(item_id=item.id)
+        assert _until(conn, "conversation.item.deleted").item_id == item.id
+        conn.conversation.item.delete(item_id=item.id)
+        assert _until(conn, "error").error.code == "item_not_found"
+    _idle(server)
+
+
+@pytest.fixture(scope="module")
+def qwen3_server(env):
+    """An in-process server on the built-in tiny Qwen3-Omni (its prompts use the built-in Qwen
+    tokenizer), with test_async_chunk_pipeline's pipeline (the same programs: their compiles are
+    cached; code2wav is deterministic, the thinker greedy) and a greedy talker."""
+    pipeline = pipeline_for("qwen3_omni").with_overrides(
+        talker=dict(default_sampling={"temperature": 0.0, "max_tokens": 40}))
+    engine = ServedEngine("tiny-qwen3_omni", "qwen3", pipeline, ["text", "audio"])
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(engine), host="127.0.0.1", port=port, log_level="warning",
+                                           ws="websockets-sansio"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    engine.start()
+    assert engine.wait(900) and engine.state == "ready", engine.reason
+    yield engine, f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(60)
+
+
+def test_qwen3_spoken_turn_speaks_as_the_library(qwen3_server):
+    """Qwen3-Omni through the official client: a turn found by server VAD, answered in speech equal
+    to the same prompt through AsyncOmniJax (code2wav streams exactly: 1e-5)."""
+    engine, url = qwen3_server
+    audio = _speech("Hello there. How are you?")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    with client.realtime.connect(model="qwen3") as conn:
+        created = _until(conn, "session.created")
+        assert created.session.audio.output.voice == engine.omni.voices[0]
+        conn.session.update(session={"type": "realtime", "max_output_tokens": 8, "temperature": 0.0})
+        _until(conn, "session.updated")
+        seen = []
+        _speak(conn, audio, seen)
+        done = _until(conn, "response.done", seen).response
+    # The same turn, cut by the same VAD, through the library.
+    turns = Turns(60, ServerVADConfig(type="server_vad"))
+    turn = next(a for i in range(0, len(audio), 2400) for e, a in turns.append(audio[i:i + 2400]) if a is not None)
+    params = engine.stage_defaults(engine.stage_names(["text", "audio"]))
+    params[0] = params[0].updated(temperature=0.0, max_tokens=8)
+
+    async def library():
+        out = None
+        async for out in engine.omni.generate({"messages": [{"role": "user", "content": [
+                {"type": "audio", "audio": (turn, 16000)}]}]}, sampling_params_list=params,
+                output_modalities=["text", "audio"]):
+            pass
+        return out
+
+    want = asyncio.run(library())
+    assert done.status == "incomplete" and done.usage.input_tokens == len(want.prompt_token_ids)
+    assert _text_of(seen, "response.output_audio_transcript.delta") == want.text and want.text
+    _assert_same_audio(_audio_of(seen), want.audio)
+
+
+# ---------------------------------------------------------------------------------------- hostile clients
+
+def _raw(server, key: str = API_KEY):
+    url = server.url.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}"
+    return ws_client.connect(url, additional_headers={"Authorization": f"Bearer {key}"}, open_timeout=30,
+                             max_size=None)
+
+
+def _next(ws, kind: str, timeout_s: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ev = json.loads(ws.recv(timeout=max(deadline - time.monotonic(), 0.1)))
+        if ev["type"] == kind:
+            return ev
+
+
+def test_bad_events_get_errors_and_the_session_goes_on(server):
+    with _raw(server) as ws:
+        _next(ws, "session.created")
+        for message, code in [("{oops", "invalid_json"), ('{"type": "no.such.event", "event_id": "e1"}',
+                                                           "unknown_event_type"),
+                              ('{"type": "input_audio_buffer.append", "audio": "***"}', "invalid_value"),
+                              ('{"type": "input_audio_buffer.append", "audio": "AAAA"}', "invalid_value"),
+                              ('{"type": "input_audio_buffer.commit"}', "input_audio_buffer_commit_empty"),
+                              ('{"type": "response.create"}', "invalid_value"),
+                              ('{"type": "session.update", "session": {"audio": {"output": {"voice": "Nobody"}}}}',
+                               "invalid_value")]:
+            ws.send(message)
+            err = _next(ws, "error")["error"]
+            assert err["code"] == code, (message, err)
+            assert err["type"] == "invalid_request_error" and err["message"]
+        assert err["param"] == "session.audio.output.voice" and "Chelsie" in err["message"]
+        ws.send('{"type": "session.update", "event_id": "e2", "session": {"instructions": "Be brief."}}')
+        assert _next(ws, "session.updated")["session"]["instructions"] == "Be brief."
+
+
+def test_an_idle_session_outlives_the_header_timeout(server):
+    """The HTTP header deadline (--header-timeout-s, 10 s) ends at the WebSocket upgrade."""
+    with _raw(server) as ws:
+        _next(ws, "session.created")
+        time.sleep(11)
+        ws.send('{"type": "session.update", "session": {"instructions": "still here"}}')
+        assert _next(ws, "session.updated")["session"]["instructions"] == "still here"
+
+
+def test_a_huge_message_closes_with_1009_and_others_are_unaffected(server):
+    with _raw(server) as ws, _raw(server) as other:
+        _next(ws, "session.created"), _next(other, "session.created")
+        ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": "A" * (MAX_BODY_MB << 21)}))
+        with pytest.raises(ConnectionClosed) as e:
+            ws.recv(timeout=30)
+        assert e.value.rcvd.code == 1009
+        other.send('{"type": "session.update", "session": {"instructions": "still here"}}')
+        assert _next(other, "session.updated")["session"]["instructions"] == "still here"
+
+
+def test_a_bad_key_is_refused_at_the_handshake(server):
+    with pytest.raises(InvalidStatus) as e:
+        _raw(server, key="wrong")
+    assert e.value.response.status_code == 401
+
+
+def test_sessions_past_the_limit_are_refused_and_all_are_freed(server):
+    def open_one(_):
+        ws = _raw(server)
+        first = json.loads(ws.recv(timeout=60))
+        return ws, first
+
+    with concurrent.futures.ThreadPoolExecutor(64) as pool:
+        opened = list(pool.map(open_one, range(64)))
+    try:
+        kinds = [first["type"] for _, first in opened]
+        assert kinds.count("session.created") == 16  # --max-realtime-sessions' default
+        refused = [(ws, first) for ws, first in opened if first["type"] == "error"]
+        assert len(refused) == 48
+        for ws, first in refused:
+            assert first["error"]["code"] == "session_limit_reached"
+            with pytest.raises(ConnectionClosed) as e:
+                ws.recv(timeout=30)
+            assert e.value.rcvd.code == 1008
+    finally:
+        for ws, _ in opened:
+            ws.close()
+    deadline = time.monotonic() + 30
+    while _metrics(server).get("omni_jax_realtime_sessions", 0) != 0:
+        assert time.monotonic() < deadline, "sessions still counted after their clients left"
+        time.sleep(0.2)
+
+
+def test_a_client_vanishing_mid_reply_aborts_it_everywhere(server):
+    ws = _raw(server)
+    _next(ws, "session.created")
+    ws.send(json.dumps({"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello"}]}}))
+    ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": 200}}))
+    _next(ws, "response.output_audio.delta")
+    ws.socket.close()  # gone without a close frame
+    _idle(server, timeout=30)
+    r = httpx.get(f"{server.url}/health", timeout=10)
+    assert r.status_code == 200
+
+
+# ---------------------------------------------------------------------------------------- transcriptions, audio ids
+
+def _wav_file(audio: np.ndarray, rate: int = SR) -> bytes:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(rate)
+        w.writeframes((np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes())
+    return buf.getvalue()
+
+
+def test_transcriptions_through_the_thinker(client, library):
+    from omni_jax.inputs.media import load_audio
+    from omni_jax.server.transcription import transcription_prompt
+
+    data = _wav_file(_speech("Good morning.", lead_s=0.1, tail_s=0.1))
+    wave16 = load_audio(data)
+    greedy = library.pipeline.stage("thinker").sampling_params().updated(temperature=0.0)  # the server's params
+    want = library.generate(transcription_prompt(wave16, 16000, "English"), greedy, output_modalities=["text"])[0]
+    r = client.audio.transcriptions.create(model=MODEL, file=("hello.wav", data), language="English")
+    assert r.text == want.text.strip() and r.text
+    assert r.usage.input_tokens == len(want.prompt_token_ids) and r.usage.output_tokens == len(want.token_ids)
+    srt = client.audio.transcriptions.create(model=MODEL, file=("hello.wav", data), language="English",
+                                             response_format="srt")
+    assert srt.startswith("1\n00:00:00,000 --> 00:00:0") and srt.rstrip().endswith(want.text.strip())
+    verbose = client.audio.transcriptions.create(model=MODEL, file=("hello.wav", data), language="English",
+                                                 response_format="verbose_json")
+    assert abs(verbose.duration - len(wave16) / 16000) < 1e-3 and verbose.segments[0].end == verbose.duration
+    events = list(client.audio.transcriptions.create(model=MODEL, file=("hello.wav", data), language="English",
+                                                     stream=True))
+    assert [e.type for e in events][-1] == "transcript.text.done"
+    assert "".join(e.delta for e in events if e.type == "transcript.text.delta").strip() == events[-1].text == r.text
+    translated = client.audio.translations.create(model=MODEL, file=("hello.wav", data))
+    want_en = library.generate(transcription_prompt(wave16, 16000, translate=True), greedy,
+                               output_modalities=["text"])[0]
+    assert translated.text == want_en.text.strip()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.audio.transcriptions.create(model=MODEL, file=("x.wav", b"not audio at all"))
+    assert e.value.body["param"] == "file"
+
+
+def test_a_spoken_reply_comes_back_by_its_audio_id(client, library):
+    first = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=6, temperature=0.0,
+                                           modalities=["text", "audio"], audio={"voice": "Chelsie", "format": "wav"})
+    audio = first.choices[0].message.audio
+    assert audio.id and audio.expires_at > time.time() + 3000
+    follow_up = {"role": "user", "content": "And then?"}
+    r = client.chat.completions.create(model=MODEL, max_tokens=6, temperature=0.0, messages=[
+        *HELLO, {"role": "assistant", "audio": {"id": audio.id}}, follow_up])
+    want = library.generate({"messages": [*HELLO, {"role": "assistant", "content": audio.transcript}, follow_up]},
+                            SamplingParams(temperature=0.0, max_tokens=6), output_modalities=["text"])[0]
+    assert r.choices[0].message.content == want.text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, max_tokens=2, messages=[
+            *HELLO, {"role": "assistant", "audio": {"id": "audio_nosuchreply"}}, follow_up])
+    assert e.value.body["param"] == "messages[1].audio.id" and "audio_nosuchreply" in e.value.body["message"]
+
+
+def test_realtime_bench_against_the_server(server, env):
+    r = subprocess.run([sys.executable, "-m", "omni_jax.cli", "bench", "--backend", "realtime", "--base-url", server.url,
+                        "--api-key", API_KEY, "--concurrency", "2", "--num-requests", "2", "--warmup", "0",
+                        "--max-tokens", "30", "--prompt", "Hello there.", "--barge-in"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "realtime concurrency 2: 2 requests (0 failed)" in r.stdout, r.stdout
+    assert "chat (same turns) concurrency 2: 2 requests (0 failed)" in r.stdout, r.stdout
+    for name in ("ttft", "ttfa", "rtf", "barge_in"):
+        assert re.search(rf"^\s+{name}\s+mean", r.stdout, re.M), r.stdout

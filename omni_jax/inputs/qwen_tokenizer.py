@@ -224,9 +224,14 @@ def build_qwen2_5_omni_tokenizer(out_dir: str | None = None):
         split_special_tokens=False,
         errors="replace",
     )
-    if len(tokenizer) != FIRST_SPECIAL_ID + len(QWEN2_5_OMNI_SPECIAL_TOKENS):
-        raise RuntimeError(f"built tokenizer has {len(tokenizer)} tokens, expected 151665")
-    for i, tok in enumerate(QWEN2_5_OMNI_SPECIAL_TOKENS):
+    return _checked(tokenizer, QWEN2_5_OMNI_SPECIAL_TOKENS, out_dir)
+
+
+def _checked(tokenizer, specials: list[str], out_dir: str | None):
+    """The built tokenizer, its added tokens checked to sit at their ids from 151643; saved to `out_dir`."""
+    if len(tokenizer) != FIRST_SPECIAL_ID + len(specials):
+        raise RuntimeError(f"built tokenizer has {len(tokenizer)} tokens, expected {FIRST_SPECIAL_ID + len(specials)}")
+    for i, tok in enumerate(specials):
         if tokenizer.convert_tokens_to_ids(tok) != FIRST_SPECIAL_ID + i:
             raise RuntimeError(f"{tok} did not land on id {FIRST_SPECIAL_ID + i}")
     if out_dir is not None:
@@ -259,9 +264,4 @@ def build_qwen3_omni_tokenizer(out_dir: str | None = None):
         eos_token="<|im_end|>", pad_token="<|endoftext|>",
         post_processor=processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
         model_max_length=65536, clean_up_tokenization_spaces=False, split_special_tokens=False)
-    for i, tok in enumerate(QWEN3_OMNI_SPECIAL_TOKENS):
-        if tokenizer.convert_tokens_to_ids(tok) != FIRST_SPECIAL_ID + i:
-            raise RuntimeError(f"{tok} did not land on id {FIRST_SPECIAL_ID + i}")
-    if out_dir is not None:
-        tokenizer.save_pretrained(out_dir)
-    return tokenizer
+    return _checked(tokenizer, QWEN3_OMNI_SPECIAL_TOKENS, out_dir)

@@ -112,6 +112,11 @@ def test_buffer_bounds_and_positions():
      "invalid_value", "session.audio.input.turn_detection.type"),
     ('{"type": "conversation.item.truncate", "item_id": "x", "content_index": 0, "audio_end_ms": -1}',
      "invalid_value", "audio_end_ms"),
+    # other sample formats than PCM16 at 24 kHz
+    ('{"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}}}',
+     "invalid_value", "session.audio.input.format.rate"),
+    ('{"type": "session.update", "session": {"audio": {"output": {"format": {"type": "audio/pcmu"}}}}}',
+     "invalid_value", "session.audio.output.format.type"),
 ])
 def test_bad_events_name_what_is_wrong(message, code, param):
     with pytest.raises(EventError) as e:

@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
                                               media_limits=limits, max_queued_prompts=args.max_queued_prompts))
     max_body = int(args.max_request_body_mb * (1 << 20))
     realtime = RealtimeLimits(max_sessions=args.max_realtime_sessions, max_buffer_s=args.realtime_max_buffer_s,
-                              max_session_s=args.realtime_max_session_s, max_message_bytes=max_body)
+                              max_session_s=args.realtime_max_session_s)
     inflight = None if args.max_inflight_body_mb is None else int(args.max_inflight_body_mb * (1 << 20))
     app = build_app(engine, api_key=args.api_key, max_body_bytes=max_body,
                     allowed_media_dir=args.allowed_local_media_path, max_inflight_body_bytes=inflight,

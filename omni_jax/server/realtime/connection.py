@@ -39,7 +39,7 @@ from .turns import Turns
 from .vad import RATE
 
 log = logging.getLogger("omni_jax.server")
-POLICY_VIOLATION, TOO_BIG = 1008, 1009
+POLICY_VIOLATION = 1008  # a message past the size limit is closed by uvicorn with 1009 (serve.py's ws_max_size)
 MIN_COMMIT_MS = 100          # OpenAI refuses to commit less
 KEY_PROTOCOL = "openai-insecure-api-key."   # how a browser, which cannot set headers, sends the key
 
@@ -50,7 +50,6 @@ class RealtimeLimits:
     max_buffer_s: float = 60.0        # input audio held before a commit
     max_session_s: float = 1800.0
     max_items: int = 512              # conversation items of one session
-    max_message_bytes: int = 16 << 20  # one client message (uvicorn closes with 1009 past it)
     send_timeout_s: float = 30.0
 
 

@@ -35,6 +35,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from omni_jax import SamplingParams
 from omni_jax.server.realtime.audio_buffer import InputAudioBuffer
 from omni_jax.server.realtime.events import EventError, ServerVADConfig, parse
+from omni_jax.server.realtime.session import SessionConfig
 from omni_jax.server.realtime.turns import Turns
 from omni_jax.server.app import build_app
 from omni_jax.server.engine import ServedEngine
@@ -124,6 +125,28 @@ def test_bad_events_name_what_is_wrong(message, code, param):
     assert e.value.code == code and e.value.param == param
     event = e.value.event()
     assert event["type"] == "error" and event["error"]["type"] == "invalid_request_error"
+
+
+def test_session_update_changes_only_what_it_sends_and_refuses_whole():
+    cfg = SessionConfig("tiny", ["Chelsie", "Ethan"])
+    assert cfg.voice == "Chelsie" and cfg.output_modalities == ["audio"] and cfg.turn_detection is not None
+    cfg.update(parse('{"type": "session.update", "session": {"instructions": "Be brief.", "audio": {"input": '
+                     '{"turn_detection": null}, "output": {"voice": "ethan"}}}}').session)
+    assert (cfg.instructions, cfg.voice, cfg.turn_detection) == ("Be brief.", "Ethan", None)
+    before = cfg.as_json()
+    for session, param in [('{"output_modalities": ["text"], "audio": {"output": {"speed": 1.2}}}',
+                            "session.audio.output.speed"),
+                           ('{"instructions": "x", "audio": {"output": {"voice": "Nobody"}}}',
+                            "session.audio.output.voice"),
+                           ('{"model": "other"}', "session.model")]:
+        with pytest.raises(EventError) as e:
+            cfg.update(parse(f'{{"type": "session.update", "session": {session}}}').session)
+        assert e.value.param == param
+        assert cfg.as_json() == before  # a refused update changes nothing
+    text_only = SessionConfig("tiny", [])
+    assert text_only.output_modalities == ["text"] and text_only.voice is None
+    with pytest.raises(EventError, match="no speech output"):
+        text_only.update(parse('{"type": "session.update", "session": {"output_modalities": ["audio"]}}').session)
 
 
 # ---------------------------------------------------------------------------------------- helpers

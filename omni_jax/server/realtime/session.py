@@ -23,7 +23,6 @@ class SessionConfig:
     instructions: str = ""
     output_modalities: list[str] = dataclasses.field(default_factory=lambda: ["audio"])
     voice: str | None = None
-    speed: float = 1.0
     turn_detection: ServerVADConfig | None = dataclasses.field(
         default_factory=lambda: ServerVADConfig(type="server_vad"))
     transcription: TranscriptionConfig | None = None
@@ -44,6 +43,10 @@ class SessionConfig:
         if s.tools:
             raise EventError("tools (function calling) are not supported by this server", "unsupported",
                              "session.tools", event_id)
+        out = s.audio.output if s.audio is not None else None
+        if out is not None and out.speed != 1.0:
+            raise EventError("only speed 1.0 is supported", "unsupported_parameter", "session.audio.output.speed",
+                             event_id)
         if s.output_modalities == ["audio"] and not self.voices:
             raise EventError("this model has no speech output; use output_modalities ['text']", "invalid_value",
                              "session.output_modalities", event_id)
@@ -60,11 +63,8 @@ class SessionConfig:
                 new.turn_detection = audio.input.turn_detection
             if "transcription" in fields:
                 new.transcription = audio.input.transcription
-        if audio is not None and audio.output is not None:
-            out = audio.output
-            if out.voice is not None:
-                new.voice = self.check_voice(out.voice, "session.audio.output.voice", event_id)
-            new.speed = out.speed
+        if out is not None and out.voice is not None:
+            new.voice = self.check_voice(out.voice, "session.audio.output.voice", event_id)
         self.__dict__.update(new.__dict__)
 
     def check_voice(self, voice: str, param: str, event_id: str | None = None) -> str:
@@ -85,6 +85,6 @@ class SessionConfig:
                 "input": {"format": PCM, "noise_reduction": None,
                           "transcription": None if self.transcription is None else self.transcription.model_dump(),
                           "turn_detection": None if self.turn_detection is None else self.turn_detection.model_dump()},
-                "output": {"format": PCM, "voice": self.voice, "speed": self.speed},
+                "output": {"format": PCM, "voice": self.voice, "speed": 1.0},
             },
         }

@@ -7,6 +7,7 @@ to the nearest 16-bit step (`to_pcm16`) before any encoding.
 
 from __future__ import annotations
 
+import base64
 import io
 import wave
 
@@ -72,3 +73,12 @@ def encode(audio: np.ndarray | None, sample_rate: int, fmt: str) -> bytes:
     if fmt in _AV_FORMATS:
         return _av_bytes(audio, sample_rate, fmt)
     raise ValueError(f"unknown audio format {fmt!r}")
+
+
+def pcm16_pieces(delta: np.ndarray | None, max_samples: int) -> list[tuple[str, int]]:
+    """An audio delta as (base64 pcm16, samples) pieces of at most `max_samples` samples each:
+    streamed replies send audio in events of bounded size."""
+    if delta is None or len(delta) == 0:
+        return []
+    return [(base64.b64encode(to_pcm16(delta[i:i + max_samples])).decode(), len(delta[i:i + max_samples]))
+            for i in range(0, len(delta), max_samples)]

@@ -14,7 +14,6 @@ import time
 import uuid
 from typing import AsyncIterator
 
-import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -72,14 +71,6 @@ def token_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict], top_n:
         top = sorted(((t, v) for t, v in lp.items() if v.rank <= top_n), key=lambda tv: tv[1].rank)
         out.append(entry(token_id, lp[token_id].logprob) | {"top_logprobs": [entry(t, v.logprob) for t, v in top]})
     return out
-
-
-def audio_pieces(delta: np.ndarray | None) -> list[str]:
-    """An audio delta as base64 pcm16 pieces of at most MAX_AUDIO_CHUNK_SAMPLES samples."""
-    if delta is None or len(delta) == 0:
-        return []
-    return [base64.b64encode(audio_codec.to_pcm16(delta[i:i + MAX_AUDIO_CHUNK_SAMPLES])).decode()
-            for i in range(0, len(delta), MAX_AUDIO_CHUNK_SAMPLES)]
 
 
 class ChatHandler:
@@ -159,7 +150,7 @@ class ChatHandler:
                     if with_audio:
                         delta["audio"] = {"id": audio_id, "transcript": out.text_delta}
                     yield chunk(delta, logprobs=lp)
-                for piece in audio_pieces(out.audio_delta):
+                for piece, _ in audio_codec.pcm16_pieces(out.audio_delta, MAX_AUDIO_CHUNK_SAMPLES):
                     yield chunk({"audio": {"id": audio_id, "data": piece}})
             self.metrics.finished("chat", out)
             if out.error:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import soxr
 
 from ..errors import APIError
 from ..messages import MediaPolicy
@@ -93,8 +94,6 @@ def item_from_event(item: Item, policy: MediaPolicy, max_audio_s: float) -> Conv
 
 
 def resample_to_16k(wave24: np.ndarray) -> np.ndarray:
-    import soxr
-
     return soxr.resample(wave24, INPUT_RATE, RATE).astype(np.float32)
 
 

@@ -11,7 +11,6 @@ the client gone) is aborted in every stage by closing its request, and still end
 from __future__ import annotations
 
 import asyncio
-import base64
 from typing import Awaitable, Callable
 
 import numpy as np
@@ -129,11 +128,10 @@ class Response:
                          "part": _content(part)})
 
     async def _audio(self, delta: np.ndarray, part: Part) -> None:
-        for i in range(0, len(delta), MAX_DELTA_SAMPLES):
-            piece = delta[i:i + MAX_DELTA_SAMPLES]
+        for piece, n in audio_codec.pcm16_pieces(delta, MAX_DELTA_SAMPLES):
             await self.send({"type": "response.output_audio.delta", "event_id": new_id("event"), **self._at(),
-                             "delta": base64.b64encode(audio_codec.to_pcm16(piece)).decode()})
-            self.sent_samples += len(piece)
+                             "delta": piece})
+            self.sent_samples += n
             part.audio_ms = self.sent_samples * 1000 // SR
 
     async def _done(self, part: Part, items_added: bool) -> None:

@@ -77,6 +77,11 @@ class ServedEngine:
     def stage_pids(self) -> dict[str, int]:
         return self.omni.stage_pids() if self.omni is not None else {}
 
+    @property
+    def voices(self) -> list[str]:
+        """The voices a reply can be spoken in, the default first (none: this server speaks no audio)."""
+        return self.omni.voices if "audio" in self.output_modalities else []
+
     def stage_names(self, modalities: Sequence[str]) -> list[str]:
         """The stages a request with these output modalities runs through, in order."""
         return [s.name for s in self.omni.pipeline.stages_for(tuple(modalities))]

@@ -45,6 +45,12 @@ def transcription_prompt(audio: np.ndarray, sample_rate: int, language: str | No
                                                       {"type": "text", "text": ask}]}]}
 
 
+def transcription_params(engine: ServedEngine, temperature: float) -> list:
+    """The thinker's defaults at this temperature, ending at the end of the transcript even where
+    the pipeline's replies ignore it (a benchmark's setting)."""
+    return [engine.stage_defaults(["thinker"])[0].updated(temperature=temperature, ignore_eos=False)]
+
+
 def _clock(seconds: float, sep: str) -> str:
     ms = int(round(seconds * 1000))
     return f"{ms // 3600000:02d}:{ms // 60000 % 60:02d}:{ms // 1000 % 60:02d}{sep}{ms % 1000:03d}"
@@ -90,7 +96,7 @@ class TranscriptionHandler:
         except MediaError as e:
             raise bad_request(str(e), "file") from None
         duration = len(wave) / TARGET_SAMPLE_RATE
-        params = [self.engine.stage_defaults(["thinker"])[0].updated(temperature=temperature)]
+        params = transcription_params(self.engine, temperature)
         rid = f"transcribe-{uuid.uuid4().hex}"
         gen = await open_request(self.engine, transcription_prompt(wave, TARGET_SAMPLE_RATE, language, prompt,
                                                                    self.translate),

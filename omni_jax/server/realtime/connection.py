@@ -26,7 +26,7 @@ from ..errors import APIError, error_response
 from ..messages import MediaPolicy
 from ..metrics import Metrics
 from ..sampling import stage_params
-from ..transcription import token_usage, transcription_prompt
+from ..transcription import token_usage, transcription_params, transcription_prompt
 from ..generation import open_request
 from .audio_buffer import BufferError, decode_pcm16
 from .conversation import Conversation, ConversationItem, Part, item_from_event
@@ -124,8 +124,7 @@ class RealtimeSession:
 
     def __init__(self, ws: WebSocket, engine, policy: MediaPolicy, metrics: Metrics, limits: RealtimeLimits):
         self.ws, self.engine, self.policy, self.metrics, self.limits = ws, engine, policy, metrics, limits
-        voices = engine.omni.voices if "audio" in engine.output_modalities else []
-        self.config = SessionConfig(engine.served_name, voices)
+        self.config = SessionConfig(engine.served_name, engine.voices)
         self.conversation = Conversation(limits.max_items)
         self.conversation_id = new_id("conv")
         self.turns = Turns(limits.max_buffer_s, self.config.turn_detection)
@@ -295,7 +294,7 @@ class RealtimeSession:
         """conversation.item.input_audio_transcription.completed (or .failed) for a committed item."""
         part, tc = item.parts[0], self.config.transcription
         prompt = transcription_prompt(part.audio, RATE, tc.language, tc.prompt)
-        params = [self.engine.stage_defaults(["thinker"])[0].updated(temperature=0.0)]
+        params = transcription_params(self.engine, 0.0)
         gen = None
         try:
             gen = await open_request(self.engine, prompt, params, ["text"], None, new_id("transcribe"))

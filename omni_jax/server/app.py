@@ -11,7 +11,7 @@ import logging
 from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.responses import JSONResponse, Response
 
-from . import errors
+from . import errors, page
 from .chat import ChatHandler
 from .engine import ServedEngine
 from .errors import RETRY_AFTER_S, APIError, error_body, short
@@ -26,7 +26,8 @@ from .transcription import TranscriptionHandler
 log = logging.getLogger("omni_jax.server")
 
 # Paths anyone may call without the API key (load balancers probe it).
-OPEN_PATHS = ("/health",)
+OPEN_PATHS = ("/health", "/")
+UI_PATH = "/ui/"  # the voice chat page's files: the page asks for the key itself
 
 
 class Gate:
@@ -68,7 +69,7 @@ class Gate:
                            "server_overloaded", [(b"retry-after", str(RETRY_AFTER_S).encode())])
 
     def _authorized(self, scope) -> bool:
-        if self.api_key is None or scope["path"] in OPEN_PATHS:
+        if self.api_key is None or scope["path"] in OPEN_PATHS or scope["path"].startswith(UI_PATH):
             return True
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
@@ -146,11 +147,11 @@ class Gate:
 def build_app(engine: ServedEngine, *, api_key: str | None = None, max_body_bytes: int = 64 << 20,
               allowed_media_dir: str | None = None, max_inflight_body_bytes: int | None = None,
               body_timeout_s: float = 30.0, realtime: RealtimeLimits = RealtimeLimits(),
-              reply_audio_ttl_s: float = 3600.0) -> FastAPI:
+              reply_audio_ttl_s: float = 3600.0, ui: bool = True) -> FastAPI:
     """The server's app around an engine (started by the caller, shut down with the app).
     `max_inflight_body_bytes`: the budget of bytes all request bodies may hold at once (None:
     four times `max_body_bytes`). `realtime`: the limits of /v1/realtime sessions. `reply_audio_ttl_s`: how
-    long a spoken chat reply can be referred to by its audio id."""
+    long a spoken chat reply can be referred to by its audio id. `ui`: serve the voice chat page at /."""
     metrics = Metrics()
 
     @contextlib.asynccontextmanager
@@ -220,6 +221,16 @@ def build_app(engine: ServedEngine, *, api_key: str | None = None, max_body_byte
                                  temperature: float = Form(0.0)):
         return await translate(request, await file.read(), model, None, prompt, response_format, temperature, False)
 
+    @app.get("/v1/audio/voices")
+    async def audio_voices():
+        # vLLM-Omni's listing: what `voice` accepts on /v1/audio/speech, chat audio and realtime
+        ok, why = engine.check()
+        if not ok:
+            raise APIError(503, why, None, "service_unavailable")
+        return {"voices": engine.voices}
+
     app.add_api_websocket_route("/v1/realtime", RealtimeEndpoint(engine, policy, metrics, api_key, realtime))
+    if ui:
+        page.mount(app)
 
     return Gate(app, api_key, max_body_bytes, metrics, max_inflight_body_bytes, body_timeout_s)

@@ -68,6 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a realtime session is closed after this many seconds (default 1800, OpenAI's 30 minutes)")
     p.add_argument("--reply-audio-ttl-s", type=float, default=3600.0,
                    help="how long a chat reply's audio id can bring that reply into a later request (default 3600)")
+    p.add_argument("--no-ui", action="store_true", help="do not serve the voice chat page at /")
     add_async_chunk_argument(p)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
@@ -153,10 +154,11 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(engine, api_key=args.api_key, max_body_bytes=max_body,
                     allowed_media_dir=args.allowed_local_media_path, max_inflight_body_bytes=inflight,
                     body_timeout_s=args.body_timeout_s, realtime=realtime,
-                    reply_audio_ttl_s=args.reply_audio_ttl_s)
+                    reply_audio_ttl_s=args.reply_audio_ttl_s, ui=not args.no_ui)
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"omni-jax serve: listening on http://{host}:{sock.getsockname()[1]} "
-          f"(model {engine.served_name!r}; loading and compiling the stages, /health is 503 until ready)",
+          f"(model {engine.served_name!r}; loading and compiling the stages, /health is 503 until ready"
+          f"{'' if args.no_ui else '; the voice chat page is at /'})",
           flush=True)
     server = _Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
                                     access_log=args.log_level == "debug", http=with_header_timeout(args.header_timeout_s),

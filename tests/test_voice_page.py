@@ -1,0 +1,220 @@
+"""The voice chat page (`omni-jax serve` at /) in a real headless Chromium, against a real
+server on the tiny model, with a fake microphone playing espeak-ng speech.
+
+Everything is asserted from the page: its DOM and what it keeps in `window.omniStats`
+(responses with the samples received from the server and handed to the audio context, the
+user's turns and transcripts, the notices it showed). Screenshots of each state go to
+`tests/.screenshots/` (ignored; the README's is one of them).
+"""
+
+from __future__ import annotations
+
+import json
+import wave
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import websockets.sync.client as ws_client
+import yaml
+
+from browser import Browser
+from test_realtime import SR, _speech
+from test_realtime import pipeline_yaml as realtime_pipeline_yaml  # noqa: F401
+from test_server import API_KEY, MODEL, env, media_dir, server  # noqa: F401
+from test_server import pipeline_yaml as server_pipeline_yaml  # noqa: F401
+
+pytestmark = pytest.mark.server
+
+SHOTS = Path(__file__).parent / ".screenshots"
+
+
+@pytest.fixture(scope="module")
+def pipeline_yaml(realtime_pipeline_yaml) -> str:  # noqa: F811
+    """test_realtime's pipeline (its compiles are cached) with replies that take a while: the
+    thinker writes 300 tokens whatever it says (the server's reply is still running when the
+    user speaks over it) and the talker speaks at least 30 codes (0.6 s)."""
+    with open(realtime_pipeline_yaml) as f:
+        cfg = yaml.safe_load(f)
+    st = {s["name"]: s for s in cfg["stages"]}
+    st["thinker"]["default_sampling"] = {"temperature": 0.0, "max_tokens": 300, "ignore_eos": True}
+    st["talker"]["default_sampling"] = {**st["talker"]["default_sampling"], "min_tokens": 30}
+    path = realtime_pipeline_yaml.replace(".yaml", "_page.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    return path
+
+
+def _wav(path: Path, audio: np.ndarray) -> str:
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(SR)
+        w.writeframes((np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes())
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def mic_wavs(tmp_path_factory) -> dict[str, str]:
+    d = tmp_path_factory.mktemp("mic")
+    return {
+        # one turn, then silence for longer than a reply takes
+        "turn": _wav(d / "turn.wav", _speech("Hello, what can you hear?", lead_s=0.5, tail_s=20.0)),
+        # speech over and over: push to talk decides what is sent
+        "chatter": _wav(d / "chatter.wav", _speech("Please tell me a story.", lead_s=0.1, tail_s=0.2)),
+    }
+
+
+@pytest.fixture
+def browser(request):
+    made = []
+
+    def launch(mic_wav: str | None = None, **kw) -> Browser:
+        b = Browser(mic_wav, **kw)
+        made.append(b)
+        return b
+
+    yield launch
+    for b in made:
+        b.close()
+
+
+def _open(b: Browser, server, key: str = API_KEY) -> None:
+    b.open(f"{server.url}/#key={key}")
+    b.wait_for("omniStats.state === 'connected'", 60, "the page connected")
+
+
+def _stats(b: Browser) -> dict:
+    return b.js("JSON.parse(JSON.stringify(omniStats))")
+
+
+def _text(b: Browser, selector: str) -> list[str]:
+    return b.js(f"[...document.querySelectorAll({selector!r})].map(e => e.textContent)")
+
+
+def test_page_is_served_and_no_ui_turns_it_off(server):
+    page = httpx.get(f"{server.url}/", timeout=10)  # no key needed for the page itself
+    assert page.status_code == 200 and "content-security-policy" in page.headers
+    assert '<script type="module" src="/ui/app.js">' in page.text
+    for name in ("app.js", "audio.js", "realtime.js", "capture-worklet.js", "style.css"):
+        assert httpx.get(f"{server.url}/ui/{name}", timeout=10).status_code == 200, name
+    voices = httpx.get(f"{server.url}/v1/audio/voices", timeout=10, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert voices.json()["voices"][0] == "Chelsie"
+    assert httpx.get(f"{server.url}/v1/audio/voices", timeout=10).status_code == 401
+
+
+def test_spoken_turn_is_heard_and_the_reply_plays(browser, server, mic_wavs):
+    b = browser(mic_wavs["turn"])
+    _open(b, server)
+    assert b.js("[...document.querySelectorAll('#voice option')].map(o => o.value)")[0] == "Chelsie"
+    b.screenshot(SHOTS / "01-connected.png")
+    b.js("document.getElementById('talk').click()")
+    b.wait_for("omniStats.userTurns.length > 0", 60, "a spoken turn")
+    done = b.wait_for("omniStats.responses.find(r => r.status !== 'in_progress')", 120, "a finished reply")
+    b.wait_for("omniStats.userTurns[0].transcript !== null", 60, "the user's transcript")
+    s = _stats(b)
+    assert done["status"] in ("completed", "incomplete"), done
+    assert done["received"] >= 0.5 * SR and done["scheduled"] == done["received"], done
+    assert done["ttfaMs"] is not None and done["text"]
+    bubbles = _text(b, "#log li .text")
+    assert s["userTurns"][0]["transcript"] in bubbles and done["text"] in bubbles
+    assert b.js("document.getElementById('ttfa').textContent").endswith(" ms")
+    b.wait_for("!document.getElementById('talk').disabled")
+    b.screenshot(SHOTS / "02-spoken-turn.png")
+    b.phone(390)
+    assert b.js("document.documentElement.scrollWidth") <= 390  # nothing wider than the screen
+    b.screenshot(SHOTS / "03-phone-width.png")
+    b.desktop()
+    assert not b.console_errors
+
+
+def test_push_to_talk_and_barge_in(browser, server, mic_wavs):
+    b = browser(mic_wavs["chatter"])
+    _open(b, server)
+    b.js("document.getElementById('ptt').click()")
+    assert b.js("document.getElementById('talk').textContent") == "Hold to talk"
+    b.key("keyDown")
+    b.wait_for("document.getElementById('talk').getAttribute('aria-pressed') === 'true'", 10)
+    b.js("new Promise(r => setTimeout(r, 2000))")
+    b.key("keyUp")
+    b.wait_for("omniStats.responses.length > 0 && omniStats.responses[0].received > 0", 120, "the reply's audio")
+    b.key("keyDown")  # speak over the reply
+    cut = b.wait_for("omniStats.responses.find(r => r.status === 'cancelled')", 60, "the cancelled reply")
+    assert cut["reason"] == "client_cancelled" and cut["cut"]
+    # playback stopped at once: nothing of it is left scheduled, nothing more was played
+    assert b.js("document.querySelector('#log li.assistant.cut') !== null")
+    b.screenshot(SHOTS / "04-barge-in.png")
+    b.key("keyUp")
+    b.wait_for("omniStats.responses.length > 1 && omniStats.responses[1].status !== 'in_progress'", 120,
+               "the reply to the second turn")
+    assert not b.console_errors
+
+
+def test_text_and_image_turns_and_text_replies(browser, server, media_dir):  # noqa: F811
+    b = browser()
+    _open(b, server)
+    b.js("document.getElementById('speak').click()")  # replies as text
+    b.js("document.getElementById('text').value = 'Say something.'")
+    b.js("document.getElementById('send').click()")
+    first = b.wait_for("omniStats.responses.find(r => r.status !== 'in_progress')", 120, "the text reply")
+    assert first["received"] == 0 and first["text"]
+    doc = b.call("DOM.getDocument")["root"]["nodeId"]
+    node = b.call("DOM.querySelector", nodeId=doc, selector="#attach")["nodeId"]
+    b.call("DOM.setFileInputFiles", nodeId=node, files=[str(media_dir / "cat.png")])
+    b.wait_for("!document.getElementById('attached').hidden", 10, "the attachment")
+    b.js("document.getElementById('text').value = 'What is in this picture?'")
+    b.js("document.getElementById('send').click()")
+    b.wait_for("omniStats.responses.length > 1 && omniStats.responses[1].status !== 'in_progress'", 120,
+               "the reply about the image")
+    assert "with cat.png" in _text(b, "#log li.user .meta")
+    assert b.js("document.getElementById('attached').hidden")
+    b.screenshot(SHOTS / "05-text-and-image.png")
+    assert not b.console_errors
+
+
+def test_denied_microphone_and_wrong_key_are_explained(browser, server, mic_wavs):
+    b = browser(mic_wavs["turn"], allow_mic=False)
+    b.open(f"{server.url}/#key=wrong")
+    b.wait_for("omniStats.notices.some(n => n.includes('needs an API key'))", 30, "the key notice")
+    assert b.js("document.activeElement.id") == "key"
+    b.js("document.getElementById('key').value = " + repr(API_KEY))
+    b.js("document.getElementById('reconnect').click()")
+    b.wait_for("omniStats.state === 'connected'", 60, "the page connected")
+    b.js("document.getElementById('talk').click()")
+    b.wait_for("omniStats.notices.some(n => n.includes('Microphone access was denied'))", 30, "the microphone notice")
+    assert b.js("document.getElementById('talk').getAttribute('aria-pressed')") == "false"
+    b.screenshot(SHOTS / "06-microphone-denied.png")
+    # the browser's own log line for the 401 is the only error
+    assert all("401" in e for e in b.console_errors), b.console_errors
+
+
+def test_a_full_server_is_explained_and_retried(browser, server):
+    url = server.url.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}"
+    held = []
+    try:
+        for _ in range(16):  # the server's limit (--max-realtime-sessions)
+            held.append(ws_client.connect(url, additional_headers={"Authorization": f"Bearer {API_KEY}"}))
+            assert json.loads(held[-1].recv(timeout=30))["type"] == "session.created"
+        b = browser()
+        b.open(f"{server.url}/#key={API_KEY}")
+        b.wait_for("omniStats.notices.some(n => n.includes('--max-realtime-sessions'))", 30, "the limit notice")
+        assert b.js("omniStats.state") != "connected"
+        b.screenshot(SHOTS / "07-server-full.png")
+    finally:
+        for ws in held:
+            ws.close()
+    b.wait_for("omniStats.state === 'connected'", 60, "the page connected once a session was free")
+    assert not b.console_errors
+
+
+def test_a_stopped_server_is_shown_and_retried(browser, server):
+    """Last: it stops the module's server."""
+    b = browser()
+    _open(b, server)
+    server.proc.terminate()
+    server.proc.wait(30)
+    b.wait_for("omniStats.state === 'disconnected'", 30, "the page saw the server go")
+    b.wait_for("omniStats.notices.some(n => n.includes('Cannot reach the server'))", 30, "the retry notice")
+    assert "reconnecting in" in b.js("document.getElementById('status').textContent")
+    b.screenshot(SHOTS / "08-server-stopped.png")

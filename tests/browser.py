@@ -32,7 +32,7 @@ class Browser:
         exe = shutil.which("chromium") or shutil.which("chromium-browser")
         assert exe, "chromium is needed for the page's tests (bash .ci/setup installs it)"
         self.profile = tempfile.mkdtemp(prefix="omni-jax-chromium-")
-        args = [exe, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "--no-default-browser-check",
+        args = [exe, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run", "--no-default-browser-check",
                 "--disable-extensions", "--disable-background-networking", "--disable-component-update",
                 "--remote-debugging-port=0", f"--user-data-dir={self.profile}", f"--window-size={width},{height}",
                 "--autoplay-policy=no-user-gesture-required", "--use-fake-device-for-media-stream",

@@ -59,6 +59,10 @@ class PromptError(ValueError):
     """A prompt cannot be turned into model inputs: the message says why."""
 
 
+class PromptTooLongError(PromptError):
+    """A prompt has more tokens than the first stage takes (OpenAI's `context_length_exceeded`)."""
+
+
 class MediaError(ValueError):
     """A media item cannot be loaded; the message names the source and the reason."""
 

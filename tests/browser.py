@@ -9,6 +9,7 @@ exception and failed resource load.
 from __future__ import annotations
 
 import base64
+import fnmatch
 import itertools
 import json
 import shutil
@@ -48,6 +49,7 @@ class Browser:
         self.replies: dict[int, dict] = {}
         self.cond = threading.Condition()
         self.console_errors: list[str] = []
+        self.fake: dict[str, str] = {}
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
         for domain in ("Page", "Runtime", "Log"):
@@ -76,8 +78,18 @@ class Browser:
         except Exception:  # the browser went away; calls waiting on it time out
             pass
 
+    def respond(self, url_pattern: str, body: dict) -> None:
+        """Answer the page's requests matching `url_pattern` with this JSON (what another server would say)."""
+        self.fake[url_pattern] = base64.b64encode(json.dumps(body).encode()).decode()
+        self.call("Fetch.enable", patterns=[{"urlPattern": p} for p in self.fake])
+
     def _event(self, method: str, p: dict) -> None:
-        if method == "Runtime.consoleAPICalled" and p["type"] in ("error", "assert"):
+        if method == "Fetch.requestPaused":  # only the patterns given to respond() pause
+            body = next(b for pattern, b in self.fake.items() if fnmatch.fnmatch(p["request"]["url"], pattern))
+            self.ws.send(json.dumps({"id": next(self.ids), "method": "Fetch.fulfillRequest", "params": {
+                "requestId": p["requestId"], "responseCode": 200, "body": body,
+                "responseHeaders": [{"name": "content-type", "value": "application/json"}]}}))
+        elif method == "Runtime.consoleAPICalled" and p["type"] in ("error", "assert"):
             self.console_errors.append(" ".join(str(a.get("value", a.get("description", ""))) for a in p["args"]))
         elif method == "Runtime.exceptionThrown":
             d = p["exceptionDetails"]

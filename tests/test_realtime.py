@@ -29,11 +29,11 @@ import pytest
 import soxr
 import uvicorn
 import websockets.sync.client as ws_client
-import yaml
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from omni_jax import SamplingParams
 from omni_jax.server.realtime.audio_buffer import InputAudioBuffer
+from omni_jax.server.realtime.conversation import without_oldest_turn
 from omni_jax.server.realtime.events import EventError, ServerVADConfig, parse
 from omni_jax.server.realtime.session import SessionConfig
 from omni_jax.server.realtime.turns import Turns
@@ -43,7 +43,7 @@ from omni_jax.server.realtime.vad import ServerVAD
 from test_async_chunk_pipeline import pipeline_for
 from test_server import (API_KEY, HELLO, MAX_BODY_MB, MODEL, VOCODER_SEED, _assert_same_audio, _idle,  # noqa: F401
                          _free_port, _lib_params, _metrics, env, library, media_dir, server)
-from test_server import pipeline_yaml as server_pipeline_yaml
+from test_server import pipeline_yaml  # noqa: F401  (the tiny preset's audio buckets take 6.4 s turns)
 
 pytestmark = pytest.mark.server
 
@@ -153,20 +153,15 @@ def test_session_update_changes_only_what_it_sends_and_refuses_whole():
         text_only.update(parse('{"type": "session.update", "session": {"output_modalities": ["audio"]}}').session)
 
 
+def test_a_long_conversation_loses_its_oldest_turns_first():
+    sys_, u1, a1, u2, a2, u3 = ({"role": r, "content": r + str(i)} for i, r in
+                                enumerate(["system", "user", "assistant", "user", "assistant", "user"]))
+    assert without_oldest_turn([sys_, u1, a1, u2, a2, u3]) == [sys_, u2, a2, u3]
+    assert without_oldest_turn([sys_, u2, a2, u3]) == [sys_, u3]
+    assert without_oldest_turn([sys_, u3]) is None and without_oldest_turn([a1, u3]) == [u3]
+
+
 # ---------------------------------------------------------------------------------------- helpers
-
-@pytest.fixture(scope="module")
-def pipeline_yaml(server_pipeline_yaml) -> str:
-    """test_server's pipeline (its compiles are cached), with an audio encoder bucket for spoken
-    turns of up to 6.4 s (the tiny encoder's chunks are 0.2 s; the preset's largest bucket is 4)."""
-    with open(server_pipeline_yaml) as f:
-        cfg = yaml.safe_load(f)
-    next(s for s in cfg["stages"] if s["name"] == "thinker")["audio_chunk_buckets"] = [1, 4, 32]
-    path = server_pipeline_yaml.replace(".yaml", "_realtime.yaml")
-    with open(path, "w") as f:
-        yaml.safe_dump(cfg, f)
-    return path
-
 
 @pytest.fixture(scope="module")
 def client(server):
@@ -275,6 +270,10 @@ def test_spoken_turn_by_server_vad(client):
     assert _audio_of(seen).size > 0 and _text_of(seen, "response.output_audio_transcript.delta")
     transcribed = next(e for e in seen if e.type == "conversation.item.input_audio_transcription.completed")
     assert transcribed.item_id == committed.item_id and transcribed.transcript and transcribed.usage.input_tokens > 0
+    deltas = [e for e in seen if e.type == "conversation.item.input_audio_transcription.delta"]
+    assert {e.item_id for e in deltas} == {committed.item_id}
+    assert "".join(e.delta for e in deltas) == transcribed.transcript  # streamed as the thinker writes it
+    assert seen.index(deltas[-1]) < seen.index(transcribed)
 
 
 def test_a_second_turn_computes_only_what_is_new(client, server):

@@ -260,7 +260,7 @@ def test_1_large_text_is_refused_before_it_is_tokenized(server):
         results = [f.result() for f in bigs]
     for r, seconds in results:
         err = _error(r, 400)
-        assert err["param"] == "messages" and "too long" in err["message"]
+        assert err["param"] == "messages" and "too long" in err["message"] and err["code"] == "context_length_exceeded"
         assert f"at most {MAX_PROMPT_TOKENS}" in err["message"] and "max_model_len 512" in err["message"]
         assert seconds < 8, seconds
     assert normal_s < 3, normal_s

@@ -21,7 +21,6 @@ import yaml
 
 from browser import Browser
 from test_realtime import SR, _speech
-from test_realtime import pipeline_yaml as realtime_pipeline_yaml  # noqa: F401
 from test_server import API_KEY, MODEL, env, media_dir, server  # noqa: F401
 from test_server import pipeline_yaml as server_pipeline_yaml  # noqa: F401
 
@@ -31,16 +30,16 @@ SHOTS = Path(__file__).parent / ".screenshots"
 
 
 @pytest.fixture(scope="module")
-def pipeline_yaml(realtime_pipeline_yaml) -> str:  # noqa: F811
-    """test_realtime's pipeline (its compiles are cached) with replies that take a while: the
+def pipeline_yaml(server_pipeline_yaml) -> str:  # noqa: F811
+    """test_server's pipeline (its compiles are cached) with replies that take a while: the
     thinker writes 300 tokens whatever it says (the server's reply is still running when the
     user speaks over it) and the talker speaks at least 30 codes (0.6 s)."""
-    with open(realtime_pipeline_yaml) as f:
+    with open(server_pipeline_yaml) as f:
         cfg = yaml.safe_load(f)
     st = {s["name"]: s for s in cfg["stages"]}
     st["thinker"]["default_sampling"] = {"temperature": 0.0, "max_tokens": 300, "ignore_eos": True}
     st["talker"]["default_sampling"] = {**st["talker"]["default_sampling"], "min_tokens": 30}
-    path = realtime_pipeline_yaml.replace(".yaml", "_page.yaml")
+    path = server_pipeline_yaml.replace(".yaml", "_page.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(cfg, f)
     return path
@@ -61,6 +60,8 @@ def mic_wavs(tmp_path_factory) -> dict[str, str]:
     return {
         # one turn, then silence for longer than a reply takes
         "turn": _wav(d / "turn.wav", _speech("Hello, what can you hear?", lead_s=0.5, tail_s=20.0)),
+        # a file to attach (the tiny audio encoder hears at most 6.4 s)
+        "short": _wav(d / "short.wav", _speech("Good morning.", lead_s=0.1, tail_s=0.1)),
         # speech over and over: push to talk decides what is sent
         "chatter": _wav(d / "chatter.wav", _speech("Please tell me a story.", lead_s=0.1, tail_s=0.2)),
     }
@@ -87,6 +88,10 @@ def _open(b: Browser, server, key: str = API_KEY) -> None:
 
 def _stats(b: Browser) -> dict:
     return b.js("JSON.parse(JSON.stringify(omniStats))")
+
+
+def _status(b: Browser, i: int) -> str:
+    return b.js(f"omniStats.responses[{i}].status")
 
 
 def _text(b: Browser, selector: str) -> list[str]:
@@ -151,7 +156,7 @@ def test_push_to_talk_and_barge_in(browser, server, mic_wavs):
     assert not b.console_errors
 
 
-def test_text_and_image_turns_and_text_replies(browser, server, media_dir):  # noqa: F811
+def test_text_image_and_audio_turns_and_text_replies(browser, server, media_dir, mic_wavs):  # noqa: F811
     b = browser()
     _open(b, server)
     b.js("document.getElementById('speak').click()")  # replies as text
@@ -169,7 +174,28 @@ def test_text_and_image_turns_and_text_replies(browser, server, media_dir):  # n
                "the reply about the image")
     assert "with cat.png" in _text(b, "#log li.user .meta")
     assert b.js("document.getElementById('attached').hidden")
+    b.call("DOM.setFileInputFiles", nodeId=node, files=[mic_wavs["short"]])  # an audio file: heard, no text
+    b.wait_for("!document.getElementById('attached').hidden", 10, "the audio attachment")
+    b.js("document.getElementById('send').click()")
+    b.wait_for("omniStats.responses.length > 2 && omniStats.responses[2].status !== 'in_progress'", 120,
+               "the reply about the audio")
+    assert _status(b, 2) in ("completed", "incomplete") and "with short.wav" in _text(b, "#log li.user .meta")
     b.screenshot(SHOTS / "05-text-and-image.png")
+    assert not b.console_errors
+
+
+def test_a_model_without_speech_is_explained(browser, server):
+    """The page's side of a server started with `--modalities text`, whose /v1/audio/voices lists
+    none (here answered by the browser: this module's server speaks)."""
+    b = browser()
+    b.respond("*/v1/audio/voices", {"voices": []})
+    _open(b, server)
+    assert "no speech output" in b.js("document.getElementById('notice').textContent")
+    assert b.js("document.getElementById('speak').disabled && document.getElementById('voice').disabled")
+    b.js("document.getElementById('text').value = 'Hello'")
+    b.js("document.getElementById('send').click()")
+    reply = b.wait_for("omniStats.responses.find(r => r.status !== 'in_progress')", 120, "the text reply")
+    assert reply["received"] == 0 and reply["text"]  # the session asked for text
     assert not b.console_errors
 
 

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from ..engine.protocol import MultiModalPayload
-from ..errors import MediaError, PromptError
+from ..errors import MediaError, PromptError, PromptTooLongError
 from .chat_text import ChatText
 from .media import MediaLimits, VideoClip, load_audio, load_image, load_video
 from .qwen_tokenizer import DEFAULT_SYSTEM_PROMPT, QWEN2_5_OMNI_CHAT_TEMPLATE
@@ -464,7 +464,7 @@ class InputProcessor:
             raise PromptError("empty prompt")
         if max_prompt_len is not None and ids.size > max_prompt_len:
             # Each media placeholder only grows: refused before any media is decoded.
-            raise PromptError(self._too_long(max_prompt_len, f"it has {ids.size} tokens"))
+            raise self._too_long(max_prompt_len, f"it has {ids.size} tokens")
         if items is not None:
             ids, mm = self._expand(ids, items, by_kind, use_aiv)
         bad = (ids < 0) | (ids >= self.vocab_size)
@@ -473,9 +473,9 @@ class InputProcessor:
         return ProcessedPrompt(ids, mm)
 
     @staticmethod
-    def _too_long(limit: int, why: str) -> str:
-        return (f"the prompt is too long: {why}; a prompt may have at most {limit} tokens "
-                f"(the first stage's max_model_len {limit + 1}, less one for the reply)")
+    def _too_long(limit: int, why: str) -> PromptTooLongError:
+        return PromptTooLongError(f"the prompt is too long: {why}; a prompt may have at most {limit} tokens "
+                                  f"(the first stage's max_model_len {limit + 1}, less one for the reply)")
 
     def _check_fits(self, texts, max_prompt_len: int | None) -> None:
         """PromptError if the texts cannot make at most max_prompt_len tokens (found in bounded time
@@ -484,7 +484,7 @@ class InputProcessor:
             return
         why = self._floor.check([t for t in texts if isinstance(t, str)], max_prompt_len, cancel.check)
         if why is not None:
-            raise PromptError(self._too_long(max_prompt_len, why))
+            raise self._too_long(max_prompt_len, why)
 
     def _embeds_prompt(self, prompt: dict, max_prompt_len: int | None) -> ProcessedPrompt:
         """A `prompt_embeds` prompt: the rows checked and cast to float32, with their token ids."""
@@ -718,7 +718,7 @@ def _prompt_embeds(raw: Any, hidden_size: int, max_len: int | None) -> np.ndarra
         raise PromptError(f"'prompt_embeds' rows have size {rows.shape[1]}, but the thinker's hidden size "
                           f"is {hidden_size}")
     if max_len is not None and rows.shape[0] > max_len:
-        raise PromptError(f"'prompt_embeds' has {rows.shape[0]} rows, more than the {max_len} a prompt may "
+        raise PromptTooLongError(f"'prompt_embeds' has {rows.shape[0]} rows, more than the {max_len} a prompt may "
                           f"have (the thinker's max_model_len - 1)")
     try:
         rows = np.ascontiguousarray(rows, np.float32)

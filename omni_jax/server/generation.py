@@ -13,6 +13,7 @@ from typing import AsyncIterator
 
 import re
 
+from ..errors import PromptTooLongError
 from ..prompt_workers import Overloaded
 from .engine import ServedEngine
 from .errors import APIError, bad_request, overloaded, short
@@ -112,6 +113,8 @@ async def open_request(engine: ServedEngine, prompt, params, modalities, voice, 
                 raise APIError(499, "the client closed the connection", None, "client_closed")
     except Overloaded as e:
         raise overloaded(str(e)) from None
+    except PromptTooLongError as e:
+        raise bad_request(str(e), "messages", "context_length_exceeded") from None  # OpenAI's code for it
     except ValueError as e:  # PromptError, unknown voice, modalities the engine was not started with
         msg = str(e)
         param = _param_of_prompt_error(msg)

@@ -20,7 +20,7 @@ from .vad import RATE
 INPUT_RATE = 24000
 
 
-class BufferError(ValueError):
+class InputAudioError(ValueError):
     """An append the buffer refuses (the message says why and names the limit)."""
 
 
@@ -29,9 +29,9 @@ def decode_pcm16(data: str) -> np.ndarray:
     try:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
-        raise BufferError("audio is not valid base64") from None
+        raise InputAudioError("audio is not valid base64") from None
     if len(raw) % 2:
-        raise BufferError(f"audio must be 16-bit PCM: {len(raw)} bytes is not a whole number of samples")
+        raise InputAudioError(f"audio must be 16-bit PCM: {len(raw)} bytes is not a whole number of samples")
     return np.frombuffer(raw, "<i2").astype(np.float32) / 32768.0
 
 
@@ -53,9 +53,9 @@ class InputAudioBuffer:
         return len(self) * 1000 // RATE
 
     def append(self, audio_24k: np.ndarray) -> np.ndarray:
-        """Add 24 kHz samples; the new 16 kHz samples (BufferError past the bound, nothing added)."""
+        """Add 24 kHz samples; the new 16 kHz samples (InputAudioError past the bound, nothing added)."""
         if len(self) + len(audio_24k) * RATE // INPUT_RATE > self.max_samples:
-            raise BufferError(f"the input audio buffer holds at most {self.max_samples / RATE:g} s; commit or clear it "
+            raise InputAudioError(f"the input audio buffer holds at most {self.max_samples / RATE:g} s; commit or clear it "
                               f"(it holds {len(self) / RATE:.1f} s, the append adds {len(audio_24k) / INPUT_RATE:.1f} s)")
         new = self._stream.resample_chunk(audio_24k)
         if len(new):

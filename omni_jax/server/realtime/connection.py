@@ -28,7 +28,7 @@ from ..metrics import Metrics
 from ..sampling import stage_params
 from ..transcription import token_usage, transcription_params, transcription_prompt
 from ..generation import open_request
-from .audio_buffer import BufferError, decode_pcm16
+from .audio_buffer import InputAudioError, decode_pcm16
 from .conversation import Conversation, ConversationItem, Part, item_from_event
 from .events import (ConversationItemCreate, ConversationItemDelete, ConversationItemRetrieve,
                      ConversationItemTruncate, EventError, InputAudioBufferAppend, InputAudioBufferClear,
@@ -245,7 +245,7 @@ class RealtimeSession:
         try:
             wave24 = decode_pcm16(ev.audio)
             turn_events = await asyncio.to_thread(self.turns.append, wave24)
-        except BufferError as e:
+        except InputAudioError as e:
             raise EventError(str(e), "invalid_value", "audio", ev.event_id) from None
         for vev, audio in turn_events:
             if vev.kind == "speech_started":
@@ -291,7 +291,8 @@ class RealtimeSession:
         task.add_done_callback(self.tasks.discard)
 
     async def _transcribe(self, item: ConversationItem) -> None:
-        """conversation.item.input_audio_transcription.completed (or .failed) for a committed item."""
+        """The transcript of a committed item: conversation.item.input_audio_transcription.delta
+        events as the thinker writes it, then .completed (or .failed)."""
         part, tc = item.parts[0], self.config.transcription
         prompt = transcription_prompt(part.audio, RATE, tc.language, tc.prompt)
         params = transcription_params(self.engine, 0.0)
@@ -300,7 +301,10 @@ class RealtimeSession:
             gen = await open_request(self.engine, prompt, params, ["text"], None, new_id("transcribe"))
             out = None
             async for out in gen.updates():
-                pass
+                if out.text_delta:
+                    await self.send({"type": "conversation.item.input_audio_transcription.delta",
+                                     "event_id": new_id("event"), "item_id": item.id, "content_index": 0,
+                                     "delta": out.text_delta})
             if out.error:
                 raise RuntimeError(out.error)
             part.transcript = out.text

@@ -15,7 +15,7 @@ import soxr
 
 from ..errors import APIError
 from ..messages import MediaPolicy
-from .audio_buffer import BufferError, decode_pcm16, INPUT_RATE
+from .audio_buffer import InputAudioError, decode_pcm16, INPUT_RATE
 from .events import EventError, Item, new_id
 from .vad import RATE
 
@@ -74,7 +74,7 @@ def item_from_event(item: Item, policy: MediaPolicy, max_audio_s: float) -> Conv
                                  f"{where}.audio")
             try:
                 wave24 = decode_pcm16(p.audio)
-            except BufferError as e:
+            except InputAudioError as e:
                 raise EventError(f"{where}.audio: {e}", "invalid_value", f"{where}.audio") from None
             if len(wave24) > max_audio_s * INPUT_RATE:
                 raise EventError(f"{where}.audio is longer than the limit of {max_audio_s:g} s", "invalid_value",
@@ -151,6 +151,19 @@ class Conversation:
             else:
                 out.append({"role": it.role, "content": "".join(p.prompt_text() for p in it.parts)})
         return out
+
+
+def without_oldest_turn(messages: list[dict]) -> list[dict] | None:
+    """`messages` less its oldest turn (a user message and the replies to it), the instructions
+    kept; None if only the newest turn is left. OpenAI's truncation "auto": a conversation longer
+    than the model takes loses its oldest turns."""
+    head = [m for m in messages if m["role"] == "system"]
+    turns = [m for m in messages if m["role"] != "system"]
+    users = [i for i, m in enumerate(turns) if m["role"] == "user"]
+    later = [i for i in users if i > 0]
+    if not later:
+        return None
+    return head + turns[later[0]:]
 
 
 def _prompt_part(p: Part) -> dict:

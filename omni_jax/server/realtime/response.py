@@ -18,7 +18,7 @@ import numpy as np
 from .. import audio as audio_codec
 from ..errors import APIError
 from ..generation import failure, open_request
-from .conversation import ConversationItem, Part
+from .conversation import ConversationItem, Part, without_oldest_turn
 from .events import new_id
 from .session import PCM
 
@@ -78,8 +78,7 @@ class Response:
         try:
             chain_mods = ["text", "audio"] if self.audio else ["text"]
             try:
-                gen = await open_request(self.engine, {"messages": self.messages}, self.params, chain_mods,
-                                         self.voice if self.audio else None, self.id)
+                gen = await self._open(chain_mods)
             except APIError as e:
                 self.status, self.error = "failed", {"type": "invalid_request_error" if e.status < 500 else
                                                      "server_error", "code": e.code, "message": e.message}
@@ -116,6 +115,20 @@ class Response:
                 await self._done(part, items_added=gen is not None)
             finally:
                 self.on_finished(out)
+
+    async def _open(self, chain_mods: list[str]):
+        """The request, on as much of the conversation as the model takes: while the prompt is
+        too long, the oldest turn is left out (the conversation itself keeps it)."""
+        messages = self.messages
+        while True:
+            try:
+                return await open_request(self.engine, {"messages": messages}, self.params, chain_mods,
+                                          self.voice if self.audio else None, self.id)
+            except APIError as e:
+                shorter = without_oldest_turn(messages) if e.code == "context_length_exceeded" else None
+                if shorter is None:
+                    raise
+                messages = shorter
 
     async def _item_added(self, part: Part) -> None:
         self.item.status = "in_progress"

@@ -34,7 +34,7 @@ class Turns:
             self.vad.reset(self.buffer.end)
 
     def append(self, wave24: np.ndarray) -> list[tuple[VADEvent, np.ndarray | None]]:
-        """Add audio (24 kHz); the VAD's events, a stop with its turn's 16 kHz audio (BufferError
+        """Add audio (24 kHz); the VAD's events, a stop with its turn's 16 kHz audio (InputAudioError
         when the buffer cannot hold it). Blocking work: call it off the event loop."""
         new = self.buffer.append(wave24)
         if self.vad is None:

@@ -232,6 +232,11 @@ function listen(rt) {
     stats.userTurns.push({item: e.item_id, transcript: null});
     meta(bubble(e.item_id, "user", "…"), "spoken");
   });
+  rt.on("conversation.item.input_audio_transcription.delta", (e) => {
+    const li = bubble(e.item_id, "user");
+    if (li.querySelector(".text").textContent === "…") li.querySelector(".text").textContent = "";
+    append(li, e.delta);
+  });
   rt.on("conversation.item.input_audio_transcription.completed", (e) => {
     const turn = stats.userTurns.find((t) => t.item === e.item_id);
     if (turn) turn.transcript = e.transcript;

@@ -103,7 +103,7 @@ def test_tiny_preset():
     th = cfg.stage("thinker")
     assert (th.max_num_seqs, th.max_num_batched_tokens, th.max_model_len, th.num_blocks) == (8, 64, 512, 128)
     assert th.token_buckets == (16, 32, 64) and th.decode_buckets == (1, 2, 4, 8)
-    assert th.audio_chunk_buckets == (1, 4, 32) and th.vision_patch_buckets == (64, 256)
+    assert th.audio_chunk_buckets == (1, 4) and th.vision_patch_buckets == (64, 256)
     assert th.hidden_layers == (0, 3) and (th.backend, th.dtype) == (None, "float32")
     assert th.runner_config().resolved().backend == "cpu"  # the platform's: the C++ kernels here
     assert cfg.stage("token2wav").runner == "oneshot"

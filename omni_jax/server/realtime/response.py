@@ -46,6 +46,7 @@ class Response:
         self.sent_samples = 0
         self.task: asyncio.Task | None = None
         self._cancel_reason: str | None = None
+        self._begun = False
 
     def start(self) -> "Response":
         self.task = asyncio.ensure_future(self.run())
@@ -55,6 +56,8 @@ class Response:
         """Stop the response (its request is aborted in every stage) and wait for response.done."""
         if self.task is not None and not self.task.done():
             self._cancel_reason = reason
+            while not self._begun:  # a task cancelled before its first step never runs its finally
+                await asyncio.sleep(0)
             self.task.cancel()
             await asyncio.wait({self.task})
 
@@ -72,10 +75,11 @@ class Response:
         return {"response_id": self.id, "item_id": self.item.id, "output_index": 0, "content_index": 0}
 
     async def run(self) -> None:
+        self._begun = True
         part = self.item.parts[0]
         out, gen = None, None
-        await self.send({"type": "response.created", "event_id": new_id("event"), "response": self._object()})
-        try:
+        try:  # from the first await on: a cancel anywhere still ends with response.done
+            await self.send({"type": "response.created", "event_id": new_id("event"), "response": self._object()})
             chain_mods = ["text", "audio"] if self.audio else ["text"]
             try:
                 gen = await self._open(chain_mods)

@@ -55,8 +55,8 @@ class InputAudioBuffer:
     def append(self, audio_24k: np.ndarray) -> np.ndarray:
         """Add 24 kHz samples; the new 16 kHz samples (InputAudioError past the bound, nothing added)."""
         if len(self) + len(audio_24k) * RATE // INPUT_RATE > self.max_samples:
-            raise InputAudioError(f"the input audio buffer holds at most {self.max_samples / RATE:g} s; commit or clear it "
-                              f"(it holds {len(self) / RATE:.1f} s, the append adds {len(audio_24k) / INPUT_RATE:.1f} s)")
+            raise InputAudioError(f"the input audio buffer holds at most {self.max_samples / RATE:g} s; commit or "
+                                  f"clear it (it holds {len(self) / RATE:.1f} s, the append adds {len(audio_24k) / INPUT_RATE:.1f} s)")
         new = self._stream.resample_chunk(audio_24k)
         if len(new):
             self._chunks.append(new)

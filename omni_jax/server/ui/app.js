@@ -225,6 +225,8 @@ function pttUp() {
 
 // ---------------------------------------------------------------- server events
 
+const responseOf = (id) => stats.responses.find((r) => r.id === id);
+
 function listen(rt) {
   rt.on("input_audio_buffer.speech_started", () => interrupt({cancel: false}));  // the server cancels the reply
   rt.on("input_audio_buffer.speech_stopped", () => { turnEnd = performance.now(); });
@@ -254,7 +256,7 @@ function listen(rt) {
     bubble(e.item.id, "assistant");
   });
   const onText = (e) => {
-    const r = stats.responses.find((r) => r.id === e.response_id);
+    const r = responseOf(e.response_id);
     if (!r) return;
     r.text += e.delta;
     append(bubble(e.item_id, "assistant"), e.delta);
@@ -262,7 +264,7 @@ function listen(rt) {
   rt.on("response.output_audio_transcript.delta", onText);
   rt.on("response.output_text.delta", onText);
   rt.on("response.output_audio.delta", (e) => {
-    const r = stats.responses.find((r) => r.id === e.response_id);
+    const r = responseOf(e.response_id);
     if (!r || r.cut) return;
     const pcm = base64ToPcm16(e.delta);
     if (r.received === 0 && turnEnd !== null) {
@@ -279,7 +281,7 @@ function listen(rt) {
     r.scheduled += pcm.length;
   });
   rt.on("response.done", (e) => {
-    const r = stats.responses.find((r) => r.id === e.response.id);
+    const r = responseOf(e.response.id);
     if (!r) return;
     r.status = e.response.status;
     r.reason = e.response.status_details?.reason ?? null;

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from omni_jax.engine.hidden_cache import HiddenRowCache
 from omni_jax.engine.protocol import Request
 from omni_jax.engine.runner import DUMMY_BLOCK_ID, compute_slot_mapping
 from omni_jax.engine.kv_cache import BlockPool, KVCacheManager, block_extra_keys, hash_block_tokens
@@ -289,3 +290,41 @@ def test_check_invariants_catches_corruption():
     kv.block_pool.blocks[kv.get_block_table("a")[0]].ref_cnt += 1
     with pytest.raises(AssertionError, match="ref_cnt"):
         kv.check_invariants()
+
+
+def test_hidden_rows_gate_the_hits_of_requests_that_return_them():
+    """A request that returns hidden states hits only blocks whose rows the HiddenRowCache keeps;
+    rows arrive in pieces across blocks, are kept once a block is whole and hashed, replay in
+    order, and the least recently used go past the byte budget."""
+    rows = HiddenRowCache(block_size=4, layers=(0, 2), max_bytes=3 * 2 * 4 * 8 * 4)  # 3 blocks of 2 layers
+    kv = KVCacheManager(num_blocks=16, block_size=4, hidden_rows=rows)
+    first = make_req("a", range(13), captures_hidden=True)
+    assert admit(kv, first) == 0
+    h = np.arange(13 * 8, dtype=np.float32).reshape(13, 8)
+    rows.record(first, 0, {0: h[:6], 2: -h[:6]})  # block 0 whole, block 1 half
+    assert len(rows) == 1 and first.block_hashes[0] in rows and rows.num_open_requests == 1
+    rows.record(first, 6, {0: h[6:13], 2: -h[6:12]})  # layer 2 short of position 12: block 3 stays open
+    assert len(rows) == 3 and rows.nbytes == 3 * 2 * 4 * 8 * 4
+    rows.release("a")
+    assert rows.num_open_requests == 0
+    kv.free(first)
+
+    again = make_req("b", list(range(13)) + [99], captures_hidden=True)
+    assert admit(kv, again, write=False) == 12
+    replayed = rows.replay(again.block_hashes[:3])
+    assert np.array_equal(replayed[0], h[:12]) and np.array_equal(replayed[2], -h[:12])
+    kv.free(again)
+    # A request that returns no hidden states is not limited by the rows kept.
+    assert admit(kv, make_req("c", range(13)), write=False) == 12
+
+    # Past the budget the least recently used block goes: block 0 (blocks 1, 2 were just replayed
+    # after it): a hit now stops before it.
+    other = make_req("d", range(100, 105), captures_hidden=True)
+    admit(kv, other)
+    rows.record(other, 0, {0: h[:4], 2: h[:4]})
+    assert len(rows) == 3 and first.block_hashes[0] not in rows and other.block_hashes[0] in rows
+    assert admit(kv, make_req("e", range(13), captures_hidden=True), write=False) == 0
+    # Without a cache of rows such a request takes no hit at all.
+    plain = KVCacheManager(num_blocks=16, block_size=4)
+    admit(plain, make_req("f", range(13)))
+    assert admit(plain, make_req("g", range(13), captures_hidden=True), write=False) == 0

@@ -161,6 +161,41 @@ def test_prefix_cache_keys_embeddings_by_content(family_engine):
     assert hits_of("t2", ids, GREEDY) >= 32
 
 
+def test_a_request_returning_hidden_states_takes_prefix_cache_hits(family_engine):
+    """A speech reply's thinker returns the hidden rows of every prompt position: its prefix-cache
+    hit replays the rows kept when the prefix was computed, equal to transformers' for the whole
+    prompt; a hit on blocks whose rows are not kept (a text request computed them) is not taken."""
+    _, engine, layers, hf = family_engine
+    rng = np.random.default_rng(8)
+    turn1, turn2 = rng.integers(0, 151000, 37), rng.integers(0, 151000, 21)
+    both = np.concatenate([turn1, turn2])
+
+    def run(rid, ids, capture=True):
+        engine.add_request(rid, ids, GREEDY, inputs=StageInputs(capture_hidden=capture))
+        cached = []
+        tokens, hidden = {}, {}
+        for _ in range(500):
+            if not engine.has_unfinished():
+                break
+            for o in engine.step():
+                cached.append(o.num_cached_tokens)
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+                for k, v in (o.hidden_states or {}).items():
+                    hidden.setdefault(k, []).append((o.hidden_offset, np.array(v)))
+        return max(cached), tokens[rid], hidden
+
+    assert run("text only", turn1[:20], capture=False)[0] == 0
+    # Its first block's KV is cached, its rows are not: computed again (and kept this time).
+    assert run("turn 1", turn1)[0] == 0
+    cached, reply, hidden = run("turn 2", both)
+    assert cached == 32  # turn 1's two full blocks (block size 16)
+    ref = _hf_hidden(hf, _embedding_rows(hf, both), reply, layers)
+    for k in layers:
+        _assert_close(_rows(hidden[k])[:len(ref[k])], ref[k])
+    assert engine.hidden_cache.num_open_requests == 0 and len(engine.hidden_cache) >= 3
+    assert engine.scheduler.kv_cache_manager.is_idle_and_leak_free()
+
+
 # ---------------------------------------------------------------- front end (Qwen2.5, three stages)
 def _speech_pipeline():
     """The tiny preset with few buckets, so three stages warm up quickly: the thinker's and

@@ -291,13 +291,12 @@ def test_spoken_turn_by_server_vad(client):
 
 
 def test_a_second_turn_computes_only_what_is_new(client, server):
-    """Each turn's prompt extends the last: the thinker's prefix cache serves the old part. (Text
-    replies: a speech reply's talker needs the thinker's hidden states of every prompt position,
-    so those requests compute the whole prompt; see the README.)"""
+    """Each turn's prompt extends the last: the thinker's prefix cache serves the old part (spoken
+    replies too: the hidden rows the talker needs of it are kept with the cache)."""
     before = _metrics(server)
     with client.realtime.connect(model=MODEL) as conn:
         _until(conn, "session.created")
-        conn.session.update(session={"type": "realtime", "max_output_tokens": 6, "output_modalities": ["text"]})
+        conn.session.update(session={"type": "realtime", "max_output_tokens": 6})
         _until(conn, "session.updated")
         _speak(conn, _speech("Hello there. What is the weather like today?"), [])
         first = _until(conn, "response.done").response
@@ -306,12 +305,37 @@ def test_a_second_turn_computes_only_what_is_new(client, server):
         conn.response.create()
         second = _until(conn, "response.done").response
     cached = second.usage.input_token_details.cached_tokens
-    assert first.usage.input_token_details.cached_tokens == 0
+    # (the first turn may hit too: the instructions' blocks, from other sessions)
+    assert cached > first.usage.input_token_details.cached_tokens
     assert second.usage.input_tokens > first.usage.input_tokens
     assert cached >= first.usage.input_tokens // 16 * 16 - 16 and cached > 0, second.usage  # 16: the block size
     after = _metrics(server)
     key = 'omni_jax_prompt_tokens_total{source="cached"}'
     assert after[key] - before.get(key, 0) >= cached
+
+
+def test_a_cached_turn_speaks_as_the_library(client, library):
+    """The second turn's thinker takes the first turn's prompt from the prefix cache with its
+    hidden rows (engine/hidden_cache.py): its speech equals the library's on the whole
+    conversation computed afresh."""
+    with client.realtime.connect(model=MODEL) as conn:
+        _until(conn, "session.created")
+        _say_hello(conn, max_output_tokens=8, temperature=0.0)
+        first = _until(conn, "response.done").response
+        conn.conversation.item.create(item={"type": "message", "role": "user",
+                                            "content": [{"type": "input_text", "text": "And tomorrow?"}]})
+        conn.response.create(response={"sampling_params_list": SPL, "max_output_tokens": 8, "temperature": 0.0})
+        seen = []
+        second = _until(conn, "response.done", seen).response
+    said = first.output[0].content[0].transcript
+    messages = HELLO + [{"role": "assistant", "content": said}, {"role": "user", "content": "And tomorrow?"}]
+    want = library.generate({"messages": messages}, sampling_params_list=_lib_params(library, 8),
+                            output_modalities=["text", "audio"], voice="Chelsie")[0]
+    assert second.usage.input_tokens == len(want.prompt_token_ids)
+    cached = second.usage.input_token_details.cached_tokens
+    assert cached > 0 and cached >= first.usage.input_tokens // 16 * 16 - 16, second.usage  # 16: the block size
+    assert _text_of(seen, "response.output_audio_transcript.delta") == want.text
+    _assert_same_audio(_audio_of(seen), want.audio)
 
 
 def test_barge_in_cancels_the_reply_and_frees_every_stage(client, server):

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from ..errors import RequestError
+from .hidden_cache import HiddenRowCache
 from .protocol import Request, StageInputs, StageOutput
 from .runner import ModelRunner, RunnerConfig, compilation_count
 from .sampling import sample
@@ -42,6 +43,9 @@ class EngineConfig:
     # Schedule and launch the next decode step before this one's tokens reach the host, so
     # that the host work of a step runs while the device computes the next (see AREngine.step).
     async_scheduling: bool = True
+    # Host memory for the hidden rows of cached KV blocks, so that requests returning hidden
+    # states (a speech reply's thinker) take prefix-cache hits (engine/hidden_cache.py); 0: off.
+    hidden_cache_bytes: int = 1 << 30
 
 
 # Every batch runs one of four sampler variants, so warm-up can compile them all:
@@ -163,7 +167,7 @@ def _needs_host_token(req: Request) -> bool:
 def _prompt_embeds_salt(inputs: StageInputs | None, rich: bool) -> str | None:
     """The prefix-cache salt of a prompt-embeddings request (a digest of its embeddings, computed
     here so that it always matches them), None for any other request. Other embedding inputs
-    (per-step rows, feedback, hidden-state capture) keep a request out of the prefix cache."""
+    (per-step rows, feedback) keep a request out of the prefix cache."""
     if not rich or not inputs.only_prompt_overlay:
         return None
     return inputs.content_hash()
@@ -209,6 +213,7 @@ class _Launched:
     prompt_draw: Any         # (rows per request, device prompt LogprobsOutput) or None
     batch: _Batch            # its requests and what they need
     host_time: float         # seconds spent launching it
+    replayed: dict = dataclasses.field(default_factory=dict)  # request id -> hidden rows of its prefix-cache hit
 
 
 class AREngine:
@@ -223,11 +228,14 @@ class AREngine:
                                   head_dim=head_dim, hidden_size=hidden_size)
         rc = self.runner.cfg
         self.vocab_size = cfg.vocab_size
+        self.hidden_cache = None
+        if rc.capture_layers and cfg.enable_prefix_caching and cfg.hidden_cache_bytes > 0:
+            self.hidden_cache = HiddenRowCache(rc.block_size, rc.capture_layers, cfg.hidden_cache_bytes)
         self.scheduler = ARScheduler(SchedulerConfig(
             max_num_seqs=rc.max_num_seqs, max_num_batched_tokens=rc.max_num_batched_tokens,
             max_model_len=rc.max_model_len, block_size=rc.block_size, num_blocks=rc.num_blocks,
             enable_prefix_caching=cfg.enable_prefix_caching, enable_chunked_prefill=cfg.enable_chunked_prefill,
-            eos_token_ids=tuple(cfg.eos_token_ids)))
+            eos_token_ids=tuple(cfg.eos_token_ids)), hidden_rows=self.hidden_cache)
         self.tokenizer = tokenizer
         self.prepare_inputs = prepare_inputs
         self.project_inputs = project_inputs
@@ -301,8 +309,8 @@ class AREngine:
                 raise RequestError.of(request_id, e) from None
         if inputs is not None and inputs.overlay_rows is not None:
             self._check_overlay(request_id, inputs, len(ids))
-        # Token ids alone do not determine the KV of embedding inputs; and a request that
-        # returns hidden states must compute every token (a prefix-cache hit skips some).
+        # Token ids alone do not determine the KV of embedding inputs. (Returning hidden states
+        # does not change the KV: a hit replays the rows, see engine/hidden_cache.py.)
         if self.runner.cfg.after_sample:
             inputs = inputs if inputs is not None else StageInputs()
             # Each output token's input gets its after-sample embedding: the KV is not a
@@ -310,10 +318,11 @@ class AREngine:
             inputs.feedback_embeds = np.zeros((16, self.runner.hidden_size), np.float32)
         rich = inputs is not None and (inputs.extra_embeds is not None or inputs.extra_embeds_pad is not None
                                        or (inputs.overlay_rows is not None and not mm_hashes)
-                                       or inputs.capture_hidden or inputs.feedback_embeds is not None)
+                                       or inputs.feedback_embeds is not None)
         req = Request(request_id, ids, params, arrival_time=arrival_time, mm_hashes=mm_hashes,
                       has_prompt_embeds=rich, cache_salt=_prompt_embeds_salt(inputs, rich),
-                      eos_token_ids=self.cfg.eos_token_ids, data=inputs)
+                      eos_token_ids=self.cfg.eos_token_ids, data=inputs,
+                      captures_hidden=inputs is not None and inputs.capture_hidden)
         if self.tokenizer is not None:
             req.detokenizer = _Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
         if stream:
@@ -361,6 +370,8 @@ class AREngine:
         """Abort a request wherever it is; its blocks return to the pool."""
         self._detok.pop(request_id, None)
         self._streamed.pop(request_id, None)
+        if self.hidden_cache is not None:
+            self.hidden_cache.release(request_id)
         return self.scheduler.abort_request(request_id)
 
     def has_unfinished(self) -> bool:
@@ -413,9 +424,20 @@ class AREngine:
                                          fed_in_place=sched.fed_in_place)
             draw = self._draw(result, chunks, batch, output_offset)
             prompt_draw = self._prompt_draw(result, chunks) if batch.prompt_logprobs else None
+            replayed = self._replayed_rows(chunks) if batch.capture_hidden else {}
         except Exception as e:  # fail this step's requests, keep serving
             return self._fail(sched, e)
-        return _Launched(sched, result, draw, prompt_draw, batch, time.perf_counter() - t0)
+        return _Launched(sched, result, draw, prompt_draw, batch, time.perf_counter() - t0, replayed)
+
+    def _replayed_rows(self, chunks) -> dict[str, dict[int, np.ndarray]]:
+        """The kept hidden rows of the prefix-cache hits of the step's just admitted requests that
+        return hidden states (taken now: recording later steps' rows may drop them)."""
+        replayed = {}
+        for c in chunks:
+            r = c.request
+            if r.captures_hidden and (c.is_new or c.is_resumed) and c.start > 0:
+                replayed[r.request_id] = self.hidden_cache.replay(r.block_hashes[:c.start // self.runner.cfg.block_size])
+        return replayed
 
     def _launch_ahead(self, current: "_Launched") -> "_Launched | list[StageOutput] | None":
         """Launch the decode step after `current`, fed by its tokens on the device, if the
@@ -423,7 +445,6 @@ class AREngine:
         if not self.cfg.async_scheduling:
             return None
         result, draw = current.result, current.draw
-        chunks = current.sched.scheduled
         # Only plain decodes: whatever needs the sampled token on the host before the next
         # step (penalty histories, embedding inputs such as after-sample feedback, hidden
         # states) waits.
@@ -444,6 +465,8 @@ class AREngine:
             out.append(o)
             self._detok.pop(o.request_id, None)
             self._streamed.pop(o.request_id, None)
+            if self.hidden_cache is not None:
+                self.hidden_cache.release(o.request_id)
         return out
 
     def _finish(self, launched: "_Launched") -> list[StageOutput]:
@@ -481,6 +504,8 @@ class AREngine:
             if o.request_id in embeds and o.request_id in hidden_of and o.new_token_ids and not o.finished:
                 hidden = hidden_of[o.request_id][1]
                 hidden[0] = np.concatenate([hidden[0], embeds[o.request_id][None]])
+        if self.hidden_cache is not None:
+            self._keep_hidden_rows(hidden_of, launched.replayed, chunks)
         out = []
         for o in step_outputs:
             # Prompt logprobs go out whole with a request's first token (as vLLM's first output).
@@ -503,6 +528,20 @@ class AREngine:
             if rid not in emitted:
                 out.append(StageOutput(request_id=rid, hidden_states=hidden, hidden_offset=offset))
         return out
+
+    def _keep_hidden_rows(self, hidden_of: dict, replayed: dict, chunks) -> None:
+        """Record the step's hidden rows of prefix-cached requests in the hidden cache, and put a
+        hit's kept rows before its first computed ones (`hidden_of` is changed in place)."""
+        requests = {c.request_id: c.request for c in chunks}
+        for rid, (offset, hidden) in hidden_of.items():
+            r = requests[rid]
+            if r.use_prefix_cache:
+                self.hidden_cache.record(r, offset, hidden)
+                if r.is_finished:  # this step ended it, or an abort came while it ran
+                    self.hidden_cache.release(rid)
+            if rid in replayed:
+                kept = replayed[rid]
+                hidden_of[rid] = (0, {k: np.concatenate([kept[k], v]) for k, v in hidden.items()})
 
     def _draw(self, result, chunks, batch: _Batch, output_offset: int = 0):
         """Launch the sampler on the step's logits rows: (requests, device result), or None."""

@@ -14,12 +14,15 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import numpy as np
 
 from omni_jax.engine.protocol import Request
 from omni_jax.engine.runner import DUMMY_BLOCK_ID, cdiv
+
+if TYPE_CHECKING:
+    from omni_jax.engine.hidden_cache import HiddenRowCache
 
 _ROOT_HASH = b"omni-jax-prefix-cache-v1"
 
@@ -188,12 +191,16 @@ class PrefixCacheStats:
 class KVCacheManager:
     """Per-request block tables over a `BlockPool`, with prefix caching (vLLM v1 style API)."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 hidden_rows: "Optional[HiddenRowCache]" = None) -> None:
+        """`hidden_rows`: the blocks whose hidden rows are kept (engine/hidden_cache.py): a request
+        that captures hidden states hits only those (none without it)."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
+        self.hidden_rows = hidden_rows
         self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # The same tables as plain id lists, grown incrementally: copying one is a memcpy.
@@ -269,12 +276,15 @@ class KVCacheManager:
         """
         if not (self.enable_prefix_caching and request.reads_prefix_cache):
             return [], 0
+        rows = self.hidden_rows if request.captures_hidden else None
+        if request.captures_hidden and rows is None:
+            return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._block_hashes(request, max_hit_blocks)
         hits: list[KVCacheBlock] = []
         for block_hash in hashes[:max_hit_blocks]:
             block = self.block_pool.get_cached_block(block_hash)
-            if block is None:
+            if block is None or (rows is not None and block_hash not in rows):
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
@@ -353,8 +363,12 @@ class KVCacheManager:
             self.block_pool.free_blocks(reversed(blocks))
 
     def reset_prefix_cache(self) -> bool:
-        """Drop all cached prefixes; False (nothing done) while any block is in use."""
-        return self.block_pool.reset_prefix_cache()
+        """Drop all cached prefixes (and their kept hidden rows); False (nothing done) while any
+        block is in use."""
+        done = self.block_pool.reset_prefix_cache()
+        if done and self.hidden_rows is not None:
+            self.hidden_rows.clear()
+        return done
 
     def reset_stats(self) -> PrefixCacheStats:
         """Return the prefix-cache stats so far and start counting afresh."""

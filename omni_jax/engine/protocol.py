@@ -135,7 +135,7 @@ class StageInputs(_Message):
         """True when the overlay rows (prompt embeddings) and positions are all these inputs add
         to the token ids: the request's KV is then a function of them and its ids."""
         return (self.overlay_rows is not None and self.extra_embeds is None and self.extra_embeds_pad is None
-                and not self.capture_hidden and self.feedback_embeds is None and self.deepstack_rows is None
+                and self.feedback_embeds is None and self.deepstack_rows is None
                 and not self.needs_projection)
 
     def content_hash(self) -> str:
@@ -408,6 +408,7 @@ class Request:
         has_prompt_embeds: bool = False,
         cache_salt: Optional[str | bytes] = None,
         eos_token_ids: Optional[Sequence[int]] = None,
+        captures_hidden: bool = False,
         data: Any = None,
     ) -> None:
         self.request_id = request_id
@@ -423,6 +424,8 @@ class Request:
         self.has_prompt_embeds = has_prompt_embeds
         self.cache_salt = cache_salt
         self.eos_token_ids = None if eos_token_ids is None else frozenset(int(t) for t in eos_token_ids)
+        # Its hidden states are returned: a prefix-cache hit must replay the cached blocks' rows.
+        self.captures_hidden = captures_hidden
         self.data = data
 
         # Stop conditions, read once from the sampling params.

@@ -272,7 +272,8 @@ class _QueueScheduler:
 class ARScheduler(_QueueScheduler):
     """Continuous batching over a paged KV cache: chunked prefill, prefix caching, preemption."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, hidden_rows: Any = None) -> None:
+        """`hidden_rows`: the engine's HiddenRowCache, if it keeps hidden rows (see KVCacheManager)."""
         super().__init__(config)
         self.max_model_len = int(_cfg(config, "max_model_len", RunnerConfig.max_model_len))
         self.block_size = int(_cfg(config, "block_size", RunnerConfig.block_size))
@@ -289,7 +290,7 @@ class ARScheduler(_QueueScheduler):
                 f"must be >= max_model_len ({self.max_model_len})"
             )
         self.kv_cache_manager = KVCacheManager(
-            self.num_blocks, self.block_size, bool(_cfg(config, "enable_prefix_caching", True))
+            self.num_blocks, self.block_size, bool(_cfg(config, "enable_prefix_caching", True)), hidden_rows
         )
         # A request stops growing when its next token would not fit the model or the whole pool
         # (otherwise it could never be scheduled again).

@@ -186,6 +186,9 @@ class StageConfig:
     audio_chunk_buckets: tuple[int, ...] = (1, 4, 16, 64)
     vision_patch_buckets: tuple[int, ...] = (1024, 4096, 16384)
     enable_prefix_caching: bool = True
+    # Host memory (MiB) for the hidden rows of cached KV blocks, so that requests returning
+    # hidden states (speech replies) take prefix-cache hits too (engine/hidden_cache.py); 0: off.
+    hidden_cache_mb: int = 1024
     # Launch the next decode step before this one's tokens reach the host (vLLM's async
     # scheduling); it applies to thinker stages, whose decodes need nothing from the host.
     async_scheduling: bool = True
@@ -295,6 +298,8 @@ class StageConfig:
         for name in ("enable_prefix_caching", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise _invalid(name, f"must be true or false, got {getattr(self, name)!r}")
+        if not _is_int(self.hidden_cache_mb) or self.hidden_cache_mb < 0:
+            raise _invalid("hidden_cache_mb", f"must be an integer >= 0, got {self.hidden_cache_mb!r}")
         _choice("backend", self.backend, (None, *BACKENDS))
         _choice("dtype", self.dtype, (None, *DTYPES))
         set_("default_sampling", _default_sampling(self.default_sampling))

@@ -228,6 +228,7 @@ def test_negative_value_names_pipeline_stage_and_field():
     ("max_model_len", 1.5, "must be a positive integer, got 1.5"),
     ("max_num_batched_tokens", True, "must be a positive integer, got True"),
     ("enable_prefix_caching", "yes", "must be true or false"),
+    ("hidden_cache_mb", -1, "must be an integer >= 0, got -1"),
     ("kv_memory_fraction", 1.5, "in (0, 1]"),
     ("memory_fraction", 0, "in (0, 1]"),
     ("ready_timeout_s", -1, "positive number of seconds"),

@@ -17,8 +17,8 @@ def thinker_engine(build):
     def make(stage, ckpt_dir: str, async_chunk: bool):
         buckets = MediaBuckets(stage.audio_chunk_buckets, stage.vision_patch_buckets)
         return build(ckpt_dir, stage.runner_config(), dtype=stage.dtype, media_buckets=buckets,
-                     enable_prefix_caching=stage.enable_prefix_caching, async_scheduling=stage.async_scheduling,
-                     progress=False)
+                     enable_prefix_caching=stage.enable_prefix_caching, hidden_cache_bytes=stage.hidden_cache_mb << 20,
+                     async_scheduling=stage.async_scheduling, progress=False)
     return make
 
 

@@ -87,8 +87,8 @@ def build_talker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | Non
 
 def build_thinker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | None = None,
                          media_buckets: MediaBuckets = MediaBuckets(), enable_prefix_caching: bool = True,
-                         async_scheduling: bool = True, warmup: bool = True,
-                         progress: bool = True) -> AREngine:
+                         hidden_cache_bytes: int = EngineConfig.hidden_cache_bytes, async_scheduling: bool = True,
+                         warmup: bool = True, progress: bool = True) -> AREngine:
     """Load the thinker stage, its media encoders and tokenizer, and warm everything up."""
     import dataclasses
 
@@ -98,8 +98,9 @@ def build_thinker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | No
     text = cfg.text
     engine = AREngine(
         model, EngineConfig(runner=dataclasses.replace(runner, rich_inputs=True),
-                            enable_prefix_caching=enable_prefix_caching, async_scheduling=async_scheduling,
-                            eos_token_ids=eos_token_ids(ckpt_dir), vocab_size=text.vocab_size),
+                            enable_prefix_caching=enable_prefix_caching, hidden_cache_bytes=hidden_cache_bytes,
+                            async_scheduling=async_scheduling, eos_token_ids=eos_token_ids(ckpt_dir),
+                            vocab_size=text.vocab_size),
         num_layers=text.num_layers, num_kv_heads=text.num_kv_heads, head_dim=text.head_dim,
         hidden_size=text.hidden_size, tokenizer=load_tokenizer(ckpt_dir), prepare_inputs=media.prepare)
     engine.media_encoder = media

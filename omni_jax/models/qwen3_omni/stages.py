@@ -22,8 +22,8 @@ from .media import MediaBuckets, Qwen3ThinkerMediaEncoder
 
 def build_thinker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | None = None,
                          media_buckets: MediaBuckets = MediaBuckets(), enable_prefix_caching: bool = True,
-                         async_scheduling: bool = True, warmup: bool = True,
-                         progress: bool = True) -> AREngine:
+                         hidden_cache_bytes: int = EngineConfig.hidden_cache_bytes, async_scheduling: bool = True,
+                         warmup: bool = True, progress: bool = True) -> AREngine:
     """Load the Qwen3-Omni thinker, its media encoders and tokenizer, and warm everything up.
 
     The runner gets the overlay variants (encoder features) and, when the vision
@@ -40,7 +40,7 @@ def build_thinker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | No
                                  sampled_embeddings=0 in runner.capture_layers)
     engine = AREngine(
         model, EngineConfig(runner=runner, enable_prefix_caching=enable_prefix_caching,
-                            async_scheduling=async_scheduling, eos_token_ids=eos_token_ids(ckpt_dir),
+                            hidden_cache_bytes=hidden_cache_bytes, async_scheduling=async_scheduling, eos_token_ids=eos_token_ids(ckpt_dir),
                             vocab_size=text.vocab_size),
         num_layers=text.num_layers, num_kv_heads=text.num_kv_heads, head_dim=text.head_dim,
         hidden_size=text.hidden_size, tokenizer=load_tokenizer(ckpt_dir), prepare_inputs=media.prepare)

@@ -298,14 +298,15 @@ def test_a_second_turn_computes_only_what_is_new(client, server):
         _until(conn, "session.created")
         conn.session.update(session={"type": "realtime", "max_output_tokens": 6})
         _until(conn, "session.updated")
-        _speak(conn, _speech("Hello there. What is the weather like today?"), [])
+        # Words no other test speaks: only this session can have cached the turn's audio blocks.
+        _speak(conn, _speech("Good morning. Will it rain this afternoon?"), [])
         first = _until(conn, "response.done").response
         conn.conversation.item.create(item={"type": "message", "role": "user",
                                             "content": [{"type": "input_text", "text": "And tomorrow?"}]})
         conn.response.create()
         second = _until(conn, "response.done").response
     cached = second.usage.input_token_details.cached_tokens
-    # (the first turn may hit too: the instructions' blocks, from other sessions)
+    # (the first turn may hit too, on the instructions' blocks that other sessions cached)
     assert cached > first.usage.input_token_details.cached_tokens
     assert second.usage.input_tokens > first.usage.input_tokens
     assert cached >= first.usage.input_tokens // 16 * 16 - 16 and cached > 0, second.usage  # 16: the block size

@@ -236,6 +236,11 @@ class StageConfig:
     # decode's (models/qwen2_5_omni/token2wav.py measures the error of each).
     codec_left_context_frames: int | None = None
     codec_right_context_frames: int | None = None
+    # Vocoder stages: clamp the waveform to [-1, 1], as the models' reference does; false: the
+    # samples as the last convolution left them (a signal past 1 is not cut, e.g. for tests that
+    # compare two decodes where the clamp would hide their difference). Saving or serving audio
+    # clamps it anyway (PCM).
+    clip_audio: bool = True
 
     def __post_init__(self) -> None:
         try:
@@ -295,7 +300,7 @@ class StageConfig:
             if not value:
                 raise _invalid(name, "must not be empty")
             set_(name, value)
-        for name in ("enable_prefix_caching", "async_scheduling"):
+        for name in ("enable_prefix_caching", "async_scheduling", "clip_audio"):
             if not isinstance(getattr(self, name), bool):
                 raise _invalid(name, f"must be true or false, got {getattr(self, name)!r}")
         if not _is_int(self.hidden_cache_mb) or self.hidden_cache_mb < 0:

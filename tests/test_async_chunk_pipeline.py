@@ -1,6 +1,10 @@
 """Async chunk end to end (stage processes), both families: streamed speech equals the whole-output
-path, audio reaches the caller in chunks before the thinker is done, and an abort at any moment
-or a killed stage leaves nothing behind."""
+path (on long replies too, before the clamp to [-1, 1] as well as after), audio reaches the caller
+in chunks before the thinker is done, and an abort at any moment or a killed stage leaves nothing behind.
+
+Qwen2.5 runs on the built-in tiny checkpoint (`--model tiny`): its vocoder is loud (the whole
+waveform peaks near 30 before the clamp), where the transformers-initialised one peaks at 2e-4,
+below any bound worth stating."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import pytest
 import hf_tiny_qwen3 as tiny3
 from omni_jax import AsyncOmniJax, OmniJax, SamplingParams
 from omni_jax.config import load_pipeline_config
+from omni_jax.models.qwen2_5_omni.tiny import tiny_checkpoint
 
 pytestmark = [pytest.mark.pipeline, pytest.mark.e2e]
 
@@ -26,30 +31,36 @@ pytestmark = [pytest.mark.pipeline, pytest.mark.e2e]
 THINKER_TOKENS = {"qwen2_5_omni": 400, "qwen3_omni": 100}
 TALKER_TOKENS = {"qwen2_5_omni": 100, "qwen3_omni": 40}
 
-# Qwen2.5's token2wav chunks are not exact (its DiT sees the whole sequence through 10 ODE
-# steps); the bound is the one its streaming tests state (tests/test_token2wav_streaming.py).
-WAVEFORM_TOL = {"qwen2_5_omni": 2e-4, "qwen3_omni": 1e-5}
+# Streamed vs whole waveform, max abs, before and after the clamp. Qwen3's chunks are exact.
+# Qwen2.5's are not (its DiT sees the whole sequence through 10 ODE steps, so each window's
+# context is cut somewhere): the bound the tiny preset's 48 codes of DiT look-ahead hold
+# (qwen2_5_omni_tiny.yaml, README "Streamed speech": 2.2e-4 on the tiny model's 30-peak signal,
+# windows of 160 codes; with the 24 of before, 1.3e-2 there and 0.02-0.03 here, issue 46).
+WAVEFORM_TOL = {"qwen2_5_omni": 1e-3, "qwen3_omni": 1e-5}
+# The long replies: many chunks (codec frames; Qwen3's cross its whole decode's 300-frame windows).
+LONG_CODES = {"qwen2_5_omni": 320, "qwen3_omni": 320}
 # Chunks small enough that a reply comes in several.
 CHUNKS = dict(codec_chunk_frames=8, initial_codec_chunk_frames=4)
 SILENT_S = 8.0  # the talker's and vocoder's health_timeout_s (a stage silent longer is restarted)
 
 
 def pipeline_for(family: str):
-    """The family's tiny preset with few buckets (quick warm-up)."""
+    """The family's tiny preset with few buckets (quick warm-up), the vocoder's waveform unclamped
+    (`clip_audio: false`: the tests compare it as it is and clamped, so the clamp hides nothing)."""
     if family == "qwen2_5_omni":
         return load_pipeline_config("qwen2_5_omni_tiny").with_overrides(
             thinker=dict(token_buckets=[16, 64], decode_buckets=[1, 4], max_num_seqs=4),
             talker=dict(token_buckets=[16, 64], decode_buckets=[1, 4], max_num_seqs=4, health_timeout_s=SILENT_S),
-            token2wav=dict(token_buckets=[128], decode_buckets=[1, 4], max_num_seqs=4, max_num_batched_tokens=256,
-                           health_timeout_s=SILENT_S, **CHUNKS))
+            token2wav=dict(token_buckets=[128, 384], decode_buckets=[1, 4], max_num_seqs=4, max_model_len=384,
+                           max_num_batched_tokens=384, health_timeout_s=SILENT_S, clip_audio=False, **CHUNKS))
     return load_pipeline_config("qwen3_omni_tiny").with_overrides(
         thinker=dict(token_buckets=[64], decode_buckets=[1, 4], max_num_seqs=4, audio_chunk_buckets=[4],
                      vision_patch_buckets=[64]),
-        talker=dict(token_buckets=[64], decode_buckets=[1, 4], max_num_seqs=4, max_model_len=256,
+        talker=dict(token_buckets=[64], decode_buckets=[1, 4], max_num_seqs=4, max_model_len=512,
                     health_timeout_s=SILENT_S),
-        code2wav=dict(token_buckets=[16, 64], decode_buckets=[1, 4], max_num_seqs=4,
-                      max_model_len=TALKER_TOKENS["qwen3_omni"], max_num_batched_tokens=160, health_timeout_s=SILENT_S,
-                      **CHUNKS))
+        code2wav=dict(token_buckets=[16, 64, 325], decode_buckets=[1, 4], max_num_seqs=4,
+                      max_model_len=LONG_CODES["qwen3_omni"], max_num_batched_tokens=325, health_timeout_s=SILENT_S,
+                      clip_audio=False, **CHUNKS))
 
 
 def prompts_for(family: str, n: int) -> list[dict]:
@@ -60,20 +71,22 @@ def prompts_for(family: str, n: int) -> list[dict]:
             for k in rng.integers(3, 9, n)]
 
 
-def params_for(family: str, first_chunk: int | None = None) -> list[SamplingParams]:
-    """Thinker and talker run to their limits (no early end token), the vocoder seeded."""
+def params_for(family: str, first_chunk: int | None = None, talker: int | None = None) -> list[SamplingParams]:
+    """Thinker and talker run to their limits (no early end token; `talker` codec frames, default
+    TALKER_TOKENS), the vocoder seeded."""
     extra = None if first_chunk is None else {"initial_codec_chunk_frames": first_chunk}
-    talker = TALKER_TOKENS[family]
+    talker = talker or TALKER_TOKENS[family]
     return [SamplingParams(temperature=0.0, max_tokens=THINKER_TOKENS[family], ignore_eos=True),
             SamplingParams(temperature=0.0, repetition_penalty=1.05, min_tokens=talker - 2, max_tokens=talker),
             SamplingParams(seed=77, extra_args=extra)]
 
 
 @pytest.fixture(scope="module", params=["qwen2_5_omni", "qwen3_omni"])
-def family_engines(request, converted_thinker_fp32, converted_qwen3_fp32):
+def family_engines(request, converted_qwen3_fp32, tmp_path_factory):
     """(family, streaming AsyncOmniJax, whole-output OmniJax) on the family's tiny checkpoint."""
     family = request.param
-    ckpt = converted_thinker_fp32 if family == "qwen2_5_omni" else converted_qwen3_fp32
+    ckpt = tiny_checkpoint(str(tmp_path_factory.mktemp("tiny") / "model")) if family == "qwen2_5_omni" \
+        else converted_qwen3_fp32
     mods = ["text", "audio"]
     streamed = AsyncOmniJax(model=ckpt, pipeline=pipeline_for(family), output_modalities=mods, async_chunk=True)
     try:
@@ -120,16 +133,52 @@ def test_streamed_speech_equals_whole(family_engines):
         got, want = final.stage_token_ids["talker"], r.stage_token_ids["talker"]
         assert got == want, (len(got), len(want), next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None))
         assert final.audio.shape == r.audio.shape
-        assert np.abs(final.audio - r.audio).max() <= WAVEFORM_TOL[family]
+        assert_close_speech(final.audio, r.audio, WAVEFORM_TOL[family])
         deltas = [u.audio_delta for u in updates if u.audio_delta is not None and len(u.audio_delta)]
         np.testing.assert_array_equal(np.concatenate(deltas), final.audio)
-        assert len(deltas) >= 2, "speech should arrive in several chunks"
-        first_audio = next(i for i, u in enumerate(updates) if u.audio_delta is not None and len(u.audio_delta))
-        last_text = max(i for i, u in enumerate(updates) if u.new_token_ids)
-        assert first_audio < last_text, "the first audio chunk should come before the thinker's last token"
-        assert final.metrics.time_to_first_audio < final.metrics.e2e_latency
+    # Alone, a request's speech reaches the caller in chunks, the first while the thinker still
+    # writes. (Beside two others, a request's codes can all be in before the vocoder, busy with
+    # the others' windows, gets to it: the tiny Qwen2.5 DiT takes about 1.5 s a batch of 4.)
+    updates = collect(streamed, prompts[:1], params_for(family))[0]
+    final = updates[-1]
+    assert final.error is None and final.audio.shape == ref[0].audio.shape, final.error
+    deltas = [u.audio_delta for u in updates if u.audio_delta is not None and len(u.audio_delta)]
+    assert len(deltas) >= 2, "speech should arrive in several chunks"
+    first_audio = next(i for i, u in enumerate(updates) if u.audio_delta is not None and len(u.audio_delta))
+    last_text = max(i for i, u in enumerate(updates) if u.new_token_ids)
+    assert first_audio < last_text, "the first audio chunk should come before the thinker's last token"
+    assert final.metrics.time_to_first_audio < final.metrics.e2e_latency
     # Each vocoder compiled, at warm-up, the calls of its pipeline's path (async chunk or not).
     assert [e.stage_stats()[vocoder]["num_compilations"] for e in (streamed, whole)] == compiled
+
+
+def assert_close_speech(got: np.ndarray, want: np.ndarray, tol: float) -> None:
+    """Within `tol` (max abs) before the clamp to [-1, 1] and after it, on audible speech."""
+    clamp = lambda x: np.clip(x, -1.0, 1.0)  # noqa: E731  (what the vocoder does unless clip_audio is false)
+    err, clamped_err = np.abs(got - want).max(), np.abs(clamp(got) - clamp(want)).max()
+    assert np.abs(want).max() > 30 * tol, "speech too quiet for its error to mean anything"
+    assert err <= tol and clamped_err <= tol, f"streamed vs whole: max abs {err:.3g}, clamped {clamped_err:.3g}"
+
+
+def test_long_streamed_speech_equals_whole(family_engines):
+    """A reply of several hundred codec frames streams in dozens of chunks (past the first few,
+    windows far from the request's start; Qwen3's past its whole decode's 300-frame window)."""
+    family, streamed, whole = family_engines
+    params = params_for(family, talker=LONG_CODES[family])
+    prompt = prompts_for(family, 1)
+    ref = whole.generate(prompt, sampling_params_list=params, output_modalities=["text", "audio"])[0]
+    updates = collect(streamed, prompt, params)[0]
+    final = updates[-1]
+    assert ref.error is None and final.error is None, (ref.error, final.error)
+    assert final.stage_token_ids["talker"] == ref.stage_token_ids["talker"]
+    samples_per_frame = 1920 if family == "qwen3_omni" else 480  # 24 kHz at 12.5 / 50 codec frames a second
+    assert len(ref.audio) >= (LONG_CODES[family] - 4) * samples_per_frame, len(ref.audio)
+    # How many audio deltas come depends on timing (a loaded vocoder may find every code there at
+    # its first step); the streamed path still decodes them in windows of at most a chunk's.
+    assert final.audio.shape == ref.audio.shape
+    if family == "qwen2_5_omni":  # clip_audio: false took effect (this model's speech peaks near 30)
+        assert np.abs(ref.audio).max() > 1.0 and np.abs(final.audio).max() > 1.0
+    assert_close_speech(final.audio, ref.audio, WAVEFORM_TOL[family])
 
 
 def test_first_chunk_size_per_request(family_engines):

@@ -249,6 +249,7 @@ def test_negative_value_names_pipeline_stage_and_field():
     ("default_sampling", [1], "must be a mapping"),
     ("codec_right_context_frames", -1, "must be null or an integer >= 0, got -1"),
     ("codec_left_context_frames", 2.5, "must be null or an integer >= 0, got 2.5"),
+    ("clip_audio", "no", "must be true or false, got 'no'"),
 ])
 def test_bad_values_name_the_field(field, value, expected):
     msg = error_of(with_stage(0, **{field: value}))

@@ -316,9 +316,10 @@ def test_family_passes_chunk_sizes(monkeypatch):
     monkeypatch.setattr(qwen3_family, "build_code2wav_engine", lambda ckpt, **kw: seen.update(kw))
     stage = types.SimpleNamespace(token_buckets=None, decode_buckets=None, max_num_batched_tokens=None,
                                   max_model_len=None, max_num_seqs=None, codec_chunk_frames=12,
-                                  initial_codec_chunk_frames=4)
+                                  initial_codec_chunk_frames=4, clip_audio=False)
     qwen3_family.FAMILY.engines["code2wav"](stage, "ckpt", True)
     assert seen["codec_chunk_frames"] == 12 and seen["initial_codec_chunk_frames"] == 4
+    assert seen["clip"] is False
 
 
 @pytest.mark.parametrize("async_chunk", [False, True])
@@ -328,10 +329,10 @@ def test_token2wav_stage_compiles_its_pipelines_path(monkeypatch, async_chunk):
     monkeypatch.setattr(qwen2_5_family, "build_token2wav_engine", lambda ckpt, **kw: seen.update(kw))
     stage = types.SimpleNamespace(token_buckets=None, decode_buckets=None, max_num_seqs=None,
                                   codec_chunk_frames=12, initial_codec_chunk_frames=4,
-                                  codec_left_context_frames=None, codec_right_context_frames=24)
+                                  codec_left_context_frames=None, codec_right_context_frames=24, clip_audio=True)
     qwen2_5_family.FAMILY.engines["token2wav"](stage, "ckpt", async_chunk)
     assert seen["streamed"] is async_chunk and seen["chunk_frames"] == 12
-    assert seen["left_context"] is None and seen["right_context"] == 24
+    assert seen["left_context"] is None and seen["right_context"] == 24 and seen["clip"] is True
 
 
 class _DelayedSynth:

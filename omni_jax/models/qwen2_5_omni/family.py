@@ -35,7 +35,7 @@ def _token2wav(stage, ckpt_dir: str, async_chunk: bool):
                                   chunk_frames=stage.codec_chunk_frames,
                                   initial_chunk_frames=stage.initial_codec_chunk_frames, streamed=async_chunk,
                                   left_context=stage.codec_left_context_frames,
-                                  right_context=stage.codec_right_context_frames)
+                                  right_context=stage.codec_right_context_frames, clip=stage.clip_audio)
 
 
 FAMILY = ModelFamily(

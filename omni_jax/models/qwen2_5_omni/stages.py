@@ -114,7 +114,7 @@ def build_token2wav_engine(ckpt_dir: str, *, length_buckets=(64, 256, 1024), bat
                            max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
                            chunk_frames: int = 25, initial_chunk_frames: int = 10, streamed: bool = False,
                            left_context: int | None = None, right_context: int | None = None,
-                           warmup: bool = True):
+                           clip: bool = True, warmup: bool = True):
     """The vocoder stage: requests batched through DiT + BigVGAN (fp32, no KV cache), whole or streamed.
 
     `max_num_seqs` requests per step (default batch_buckets[-1]); more than the largest
@@ -124,13 +124,14 @@ def build_token2wav_engine(ckpt_dir: str, *, length_buckets=(64, 256, 1024), bat
     and `right_context` codes of DiT context, None: `StreamContext`'s). `streamed`: requests
     arrive streamed (the pipeline's async_chunk), so warm-up compiles the streamed calls
     instead of the whole-request ones (the other path still works, compiling on first use).
+    `clip`: clamp the waveform to [-1, 1] (the stage's clip_audio).
     """
     model, cfg = load_checkpoint(ckpt_dir, stage="token2wav", dtype="float32")
     max_num_seqs = max_num_seqs or batch_buckets[-1]
     synth = Token2WavSynthesizer(model, Voices.load(ckpt_dir), length_buckets=length_buckets,
                                  batch_buckets=batch_buckets, max_num_seqs=max_num_seqs,
                                  stream_chunk_codes=chunk_sizes(initial_chunk_frames, chunk_frames),
-                                 stream_context=StreamContext.given(left_context, right_context))
+                                 stream_context=StreamContext.given(left_context, right_context), clip=clip)
 
     engine = OneShotEngine(synth, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens or max_num_seqs * length_buckets[-1],

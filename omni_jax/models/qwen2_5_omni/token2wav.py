@@ -46,6 +46,12 @@ it back by 24 + 10 (the stage's `codec_right_context_frames` chooses). A 25-code
 a window of 24 + up to 11 (its start rounded down to a block) + 25 + 12 codes. In the real
 model two look-back layers give more paths into the past, so expect its left error to be
 somewhat larger. A request's audio depends (within that error) on how its codes were split.
+
+How far a code's influence reaches depends on the weights: the built-in tiny model's DiT
+couples blocks far more strongly (24 / 24 leaves 1.3e-2 on its 30-peak waveform, 24 / 48
+2.2e-4; the look-ahead is what counts), and the larger transformers-initialised model of
+benchmarks/e2e_speech.py far less (24 / 12 leaves its mel within 3.1e-6). README "Streamed
+speech" has the table; `clip=False` returns the waveform before the clamp to [-1, 1].
 """
 
 from __future__ import annotations
@@ -93,11 +99,11 @@ class Qwen2_5OmniToken2Wav(nnx.Module):
         self.code2wav_dit_model = Qwen2_5OmniDiT(cfg.dit, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.code2wav_bigvgan_model = Qwen2_5OmniBigVGAN(cfg.bigvgan, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, codes, code_lens, cond, spk, spk_uncond, noise, **solver):
+    def __call__(self, codes, code_lens, cond, spk, spk_uncond, noise, *, clip: bool = True, **solver):
         """codes [B, T] (padded), code_lens [B], cond [B, E], spk/spk_uncond [B, enc_dim],
         noise [B, repeats*T, mel] -> waveform [B, samples] (zero past each row's length)."""
         mel = self.mel(codes, code_lens, cond, spk, spk_uncond, noise, **solver)
-        return self.waveform(mel, code_lens * self.cfg.dit.repeats)
+        return self.waveform(mel, code_lens * self.cfg.dit.repeats, clip=clip)
 
     def mel(self, codes, code_lens, cond, spk, spk_uncond, noise, *, num_steps: int = 10,
             guidance_scale: float = 0.5, sway_coefficient: float = -1.0):
@@ -108,9 +114,10 @@ class Qwen2_5OmniToken2Wav(nnx.Module):
                                              guidance_scale=guidance_scale, sway_coefficient=sway_coefficient,
                                              frame_mask=frame_mask, speaker_embeds=(spk, spk_uncond))
 
-    def waveform(self, mel, frames):
-        """BigVGAN: mel [B, F, mel_dim] with `frames` [B] valid -> waveform [B, samples]."""
-        return self.code2wav_bigvgan_model(mel, frames, channels_last=True)
+    def waveform(self, mel, frames, *, clip: bool = True):
+        """BigVGAN: mel [B, F, mel_dim] with `frames` [B] valid -> waveform [B, samples] (in [-1, 1]
+        unless not `clip`)."""
+        return self.code2wav_bigvgan_model(mel, frames, channels_last=True, clip=clip)
 
 
 # See Token2WavSynthesizer.batch_split.
@@ -180,7 +187,8 @@ class _StreamState:
 
 
 class Token2WavSynthesizer:
-    """Bucketed, jitted batches of token2wav requests: whole (`__call__`) or streamed (`stream`)."""
+    """Bucketed, jitted batches of token2wav requests: whole (`__call__`) or streamed (`stream`);
+    `clip`: clamp the waveform to [-1, 1] (the stage's clip_audio)."""
 
     # Codec tokens per streamed frame (Qwen2.5 has one code group per step).
     tokens_per_frame = 1
@@ -188,7 +196,7 @@ class Token2WavSynthesizer:
     def __init__(self, model: Qwen2_5OmniToken2Wav, voices: Voices, *, length_buckets, batch_buckets,
                  num_steps: int = 10, guidance_scale: float = 0.5, sway_coefficient: float = -1.0,
                  max_num_seqs: int | None = None, stream_context: StreamContext = StreamContext(),
-                 stream_chunk_codes: Sequence[int] = (25,)):
+                 stream_chunk_codes: Sequence[int] = (25,), clip: bool = True):
         self.cfg = model.cfg
         self.voices = voices
         self.length_buckets = tuple(length_buckets)
@@ -197,10 +205,10 @@ class Token2WavSynthesizer:
         self.calls = CallPool(max_num_seqs or self.batch_buckets[-1], self.batch_buckets[-1])
         self.kw = dict(num_steps=num_steps, guidance_scale=guidance_scale, sway_coefficient=sway_coefficient)
         self.graphdef, self.state = nnx.split(model)
-        self._fn = jax.jit(lambda s, *a: nnx.merge(self.graphdef, s)(*a, **self.kw))
+        self._fn = jax.jit(lambda s, *a: nnx.merge(self.graphdef, s)(*a, clip=clip, **self.kw))
         # Streaming runs the two halves apart: its vocoder windows are not its DiT windows.
         self._mel_fn = jax.jit(lambda s, *a: nnx.merge(self.graphdef, s).mel(*a, **self.kw))
-        self._wave_fn = jax.jit(lambda s, mel, frames: nnx.merge(self.graphdef, s).waveform(mel, frames))
+        self._wave_fn = jax.jit(lambda s, mel, frames: nnx.merge(self.graphdef, s).waveform(mel, frames, clip=clip))
         self.context = stream_context
         reach = self.cfg.bigvgan.context_frames()
         self.vocoder_context = tuple(min(stream_context.vocoder_frames, r) for r in reach)

@@ -504,8 +504,9 @@ class Qwen2_5OmniBigVGAN(nnx.Module):
                                   padding=((_EDGE_CONV_PAD, _EDGE_CONV_PAD),), use_bias=False, **common)
 
     def __call__(self, mel: jax.Array, lengths: jax.Array | None = None, *,
-                 channels_last: bool = False) -> jax.Array:
-        """Natural-log mel -> waveform clamped to ``[-1, 1]``.
+                 channels_last: bool = False, clip: bool = True) -> jax.Array:
+        """Natural-log mel -> waveform clamped to ``[-1, 1]`` (as transformers does; ``clip=False``:
+        as the last convolution left it).
 
         ``mel``: ``[B, mel_dim, T]`` as transformers takes it (``[B, T, mel_dim]`` with
         ``channels_last``). ``lengths``: optional int ``[B]`` valid frames per row (>= 1) for
@@ -524,7 +525,7 @@ class Qwen2_5OmniBigVGAN(nnx.Module):
             x = amp_blocks_mean(self.resblocks[i * nblocks:(i + 1) * nblocks], x, n)
         x = self.activation_post(x, n)
         x = self.conv_post(_zero_tail(x, n))
-        wav = jnp.clip(x[..., 0], -1.0, 1.0)
+        wav = jnp.clip(x[..., 0], -1.0, 1.0) if clip else x[..., 0]
         if n is not None:
             wav = jnp.where(jnp.arange(wav.shape[1])[None, :] < n[:, None], wav, jnp.zeros((), wav.dtype))
         return wav

@@ -367,13 +367,13 @@ class Qwen3OmniCode2Wav(nnx.Module):
         rows = jnp.take(self.code_embedding.embedding[...], codes.astype(jnp.int32) + offsets, axis=0)
         return jnp.mean(rows, axis=1)
 
-    def __call__(self, codes):
-        """Decode a whole code sequence [B, Q, T] -> [B, samples].
+    def __call__(self, codes, *, clip: bool = True):
+        """Decode a whole code sequence [B, Q, T] -> [B, samples] (in [-1, 1] unless not `clip`).
 
         samples is a little under T * total_upsample: each decoder block's causal
         transposed conv turns L frames into (L - 1) * rate (as transformers).
         """
-        return self.convolve(self.frame_states(codes))
+        return self.convolve(self.frame_states(codes), clip=clip)
 
     def frame_states(self, codes):
         """codes [B, Q, T] -> the pre-transformer's output [B, T, hidden] (one vector per frame)."""
@@ -381,16 +381,16 @@ class Qwen3OmniCode2Wav(nnx.Module):
             raise ValueError(f"expected {self.cfg.num_quantizers} code groups, got {codes.shape[1]}")
         return jax.vmap(self.pre_transformer)(self.embed_codes(codes))
 
-    def convolve(self, x, stream: ConvStream | None = None):
+    def convolve(self, x, stream: ConvStream | None = None, *, clip: bool = True):
         """Frame states [B, T, hidden] -> waveform [B, samples]: the upsampling convolutions."""
         for stage in self.upsample:
             for layer in stage:
                 x = layer(x, stream)
         for layer in self.decoder:
             x = layer(x, stream)
-        return jnp.clip(x[..., 0], -1.0, 1.0)
+        return jnp.clip(x[..., 0], -1.0, 1.0) if clip else x[..., 0]
 
-    def convolve_stream(self, x, frames, fresh, states):
+    def convolve_stream(self, x, frames, fresh, states, *, clip: bool = True):
         """The convolutions over a chunk of new frame states, with each convolution's history.
 
         x [B, T, hidden] holds `frames` [B] real new frames per row (right-padded); `states`
@@ -401,7 +401,7 @@ class Qwen3OmniCode2Wav(nnx.Module):
         have, to drop. The samples after each row's real frames are padding.
         """
         stream = ConvStream(frames, fresh, states)
-        wav = self.convolve(x, stream)
+        wav = self.convolve(x, stream, clip=clip)
         return wav, tuple(stream.new_states)
 
     def conv_state_shapes(self) -> list[tuple[int, int]]:

@@ -109,8 +109,9 @@ class Code2WavSynthesizer:
 
     def __init__(self, model: Qwen3OmniCode2Wav, *, length_buckets: Sequence[int], batch_buckets: Sequence[int],
                  chunk_size: int = 300, left_context: int = 25, max_frames: int | None = None,
-                 max_num_seqs: int | None = None, stream_chunk_frames: Sequence[int] = ()):
+                 max_num_seqs: int | None = None, stream_chunk_frames: Sequence[int] = (), clip: bool = True):
         self.cfg = model.cfg
+        self.clip = clip  # clamp the waveform to [-1, 1] (the stage's clip_audio)
         self.num_quantizers = self.cfg.num_quantizers
         self.tokens_per_frame = self.num_quantizers  # codes are flattened frame-major
         self.codebook_size = self.cfg.codebook_size
@@ -139,7 +140,7 @@ class Code2WavSynthesizer:
         self._frame_states_fn = jax.jit(lambda state, codes: nnx.merge(self.graphdef, state).frame_states(codes))
         self._convolve_stream_fn = jax.jit(
             lambda state, x, frames, fresh, history: nnx.merge(self.graphdef, state).convolve_stream(
-                x, frames, fresh, history))
+                x, frames, fresh, history, clip=clip))
         self._trailing = self._trailing_samples()
         # Streamed chunks convolve only their new frames: one bucket per chunk size the engine
         # asks for (`stream_chunk_frames`), and the window buckets for chunks that piled up
@@ -150,7 +151,7 @@ class Code2WavSynthesizer:
         self._histories: dict[str, _ConvHistory] = {}  # request id -> its convolutions' history
 
     def _decode(self, state, codes):
-        return nnx.merge(self.graphdef, state)(codes)
+        return nnx.merge(self.graphdef, state)(codes, clip=self.clip)
 
     def _trailing_samples(self) -> int:
         """Samples a decode of T frames falls short of T * total_upsample, from the model's output shapes.
@@ -316,7 +317,7 @@ def build_code2wav_engine(ckpt_dir: str, *, length_buckets=(64, 256, 325), batch
                           chunk_size: int = 300, left_context: int = 25, max_num_batched_tokens: int | None = None,
                           max_model_len: int | None = None, max_num_seqs: int | None = None,
                           codec_chunk_frames: int = CHUNK_FRAMES, initial_codec_chunk_frames: int = INITIAL_CHUNK_FRAMES,
-                          streamed: bool = False, warmup: bool = True):
+                          streamed: bool = False, clip: bool = True, warmup: bool = True):
     """The Qwen3-Omni vocoder stage: whole or streamed requests chunk-decoded in padded batches (fp32, no KV cache).
 
     `length_buckets` are window lengths in codec frames (the largest must hold
@@ -331,6 +332,7 @@ def build_code2wav_engine(ckpt_dir: str, *, length_buckets=(64, 256, 325), batch
     gathers before each chunk (the first) is decoded (see `OneShotEngine`). `streamed`:
     requests arrive streamed (the pipeline's async_chunk), so warm-up compiles the streamed
     calls instead of the whole-request ones (the other path still works, compiling on first use).
+    `clip`: clamp the waveform to [-1, 1] (the stage's clip_audio).
     """
     model, cfg = load_checkpoint(ckpt_dir, stage="code2wav", dtype="float32")
     max_num_seqs = max_num_seqs or batch_buckets[-1]
@@ -342,7 +344,8 @@ def build_code2wav_engine(ckpt_dir: str, *, length_buckets=(64, 256, 325), batch
     synth = Code2WavSynthesizer(model, length_buckets=length_buckets, batch_buckets=batch_buckets,
                                 chunk_size=chunk_size, left_context=left_context, max_frames=max_frames,
                                 max_num_seqs=max_num_seqs,
-                                stream_chunk_frames=chunk_sizes(initial_codec_chunk_frames, codec_chunk_frames))
+                                stream_chunk_frames=chunk_sizes(initial_codec_chunk_frames, codec_chunk_frames),
+                                clip=clip)
     q = cfg.num_quantizers
     # vocab_size=0: `validate` checks the code range itself and names the offending frame and group.
     engine = OneShotEngine(synth, max_num_seqs=max_num_seqs, max_num_batched_tokens=q * frames_per_step,

@@ -23,7 +23,7 @@ def _code2wav(stage, ckpt_dir: str, async_chunk: bool):
                                  max_model_len=stage.max_model_len, max_num_seqs=stage.max_num_seqs,
                                  codec_chunk_frames=stage.codec_chunk_frames,
                                  initial_codec_chunk_frames=stage.initial_codec_chunk_frames,
-                                 streamed=async_chunk)
+                                 streamed=async_chunk, clip=stage.clip_audio)
 
 
 FAMILY = ModelFamily(

@@ -47,11 +47,10 @@ a window of 24 + up to 11 (its start rounded down to a block) + 25 + 12 codes. I
 model two look-back layers give more paths into the past, so expect its left error to be
 somewhat larger. A request's audio depends (within that error) on how its codes were split.
 
-How far a code's influence reaches depends on the weights: the built-in tiny model's DiT
-couples blocks far more strongly (24 / 24 leaves 1.3e-2 on its 30-peak waveform, 24 / 48
-2.2e-4; the look-ahead is what counts), and the larger transformers-initialised model of
-benchmarks/e2e_speech.py far less (24 / 12 leaves its mel within 3.1e-6). README "Streamed
-speech" has the table; `clip=False` returns the waveform before the clamp to [-1, 1].
+How far a code's influence reaches depends on the weights (the built-in tiny model's DiT
+couples blocks far more strongly than a transformers-initialised one; the look-ahead is what
+counts): README "Streamed speech" has the figures. `clip=False` returns the waveform before the
+clamp to [-1, 1].
 """
 
 from __future__ import annotations

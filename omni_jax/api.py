@@ -24,6 +24,7 @@ import itertools
 import math
 import operator
 import queue
+import sys
 import time
 import uuid
 import weakref
@@ -50,14 +51,22 @@ def resolve_checkpoint_and_pipeline(model: str, pipeline) -> tuple[str, Pipeline
     pipeline (preset name, YAML path, PipelineConfig; None: the family's default); a pipeline for
     another family is a ConfigError."""
     ckpt = resolve_model(model)
-    family = read_config(ckpt)["family"]
+    cfg = read_config(ckpt)
+    family, held = cfg["family"], cfg["stages"]
     if pipeline is None:
-        pipeline = default_pipeline_for(family, tiny=tiny_family(model) is not None)
+        pipeline = default_pipeline_for(family, tiny=tiny_family(model) is not None, checkpoint_stages=held)
+        if pipeline.output_modalities == ("text",):
+            print(f"[omni-jax] {ckpt} holds only the {', '.join(held)} stage(s): pipeline {pipeline.name!r}, "
+                  "text replies only", file=sys.stderr)
     elif not isinstance(pipeline, PipelineConfig):
         pipeline = load_pipeline_config(pipeline)
     if pipeline.family != family:
         raise ConfigError(f"pipeline {pipeline.name!r} is for {pipeline.family!r} but the checkpoint "
                           f"{ckpt} is {family!r}")
+    missing = pipeline.missing_stages(held)
+    if missing:
+        raise ConfigError(f"pipeline {pipeline.name!r} runs stage(s) {missing}, which the checkpoint {ckpt} does not "
+                          f"hold (it has {held}); use pipeline {pipeline.thinker_only().name!r} for text replies")
     return ckpt, pipeline
 
 
@@ -97,8 +106,9 @@ class _Frontend:
             if not isinstance(async_chunk, bool):
                 raise ConfigError(f"async_chunk must be True, False or None, got {async_chunk!r}")
             self.pipeline = dataclasses.replace(self.pipeline, async_chunk=async_chunk)
+        self.model = model
         self.output_modalities = tuple(output_modalities)
-        self._stages = self.pipeline.stages_for(self.output_modalities)
+        self._stages = self._stages_for(self.output_modalities)
         family = get_family(self.pipeline.family)
         self.processor = family.prompt_processor(self.checkpoint)
         if media_limits is not None:
@@ -112,9 +122,19 @@ class _Frontend:
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ helpers
+    def _stages_for(self, mods: tuple[str, ...]):
+        """The pipeline's stages for these output modalities; speech from a model without speech
+        stages is a ConfigError naming the model."""
+        if "audio" in mods and "audio" not in self.pipeline.output_modalities:
+            raise ConfigError(f"model {self.model!r} speaks no audio: its pipeline {self.pipeline.name!r} delivers "
+                              f"only {list(self.pipeline.output_modalities)} (a checkpoint without speech stages, "
+                              "as Qwen3-Omni's Thinking and Captioner, answers in text); ask for output_modalities "
+                              "['text']", field="output_modalities")
+        return self.pipeline.stages_for(mods)
+
     def _chain(self, output_modalities) -> list[str]:
         mods = tuple(output_modalities or self.output_modalities)
-        names = [s.name for s in self.pipeline.stages_for(mods)]
+        names = [s.name for s in self._stages_for(mods)]
         missing = [n for n in names if n not in self._orch.clients]
         if missing:
             raise ValueError(f"output_modalities {list(mods)} need stage(s) {missing}, which this engine did not "

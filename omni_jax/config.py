@@ -52,6 +52,9 @@ RUNNERS = ("ar", "oneshot")
 DTYPES = ("float32", "bfloat16")
 OUTPUT_MODALITIES = ("text", "audio")
 PRESETS_DIR = Path(__file__).resolve().parent / "configs"
+# Every preset `p` also comes as `p_thinker`: its text stage alone, for the checkpoints released
+# without speech stages (Qwen3-Omni-30B-A3B-Thinking and -Captioner). PipelineConfig.thinker_only.
+THINKER_ONLY_SUFFIX = "_thinker"
 _NO_SOURCE = "<dict>"
 
 
@@ -555,6 +558,10 @@ class PipelineConfig:
         raise UnknownStageError(f"pipeline {self.name!r} has no stage {name!r}; "
                                 f"stages: {list(self.stage_names)}", field="stages")
 
+    def missing_stages(self, checkpoint_stages: Sequence[str]) -> list[str]:
+        """The stages of this pipeline whose weights (`model_stage`) are not among `checkpoint_stages`."""
+        return [s.name for s in self.stages if s.model_stage not in checkpoint_stages]
+
     def stage_index(self, name: str) -> int:
         """Position of stage `name` in the pipeline."""
         return self.stages.index(self.stage(name))
@@ -580,6 +587,16 @@ class PipelineConfig:
         return self.stages[: last + 1]
 
     # ------------------------------------------------------------------ variants
+    def thinker_only(self) -> "PipelineConfig":
+        """The stages up to the text reply (the thinker) alone, named `<name>_thinker`: the
+        pipeline of a checkpoint without speech stages. A kept stage captures no hidden layers
+        when no kept stage reads them (they were the talker's input)."""
+        kept = self.stages_for(["text"])
+        read = {s.inputs_from for s in kept}
+        stages = [s.to_dict() | ({} if s.name in read else {"hidden_layers": []}) for s in kept]
+        return pipeline_config_from_dict(self.to_dict() | {"name": self.name + THINKER_ONLY_SUFFIX, "stages": stages},
+                                         source=self.source)
+
     def replace_stage(self, name: str, **changes: Any) -> "PipelineConfig":
         """A validated copy with stage `name`'s fields changed (unknown fields are errors)."""
         i = self.stage_index(name)
@@ -656,8 +673,9 @@ _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _c
 
 
 def list_presets() -> list[str]:
-    """Names of the bundled pipeline presets (the YAML files in omni_jax/configs/)."""
-    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+    """Names of the bundled pipeline presets: the YAML files in omni_jax/configs/, and each
+    one's thinker-only variant (`<name>_thinker`)."""
+    return sorted(n for p in PRESETS_DIR.glob("*.yaml") for n in (p.stem, p.stem + THINKER_ONLY_SUFFIX))
 
 
 def _read_yaml(path: Path) -> Any:
@@ -683,6 +701,9 @@ def load_pipeline_config(name_or_path: str | os.PathLike | PipelineConfig) -> Pi
     is_path = (os.sep in text or "/" in text or text.endswith((".yaml", ".yml")) or path.is_file())
     if not is_path:
         path = PRESETS_DIR / f"{text}.yaml"
+        base = text.removesuffix(THINKER_ONLY_SUFFIX)
+        if not path.is_file() and base != text and (PRESETS_DIR / f"{base}.yaml").is_file():
+            return load_pipeline_config(base).thinker_only()
         if not path.is_file():
             raise ConfigError(f"unknown pipeline preset {text!r}; presets: {list_presets()} "
                               "(or pass the path of a YAML file)")
@@ -694,11 +715,17 @@ def load_pipeline_config(name_or_path: str | os.PathLike | PipelineConfig) -> Pi
     return pipeline_config_from_dict(d, source=str(path))
 
 
-def default_pipeline_for(family: str, tiny: bool = False) -> PipelineConfig:
-    """The bundled preset of a model family (the tiny one for the built-in test model)."""
+def default_pipeline_for(family: str, tiny: bool = False, checkpoint_stages: Sequence[str] | None = None
+                         ) -> PipelineConfig:
+    """The bundled preset of a model family (the tiny one for the built-in test model); its
+    thinker-only variant where `checkpoint_stages` (the stages a converted checkpoint holds)
+    lack the speech stages, as the Qwen3-Omni Thinking and Captioner checkpoints do."""
     if family not in family_names():
         raise ConfigError(f"unknown model family {family!r}; families: {list(family_names())}")
     name = f"{family}_tiny" if tiny else family
     if name not in list_presets():
         raise ConfigError(f"no {'tiny ' if tiny else ''}preset for {family!r}; presets: {list_presets()}")
-    return load_pipeline_config(name)
+    pipeline = load_pipeline_config(name)
+    if checkpoint_stages is not None and pipeline.missing_stages(checkpoint_stages):
+        pipeline = pipeline.thinker_only()
+    return pipeline

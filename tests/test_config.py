@@ -479,3 +479,20 @@ def test_unknown_checkpoint_dtype_names_the_field_and_the_file(tmp_path):
     ok = _checkpoint_with(tmp_path, "qwen2_5_omni", _qwen2_5_hf())
     with pytest.raises(CheckpointError, match=r"load_checkpoint: dtype 'fp8' is not one of"):
         load_checkpoint(ok, "thinker", dtype="fp8")
+
+
+def test_thinker_only_presets():
+    """Every preset has its thinker-only variant: the stages up to the text reply, capturing no
+    hidden layers (only the talker read them)."""
+    for name in ("qwen2_5_omni", "qwen2_5_omni_tiny", "qwen3_omni", "qwen3_omni_tiny"):
+        full, only = load_pipeline_config(name), load_pipeline_config(name + "_thinker")
+        assert name + "_thinker" in list_presets()
+        assert only.name == name + "_thinker" and only.family == full.family
+        assert only.stage_names == ("thinker",) and only.output_modalities == ("text",)
+        assert full.stage("thinker").hidden_layers and only.stage("thinker").hidden_layers == ()
+        assert only.stage("thinker").to_dict() | {"hidden_layers": ()} == full.stage("thinker").to_dict() | {
+            "hidden_layers": ()}
+    assert default_pipeline_for("qwen3_omni", checkpoint_stages=["thinker", "talker", "code2wav"]).name == "qwen3_omni"
+    assert default_pipeline_for("qwen3_omni", checkpoint_stages=["thinker"]).name == "qwen3_omni_thinker"
+    with pytest.raises(ConfigError, match="unknown pipeline preset 'qwen3_omni_talker'"):
+        load_pipeline_config("qwen3_omni_talker")

@@ -41,7 +41,8 @@ if family == "qwen2_5_omni":
 else:
     from omni_jax.models.qwen3_omni.pipeline import load_handoff
     from omni_jax.models.qwen3_omni.stages import build_talker_engine, build_thinker_engine
-    layers, voice, layouts = (0, 2), "ethan", [(1, 1), (2, 1), (4, 1), (1, 2), (1, 4), (2, 2)]
+    # TP alone with more shards than KV heads, EP alone, both at once (each split evenly).
+    layers, voice, layouts = (0, 2), "ethan", [(1, 1), (4, 1), (1, 4), (2, 2)]
 BASE = RunnerConfig(num_blocks=32, block_size=16, max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128,
                     token_buckets=(32,), decode_buckets=(2,))
 THINKER = SamplingParams(temperature=0.0, max_tokens=5)
@@ -252,7 +253,7 @@ def test_qwen2_5_tensor_parallel(layouts):
 @pytest.mark.slow
 def test_qwen3_tensor_and_expert_parallel(layouts):
     result = layouts("qwen3_omni")
-    assert set(result) == {"tp1_ep1", "tp2_ep1", "tp4_ep1", "tp1_ep2", "tp1_ep4", "tp2_ep2"}
+    assert set(result) == {"tp1_ep1", "tp4_ep1", "tp1_ep4", "tp2_ep2"}
     assert any(k.endswith("/codes") for k in result["tp1_ep1"]["talker_tokens"])
     check_family(result, num_kv_heads=2, heads={"thinker": "lm_head/kernel", "talker": "codec_head/kernel"})
 

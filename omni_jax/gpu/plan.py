@@ -43,8 +43,9 @@ def add_arguments(p) -> None:
 def _resolve(model: str) -> tuple[str, list[str]]:
     """(preset name, extra worker args) for a preset or a checkpoint directory."""
     if os.path.isdir(model):
-        family = read_config(model)["family"]
-        return default_pipeline_for(family).name, ["--model-dir", os.path.abspath(model)]
+        cfg = read_config(model)
+        return default_pipeline_for(cfg["family"], checkpoint_stages=cfg["stages"]).name, \
+            ["--model-dir", os.path.abspath(model)]
     if model not in list_presets():
         raise ConfigError(f"--model {model!r} is neither a checkpoint directory nor a preset {list_presets()}")
     return model, []

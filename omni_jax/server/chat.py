@@ -37,8 +37,7 @@ def _modalities(req: ChatCompletionRequest, engine: ServedEngine) -> list[str]:
     if "text" not in mods:
         raise bad_request("modalities must include 'text' (['text'] or ['text', 'audio'])", "modalities")
     if "audio" in mods and "audio" not in engine.output_modalities:
-        raise bad_request("this server was started without audio output; ask for modalities ['text']",
-                          "modalities")
+        raise bad_request(f"{engine.no_audio_reason}; ask for modalities ['text']", "modalities")
     return mods
 
 

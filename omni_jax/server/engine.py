@@ -15,23 +15,38 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from ..api import AsyncOmniJax
+from ..api import AsyncOmniJax, resolve_checkpoint_and_pipeline
 
 log = logging.getLogger("omni_jax.server")
+
+
+def _deliverable(model: str, pipeline: str | None) -> tuple[str, ...]:
+    """The modalities the model's pipeline delivers; text and audio when the model or pipeline
+    cannot be resolved (loading then fails and says why)."""
+    try:
+        return resolve_checkpoint_and_pipeline(model, pipeline)[1].output_modalities
+    except Exception:
+        return ("text", "audio")
 
 
 class ServedEngine:
     """One AsyncOmniJax under a served model name, and the server's view of its health."""
 
     def __init__(self, model: str, served_name: str, pipeline: str | None = None,
-                 output_modalities: Sequence[str] = ("text", "audio"), on_failed: Callable[[], None] | None = None,
+                 output_modalities: Sequence[str] | None = None, on_failed: Callable[[], None] | None = None,
                  async_chunk: bool | None = None, engine_options: dict | None = None):
-        """`engine_options`: more AsyncOmniJax arguments (prompt_workers, prompt_timeout_s, media_limits)."""
+        """`output_modalities`: what the engine is started for (None: all the model's pipeline
+        delivers: text alone for a checkpoint without speech stages).
+        `engine_options`: more AsyncOmniJax arguments (prompt_workers, prompt_timeout_s, media_limits)."""
         self.model, self.served_name, self.pipeline = model, served_name, pipeline
         self.engine_options = dict(engine_options or {})
         self.async_chunk = async_chunk  # None: as the pipeline says
         self.on_failed = on_failed  # e.g. stop the HTTP server: a server that can never serve should exit
-        self.output_modalities = list(output_modalities)
+        speaks = "audio" in _deliverable(model, pipeline)
+        self.output_modalities = list(output_modalities or (["text", "audio"] if speaks else ["text"]))
+        # Why a request for audio is refused, if it is.
+        self.no_audio_reason = (f"model {served_name!r} answers in text only (its checkpoint has no speech stages)"
+                                if not speaks else "this server was started without audio output (--modalities text)")
         self.omni = None
         self.state = "loading"          # loading -> ready -> dead | stopped; or failed
         self.reason = "the model is loading and compiling"

@@ -37,8 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("OMNI_JAX_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                         "(default: $OMNI_JAX_API_KEY, else none)")
-    p.add_argument("--modalities", default="text,audio",
-                   help="output modalities the engine is started for: 'text' or 'text,audio' (default)")
+    p.add_argument("--modalities", default=None,
+                   help="output modalities the engine is started for: 'text' or 'text,audio' (default: all the "
+                        "model delivers: text alone for a checkpoint without speech stages)")
     p.add_argument("--allowed-local-media-path", default=None,
                    help="directory whose files requests may name as media (default: none; data: URLs only)")
     p.add_argument("--max-request-body-mb", type=float, default=64.0, help="larger bodies get 413 (default 64)")
@@ -121,8 +122,8 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    mods = [m.strip() for m in args.modalities.split(",") if m.strip()]
-    if mods not in (["text"], ["text", "audio"]):
+    mods = None if args.modalities is None else [m.strip() for m in args.modalities.split(",") if m.strip()]
+    if mods not in (None, ["text"], ["text", "audio"]):
         print("omni-jax serve: error: --modalities must be 'text' or 'text,audio'", file=sys.stderr)
         return 2
     try:

@@ -52,7 +52,7 @@ class SpeechHandler:
             raise bad_request("instructions are not supported by this model", "instructions",
                               "unsupported_parameter")
         if "audio" not in self.engine.output_modalities:
-            raise bad_request("this server was started without audio output", "model")
+            raise bad_request(self.engine.no_audio_reason, "model")
         params = stage_params(self.engine.stage_defaults(self.engine.stage_names(MODALITIES)), req)
         # The input is the reply, begun in the prompt: the talker speaks it, and whatever the
         # thinker would add is not wanted (its one token ends the reply; the last token is never spoken).

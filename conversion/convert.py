@@ -21,7 +21,8 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
-from omni_jax.checkpoint import CONFIG_FILE, FORMAT_VERSION, building_dir, save_stage
+from omni_jax.checkpoint import CONFIG_FILE, FORMAT_VERSION, building_dir, read_config, save_stage
+from omni_jax.config import default_pipeline_for
 from omni_jax.errors import CheckpointError, UnknownModelError
 from omni_jax.models.registry import abstract_stage, family_of, get_family, param_shapes
 
@@ -70,6 +71,7 @@ def convert(hf_dir: str, out_dir: str, dtype: str = "bfloat16", overwrite: bool 
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and os.listdir(out_dir) and not overwrite:
         raise FileExistsError(f"{out_dir} exists and is not empty (pass --overwrite to replace it)")
+    parameters = {}
     with building_dir(out_dir, ".omni-jax-convert-") as tmp:
         for name, spec in present.items():
             stage_cfg = spec.parse_config(hf_config[spec.config_key])
@@ -79,6 +81,7 @@ def convert(hf_dir: str, out_dir: str, dtype: str = "bfloat16", overwrite: bool 
             bar = tqdm(total=len(plan), desc=f"converting {name}", unit="tensor", disable=not progress)
             arrays = convert_tensors(source.get, plan, shapes, NP_DTYPES[dtype], on_tensor=bar.update)
             bar.close()
+            parameters[name] = sum(int(a.size) for a in arrays.values())
             save_stage(os.path.join(tmp, name), arrays)
         if model_family.side_files is not None:
             model_family.side_files(hf_dir, weights.get, hf_config, tmp)
@@ -87,10 +90,33 @@ def convert(hf_dir: str, out_dir: str, dtype: str = "bfloat16", overwrite: bool 
             if os.path.isfile(src):
                 shutil.copy2(src, os.path.join(tmp, fname))
         config = {"format_version": FORMAT_VERSION, "family": family, "dtype": dtype,
-                  "stages": list(present), "hf_config": hf_config}
+                  "stages": list(present), "parameters": parameters, "hf_config": hf_config}
         with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
             json.dump(config, f, indent=1)
     return out_dir
+
+
+def describe(ckpt_dir: str) -> str:
+    """What a converted checkpoint holds, for a person: family, stages and the pipeline they get,
+    voices, dtype and size."""
+    cfg = read_config(ckpt_dir)
+    family, stages = cfg["family"], cfg["stages"]
+    pipeline = default_pipeline_for(family, checkpoint_stages=stages)
+    count = sum(cfg.get("parameters", {}).values())
+    size = count * np.dtype(NP_DTYPES[cfg["dtype"]]).itemsize
+    speech = "audio" in pipeline.output_modalities
+    if speech:
+        try:
+            voices = get_family(family).handoff(ckpt_dir).voices.names
+        except (OSError, ValueError, KeyError) as e:
+            voices = f"none ({e})"
+    else:
+        voices = "none (no speech stages: text replies only)"
+    return "\n".join([
+        f"  family:   {family} ({'speech out' if speech else 'text out only'})",
+        f"  stages:   {', '.join(stages)} (default pipeline {pipeline.name!r})",
+        f"  voices:   {voices if isinstance(voices, str) else ', '.join(voices) or 'none'}",
+        f"  weights:  {count / 1e9:.2f} B parameters, {cfg['dtype']}, {size / 1e9:.2f} GB"])
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -108,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     except (CheckpointError, UnknownModelError, FileExistsError, ValueError) as e:
         print(f"omni-jax convert: error: {e}", file=sys.stderr)
         return 1
-    print(f"converted {args.hf_dir} -> {out}")
+    print(f"converted {args.hf_dir} -> {out}\n{describe(out)}")
     return 0
 
 

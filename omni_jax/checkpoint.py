@@ -2,7 +2,8 @@
 
 Layout of a converted directory::
 
-    omni_jax_config.json   {"format_version", "family", "dtype", "stages": [...], "hf_config": {...}}
+    omni_jax_config.json   {"format_version", "family", "dtype", "stages": [...],
+                            "parameters": {stage: count}, "hf_config": {...}}
     thinker/               orbax checkpoint: flat {"model.layers.0.self_attn.q_proj.kernel": array, ...}
     tokenizer.json ...     tokenizer / processor files copied from the HF directory
 

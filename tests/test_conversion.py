@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -81,6 +82,36 @@ def test_voices_converted_without_torch_at_serving(converted_fp32, qwen2_5_omni_
     np.testing.assert_array_equal(voices.row("codec_bos_embed"), hf_tensors["talker.model.embed_tokens.weight"][8293])
     with pytest.raises(ValueError, match="available voices: Chelsie, Ethan"):
         voices.get("Nobody")
+
+
+def test_cli_says_what_it_converted(qwen2_5_omni_hf_dir, tmp_path, capsys):
+    out = str(tmp_path / "out")
+    assert convert_main(["--hf-dir", qwen2_5_omni_hf_dir, "--out", out, "--dtype", "float32", "--no-progress"]) == 0
+    said = capsys.readouterr().out
+    count = sum(read_config(out)["parameters"].values())
+    assert count == sum(v.size for v in stnp.load_file(os.path.join(qwen2_5_omni_hf_dir, "model.safetensors")).values())
+    assert f"converted {qwen2_5_omni_hf_dir} -> {out}" in said
+    assert "family:   qwen2_5_omni (speech out)" in said
+    assert "stages:   thinker, talker, token2wav (default pipeline 'qwen2_5_omni')" in said
+    assert "voices:   Chelsie, Ethan" in said
+    assert f"weights:  {count / 1e9:.2f} B parameters, float32, {4 * count / 1e9:.2f} GB" in said
+
+
+def test_missing_voices_are_told_at_conversion(qwen2_5_omni_hf_dir, tmp_path, capsys, monkeypatch):
+    """Without spk_dict.pt the checkpoint converts (text serves) and the conversion says that speech
+    will not; with it but without torch, the conversion stops, saying what to install."""
+    src = str(tmp_path / "hf")
+    shutil.copytree(qwen2_5_omni_hf_dir, src)
+    os.remove(os.path.join(src, "spk_dict.pt"))
+    out = convert(src, str(tmp_path / "out"), dtype="float32", progress=False)
+    assert f"{src} has no spk_dict.pt: converted without voices, so its speech stages cannot start" in \
+        capsys.readouterr().err
+    assert not os.path.exists(os.path.join(out, "voices.safetensors"))
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
+    out = str(tmp_path / "out2")
+    with pytest.raises(CheckpointError, match=r"spk_dict\.pt holds the voices \(a torch file\): install torch"):
+        convert(qwen2_5_omni_hf_dir, out, dtype="float32", progress=False)
+    _assert_nothing_written(out)
 
 
 def test_load_checkpoint_builds_the_thinker(converted_fp32):

@@ -56,7 +56,13 @@ def thinking_ckpt(qwen3_omni_hf_dir, tmp_path_factory) -> str:
 
 
 def test_converted_thinking_checkpoint_gets_the_thinker_only_pipeline(thinking_ckpt, capsys):
+    from conversion.convert import describe
+
     assert read_config(thinking_ckpt)["stages"] == ["thinker"]
+    said = describe(thinking_ckpt)
+    assert "family:   qwen3_omni (text out only)" in said
+    assert "stages:   thinker (default pipeline 'qwen3_omni_thinker')" in said
+    assert "voices:   none (no speech stages: text replies only)" in said
     _, pipeline = resolve_checkpoint_and_pipeline(thinking_ckpt, None)
     assert pipeline.name == "qwen3_omni_thinker" and pipeline.stage_names == ("thinker",)
     assert pipeline.output_modalities == ("text",)

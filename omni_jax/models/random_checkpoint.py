@@ -34,7 +34,7 @@ def write_random_checkpoint(out_dir: str, hf_config: dict, *, seed: int = 0, dty
     family = family_of(hf_config)
     specs = get_family(family).stages
     with building_dir(out_dir, ".omni-jax-random-") as tmp:
-        stages, tables = [], {}
+        stages, tables, parameters = [], {}, {}
         rng = np.random.default_rng(seed)
         for i, (name, spec) in enumerate(specs.items()):
             if spec.config_key not in hf_config:
@@ -47,6 +47,7 @@ def write_random_checkpoint(out_dir: str, hf_config: dict, *, seed: int = 0, dty
                 # on the host: the side files read rows of it by id lists (jax arrays take no lists)
                 tables[f"{name}.model.embed_tokens.weight"] = np.asarray(arrays[("model", "embed_tokens", "embedding")])
             stages.append(name)
+            parameters[name] = sum(int(a.size) for a in arrays.values())
             del arrays
         side_files = get_family(family).side_files
         if side_files is not None:
@@ -58,5 +59,5 @@ def write_random_checkpoint(out_dir: str, hf_config: dict, *, seed: int = 0, dty
                 json.dump(generation_config, f)
         with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
             json.dump({"format_version": FORMAT_VERSION, "family": family, "dtype": dtype,
-                       "stages": stages, "hf_config": hf_config}, f, indent=1)
+                       "stages": stages, "parameters": parameters, "hf_config": hf_config}, f, indent=1)
     return out_dir

@@ -3,6 +3,9 @@ and the side files conversion writes beside them (the voices)."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 import numpy as np
 
 from ..family import StageSpec, prefixed_renames
@@ -40,7 +43,11 @@ def write_side_files(hf_dir: str | None, get_tensor, hf_config: dict, out_dir: s
     """voices.safetensors from spk_dict.pt (or `speakers`) and the embedding tables."""
     if speakers is None and hf_dir is not None:
         speakers = read_spk_dict(hf_dir)
-    if not speakers or "talker_config" not in hf_config:
+    if not os.path.isdir(os.path.join(out_dir, "talker")):  # no talker converted: no speech, no voices
+        return
+    if not speakers:  # the checkpoint converts (text serves), but speech would fail at start: say so now
+        print(f"[omni-jax] {hf_dir or 'the checkpoint'} has no spk_dict.pt: converted without voices, so its "
+              "speech stages cannot start; add the spk_dict.pt of the release and convert again", file=sys.stderr)
         return
     talker_cfg = TalkerConfig.from_hf(hf_config["talker_config"])
     thinker_table = get_tensor("thinker.model.embed_tokens.weight")

@@ -16,6 +16,8 @@ import os
 
 import numpy as np
 
+from ...errors import CheckpointError
+
 VOICES_FILE = "voices.safetensors"
 
 
@@ -98,7 +100,8 @@ def read_spk_dict(hf_dir: str) -> dict | None:
     try:
         import torch
     except ImportError:
-        raise RuntimeError(f"{path} is a torch file: install torch (CPU is enough) to convert the voices") from None
+        raise CheckpointError(f"{path} holds the voices (a torch file): install torch (CPU is enough) to convert "
+                              "them; the converted checkpoint needs no torch") from None
     raw = torch.load(path, weights_only=True, map_location="cpu")
     out = {}
     for name, spk in raw.items():

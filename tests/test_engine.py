@@ -15,7 +15,7 @@ from omni_jax.engine.runner import RunnerConfig
 from omni_jax.engine.sampling_params import SamplingParams
 from omni_jax.models.qwen2_5_omni.audio_encoder import audio_output_lengths
 from omni_jax.engine.protocol import MultiModalPayload
-from omni_jax.models.qwen2_5_omni.media import MediaBuckets
+from omni_jax.models.qwen2_5_omni.media_encoder import MediaBuckets
 from omni_jax.models.qwen2_5_omni.stages import build_thinker_engine
 
 pytestmark = pytest.mark.engine

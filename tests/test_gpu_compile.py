@@ -189,7 +189,7 @@ def test_sampler_variants_compile_on_a100(tier):
 
 def test_qwen2_5_vision_encoder_compiles_on_a100(tier):
     """XLA's Triton GEMM found no tile for one of its bf16 matmuls on sm_80; the encoder's jit
-    turns Triton GEMM off (models/qwen2_5_omni/media.py)."""
+    turns Triton GEMM off (models/qwen2_5_omni/media_encoder.py)."""
     got = [r for r in tier["a100"]["reports"] if r["info"].get("kind") == "vision"]
     assert [r["name"] for r in got] == ["qwen2_5_omni/thinker/vision/1024"]
     assert got[0]["ok"], got[0]["error"]

@@ -79,7 +79,7 @@ def _run(engine, requests):
 
 def test_talker_engine_codes_match_transformers(converted, qwen3_omni_hf_model):
     """Text, audio and image prompts together; a KV pool small enough that the talker preempts."""
-    from omni_jax.models.qwen3_omni.media import MediaBuckets
+    from omni_jax.models.qwen3_omni.media_encoder import MediaBuckets
     from omni_jax.models.qwen3_omni.pipeline import load_handoff
     from omni_jax.models.qwen3_omni.stages import build_talker_engine, build_thinker_engine
 

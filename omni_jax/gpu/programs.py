@@ -32,12 +32,12 @@ from ..engine import sharding
 from ..engine.ar_engine import AREngine, EngineConfig
 from ..engine.oneshot_engine import chunk_sizes
 from ..inputs.rope_index import RopeIndexConfig
-from ..models.qwen2_5_omni.media import MediaBuckets, ThinkerMediaEncoder
+from ..models.qwen2_5_omni.media_encoder import MediaBuckets, ThinkerMediaEncoder
 from ..models.qwen2_5_omni.token2wav import StreamContext, Token2WavSynthesizer
 from ..models.qwen2_5_omni.voices import Voices
 from ..models.qwen3_omni.code2wav_stage import Code2WavSynthesizer
 from ..models.layers.parallel import EP, TP
-from ..models.qwen3_omni.media import Qwen3ThinkerMediaEncoder
+from ..models.qwen3_omni.media_encoder import Qwen3ThinkerMediaEncoder
 from ..models.registry import abstract_stage, stages_of
 
 REAL_CONFIGS = Path(__file__).resolve().parent / "real_configs"

@@ -117,7 +117,7 @@ def select_tier(family: str, stage, hf_config: dict, num_blocks: int, target_nam
         top = max(p.bucket for p in progs if p.kind == "sample")
         out += [p for p in progs if p.kind == "sample" and p.bucket == top
                 and p.info["variant"] in ("greedy", "random")]
-        # The vision encoder once failed only here (Triton GEMM tiling; media.py): keep it compiling.
+        # The vision encoder once failed only here (Triton GEMM tiling; media_encoder.py): keep it compiling.
         out += _ends(P.media_programs(family, stage, hf_config), "vision")[:1]
     return out
 

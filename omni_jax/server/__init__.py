@@ -1,10 +1,10 @@
 """OpenAI-compatible HTTP server on `AsyncOmniJax` (`omni-jax serve`) and its load generator (`omni-jax bench`).
 
 Modules, one job each:
-    protocol.py   request bodies (pydantic), shaped like OpenAI's API
+    schemas.py    request bodies (pydantic), shaped like OpenAI's API
     errors.py     OpenAI-shaped errors and the exception handlers
     messages.py   OpenAI chat messages -> an OmniJax prompt (media access rules live here)
-    sampling.py   request fields -> per-stage SamplingParams
+    stage_params.py  request fields -> per-stage SamplingParams
     audio.py      waveform -> wav / pcm / mp3 / flac / opus / aac bytes
     engine.py     the served engine: start-up in the background, readiness, stage death
     generation.py one request on the engine: submit, stream its updates, abort, map failures to HTTP

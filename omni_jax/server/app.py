@@ -17,7 +17,7 @@ from .engine import ServedEngine
 from .errors import RETRY_AFTER_S, APIError, error_body, short
 from .messages import MediaPolicy
 from .metrics import Metrics
-from .protocol import ChatCompletionRequest, SpeechRequest
+from .schemas import ChatCompletionRequest, SpeechRequest
 from .realtime import RealtimeEndpoint, RealtimeLimits
 from .reply_audio import ReplyAudio
 from .speech import SpeechHandler

@@ -24,8 +24,8 @@ from .generation import Generation, check_model, failure, finish_reason, open_re
 from .messages import MediaPolicy, to_prompt
 from .reply_audio import ReplyAudio
 from .metrics import Metrics
-from .protocol import ChatCompletionRequest
-from .sampling import stage_params
+from .schemas import ChatCompletionRequest
+from .stage_params import stage_params
 from .sse import DONE, event
 
 # Audio deltas longer than this are split over several chunks (keeps SSE events small).

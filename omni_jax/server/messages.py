@@ -13,7 +13,7 @@ from typing import Any
 from ..inputs.media import parse_source
 from ..errors import MediaError
 from .errors import bad_request, short
-from .protocol import ChatMessage
+from .schemas import ChatMessage
 from .reply_audio import ReplyAudio
 
 _URL_PARTS = {"image_url": "image", "video_url": "video", "audio_url": "audio"}

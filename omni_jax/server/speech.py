@@ -24,8 +24,8 @@ from .engine import ServedEngine
 from .errors import bad_request, error_body
 from .generation import Generation, check_model, failure, open_request
 from .metrics import Metrics
-from .protocol import SpeechRequest
-from .sampling import stage_params
+from .schemas import SpeechRequest
+from .stage_params import stage_params
 from .sse import event
 
 MODALITIES = ["text", "audio"]

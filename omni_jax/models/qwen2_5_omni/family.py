@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ...inputs.processor import InputProcessor
 from ..family import ModelFamily
-from .media import MediaBuckets
+from .media_encoder import MediaBuckets
 from .pipeline import load_handoff
 from .specs import STAGES, write_side_files
 from .stages import build_talker_engine, build_thinker_engine, build_token2wav_engine

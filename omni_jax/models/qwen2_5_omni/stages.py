@@ -12,7 +12,7 @@ from ...engine.ar_engine import AREngine, EngineConfig
 from ...engine.oneshot_engine import OneShotEngine, chunk_sizes
 from ...engine.runner import RunnerConfig, stage_mesh
 from ...inputs.rope_index import RopeIndexConfig
-from .media import MediaBuckets, ThinkerMediaEncoder
+from .media_encoder import MediaBuckets, ThinkerMediaEncoder
 from .token2wav import StreamContext, Token2WavSynthesizer
 from .voices import Voices
 

@@ -16,7 +16,7 @@ from ...engine.buckets import pick_bucket, pow2_buckets
 from ...engine.protocol import StageInputs
 from ...engine.runner import RunnerConfig, stage_mesh
 from ..qwen2_5_omni.stages import load_tokenizer
-from .media import MediaBuckets, Qwen3ThinkerMediaEncoder
+from .media_encoder import MediaBuckets, Qwen3ThinkerMediaEncoder
 
 
 

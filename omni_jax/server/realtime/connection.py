@@ -25,7 +25,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 from ..errors import APIError, error_response
 from ..messages import MediaPolicy
 from ..metrics import Metrics
-from ..sampling import stage_params
+from ..stage_params import stage_params
 from ..transcription import token_usage, transcription_params, transcription_prompt
 from ..generation import open_request
 from .audio_buffer import InputAudioError, decode_pcm16

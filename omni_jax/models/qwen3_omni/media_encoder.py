@@ -30,7 +30,7 @@ import numpy as np
 
 from ...engine.protocol import StageInputs
 from .rope_index import get_rope_index_qwen3
-from ..qwen2_5_omni.media import MediaBuckets, ThinkerMediaEncoder
+from ..qwen2_5_omni.media_encoder import MediaBuckets, ThinkerMediaEncoder
 from ..qwen2_5_omni.thinker import media_index
 from .audio_encoder import num_chunks_for, prepare_audio_batch
 from .thinker import ThinkerConfig

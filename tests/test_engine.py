@@ -437,3 +437,23 @@ def test_a_program_from_the_persistent_cache_counts_as_a_compilation():
     n1 = compilation_count()
     jax.monitoring.record_event_duration_secs("/jax/compilation_cache/cache_retrieval_time_sec", 0.01)
     assert compilation_count() == n1 + 1
+
+
+def test_both_engines_provide_what_the_stage_loop_asks():
+    """The stage loop drives either engine through `StageEngine` alone: each engine has every
+    method of it, taking at least its positional arguments, and `num_compilations` as a property."""
+    import inspect
+
+    from omni_jax.engine.ar_engine import AREngine
+    from omni_jax.engine.oneshot_engine import OneShotEngine
+    from omni_jax.engine.stage_engine import StageEngine
+
+    methods = {n: m for n, m in vars(StageEngine).items() if not n.startswith("_") and inspect.isfunction(m)}
+    assert set(methods) == {"add_request", "extend_request", "abort", "has_unfinished", "step", "warmup"}
+    for cls in (AREngine, OneShotEngine):
+        assert isinstance(inspect.getattr_static(cls, "num_compilations"), property), cls
+        for name, proto in methods.items():
+            positional = [p for p in inspect.signature(proto).parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
+            impl = list(inspect.signature(getattr(cls, name)).parameters.values())
+            assert len(impl) >= len(positional) and all(p.kind is p.POSITIONAL_OR_KEYWORD
+                                                        for p in impl[:len(positional)]), (cls.__name__, name)

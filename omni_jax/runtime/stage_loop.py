@@ -39,6 +39,7 @@ from ..config import StageConfig
 from ..engine.protocol import (AbortRequests, AddRequest, HealthCheck, HealthReply, Ready, Shutdown, StageData,
                                StageFailure, StageOutputs, StageRequest)
 from ..engine.sharding import stage_devices
+from ..engine.stage_engine import StageEngine
 from ..models.handoff import UpstreamOutputs
 from ..models.registry import get_family
 from . import spmd
@@ -54,7 +55,7 @@ IDLE_POLL_MS = 20
 CLOSED_MEMORY = 4096
 
 
-def build_stage_engine(family: str, stage: StageConfig, ckpt_dir: str, async_chunk: bool = False):
+def build_stage_engine(family: str, stage: StageConfig, ckpt_dir: str, async_chunk: bool = False) -> StageEngine:
     """The warmed-up engine of one stage, or a clear error if OmniJax cannot serve it.
     `async_chunk`: the pipeline streams between stages (what the engine compiles for)."""
     engines = get_family(family).engines
@@ -81,7 +82,7 @@ def to_engine_request(msg, stream: bool = False) -> dict:
 class StageServer:
     """One stage's engine behind its sockets (see module docstring)."""
 
-    def __init__(self, stage: StageConfig, engine, family: str, ckpt_dir: str, ipc_dir: str, ctx: zmq.Context,
+    def __init__(self, stage: StageConfig, engine: StageEngine, family: str, ckpt_dir: str, ipc_dir: str, ctx: zmq.Context,
                  inbox: Channel | None, outbox: Channel | None, leader: spmd.Leader | None = None):
         """`leader`: this is process 0 of a multi-process stage; inbox and outbox None: one of
         its other processes (see `follow`), whose replies go nowhere."""

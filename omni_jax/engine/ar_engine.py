@@ -156,7 +156,7 @@ class _StreamedRows:
         return self._buf[:end]
 
 
-def _needs_host_token(req: Request) -> bool:
+def _needs_token_on_host(req: Request) -> bool:
     """Whether a request's next step needs its last sampled token on the host: penalty
     histories are built there, and embedding inputs are packed there (an after-sample
     stage gives every request its feedback embeddings, so its steps never go ahead)."""
@@ -185,7 +185,7 @@ class _Batch:
 
     def __init__(self, requests: list[Request]):
         self.requests = requests
-        self.host_token = any(map(_needs_host_token, requests))  # a sampled token needed on the host
+        self.token_on_host = any(map(_needs_token_on_host, requests))  # a sampled token needed on the host
         self.capture_hidden = any(r.data is not None and r.data.capture_hidden for r in requests)
         self.prompt_logprobs = any(r.num_prompt_logprobs is not None for r in requests)
         self._sampler_inputs = None
@@ -422,8 +422,8 @@ class AREngine:
             self._last_tables = (sched, tables)
             result = self.runner.execute(chunks, tables, want_hidden=batch.capture_hidden, fed=fed,
                                          fed_in_place=sched.fed_in_place)
-            draw = self._draw(result, chunks, batch, output_offset)
-            prompt_draw = self._prompt_draw(result, chunks) if batch.prompt_logprobs else None
+            draw = self._launch_sampler(result, chunks, batch, output_offset)
+            prompt_draw = self._launch_prompt_logprobs(result, chunks) if batch.prompt_logprobs else None
             replayed = self._replayed_rows(chunks) if batch.capture_hidden else {}
         except Exception as e:  # fail this step's requests, keep serving
             return self._fail(sched, e)
@@ -448,7 +448,7 @@ class AREngine:
         # Only plain decodes: whatever needs the sampled token on the host before the next
         # step (penalty histories, embedding inputs such as after-sample feedback, hidden
         # states) waits.
-        if result.kind != "decode" or draw is None or not result.rows_in_order or current.batch.host_token:
+        if result.kind != "decode" or draw is None or not result.rows_in_order or current.batch.token_on_host:
             return None
         nxt = self.scheduler.schedule_ahead(current.sched)
         if nxt is None:
@@ -543,7 +543,7 @@ class AREngine:
                 kept = replayed[rid]
                 hidden_of[rid] = (0, {k: np.concatenate([kept[k], v]) for k, v in hidden.items()})
 
-    def _draw(self, result, chunks, batch: _Batch, output_offset: int = 0):
+    def _launch_sampler(self, result, chunks, batch: _Batch, output_offset: int = 0):
         """Launch the sampler on the step's logits rows: (requests, device result), or None."""
         rows = result.sample_rows
         if not rows:
@@ -562,7 +562,7 @@ class AREngine:
             md = md.replace(history_ids=self._empty_history(bucket))
         return reqs, self._sample_fn(result.logits, md, flags=flags)
 
-    def _prompt_draw(self, result, chunks):
+    def _launch_prompt_logprobs(self, result, chunks):
         """Launch the prompt logprobs of the step's chunks that ask for them and still have
         prompt positions to score: ({request id: (request, positions, rows)}, device result) or None.
 

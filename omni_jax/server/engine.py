@@ -16,17 +16,18 @@ import time
 from typing import Callable, Sequence
 
 from ..api import AsyncOmniJax, resolve_checkpoint_and_pipeline
+from ..config import PipelineConfig
 
 log = logging.getLogger("omni_jax.server")
 
 
-def _deliverable(model: str, pipeline: str | None) -> tuple[str, ...]:
-    """The modalities the model's pipeline delivers; text and audio when the model or pipeline
-    cannot be resolved (loading then fails and says why)."""
+def _resolved(model: str, pipeline: str | None) -> PipelineConfig | None:
+    """The model's pipeline, or None when the model or pipeline cannot be resolved (loading then
+    fails and says why)."""
     try:
-        return resolve_checkpoint_and_pipeline(model, pipeline)[1].output_modalities
+        return resolve_checkpoint_and_pipeline(model, pipeline)[1]
     except Exception:
-        return ("text", "audio")
+        return None
 
 
 class ServedEngine:
@@ -38,11 +39,13 @@ class ServedEngine:
         """`output_modalities`: what the engine is started for (None: all the model's pipeline
         delivers: text alone for a checkpoint without speech stages).
         `engine_options`: more AsyncOmniJax arguments (prompt_workers, prompt_timeout_s, media_limits)."""
-        self.model, self.served_name, self.pipeline = model, served_name, pipeline
+        self.model, self.served_name = model, served_name
+        resolved = _resolved(model, pipeline)
+        self.pipeline = resolved or pipeline  # resolved once: the engine loads this one
         self.engine_options = dict(engine_options or {})
         self.async_chunk = async_chunk  # None: as the pipeline says
         self.on_failed = on_failed  # e.g. stop the HTTP server: a server that can never serve should exit
-        speaks = "audio" in _deliverable(model, pipeline)
+        speaks = resolved is None or "audio" in resolved.output_modalities
         self.output_modalities = list(output_modalities or (["text", "audio"] if speaks else ["text"]))
         # Why a request for audio is refused, if it is.
         self.no_audio_reason = (f"model {served_name!r} answers in text only (its checkpoint has no speech stages)"

@@ -51,7 +51,7 @@ def thinking_ckpt(qwen3_omni_hf_dir, tmp_path_factory) -> str:
     tensors = stnp.load_file(os.path.join(qwen3_omni_hf_dir, "model.safetensors"))
     stnp.save_file({k: v for k, v in tensors.items() if k.startswith("thinker.")}, str(hf / "model.safetensors"))
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(os.path.join(tiny_checkpoint("qwen3_omni"), name), hf)
+        shutil.copy(os.path.join(tiny_checkpoint(), name), hf)
     return convert(str(hf), str(tmp_path_factory.mktemp("thinking") / "ckpt"), dtype="float32", progress=False)
 
 

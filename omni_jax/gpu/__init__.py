@@ -6,8 +6,9 @@ A tool over the engine and the models (nothing in the library imports it):
 * `programs`: every jitted program of a real-size stage (kernels, steps, sampler,
   encoders, vocoders), with abstract arguments; models come from `real_configs/`
   through `nnx.eval_shape`, so no weights exist;
-* `aot`: deviceless compilation and what it shows (memory, launches, shared memory,
-  registers and spills of the Pallas kernels);
+* `aot`: deviceless compilation and what it shows (memory, launches in and outside
+  command buffers, shared memory, registers and spills of the Pallas kernels);
+* `hlo_bytes`: the HBM bytes a compiled program's kernels move, from its optimized HLO;
 * `worker`: one process per target compiling a selection; `client` starts it;
 * `plan`: `omni-jax plan`, the memory / roofline table of a preset.
 

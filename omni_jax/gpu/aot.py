@@ -5,10 +5,14 @@ registers JAX's CUDA plugin. `Compiler(target).compile(fn, args)` lowers and com
 jitted function for the target with XLA's dump on, then reads back:
 
 * memory: argument / output / alias / temporary bytes (`compiled.memory_analysis()`);
-* launches: the thunk sequence (one line per kernel launch, with grid, threads and
-  shared memory per launch);
+* launches: the thunk sequence after XLA's thunk passes (one line per kernel launch, with
+  grid, threads and shared memory), and which of them run inside command buffers (CUDA
+  graphs: one graph launch replays them) and which the host launches one by one
+  (`Launches`);
 * for each Pallas kernel: shared memory (thunk sequence) and registers / spills
-  (`ptxas -v` on the Triton PTX XLA dumped).
+  (`ptxas -v` on the Triton PTX XLA dumped);
+* bytes: what the program's kernels move, from the optimized HLO (`hlo_bytes`), the
+  Pallas kernels' tables (KV pool, expert weights) apart.
 
 Nothing executes: no timing, no numerics. XLA skips autotuning without a device.
 """
@@ -32,13 +36,14 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from ..models.layers.parallel import EP, TP
 from .client import cuda_data_dir
+from .hlo_bytes import program_bytes
 from .targets import Target
 
 # Pallas kernels are named after these prefixes (pallas_call name=...).
-PALLAS_PREFIXES = ("paged_decode", "ragged_paged_prefill", "grouped_matmul")
+PALLAS_PREFIXES = ("paged_decode", "decode_merge", "ragged_paged_prefill", "grouped_matmul", "rms_norm", "add_rms_norm")
 # Thunks that only order or wrap others; every other thunk line is one launch.
 _CONTROL_THUNKS = {"kSequential", "kWhile", "kConditional", "kWaitForStreams", "kCommandBuffer"}
-_THUNK_RE = re.compile(r"^\s*\d+:\s+(k\w+)\s.*?\]\s+(\S+)(.*)$")
+_THUNK_RE = re.compile(r"^(\s*)\d+:\s+(k\w+)\s[^\]]*\]\s*(\S*)(.*)$")
 _LAUNCH_RE = re.compile(r"grid:\s*\[([\d, ]+)\]\s*threads:\s*\[([\d, ]+)\]\s*shared_memory:\s*(\d+)")
 
 
@@ -68,7 +73,13 @@ class CompileReport:
     output_bytes: int = 0
     alias_bytes: int = 0
     temp_bytes: int = 0
-    launches: int = 0
+    launches: int = 0            # kernel launches per run, loop bodies counted once
+    graphed_launches: int = 0    # of them inside command buffers
+    command_buffers: int = 0
+    outside_launches: list = dataclasses.field(default_factory=list)  # the others: ["kKind name"]
+    host_loops: int = 0          # while / conditional thunks the host drives
+    bytes_accessed: int = 0      # HBM bytes the kernels move, the Pallas tables aside (hlo_bytes)
+    table_bytes: dict = dataclasses.field(default_factory=dict)  # {kernel: whole tables left out}
     kernels: list = dataclasses.field(default_factory=list)   # [KernelReport]
     info: dict = dataclasses.field(default_factory=dict)      # program-specific facts
 
@@ -76,16 +87,45 @@ class CompileReport:
         return dataclasses.asdict(self)
 
 
-def parse_thunks(text: str) -> tuple[int, list[KernelReport]]:
-    """(launch count, Pallas kernel launches) from a `*thunk_sequence.txt` dump."""
-    launches, kernels = 0, []
+@dataclasses.dataclass
+class Launches:
+    """A program's kernel launches as its thunk sequence lists them (each counted once: a
+    loop body's launches are per iteration)."""
+
+    total: int = 0
+    graphed: int = 0                    # inside a command buffer (a CUDA graph node)
+    command_buffers: int = 0            # graphs launched per run (each one host launch)
+    outside: list = dataclasses.field(default_factory=list)   # ["kKind name"] the host launches alone
+    loops: int = 0                      # while / conditional thunks outside graphs (a host sync each)
+
+
+def parse_thunks(text: str) -> tuple[Launches, list[KernelReport]]:
+    """(launches, Pallas kernel launches) from a `*thunk_sequence_after_thunk_passes.txt` dump.
+
+    Nesting is by indentation: a thunk is graphed when a `kCommandBuffer` above it holds it."""
+    launches, kernels = Launches(), []
+    parents: list[tuple[int, str]] = []   # (indent, kind) of the open control thunks
     for line in text.splitlines():
         m = _THUNK_RE.match(line)
-        if m is None or m.group(1) in _CONTROL_THUNKS:
+        if m is None:
             continue
-        launches += 1
-        name = m.group(2)
-        g = _LAUNCH_RE.search(m.group(3))
+        indent, kind, name = len(m.group(1)), m.group(2), m.group(3)
+        while parents and parents[-1][0] >= indent:
+            parents.pop()
+        graphed = any(k == "kCommandBuffer" for _, k in parents)
+        if kind in _CONTROL_THUNKS:
+            parents.append((indent, kind))
+            if kind == "kCommandBuffer" and not graphed:
+                launches.command_buffers += 1
+            elif kind in ("kWhile", "kConditional") and not graphed:
+                launches.loops += 1
+            continue
+        launches.total += 1
+        if graphed:
+            launches.graphed += 1
+        else:
+            launches.outside.append(f"{kind} {name}")
+        g = _LAUNCH_RE.search(m.group(4))
         if g and name.startswith(PALLAS_PREFIXES):
             to_tuple = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731
             kernels.append(KernelReport(name, to_tuple(g.group(1)), to_tuple(g.group(2)), int(g.group(3))))
@@ -158,10 +198,20 @@ class Compiler:
                                output_bytes=mem.output_size_in_bytes, alias_bytes=mem.alias_size_in_bytes,
                                temp_bytes=mem.temp_size_in_bytes)
         try:
-            thunks = glob.glob(os.path.join(dump, "*thunk_sequence.txt"))
+            # After the thunk passes: what runs, command buffers included (a program of one
+            # kernel has no passes, and only the plain sequence).
+            thunks = (glob.glob(os.path.join(dump, "*thunk_sequence_after_thunk_passes.txt"))
+                      or glob.glob(os.path.join(dump, "*thunk_sequence.txt")))
             # The program's own module is the last one compiled (earlier ones are helpers).
             text = Path(max(thunks, key=os.path.getmtime)).read_text() if thunks else ""
-            report.launches, report.kernels = parse_thunks(text)
+            launches, report.kernels = parse_thunks(text)
+            report.launches, report.graphed_launches = launches.total, launches.graphed
+            report.command_buffers, report.outside_launches = launches.command_buffers, launches.outside
+            report.host_loops = launches.loops
+            hlo = glob.glob(os.path.join(dump, "*gpu_after_optimizations.txt"))
+            if hlo:
+                moved = program_bytes(Path(max(hlo, key=os.path.getmtime)).read_text())
+                report.bytes_accessed, report.table_bytes = moved["bytes"], moved["tables"]
             if check_kernels and report.kernels:
                 usage = {}
                 for ptx in glob.glob(os.path.join(dump, "*.ptx")):

@@ -7,9 +7,12 @@ GPU compile environment, see `omni_jax.gpu`) and prints, per stage: parameter by
 temporaries per bucket (from the compiled programs), the KV blocks that fit the configured
 memory fractions, whether the stage fits and what to change if not; per decode bucket the
 HBM bytes a step must move (weights + KV read at `--context` tokens per sequence), the
-roofline time at the target's bandwidth and the kernel launches per step (launches and
-temporaries where the bucket was compiled: every bucket, or the ends with ``--ends``). Per device: the
-stages placed on it and whether their shares fit.
+roofline time at the target's bandwidth, the bytes the compiled step moves over that
+minimum, its kernel launches (those outside command buffers apart, and per layer) and the
+time they take at GRAPHED_LAUNCH_S / HOST_LAUNCH_S each, and which bound rules (launches
+and temporaries where the bucket was compiled: every bucket, or the ends with ``--ends``;
+launches and bytes at the smallest and largest bucket also from the 1- and 2-layer steps,
+`launch_profile`). Per device: the stages placed on it and whether their shares fit.
 
 Roofline: weights read per decode step = the decoder and LM head (embedding table: only
 B rows; encoders run once per request); for MoE layers the experts the step's tokens are
@@ -30,6 +33,11 @@ from . import client
 from .targets import FILES, load_target
 
 GB = 1e9
+# What one kernel launch costs a decode step, in seconds: inside a CUDA graph (XLA's command
+# buffers) and launched by the host alone. Not measured here (no GPU): issue 47's "a
+# microsecond or two per launch even inside a graph", and a few for a host launch.
+GRAPHED_LAUNCH_S = 1.5e-6
+HOST_LAUNCH_S = 5e-6
 
 
 def add_arguments(p) -> None:
@@ -58,6 +66,45 @@ def expected_experts(num_experts: int, top_k: int, batch: int) -> float:
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
 
 
+def launch_profile(reports: list[dict]) -> dict:
+    """{(preset, stage, batch): profile} of the decode steps compiled at 1 and 2 layers
+    (`worker.select_layers`): launches per layer (2 layers less 1), per step besides the
+    layers, the host's launches outside command buffers (kind and name) and the graphs; and
+    the after-sample program's launches at that batch where the stage has one."""
+    steps, after = defaultdict(dict), {}
+    for r in reports:
+        if not r["ok"]:
+            continue
+        key = (r["preset"], r["stage"], r["info"]["bucket"])
+        if r["info"].get("kind") == "decode_layers":
+            steps[key][r["info"]["layers"]] = r
+        elif r["info"].get("kind") == "after_sample":
+            after[key] = r
+    out = {}
+    for key, by_depth in steps.items():
+        if set(by_depth) != {1, 2}:
+            continue
+        one, two = by_depth[1], by_depth[2]
+        per_layer = two["launches"] - one["launches"]
+        layer_bytes = two["bytes_accessed"] - one["bytes_accessed"]
+        out[key] = dict(per_layer=per_layer, fixed=one["launches"] - per_layer,
+                        graphed_per_layer=two["graphed_launches"] - one["graphed_launches"],
+                        outside=list(two["outside_launches"]), host_loops=two["host_loops"],
+                        command_buffers=two["command_buffers"],
+                        bytes_per_layer=layer_bytes, fixed_bytes=one["bytes_accessed"] - layer_bytes)
+        if key in after:
+            a = after[key]
+            out[key]["after_sample"] = dict(launches=a["launches"], graphed=a["graphed_launches"],
+                                            outside=list(a["outside_launches"]),
+                                            command_buffers=a["command_buffers"])
+    return out
+
+
+def launch_bound_s(launches: int, outside: int) -> float:
+    """Seconds a step's launches take at GRAPHED_LAUNCH_S / HOST_LAUNCH_S each."""
+    return (launches - outside) * GRAPHED_LAUNCH_S + outside * HOST_LAUNCH_S
+
+
 def build_plan(result: dict, context: int) -> dict:
     """The plan (plain data) from one worker's result (`--select plan`)."""
     target = load_target(result["target"])
@@ -65,6 +112,7 @@ def build_plan(result: dict, context: int) -> dict:
     steps = defaultdict(list)
     for r in result["reports"]:
         steps[r["preset"], r["stage"]].append(r)
+    profiles = launch_profile(result["reports"])
     stages = []
     for s in result["stages"]:
         row = dict(s)
@@ -82,10 +130,26 @@ def build_plan(result: dict, context: int) -> dict:
                 s.get("decode_expert_bytes", 0) * expected_experts(e, s.get("top_k", 0), b) / e if e else 0)
             kv = b * min(context, s["max_model_len"]) * s.get("kv_bytes_per_token", 0)
             r = compiled.get(b)
-            row["decode"].append(dict(bucket=b, weight_bytes=weights, kv_read_bytes=kv,
-                                      roofline_ms=(weights + kv) / bw * 1e3,
-                                      launches=r["launches"] if r else None,
-                                      temp_bytes=r["temp_bytes"] if r else None))
+            prof = profiles.get((s["preset"], s["stage"], b))
+            d = dict(bucket=b, weight_bytes=weights, kv_read_bytes=kv, roofline_ms=(weights + kv) / bw * 1e3,
+                     launches=r["launches"] if r else None, temp_bytes=r["temp_bytes"] if r else None,
+                     outside=len(r["outside_launches"]) if r else None,
+                     command_buffers=r["command_buffers"] if r else None, profile=prof)
+            moved = r["bytes_accessed"] if r else None
+            if r is None and prof is not None:   # the real depth from the 1- and 2-layer steps
+                d["launches"] = prof["fixed"] + prof["per_layer"] * s["num_layers"]
+                d["outside"] = len(prof["outside"])
+                moved = prof["fixed_bytes"] + prof["bytes_per_layer"] * s["num_layers"]
+            if d["launches"] is not None:
+                d["launch_ms"] = launch_bound_s(d["launches"], d["outside"]) * 1e3
+            if moved is not None:
+                # What the step moves: its XLA kernels and the Pallas kernels' reads but of their
+                # tables (hlo_bytes), plus what the attention reads of the KV pool at `context`
+                # and the grouped matmul of the experts the batch is routed to: the minimum's
+                # own terms, so the ratio is what the step moves beyond them.
+                d["bytes_accessed"] = moved + kv + weights - s.get("decode_dense_bytes", 0)
+                d["bytes_ratio"] = d["bytes_accessed"] / (weights + kv)
+            row["decode"].append(d)
         temps = [x["temp_bytes"] for x in row["prefill"] + row["decode"] if x["temp_bytes"] is not None]
         row["max_temp_bytes"] = max(temps, default=0)
         row["problems"] = _problems(row)
@@ -155,13 +219,31 @@ def format_plan(plan: dict, preset: str) -> str:
         if not s["decode"] and not s["prefill"]:
             continue
         lines += ["", f"{s['stage']}: decode step per bucket"]
-        lines.append(f"{'batch':>6}{'weights GB':>12}{'KV read GB':>12}{'roofline ms':>13}{'launches':>10}"
-                     f"{'temp MiB':>10}")
+        lines.append(f"{'batch':>6}{'weights GB':>12}{'KV read GB':>12}{'moved/min':>11}{'roofline ms':>13}"
+                     f"{'launches':>10}{'outside':>9}{'per layer':>11}{'launch ms':>11}{'bound':>11}{'temp MiB':>10}")
         for d in s["decode"]:
             launches = "-" if d["launches"] is None else d["launches"]
             temp = "-" if d["temp_bytes"] is None else f"{d['temp_bytes'] / 2**20:.1f}"
-            lines.append(f"{d['bucket']:>6}{d['weight_bytes'] / GB:>12.2f}{d['kv_read_bytes'] / GB:>12.2f}"
-                         f"{d['roofline_ms']:>13.2f}{launches:>10}{temp:>10}")
+            outside = "-" if d["outside"] is None else d["outside"]
+            per_layer = "-" if d["profile"] is None else d["profile"]["per_layer"]
+            launch_ms = d.get("launch_ms")
+            bound = "-" if launch_ms is None else ("launches" if launch_ms > d["roofline_ms"] else "bandwidth")
+            ratio = f"{d['bytes_ratio']:.2f}" if "bytes_ratio" in d else "-"
+            lines.append(f"{d['bucket']:>6}{d['weight_bytes'] / GB:>12.2f}{d['kv_read_bytes'] / GB:>12.2f}{ratio:>11}"
+                         f"{d['roofline_ms']:>13.2f}{launches:>10}{outside:>9}{per_layer:>11}"
+                         f"{'-' if launch_ms is None else f'{launch_ms:.2f}':>11}{bound:>11}{temp:>10}")
+        for d in s["decode"]:
+            prof = d["profile"]
+            if prof and (prof["outside"] or prof.get("after_sample")):
+                extra = [f"outside command buffers: {', '.join(prof['outside']) or 'none'}"]
+                if prof.get("after_sample"):
+                    a = prof["after_sample"]
+                    extra.append(f"after-sample program {a['launches']} launches ({len(a['outside'])} outside)")
+                lines.append(f"  batch {d['bucket']}: " + "; ".join(extra))
+        lines.append(f"  (moved/min: HBM bytes the step moves over weights + KV read; launch ms: "
+                     f"{GRAPHED_LAUNCH_S * 1e6:.1f} us per launch in a command buffer, {HOST_LAUNCH_S * 1e6:.0f} us "
+                     f"outside; both at the real depth from the 1- and 2-layer steps where the bucket "
+                     f"was not compiled whole)")
         lines.append(f"{s['stage']}: prefill temporaries per token bucket: " + ", ".join(
             f"{p['bucket']}: {p['temp_bytes'] / 2**20:.0f} MiB" for p in s["prefill"]))
     lines.append("")

@@ -68,6 +68,20 @@ def checkpoint_hf_config(ckpt_dir: str) -> dict:
     return read_config(ckpt_dir)["hf_config"]
 
 
+def with_layers(family: str, model_stage: str, hf_config: dict, layers: int) -> dict:
+    """A copy of the HF config whose `model_stage` decoder has `layers` layers (real widths):
+    the launches of one layer are those of two layers less those of one, at a few seconds
+    of compiling where the real depth takes minutes."""
+    hf = copy.deepcopy(hf_config)
+    cfg = hf[stages_of(family)[model_stage].config_key]
+    text = cfg.get("text_config", cfg)
+    text["num_hidden_layers"] = layers
+    for key in ("layer_types",):   # per-layer lists follow the depth
+        if key in text:
+            text[key] = text[key][:layers]
+    return hf
+
+
 def stage_model(family: str, model_stage: str, hf_config: dict, dtype=DTYPE):
     """(abstract module, stage config) of one stage; built once per process, as tracing
     a real-size model's initialisers takes seconds (the module is only read here)."""

@@ -9,12 +9,15 @@ many programs share one process's start-up. Selections:
 * ``tier``: what the gpu_compile tests check (see `select_tier`);
 * ``full``: every kind of program the issue lists, at its extreme buckets (`select_full`);
 * ``plan``: the steps `omni-jax plan` reads (every decode and prefill bucket of each
-  AR stage, or only the smallest and largest with ``--ends``).
+  AR stage, or only the smallest and largest with ``--ends``);
+* ``layers``: only what every selection adds, each AR stage's launch profile
+  (`select_layers`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import resource
 import sys
@@ -52,7 +55,8 @@ def stage_facts(family: str, stage, hf_config: dict, target) -> dict:
         text = P.text_config(family, stage.model_stage, hf_config)
         block = P.kv_block_bytes(stage, text)
         facts.update(decode_weight_bytes(state), num_experts=getattr(text, "num_experts", 0),
-                     top_k=getattr(text, "num_experts_per_tok", 0), kv_bytes_per_token=block // stage.block_size)
+                     top_k=getattr(text, "num_experts_per_tok", 0), kv_bytes_per_token=block // stage.block_size,
+                     num_layers=text.num_layers)
     return facts | stage_memory(stage, target, params, block).__dict__
 
 
@@ -122,6 +126,29 @@ def select_tier(family: str, stage, hf_config: dict, num_blocks: int, target_nam
     return out
 
 
+# Decoder depths the per-layer launch count is taken from (launches(2) - launches(1)).
+LAYER_DEPTHS = (1, 2)
+
+
+def select_layers(family: str, stage, hf_config: dict, num_blocks: int) -> list:
+    """An AR stage's decode step at its smallest and largest bucket with a 1- and a 2-layer
+    decoder of the real widths (seconds to compile each, where the real depth takes minutes
+    for a MoE stage): launches per layer and per step besides the layers (`plan.launch_profile`).
+    A stage with an after-sample program (Qwen3's code predictor) adds it at the same batches."""
+    if stage.runner != "ar":
+        return []
+    out = []
+    for n in LAYER_DEPTHS:
+        progs = P.ar_engine_programs(family, stage, P.with_layers(family, stage.model_stage, hf_config, n),
+                                     num_blocks)
+        picked = _ends(progs, "decode", _step_variant(stage))
+        if n == LAYER_DEPTHS[0]:
+            picked += _ends(progs, "after_sample")
+        out += [dataclasses.replace(p, name=f"{p.name}/layers{n}", kind="decode_layers", info=dict(p.info, layers=n))
+                if p.kind == "decode" else p for p in picked]
+    return out
+
+
 def _expert_layers(family: str, stage, hf_config: dict) -> list:
     """A MoE stage's expert matmuls over 1 and 4 layers at its largest step (temporaries)."""
     text = P.text_config(family, stage.model_stage, hf_config)
@@ -182,7 +209,7 @@ def negative_control(compiler: aot.Compiler, family: str, stage, hf_config: dict
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", required=True)
-    ap.add_argument("--select", choices=("tier", "full", "plan"), default="tier")
+    ap.add_argument("--select", choices=("tier", "full", "plan", "layers"), default="tier")
     ap.add_argument("--families", default="qwen2_5_omni,qwen3_omni")
     ap.add_argument("--presets", default=None, help="comma-separated presets (default: the families' own)")
     ap.add_argument("--ends", action="store_true", help="plan: only the smallest and largest bucket")
@@ -209,8 +236,12 @@ def main(argv=None) -> int:
                 if stage.model_stage == "thinker":
                     reports.append(negative_control(compiler, pipeline.family, stage, hf, blocks).to_dict()
                                    | {"stage": stage.name, "preset": pipeline.name})
-            else:
+            elif args.select == "plan":
                 progs = select_plan(pipeline.family, stage, hf, blocks, args.ends)
+            else:
+                progs = []
+            # Every selection: the launch profile of each AR stage's decode step.
+            progs += select_layers(pipeline.family, stage, hf, blocks)
             for p in progs:
                 placed = p.args if p.mesh is not None else compiler.place(p.args)
                 r = compiler.compile(p.name, p.fn, *placed, mesh=p.mesh, **p.kwargs)

@@ -6,9 +6,9 @@ the weights of the group whose run of rows holds it. Backend: Pallas' Triton low
 (see ``paged_attention``'s docstring for why not Mosaic GPU).
 
 Algorithm: each group's run of rows is cut into blocks of ``block_rows`` (the last block
-of a run is partial), planned on the device from a cumsum of the per-group block counts
-(``blocked_plan``: no host sync). One program per (row block, tile of N columns) loads
-its group's weight tiles in place, through pointers into the whole table, and runs a
+of a run is partial), planned by each program from a cumsum of the per-group block
+counts (``plan_block``: no host sync, no launch of its own). One program per (row block,
+tile of N columns) loads its group's weight tiles in place, through pointers into the whole table, and runs a
 K loop of ``[block_rows, block_k] x [block_k, block_n]`` dots in fp32. The programs of
 the static grid past the used blocks zero the rows of no group. So a step reads each routed
 group's weights once per row block, never copies them, and is one launch, where a loop
@@ -29,8 +29,8 @@ from jax.experimental.pallas import triton as plgpu
 from kernels_pallas.paged_attention import dot_precision, next_pow2
 from kernels_pallas.tuning import pick, target_capability
 
-__all__ = ["grouped_matmul", "blocked_plan", "max_blocks", "default_block_rows", "GROUPED_TUNING",
-           "grouped_tuning"]
+__all__ = ["grouped_matmul", "blocked_plan", "plan_block", "max_blocks", "MIN_BLOCK_ROWS", "default_block_rows",
+           "GROUPED_TUNING", "grouped_tuning"]
 
 # Launch settings per compute capability (most conservative row first), from compiling
 # at the real Qwen3-Omni MoE shapes for each target; tests/test_gpu_compile.py checks
@@ -63,21 +63,39 @@ def blocked_plan(group_sizes: jnp.ndarray, num_rows: int, block_rows: int, num_b
     covers rows [start_j, end_j) of the sorted rows, end_j - start_j <= block_rows.
     Entries past the used count are junk and never read.
     """
+    n = num_blocks or max_blocks(num_rows, group_sizes.shape[0], block_rows)
+    return plan_block(group_sizes, jnp.arange(n, dtype=jnp.int32), block_rows)
+
+
+def plan_block(group_sizes: jnp.ndarray, j, block_rows: int):
+    """``blocked_plan`` for block index j (a scalar, or an array of them): (group, start, end,
+    used, total). Only cumsums, sums and selects, so that the kernel computes its own block
+    in each program (the plan as XLA ops was eight kernels per MoE layer, a launch each) and
+    XLA the whole plan for the CPU path, from the same lines."""
     sizes = group_sizes.astype(jnp.int32)
-    n = num_blocks or max_blocks(num_rows, sizes.shape[0], block_rows)
+    g = sizes.shape[0]
     blocks = (sizes + block_rows - 1) // block_rows
     cum_blocks = jnp.cumsum(blocks)
     row_end = jnp.cumsum(sizes)
-    row_start = row_end - sizes
-    j = jnp.arange(n, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(cum_blocks, j, side="right"), sizes.shape[0] - 1)
-    group = group.astype(jnp.int32)
-    start = row_start[group] + (j - (cum_blocks[group] - blocks[group])) * block_rows
-    end = jnp.minimum(start + block_rows, row_end[group])
-    return group, start, end, cum_blocks[-1], row_end[-1]
+    j = jnp.asarray(j, jnp.int32)
+    ids = jnp.arange(g, dtype=jnp.int32)
+    # Block j's group: the groups whose blocks all end at or before j (compared all at once;
+    # searchsorted's binary search is a while loop XLA:GPU drives from the host).
+    group = jnp.minimum(jnp.sum((cum_blocks <= j[..., None]).astype(jnp.int32), axis=-1), g - 1)
+    if group.ndim:   # XLA: a gather
+        at = lambda v: jnp.take(v, group)  # noqa: E731
+    else:            # one program: a select (a Triton program cannot index a vector it holds)
+        at = lambda v: jnp.sum(jnp.where(ids == group, v, 0))  # noqa: E731
+    ends = at(row_end)
+    start = ends - at(sizes) + (j - (at(cum_blocks) - at(blocks))) * block_rows
+    return group, start, jnp.minimum(start + block_rows, ends), jnp.sum(blocks), jnp.sum(sizes)
 
 
-def default_block_rows(num_rows: int, num_groups: int, smallest: int = 16) -> int:
+# Rows of the smallest block: the smallest M of a Triton dot.
+MIN_BLOCK_ROWS = 16
+
+
+def default_block_rows(num_rows: int, num_groups: int, smallest: int = MIN_BLOCK_ROWS) -> int:
     """Row-block size: ~ the mean group size, a power of two in [smallest, 128] (16, the
     smallest Triton dot, for this kernel). Big enough that a block is a real matmul, small
     enough that the <= 1 partial block per group (G*(B-1) padded rows at worst) stays
@@ -86,12 +104,11 @@ def default_block_rows(num_rows: int, num_groups: int, smallest: int = 16) -> in
     return min(128, max(smallest, next_pow2(mean)))
 
 
-def _kernel(group_ref, start_ref, end_ref, used_ref, total_ref, rows_ref, w_ref, out_ref, *,
-            block_rows, block_n, block_k, num_real_rows, precision):
+def _kernel(sizes_ref, rows_ref, w_ref, out_ref, *, block_rows, block_n, block_k, num_real_rows, precision):
     j, n = pl.program_id(0), pl.program_id(1)
     num_rows, k_dim = rows_ref.shape
     n_dim = w_ref.shape[1]
-    used = used_ref[()]
+    group, start, end, used, total = plan_block(sizes_ref[...], j, block_rows)
     c = n * block_n + jnp.arange(block_n, dtype=jnp.int32)
     col_ok = c < n_dim
 
@@ -106,10 +123,10 @@ def _kernel(group_ref, start_ref, end_ref, used_ref, total_ref, rows_ref, w_ref,
 
     @pl.when(j < used)
     def _():
-        r, row_ok = block(start_ref[()], end_ref[()])
+        r, row_ok = block(start, end)
         # Index every axis with an array: interpret mode discharges only all-array (or
         # all-slice) indexers; Triton takes both.
-        gi = jnp.full((1, 1), group_ref[()], jnp.int32)
+        gi = jnp.full((1, 1), group, jnp.int32)
 
         def body(i, acc):
             kk = i * block_k + jnp.arange(block_k, dtype=jnp.int32)
@@ -129,7 +146,7 @@ def _kernel(group_ref, start_ref, end_ref, used_ref, total_ref, rows_ref, w_ref,
     # materialises for every layer of a step at once).
     @pl.when(j >= used)
     def _():
-        r, row_ok = block(total_ref[()] + (j - used) * block_rows, num_real_rows)
+        r, row_ok = block(total + (j - used) * block_rows, num_real_rows)
         plgpu.store(out_ref.at[r[:, None], c[None, :]], jnp.zeros((block_rows, block_n), out_ref.dtype),
                     mask=row_ok[:, None] & col_ok[None, :])
 
@@ -155,28 +172,25 @@ def grouped_matmul(rows, weights, group_sizes, out_dtype=jnp.float32, *, block_r
         return jnp.zeros((0, n_dim), out_dtype)
     tune = grouped_tuning()
     bm = block_rows or default_block_rows(p, g)
-    if bm != next_pow2(bm) or bm < 16:
-        raise ValueError(f"block_rows={bm} must be a power of two >= 16")
+    if bm != next_pow2(bm) or bm < MIN_BLOCK_ROWS:
+        raise ValueError(f"block_rows={bm} must be a power of two >= {MIN_BLOCK_ROWS}")
     bn, bk = block_n or tune["block_n"], block_k or tune["block_k"]
     warps = num_warps or next((w for top, w in tune["warps"] if bm <= top), tune["warps"][-1][1])
     # Grid: the plan's blocks, then enough for the rows of no group (at most all of them).
     nb = max_blocks(p, g, bm) + pl.cdiv(p, bm)
-    group, start, end, used, total = blocked_plan(group_sizes, p, bm, nb)
     rows_in = rows if p >= bm else jnp.pad(rows, ((0, bm - p), (0, 0)))  # a block's worth of rows at least
     p_in = rows_in.shape[0]
     kernel = functools.partial(_kernel, block_rows=bm, block_n=bn, block_k=bk, num_real_rows=p,
                                precision=dot_precision(rows.dtype))
-    block = pl.BlockSpec((None,), lambda j, n: (j,))
-    scalar = pl.BlockSpec((), lambda j, n: ())
     whole = lambda shape: pl.BlockSpec(shape, lambda j, n: (0,) * len(shape))  # noqa: E731
     out = pl.pallas_call(
         kernel,
         grid=(nb, pl.cdiv(n_dim, bn)),
-        in_specs=[block, block, block, scalar, scalar, whole(rows_in.shape), whole(weights.shape)],
+        in_specs=[whole((g,)), whole(rows_in.shape), whole(weights.shape)],
         out_specs=whole((p_in, n_dim)),
         out_shape=jax.ShapeDtypeStruct((p_in, n_dim), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=num_stages or tune["num_stages"]),
         interpret=interpret,
         name=f"grouped_matmul_bm{bm}_bn{bn}_bk{bk}",
-    )(group, start, end, used, total, rows_in, weights)
+    )(group_sizes.astype(jnp.int32), rows_in, weights)
     return out if p_in == p else out[:p]

@@ -22,13 +22,19 @@ orientation with ``transpose_rhs=True``.)
 Dispatch (:func:`moe_experts`), for T tokens, k experts per token, P = T*k
 token-expert pairs:
 
-1. sort the P pairs by expert (``argsort`` of P int32 keys: O(P log P), negligible),
-   gather the token rows into expert order ``[P, H]``, count the pairs per expert;
+1. sort the P pairs by expert (``sort_pairs``: a decode step's few pairs ranked by
+   comparing every pair with every other, one reduction; a prefill's many by ``argsort``),
+   scatter the token rows into expert order ``[P, H]`` (at least a kernel block of rows),
+   count the pairs per expert;
 2. two grouped matmuls over the sorted rows (:func:`grouped_matmul` with the
    per-expert group sizes): ``[P, H] x [E, 2I, H] -> [P, 2I]``, SiLU-gate,
    ``[P, I] x [E, H, I] -> [P, H]``;
-3. un-permute and sum each token's k rows weighted by its routing weights (the
-   scatter-add, written as a gather + k-term sum: no atomics, deterministic).
+3. gather each token's k rows back from their sorted positions and sum them weighted by
+   the routing weights (no atomics, deterministic).
+
+On a GPU each of these is a kernel launch per MoE layer of a step, and a decode step's
+time is its launches more than its bytes (issue 47): what they compile to is in the
+README ("Launches per decode step").
 
 Grouped matmul implementations (``impl``; the default is chosen per lowering
 platform with ``lax.platform_dependent``, see ``DEFAULT_IMPL``):
@@ -88,7 +94,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import kernels_pallas
-from kernels_pallas.grouped_matmul import blocked_plan, default_block_rows
+from kernels_pallas.grouped_matmul import MIN_BLOCK_ROWS, blocked_plan, default_block_rows
 
 from . import parallel
 from .linear import Linear
@@ -192,12 +198,44 @@ def grouped_matmul(rows: jnp.ndarray, weights: jnp.ndarray, group_sizes: jnp.nda
 
 
 def route(router_logits: jnp.ndarray, top_k: int, norm_topk_prob: bool):
-    """Softmax (fp32) top-k routing: logits [T, E] -> (weights [T, k] fp32, experts [T, k] int32)."""
+    """Softmax (fp32) top-k routing: logits [T, E] -> (weights [T, k] fp32, experts [T, k] int32).
+
+    The softmax over all E experts stays (though renormalised over the k it equals the
+    softmax of the top k logits): on a GPU it also sums the router matmul's split-K
+    partials, which a top-k of the logits needs done apart (two launches more per layer)."""
     probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
     weights, experts = jax.lax.top_k(probs, top_k)
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, experts.astype(jnp.int32)
+
+
+# Pairs up to which sort_pairs ranks by comparing every pair with every other (P x P, one
+# fused reduction: decode steps), above which it sorts (prefill).
+COMPARE_ALL_MAX_PAIRS = 1024
+
+
+def sort_pairs(flat_experts, num_experts: int):
+    """Stable sort of token-expert pairs by expert, as (position [P], group_sizes [E]):
+    pair p goes to row position[p] of the expert-ordered rows; group_sizes counts the pairs
+    of each expert (ids >= E belong to no group and sort last).
+
+    Decode steps (P <= COMPARE_ALL_MAX_PAIRS) rank each pair by counting the pairs before it
+    (lower expert, or same expert and lower index): two fused reductions, where a sort and
+    the scatters that invert it are several kernels each, a step's launches on a GPU."""
+    p = flat_experts.shape[0]
+    e = flat_experts.astype(jnp.int32)
+    # Counted apart from the ranks: one reduction of both came out a kernel less but a copy
+    # more (the custom call takes the sizes as a buffer of their own).
+    group_sizes = jnp.sum(e[None, :] == jnp.arange(num_experts, dtype=jnp.int32)[:, None], axis=1,
+                          dtype=jnp.int32)
+    if p <= COMPARE_ALL_MAX_PAIRS:
+        idx = jnp.arange(p, dtype=jnp.int32)
+        before = (e[None, :] < e[:, None]) | ((e[None, :] == e[:, None]) & (idx[None, :] < idx[:, None]))
+        return jnp.sum(before, axis=1, dtype=jnp.int32), group_sizes
+    order = jnp.argsort(e, stable=True)
+    position = jnp.zeros_like(order).at[order].set(jnp.arange(p, dtype=order.dtype), unique_indices=True)
+    return position.astype(jnp.int32), group_sizes
 
 
 def moe_experts(x, routing_weights, experts, gate_up_proj, down_proj, act=jax.nn.silu, valid=None,
@@ -217,9 +255,12 @@ def moe_experts(x, routing_weights, experts, gate_up_proj, down_proj, act=jax.nn
     if valid is not None:
         # Expert id E sorts after every real expert and is counted in no group.
         flat_experts = jnp.where(jnp.repeat(valid, k), flat_experts, num_experts)
-    order = jnp.argsort(flat_experts, stable=True)
-    group_sizes = jnp.zeros((num_experts,), jnp.int32).at[flat_experts].add(1, mode="drop")
-    rows = jnp.take(x, order // k, axis=0)
+    position, group_sizes = sort_pairs(flat_experts, num_experts)
+    # Pair p = token * k + slot goes to row position[p] of the expert-ordered rows; at least
+    # a kernel block's worth of them (the rows past the pairs belong to no group), so that
+    # the grouped matmuls take them as they are (a pad before each is one launch more).
+    rows = jnp.zeros((max(t * k, MIN_BLOCK_ROWS), x.shape[1]), x.dtype).at[position].set(
+        jnp.repeat(x, k, axis=0), unique_indices=True)
 
     # Intermediate in the compute dtype (as transformers); the down projection in fp32
     # so the k-way weighted sum below adds unrounded expert outputs.
@@ -228,11 +269,7 @@ def moe_experts(x, routing_weights, experts, gate_up_proj, down_proj, act=jax.nn
     h = act(h[:, :inter]) * h[:, inter:]
     y = grouped_matmul(h, down_proj.astype(x.dtype), group_sizes, impl=impl,
                        block_rows=block_rows)  # [P, H] fp32
-
-    # Pair p = token * k + slot sits at sorted position inverse[p].
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype),
-                                                  unique_indices=True)
-    y = jnp.take(y, inverse, axis=0).reshape(t, k, -1)
+    y = jnp.take(y, position, axis=0).reshape(t, k, -1)
     out = jnp.einsum("tk,tkh->th", routing_weights.astype(x.dtype).astype(jnp.float32), y)
     if valid is not None:
         out = jnp.where(valid[:, None], out, 0.0)

@@ -13,6 +13,7 @@ batch 64, 4k context, >= 70% of peak on H100 and >= 1.5x the reference.
 It also times the MoE experts' grouped matmul at Qwen3-Omni-30B-A3B thinker shapes
 (128 experts, 8 per token, hidden 2048, expert width 768): the Pallas kernel against the
 blocked XLA loop (models/layers/moe.py), with the bandwidth of the routed experts' weights.
+`norm_point` (the GPU check's) times the residual add + RMSNorm kernel against its reference.
 
 Without a GPU it runs the kernels once in Pallas interpret mode on small
 shapes as a smoke check and says clearly that no timing was taken.
@@ -33,6 +34,7 @@ import numpy as np  # noqa: E402
 
 from kernels_pallas import reference  # noqa: E402
 from kernels_pallas.grouped_matmul import grouped_matmul, grouped_tuning  # noqa: E402
+from kernels_pallas.rms_norm import rms_norm  # noqa: E402
 from kernels_pallas.kv_update import write_kv_pages  # noqa: E402
 from kernels_pallas.paged_attention import decode_tuning, paged_attention  # noqa: E402
 from kernels_pallas.ragged_paged_attention import (  # noqa: E402
@@ -283,6 +285,17 @@ def experts_point(tokens, experts=EXPERTS, interpret=False, iters=20):
     nbytes = hit * 2 * i * h * ITEM + rows.size * ITEM + tokens * k * 2 * i * ITEM
     return dict(kernel_s=tk, xla_s=tr, max_err=err, rel_err=rel, bytes=nbytes, experts_hit=hit,
                 flops=2 * tokens * k * 2 * i * h)
+
+
+def norm_point(tokens, hidden, interpret=False, iters=20):
+    """The residual add + RMSNorm of `tokens` rows (a decoder's post-attention norm): the
+    one-launch Pallas kernel against its XLA reference (three kernels on a GPU)."""
+    x, h = (jax.random.normal(jax.random.key(8 + i), (tokens, hidden), DTYPE) for i in range(2))
+    w = jax.random.normal(jax.random.key(10), (hidden,), DTYPE)
+    kern = jax.jit(lambda a, b, c: rms_norm(a, c, b, eps=1e-6, interpret=interpret)[0])
+    ref = jax.jit(lambda a, b, c: reference.rms_norm(a, c, b, eps=1e-6)[0])
+    tk, tr, (err, rel) = _timed_pair(kern, ref, (x, h, w), iters, interpret)
+    return dict(kernel_s=tk, xla_s=tr, max_err=err, rel_err=rel, bytes=(3 * x.size + hidden) * ITEM)
 
 
 def report_target(rows, peak):

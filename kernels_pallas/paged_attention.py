@@ -21,7 +21,7 @@ query heads sharing a KV head (GQA group, padded to a power of two and to at
 least 16 rows, the smallest Triton ``dot`` tile) form the rows of a small
 matmul against ``pages_per_compute_block`` pages of K at a time, with an
 online softmax in fp32. Long contexts are split over ``k_splits`` programs
-per head, whose partial results are merged by log-sum-exp in XLA. The page
+per head, whose partial results a second kernel merges by log-sum-exp. The page
 loop runs only over the pages a sequence uses (its bounds come from
 ``seq_len`` and the sliding window), and loads past ``seq_len`` are masked,
 so padded rows (``seq_len == 0``) read nothing and return zeros.
@@ -150,9 +150,25 @@ def load_pages(pages_ref, page_ids, valid):
     return x.reshape(p * bs, d)
 
 
+def store_heads(o_ref, o, group):
+    """Rows 0..group-1 of this program's o [R, D] (its KV head's query heads; the rest pad the
+    GQA group to a Triton tile) to query heads h * group.. of sequence b in o_ref [B, Hq, D], so
+    that no slice of a padded output follows (a launch per layer). The pad rows store row
+    group-1 again, its address and its value: no mask, as interpret mode stores a masked row
+    back as it read it, which would race with the real write of that row."""
+    b, h = pl.program_id(0), pl.program_id(1)
+    rows, d = o.shape
+    r = jnp.arange(rows, dtype=jnp.int32)
+    last = jnp.sum(jnp.where(r[:, None] == group - 1, o, jnp.zeros_like(o)), axis=0)
+    o = jnp.where(r[:, None] < group, o, last[None, :].astype(o.dtype))
+    heads = h * group + jnp.minimum(r, group - 1)
+    idx = (jnp.full((rows, 1), b, jnp.int32), heads[:, None], jnp.arange(d, dtype=jnp.int32)[None, :])
+    plgpu.store(o_ref.at[idx], o)
+
+
 def _decode_kernel(seq_len_ref, table_ref, q_ref, k_ref, v_ref, *out_refs,
                    scale_log2, pages_per_block, pages_per_split,
-                   sliding_window, precision):
+                   sliding_window, precision, group):
     block_size = k_ref.shape[1]
     split = pl.program_id(2)
     seq_len = seq_len_ref[()]
@@ -191,7 +207,7 @@ def _decode_kernel(seq_len_ref, table_ref, q_ref, k_ref, v_ref, *out_refs,
 
     if len(out_refs) == 1:           # single split: final output directly
         (o_ref,) = out_refs
-        o_ref[...] = normalize(acc, l).astype(o_ref.dtype)
+        store_heads(o_ref, normalize(acc, l).astype(o_ref.dtype), group)
     else:                            # partial results for the LSE merge
         o_ref, m_ref, l_ref = out_refs
         o_ref[...] = acc
@@ -206,8 +222,52 @@ def default_k_splits(batch, kv_heads, num_compute_blocks, programs=512):
     return max(1, min(want, num_compute_blocks // 2))
 
 
+def _merge_kernel(acc_ref, m_ref, l_ref, o_ref, *, chunk, group):
+    """One (sequence, KV head): the log-sum-exp merge of its splits' partials, `chunk`
+    splits at a time (an online merge: the running max moves as chunks come in)."""
+    splits, rows, d = acc_ref.shape
+
+    def body(i, carry):
+        acc, m, l = carry
+        part = pl.ds(i * chunk, chunk)
+        m_c, l_c, acc_c = m_ref[part, :], l_ref[part, :], acc_ref[part, :, :]
+        m_new = jnp.maximum(m, jnp.max(m_c, axis=0))
+        alpha = jnp.exp2(m - m_new)
+        w = jnp.exp2(m_c - m_new[None, :])                   # [chunk, rows]
+        l = l * alpha + jnp.sum(w * l_c, axis=0)
+        acc = acc * alpha[:, None] + jnp.sum(w[:, :, None] * acc_c, axis=0)
+        return acc, m_new, l
+
+    carry = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), M_INIT, jnp.float32),
+             jnp.zeros((rows,), jnp.float32))
+    acc, _, l = lax.fori_loop(0, splits // chunk, body, carry)
+    store_heads(o_ref, normalize(acc, l).astype(o_ref.dtype), group)
+
+
+def merge_splits_kernel(acc, m, l, group, out_dtype, *, interpret=False, num_warps=4):
+    """``merge_splits`` as one launch (XLA makes three reductions of it and a convert, a
+    launch each, per layer of a decode step): partials acc [K, B, H, R, D], m and l
+    [K, B, H, R] (K a power of two; splits with l == 0 add nothing; rows past `group` are
+    GQA padding) -> [B, H * group, D], query head h * group + r from row r of KV head h."""
+    splits, batch, heads, rows, d = acc.shape
+    chunk = min(splits, 8)
+    part = lambda *tail: pl.BlockSpec((splits, None, None) + tail,  # noqa: E731
+                                      lambda b, h: (0, b, h) + (0,) * len(tail))
+    return pl.pallas_call(
+        functools.partial(_merge_kernel, chunk=chunk, group=group),
+        grid=(batch, heads),
+        in_specs=[part(rows, d), part(rows), part(rows)],
+        out_specs=pl.BlockSpec((batch, heads * group, d), lambda b, h: (0, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((batch, heads * group, d), out_dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name=f"decode_merge_k{splits}",
+    )(acc, m, l)
+
+
 def merge_splits(acc, m, l):
-    """Log-sum-exp merge of split partials [K, ...] -> normalized output."""
+    """Log-sum-exp merge of split partials [K, ...] -> normalized output (the XLA reference
+    of ``merge_splits_kernel``)."""
     m_max = jnp.max(m, axis=0)
     w = jnp.exp2(m - m_max[None])                           # [K, ...]
     denom = jnp.sum(w * l, axis=0)
@@ -253,6 +313,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, *,
     splits = max(1, min(splits, num_compute_blocks))
     pages_per_split = pl.cdiv(num_compute_blocks, splits) * ppb
     splits = pl.cdiv(width, pages_per_split)     # drop splits with no pages
+    if splits > 1:   # a power of two for the merge kernel's tiles; the extra splits read nothing
+        splits = next_pow2(splits)
     # Pad the table so every compute block reads in range (entries -> dummy).
     tables = jnp.pad(block_tables.astype(jnp.int32),
                      ((0, 0), (0, splits * pages_per_split - width)))
@@ -263,7 +325,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, *,
     kernel = functools.partial(
         _decode_kernel, scale_log2=softmax_scale_log2(sm_scale, d),
         pages_per_block=ppb, pages_per_split=pages_per_split,
-        sliding_window=sliding_window, precision=dot_precision(q.dtype))
+        sliding_window=sliding_window, precision=dot_precision(q.dtype), group=group)
     page_spec = pl.BlockSpec((num_blocks, block_size, None, d),
                              lambda b, h, s: (0, 0, h, 0))
     in_specs = [
@@ -273,9 +335,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, *,
         page_spec, page_spec,
     ]
     if splits == 1:
-        out_shape = jax.ShapeDtypeStruct(qg.shape, q.dtype)
-        out_specs = pl.BlockSpec((None, None, rows, d),
-                                 lambda b, h, s: (b, h, 0, 0))
+        out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+        out_specs = pl.BlockSpec(q.shape, lambda b, h, s: (0, 0, 0))
     else:
         part = (splits, batch, hkv, rows)
         out_shape = (jax.ShapeDtypeStruct(part + (d,), jnp.float32),
@@ -299,9 +360,6 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, *,
         name=f"paged_decode_bs{block_size}_ppb{ppb}_k{splits}",
     )(seq_lens.astype(jnp.int32), tables, qg, k_pages, v_pages)
 
-    if splits == 1:
-        o = out[:, :, :group]
-    else:
-        acc, m, l = (x[:, :, :, :group] for x in out)
-        o = merge_splits(acc, m, l)
-    return o.reshape(batch, hq, d).astype(q.dtype)
+    if splits > 1:
+        out = merge_splits_kernel(*out, group, q.dtype, interpret=interpret)
+    return out

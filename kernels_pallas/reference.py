@@ -284,3 +284,15 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens,
 
     out = lax.map(one_block, (qp.reshape(n, chunk, hkv, g, d), seqp, posp))
     return out.reshape(t + pad, hq, d)[:t].astype(q.dtype)
+
+
+def rms_norm(x, weight, delta=None, *, eps: float):
+    """RMSNorm over the last axis (fp32 statistics, as transformers), of x + delta when an
+    addend is given: normed, or (normed, x + delta). The Pallas kernel's reference
+    (``rms_norm.py``) and the norm of every backend but the GPU's."""
+    if delta is not None:
+        x = x + delta
+    x32 = x.astype(jnp.float32)
+    var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+    y = weight.astype(x.dtype) * (x32 * jnp.reciprocal(jnp.sqrt(var + eps))).astype(x.dtype)
+    return y if delta is None else (y, x)

@@ -449,3 +449,58 @@ def test_write_kv_pages_in_place_under_donation():
     assert k2.unsafe_buffer_pointer() == ptr
     assert k2.dtype == BF16 and float(k2[1, 1, 0, 0]) == 2.0
     assert float(k2[1, 3, 0, 0]) == 1.0
+
+
+# ---------------------------------------------------------------- decode merge, RMSNorm
+
+
+@pytest.mark.parametrize("splits,rows", [(2, 16), (16, 16), (32, 32)])
+def test_decode_merge_kernel_matches_xla_merge(splits, rows):
+    """The split partials' log-sum-exp merge as one kernel (interpret mode) against the XLA
+    merge it replaced, with empty splits (l == 0, the padding to a power of two) and a
+    sequence that saw no key at all (its output: zeros)."""
+    from kernels_pallas.paged_attention import M_INIT, merge_splits, merge_splits_kernel
+
+    rng = np.random.default_rng(splits)
+    b, h, d = 3, 2, 32
+    acc = rng.standard_normal((splits, b, h, rows, d)).astype(np.float32)
+    m = (rng.standard_normal((splits, b, h, rows)) * 4).astype(np.float32)
+    l = rng.uniform(0.5, 3, (splits, b, h, rows)).astype(np.float32)
+    empty = np.zeros((splits, b, 1, 1), bool)
+    empty[splits // 2:] = True                      # the padded splits: nothing seen
+    empty[:, 1] = True                              # sequence 1: no key in any split
+    m, l = np.where(empty, M_INIT, m), np.where(empty, 0.0, l)
+    acc = np.where(empty[..., None], 0.0, acc)
+    group = rows // 2 - 1                             # GQA padding rows past it
+    out = merge_splits_kernel(jnp.asarray(acc), jnp.asarray(m), jnp.asarray(l), group, F32, interpret=True)
+    want = merge_splits(jnp.asarray(acc), jnp.asarray(m), jnp.asarray(l))[:, :, :group].reshape(b, h * group, d)
+    assert out.shape == (b, h * group, d)
+    assert_close(out, want, F32)
+    assert not np.asarray(out[1]).any()
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("hidden", [96, 128])       # 96: the row padded to 128, its tail masked
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_rms_norm_kernel_matches_reference(dtype, hidden, with_delta):
+    """The one-launch RMSNorm (and the residual add before it) in interpret mode against
+    ``reference.rms_norm``, the norm of every other backend."""
+    import kernels_pallas
+
+    rng = np.random.default_rng(hidden)
+    x, delta = (jnp.asarray(rng.standard_normal((5, hidden)) * 3, dtype) for _ in range(2))
+    w = jnp.asarray(rng.standard_normal(hidden), dtype)
+    delta = delta if with_delta else None
+    out = kernels_pallas.rms_norm(x, w, delta, eps=1e-6, interpret=True)
+    want = reference.rms_norm(x, w, delta, eps=1e-6)
+    if with_delta:
+        (out, summed), (want, want_sum) = out, want
+        np.testing.assert_array_equal(np.asarray(summed.astype(F32)), np.asarray(want_sum.astype(F32)))
+    assert out.dtype == dtype and out.shape == x.shape
+    # bf16: the fp32 statistics round differently (a padded sum / H against a mean, 1 / sqrt
+    # against reciprocal(sqrt)), so the bf16 row may round one ulp the other way, and the
+    # weight's bf16 product one more: two ulps, relative.
+    np.testing.assert_allclose(np.asarray(out.astype(F32)), np.asarray(want.astype(F32)),
+                               rtol=0 if dtype == F32 else 2 ** -6, atol=TOL[F32])
+    with pytest.raises(ValueError, match="rms_norm"):
+        kernels_pallas.rms_norm(x, w[:-1], eps=1e-6, interpret=True)

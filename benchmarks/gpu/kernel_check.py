@@ -69,3 +69,6 @@ def run(size, rep, results_dir) -> None:
     for tokens in size.expert_tokens:
         record(f"moe gate/up qwen3 {tokens} tokens",
                kb.experts_point(tokens, experts, interpret=interp, iters=iters))
+    for tokens in size.expert_tokens:   # a decode batch and a prefill chunk
+        record(f"add + rms norm qwen2.5 {tokens} tokens",
+               kb.norm_point(tokens, qwen2_5.hidden_size, interpret=interp, iters=iters))

@@ -95,9 +95,12 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
 
     def __call__(self, x, cos, sin, meta, kv_cache=None):
-        h, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
-        x = x + h
-        return x + self._feed_forward(self.post_attention_layernorm(x), meta), kv_cache
+        h, kv_cache = self.self_attn(self.input_layernorm(x, meta.backend), cos, sin, meta, kv_cache)
+        # The residual add and the norm in one kernel on a GPU. (Leaving the layer's last add
+        # open for the next layer's norm saves no launch: on a GPU XLA fuses that add into
+        # the kernel before it, the down projection's split-K sum or the MoE combine.)
+        h, x = self.post_attention_layernorm.add(x, h, meta.backend)
+        return x + self._feed_forward(h, meta), kv_cache
 
     def _feed_forward(self, h, meta):
         return self.mlp(h)
@@ -139,7 +142,7 @@ class TextDecoder(nnx.Module):
             x, cache = layer(x, cos, sin, meta, None if kv_caches is None else kv_caches[i])
             if new_caches is not None:
                 new_caches.append(cache)
-        x = self.norm(x)
+        x = self.norm(x, meta.backend)
         if self.cfg.num_layers in capture_layers:
             captured[self.cfg.num_layers] = x
         return x, new_caches, captured

@@ -214,7 +214,7 @@ class Qwen3OmniTalkerModel(nnx.Module):
         """
         x, caches, captured = _run_layers(self.layers, inputs_embeds, positions, meta, self.cfg,
                                           kv_caches, capture_layers, interleaved=True)
-        x = self.norm(x)
+        x = self.norm(x, meta.backend)
         if self.cfg.num_layers in capture_layers:
             captured[self.cfg.num_layers] = x
         return x, caches, captured
@@ -243,7 +243,8 @@ class CodePredictorModel(nnx.Module):
         (hidden, updated caches) with per-layer paged `kv_caches` and paged metadata."""
         x, caches, _ = _run_layers(self.layers, inputs_embeds, positions, meta, self.cfg, kv_caches, (),
                                    interleaved=False)
-        return self.norm(x) if kv_caches is None else (self.norm(x), caches)
+        x = self.norm(x, meta.backend)
+        return x if kv_caches is None else (x, caches)
 
 
 class _CachedSteps:

@@ -177,7 +177,7 @@ class Qwen3TextDecoder(nnx.Module):
             if deepstack is not None and i < deepstack[1].shape[0]:
                 mask, features = deepstack
                 x = x + jnp.where(mask[:, None], features[i].astype(x.dtype), 0).astype(x.dtype)
-        x = self.norm(x)
+        x = self.norm(x, meta.backend)
         if cfg.num_layers in capture_layers:
             captured[cfg.num_layers] = x
         return x, new_caches, captured

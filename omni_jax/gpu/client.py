@@ -81,7 +81,8 @@ def run_workers(targets, select: str = "tier", extra_args=(), log=None, timeout:
 
 
 def summary(results: dict) -> str:
-    """One line per compiled program: target, name, verdict, seconds, memory, launches."""
+    """One line per compiled program: target, name, verdict, seconds, memory, launches (of
+    which outside command buffers, and the graphs), bytes moved (Pallas tables aside)."""
     lines = []
     for t, r in results.items():
         lines.append(f"# {t}: {len(r['reports'])} programs in {r['seconds']:.0f} s, "
@@ -92,7 +93,9 @@ def summary(results: dict) -> str:
                    if k else "")
             lines.append(f"{t} {p['name']}: {'ok' if p['ok'] else 'FAIL ' + p['error'][:160]} "
                          f"{p['seconds']:.1f}s temp {p['temp_bytes'] / 2**20:.0f} MiB alias "
-                         f"{p['alias_bytes'] / 2**30:.2f} GiB launches {p['launches']} {res}")
+                         f"{p['alias_bytes'] / 2**30:.2f} GiB launches {p['launches']} "
+                         f"({len(p['outside_launches'])} outside, {p['command_buffers']} graphs) "
+                         f"moved {p['bytes_accessed'] / 2**30:.2f} GiB {res}")
     return "\n".join(lines)
 
 

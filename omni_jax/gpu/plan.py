@@ -87,9 +87,11 @@ def launch_profile(reports: list[dict]) -> dict:
         one, two = by_depth[1], by_depth[2]
         per_layer = two["launches"] - one["launches"]
         layer_bytes = two["bytes_accessed"] - one["bytes_accessed"]
+        outside_per_layer = len(two["outside_launches"]) - len(one["outside_launches"])
         out[key] = dict(per_layer=per_layer, fixed=one["launches"] - per_layer,
                         graphed_per_layer=two["graphed_launches"] - one["graphed_launches"],
-                        outside=list(two["outside_launches"]), host_loops=two["host_loops"],
+                        outside=list(two["outside_launches"]), outside_per_layer=outside_per_layer,
+                        fixed_outside=len(one["outside_launches"]) - outside_per_layer, host_loops=two["host_loops"],
                         command_buffers=two["command_buffers"],
                         bytes_per_layer=layer_bytes, fixed_bytes=one["bytes_accessed"] - layer_bytes)
         if key in after:
@@ -138,7 +140,7 @@ def build_plan(result: dict, context: int) -> dict:
             moved = r["bytes_accessed"] if r else None
             if r is None and prof is not None:   # the real depth from the 1- and 2-layer steps
                 d["launches"] = prof["fixed"] + prof["per_layer"] * s["num_layers"]
-                d["outside"] = len(prof["outside"])
+                d["outside"] = prof["fixed_outside"] + prof["outside_per_layer"] * s["num_layers"]
                 moved = prof["fixed_bytes"] + prof["bytes_per_layer"] * s["num_layers"]
             if d["launches"] is not None:
                 d["launch_ms"] = launch_bound_s(d["launches"], d["outside"]) * 1e3

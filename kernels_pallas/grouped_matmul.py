@@ -6,15 +6,15 @@ the weights of the group whose run of rows holds it. Backend: Pallas' Triton low
 (see ``paged_attention``'s docstring for why not Mosaic GPU).
 
 Algorithm: each group's run of rows is cut into blocks of ``block_rows`` (the last block
-of a run is partial), planned by each program from a cumsum of the per-group block
-counts (``plan_block``: no host sync, no launch of its own). One program per (row block,
-tile of N columns) loads its group's weight tiles in place, through pointers into the whole table, and runs a
-K loop of ``[block_rows, block_k] x [block_k, block_n]`` dots in fp32. The programs of
-the static grid past the used blocks zero the rows of no group. So a step reads each routed
-group's weights once per row block, never copies them, and is one launch, where a loop
-of per-block XLA matmuls would copy each block's weights out of the table first (a
-``dynamic-slice`` XLA:GPU does not fuse into a GEMM) and launch several kernels per
-block, one block after another.
+of a run is partial), planned by each program from a cumsum of the per-group block counts
+(``plan_block``: no host sync, no launch of its own). One program per (row block, tile of
+N columns) loads its group's weight tiles in place, through pointers into the whole table,
+and runs a K loop of ``[block_rows, block_k] x [block_k, block_n]`` dots in fp32. The
+programs of the static grid past the used blocks zero the rows of no group. So a step
+reads each routed group's weights once per row block, never copies them, and is one
+launch, where a loop of per-block XLA matmuls would copy each block's weights out of the
+table first (a ``dynamic-slice`` XLA:GPU does not fuse into a GEMM) and launch several
+kernels per block, one block after another.
 """
 from __future__ import annotations
 

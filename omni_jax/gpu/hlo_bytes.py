@@ -163,10 +163,10 @@ def program_bytes(text: str) -> dict:
         params, body = comps[name]
         types = dict(params) | {i.name: i.type for i in body}
         for ins in body:
-            if ins.opcode in ("while", "conditional", "call"):
-                todo += re.findall(r"(?:body|condition|to_apply|branch_computations=\{[^}]*|calls)=%?([\w.\-]+)",
-                                   ins.attrs)
-                todo += re.findall(r"%([\w.\-]+)", "".join(re.findall(r"branch_computations=\{([^}]*)\}", ins.attrs)))
+            if ins.opcode in ("while", "conditional", "call"):   # their computations' kernels
+                todo += re.findall(r"(?:body|condition|to_apply)=%([\w.\-]+)", ins.attrs)
+                for branches in re.findall(r"branch_computations=\{([^}]*)\}", ins.attrs):
+                    todo += re.findall(r"%([\w.\-]+)", branches)
                 continue
             if ins.opcode in _FREE:
                 continue
@@ -174,11 +174,11 @@ def program_bytes(text: str) -> dict:
                 total += _fusion_bytes(ins, types, comps)
                 continue
             operand = [shape_bytes(types.get(o, "")) for o in ins.operands]
-            kernel = _pallas_name(ins) if ins.opcode == "custom-call" else None
-            skip = next((n for p, n in TABLE_OPERANDS.items() if kernel and kernel.startswith(p)), 0)
-            if skip:
-                prefix = next(p for p in TABLE_OPERANDS if kernel.startswith(p))
-                tables[prefix] = tables.get(prefix, 0) + sum(operand[-skip:])
-                operand = operand[:-skip]
+            kernel = (_pallas_name(ins) or "") if ins.opcode == "custom-call" else ""
+            prefix = next((p for p in TABLE_OPERANDS if kernel.startswith(p)), None)
+            if prefix:
+                n = TABLE_OPERANDS[prefix]
+                tables[prefix] = tables.get(prefix, 0) + sum(operand[-n:])
+                operand = operand[:-n]
             total += sum(operand) + shape_bytes(ins.type)
     return dict(bytes=total, tables=tables)

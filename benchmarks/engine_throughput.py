@@ -235,7 +235,7 @@ def host_overhead(eng, batch, steps=40, windows=9):
         eng.step()
     for _ in range(3):  # into the steady state: decodes only
         eng.step()
-    run, sample, collect = eng.runner._run, eng._sample_fn, eng._collect
+    run, sample, collect = eng.runner._run, eng.jitted.sample, eng._collect
     figures = []  # (host overhead, wall, device, host work) per window
     for _ in range(windows):
         calls = []  # ("run", batch inputs) and ("sample", metadata, flags), in launch order
@@ -261,7 +261,7 @@ def host_overhead(eng, batch, steps=40, windows=9):
                 timed(jax.block_until_ready, draw[1].token_ids)
             return collect(result, draw)
 
-        eng.runner._run, eng._sample_fn, eng._collect = recording_run, recording_sample, waiting_collect
+        eng.runner._run, eng.jitted.sample, eng._collect = recording_run, recording_sample, waiting_collect
         try:
             t, cpu = time.perf_counter(), time.thread_time()
             for _ in range(steps):
@@ -269,7 +269,7 @@ def host_overhead(eng, batch, steps=40, windows=9):
             wall = (time.perf_counter() - t) / steps
             host_work = (time.thread_time() - cpu - device_cpu[0]) / steps
         finally:
-            eng.runner._run, eng._sample_fn, eng._collect = run, sample, collect
+            eng.runner._run, eng.jitted.sample, eng._collect = run, sample, collect
         # The replay rewrites the steps' KV slots with the values they already hold.
         replay = [("run", dataclasses.replace(c[1], **{
                       f.name: jax.device_put(getattr(c[1], f.name)) for f in dataclasses.fields(c[1])

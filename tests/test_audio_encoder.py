@@ -13,8 +13,8 @@ from flax import nnx
 
 import hf_tiny
 from conversion.mapping import load_hf_into
+from omni_jax.models.layers.audio_blocks import AudioEncoderConfig
 from omni_jax.models.qwen2_5_omni.audio_encoder import (
-    AudioEncoderConfig,
     Qwen2_5OmniAudioEncoder,
     audio_output_lengths,
     num_chunks_for,

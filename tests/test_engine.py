@@ -15,7 +15,7 @@ from omni_jax.engine.runner import RunnerConfig
 from omni_jax.engine.sampling_params import SamplingParams
 from omni_jax.models.qwen2_5_omni.audio_encoder import audio_output_lengths
 from omni_jax.engine.protocol import MultiModalPayload
-from omni_jax.models.qwen2_5_omni.media_encoder import MediaBuckets
+from omni_jax.models.thinker_media import MediaBuckets
 from omni_jax.models.qwen2_5_omni.stages import build_thinker_engine
 
 pytestmark = pytest.mark.engine
@@ -110,8 +110,8 @@ def test_decodes_and_a_prefill_chunk_run_as_one_device_call(engine, qwen2_5_omni
     rng = np.random.default_rng(7)
     early = {f"early{i}": rng.integers(0, 151000, n) for i, n in enumerate((6, 11))}
     late = rng.integers(0, 151000, 50)  # longer than the 32-token budget: chunked next to decodes
-    calls, run = [], engine.runner._step_fn
-    engine.runner._step_fn = lambda *a, **k: calls.append(a[4]) or run(*a, **k)
+    calls, run = [], engine.runner.jitted.step
+    engine.runner.jitted.step = lambda *a, **k: calls.append(a[4]) or run(*a, **k)
     try:
         for rid, ids in early.items():
             engine.add_request(rid, ids, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
@@ -123,7 +123,7 @@ def test_decodes_and_a_prefill_chunk_run_as_one_device_call(engine, qwen2_5_omni
                 engine.add_request("late", late, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
                 tokens["late"] = []
     finally:
-        engine.runner._step_fn = run
+        engine.runner.jitted.step = run
     # Async scheduling may launch a step ahead of the one it finishes: count the finished ones.
     assert len(calls) == engine.stats["steps"] - steps
     assert sum(not m.decode_only and int(m.num_decodes) > 0 for m in calls) >= 2  # mixed steps

@@ -194,8 +194,8 @@ def test_streamed_vocoder_calls_compile(tier, target):
     Qwen2.5's DiT and vocoder halves, Qwen3's pre-transformer and convolutions, each at its
     smallest window and batch (the first chunk's, what the time to first audio waits for)."""
     got = {(r["preset"], r["info"]["call"]): r for r in _reports(tier, target, "vocoder")}
-    assert set(got) == {("qwen2_5_omni", "stream-mel"), ("qwen2_5_omni", "stream-wave"),
-                        ("qwen3_omni", "stream-frames"), ("qwen3_omni", "stream-conv")}
+    assert set(got) == {("qwen2_5_omni", "mel"), ("qwen2_5_omni", "wave"),
+                        ("qwen3_omni", "frame_states"), ("qwen3_omni", "convolve_stream")}
     for (preset, call), r in got.items():
         assert r["ok"], f"{r['name']}: {r['error']}"
         assert r["launches"] > 100, r["name"]
@@ -250,8 +250,8 @@ def test_full_selection_compiles_every_vocoder_call():
     every stream window of the preset and every batch bucket. Nothing is compiled here."""
     from omni_jax.gpu import programs as P, worker
 
-    calls = {"qwen2_5_omni": ["stream-mel", "stream-wave", "whole"],
-             "qwen3_omni": ["stream-conv", "stream-frames", "whole"]}
+    calls = {"qwen2_5_omni": ["mel", "wave", "whole"],
+             "qwen3_omni": ["convolve_stream", "frame_states", "whole"]}
     for name in PRESETS:
         pipeline = load_pipeline_config(name)
         stage = next(s for s in pipeline.stages if s.runner != "ar")

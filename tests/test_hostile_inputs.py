@@ -18,7 +18,7 @@ from PIL import Image
 from omni_jax import AsyncOmniJax, SamplingParams
 from omni_jax.config import load_pipeline_config
 from omni_jax.inputs.media import MediaLimits
-from omni_jax.inputs.processor import InputProcessor
+from omni_jax.models.qwen2_5_omni.processor import Qwen2_5InputProcessor
 from omni_jax.errors import PromptError
 from omni_jax.inputs.qwen_tokenizer import build_qwen2_5_omni_tokenizer
 from omni_jax.prompt_workers import PromptWorkers
@@ -33,7 +33,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def proc(tok):
-    return InputProcessor(tok, VOCAB)
+    return Qwen2_5InputProcessor(tok, VOCAB)
 
 
 def _user(*parts):
@@ -106,11 +106,11 @@ def test_lone_surrogates_are_a_prompt_error_naming_the_place(proc):
 def test_absurd_sample_rates_are_refused_with_the_configured_range(tok):
     """Tiny rates (1 Hz: a 1.6 s clip becomes 26 min at 16 kHz; 1e-30 Hz never resamples) and
     rates outside a configured range are refused, naming the range."""
-    proc = InputProcessor(tok, VOCAB, max_audio_seconds=None)
+    proc = Qwen2_5InputProcessor(tok, VOCAB, max_audio_seconds=None)
     for rate in (1e-30, 1.0, float("inf"), float("nan")):
         _refused_fast(proc, _user({"type": "audio", "audio": (np.zeros(1600, np.float32), rate)}),
                       r"sample rate must be in \[1000, 384000\] Hz")
-    narrow = InputProcessor(tok, VOCAB, media_limits=MediaLimits(min_sample_rate=8000, max_sample_rate=48000))
+    narrow = Qwen2_5InputProcessor(tok, VOCAB, media_limits=MediaLimits(min_sample_rate=8000, max_sample_rate=48000))
     _refused_fast(narrow, _user({"type": "audio", "audio": (np.zeros(9600, np.float32), 96000)}),
                   r"sample rate must be in \[8000, 48000\] Hz, got 96000")
     ok = narrow.process(_user({"type": "audio", "audio": (np.zeros(4800, np.float32), 48000)}))
@@ -131,7 +131,7 @@ def test_huge_png_is_refused_from_its_header_before_decoding(proc):
     with pytest.raises(PromptError, match="12000x12000 = 144000000 pixels, more than the limit of 67108864"):
         proc.process(_user({"type": "image", "image": data}))
     assert time.perf_counter() - t0 < 0.5
-    small = InputProcessor(proc.tokenizer, VOCAB, media_limits=MediaLimits(max_image_pixels=64 * 64))
+    small = Qwen2_5InputProcessor(proc.tokenizer, VOCAB, media_limits=MediaLimits(max_image_pixels=64 * 64))
     _refused_fast(small, _user({"type": "image", "image": _png(65, 64)}), "more than the limit of 4096")
     _refused_fast(small, _user({"type": "image", "image": np.zeros((65, 64, 3), np.uint8)}), "65 = 4160 pixels")
     assert small.process(_user({"type": "image", "image": _png(64, 64)})).prompt_token_ids.size > 0
@@ -146,7 +146,7 @@ def test_video_fps_inf_is_a_prompt_error(proc):
 
 def test_video_frame_count_and_size_are_checked_before_loading(tok):
     limits = MediaLimits(max_video_frames=8, max_image_pixels=32 * 32)
-    proc = InputProcessor(tok, VOCAB, media_limits=limits)
+    proc = Qwen2_5InputProcessor(tok, VOCAB, media_limits=limits)
     _refused_fast(proc, _user({"type": "video", "video": [np.zeros((28, 28, 3), np.uint8)] * 9, "fps": 2.0}),
                   "has 9 frames, more than the limit of 8")
     _refused_fast(proc, _user({"type": "video", "video": np.zeros((4, 56, 28, 3), np.uint8), "fps": 2.0}),

@@ -20,10 +20,11 @@ import torch
 
 from omni_jax.engine.protocol import MultiModalPayload
 from omni_jax.inputs.media import load_audio, load_video, sample_frame_indices
-from omni_jax.inputs.processor import InputProcessor
+from omni_jax.models.qwen2_5_omni.processor import Qwen2_5InputProcessor
 from omni_jax.errors import PromptError
 from omni_jax.inputs.qwen_tokenizer import DEFAULT_SYSTEM_PROMPT, build_qwen2_5_omni_tokenizer
-from omni_jax.inputs.rope_index import RopeIndexConfig, get_rope_index
+from omni_jax.inputs.rope_index import RopeIndexConfig
+from omni_jax.models.qwen2_5_omni.rope_index import get_rope_index
 
 pytestmark = pytest.mark.parity
 
@@ -39,7 +40,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def proc(tok):
-    return InputProcessor(tok, VOCAB)
+    return Qwen2_5InputProcessor(tok, VOCAB)
 
 
 @pytest.fixture(scope="module")
@@ -379,7 +380,7 @@ def test_video_frames_list(proc):
                                                           "longest_edge": 768 * 28 * 28}, return_tensors="np")
     np.testing.assert_array_equal(twin.pixel_values_videos, lone["pixel_values"])
     # Too many frames are thinned to max_frames; an odd count pads the last temporal patch.
-    small = InputProcessor(proc.tokenizer, VOCAB, video_max_frames=4)
+    small = Qwen2_5InputProcessor(proc.tokenizer, VOCAB, video_max_frames=4)
     thin = small.process({"prompt": "<|vision_bos|><|VIDEO|><|vision_eos|>",
                           "multi_modal_data": {"video": [{"video": frames, "fps": 2.0}]}}).multi_modal
     assert thin.video_grid_thw[0, 0] == 2 and thin.video_second_per_grid[0] == pytest.approx(1.5)  # 4 frames over 3 s
@@ -408,14 +409,14 @@ def test_from_checkpoint(tmp_path, tok):
            "min_pixels": 3136, "max_pixels": 28 * 28 * 6, "patch_size": 14, "temporal_patch_size": 2,
            "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(pre))
-    p = InputProcessor.from_checkpoint(str(tmp_path))
+    p = Qwen2_5InputProcessor.from_checkpoint(str(tmp_path))
     assert p.vocab_size == 152064 and p.tokens.image_token_id == 151655
     img = np.full((400, 300, 3), 255, np.uint8)
     mm = p.process({"messages": [{"role": "user", "content": [{"type": "image", "image": img}]}]}).multi_modal
     assert int(np.prod(mm.image_grid_thw)) * 14 * 14 <= 28 * 28 * 6
     np.testing.assert_allclose(mm.pixel_values, 1.0)  # white with mean 0.5 / std 0.5
     # A `size` dict replaces the default pixel range.
-    sized = InputProcessor(tok, VOCAB, preprocessor_config={"size": {"shortest_edge": 100, "longest_edge": 5000}},
+    sized = Qwen2_5InputProcessor(tok, VOCAB, preprocessor_config={"size": {"shortest_edge": 100, "longest_edge": 5000}},
                            video_preprocessor_config={"size": {"shortest_edge": 200, "longest_edge": 6000}})
     assert (sized.image_processor.size.shortest_edge, sized.image_processor.size.longest_edge) == (100, 5000)
     assert sized.video_pixels == (200, 6000)
@@ -453,7 +454,7 @@ def test_bad_inputs(proc, media_dir, tmp_path):
         proc.process(_user({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}))
     with pytest.raises(PromptError, match="sample rate"):
         proc.process(_user({"type": "audio", "audio": np.zeros(16000, np.float32)}))
-    strict = InputProcessor(proc.tokenizer, VOCAB, max_audio_seconds=2, max_video_seconds=3)
+    strict = Qwen2_5InputProcessor(proc.tokenizer, VOCAB, max_audio_seconds=2, max_video_seconds=3)
     with pytest.raises(PromptError, match=r"lasts 5\.00 s, longer than the limit of 2 s"):
         strict.process(_user({"type": "audio", "audio": (np.zeros(80000, np.float32), 16000)}))
     with pytest.raises(PromptError, match=r"video .*clip\.mkv.* lasts 5\.00 s, longer than the limit of 3 s"):

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from omni_jax.engine.protocol import MultiModalPayload
-from omni_jax.inputs.processor import InputProcessor
+from omni_jax.models.qwen2_5_omni.processor import Qwen2_5InputProcessor
 from omni_jax.inputs.qwen_tokenizer import build_qwen3_omni_tokenizer as build_tokenizer
 from omni_jax.errors import PromptError
 from omni_jax.models.registry import prompt_processor
@@ -311,7 +311,7 @@ def test_from_checkpoint_picks_the_family(tmp_path, tok, qwen3_omni_hf_dir):
     old.mkdir()
     (old / "omni_jax_config.json").write_text(json.dumps({"format_version": 1, "family": "qwen2_5_omni",
                                                           "hf_config": tiny_config()}))
-    assert type(prompt_processor(str(old))) is InputProcessor
+    assert type(prompt_processor(str(old))) is Qwen2_5InputProcessor
 
 
 # ---------------------------------------------------------------------------------------- end to end

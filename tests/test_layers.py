@@ -188,12 +188,13 @@ def test_benchmarks_import_no_circle():
     assert len(graph) > 3 and _cycles(graph) == []
 
 
-def test_readme_request_path_names_real_files_and_at_most_19():
+def test_readme_request_path_names_real_files_and_at_most_20():
     """README's Layout lists the files one text request crosses: they exist, their number is the one
-    it states, and it stays within 19 (a module split off the path has to be a real gain). It was 14
+    it states, and it stays within 20 (a module split off the path has to be a real gain). It was 14
     until five jobs left the three largest modules on the path for modules named for them: the
     scheduler's KV blocks, the sampler's parameters and per-step inputs, the orchestrator's outputs
-    and stage-process handle."""
+    and stage-process handle; then Qwen2.5-Omni's prompt rules left the shared prompt processor for
+    its family's folder."""
     text = (ROOT / "README.md").read_text()
     section = text[text.index("The path of one text request"):text.index("A speech request goes")]
     stated = int(re.search(r"through (\d+) files", section).group(1))
@@ -204,4 +205,4 @@ def test_readme_request_path_names_real_files_and_at_most_19():
         files.add(name)
     # The kernels are the path's end: the backend's package counts once (GPU or CPU).
     count = len(files) - (("kernels_pallas/" in files) and ("kernels_cpu/" in files))
-    assert count == stated <= 19, sorted(files)
+    assert count == stated <= 20, sorted(files)

@@ -26,7 +26,8 @@ from omni_jax.engine.runner import RunnerConfig
 from omni_jax.engine.sampling_params import SamplingParams
 from omni_jax.models.qwen3_omni.rope_index import get_rope_index_qwen3
 from omni_jax.models.layers.attention import AttentionMetadata
-from omni_jax.models.qwen3_omni.media_encoder import MediaBuckets, Qwen3ThinkerMediaEncoder
+from omni_jax.models.qwen3_omni.media_encoder import Qwen3ThinkerMediaEncoder
+from omni_jax.models.thinker_media import MediaBuckets
 
 pytestmark = pytest.mark.parity
 

@@ -242,7 +242,7 @@ def test_stage_detokenizer_decodes_as_transformers(saved):
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
 
-    from omni_jax.models.qwen2_5_omni.stages import load_tokenizer
+    from omni_jax.inputs.detokenizer import load_tokenizer
 
     ours, hf = load_tokenizer(saved), AutoTokenizer.from_pretrained(saved)
     assert isinstance(ours, Tokenizer)
@@ -258,7 +258,7 @@ def test_stage_detokenizer_marks_what_the_config_declares_special(saved, tmp_pat
 
     from transformers import AutoTokenizer
 
-    from omni_jax.models.qwen2_5_omni.stages import load_tokenizer
+    from omni_jax.inputs.detokenizer import load_tokenizer
 
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(saved, name), tmp_path / name)

@@ -1,4 +1,5 @@
-"""M-RoPE position ids (omni_jax.inputs.rope_index) against transformers' get_rope_index."""
+"""Qwen2.5-Omni's M-RoPE position ids (models/qwen2_5_omni/rope_index.py over inputs/rope_index.py) against
+transformers' get_rope_index."""
 
 from __future__ import annotations
 
@@ -11,12 +12,9 @@ import pytest
 import torch
 
 import hf_tiny
-from omni_jax.inputs.rope_index import (
-    RopeIndexConfig,
-    audio_output_lengths,
-    decode_positions,
-    get_rope_index,
-)
+from omni_jax.inputs.rope_index import RopeIndexConfig, decode_positions
+from omni_jax.models.qwen2_5_omni.audio_encoder import audio_output_lengths
+from omni_jax.models.qwen2_5_omni.rope_index import get_rope_index
 
 pytestmark = pytest.mark.parity
 
@@ -66,7 +64,7 @@ class Prompt:
 
     def audio(self, mel: int) -> "Prompt":
         self.mels.append(mel)
-        n = int(audio_output_lengths(mel))
+        n = int(audio_output_lengths(mel)[1])
         self.ids += [hf_tiny.AUDIO_START] + [hf_tiny.AUDIO_TOKEN] * n + [hf_tiny.AUDIO_END]
         return self
 
@@ -111,7 +109,7 @@ def _processor_av_tokens(grid, spg: float, mel: int) -> list[int]:
     text = P.replace_video_with_audio_token(
         stand_in,
         {"video_grid_thw": [np.array(grid)], "video_second_per_grid": [spg]}, 0,
-        {"num_audio_tokens": [int(audio_output_lengths(mel))]}, 0,
+        {"num_audio_tokens": [int(audio_output_lengths(mel)[1])]}, 0,
         position_id_per_seconds=25, seconds_per_chunk=2.0,
     )
     table = {"<": hf_tiny.AUDIO_START, ">": hf_tiny.AUDIO_END, "V": hf_tiny.VIDEO_TOKEN, "A": hf_tiny.AUDIO_TOKEN}
@@ -217,7 +215,7 @@ def test_random_prompts(hf_thinker, seed):
 def test_audio_output_lengths(hf_thinker):
     mel = torch.arange(1, 3001)
     _, ref = hf_thinker.audio_tower._get_feat_extract_output_lengths(mel)
-    np.testing.assert_array_equal(audio_output_lengths(mel.numpy()), ref.numpy())
+    np.testing.assert_array_equal(audio_output_lengths(mel.numpy())[1], ref.numpy())
 
 
 def test_config_from_hf(hf_thinker, qwen2_5_omni_hf_dir):

@@ -11,10 +11,11 @@ import torch
 
 import hf_tiny
 from omni_jax import load_checkpoint
-from omni_jax.inputs.rope_index import RopeIndexConfig, get_rope_index
+from omni_jax.inputs.rope_index import RopeIndexConfig
+from omni_jax.models.qwen2_5_omni.rope_index import get_rope_index
 from omni_jax.models.layers.attention import AttentionMetadata
 from omni_jax.models.qwen2_5_omni.audio_encoder import audio_output_lengths
-from omni_jax.models.qwen2_5_omni.thinker import media_index
+from omni_jax.models.thinker_media import media_index
 
 pytestmark = pytest.mark.parity
 

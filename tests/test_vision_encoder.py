@@ -11,15 +11,17 @@ import numpy as np
 import pytest
 
 from conversion.mapping import load_hf_into
+from omni_jax.models.layers.vision_blocks import (
+    num_merged_tokens,
+    segment_attention,
+    vision_frame_ids,
+    vision_position_ids,
+)
 from omni_jax.models.qwen2_5_omni.vision_encoder import (
     HF_RENAMES,
     Qwen2_5OmniVisionEncoder,
     VisionEncoderConfig,
-    num_merged_tokens,
-    segment_attention,
-    vision_frame_ids,
     vision_metadata,
-    vision_position_ids,
     vision_window_index,
 )
 

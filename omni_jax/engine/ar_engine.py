@@ -22,6 +22,7 @@ import numpy as np
 
 from ..errors import RequestError
 from .hidden_cache import HiddenRowCache
+from .jitted import Jitted
 from .protocol import Request, StageInputs, StageOutput
 from .runner import ModelRunner, RunnerConfig, compilation_count
 from .sampling import sample
@@ -244,7 +245,7 @@ class AREngine:
                                                         history_min_width=history)
         self._history_width = history
         self._empty_histories: dict[int, jax.Array] = {}
-        self._sample_fn = jax.jit(sample, static_argnames=("flags",))
+        self.jitted = Jitted(sample=jax.jit(sample, static_argnames=("flags",)))
         self._detok: dict[str, _Detokenizer] = {}
         self._pending: list[StageOutput] = []
         self._streamed: dict[str, _StreamedRows] = {}  # requests whose extra rows are still coming
@@ -560,7 +561,7 @@ class AREngine:
         flags = _canonical(flags)
         if flags.any_penalties and md.history_ids is None:
             md = md.replace(history_ids=self._empty_history(bucket))
-        return reqs, self._sample_fn(result.logits, md, flags=flags)
+        return reqs, self.jitted.sample(result.logits, md, flags=flags)
 
     def _launch_prompt_logprobs(self, result, chunks):
         """Launch the prompt logprobs of the step's chunks that ask for them and still have
@@ -694,7 +695,7 @@ class AREngine:
                 if flags.any_penalties and md.history_ids is None:
                     md = md.replace(history_ids=self._empty_history(b))
                 logits = self.runner.on_mesh(jax.numpy.zeros((b, vocab), jax.numpy.float32))  # as a step's
-                jax.block_until_ready(self._sample_fn(logits, md, flags=flags))
+                jax.block_until_ready(self.jitted.sample(logits, md, flags=flags))
             if self.runner.cfg.after_sample:
                 z = np.zeros(b, np.int32)
                 self.runner.after_sample(jax.numpy.zeros((b, self.runner.hidden_size), self.runner.dtype), z,

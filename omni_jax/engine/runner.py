@@ -40,6 +40,7 @@ from ..models.layers.attention import BACKENDS, AttentionMetadata, default_backe
 from ..models.layers.parallel import TP, kv_heads_stored, use_mesh
 from . import sharding
 from .buckets import pick_bucket, pow2_buckets
+from .jitted import Jitted
 from .protocol import Request
 from .sampling import LogprobsOutput, token_logprobs
 from .sampling_params import MAX_LOGPROBS
@@ -265,11 +266,12 @@ class ModelRunner:
             zeros = jax.jit(lambda: jnp.zeros(shape, stored_dtype), out_shardings=sharding.kv_cache_sharding(self.mesh))
             self.kv_caches = [(zeros(), zeros()) for _ in range(num_layers)]
         self.kv_bytes = 2 * num_layers * int(np.prod(shape)) * jnp.dtype(stored_dtype).itemsize  # all devices
-        self._step_fn = jax.jit(self._forward, static_argnames=("rich", "deepstack"), donate_argnums=(1,))
-        self._after_sample_fn = jax.jit(self._after_sample)
-        self._feed_fn = jax.jit(lambda fed, rows: jnp.take(fed, rows, axis=0))
-        self._embed_fn = jax.jit(self._embed)
-        self._prompt_logprobs_fn = jax.jit(self._prompt_logprobs)
+        self.jitted = Jitted(
+            step=jax.jit(self._forward, static_argnames=("rich", "deepstack"), donate_argnums=(1,)),
+            after_sample=jax.jit(self._after_sample),
+            feed=jax.jit(lambda fed, rows: jnp.take(fed, rows, axis=0)),
+            embed=jax.jit(self._embed),
+            prompt_logprobs=jax.jit(self._prompt_logprobs))
         self._decode_rows = None  # (requests, prompt lengths, position offsets) of the last decode step
 
     # -------------------------------------------------------------- jitted body
@@ -303,7 +305,7 @@ class ModelRunner:
         logits of every row of a step's `final_hidden` [T_pad, H], with the top MAX_LOGPROBS.
 
         A separate call, so steps without prompt logprobs compute no [T, V] logits."""
-        return self._prompt_logprobs_fn(self._param_leaves, final_hidden, targets)
+        return self.jitted.prompt_logprobs(self._param_leaves, final_hidden, targets)
 
     def _embed(self, param_leaves, token_ids):
         return nnx.merge(self.graphdef, jax.tree.unflatten(self._param_def, param_leaves)).embed(token_ids)
@@ -311,7 +313,7 @@ class ModelRunner:
     def embed_tokens(self, token_ids: jax.Array) -> np.ndarray:
         """The input embeddings [S_pad, H] (on the host) of a step's sampled tokens [S_pad], still on
         the device: a text token's layer-0 hidden state, known before the token is fed back."""
-        return np.asarray(self._embed_fn(self._param_leaves, token_ids))
+        return np.asarray(self.jitted.embed(self._param_leaves, token_ids))
 
     def on_mesh(self, tree):
         """`tree` replicated over the stage's mesh (as is without one). Step outputs that feed
@@ -331,7 +333,7 @@ class ModelRunner:
         randomness is a function of its request's seed and output index alone.
         """
         args = self.on_mesh((sample_hidden, token_ids, greedy, seeds, steps))
-        codes, embeds = self._after_sample_fn(self._param_leaves, *args)
+        codes, embeds = self.jitted.after_sample(self._param_leaves, *args)
         return np.asarray(codes), np.asarray(embeds)
 
     # -------------------------------------------------------------- host-side packing
@@ -543,7 +545,7 @@ class ModelRunner:
             else:
                 padded = np.zeros(b.bucket, np.int32)  # padding rows read row 0: any valid id
                 padded[:n] = [c.fed_by_row for c in packed]
-                b.token_ids = self._feed_fn(fed, padded)
+                b.token_ids = self.jitted.feed(fed, padded)
         logits, captured, final_hidden = self._run(b)
         sample_hidden = captured.pop("sample_hidden", None)
         hidden = {}
@@ -566,7 +568,7 @@ class ModelRunner:
         if self.mesh is not None:
             # Every call's inputs committed alike (host arrays and the fed tokens): one program per bucket.
             inputs = self.on_mesh(inputs)
-        logits, self.kv_caches, captured, final_hidden = self._step_fn(
+        logits, self.kv_caches, captured, final_hidden = self.jitted.step(
             self._param_leaves, self.kv_caches, *inputs, rich=b.rich, deepstack=b.deepstack)
         return logits, captured, final_hidden
 
@@ -589,7 +591,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         for kind, size, rich, ds in tqdm(jobs, desc="compiling buckets", unit="bucket", disable=not progress):
             if kind == "feed":
-                self._feed_fn(self.on_mesh(jnp.zeros(size[0], jnp.int32)), np.zeros(size[1], np.int32))
+                self.jitted.feed(self.on_mesh(jnp.zeros(size[0], jnp.int32)), np.zeros(size[1], np.int32))
                 continue
             if kind == "embed":
                 self.embed_tokens(self.on_mesh(jnp.zeros(size, jnp.int32)))

@@ -2,11 +2,12 @@
 
 The stages are built from the real models' HF configs (`real_configs/`) with
 `nnx.eval_shape`, so no weight exists in memory. The programs are not re-implemented
-here: an abstract engine (the engine's own `AREngine`, `ModelRunner`, media encoders and
-vocoder synthesizers, with a 2-block KV cache) runs its own warm-up while its jitted
-functions are swapped for recorders, which keep each call's arguments. Compiling the
-original jitted function with those arguments (the KV cache replaced by the real-size
-pages) is then exactly what the engine would compile on the GPU.
+here: each stage's own engine, built by its family around the abstract module
+(`ModelFamily.module_engines`, with a 2-block KV cache), runs its own warm-up while its
+programs (each object's `Jitted`: the runner's steps, the sampler, the media encoders, the
+vocoder's synthesizer) are recorded, each call's arguments kept. Compiling the original
+jitted function with those arguments (the KV cache replaced by the real-size pages) is then
+exactly what the engine would compile on the GPU.
 
 Kernel programs call `kernels_pallas` directly at each bucket's shapes, with the same
 table width, page pool and GQA group as the stage's steps.
@@ -29,16 +30,8 @@ import kernels_pallas
 from ..checkpoint import read_config
 from ..config import PipelineConfig, StageConfig, load_pipeline_config
 from ..engine import sharding
-from ..engine.ar_engine import AREngine, EngineConfig
-from ..engine.oneshot_engine import chunk_sizes
-from ..inputs.rope_index import RopeIndexConfig
-from ..models.qwen2_5_omni.media_encoder import MediaBuckets, ThinkerMediaEncoder
-from ..models.qwen2_5_omni.token2wav import StreamContext, Token2WavSynthesizer
-from ..models.qwen2_5_omni.voices import Voices
-from ..models.qwen3_omni.code2wav_stage import Code2WavSynthesizer
 from ..models.layers.parallel import EP, TP
-from ..models.qwen3_omni.media_encoder import Qwen3ThinkerMediaEncoder
-from ..models.registry import abstract_stage, stages_of
+from ..models.registry import abstract_stage, get_family, stages_of
 
 REAL_CONFIGS = Path(__file__).resolve().parent / "real_configs"
 DTYPE = jnp.bfloat16
@@ -97,30 +90,16 @@ _MODELS: dict = {}
 
 
 # ------------------------------------------------------------------ recording
-class _Recorder:
-    """Stands in for a jitted function: keeps each call, returns `result(*args)`."""
-
-    def __init__(self, name: str, fn, result, calls: list):
-        self.name, self.fn, self.result, self.calls = name, fn, result, calls
-
-    def __call__(self, *args, **kwargs):
-        self.calls.append((self.name, self.fn, args, kwargs))
-        return self.result(*args, **kwargs)
-
-
-def _text_of(cfg):
-    return cfg.text
-
-
-# Engine flags each family's stage builder sets (models/<family>/stages.py), keyed by
-# (family, model stage): the variants compiled depend on them.
-def _runner_flags(family: str, model_stage: str, cfg) -> dict:
-    flags = dict(rich_inputs=True)
-    if family == "qwen3_omni" and model_stage == "thinker":  # as models/qwen3_omni/stages.py builds it
-        flags.update(deepstack_layers=cfg.num_deepstack_layers, sampled_embeddings=True)
-    if family == "qwen3_omni" and model_stage == "talker":
-        flags["after_sample"] = True
-    return flags
+def _recorder(calls: list, stand_ins: dict):
+    """`Jitted.record`'s wrap: each call is kept as (name, fn, args, kwargs) and answered by
+    `stand_ins[name](*args, **kwargs)` (arrays of the shapes the caller reads), or None where
+    the caller reads nothing of it (warm-ups that only compile)."""
+    def wrap(name, fn):
+        def call(*args, **kwargs):
+            calls.append((name, fn, args, kwargs))
+            return stand_ins[name](*args, **kwargs) if name in stand_ins else None
+        return call
+    return wrap
 
 
 def kv_block_bytes(stage: StageConfig, text_cfg, dtype=DTYPE) -> int:
@@ -129,34 +108,34 @@ def kv_block_bytes(stage: StageConfig, text_cfg, dtype=DTYPE) -> int:
             * jnp.dtype(dtype).itemsize)
 
 
+def stage_engine(family: str, stage: StageConfig, hf_config: dict):
+    """The engine `stage` runs, around the abstract real-size module (its family's
+    `module_engines`); an AR stage's with the Pallas kernels and a 2-block KV cache."""
+    dtype = DTYPE if stage.runner == "ar" else jnp.float32
+    model, cfg = stage_model(family, stage.model_stage, hf_config, dtype)
+    runner = stage.runner_config(num_blocks=2, backend="pallas") if stage.runner == "ar" else None
+    return get_family(family).module_engines[stage.model_stage](stage, model, cfg, hf_config, runner)
+
+
 def ar_engine_programs(family: str, stage: StageConfig, hf_config: dict, num_blocks: int) -> list[Program]:
     """Every program the AR engine of `stage` compiles at warm-up, with real-size KV pages."""
-    model, cfg = stage_model(family, stage.model_stage, hf_config)
-    text = _text_of(cfg)
-    rc = stage.runner_config(num_blocks=2, backend="pallas", **_runner_flags(family, stage.model_stage, cfg))
-    hidden = text.hidden_size if family == "qwen3_omni" or stage.model_stage == "thinker" \
-        else cfg.embedding_size
-    banned = 64 if stage.model_stage == "thinker" else (
-        512 if family == "qwen2_5_omni" else len(cfg.suppressed_token_ids) + 64)
-    engine = AREngine(model, EngineConfig(runner=rc, vocab_size=text.vocab_size, banned_width=banned,
-                                          enable_prefix_caching=False),
-                      num_layers=text.num_layers, num_kv_heads=text.num_kv_heads, head_dim=text.head_dim,
-                      hidden_size=hidden)
+    text = text_config(family, stage.model_stage, hf_config)
+    engine = stage_engine(family, stage, hf_config)
     runner = engine.runner
+    hidden = runner.hidden_size
     shape = (num_blocks, stage.block_size, text.num_kv_heads, text.head_dim)
     pages = jax.ShapeDtypeStruct(shape, DTYPE)
     real_kv = [(pages, pages) for _ in range(text.num_layers)]
     calls: list = []
     tiny_kv = runner.kv_caches
-    runner._step_fn = _Recorder("step", runner._step_fn, lambda *a, **k: (
-        None, tiny_kv, {}, np.zeros((a[2].shape[0], hidden), DTYPE)), calls)
-    runner._prompt_logprobs_fn = _Recorder("prompt_logprobs", runner._prompt_logprobs_fn,
-                                           lambda *a, **k: None, calls)
-    runner._feed_fn = _Recorder("feed", runner._feed_fn, lambda *a, **k: np.zeros(1, np.int32), calls)
-    runner._after_sample_fn = _Recorder("after_sample", runner._after_sample_fn,
-                                        lambda *a, **k: (np.zeros(1), np.zeros(1)), calls)
-    runner._embed_fn = _Recorder("embed", runner._embed_fn, lambda *a, **k: np.zeros((a[1].shape[0], hidden)), calls)
-    engine._sample_fn = _Recorder("sample", engine._sample_fn, lambda *a, **k: np.zeros(1), calls)
+    stand_ins = dict(
+        step=lambda *a, **k: (None, tiny_kv, {}, np.zeros((a[2].shape[0], hidden), DTYPE)),
+        feed=lambda *a, **k: np.zeros(1, np.int32),
+        after_sample=lambda *a, **k: (np.zeros(1), np.zeros(1)),
+        embed=lambda *a, **k: np.zeros((a[1].shape[0], hidden)),
+        sample=lambda *a, **k: np.zeros(1))
+    runner.jitted.record(_recorder(calls, stand_ins))
+    engine.jitted.record(_recorder(calls, stand_ins))
     engine.warmup(progress=False)
 
     base = f"{family}/{stage.name}"
@@ -208,20 +187,14 @@ def sharded_step(step: Program, mesh) -> Program:
 
 def media_programs(family: str, stage: StageConfig, hf_config: dict) -> list[Program]:
     """The thinker's audio and vision encoder calls at every media bucket."""
-    model, cfg = stage_model(family, "thinker", hf_config)
-    if family == "qwen2_5_omni":
-        enc = ThinkerMediaEncoder(model, cfg, RopeIndexConfig.from_hf(hf_config),
-                                  MediaBuckets(stage.audio_chunk_buckets, stage.vision_patch_buckets))
-        vision_result = lambda g, s, x, meta: np.zeros((x.shape[0], 1), np.float32)  # noqa: E731
-    else:
-        enc = Qwen3ThinkerMediaEncoder(model, cfg, MediaBuckets(stage.audio_chunk_buckets,
-                                                                stage.vision_patch_buckets))
-        vision_result = lambda g, s, x, meta: (np.zeros((x.shape[0], 1), np.float32),  # noqa: E731
-                                               np.zeros((1, x.shape[0], 1), np.float32))
+    enc = stage_engine(family, stage, hf_config).media_encoder
     calls: list = []
-    enc._audio_fn = _Recorder("audio", enc._audio_fn, lambda g, s, x, *a: np.zeros((1 << 16, 1), np.float32),
-                              calls)
-    enc._vision_fn = _Recorder("vision", enc._vision_fn, vision_result, calls)
+    vision = enc.jitted.vision
+    # The encoders' outputs are sliced by the caller: stand-ins of their shapes (the vision
+    # encoder's, which differ by family, from its abstract evaluation).
+    enc.jitted.record(_recorder(calls, dict(
+        audio=lambda g, s, x, *a: np.zeros((1 << 16, 1), np.float32),
+        vision=lambda *a: jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), jax.eval_shape(vision, *a)))))
     enc.warmup()
     out = []
     for name, fn, args, kwargs in calls:
@@ -231,49 +204,19 @@ def media_programs(family: str, stage: StageConfig, hf_config: dict) -> list[Pro
 
 
 def vocoder_programs(family: str, stage: StageConfig, hf_config: dict) -> list[Program]:
-    """The vocoder's jitted call at every (batch, length) bucket."""
-    model, cfg = stage_model(family, stage.model_stage, hf_config, jnp.float32)
-    lengths = stage.token_buckets or (64, 256, 1024)
-    batches = stage.decode_buckets or (1, 2, 4)
+    """The vocoder's jitted calls at every (batch, length) bucket: whole requests and, as the
+    presets serve them (async chunk), streamed chunks (`call`: the synthesizer's program name)."""
+    synth = stage_engine(family, stage, hf_config).synthesizer
+    calls: list = []
+    synth.jitted.record(_recorder(calls, {}))  # warm-ups only compile
+    synth.warmup()
+    synth.warmup_stream()
     out = []
-    if family == "qwen2_5_omni":
-        synth = Token2WavSynthesizer(model, Voices({}), length_buckets=lengths, batch_buckets=batches,
-                                     stream_chunk_codes=chunk_sizes(stage.initial_codec_chunk_frames,
-                                                                    stage.codec_chunk_frames),
-                                     stream_context=StreamContext.given(stage.codec_left_context_frames,
-                                                                        stage.codec_right_context_frames))
-        calls: list = []
-        nothing = lambda *a: np.zeros(1)  # noqa: E731
-        # Whole requests in one call; streamed ones (async chunk) through the DiT and the
-        # vocoder apart, at their own windows.
-        synth._fn = _Recorder("whole", synth._fn, nothing, calls)
-        synth._mel_fn = _Recorder("stream-mel", synth._mel_fn, nothing, calls)
-        synth._wave_fn = _Recorder("stream-wave", synth._wave_fn, nothing, calls)
-        synth.warmup()
-        synth.warmup_stream()
-        for call, fn, args, kwargs in calls:
-            b, t = args[1].shape[:2]
-            prefix = "" if call == "whole" else f"{call}/"
-            out.append(Program(f"{family}/{stage.name}/{prefix}b{b}/t{t}", "vocoder", fn, args, kwargs, t,
-                               info=dict(batch=b, call=call)))
-    else:
-        synth = Code2WavSynthesizer(model, length_buckets=lengths, batch_buckets=batches,
-                                    stream_chunk_frames=chunk_sizes(stage.initial_codec_chunk_frames,
-                                                                    stage.codec_chunk_frames))
-        for b in synth.batch_buckets:
-            for t in synth.length_buckets:
-                codes = jax.ShapeDtypeStruct((b, synth.num_quantizers, t), jnp.int32)
-                out.append(Program(f"{family}/{stage.name}/b{b}/t{t}", "vocoder", synth._fn,
-                                   (synth.state, codes), {}, t, info=dict(batch=b, call="whole")))
-                # Streamed chunks (async chunk): the pre-transformer per window ...
-                out.append(Program(f"{family}/{stage.name}/stream-frames/b{b}/t{t}", "vocoder",
-                                   synth._frame_states_fn, (synth.state, codes), {}, t,
-                                   info=dict(batch=b, call="stream-frames")))
-            for t in synth.conv_buckets:  # ... and the convolutions per chunk, with their history
-                x, (frames, fresh, history) = synth.stream_call_args(b, t, abstract=True)
-                out.append(Program(f"{family}/{stage.name}/stream-conv/b{b}/t{t}", "vocoder",
-                                   synth._convolve_stream_fn, (synth.state, x, frames, fresh, history), {}, t,
-                                   info=dict(batch=b, call="stream-conv")))
+    for call, fn, args, kwargs in calls:
+        x = args[1]  # codes [B, T] or [B, Q, T] (integers), or frames [B, T, D]
+        b, t = x.shape[0], x.shape[-1] if x.dtype.kind == "i" else x.shape[1]
+        out.append(Program(f"{family}/{stage.name}/{call}/b{b}/t{t}", "vocoder", fn, args, kwargs, t,
+                           info=dict(batch=b, call=call)))
     return out
 
 
@@ -358,4 +301,4 @@ def ar_stages(pipeline: PipelineConfig) -> list[StageConfig]:
 def text_config(family: str, model_stage: str, hf_config: dict) -> Any:
     """The decoder config of an AR stage (layers, heads, head_dim, vocab)."""
     spec = stages_of(family)[model_stage]
-    return _text_of(spec.parse_config(hf_config[spec.config_key]))
+    return spec.parse_config(hf_config[spec.config_key]).text

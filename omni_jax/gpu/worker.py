@@ -29,6 +29,7 @@ import numpy as np
 
 import kernels_pallas
 
+from ..models.registry import family_names
 from . import aot, programs as P
 from .memory import stage_memory, tree_bytes
 from .targets import load_target
@@ -100,18 +101,18 @@ def _step_variant(stage) -> str:
 def select_tier(family: str, stage, hf_config: dict, num_blocks: int, target_name: str, stage_mesh) -> list:
     """What the gpu_compile tier checks (a few minutes on 2 cores): on both targets the
     Pallas kernels at every bucket (MoE stages: also their expert matmuls over 1 and 4
-    layers) and the Qwen2.5 stages' largest decode steps (KV
-    donation), the thinker's also at tensor parallel 2 over two GPUs (`stage_mesh`:
-    Compiler.stage_mesh); on A100 also the cheap sampler variants (greedy, random). The programs
-    that take minutes to compile (the MoE stages' steps, prefill steps, the sorting
-    sampler variants, encoders, whole-request vocoder calls) are in `select_full`; on A100
-    the Qwen2.5 vision encoder's smallest call is here too. The vocoders' streamed calls,
+    layers) and the dense stages' (Qwen2.5's) largest decode steps (KV donation), the
+    thinker's also at tensor parallel 2 over two GPUs (`stage_mesh`: Compiler.stage_mesh); on
+    A100 also the cheap sampler variants (greedy, random) and the dense thinker's smallest
+    vision encoder call. The programs that take minutes to compile (the MoE stages' steps,
+    prefill steps, the sorting sampler variants, encoders, whole-request vocoder calls) are
+    in `select_full`. The vocoders' streamed calls,
     what both presets serve with (async chunk), take seconds: their smallest shapes are here."""
     if stage.runner != "ar":
         return [p for p in select_full(family, stage, hf_config, num_blocks, target_name, stage_mesh)
                 if p.info["call"] != "whole"]
     out = P.kernel_programs(family, stage, hf_config, num_blocks)
-    if family != "qwen2_5_omni":
+    if _is_moe(family, stage, hf_config):
         return out + _expert_layers(family, stage, hf_config)
     progs = P.ar_engine_programs(family, stage, hf_config, num_blocks)
     out.append(max(_ends(progs, "decode", _step_variant(stage)), key=lambda p: p.bucket))
@@ -121,7 +122,7 @@ def select_tier(family: str, stage, hf_config: dict, num_blocks: int, target_nam
         top = max(p.bucket for p in progs if p.kind == "sample")
         out += [p for p in progs if p.kind == "sample" and p.bucket == top
                 and p.info["variant"] in ("greedy", "random")]
-        # The vision encoder once failed only here (Triton GEMM tiling; media_encoder.py): keep it compiling.
+        # The vision encoder once failed only here (Triton GEMM tiling; models/thinker_media.py): keep it compiling.
         out += _ends(P.media_programs(family, stage, hf_config), "vision")[:1]
     return out
 
@@ -149,11 +150,13 @@ def select_layers(family: str, stage, hf_config: dict, num_blocks: int) -> list:
     return out
 
 
+def _is_moe(family: str, stage, hf_config: dict) -> bool:
+    return bool(getattr(P.text_config(family, stage.model_stage, hf_config), "num_experts", 0))
+
+
 def _expert_layers(family: str, stage, hf_config: dict) -> list:
     """A MoE stage's expert matmuls over 1 and 4 layers at its largest step (temporaries)."""
     text = P.text_config(family, stage.model_stage, hf_config)
-    if not getattr(text, "num_experts", 0):
-        return []
     return P.expert_layers_programs(f"{family}/{stage.name}", text, max(stage.resolved_token_buckets))
 
 
@@ -175,7 +178,7 @@ def select_full(family: str, stage, hf_config: dict, num_blocks: int, target_nam
     out += _ends(progs, "decode", v) + _ends(progs, "prefill", v)
     decode = max(_ends(progs, "decode", v), key=lambda p: p.bucket)
     out.append(P.sharded_step(decode, stage_mesh(2)))
-    if getattr(P.text_config(family, stage.model_stage, hf_config), "num_experts", 0):
+    if _is_moe(family, stage, hf_config):
         out.append(P.sharded_step(decode, stage_mesh(1, 2)))
     top = max(p.bucket for p in progs if p.kind == "sample")
     out += [p for p in progs if p.kind in ("sample", "after_sample") and p.bucket == top]
@@ -210,7 +213,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", required=True)
     ap.add_argument("--select", choices=("tier", "full", "plan", "layers"), default="tier")
-    ap.add_argument("--families", default="qwen2_5_omni,qwen3_omni")
+    ap.add_argument("--families", default=",".join(family_names()))
     ap.add_argument("--presets", default=None, help="comma-separated presets (default: the families' own)")
     ap.add_argument("--ends", action="store_true", help="plan: only the smallest and largest bucket")
     ap.add_argument("--model-dir", default=None, help="a converted checkpoint: its HF config, not the real one")

@@ -12,10 +12,10 @@ Accepted prompt forms (as vLLM):
   (or {"type": "video_url", ...});
 * {"prompt": str} or {"prompt_token_ids": [...]} with "multi_modal_data": {"image": ...,
   "audio": ..., "video": ...} (one item or a list each) where the prompt already holds one
-  placeholder triple per item (Qwen2.5-Omni: `<|vision_bos|><|IMAGE|><|vision_eos|>` /
-  `<|audio_bos|><|AUDIO|><|audio_eos|>` / `<|vision_bos|><|VIDEO|><|vision_eos|>`; Qwen3-Omni:
-  see models/qwen3_omni/processor.py), or a ready `MultiModalPayload` (passed on untouched: the prompt must
-  then hold the expanded placeholders already).
+  placeholder triple per item (the family's, e.g. Qwen2.5-Omni's
+  `<|vision_bos|><|IMAGE|><|vision_eos|>`: see models/<family>/processor.py), or a ready
+  `MultiModalPayload` (passed on untouched: the prompt must then hold the expanded placeholders
+  already).
 * {"prompt_embeds": array [T, H]} (numpy or JAX, any real dtype, cast to float32; H the
   thinker's hidden size), optionally with "prompt_token_ids" of the same length: the thinker
   takes these rows instead of token embeddings. The ids serve penalties, the talker's prompt
@@ -25,17 +25,18 @@ A dict prompt may also carry "use_audio_in_video" (or "mm_processor_kwargs":
 {"use_audio_in_video": ...}) to override the processor's default.
 
 Media are loaded (inputs/media.py) and turned into encoder inputs with transformers' own
-parts, configured as Qwen2.5-Omni's `preprocessor_config.json`: `WhisperFeatureExtractor`
+parts, configured as the checkpoint's `preprocessor_config.json`: `WhisperFeatureExtractor`
 (128-bin log-mel at 16 kHz, one [128, frames] array per audio) and `Qwen2VLImageProcessorPil`
 (patches [N, 1176] + grids; video frames go through the same resize and normalisation and are
 grouped in temporal pairs like the Qwen2-VL video processor). Each placeholder is then
-expanded to as many tokens as its encoder produces, as `Qwen2_5OmniProcessor` does (with
-`use_audio_in_video`, a video's frames and audio track interleave in 2 s chunks). Every problem
-raises `PromptError` naming it.
+expanded to as many tokens as its encoder produces, as transformers' processors do (with
+`use_audio_in_video`, a video's frames and audio track come together, laid out the family's
+way). Every problem raises `PromptError` naming it; the prompt's parts are read by
+`prompt_parts.py`.
 
-`InputProcessor` is Qwen2.5-Omni's; what a model family does differently (defaults, audio token
-counts, audio padding, the audio-in-video layout, speech system prompt) sits in class attributes
-and small hook methods, which `models/qwen3_omni/processor.py`'s `Qwen3InputProcessor` overrides.
+`InputProcessor` holds what the families share; what a family does its own way (defaults,
+placeholders, audio token counts and padding, the audio-in-video layout, a speech system prompt)
+is set by its subclass's class attributes and hook methods (`models/<family>/processor.py`).
 `models.registry.prompt_processor(ckpt_dir)` picks the class from the checkpoint's family.
 """
 
@@ -50,20 +51,17 @@ import numpy as np
 
 from ..engine.protocol import MultiModalPayload
 from ..errors import MediaError, PromptError, PromptTooLongError
+from . import cancel, prompt_parts
 from .chat_text import ChatText
 from .media import MediaLimits, VideoClip, load_audio, load_image, load_video
-from .qwen_tokenizer import DEFAULT_SYSTEM_PROMPT, QWEN2_5_OMNI_CHAT_TEMPLATE
-from .rope_index import RopeIndexConfig, _chunk_ids, audio_output_lengths
+from .rope_index import RopeIndexConfig
 from .token_floor import TokenFloor
-from . import cancel
 
 __all__ = [
     "InputProcessor",
     "PROMPT_EMBEDS_PLACEHOLDER_ID",
     "ProcessedPrompt",
     "PromptError",
-    "QWEN2_5_OMNI_PREPROCESSOR_CONFIG",
-    "QWEN2_5_OMNI_VIDEO_CONFIG",
 ]
 
 
@@ -82,41 +80,6 @@ class ProcessedPrompt:
 # repetition / presence penalty does count it as a prompt token; give the real
 # "prompt_token_ids" when that matters.
 PROMPT_EMBEDS_PLACEHOLDER_ID = 0
-
-
-# Qwen/Qwen2.5-Omni-7B preprocessor_config.json (audio + image settings).
-QWEN2_5_OMNI_PREPROCESSOR_CONFIG = {
-    "feature_size": 128, "sampling_rate": 16000, "hop_length": 160, "n_fft": 400,
-    "chunk_length": 300, "padding_value": 0.0, "dither": 0.0,
-    "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
-    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
-}
-# The checkpoint has no video_preprocessor_config.json: these are Qwen2_5OmniProcessor's video
-# defaults (pixel range), Qwen2-VL's frame sampling defaults and Qwen's 2 fps.
-QWEN2_5_OMNI_VIDEO_CONFIG = {
-    "min_pixels": 128 * 28 * 28, "max_pixels": 768 * 28 * 28, "fps": 2.0, "min_frames": 4, "max_frames": 768,
-    # Per-frame pixels are also capped by an even share of this many tokens (qwen-omni-utils'
-    # VIDEO_TOTAL_PIXELS, transformers' `cap_pixels_per_frame`), so long videos stay bounded.
-    "max_video_tokens": 128000,
-}
-
-_PART_KINDS = {
-    "text": "text", "image": "image", "image_url": "image", "audio": "audio", "input_audio": "audio",
-    "audio_url": "audio", "video": "video", "video_url": "video",
-}
-_PROMPT_KEYS = {"prompt", "prompt_token_ids", "prompt_embeds", "messages", "multi_modal_data",
-                "use_audio_in_video", "mm_processor_kwargs"}
-
-
-@dataclasses.dataclass
-class _Item:
-    """One media item of a prompt before loading: its kind, source, options and where it came from."""
-
-    kind: str
-    src: Any
-    where: str
-    fps: float | None = None
-    audio: Any = None
 
 
 def _size_range(cfg: dict, lo_default: int, hi_default: int) -> tuple[int, int]:
@@ -150,7 +113,7 @@ class InputProcessor:
 
     tokenizer: a transformers tokenizer (None: only pre-tokenized prompts). vocab_size: ids must be
     below it. preprocessor_config / video_preprocessor_config: the checkpoint's JSON files as dicts
-    (default: the family's released values, Qwen2.5-Omni-7B's here). token_config: placeholder ids
+    (default: the family's released values). token_config: placeholder ids
     and TMRoPE timing (default: the family's). use_audio_in_video: default for prompts that do not
     say. max_audio_seconds / max_video_seconds: longer media are refused. video_fps /
     video_min_frames / video_max_frames: frame sampling of video files (defaults from the video config).
@@ -159,22 +122,20 @@ class InputProcessor:
     before decoding (None: `MediaLimits()`'s defaults).
     """
 
-    family = "qwen2_5_omni"
-    DEFAULT_PREPROCESSOR_CONFIG: dict = QWEN2_5_OMNI_PREPROCESSOR_CONFIG
-    DEFAULT_VIDEO_CONFIG: dict = QWEN2_5_OMNI_VIDEO_CONFIG
-    DEFAULT_CHAT_TEMPLATE: str = QWEN2_5_OMNI_CHAT_TEMPLATE
+    # A family's processor sets these (models/<family>/processor.py).
+    DEFAULT_PREPROCESSOR_CONFIG: dict      # its released preprocessor_config.json (audio + image)
+    DEFAULT_VIDEO_CONFIG: dict             # video pixel range, frame sampling and token budget
+    DEFAULT_CHAT_TEMPLATE: str             # used when neither the checkpoint nor its tokenizer has one
     # Put first when the caller wants speech and the chat has no system message (None: nothing).
-    SPEECH_SYSTEM_PROMPT: str | None = DEFAULT_SYSTEM_PROMPT
+    SPEECH_SYSTEM_PROMPT: str | None = None
     # Placeholder token and the triple a prompt writes per media item (for error messages).
-    PLACEHOLDER_TOKENS = {"image": "<|IMAGE|>", "audio": "<|AUDIO|>", "video": "<|VIDEO|>"}
-    PLACEHOLDER_TRIPLES = {"image": "<|vision_bos|><|IMAGE|><|vision_eos|>",
-                           "audio": "<|audio_bos|><|AUDIO|><|audio_eos|>",
-                           "video": "<|vision_bos|><|VIDEO|><|vision_eos|>"}
+    PLACEHOLDER_TOKENS: dict
+    PLACEHOLDER_TRIPLES: dict
 
     @classmethod
     def default_token_config(cls) -> RopeIndexConfig:
         """Placeholder ids and timing when the checkpoint gives none."""
-        return RopeIndexConfig()
+        raise NotImplementedError
 
     def __init__(self, tokenizer, vocab_size: int, *, preprocessor_config: dict | None = None,
                  video_preprocessor_config: dict | None = None, token_config: RopeIndexConfig | None = None,
@@ -242,7 +203,7 @@ class InputProcessor:
     @classmethod
     def _options_from_hf(cls, hf: dict) -> dict:
         """Constructor options the family reads off the HF config (a whole config dict, maybe empty)."""
-        return {"token_config": RopeIndexConfig.from_hf(hf) if hf else None}
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ media processors
     @property
@@ -357,7 +318,7 @@ class InputProcessor:
         return text if self._chat_text is None else self._chat_text.hide(text)
 
     def _normalize_messages(self, messages: Any, speech_output: bool, need_source: bool = True,
-                            hide: bool = False) -> tuple[list, list[_Item]]:
+                            hide: bool = False) -> tuple[list, list[prompt_parts.MediaItem]]:
         """Messages with media parts reduced to {"type": kind} for the template, and the media items
         in order. `hide`: special-token strings in roles and text become stand-ins (see chat_text.py)."""
         if not isinstance(messages, list) or not messages:
@@ -382,7 +343,7 @@ class InputProcessor:
             parts = []
             for j, part in enumerate(content):
                 where = f"messages[{i}].content[{j}]"
-                kind, item = _parse_part(part, where, need_source)
+                kind, item = prompt_parts.parse_part(part, where, need_source)
                 if kind == "text":
                     parts.append({"type": "text", "text": typed(item, where)})
                 else:
@@ -420,7 +381,7 @@ class InputProcessor:
         """
         if isinstance(prompt, dict) and "prompt_embeds" in prompt:
             return self._embeds_prompt(prompt, max_prompt_len)
-        items: list[_Item] | None = None
+        items: list[prompt_parts.MediaItem] | None = None
         mm = None
         use_aiv = self.use_audio_in_video
         by_kind = False
@@ -428,7 +389,7 @@ class InputProcessor:
             self._check_fits([prompt], max_prompt_len)
             ids = self._encode(prompt)
         elif isinstance(prompt, dict):
-            unknown = set(prompt) - _PROMPT_KEYS
+            unknown = set(prompt) - prompt_parts.PROMPT_KEYS
             if unknown:
                 raise PromptError(f"unknown prompt key(s) {sorted(unknown)}; use 'prompt', "
                                   f"'prompt_token_ids', 'messages', 'multi_modal_data' or 'use_audio_in_video'")
@@ -436,11 +397,11 @@ class InputProcessor:
             if len(given) != 1:
                 raise PromptError(f"a prompt dict needs exactly one of 'prompt', 'prompt_token_ids', "
                                   f"'messages'; got {given or 'none'}")
-            use_aiv = _use_audio_in_video(prompt, use_aiv)
+            use_aiv = prompt_parts.use_audio_in_video(prompt, use_aiv)
             if "messages" in prompt:
                 if "multi_modal_data" in prompt:
                     raise PromptError("with 'messages', put the media in the message parts, not in 'multi_modal_data'")
-                self._check_fits(_message_texts(prompt["messages"]), max_prompt_len)
+                self._check_fits(prompt_parts.message_texts(prompt["messages"]), max_prompt_len)
                 canonical, items = self._normalize_messages(prompt["messages"], speech_output, hide=True)
                 ids = self._encode_chat(self._render(canonical))
             elif "prompt" in prompt:
@@ -449,12 +410,12 @@ class InputProcessor:
                 self._check_fits([prompt["prompt"]], max_prompt_len)
                 ids = self._encode(prompt["prompt"])
             else:
-                ids = _token_ids(prompt["prompt_token_ids"])
+                ids = prompt_parts.token_ids(prompt["prompt_token_ids"])
             raw = prompt.get("multi_modal_data")
             if isinstance(raw, MultiModalPayload) or raw is None:
                 mm = raw
             elif isinstance(raw, dict):
-                items, by_kind = _mm_items(raw), True
+                items, by_kind = prompt_parts.media_items(raw), True
             else:
                 raise PromptError(f"'multi_modal_data' must be a dict of 'image' / 'audio' / 'video' items or a "
                                   f"MultiModalPayload, got {type(raw).__name__}")
@@ -494,10 +455,10 @@ class InputProcessor:
         if self.hidden_size is None:
             raise PromptError("this checkpoint does not say the thinker's hidden size; 'prompt_embeds' "
                               "cannot be checked")
-        rows = _prompt_embeds(prompt["prompt_embeds"], int(self.hidden_size), max_prompt_len)
+        rows = prompt_parts.prompt_embeds(prompt["prompt_embeds"], int(self.hidden_size), max_prompt_len)
         if "prompt_token_ids" not in prompt:
             return ProcessedPrompt(np.full(len(rows), PROMPT_EMBEDS_PLACEHOLDER_ID, np.int32), prompt_embeds=rows)
-        ids = _token_ids(prompt["prompt_token_ids"])
+        ids = prompt_parts.token_ids(prompt["prompt_token_ids"])
         if len(ids) != len(rows):
             raise PromptError(f"'prompt_token_ids' has {len(ids)} ids but 'prompt_embeds' has {len(rows)} rows; "
                               f"give one id per row")
@@ -507,7 +468,7 @@ class InputProcessor:
         return ProcessedPrompt(ids, prompt_embeds=rows)
 
     # ------------------------------------------------------------------ placeholders
-    def _expand(self, ids: np.ndarray, items: list[_Item], by_kind: bool,
+    def _expand(self, ids: np.ndarray, items: list[prompt_parts.MediaItem], by_kind: bool,
                 use_audio_in_video: bool) -> tuple[np.ndarray, MultiModalPayload | None]:
         """Load the media, run the feature extractors and expand each placeholder token."""
         c = self.tokens
@@ -582,7 +543,7 @@ class InputProcessor:
         return np.concatenate(pieces).astype(np.int32), payload
 
     @staticmethod
-    def _guarded(item: _Item, fn, *args):
+    def _guarded(item: prompt_parts.MediaItem, fn, *args):
         """fn(*args), with any media / processing problem raised as a PromptError naming the item.
         Each such step is also where a cancelled prompt stops (inputs/cancel.py)."""
         cancel.check()
@@ -593,7 +554,7 @@ class InputProcessor:
         except ValueError as e:  # e.g. the image processor refusing an extreme aspect ratio
             raise PromptError(f"{item.where}: cannot process this {item.kind}: {e}") from None
 
-    def _load(self, item: _Item, use_audio_in_video: bool):
+    def _load(self, item: prompt_parts.MediaItem, use_audio_in_video: bool):
         """The loaded media of one item: an RGB PIL image, a waveform at the model's rate, or a VideoClip."""
         if item.kind == "image":
             return load_image(item.src, limits=self.media_limits)
@@ -607,13 +568,12 @@ class InputProcessor:
 
     # ------------------------------------------------------------------ family hooks
     def _audio_pad_length(self, waves: list[np.ndarray]) -> int:
-        """Samples every clip of a prompt is zero-padded to before feature extraction
-        (Qwen2_5OmniProcessor pads to `chunk_length` seconds, whatever the clips)."""
-        return int(self.preprocessor_config["chunk_length"]) * self.sampling_rate
+        """Samples every clip of a prompt is zero-padded to before feature extraction."""
+        raise NotImplementedError
 
     def _num_audio_tokens(self, frames: int) -> int:
-        """Audio encoder output tokens of `frames` mel frames (Qwen2.5: conv stride 2, avg-pool 2)."""
-        return int(audio_output_lengths(np.array([frames]))[0])
+        """Audio encoder output tokens of `frames` mel frames."""
+        raise NotImplementedError
 
     def _audio_tokens(self, feats: np.ndarray, wave: np.ndarray, what: str) -> int:
         n = self._num_audio_tokens(int(feats.shape[1]))
@@ -624,26 +584,7 @@ class InputProcessor:
 
     def _video_with_audio(self, grid: np.ndarray, spg: float, n_audio: int) -> np.ndarray:
         """The tokens replacing a video placeholder when its audio track comes along."""
-        return self._interleave(grid, spg, n_audio)
-
-    def _interleave(self, grid: np.ndarray, spg: float, n_audio: int) -> np.ndarray:
-        """<|audio_bos|> video and audio tokens in alternating time chunks <|audio_eos|>.
-
-        Qwen2_5OmniProcessor.replace_video_with_audio_token: a video token's time is its frame
-        group index * seconds per group * position ids per second (float64, as the processor),
-        an audio token's time is its index; both streams are cut every `seconds_per_chunk`
-        seconds, and chunk j of the video precedes chunk j of the audio.
-        """
-        c = self.tokens
-        gt, gh, gw = (int(x) for x in grid)
-        per_frame = (gh // self.merge_size) * (gw // self.merge_size)
-        per_chunk = int(c.position_id_per_seconds * c.seconds_per_chunk)
-        v_time = np.repeat(np.arange(gt), per_frame) * spg * c.position_id_per_seconds
-        v_chunk = _chunk_ids(np.floor(v_time).astype(np.int64), per_chunk)
-        a_chunk = _chunk_ids(np.arange(n_audio, dtype=np.int64), per_chunk)
-        order = np.argsort(np.concatenate([v_chunk * 2, a_chunk * 2 + 1]), kind="stable")
-        body = np.concatenate([np.full(len(v_chunk), c.video_token_id), np.full(n_audio, c.audio_token_id)])[order]
-        return np.concatenate([[c.audio_start_token_id], body, [c.audio_end_token_id]]).astype(np.int32)
+        raise NotImplementedError
 
     def _check_brackets(self, ids: np.ndarray, where: np.ndarray, kinds: list[str]) -> None:
         """Each placeholder must sit between its start and end tokens (the encoders' layout relies on it)."""
@@ -668,171 +609,3 @@ def _check_unicode(text: str, where: str = "the prompt") -> None:
                           f"({text[e.start]!r} at character {e.start})") from None
 
 
-def _message_texts(messages: Any):
-    """The strings a chat's messages hold (roles, contents, text parts); malformed ones are skipped
-    here and named by `_normalize_messages`."""
-    if not isinstance(messages, list):
-        return
-    for m in messages:
-        if not isinstance(m, dict):
-            continue
-        yield m.get("role")
-        content = m.get("content")
-        if isinstance(content, list):
-            for part in content:
-                yield part if isinstance(part, str) else (part.get("text") if isinstance(part, dict) else None)
-        else:
-            yield content
-
-
-def _token_ids(raw: Any) -> np.ndarray:
-    try:
-        ids = np.asarray(raw)
-    except Exception:
-        raise PromptError("'prompt_token_ids' must be a list of ints") from None
-    if ids.size and (ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer)):
-        raise PromptError("'prompt_token_ids' must be a flat list of ints")
-    if not ids.size:
-        return np.zeros(0, np.int32)
-    # Range-check the values given, before the int32 cast could wrap them to valid ids.
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi > np.iinfo(np.int32).max:
-        raise PromptError(f"token id {lo if lo < 0 else hi} is out of range")
-    return ids.astype(np.int32)
-
-
-def _prompt_embeds(raw: Any, hidden_size: int, max_len: int | None) -> np.ndarray:
-    """`prompt_embeds` as float32 [T, hidden_size], or PromptError naming what is wrong."""
-    try:
-        rows = np.asarray(raw)  # numpy, JAX (copied to the host) or nested lists
-    except Exception as e:
-        raise PromptError(f"'prompt_embeds' must be an array: {type(e).__name__}: {e}") from None
-    # Booleans, complex numbers, strings and objects are not embeddings (bfloat16 is kind "V").
-    if rows.dtype.kind in "bcOSUMm":
-        raise PromptError(f"'prompt_embeds' must hold real numbers, got dtype {rows.dtype}")
-    if rows.ndim != 2:
-        raise PromptError(f"'prompt_embeds' must be [num_tokens, hidden_size], got shape {rows.shape}")
-    if rows.shape[0] == 0:
-        raise PromptError("empty prompt: 'prompt_embeds' has no rows")
-    if rows.shape[1] != hidden_size:
-        raise PromptError(f"'prompt_embeds' rows have size {rows.shape[1]}, but the thinker's hidden size "
-                          f"is {hidden_size}")
-    if max_len is not None and rows.shape[0] > max_len:
-        raise PromptTooLongError(f"'prompt_embeds' has {rows.shape[0]} rows, more than the {max_len} a prompt may "
-                          f"have (the thinker's max_model_len - 1)")
-    try:
-        rows = np.ascontiguousarray(rows, np.float32)
-    except (TypeError, ValueError) as e:
-        raise PromptError(f"'prompt_embeds' cannot be cast to float32: {e}") from None
-    finite = np.isfinite(rows)
-    if not finite.all():
-        r = int(np.flatnonzero(~finite.all(axis=1))[0])
-        raise PromptError(f"'prompt_embeds' holds NaN or inf (first in row {r})")
-    return rows
-
-
-def _use_audio_in_video(prompt: dict, default: bool) -> bool:
-    value = prompt.get("use_audio_in_video")
-    kw = prompt.get("mm_processor_kwargs")
-    if kw is not None:
-        if not isinstance(kw, dict):
-            raise PromptError("'mm_processor_kwargs' must be a dict")
-        unknown = set(kw) - {"use_audio_in_video"}
-        if unknown:
-            raise PromptError(f"unknown mm_processor_kwargs {sorted(unknown)}; supported: 'use_audio_in_video'")
-        if value is None:
-            value = kw.get("use_audio_in_video")
-    if value is None:
-        return default
-    if not isinstance(value, (bool, np.bool_)):
-        raise PromptError(f"'use_audio_in_video' must be true or false, got {value!r}")
-    return bool(value)
-
-
-def _url_of(value: Any, where: str, key: str) -> Any:
-    """The `url` of an OpenAI `{"url": ...}` object (or the value itself when it is a plain string)."""
-    if isinstance(value, dict):
-        if "url" not in value:
-            raise PromptError(f"{where}: '{key}' must be {{'url': ...}}")
-        return value["url"]
-    return value
-
-
-def _parse_part(part: Any, where: str, need_source: bool = True) -> tuple[str, Any]:
-    """('text', str) or (kind, _Item) for one content part (a media part may lack its source
-    only when just rendering the template)."""
-    if isinstance(part, str):
-        return "text", part
-    if not isinstance(part, dict):
-        raise PromptError(f"{where}: a content part must be a dict, got {type(part).__name__}")
-    ptype = part.get("type")
-    if ptype is None:  # as the chat template: a part is known by its key
-        ptype = next((k for k in _PART_KINDS if k in part), None)
-    kind = _PART_KINDS.get(ptype)
-    if kind is None:
-        raise PromptError(f"{where}: unknown part type {ptype!r}; expected one of {sorted(_PART_KINDS)}")
-    if kind == "text":
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise PromptError(f"{where}: a text part needs a string 'text'")
-        return "text", text
-    if ptype == "input_audio":
-        payload = part.get("input_audio")
-        if not isinstance(payload, dict) or not isinstance(payload.get("data"), str):
-            raise PromptError(f"{where}: 'input_audio' must be {{'data': base64 string, 'format': ...}}")
-        import base64
-        import binascii
-
-        try:
-            src = base64.b64decode(payload["data"], validate=False)
-        except (binascii.Error, ValueError) as e:
-            raise PromptError(f"{where}: 'input_audio' data is not valid base64 ({e})") from None
-    elif ptype.endswith("_url"):
-        src = _url_of(part.get(ptype), where, ptype)
-    else:
-        src = next((part[k] for k in (kind, "url", "path") if part.get(k) is not None), None)
-    if src is None and need_source:
-        raise PromptError(f"{where}: the {kind} part has no source (expected key {kind!r})")
-    fps = part.get("fps")
-    if fps is not None and (kind != "video" or not isinstance(fps, (int, float)) or fps <= 0):
-        raise PromptError(f"{where}: 'fps' must be a positive number on a video part")
-    audio = part.get("audio") if kind == "video" else None
-    return kind, _Item(kind, src, where, fps=fps, audio=audio)
-
-
-def _is_video_source(x: Any) -> bool:
-    """A whole video (file, URL, bytes, frame list / 4-D array, options dict), as opposed to one frame."""
-    if isinstance(x, (str, os.PathLike, bytes, bytearray, dict, list, tuple)):
-        return True
-    return isinstance(x, np.ndarray) and x.ndim == 4
-
-
-def _mm_items(mm: dict) -> list[_Item]:
-    """The items of a raw multi_modal_data dict, per kind in order."""
-    unknown = set(mm) - {"image", "audio", "video"}
-    if unknown:
-        raise PromptError(f"unknown multi_modal_data key(s) {sorted(unknown)}; use 'image', 'audio', 'video'")
-    items: list[_Item] = []
-    for kind in ("image", "audio", "video"):
-        if kind not in mm or mm[kind] is None:
-            continue
-        value = mm[kind]
-        if kind == "image":
-            many = isinstance(value, (list, tuple))
-        elif kind == "audio":
-            # (waveform, rate) and {"array", "sampling_rate"} are one audio; a list holds several.
-            many = isinstance(value, list)
-        else:
-            # A list of files / frame lists is several videos; a list of frames is one.
-            many = isinstance(value, (list, tuple)) and len(value) > 0 and all(_is_video_source(v) for v in value)
-        for n, v in enumerate(value if many else [value]):
-            where = f"multi_modal_data[{kind!r}]" + (f"[{n}]" if many else "")
-            fps = audio = None
-            if kind == "video" and isinstance(v, dict):
-                src = v.get("video", v.get("frames"))
-                fps, audio = v.get("fps"), v.get("audio")
-                if src is None:
-                    raise PromptError(f"{where}: a video dict needs 'video' (or 'frames')")
-                v = src
-            items.append(_Item(kind, v, where, fps=fps, audio=audio))
-    return items

@@ -1,16 +1,13 @@
-"""Qwen2.5-Omni 3-D M-RoPE position ids, computed on the host with numpy.
+"""3-D M-RoPE position ids, computed on the host with numpy: what both Qwen-Omni families share.
 
 Every prompt token gets three position ids (temporal, height, width). Text and audio
 tokens get three equal, consecutive ids. Image and video placeholders get
 `start + (t, h, w)` over their merged patch grid, where t advances by
-`position_id_per_seconds` per second of media. With `use_audio_in_video` (TMRoPE) a
-video's tokens and its audio's tokens are interleaved in `seconds_per_chunk` chunks,
-and both streams count time from the same start id.
-
-The result equals transformers' `Qwen2_5OmniPreTrainedModelForConditionalGeneration
-.get_rope_index` for one unpadded sequence, including its quirks (noted where they
-happen), so that logits match the reference. After the prompt, decode positions are
-all three rows equal to `token index + mrope_delta`.
+`position_id_per_seconds` per second of media (`walk_positions`). A family lays out a video
+that carries its audio its own way (`models/<family>/rope_index.py`: Qwen2.5-Omni interleaves
+the two streams in `seconds_per_chunk` chunks, TMRoPE; Qwen3-Omni merges them by time). After
+the prompt, decode positions are all three rows equal to `token index + mrope_delta`
+(`decode_positions`).
 """
 
 from __future__ import annotations
@@ -20,17 +17,12 @@ from typing import Any, Mapping
 
 import numpy as np
 
-__all__ = [
-    "RopeIndexConfig",
-    "audio_output_lengths",
-    "get_rope_index",
-    "decode_positions",
-]
+__all__ = ["RopeIndexConfig", "chunk_ids", "decode_positions", "walk_positions"]
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeIndexConfig:
-    """Token ids and timing constants that `get_rope_index` needs (defaults: Qwen2.5-Omni-7B)."""
+    """Placeholder token ids and timing constants of the position walk (defaults: Qwen2.5-Omni-7B)."""
 
     image_token_id: int = 151655
     video_token_id: int = 151656
@@ -75,13 +67,6 @@ class RopeIndexConfig:
         )
 
 
-def audio_output_lengths(mel_lengths) -> np.ndarray:
-    """Audio encoder output tokens per audio from its mel frame count (conv stride 2, then avg-pool 2)."""
-    n = np.asarray(mel_lengths, dtype=np.int64)
-    after_conv = (n - 1) // 2 + 1
-    return (after_conv - 2) // 2 + 1
-
-
 def _temporal_ids(grid_t: int, seconds_per_grid: float, per_second: float) -> np.ndarray:
     """Temporal position offsets of `grid_t` frames, `seconds_per_grid` apart.
 
@@ -103,7 +88,7 @@ def _vision_positions(grid_thw, merge: int, t_ids: np.ndarray, start: int) -> np
     return np.stack([t_row, h_row, w_row]) + start
 
 
-def _chunk_ids(offsets: np.ndarray, per_chunk: int) -> np.ndarray:
+def chunk_ids(offsets: np.ndarray, per_chunk: int) -> np.ndarray:
     """Chunk number of each token for the audio/video interleave, given its temporal offset.
 
     transformers scans the tokens and opens a new chunk when an offset reaches
@@ -118,61 +103,6 @@ def _chunk_ids(offsets: np.ndarray, per_chunk: int) -> np.ndarray:
     idx = np.arange(n, dtype=np.int64)
     f = offsets.astype(np.int64) // int(per_chunk)
     return idx + np.minimum(1, np.minimum.accumulate(f - idx))
-
-
-def _interleaved_positions(video: np.ndarray, n_audio: int, start: int, per_chunk: int):
-    """TMRoPE positions of a video with its audio: returns ([3, Nv+Na], max id of the last chunk).
-
-    Both streams start at `start`; tokens are ordered video chunk 0, audio chunk 0,
-    video chunk 1, ... The next id after the block comes from the *last appended chunk*
-    (not the block maximum), as in transformers.
-    """
-    audio = np.broadcast_to(np.arange(n_audio, dtype=np.int64) + start, (3, n_audio))
-    v_chunk = _chunk_ids(video[0] - start, per_chunk)
-    a_chunk = _chunk_ids(audio[0] - start, per_chunk)
-    # Sort key: chunk, then video (0) before audio (1); stable keeps each stream in order.
-    key = np.concatenate([v_chunk * 2, a_chunk * 2 + 1])
-    order = np.argsort(key, kind="stable")
-    both = np.concatenate([video, audio], axis=1)[:, order]
-    nv_chunks, na_chunks = v_chunk[-1] + 1, a_chunk[-1] + 1
-    if na_chunks >= nv_chunks:  # audio's final chunk is appended after video's
-        last = audio[:, a_chunk == na_chunks - 1]
-    else:
-        last = video[:, v_chunk == nv_chunks - 1]
-    return both, int(last.max())
-
-
-def get_rope_index(
-    input_ids: np.ndarray,
-    config: RopeIndexConfig,
-    image_grid_thw=None,
-    video_grid_thw=None,
-    audio_seqlens=None,
-    second_per_grids=None,
-    use_audio_in_video: bool = False,
-) -> tuple[np.ndarray, int]:
-    """3-D M-RoPE positions of one prompt: returns (positions int32 [3, T], mrope_delta).
-
-    input_ids: [T] token ids of one sequence, no padding. image_grid_thw [Ni, 3] /
-    video_grid_thw [Nv, 3]: patch grids (before merging), in prompt order.
-    audio_seqlens [Na]: mel frames per audio (sum of feature_attention_mask), in the order
-    the audios appear in the prompt, audio inside videos included. second_per_grids [Nv]:
-    seconds per temporal grid step of each video (temporal_patch_size / fps; default 1.0).
-    use_audio_in_video: videos laid out as <vision_bos><audio_bos> interleaved chunks
-    <audio_eos><vision_eos> carry their audio (TMRoPE). A video without audio keeps the plain
-    layout and is treated as one (transformers would read its tokens as text).
-    mrope_delta: add it to a token's 1-D index to get its position after the prompt.
-    """
-    ids = np.asarray(input_ids).reshape(-1)
-    audio_lens = None if audio_seqlens is None else audio_output_lengths(np.asarray(audio_seqlens).reshape(-1))
-    per_chunk = int(config.position_id_per_seconds * config.seconds_per_chunk)
-
-    def with_audio(video, is_video, n_audio, start):
-        # TMRoPE: video and audio interleaved in chunks of seconds_per_chunk.
-        return _interleaved_positions(video, n_audio, start, per_chunk)
-
-    return walk_positions(ids, config, image_grid_thw, video_grid_thw, audio_lens, audio_seqlens,
-                          second_per_grids, use_audio_in_video, with_audio, distinct_marks=False)
 
 
 def walk_positions(ids, config, image_grid_thw, video_grid_thw, audio_lens, audio_seqlens, second_per_grids,

@@ -15,6 +15,8 @@ from typing import Any, Callable
 
 from flax import nnx
 
+from .thinker_media import MediaBuckets
+
 
 @dataclasses.dataclass(frozen=True)
 class StageSpec:
@@ -40,6 +42,11 @@ class ModelFamily:
     engines: model stage name -> `build(stage_config, ckpt_dir, async_chunk)`, the warmed-up
         engine of a stage process (runs inside that process); `async_chunk`: the pipeline
         streams between stages, so requests arrive streamed (it decides what is compiled).
+    module_engines: model stage name -> `build(stage_config, module, module_config, hf_config,
+        runner_config)`, the same engine around a module already built (the GPU tier's abstract
+        one), without the checkpoint's files (tokenizer, end ids, voices) and not warmed up:
+        its programs (`engine.runner.jitted`, `engine.jitted`, `engine.media_encoder.jitted`,
+        `engine.synthesizer.jitted`) are the ones the stage compiles.
     handoff: `ckpt_dir -> handoff`, the stage-input functions of speech chains, which run in the
         receiving stage: `handoff.stage_input(kind, control, upstream)` builds the request of a
         stage of model kind `kind` from the stage before it; `handoff.voices.get(name)` resolves a
@@ -55,10 +62,26 @@ class ModelFamily:
     name: str
     stages: dict[str, StageSpec]
     engines: dict[str, Callable[[Any, str, bool], Any]]
+    module_engines: dict[str, Callable[..., Any]]
     handoff: Callable[[str], Any]
     prompt_processor: Callable[[str], Any]
     side_files: Callable[..., None] | None = None
     tiny_checkpoint: Callable[[], str] | None = None
+
+
+def served_thinker(build):
+    """The `engines` entry of a thinker loaded by `build(ckpt_dir, runner_config, ...)` (both families')."""
+    def make(stage, ckpt_dir: str, async_chunk: bool):
+        return build(ckpt_dir, stage.runner_config(), dtype=stage.dtype, media_buckets=MediaBuckets.of(stage),
+                     enable_prefix_caching=stage.enable_prefix_caching, hidden_cache_bytes=stage.hidden_cache_mb << 20,
+                     async_scheduling=stage.async_scheduling, progress=False)
+    return make
+
+
+def served_talker(build):
+    """The `engines` entry of a talker loaded by `build(ckpt_dir, runner_config, ...)` (both families')."""
+    return lambda stage, ckpt_dir, async_chunk: build(ckpt_dir, stage.runner_config(), dtype=stage.dtype,
+                                                      progress=False)
 
 
 def prefixed_renames(renames, sub: str) -> tuple[tuple[str, str], ...]:

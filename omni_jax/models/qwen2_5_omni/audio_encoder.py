@@ -37,60 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ..layers.audio_blocks import LN_EPS, AudioEncoderConfig, AudioEncoderLayer, conv_stride2_len, sinusoid_positions
 from ..layers.linear import Linear
-
-# transformers' ACT2FN names -> JAX functions ("gelu" is the exact, erf-based GELU).
-_ACTIVATIONS = {
-    "gelu": functools.partial(jax.nn.gelu, approximate=False),
-    "gelu_new": functools.partial(jax.nn.gelu, approximate=True),
-    "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
-    "relu": jax.nn.relu,
-    "silu": jax.nn.silu,
-    "swish": jax.nn.silu,
-}
-
-_LN_EPS = 1e-5  # torch.nn.LayerNorm default, used by every norm of the HF encoder
-
-
-@dataclasses.dataclass(frozen=True)
-class AudioEncoderConfig:
-    """Hyper-parameters of the audio encoder (the HF ``audio_config``)."""
-
-    num_mel_bins: int = 128
-    encoder_layers: int = 32
-    encoder_attention_heads: int = 20
-    encoder_ffn_dim: int = 5120
-    d_model: int = 1280
-    max_source_positions: int = 1500
-    n_window: int = 100
-    output_dim: int = 3584
-    activation: str = "gelu"
-
-    @classmethod
-    def from_hf(cls, d: dict) -> "AudioEncoderConfig":
-        """Build from the ``thinker_config.audio_config`` dict of an HF config.json."""
-        names = {f.name for f in dataclasses.fields(cls)} - {"activation"}
-        kwargs = {k: d[k] for k in names if k in d}
-        act = d.get("activation_function", d.get("activation"))
-        if act is not None:
-            kwargs["activation"] = act
-        return cls(**kwargs)
-
-    @property
-    def chunk_frames(self) -> int:
-        """Mel frames per attention chunk (``W``)."""
-        return 2 * self.n_window
-
-    @property
-    def chunk_tokens(self) -> int:
-        """Tokens per attention chunk after the stride-2 conv (``S``)."""
-        return _conv_stride2_len(self.chunk_frames)
-
-
-def _conv_stride2_len(n):
-    # Length after a kernel-3, padding-1, stride-2 convolution.
-    return (n - 1) // 2 + 1
-
+from ..layers.mlp import ACTIVATIONS
 
 def audio_output_lengths(feature_lens) -> tuple[np.ndarray, np.ndarray]:
     """Mel frames -> (tokens after the convs, output tokens after pooling), per audio.
@@ -98,7 +47,7 @@ def audio_output_lengths(feature_lens) -> tuple[np.ndarray, np.ndarray]:
     Same as transformers' ``_get_feat_extract_output_lengths``.
     """
     lens = np.asarray(feature_lens, dtype=np.int64)
-    after_cnn = _conv_stride2_len(lens)
+    after_cnn = conv_stride2_len(lens)
     return after_cnn, (after_cnn - 2) // 2 + 1
 
 
@@ -149,7 +98,7 @@ def prepare_audio_batch(feature_lens, n_window: int, *, num_chunks: int | None =
     if lens.size == 0 or (lens < 1).any():
         raise ValueError(f"every audio needs at least one mel frame, got feature_lens={lens.tolist()}")
     W = 2 * n_window
-    S = _conv_stride2_len(W)
+    S = conv_stride2_len(W)
 
     chunks_per_audio = (lens + W - 1) // W
     n_chunks = int(chunks_per_audio.sum())
@@ -168,7 +117,7 @@ def prepare_audio_batch(feature_lens, n_window: int, *, num_chunks: int | None =
     frame_index = np.zeros((C, W), dtype=np.int32)
     frame_index[:n_chunks] = np.where(frame_mask[:n_chunks], chunk_start[:, None] + np.arange(W), 0)
     token_mask = np.zeros((C, S), dtype=bool)
-    token_mask[:n_chunks] = np.arange(S) < _conv_stride2_len(chunk_len)[:, None]
+    token_mask[:n_chunks] = np.arange(S) < conv_stride2_len(chunk_len)[:, None]
 
     # Every chunk but an audio's last is full (S tokens), so token p of audio a sits at
     # flat slot first_chunk[a] * S + p of the [C * S] layout, and pooling averages the
@@ -187,78 +136,6 @@ def prepare_audio_batch(feature_lens, n_window: int, *, num_chunks: int | None =
     return AudioBatch(frame_index, frame_mask, token_mask, pool_index, output_lens)
 
 
-@functools.lru_cache(maxsize=8)
-def sinusoid_positions(length: int, channels: int, max_timescale: float = 10000.0) -> np.ndarray:
-    """Whisper sinusoidal position table ``[length, channels]`` (sin half, then cos half).
-
-    Rounded through float32 at the same steps as transformers, so the angles (up to
-    ``length`` radians) agree to the last bit before sin/cos.
-    """
-    if channels % 2:
-        raise ValueError("sinusoidal positions need an even number of channels")
-    half = channels // 2
-    increment = np.float32(np.log(max_timescale) / (half - 1))
-    inv_timescales = np.exp(-increment * np.arange(half, dtype=np.float32))
-    angles = np.arange(length, dtype=np.float32)[:, None] * inv_timescales[None, :]
-    table = np.concatenate([np.sin(angles), np.cos(angles)], axis=1).astype(np.float32)
-    table.setflags(write=False)
-    return table
-
-
-class AudioAttention(nnx.Module):
-    """Bidirectional multi-head attention inside each chunk of a ``[C, S, D]`` layout."""
-
-    def __init__(self, config: AudioEncoderConfig, *, dtype, param_dtype, precision, rngs: nnx.Rngs):
-        d = config.d_model
-        self.num_heads = config.encoder_attention_heads
-        if d % self.num_heads:
-            raise ValueError(f"d_model {d} is not divisible by {self.num_heads} heads")
-        self.head_dim = d // self.num_heads
-        self.precision = precision
-        lin = functools.partial(Linear, d, d, dtype=dtype, param_dtype=param_dtype,
-                                precision=precision, rngs=rngs)
-        self.q_proj = lin()
-        self.k_proj = lin(use_bias=False)
-        self.v_proj = lin()
-        self.out_proj = lin()
-
-    def __call__(self, x: jax.Array, key_mask: jax.Array) -> jax.Array:
-        C, S, D = x.shape
-        split = lambda t: t.reshape(C, S, self.num_heads, self.head_dim)
-        q, k, v = split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
-        scores = jnp.einsum("cqhd,ckhd->chqk", q, k, precision=self.precision) * (self.head_dim ** -0.5)
-        # Softmax in fp32 as transformers does; a finite fill keeps fully padded
-        # chunks (bucket padding) NaN-free.
-        scores = scores.astype(jnp.float32)
-        scores = jnp.where(key_mask[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("chqk,ckhd->cqhd", probs, v, precision=self.precision)
-        return self.out_proj(out.reshape(C, S, D))
-
-
-class AudioEncoderLayer(nnx.Module):
-    """Pre-norm transformer layer: chunk attention, then a two-layer MLP."""
-
-    def __init__(self, config: AudioEncoderConfig, *, dtype, param_dtype, precision, rngs: nnx.Rngs):
-        d = config.d_model
-        norm = functools.partial(nnx.LayerNorm, d, epsilon=_LN_EPS, use_fast_variance=False,
-                                 dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.activation = config.activation
-        self.self_attn = AudioAttention(config, dtype=dtype, param_dtype=param_dtype,
-                                        precision=precision, rngs=rngs)
-        self.self_attn_layer_norm = norm()
-        self.fc1 = Linear(d, config.encoder_ffn_dim, dtype=dtype, param_dtype=param_dtype,
-                          precision=precision, rngs=rngs)
-        self.fc2 = Linear(config.encoder_ffn_dim, d, dtype=dtype, param_dtype=param_dtype,
-                          precision=precision, rngs=rngs)
-        self.final_layer_norm = norm()
-
-    def __call__(self, x: jax.Array, key_mask: jax.Array) -> jax.Array:
-        x = x + self.self_attn(self.self_attn_layer_norm(x), key_mask)
-        h = _ACTIVATIONS[self.activation](self.fc1(self.final_layer_norm(x)))
-        return x + self.fc2(h)
-
-
 class Qwen2_5OmniAudioEncoder(nnx.Module):
     """The Qwen2.5-Omni audio tower (``thinker.audio_tower`` in the HF checkpoint).
 
@@ -269,7 +146,7 @@ class Qwen2_5OmniAudioEncoder(nnx.Module):
 
     def __init__(self, config: AudioEncoderConfig, *, dtype=jnp.float32, param_dtype=jnp.float32,
                  precision=None, rngs: nnx.Rngs):
-        if config.activation not in _ACTIVATIONS:
+        if config.activation not in ACTIVATIONS:
             raise ValueError(f"unsupported audio encoder activation {config.activation!r}")
         if config.chunk_tokens > config.max_source_positions:
             raise ValueError("a chunk has more tokens than max_source_positions")
@@ -284,7 +161,7 @@ class Qwen2_5OmniAudioEncoder(nnx.Module):
         # In the checkpoint but unused by the encoder itself; kept so the checkpoint maps completely.
         self.audio_bos_eos_token = nnx.Embed(2, config.output_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.layers = nnx.List([AudioEncoderLayer(config, **common) for _ in range(config.encoder_layers)])
-        self.ln_post = nnx.LayerNorm(d, epsilon=_LN_EPS, use_fast_variance=False,
+        self.ln_post = nnx.LayerNorm(d, epsilon=LN_EPS, use_fast_variance=False,
                                      dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.proj = Linear(d, config.output_dim, **common)
 

@@ -1,133 +1,45 @@
-"""Thinker-side media handling: run the encoders once per request and plan the merge.
-
-`ThinkerMediaEncoder.prepare(token_ids, mm)` turns a request's multimodal data into
-the runner's `StageInputs`: the encoder features (audio, image, video, each in
-prompt order) become overlay rows placed at their placeholder tokens, and the 3-row
-M-RoPE positions come from `get_rope_index`. The encoders are jitted over their own
-shape buckets (audio chunks, vision patches), padded on the host with numpy, so
-serving never compiles after warm-up.
-"""
+"""The Qwen2.5-Omni thinker's media encoders (`models/thinker_media.py` runs them): audio
+chunks through its audio tower, patches through its vision tower, M-RoPE positions from
+`get_rope_index`."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
-import jax
 import numpy as np
-from flax import nnx
 
-from ...engine.buckets import pick_bucket
-from ...engine.protocol import MultiModalPayload, StageInputs
-from ...inputs.rope_index import RopeIndexConfig, get_rope_index
+from ...engine.protocol import MultiModalPayload
+from ...inputs.rope_index import RopeIndexConfig
+from ..thinker_media import MediaBuckets, ThinkerMediaEncoder
 from .audio_encoder import num_chunks_for, prepare_audio_batch
-from .thinker import ThinkerConfig, media_index
+from .rope_index import get_rope_index
+from .thinker import ThinkerConfig
 from .vision_encoder import vision_metadata
 
 
-@dataclasses.dataclass(frozen=True)
-class MediaBuckets:
-    """Shape buckets of the encoders."""
-
-    audio_chunks: tuple[int, ...] = (1, 4, 16)
-    vision_patches: tuple[int, ...] = (256, 1024, 4096)
-
-
-class ThinkerMediaEncoder:
+class Qwen2_5ThinkerMediaEncoder(ThinkerMediaEncoder):
     """Jitted, bucketed audio and vision encoders of a Qwen2.5-Omni thinker."""
 
     def __init__(self, thinker, cfg: ThinkerConfig, rope_cfg: RopeIndexConfig,
                  buckets: MediaBuckets = MediaBuckets()):
-        self.cfg, self.rope_cfg, self.buckets = cfg, rope_cfg, buckets
-        self._audio = nnx.split(thinker.audio_tower)
-        self._vision = nnx.split(thinker.visual)
-        self._audio_fn = jax.jit(lambda g, s, *a: nnx.merge(g, s)(*a), static_argnums=0)
-        # XLA's Triton GEMM finds no tile for a bf16 [patches, 1280] matmul of this encoder on
-        # A100 ("Couldn't find output tile sizes", deviceless compile for sm_80): cuBLAS does it.
-        # Other backends ignore the option.
-        self._vision_fn = jax.jit(lambda g, s, *a: nnx.merge(g, s)(*a), static_argnums=0,
-                                  compiler_options={"xla_gpu_enable_triton_gemm": False})
-        self.dtype = jax.tree_util.tree_leaves(self._audio[1])[0].dtype
-
-    # ------------------------------------------------------------------ host-side planning (shared)
-    def _audio_input(self, features: Sequence[np.ndarray]) -> tuple[np.ndarray, int, np.ndarray]:
-        """Checked audio lengths, their chunk bucket, and the features padded to it [mel, chunks*W]."""
-        acfg = self.cfg.audio
-        for i, f in enumerate(features):
-            f = np.asarray(f)
-            if f.ndim != 2 or f.shape[0] != acfg.num_mel_bins or f.shape[1] < 1:
-                raise ValueError(f"audio {i}: expected log-mel features [{acfg.num_mel_bins}, frames], "
-                                 f"got shape {f.shape}")
-        lens = np.array([np.asarray(f).shape[1] for f in features], np.int64)
-        need = self._num_chunks(lens)
-        try:
-            chunks = pick_bucket(need, self.buckets.audio_chunks)
-        except ValueError:
-            raise ValueError(f"audio too long: {int(lens.sum())} mel frames need {need} encoder chunks, "
-                             f"more than the largest bucket {self.buckets.audio_chunks[-1]}") from None
-        feats = np.zeros((acfg.num_mel_bins, chunks * acfg.chunk_frames), self.dtype)
-        feats[:, :lens.sum()] = np.concatenate([np.asarray(f, np.float32) for f in features], axis=1)
-        return lens, chunks, feats
+        super().__init__(thinker, cfg, rope_cfg, buckets)
 
     def _num_chunks(self, lens: np.ndarray) -> int:
         return num_chunks_for(lens, self.cfg.audio.n_window)
 
-    def _vision_input(self, pixel_values, grid_thw, what: str):
-        """Checked grids, patch count, its bucket, and the patches padded to it."""
-        vcfg = self.cfg.vision
-        pixel_values = np.asarray(pixel_values)
-        grid_thw = np.asarray(grid_thw, np.int64).reshape(-1, 3)
-        n = int(np.prod(grid_thw, axis=1).sum())
-        if pixel_values.ndim != 2 or pixel_values.shape != (n, vcfg.patch_dim):
-            raise ValueError(f"{what}: pixel values of shape {pixel_values.shape} do not match grids "
-                             f"{grid_thw.tolist()} (expected ({n}, {vcfg.patch_dim}))")
-        try:
-            patches = pick_bucket(n, self.buckets.vision_patches)
-        except ValueError:
-            raise ValueError(f"{what} too large: {n} patches, more than the largest bucket "
-                             f"{self.buckets.vision_patches[-1]}") from None
-        padded = np.zeros((patches, vcfg.patch_dim), self.dtype)
-        padded[:n] = pixel_values
-        return grid_thw, n, patches, padded
-
-    def _encode_media(self, ids: np.ndarray, mm: MultiModalPayload) -> list[tuple[str, np.ndarray, object]]:
-        """(kind, features, extra) per media kind present, in (audio, image, video) order,
-        each checked against the prompt's placeholder count. `extra` is what the family's
-        `_encode` returns beside the features (Qwen3: DeepStack features)."""
-        cfg = self.cfg
-        out = []
-        for kind, tok in (("audio", cfg.audio_token_id), ("image", cfg.image_token_id),
-                          ("video", cfg.video_token_id)):
-            feats, extra = self._encode(kind, mm)
-            placeholders = int((ids == tok).sum())
-            have = 0 if feats is None else len(feats)
-            if placeholders != have:
-                raise ValueError(f"the prompt has {placeholders} {kind} placeholder tokens but the {kind} "
-                                 f"inputs give {have} features")
-            if feats is not None:
-                out.append((kind, feats, extra))
-        return out
-
-    @staticmethod
-    def _media_ranges(index: np.ndarray, mm: MultiModalPayload) -> list:
-        """One prefix-cache range over all placeholders, keyed by the media content."""
-        where = np.flatnonzero(index >= 0)
-        return [(int(where[0]), int(where[-1] - where[0] + 1), mm.content_hash())]
-
-    # ------------------------------------------------------------------ encoders
     def encode_audio(self, features: Sequence[np.ndarray]) -> np.ndarray:
         """Audio embeddings [tokens, hidden] of all audios, in order."""
         lens, chunks, feats = self._audio_input(features)
         s = self.cfg.audio.chunk_tokens
         batch = prepare_audio_batch(lens, self.cfg.audio.n_window, num_chunks=chunks, num_tokens=chunks * (s // 2 + 1))
-        out = self._audio_fn(self._audio[0], self._audio[1], feats, *batch.arrays())
+        out = self.jitted.audio(self._audio[0], self._audio[1], feats, *batch.arrays())
         return np.asarray(out)[:batch.num_tokens]
 
     def encode_vision(self, pixel_values: np.ndarray, grid_thw: np.ndarray, what: str) -> np.ndarray:
         """Image or video features [merged tokens, hidden] of all items of `grid_thw`."""
         grid_thw, n, patches, padded = self._vision_input(pixel_values, grid_thw, what)
         meta = vision_metadata(grid_thw, self.cfg.vision, patches)
-        out = self._vision_fn(self._vision[0], self._vision[1], padded, meta)
+        out = self.jitted.vision(self._vision[0], self._vision[1], padded, meta)
         return np.asarray(out)[:n // self.cfg.vision.merge_unit]
 
     def _encode(self, kind: str, mm: MultiModalPayload):
@@ -137,32 +49,7 @@ class ThinkerMediaEncoder:
             (mm.pixel_values_videos, mm.video_grid_thw)
         return (None if pix is None else self.encode_vision(pix, grid, kind)), None
 
-    # ------------------------------------------------------------------ requests
-    def prepare(self, token_ids: np.ndarray, mm: MultiModalPayload) -> tuple[StageInputs, list]:
-        """StageInputs (overlay rows + M-RoPE positions) and prefix-cache media ranges."""
-        ids = np.asarray(token_ids)
-        media = self._encode_media(ids, mm)
-        if not media:
-            return StageInputs(), []
-        audio_lens = np.array([np.asarray(f).shape[1] for f in mm.audio_features], np.int64) if mm.audio_features else None
-        positions, delta = get_rope_index(
-            ids, self.rope_cfg, image_grid_thw=mm.image_grid_thw, video_grid_thw=mm.video_grid_thw,
-            audio_seqlens=audio_lens, second_per_grids=mm.video_second_per_grid,
-            use_audio_in_video=mm.use_audio_in_video)
-        index = media_index(ids, self.cfg, [kind for kind, _, _ in media])
-        return StageInputs(mrope_positions=positions, mrope_delta=int(delta),
-                             overlay_rows=np.concatenate([f for _, f, _ in media]).astype(np.float32),
-                             overlay_index=index), self._media_ranges(index, mm)
-
-    def warmup(self) -> None:
-        """Compile every encoder bucket."""
-        acfg, vcfg = self.cfg.audio, self.cfg.vision
-        for c in self.buckets.audio_chunks:
-            self.encode_audio([np.zeros((acfg.num_mel_bins, c * acfg.chunk_frames), np.float32)])
-        m = vcfg.spatial_merge_size
-        for p in self.buckets.vision_patches:
-            # A one-image grid of exactly p patches whose sides are multiples of the merge size.
-            side = max(m, int(np.sqrt(p // (m * m))) * m)
-            grid = np.array([[1, side, p // side]]) if p % side == 0 and (p // side) % m == 0 \
-                else np.array([[1, m, p // m]])
-            self.encode_vision(np.zeros((int(np.prod(grid)), vcfg.patch_dim), np.float32), grid, "image")
+    def _rope_index(self, ids: np.ndarray, mm: MultiModalPayload, audio_lens) -> tuple[np.ndarray, int]:
+        return get_rope_index(ids, self.rope_cfg, image_grid_thw=mm.image_grid_thw, video_grid_thw=mm.video_grid_thw,
+                              audio_seqlens=audio_lens, second_per_grids=mm.video_second_per_grid,
+                              use_audio_in_video=mm.use_audio_in_video)

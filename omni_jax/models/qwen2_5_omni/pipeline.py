@@ -30,7 +30,8 @@ from ..handoff import (UpstreamOutputs, assistant_turn_ids, media_positions, rep
                        require_thinker_layers)
 from ...checkpoint import eos_token_ids, parse_stage_config, read_config
 from ...engine.protocol import AddRequest, StageInputs
-from ...inputs.rope_index import RopeIndexConfig, get_rope_index
+from ...inputs.rope_index import RopeIndexConfig
+from .rope_index import get_rope_index
 from .specs import STAGES
 from .talker import TalkerConfig
 from .voices import Voices

@@ -14,14 +14,14 @@ import dataclasses
 from typing import Sequence
 
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from ...errors import require
 from ..layers.attention import AttentionMetadata
+from ..layers.audio_blocks import AudioEncoderConfig
 from ..layers.decoder import DecoderConfig, TextDecoder
 from ..layers.linear import Linear
-from .audio_encoder import AudioEncoderConfig, Qwen2_5OmniAudioEncoder
+from .audio_encoder import Qwen2_5OmniAudioEncoder
 from .vision_encoder import Qwen2_5OmniVisionEncoder, VisionEncoderConfig
 
 # Where from_hf reads its token ids (errors name it).
@@ -100,22 +100,3 @@ class Qwen2_5OmniThinker(nnx.Module):
     def compute_logits(self, hidden):
         """LM head in fp32 (sampling and parity need full-precision logits)."""
         return self.lm_head(hidden).astype(jnp.float32)
-
-
-def media_index(token_ids: np.ndarray, cfg: ThinkerConfig, media_order: Sequence[str]) -> np.ndarray:
-    """Row of the concatenated encoder output for each placeholder token, -1 for text.
-
-    `media_order` names the order in which encoder outputs are concatenated, e.g.
-    ("audio", "image", "video"): each kind's placeholders take consecutive rows of its
-    own block, in prompt order, the way transformers' masked_scatter fills them.
-    """
-    token_ids = np.asarray(token_ids)
-    ids = {"audio": cfg.audio_token_id, "image": cfg.image_token_id, "video": cfg.video_token_id}
-    index = np.full(token_ids.shape, -1, np.int32)
-    offset = 0
-    for kind in media_order:
-        mask = token_ids == ids[kind]
-        n = int(mask.sum())
-        index[mask] = offset + np.arange(n, dtype=np.int32)
-        offset += n
-    return index

@@ -65,6 +65,7 @@ import numpy as np
 from flax import nnx
 
 from ...engine.buckets import pick_bucket
+from ...engine.jitted import Jitted
 from ...engine.oneshot_engine import CallPool
 from .token2wav_bigvgan import BigVGANConfig, Qwen2_5OmniBigVGAN
 from .token2wav_dit import DiTConfig, Qwen2_5OmniDiT
@@ -204,10 +205,12 @@ class Token2WavSynthesizer:
         self.calls = CallPool(max_num_seqs or self.batch_buckets[-1], self.batch_buckets[-1])
         self.kw = dict(num_steps=num_steps, guidance_scale=guidance_scale, sway_coefficient=sway_coefficient)
         self.graphdef, self.state = nnx.split(model)
-        self._fn = jax.jit(lambda s, *a: nnx.merge(self.graphdef, s)(*a, clip=clip, **self.kw))
-        # Streaming runs the two halves apart: its vocoder windows are not its DiT windows.
-        self._mel_fn = jax.jit(lambda s, *a: nnx.merge(self.graphdef, s).mel(*a, **self.kw))
-        self._wave_fn = jax.jit(lambda s, mel, frames: nnx.merge(self.graphdef, s).waveform(mel, frames, clip=clip))
+        # A whole request in one call; streaming runs the two halves apart (its vocoder
+        # windows are not its DiT windows).
+        self.jitted = Jitted(
+            whole=jax.jit(lambda s, *a: nnx.merge(self.graphdef, s)(*a, clip=clip, **self.kw)),
+            mel=jax.jit(lambda s, *a: nnx.merge(self.graphdef, s).mel(*a, **self.kw)),
+            wave=jax.jit(lambda s, mel, frames: nnx.merge(self.graphdef, s).waveform(mel, frames, clip=clip)))
         self.context = stream_context
         reach = self.cfg.bigvgan.context_frames()
         self.vocoder_context = tuple(min(stream_context.vocoder_frames, r) for r in reach)
@@ -345,13 +348,13 @@ class Token2WavSynthesizer:
     def _waveforms(self, rows: list[_CodeRow]) -> list[np.ndarray]:
         """DiT and vocoder in one call: each row's whole waveform."""
         args = self._pack(rows)
-        wav = np.asarray(self._fn(self.state, *args))
+        wav = np.asarray(self.jitted.whole(self.state, *args))
         return [wav[j, :self.cfg.bigvgan.num_samples(args[1][j] * self.cfg.dit.repeats)] for j in range(len(rows))]
 
     def _mels(self, rows: list[_CodeRow]) -> list[np.ndarray]:
         """The streamed DiT call: each row's mel [repeats * n, mel_dim]."""
         t = pick_bucket(max(len(r.codes) for r in rows), self.stream_code_buckets)
-        mel = np.asarray(self._mel_fn(self.state, *self._pack(rows, t)))
+        mel = np.asarray(self.jitted.mel(self.state, *self._pack(rows, t)))
         return [mel[j, :len(r.codes) * self.cfg.dit.repeats] for j, r in enumerate(rows)]
 
     def _vocode(self, mels: list[np.ndarray]) -> list[np.ndarray]:
@@ -363,7 +366,7 @@ class Token2WavSynthesizer:
         for j, m in enumerate(mels):
             x[j, :len(m)] = m
             frames[j] = len(m)
-        wav = np.asarray(self._wave_fn(self.state, x, frames))
+        wav = np.asarray(self.jitted.wave(self.state, x, frames))
         return [wav[j, :self.cfg.bigvgan.num_samples(frames[j])] for j in range(len(mels))]
 
     def _noise(self, req, num_codes: int) -> np.ndarray:
@@ -466,15 +469,15 @@ class Token2WavSynthesizer:
         """Compile the whole-request call at every (batch, length) bucket."""
         for b in self.batch_buckets:
             for t in self.length_buckets:
-                jax.block_until_ready(self._fn(self.state, *self._zeros(b, t)))
+                jax.block_until_ready(self.jitted.whole(self.state, *self._zeros(b, t)))
 
     def warmup_stream(self) -> None:
         """Compile the streamed DiT and vocoder calls (the first window, a length per chunk size
         and the lengths above) at every batch bucket."""
         for b, t in [(b, t) for b in self.batch_buckets for t in self.stream_code_buckets]:
-            jax.block_until_ready(self._mel_fn(self.state, *self._zeros(b, t)))
+            jax.block_until_ready(self.jitted.mel(self.state, *self._zeros(b, t)))
         for b, f in [(b, f) for b in self.batch_buckets for f in self.stream_frame_buckets]:
-            jax.block_until_ready(self._wave_fn(self.state, np.zeros((b, f, self.cfg.dit.mel_dim), np.float32),
+            jax.block_until_ready(self.jitted.wave(self.state, np.zeros((b, f, self.cfg.dit.mel_dim), np.float32),
                                                 np.ones(b, np.int32)))
 
     def _zeros(self, b: int, t: int) -> tuple[np.ndarray, ...]:

@@ -36,6 +36,9 @@ from omni_jax.models.layers.linear import Linear
 from omni_jax.models.layers.mlp import GatedMLP
 from omni_jax.models.layers.norms import RMSNorm
 from omni_jax.models.layers.rope import apply_rope, inv_frequencies
+from omni_jax.models.layers.vision_blocks import (PADDING_SEGMENT, MergerMLP, PatchSizes, VisionPatchEmbed, as_grid,
+                                                  num_merged_tokens, segment_attention, vision_frame_ids,
+                                                  vision_position_ids)
 
 # HF checkpoint key (after the "thinker.visual." prefix) -> NNX path. The merger MLP is an
 # nn.Sequential with GELU at index 1, which an NNX list cannot mirror (lists are contiguous).
@@ -43,27 +46,6 @@ HF_RENAMES = [
     (r"^merger\.mlp\.0\.", "merger.mlp.fc1."),
     (r"^merger\.mlp\.2\.", "merger.mlp.fc2."),
 ]
-
-PADDING_SEGMENT = -1
-
-
-class PatchSizes:
-    """Sizes derived from a ViT config's heads, patches and merge (shared by the Qwen-Omni ViTs)."""
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def merge_unit(self) -> int:
-        """Patches per merged token (m*m)."""
-        return self.spatial_merge_size ** 2
-
-    @property
-    def patch_dim(self) -> int:
-        """Length of one pixel_values row: C * temporal_patch * patch * patch."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
-
 
 @dataclasses.dataclass(frozen=True)
 class VisionEncoderConfig(PatchSizes):
@@ -137,36 +119,6 @@ class VisionMetadata(NamedTuple):
     full_segment_ids: np.ndarray
 
 
-def _as_grid(grid_thw) -> np.ndarray:
-    grid = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
-    return grid
-
-
-def num_merged_tokens(grid_thw, spatial_merge_size: int) -> np.ndarray:
-    """Merged (LLM) tokens per item: t*h*w // m^2, [num_items]."""
-    grid = _as_grid(grid_thw)
-    return grid.prod(-1) // spatial_merge_size ** 2
-
-
-def vision_position_ids(grid_thw, spatial_merge_size: int) -> np.ndarray:
-    """Rotary (h, w) coordinates of every patch in processor order, [N, 2] int32.
-
-    The processor emits patches block by block (m x m blocks, row-major inside), so the
-    coordinates follow that order; each frame of a video repeats the same coordinates.
-    """
-    m = spatial_merge_size
-    out = []
-    for t, h, w in _as_grid(grid_thw):
-        # [h/m, w/m, m, m] -> row index = block_row * m + in_row
-        br, bc, ir, ic = np.meshgrid(np.arange(h // m), np.arange(w // m), np.arange(m), np.arange(m),
-                                     indexing="ij")
-        hw = np.stack([(br * m + ir).reshape(-1), (bc * m + ic).reshape(-1)], axis=-1)
-        out.append(np.tile(hw, (t, 1)))
-    if not out:
-        return np.zeros((0, 2), np.int32)
-    return np.concatenate(out, 0).astype(np.int32)
-
-
 def vision_window_index(grid_thw, spatial_merge_size: int, window_size: int, patch_size: int):
     """Window permutation of the merged tokens and the window of each, in window order.
 
@@ -182,7 +134,7 @@ def vision_window_index(grid_thw, spatial_merge_size: int, window_size: int, pat
     side = window_size // m // patch_size
     index, ids = [], []
     token_offset = window_offset = 0
-    for t, h, w in _as_grid(grid_thw):
+    for t, h, w in as_grid(grid_thw):
         lh, lw = h // m, w // m
         nwh, nww = -(-lh // side), -(-lw // side)
         tt, ii, jj = np.meshgrid(np.arange(t), np.arange(lh), np.arange(lw), indexing="ij")
@@ -199,23 +151,13 @@ def vision_window_index(grid_thw, spatial_merge_size: int, window_size: int, pat
     return np.concatenate(index).astype(np.int32), np.concatenate(ids).astype(np.int32)
 
 
-def vision_frame_ids(grid_thw) -> np.ndarray:
-    """Frame (item, t) of every patch in processor order, [N] int32: the full-attention segments.
-
-    transformers attends per frame (cu_seqlens from repeat_interleave(h*w, t)), not over
-    the whole video.
-    """
-    grid = _as_grid(grid_thw)
-    return np.repeat(np.arange(int(grid[:, 0].sum()), dtype=np.int32), np.repeat(grid[:, 1] * grid[:, 2], grid[:, 0]))
-
-
 def vision_metadata(grid_thw, config: VisionEncoderConfig, num_patches: int | None = None) -> VisionMetadata:
     """All index arrays for one encoder call over the items of `grid_thw` [num_items, 3].
 
     `num_patches` pads to a bucket (>= the valid patch count, a multiple of m*m); the
     padded merged tokens keep their place (identity permutation) so they stay at the end.
     """
-    grid = _as_grid(grid_thw)
+    grid = as_grid(grid_thw)
     unit = config.merge_unit
     n = int(grid.prod(-1).sum())
     np_ = n if num_patches is None else int(num_patches)
@@ -244,69 +186,9 @@ def vision_metadata(grid_thw, config: VisionEncoderConfig, num_patches: int | No
 # ----------------------------------------------------------------------------------------
 
 
-def _masked_softmax_attention(q, k, v, mask, scale):
-    """q [..., Q, H, D], k/v [..., K, H, D], mask [..., Q, K] -> [..., Q, H, D] (fp32 softmax)."""
-    s = jnp.einsum("...qhd,...khd->...hqk", q, k, preferred_element_type=jnp.float32) * scale
-    s = jnp.where(mask[..., None, :, :], s, jnp.finfo(jnp.float32).min)
-    p = jax.nn.softmax(s, axis=-1)
-    return jnp.einsum("...hqk,...khd->...qhd", p.astype(v.dtype), v)
-
-
-def segment_attention(q, k, v, segment_ids, scale, max_segment_len: int | None = None):
-    """Bidirectional attention restricted to tokens of equal segment id.
-
-    q/k/v [N, H, D], segment_ids [N]. Every query sees at least itself, so padding
-    (its own segment) never produces NaN. With `max_segment_len` L (segments contiguous
-    and no longer than L), query block b of size L only looks at key blocks b-1..b+1:
-    O(N * 3L) instead of O(N^2), which is what makes the window layers cheap.
-    """
-    n = q.shape[0]
-    if max_segment_len is None or max_segment_len >= n:
-        mask = segment_ids[:, None] == segment_ids[None, :]
-        return _masked_softmax_attention(q, k, v, mask, scale)
-
-    L = max_segment_len
-    nb = -(-n // L)
-    pad = nb * L - n
-
-    def blocks(x, fill):
-        # One extra block on each side so every query block has a left and a right neighbour.
-        x = jnp.pad(x, [(L, pad + L)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
-        return x.reshape((nb + 2, L) + x.shape[1:])
-
-    def band(x):
-        # [nb+2, L, ...] -> [nb, 3L, ...]: blocks b-1, b, b+1 for each query block b.
-        return jnp.concatenate([x[:-2], x[1:-1], x[2:]], axis=1)
-
-    # -2 marks the side blocks: no real or padding token matches it.
-    seg = blocks(segment_ids, -2)
-    qb = blocks(q, 0)[1:-1]
-    kb, vb = band(blocks(k, 0)), band(blocks(v, 0))
-    mask = seg[1:-1, :, None] == band(seg)[:, None, :]
-    out = _masked_softmax_attention(qb, kb, vb, mask, scale)
-    return out.reshape((nb * L,) + out.shape[2:])[:n]
-
-
 # ----------------------------------------------------------------------------------------
 # Modules (attribute names mirror transformers' Qwen2_5OmniVisionEncoder).
 # ----------------------------------------------------------------------------------------
-
-
-class VisionPatchEmbed(nnx.Module):
-    """Conv3d with kernel == stride == (temporal, patch, patch), no bias: one matmul per patch."""
-
-    def __init__(self, config: VisionEncoderConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
-        kernel = (config.temporal_patch_size, config.patch_size, config.patch_size)
-        self.config = config
-        self.dtype = dtype
-        self.proj = nnx.Conv(config.in_channels, config.hidden_size, kernel_size=kernel, strides=kernel,
-                             padding="VALID", use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-
-    def __call__(self, pixel_values: jnp.ndarray) -> jnp.ndarray:
-        c = self.config
-        # kernel [kt, kh, kw, in, out] -> [in, kt, kh, kw, out] to match the (C, T, P, P) row layout.
-        w = jnp.transpose(self.proj.kernel[...], (3, 0, 1, 2, 4)).reshape(c.patch_dim, c.hidden_size)
-        return jnp.dot(pixel_values.astype(self.dtype), w.astype(self.dtype))
 
 
 class VisionAttention(nnx.Module):
@@ -347,19 +229,6 @@ class VisionBlock(nnx.Module):
     def __call__(self, x, cos, sin, segment_ids, max_segment_len=None):
         x = x + self.attn(self.norm1(x), cos, sin, segment_ids, max_segment_len)
         return x + self.mlp(self.norm2(x))
-
-
-class MergerMLP(nnx.Module):
-    """fc2(GELU(fc1(x))); HF's nn.Sequential indexes 0 and 2 (see HF_RENAMES)."""
-
-    def __init__(self, dim_in: int, dim_out: int, *, dtype, param_dtype, rngs: nnx.Rngs):
-        kw = dict(use_bias=True, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.fc1 = Linear(dim_in, dim_in, **kw)
-        self.fc2 = Linear(dim_in, dim_out, **kw)
-
-    def __call__(self, x):
-        # nn.GELU() default is the exact (erf) form.
-        return self.fc2(jax.nn.gelu(self.fc1(x), approximate=False))
 
 
 class PatchMerger(nnx.Module):

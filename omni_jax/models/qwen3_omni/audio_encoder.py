@@ -43,18 +43,13 @@ import numpy as np
 from flax import nnx
 
 from omni_jax.models.layers.linear import Linear
-from omni_jax.models.qwen2_5_omni.audio_encoder import AudioEncoderConfig as _Qwen25AudioEncoderConfig
-from omni_jax.models.qwen2_5_omni.audio_encoder import (
-    _ACTIVATIONS,
-    _LN_EPS,
-    AudioAttention,
-    AudioEncoderLayer,
-    sinusoid_positions,
-)
+from omni_jax.models.layers.audio_blocks import AudioEncoderConfig as _BaseAudioEncoderConfig
+from omni_jax.models.layers.audio_blocks import LN_EPS, AudioAttention, AudioEncoderLayer, sinusoid_positions
+from omni_jax.models.layers.mlp import ACTIVATIONS
 
 
 @dataclasses.dataclass(frozen=True)
-class AudioEncoderConfig(_Qwen25AudioEncoderConfig):
+class AudioEncoderConfig(_BaseAudioEncoderConfig):
     """Hyper-parameters of the Qwen3-Omni audio encoder (the HF ``audio_config``): the
     Qwen2.5 fields (same ``from_hf``, ``chunk_frames``) plus the attention window of
     inference and the conv width."""
@@ -282,7 +277,7 @@ class Qwen3OmniAudioEncoder(nnx.Module):
 
     def __init__(self, config: AudioEncoderConfig, *, dtype=jnp.float32, param_dtype=jnp.float32,
                  precision=None, rngs: nnx.Rngs):
-        if config.activation not in _ACTIVATIONS:
+        if config.activation not in ACTIVATIONS:
             raise ValueError(f"unsupported audio encoder activation {config.activation!r}")
         if config.window_chunks < 1:
             raise ValueError("n_window_infer must be at least 2 * n_window")
@@ -301,7 +296,7 @@ class Qwen3OmniAudioEncoder(nnx.Module):
         self.conv2d3 = conv(ds, ds)
         self.conv_out = Linear(ds * config.freq_bins, d, use_bias=False, **common)
         self.layers = nnx.List([Qwen3AudioEncoderLayer(config, **common) for _ in range(config.encoder_layers)])
-        self.ln_post = nnx.LayerNorm(d, epsilon=_LN_EPS, use_fast_variance=False,
+        self.ln_post = nnx.LayerNorm(d, epsilon=LN_EPS, use_fast_variance=False,
                                      dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.proj1 = Linear(d, d, **common)
         self.proj2 = Linear(d, config.output_dim, **common)
@@ -339,7 +334,7 @@ class Qwen3OmniAudioEncoder(nnx.Module):
             h = layer(h, token_mask)
 
         h = jnp.take(h.reshape(-1, h.shape[-1]), output_index, axis=0)
-        h = _ACTIVATIONS[self.config.activation](self.proj1(self.ln_post(h)))
+        h = ACTIVATIONS[self.config.activation](self.proj1(self.ln_post(h)))
         return self.proj2(h)
 
     def encode(self, features, feature_lens=None, *, num_frames: int | None = None,

@@ -38,6 +38,7 @@ import numpy as np
 from flax import nnx
 
 from ...engine.buckets import pick_bucket
+from ...engine.jitted import Jitted
 from ...checkpoint import load_checkpoint
 from ...engine.oneshot_engine import CHUNK_FRAMES, INITIAL_CHUNK_FRAMES, CallPool, ChunkJob, OneShotEngine, chunk_sizes
 from .code2wav import Qwen3OmniCode2Wav
@@ -136,11 +137,13 @@ class Code2WavSynthesizer:
         self.chunk_size, self.left_context = chunk_size, left_context
         self.max_frames = max_frames
         self.graphdef, self.state = nnx.split(model)
-        self._fn = jax.jit(self._decode)
-        self._frame_states_fn = jax.jit(lambda state, codes: nnx.merge(self.graphdef, state).frame_states(codes))
-        self._convolve_stream_fn = jax.jit(
-            lambda state, x, frames, fresh, history: nnx.merge(self.graphdef, state).convolve_stream(
-                x, frames, fresh, history, clip=clip))
+        # A whole window in one call; streamed chunks run the pre-transformer per window and
+        # the convolutions per chunk, with their history.
+        self.jitted = Jitted(
+            whole=jax.jit(self._decode),
+            frame_states=jax.jit(lambda state, codes: nnx.merge(self.graphdef, state).frame_states(codes)),
+            convolve_stream=jax.jit(lambda state, x, frames, fresh, history: nnx.merge(
+                self.graphdef, state).convolve_stream(x, frames, fresh, history, clip=clip)))
         self._trailing = self._trailing_samples()
         # Streamed chunks convolve only their new frames: one bucket per chunk size the engine
         # asks for (`stream_chunk_frames`), and the window buckets for chunks that piled up
@@ -159,7 +162,7 @@ class Code2WavSynthesizer:
         Every stage maps a length L to a*L or a*(L - 1), so the output length is affine in T;
         the slope is checked, and every padded call checks the result again.
         """
-        lens = [jax.eval_shape(self._fn, self.state,
+        lens = [jax.eval_shape(self.jitted.whole, self.state,
                                jax.ShapeDtypeStruct((1, self.num_quantizers, t), jnp.int32)).shape[-1]
                 for t in (1, 2)]
         if lens[1] - lens[0] != self.total_upsample:
@@ -249,11 +252,11 @@ class Code2WavSynthesizer:
         self._histories.pop(request_id, None)
 
     def _frame_states(self, codes: np.ndarray) -> np.ndarray:
-        return np.asarray(self._frame_states_fn(self.state, codes))
+        return np.asarray(self.jitted.frame_states(self.state, codes))
 
     def _convolve_stream(self, x: np.ndarray, extras) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
         frames, fresh, history = extras
-        wav, history = jax.device_get(self._convolve_stream_fn(self.state, x, frames, fresh, history))
+        wav, history = jax.device_get(self.jitted.convolve_stream(self.state, x, frames, fresh, history))
         if wav.shape[-1] != x.shape[1] * self.total_upsample:
             raise RuntimeError(f"code2wav gave {wav.shape[-1]} samples for a streamed chunk of {x.shape[1]} frames, "
                                f"expected {x.shape[1] * self.total_upsample}")
@@ -283,42 +286,44 @@ class Code2WavSynthesizer:
 
     def _run(self, batch: np.ndarray) -> np.ndarray:
         """The whole decode of a padded batch, checked: padded calls rely on its sample count."""
-        wav, frames = np.asarray(self._fn(self.state, batch)), batch.shape[-1]
+        wav, frames = np.asarray(self.jitted.whole(self.state, batch)), batch.shape[-1]
         if wav.shape[-1] != self.num_samples(frames):
             raise RuntimeError(f"code2wav gave {wav.shape[-1]} samples for {frames} frames, "
                                f"expected {self.num_samples(frames)}")
         return wav
 
+    # Warm-up calls the programs themselves (what the GPU tier records): their sample counts
+    # were checked against the model's output shapes at construction (`_trailing_samples`),
+    # and every serving call checks its own.
     def warmup(self) -> None:
-        """Compile (and check) every (batch, length) bucket."""
+        """Compile every (batch, length) bucket."""
         for b in self.batch_buckets:
             for t in self.length_buckets:
-                self._run(np.zeros((b, self.num_quantizers, t), np.int32))
+                jax.block_until_ready(self.jitted.whole(self.state, np.zeros((b, self.num_quantizers, t), np.int32)))
 
     def warmup_stream(self) -> None:
-        """Compile (and check) the streamed calls: pre-transformer per window bucket, convolutions per chunk bucket."""
+        """Compile the streamed calls: pre-transformer per window bucket, convolutions per chunk bucket."""
         for b in self.batch_buckets:
             for t in self.length_buckets:
-                self._frame_states(np.zeros((b, self.num_quantizers, t), np.int32))
+                jax.block_until_ready(self.jitted.frame_states(self.state, np.zeros((b, self.num_quantizers, t), np.int32)))
             for t in self.conv_buckets:
-                self._convolve_stream(*self.stream_call_args(b, t))
+                x, (frames, fresh, history) = self.stream_call_args(b, t)
+                jax.block_until_ready(self.jitted.convolve_stream(self.state, x, frames, fresh, history))
 
-    def stream_call_args(self, batch: int, frames: int, abstract: bool = False) -> tuple:
-        """Zero arguments (x, (frames, fresh, history)) of a streamed convolution call, as numpy
-        arrays or (`abstract`) shape structs for compiling elsewhere."""
-        def zeros(shape, dtype):
-            return jax.ShapeDtypeStruct(shape, dtype) if abstract else np.zeros(shape, dtype)
-        history = tuple(zeros((batch, *h.shape), np.float32) for h in self._no_history)
-        return (zeros((batch, frames, self.cfg.hidden_size), np.float32),
-                (zeros((batch,), np.int32), zeros((batch,), np.bool_), history))
+    def stream_call_args(self, batch: int, frames: int) -> tuple:
+        """Zero arguments (x, (frames, fresh, history)) of a streamed convolution call."""
+        history = tuple(np.zeros((batch, *h.shape), np.float32) for h in self._no_history)
+        return (np.zeros((batch, frames, self.cfg.hidden_size), np.float32),
+                (np.zeros((batch,), np.int32), np.zeros((batch,), np.bool_), history))
 
 
-def build_code2wav_engine(ckpt_dir: str, *, length_buckets=(64, 256, 325), batch_buckets=(1, 2, 4),
-                          chunk_size: int = 300, left_context: int = 25, max_num_batched_tokens: int | None = None,
-                          max_model_len: int | None = None, max_num_seqs: int | None = None,
-                          codec_chunk_frames: int = CHUNK_FRAMES, initial_codec_chunk_frames: int = INITIAL_CHUNK_FRAMES,
-                          streamed: bool = False, clip: bool = True, warmup: bool = True):
-    """The Qwen3-Omni vocoder stage: whole or streamed requests chunk-decoded in padded batches (fp32, no KV cache).
+def code2wav_engine(model, *, length_buckets=(64, 256, 325), batch_buckets=(1, 2, 4),
+                    chunk_size: int = 300, left_context: int = 25, max_num_batched_tokens: int | None = None,
+                    max_model_len: int | None = None, max_num_seqs: int | None = None,
+                    codec_chunk_frames: int = CHUNK_FRAMES, initial_codec_chunk_frames: int = INITIAL_CHUNK_FRAMES,
+                    streamed: bool = False, clip: bool = True) -> OneShotEngine:
+    """The Qwen3-Omni vocoder's engine: whole or streamed requests chunk-decoded in padded batches
+    (fp32, no KV cache); its synthesizer is `engine.synthesizer`.
 
     `length_buckets` are window lengths in codec frames (the largest must hold
     chunk_size + left_context; larger ones are dropped as unused), `batch_buckets`
@@ -334,7 +339,6 @@ def build_code2wav_engine(ckpt_dir: str, *, length_buckets=(64, 256, 325), batch
     calls instead of the whole-request ones (the other path still works, compiling on first use).
     `clip`: clamp the waveform to [-1, 1] (the stage's clip_audio).
     """
-    model, cfg = load_checkpoint(ckpt_dir, stage="code2wav", dtype="float32")
     max_num_seqs = max_num_seqs or batch_buckets[-1]
     frames_per_step = max_num_batched_tokens or max_num_seqs * length_buckets[-1]
     max_frames = max_model_len or frames_per_step
@@ -346,13 +350,20 @@ def build_code2wav_engine(ckpt_dir: str, *, length_buckets=(64, 256, 325), batch
                                 max_num_seqs=max_num_seqs,
                                 stream_chunk_frames=chunk_sizes(initial_codec_chunk_frames, codec_chunk_frames),
                                 clip=clip)
-    q = cfg.num_quantizers
+    q = model.cfg.num_quantizers
     # vocab_size=0: `validate` checks the code range itself and names the offending frame and group.
     engine = OneShotEngine(synth, max_num_seqs=max_num_seqs, max_num_batched_tokens=q * frames_per_step,
                            max_model_len=q * max_frames, vocab_size=0, validate=synth.validate,
                            warmup_fn=synth.warmup_stream if streamed else synth.warmup, chunk_frames=codec_chunk_frames,
                            initial_chunk_frames=initial_codec_chunk_frames)
     engine.synthesizer = synth
+    return engine
+
+
+def build_code2wav_engine(ckpt_dir: str, *, warmup: bool = True, **kw) -> OneShotEngine:
+    """Load the vocoder stage (`code2wav_engine`'s arguments) and warm it up."""
+    model, _ = load_checkpoint(ckpt_dir, stage="code2wav", dtype="float32")
+    engine = code2wav_engine(model, **kw)
     if warmup:
         engine.warmup()
     return engine

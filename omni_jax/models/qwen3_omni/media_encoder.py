@@ -9,7 +9,7 @@
   with the overlay rows (zero for audio rows), which the runner adds after decoder
   layers 0..K-1 at the visual tokens during prefill: transformers' joint
   `visual_pos_masks` / `deepstack_visual_embeds` over images and videos;
-* the 3-row M-RoPE positions come from `rope_index_qwen3.get_rope_index_qwen3`.
+* the 3-row M-RoPE positions come from `rope_index.get_rope_index_qwen3`.
 
 Both encoders are jitted over their own shape buckets, padded on the host:
 
@@ -28,12 +28,11 @@ from typing import Sequence
 
 import numpy as np
 
-from ...engine.protocol import StageInputs
-from .rope_index import get_rope_index_qwen3
-from ..qwen2_5_omni.media_encoder import MediaBuckets, ThinkerMediaEncoder
-from ..qwen2_5_omni.thinker import media_index
+from ...engine.protocol import MultiModalPayload
+from ..thinker_media import MediaBuckets, ThinkerMediaEncoder
 from .audio_encoder import num_chunks_for, prepare_audio_batch
 from .thinker import ThinkerConfig
+from .rope_index import get_rope_index_qwen3
 from .vision_encoder import vision_metadata
 
 __all__ = ["MediaBuckets", "Qwen3ThinkerMediaEncoder"]
@@ -55,7 +54,7 @@ class Qwen3ThinkerMediaEncoder(ThinkerMediaEncoder):
         # One extent group: transformers encodes all audios of a request in one call.
         batch = prepare_audio_batch(lens, acfg.n_window, acfg.n_window_infer, num_chunks=chunks,
                                     num_windows=chunks, num_tokens=chunks * acfg.chunk_tokens)
-        out = self._audio_fn(self._audio[0], self._audio[1], feats, *batch.arrays())
+        out = self.jitted.audio(self._audio[0], self._audio[1], feats, *batch.arrays())
         return np.asarray(out)[:batch.num_tokens]
 
     def encode_vision(self, pixel_values: np.ndarray, grid_thw: np.ndarray, what: str
@@ -63,7 +62,7 @@ class Qwen3ThinkerMediaEncoder(ThinkerMediaEncoder):
         """(features [M, hidden], DeepStack features [K, M, hidden]) of all items of `grid_thw`."""
         grid_thw, n, patches, padded = self._vision_input(pixel_values, grid_thw, what)
         meta = vision_metadata(grid_thw, self.cfg.vision, patches)
-        feats, deepstack = self._vision_fn(self._vision[0], self._vision[1], padded, meta)
+        feats, deepstack = self.jitted.vision(self._vision[0], self._vision[1], padded, meta)
         m = n // self.cfg.vision.merge_unit
         return np.asarray(feats)[:m], np.asarray(deepstack)[:, :m]
 
@@ -78,24 +77,14 @@ class Qwen3ThinkerMediaEncoder(ThinkerMediaEncoder):
             (mm.pixel_values_videos, mm.video_grid_thw)
         return (None, None) if pix is None else self.encode_vision(pix, grid, kind)
 
-    # ------------------------------------------------------------------ requests
-    def prepare(self, token_ids: np.ndarray, mm: MultiModalPayload) -> tuple[StageInputs, list]:
-        """StageInputs (overlay + DeepStack rows, M-RoPE positions) and prefix-cache media ranges."""
-        cfg = self.cfg
-        ids = np.asarray(token_ids)
-        media = self._encode_media(ids, mm)
-        if not media:
-            return StageInputs(), []
-        audio_lens = np.array([np.asarray(f).shape[1] for f in mm.audio_features], np.int64) \
-            if mm.audio_features else None
-        positions, delta = get_rope_index_qwen3(
+    def _rope_index(self, ids: np.ndarray, mm: MultiModalPayload, audio_lens) -> tuple[np.ndarray, int]:
+        return get_rope_index_qwen3(
             ids, self.rope_cfg, image_grid_thw=mm.image_grid_thw, video_grid_thw=mm.video_grid_thw,
             audio_seqlens=audio_lens, second_per_grids=mm.video_second_per_grid,
-            use_audio_in_video=mm.use_audio_in_video, n_window=cfg.audio.n_window)
-        order = [kind for kind, _, _ in media]
-        index = media_index(ids, cfg, order)
-        visual = cfg.num_deepstack_layers > 0 and any(kind != "audio" for kind in order)
-        deepstack_rows = np.concatenate([d for _, _, d in media], axis=1).astype(np.float32) if visual else None
-        return StageInputs(mrope_positions=positions, mrope_delta=int(delta),
-                             overlay_rows=np.concatenate([f for _, f, _ in media]).astype(np.float32),
-                             overlay_index=index, deepstack_rows=deepstack_rows), self._media_ranges(index, mm)
+            use_audio_in_video=mm.use_audio_in_video, n_window=self.cfg.audio.n_window)
+
+    def _extra_inputs(self, media: list) -> dict:
+        # DeepStack rows follow the overlay rows (zero for audio), only when something is visual.
+        visual = self.cfg.num_deepstack_layers > 0 and any(kind != "audio" for kind, _, _ in media)
+        return dict(deepstack_rows=np.concatenate([d for _, _, d in media], axis=1).astype(np.float32)) \
+            if visual else {}

@@ -136,7 +136,6 @@ class Qwen3InputProcessor(InputProcessor):
     fixes the audio tokens per clip. Other arguments as `InputProcessor`.
     """
 
-    family = "qwen3_omni"
     DEFAULT_PREPROCESSOR_CONFIG = QWEN3_OMNI_PREPROCESSOR_CONFIG
     DEFAULT_VIDEO_CONFIG = QWEN3_OMNI_VIDEO_CONFIG
     DEFAULT_CHAT_TEMPLATE = QWEN3_OMNI_CHAT_TEMPLATE

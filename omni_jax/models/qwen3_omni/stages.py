@@ -1,4 +1,5 @@
-"""Build the in-process engines of the Qwen3-Omni stages from a converted checkpoint."""
+"""The engines of the Qwen3-Omni AR stages: around a stage module (`*_engine`), and loaded from a
+converted checkpoint and warmed up (`build_*_engine`); the talker's input projector."""
 
 from __future__ import annotations
 
@@ -13,18 +14,19 @@ from flax import nnx
 from ...checkpoint import eos_token_ids, load_checkpoint
 from ...engine.ar_engine import AREngine, EngineConfig
 from ...engine.buckets import pick_bucket, pow2_buckets
+from ...engine.jitted import Jitted
 from ...engine.protocol import StageInputs
 from ...engine.runner import RunnerConfig, stage_mesh
-from ..qwen2_5_omni.stages import load_tokenizer
-from .media_encoder import MediaBuckets, Qwen3ThinkerMediaEncoder
+from ...inputs.detokenizer import load_tokenizer
+from ..thinker_media import MediaBuckets
+from .media_encoder import Qwen3ThinkerMediaEncoder
 
 
 
-def build_thinker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | None = None,
-                         media_buckets: MediaBuckets = MediaBuckets(), enable_prefix_caching: bool = True,
-                         hidden_cache_bytes: int = EngineConfig.hidden_cache_bytes, async_scheduling: bool = True,
-                         warmup: bool = True, progress: bool = True) -> AREngine:
-    """Load the Qwen3-Omni thinker, its media encoders and tokenizer, and warm everything up.
+def thinker_engine(model, cfg, runner: RunnerConfig, *, media_buckets: MediaBuckets = MediaBuckets(),
+                   enable_prefix_caching: bool = True, hidden_cache_bytes: int = EngineConfig.hidden_cache_bytes,
+                   async_scheduling: bool = True, eos_token_ids: tuple[int, ...] = (), tokenizer=None) -> AREngine:
+    """The Qwen3-Omni thinker's engine with its media encoders (`engine.media_encoder`).
 
     The runner gets the overlay variants (encoder features) and, when the vision
     encoder has DeepStack taps, the DeepStack prefill variant.
@@ -32,7 +34,6 @@ def build_thinker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | No
     MoE and bucket padding: the decoder layers route padding tokens to no expert
     (AttentionMetadata.valid_tokens), so expert work follows the real tokens.
     """
-    model, cfg = load_checkpoint(ckpt_dir, stage="thinker", dtype=dtype, mesh=stage_mesh(runner))
     media = Qwen3ThinkerMediaEncoder(model, cfg, media_buckets)
     text = cfg.text
     # The talker reads the reply's layer-0 rows (input embeddings): sent with each sampled token.
@@ -40,13 +41,26 @@ def build_thinker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | No
                                  sampled_embeddings=0 in runner.capture_layers)
     engine = AREngine(
         model, EngineConfig(runner=runner, enable_prefix_caching=enable_prefix_caching,
-                            hidden_cache_bytes=hidden_cache_bytes, async_scheduling=async_scheduling, eos_token_ids=eos_token_ids(ckpt_dir),
-                            vocab_size=text.vocab_size),
+                            hidden_cache_bytes=hidden_cache_bytes, async_scheduling=async_scheduling,
+                            eos_token_ids=eos_token_ids, vocab_size=text.vocab_size),
         num_layers=text.num_layers, num_kv_heads=text.num_kv_heads, head_dim=text.head_dim,
-        hidden_size=text.hidden_size, tokenizer=load_tokenizer(ckpt_dir), prepare_inputs=media.prepare)
+        hidden_size=text.hidden_size, tokenizer=tokenizer, prepare_inputs=media.prepare)
     engine.media_encoder = media
+    return engine
+
+
+def build_thinker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | None = None,
+                         media_buckets: MediaBuckets = MediaBuckets(), enable_prefix_caching: bool = True,
+                         hidden_cache_bytes: int = EngineConfig.hidden_cache_bytes, async_scheduling: bool = True,
+                         warmup: bool = True, progress: bool = True) -> AREngine:
+    """Load the Qwen3-Omni thinker, its media encoders and tokenizer, and warm everything up."""
+    model, cfg = load_checkpoint(ckpt_dir, stage="thinker", dtype=dtype, mesh=stage_mesh(runner))
+    engine = thinker_engine(model, cfg, runner, media_buckets=media_buckets,
+                            enable_prefix_caching=enable_prefix_caching, hidden_cache_bytes=hidden_cache_bytes,
+                            async_scheduling=async_scheduling, eos_token_ids=eos_token_ids(ckpt_dir),
+                            tokenizer=load_tokenizer(ckpt_dir))
     if warmup:
-        media.warmup()
+        engine.media_encoder.warmup()
         engine.warmup(progress=progress)
     return engine
 
@@ -67,8 +81,8 @@ class TalkerInputProjector:
         # talker graph on every request (~20 ms).
         graphdef, state = nnx.split(model)
         self._leaves, treedef = jax.tree.flatten(state)
-        self._fn = jax.jit(lambda leaves, *args: _project_rows(
-            nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves)), *args))
+        self.jitted = Jitted(project=jax.jit(lambda leaves, *args: _project_rows(
+            nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves)), *args)))
 
     def _project(self, rows: np.ndarray, proj: np.ndarray, add_ids: np.ndarray) -> np.ndarray:
         out, step = [], self.buckets[-1]
@@ -81,7 +95,7 @@ class TalkerInputProjector:
             k[:n] = proj[a:a + n]
             i = np.full(b, -1, np.int32)
             i[:n] = add_ids[a:a + n]
-            out.append(np.asarray(self._fn(self._leaves, r, k, i))[:n])
+            out.append(np.asarray(self.jitted.project(self._leaves, r, k, i))[:n])
         return np.concatenate(out)
 
     def __call__(self, inputs: StageInputs) -> StageInputs:
@@ -129,7 +143,7 @@ class TalkerInputProjector:
 
     def warmup(self) -> None:
         for b in self.buckets:
-            self._fn(self._leaves, np.zeros((b, self.cfg.thinker_hidden_size), np.float32),
+            self.jitted.project(self._leaves, np.zeros((b, self.cfg.thinker_hidden_size), np.float32),
                      np.zeros(b, np.int32), np.full(b, -1, np.int32))
 
 
@@ -141,14 +155,13 @@ def _project_rows(model, rows, proj, add_ids):
     return (out + jnp.where((add_ids >= 0)[:, None], codec, 0)).astype(jnp.float32)
 
 
-def build_talker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | None = None,
-                        warmup: bool = True, progress: bool = True) -> AREngine:
-    """Load the talker stage (group-0 codes, code predictor for the rest) and warm it up.
+def talker_engine(model, cfg, runner: RunnerConfig) -> AREngine:
+    """The talker's engine (group-0 codes, code predictor for the rest) with its input
+    projector (`engine.projector`).
 
     Its prompts are embeddings and every step's input depends on the code predictor,
     so prefix caching is off. The banned-id width covers the 1023 suppressed ids.
     """
-    model, cfg = load_checkpoint(ckpt_dir, stage="talker", dtype=dtype, mesh=stage_mesh(runner))
     text = cfg.text
     projector = TalkerInputProjector(model, cfg, runner.max_model_len)
     engine = AREngine(
@@ -158,7 +171,15 @@ def build_talker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | Non
         num_layers=text.num_layers, num_kv_heads=text.num_kv_heads, head_dim=text.head_dim,
         hidden_size=text.hidden_size, project_inputs=projector)
     engine.projector = projector
+    return engine
+
+
+def build_talker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | None = None,
+                        warmup: bool = True, progress: bool = True) -> AREngine:
+    """Load the talker stage and warm it and its input projector up."""
+    model, cfg = load_checkpoint(ckpt_dir, stage="talker", dtype=dtype, mesh=stage_mesh(runner))
+    engine = talker_engine(model, cfg, runner)
     if warmup:
-        projector.warmup()
+        engine.projector.warmup()
         engine.warmup(progress=progress)
     return engine

@@ -7,7 +7,7 @@ Attribute names follow the checkpoint (``model``, ``audio_tower``, ``visual``,
 
 Encoder features reach the decoder the same way as for Qwen2.5-Omni: the host plans,
 per prompt token, the row of the concatenated encoder output it takes (see
-:func:`omni_jax.models.qwen2_5_omni.thinker.media_index`, reused as is). The vision
+:func:`omni_jax.models.thinker_media.media_index`, shared). The vision
 encoder's DeepStack features follow the same rows and are added after the first
 decoder layers at the visual tokens (``deepstack=`` of :meth:`Qwen3OmniThinker.__call__`).
 """

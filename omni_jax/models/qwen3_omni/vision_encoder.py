@@ -40,8 +40,8 @@ from flax import nnx
 
 from omni_jax.models.layers.linear import Linear
 from omni_jax.models.layers.rope import apply_rope, inv_frequencies
-from omni_jax.models.qwen2_5_omni.audio_encoder import _ACTIVATIONS
-from omni_jax.models.qwen2_5_omni.vision_encoder import (
+from omni_jax.models.layers.mlp import ACTIVATIONS
+from omni_jax.models.layers.vision_blocks import (
     PADDING_SEGMENT,
     PatchSizes,
     MergerMLP,
@@ -258,7 +258,7 @@ class VisionMLP(nnx.Module):
         self.linear_fc2 = Linear(config.intermediate_size, config.hidden_size, **kw)
 
     def __call__(self, x):
-        return self.linear_fc2(_ACTIVATIONS[self.act](self.linear_fc1(x)))
+        return self.linear_fc2(ACTIVATIONS[self.act](self.linear_fc1(x)))
 
 
 class VisionBlock(nnx.Module):
@@ -307,7 +307,7 @@ class Qwen3OmniVisionEncoder(nnx.Module):
 
     def __init__(self, config: VisionEncoderConfig, *, dtype=jnp.float32, param_dtype=jnp.float32,
                  precision=None, rngs: nnx.Rngs):
-        if config.hidden_act not in _ACTIVATIONS:
+        if config.hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported vision activation {config.hidden_act!r}")
         if config.num_grid_per_side ** 2 != config.num_position_embeddings:
             raise ValueError(f"num_position_embeddings={config.num_position_embeddings} is not a square")

@@ -1,0 +1,188 @@
+"""What both families' thinkers share in running their media encoders: the shape buckets, the
+placeholder rows, and the encoder runner each family's media encoder builds on.
+
+`ThinkerMediaEncoder.prepare(token_ids, mm)` turns a request's multimodal data into the
+runner's `StageInputs`: the encoder features (audio, image, video, each in prompt order)
+become overlay rows placed at their placeholder tokens (`media_index`), and the 3-row M-RoPE
+positions come from the family's rope index. The encoders are jitted over their own shape
+buckets (audio chunks, vision patches), padded on the host with numpy, so serving never
+compiles after warm-up. A family's subclass runs its encoders (`encode_audio`,
+`encode_vision`, `_encode`), computes its positions (`_rope_index`) and adds its own rows
+(`_extra_inputs`: Qwen3's DeepStack features).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from ..engine.buckets import pick_bucket
+from ..engine.jitted import Jitted
+from ..engine.protocol import MultiModalPayload, StageInputs
+
+
+@dataclasses.dataclass(frozen=True)
+class MediaBuckets:
+    """Shape buckets of the encoders."""
+
+    audio_chunks: tuple[int, ...] = (1, 4, 16)
+    vision_patches: tuple[int, ...] = (256, 1024, 4096)
+
+    @classmethod
+    def of(cls, stage) -> "MediaBuckets":
+        """A thinker stage config's buckets."""
+        return cls(stage.audio_chunk_buckets, stage.vision_patch_buckets)
+
+
+def media_index(token_ids: np.ndarray, cfg, media_order: Sequence[str]) -> np.ndarray:
+    """Row of the concatenated encoder output for each placeholder token, -1 for text.
+
+    `media_order` names the order in which encoder outputs are concatenated, e.g.
+    ("audio", "image", "video"): each kind's placeholders take consecutive rows of its
+    own block, in prompt order, the way transformers' masked_scatter fills them.
+    """
+    token_ids = np.asarray(token_ids)
+    ids = {"audio": cfg.audio_token_id, "image": cfg.image_token_id, "video": cfg.video_token_id}
+    index = np.full(token_ids.shape, -1, np.int32)
+    offset = 0
+    for kind in media_order:
+        mask = token_ids == ids[kind]
+        n = int(mask.sum())
+        index[mask] = offset + np.arange(n, dtype=np.int32)
+        offset += n
+    return index
+
+
+class ThinkerMediaEncoder:
+    """Jitted, bucketed audio and vision encoders of a thinker (a family subclasses it)."""
+
+    def __init__(self, thinker, cfg, rope_cfg, buckets: MediaBuckets = MediaBuckets()):
+        self.cfg, self.rope_cfg, self.buckets = cfg, rope_cfg, buckets
+        self._audio = nnx.split(thinker.audio_tower)
+        self._vision = nnx.split(thinker.visual)
+        # XLA's Triton GEMM finds no tile for a bf16 [patches, 1280] matmul of Qwen2.5's vision
+        # encoder on A100 ("Couldn't find output tile sizes", deviceless compile for sm_80):
+        # cuBLAS does it. Other backends ignore the option.
+        self.jitted = Jitted(audio=jax.jit(lambda g, s, *a: nnx.merge(g, s)(*a), static_argnums=0),
+                             vision=jax.jit(lambda g, s, *a: nnx.merge(g, s)(*a), static_argnums=0,
+                                            compiler_options={"xla_gpu_enable_triton_gemm": False}))
+        self.dtype = jax.tree_util.tree_leaves(self._audio[1])[0].dtype
+
+    # ------------------------------------------------------------------ a family's part
+    def encode_audio(self, features: Sequence[np.ndarray]) -> np.ndarray:
+        """Audio embeddings [tokens, hidden] of all audios of one request, in order."""
+        raise NotImplementedError
+
+    def encode_vision(self, pixel_values: np.ndarray, grid_thw: np.ndarray, what: str):
+        """Image or video features of all items of `grid_thw` (and what else the family's encoder gives)."""
+        raise NotImplementedError
+
+    def _encode(self, kind: str, mm: MultiModalPayload):
+        """(features or None, extra) of one media kind of a request."""
+        raise NotImplementedError
+
+    def _num_chunks(self, lens: np.ndarray) -> int:
+        """Encoder chunks the audios of these lengths (mel frames) need together."""
+        raise NotImplementedError
+
+    def _rope_index(self, ids: np.ndarray, mm: MultiModalPayload, audio_lens) -> tuple[np.ndarray, int]:
+        """The prompt's M-RoPE positions [3, T] and the delta of the positions after it."""
+        raise NotImplementedError
+
+    def _extra_inputs(self, media: list) -> dict:
+        """`StageInputs` fields a family adds from `(kind, features, extra)` per media kind."""
+        return {}
+
+    # ------------------------------------------------------------------ host-side planning
+    def _audio_input(self, features: Sequence[np.ndarray]) -> tuple[np.ndarray, int, np.ndarray]:
+        """Checked audio lengths, their chunk bucket, and the features padded to it [mel, chunks*W]."""
+        acfg = self.cfg.audio
+        for i, f in enumerate(features):
+            f = np.asarray(f)
+            if f.ndim != 2 or f.shape[0] != acfg.num_mel_bins or f.shape[1] < 1:
+                raise ValueError(f"audio {i}: expected log-mel features [{acfg.num_mel_bins}, frames], "
+                                 f"got shape {f.shape}")
+        lens = np.array([np.asarray(f).shape[1] for f in features], np.int64)
+        need = self._num_chunks(lens)
+        try:
+            chunks = pick_bucket(need, self.buckets.audio_chunks)
+        except ValueError:
+            raise ValueError(f"audio too long: {int(lens.sum())} mel frames need {need} encoder chunks, "
+                             f"more than the largest bucket {self.buckets.audio_chunks[-1]}") from None
+        feats = np.zeros((acfg.num_mel_bins, chunks * acfg.chunk_frames), self.dtype)
+        feats[:, :lens.sum()] = np.concatenate([np.asarray(f, np.float32) for f in features], axis=1)
+        return lens, chunks, feats
+
+    def _vision_input(self, pixel_values, grid_thw, what: str):
+        """Checked grids, patch count, its bucket, and the patches padded to it."""
+        vcfg = self.cfg.vision
+        pixel_values = np.asarray(pixel_values)
+        grid_thw = np.asarray(grid_thw, np.int64).reshape(-1, 3)
+        n = int(np.prod(grid_thw, axis=1).sum())
+        if pixel_values.ndim != 2 or pixel_values.shape != (n, vcfg.patch_dim):
+            raise ValueError(f"{what}: pixel values of shape {pixel_values.shape} do not match grids "
+                             f"{grid_thw.tolist()} (expected ({n}, {vcfg.patch_dim}))")
+        try:
+            patches = pick_bucket(n, self.buckets.vision_patches)
+        except ValueError:
+            raise ValueError(f"{what} too large: {n} patches, more than the largest bucket "
+                             f"{self.buckets.vision_patches[-1]}") from None
+        padded = np.zeros((patches, vcfg.patch_dim), self.dtype)
+        padded[:n] = pixel_values
+        return grid_thw, n, patches, padded
+
+    def _encode_media(self, ids: np.ndarray, mm: MultiModalPayload) -> list[tuple[str, np.ndarray, object]]:
+        """(kind, features, extra) per media kind present, in (audio, image, video) order,
+        each checked against the prompt's placeholder count. `extra` is what the family's
+        `_encode` returns beside the features (Qwen3: DeepStack features)."""
+        cfg = self.cfg
+        out = []
+        for kind, tok in (("audio", cfg.audio_token_id), ("image", cfg.image_token_id),
+                          ("video", cfg.video_token_id)):
+            feats, extra = self._encode(kind, mm)
+            placeholders = int((ids == tok).sum())
+            have = 0 if feats is None else len(feats)
+            if placeholders != have:
+                raise ValueError(f"the prompt has {placeholders} {kind} placeholder tokens but the {kind} "
+                                 f"inputs give {have} features")
+            if feats is not None:
+                out.append((kind, feats, extra))
+        return out
+
+    @staticmethod
+    def _media_ranges(index: np.ndarray, mm: MultiModalPayload) -> list:
+        """One prefix-cache range over all placeholders, keyed by the media content."""
+        where = np.flatnonzero(index >= 0)
+        return [(int(where[0]), int(where[-1] - where[0] + 1), mm.content_hash())]
+
+    # ------------------------------------------------------------------ requests
+    def prepare(self, token_ids: np.ndarray, mm: MultiModalPayload) -> tuple[StageInputs, list]:
+        """StageInputs (overlay rows, M-RoPE positions, the family's extra rows) and prefix-cache media ranges."""
+        ids = np.asarray(token_ids)
+        media = self._encode_media(ids, mm)
+        if not media:
+            return StageInputs(), []
+        audio_lens = np.array([np.asarray(f).shape[1] for f in mm.audio_features], np.int64) \
+            if mm.audio_features else None
+        positions, delta = self._rope_index(ids, mm, audio_lens)
+        index = media_index(ids, self.cfg, [kind for kind, _, _ in media])
+        return StageInputs(mrope_positions=positions, mrope_delta=int(delta),
+                           overlay_rows=np.concatenate([f for _, f, _ in media]).astype(np.float32),
+                           overlay_index=index, **self._extra_inputs(media)), self._media_ranges(index, mm)
+
+    def warmup(self) -> None:
+        """Compile every encoder bucket."""
+        acfg, vcfg = self.cfg.audio, self.cfg.vision
+        for c in self.buckets.audio_chunks:
+            self.encode_audio([np.zeros((acfg.num_mel_bins, c * acfg.chunk_frames), np.float32)])
+        m = vcfg.spatial_merge_size
+        for p in self.buckets.vision_patches:
+            # A one-image grid of exactly p patches whose sides are multiples of the merge size.
+            side = max(m, int(np.sqrt(p // (m * m))) * m)
+            grid = np.array([[1, side, p // side]]) if p % side == 0 and (p // side) % m == 0 \
+                else np.array([[1, m, p // m]])
+            self.encode_vision(np.zeros((int(np.prod(grid)), vcfg.patch_dim), np.float32), grid, "image")

@@ -1,6 +1,7 @@
-"""The package's errors, in one place: each names what is wrong. (The HTTP server's `APIError`
-is in server/errors.py, with the OpenAI error shape it answers; the CPU kernels' build error is
-in kernels_cpu, a layer below.)"""
+"""The package's errors, in one place: each names what is wrong. (The server's are in
+server/errors.py, with the OpenAI error shape it answers in, but for the realtime API's error
+event, `server/realtime/events.py: EventError`; the CPU kernels' build error is in
+kernels_cpu, a layer below.)"""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def require(d: Mapping[str, Any], *keys: str, section: str) -> Any:
     raise ConfigKeyError(f"{section}: missing {names}")
 
 
-# -- a pipeline configuration (config.py)
+# -- a pipeline configuration (config/)
 class ConfigError(ValueError):
     """An invalid or unknown pipeline configuration.
 
@@ -67,6 +68,10 @@ class MediaError(ValueError):
     """A media item cannot be loaded; the message names the source and the reason."""
 
 
+class Overloaded(RuntimeError):
+    """Too many prompts wait for a worker: try again later (a server's 503 with Retry-After)."""
+
+
 class RequestError(ValueError):
     """A request was rejected: the message says what is wrong with it."""
 
@@ -94,6 +99,10 @@ class ProtocolError(ValueError):
 
 class StageStartupError(RuntimeError):
     """A stage process did not come up: the message names the stage and why."""
+
+
+class OutOfStep(RuntimeError):
+    """A follower's outputs differ from process 0's at the same step (a stage over several hosts)."""
 
 
 class EngineDeadError(RuntimeError):

@@ -21,13 +21,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
 from .inputs import cancel
-from .errors import PromptError
+from .errors import Overloaded, PromptError
 
 T = TypeVar("T")
-
-
-class Overloaded(RuntimeError):
-    """Too many prompts wait for a worker: try again later (a server's 503 with Retry-After)."""
 
 
 class PromptWorkers:

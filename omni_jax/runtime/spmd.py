@@ -161,10 +161,6 @@ def leave(watch: FollowerWatch | None) -> None:
         watch.wait()
 
 
-class OutOfStep(RuntimeError):
-    """A follower's outputs differ from process 0's at the same step."""
-
-
 def outputs_digest(outputs) -> str:
     """What a step produced, as far as the next steps depend on it: each output's request,
     new tokens and end."""

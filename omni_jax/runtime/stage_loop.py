@@ -44,7 +44,7 @@ from ..models.handoff import UpstreamOutputs
 from ..models.registry import get_family
 from . import spmd
 from .transport import Channel, stage_addresses
-from ..errors import ProtocolError
+from ..errors import OutOfStep, ProtocolError
 
 log = logging.getLogger("omni_jax.stage")
 
@@ -125,7 +125,7 @@ class StageServer:
         while True:
             tick = ticks.recv()
             if tick.last_step != self.last_step:
-                raise spmd.OutOfStep(f"stage {self.name!r}: this process's outputs at step {steps} differ from "
+                raise OutOfStep(f"stage {self.name!r}: this process's outputs at step {steps} differ from "
                                      f"process 0's")
             for msg in tick.messages:
                 if (self._on_data(msg) if isinstance(msg, StageData) else self._on_request(msg)) is False:

@@ -45,7 +45,7 @@ def _exit_with_parent(parent_pid: int, ipc_dir: str | None, period_s: float = 0.
 def _configure_device(stage: dict) -> None:
     """Per-stage devices and memory fraction, before JAX creates its backend."""
     # A stage sees only its own GPUs (the runner then finds them at local positions 0..n-1,
-    # engine/sharding.py); `device: N` has already become `devices: [N]` (config.py).
+    # engine/sharding.py); `device: N` has already become `devices: [N]` (config/stage.py).
     devices = stage.get("devices") or ([stage["device"]] if stage.get("device") is not None else None)
     if devices:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)

@@ -48,6 +48,11 @@ class APIError(Exception):
         return None if self.retry_after is None else {"Retry-After": str(self.retry_after)}
 
 
+# -- the realtime API (/v1/realtime): its error events are `realtime.events.EventError`
+class InputAudioError(ValueError):
+    """An audio append the input buffer refuses (the message says why and names the limit)."""
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     """The JSON body of an error response (also sent as an SSE event when a stream fails)."""
     message = _OBJECT_REPR.sub("<object>", message)

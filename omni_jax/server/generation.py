@@ -13,8 +13,7 @@ from typing import AsyncIterator
 
 import re
 
-from ..errors import PromptTooLongError
-from ..prompt_workers import Overloaded
+from ..errors import Overloaded, PromptTooLongError
 from .engine import ServedEngine
 from .errors import APIError, bad_request, overloaded, short
 

@@ -15,13 +15,10 @@ import binascii
 import numpy as np
 import soxr
 
+from ..errors import InputAudioError
 from .vad import RATE
 
 INPUT_RATE = 24000
-
-
-class InputAudioError(ValueError):
-    """An append the buffer refuses (the message says why and names the limit)."""
 
 
 def decode_pcm16(data: str) -> np.ndarray:

@@ -22,13 +22,13 @@ from types import SimpleNamespace
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from ..errors import APIError, error_response
+from ..errors import APIError, InputAudioError, error_response
 from ..messages import MediaPolicy
 from ..metrics import Metrics
 from ..stage_params import stage_params
 from ..transcription import token_usage, transcription_params, transcription_prompt
 from ..generation import open_request
-from .audio_buffer import InputAudioError, decode_pcm16
+from .audio_buffer import decode_pcm16
 from .conversation import Conversation, ConversationItem, Part, item_from_event
 from .events import (ConversationItemCreate, ConversationItemDelete, ConversationItemRetrieve,
                      ConversationItemTruncate, EventError, InputAudioBufferAppend, InputAudioBufferClear,

@@ -13,9 +13,9 @@ import dataclasses
 import numpy as np
 import soxr
 
-from ..errors import APIError
+from ..errors import APIError, InputAudioError
 from ..messages import MediaPolicy
-from .audio_buffer import InputAudioError, decode_pcm16, INPUT_RATE
+from .audio_buffer import decode_pcm16, INPUT_RATE
 from .events import EventError, Item, new_id
 from .vad import RATE
 

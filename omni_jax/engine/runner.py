@@ -323,7 +323,7 @@ class ModelRunner:
 
     def _after_sample(self, param_leaves, sample_hidden, token_ids, greedy, seeds, steps):
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._param_def, param_leaves))
-        return model.after_sample(sample_hidden, token_ids, greedy, seeds, steps)
+        return model.after_sample(sample_hidden, token_ids, greedy, seeds, steps, backend=self.cfg.backend)
 
     def after_sample(self, sample_hidden, token_ids, greedy, seeds, steps):
         """The model's after-sample hook on one step's sampled rows (all [S_pad] arrays).

@@ -98,7 +98,7 @@ def launch_profile(reports: list[dict]) -> dict:
             a = after[key]
             out[key]["after_sample"] = dict(launches=a["launches"], graphed=a["graphed_launches"],
                                             outside=list(a["outside_launches"]),
-                                            command_buffers=a["command_buffers"])
+                                            command_buffers=a["command_buffers"], host_loops=a["host_loops"])
     return out
 
 

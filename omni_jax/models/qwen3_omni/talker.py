@@ -252,7 +252,9 @@ class _CachedSteps:
 
     Row r of the batch owns page r + 1 (page 0 is never written, as the engine's dummy
     block); a page holds the whole sequence (<= G tokens). The XLA reference attention
-    serves it on every platform: at most G keys per row.
+    serves it on every platform: at most G keys per row. Every step decodes one token per
+    row, the two input rows included: the reference's prompt path loops over sequences
+    (XLA while loops, which a GPU runs from the host, outside the step's CUDA graph).
     """
 
     def __init__(self, model: CodePredictorModel, batch: int, groups: int, dtype):
@@ -262,17 +264,17 @@ class _CachedSteps:
         self.caches = [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
         self.tables = jnp.arange(1, batch + 1, dtype=jnp.int32)[:, None]
 
-    def __call__(self, rows, s: int):
-        """rows [B, n, H]: the new tokens (positions s+1-n .. s) -> hidden of the last one [B, H]."""
-        b, n, h = rows.shape
-        positions = jnp.tile(jnp.arange(s + 1 - n, s + 1, dtype=jnp.int32), b)
+    def __call__(self, row, s: int):
+        """row [B, H]: each row's token at position s -> its hidden state [B, H]."""
+        b = row.shape[0]
+        positions = jnp.full((b,), s, jnp.int32)
         meta = AttentionMetadata(
-            mode="paged", backend="reference", decode_only=n == 1,
-            slot_mapping=jnp.repeat(self.tables[:, 0], n) * self.page + positions,
+            mode="paged", backend="reference", decode_only=True,
+            slot_mapping=self.tables[:, 0] * self.page + positions,
             block_tables=self.tables, kv_lens=jnp.full((b,), s + 1, jnp.int32),
-            cu_q_lens=jnp.arange(b + 1, dtype=jnp.int32) * n)
-        hidden, self.caches = self.model(rows.reshape(b * n, h), positions, meta, self.caches)
-        return hidden.reshape(b, n, h)[:, -1]
+            cu_q_lens=jnp.arange(b + 1, dtype=jnp.int32))
+        hidden, self.caches = self.model(row, positions, meta, self.caches)
+        return hidden
 
 
 class Qwen3OmniCodePredictor(nnx.Module):
@@ -293,10 +295,14 @@ def _row_keys(key, b: int):
     return key if key.ndim == per_row_ndim else jax.random.split(key, b)
 
 
-def _choose(logits, keys, temperature, top_k, top_p, greedy=None):
+def _choose(logits, keys, temperature, top_k, top_p, greedy=None, skip_greedy_draws: bool = True):
     """Greedy argmax (keys None) or one seeded draw per row after temperature/top-k/top-p.
 
     `greedy` [B] bool (with keys): those rows take the argmax instead of a draw.
+    `skip_greedy_draws`: an all-greedy batch skips the vocabulary sort and the draws (most
+    of the step's cost on CPU) behind a conditional. A GPU reads a conditional's predicate
+    on the host: a wait for the device and launches outside the step's CUDA graph at each
+    of the G-1 groups, dearer there than the draws, which then always run.
     """
     best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if keys is None:
@@ -313,7 +319,8 @@ def _choose(logits, keys, temperature, top_k, top_p, greedy=None):
 
     if greedy is None:
         return draw()
-    # An all-greedy batch skips the vocabulary sort and the draws (most of the step's cost on CPU).
+    if not skip_greedy_draws:
+        return jnp.where(greedy, best, draw())
     return jax.lax.cond(jnp.all(greedy), lambda: best, lambda: jnp.where(greedy, best, draw()))
 
 
@@ -357,7 +364,7 @@ class Qwen3OmniTalker(nnx.Module):
         """Thinker layer-`accept_hidden_layer` states (multimodal positions) -> talker hidden."""
         return self.hidden_projection(thinker_hidden)
 
-    def after_sample(self, talker_hidden, group0_ids, greedy, seeds, steps):
+    def after_sample(self, talker_hidden, group0_ids, greedy, seeds, steps, *, backend: str = "reference"):
         """The AR engine's after-sample hook (engine/runner.py): residual codes of each
         sampled row and what they add to that token's next input.
 
@@ -365,10 +372,13 @@ class Qwen3OmniTalker(nnx.Module):
         do_sample onto the code predictor); otherwise its key is its request's seed
         folded with the output index, so it does not depend on the rest of the batch.
         Returns (codes [B, G-1] int32, sum of their G-1 embeddings [B, hidden]); the
-        group-0 embedding is the token's own input embedding.
+        group-0 embedding is the token's own input embedding. `backend`: the stage's
+        attention backend; on a GPU's ("pallas") every row's draw runs, masked, where
+        elsewhere an all-greedy batch skips them (see `_choose`).
         """
         keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(seeds, steps)
-        codes = self.predict_residual_codes(talker_hidden, group0_ids, keys, greedy=greedy)
+        codes = self.predict_residual_codes(talker_hidden, group0_ids, keys, greedy=greedy,
+                                            skip_greedy_draws=backend != "pallas")
         pred = self.code_predictor.model
         embeds = sum(pred.embed(g, codes[:, g - 1]) for g in range(1, self.cfg.num_code_groups))
         return codes, embeds.astype(jnp.float32)
@@ -389,7 +399,8 @@ class Qwen3OmniTalker(nnx.Module):
                                temperature: float = CODE_PREDICTOR_SAMPLING["temperature"],
                                top_k: int = CODE_PREDICTOR_SAMPLING["top_k"],
                                top_p: float = CODE_PREDICTOR_SAMPLING["top_p"],
-                               greedy=None, return_logits: bool = False, cache: bool = True):
+                               greedy=None, return_logits: bool = False, cache: bool = True,
+                               skip_greedy_draws: bool = True):
         """Codes of groups 1..G-1 [B, G-1] (int32) for one talker step of a batch.
 
         talker_hidden [B, H]: the talker's final normed hidden state at the position
@@ -402,9 +413,10 @@ class Qwen3OmniTalker(nnx.Module):
         logits [B, G-1, vocab] (fp32).
 
         cache=True keeps each layer's K/V in a one-page-per-row paged cache local to the
-        call: the first step runs the two input rows, each later one only the new code's
+        call: the two input rows one after the other, then each step only the new code's
         row (G rows per request in all). cache=False re-runs the whole sequence every
         step (G(G+1)/2 - 1 rows); benchmarks/code_predictor.py measures both.
+        skip_greedy_draws: an all-greedy batch skips the draws (`_choose`).
         """
         pred = self.code_predictor
         b, h = talker_hidden.shape
@@ -416,7 +428,9 @@ class Qwen3OmniTalker(nnx.Module):
         codes, all_logits = [], []
         for s in range(1, groups):
             if step is not None:
-                hidden = step(jnp.stack(seq, axis=1) if s == 1 else seq[-1][:, None], s)
+                if s == 1:
+                    step(seq[0], 0)  # the talker's hidden state first, then one code per step
+                hidden = step(seq[-1], s)
             else:
                 length = s + 1
                 x = jnp.stack(seq, axis=1).reshape(b * length, h)
@@ -426,7 +440,7 @@ class Qwen3OmniTalker(nnx.Module):
                 hidden = pred.model(x, positions, meta).reshape(b, length, h)[:, -1]
             logits = pred.lm_head[s - 1](hidden).astype(jnp.float32)
             step_keys = None if keys is None else jax.vmap(lambda k: jax.random.fold_in(k, s))(keys)
-            code = _choose(logits, step_keys, temperature, top_k, top_p, greedy)
+            code = _choose(logits, step_keys, temperature, top_k, top_p, greedy, skip_greedy_draws)
             codes.append(code)
             all_logits.append(logits)
             if s < groups - 1:

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from omni_jax import AsyncOmniJax, SamplingParams
-from test_e2e_speech import tiny_speech_pipeline
+from test_e2e_speech import Qwen2_5
 
 pytestmark = pytest.mark.pipeline
 
@@ -461,7 +461,7 @@ def cases(draw) -> Case:
 @pytest.fixture(scope="module")
 def engine():
     # The tiny model's three stages with few buckets (quick warm-up) and a 40-token talker.
-    eng = AsyncOmniJax(model="tiny", pipeline=tiny_speech_pipeline(), output_modalities=("text", "audio"),
+    eng = AsyncOmniJax(model="tiny", pipeline=Qwen2_5.pipeline(), output_modalities=("text", "audio"),
                        prompt_timeout_s=PROMPT_TIMEOUT_S)
     yield eng
     eng.shutdown()

@@ -382,6 +382,29 @@ def test_qwen3_code_predictor_cache_equals_rerun(qwen3_talker):
     _close(cached[1], rerun[1])
 
 
+def test_qwen3_code_predictor_on_the_gpu_kernels(qwen3_talker, monkeypatch):
+    """A GPU stage's code predictor (backend "pallas": the decode and norm kernels, here in
+    interpret mode, the decode kernel over its small cache, and the draws not skipped for an
+    all-greedy batch) gives the reference's codes and logits, greedy and sampled."""
+    import functools
+
+    import kernels_pallas
+
+    for kernel in ("paged_attention", "rms_norm"):
+        monkeypatch.setattr(kernels_pallas, kernel, functools.partial(getattr(kernels_pallas, kernel), interpret=True))
+    rng = np.random.default_rng(5)
+    b = 3
+    hidden = jnp.asarray(rng.standard_normal((b, 32)).astype(np.float32))
+    group0 = jnp.asarray(rng.integers(0, CODEBOOK, b), jnp.int32)
+    keys = jax.random.split(jax.random.key(11), b)
+    for greedy in (np.ones(b, bool), np.array([True, False, False])):
+        want, got = (nnx.jit(lambda m, h, g, k, backend=backend: m.predict_residual_codes(
+            h, g, k, greedy=jnp.asarray(greedy), return_logits=True, backend=backend))(qwen3_talker, hidden, group0, keys)
+            for backend in ("reference", "pallas"))
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+        _close(got[1], want[1])
+
+
 def test_qwen3_code_predictor_sampling(qwen3_talker):
     rng = np.random.default_rng(3)
     b = 5

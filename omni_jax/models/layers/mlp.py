@@ -1,4 +1,5 @@
-"""Gated feed-forward block (SwiGLU) used by the Qwen decoders and the vision tower."""
+"""Gated feed-forward block (SwiGLU) used by the Qwen decoders and the vision towers, and the one
+table of activation functions every model reads (transformers' ACT2FN names)."""
 
 from __future__ import annotations
 

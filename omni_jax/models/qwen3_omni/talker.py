@@ -251,15 +251,18 @@ class _CachedSteps:
     """The code predictor's steps over a small paged KV cache built for one call.
 
     Row r of the batch owns page r + 1 (page 0 is never written, as the engine's dummy
-    block); a page holds the whole sequence (<= G tokens). The XLA reference attention
-    serves it on every platform: at most G keys per row. Every step decodes one token per
+    block); a page holds the whole sequence (<= G tokens). Every step decodes one token per
     row, the two input rows included: the reference's prompt path loops over sequences
     (XLA while loops, which a GPU runs from the host, outside the step's CUDA graph).
+    `backend`: the stage's; a GPU's Pallas decode kernel is one launch where the XLA
+    reference attention is several per layer and step; elsewhere the reference serves (at
+    most G keys per row).
     """
 
-    def __init__(self, model: CodePredictorModel, batch: int, groups: int, dtype):
+    def __init__(self, model: CodePredictorModel, batch: int, groups: int, dtype, backend: str = "reference"):
         cfg = model.cfg
         self.model, self.b, self.page = model, batch, groups
+        self.backend = "pallas" if backend == "pallas" else "reference"
         shape = (batch + 1, groups, cfg.num_kv_heads, cfg.head_dim)
         self.caches = [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
         self.tables = jnp.arange(1, batch + 1, dtype=jnp.int32)[:, None]
@@ -269,7 +272,7 @@ class _CachedSteps:
         b = row.shape[0]
         positions = jnp.full((b,), s, jnp.int32)
         meta = AttentionMetadata(
-            mode="paged", backend="reference", decode_only=True,
+            mode="paged", backend=self.backend, decode_only=True,
             slot_mapping=self.tables[:, 0] * self.page + positions,
             block_tables=self.tables, kv_lens=jnp.full((b,), s + 1, jnp.int32),
             cu_q_lens=jnp.arange(b + 1, dtype=jnp.int32))
@@ -373,12 +376,10 @@ class Qwen3OmniTalker(nnx.Module):
         folded with the output index, so it does not depend on the rest of the batch.
         Returns (codes [B, G-1] int32, sum of their G-1 embeddings [B, hidden]); the
         group-0 embedding is the token's own input embedding. `backend`: the stage's
-        attention backend; on a GPU's ("pallas") every row's draw runs, masked, where
-        elsewhere an all-greedy batch skips them (see `_choose`).
+        attention backend (see `predict_residual_codes`).
         """
         keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(seeds, steps)
-        codes = self.predict_residual_codes(talker_hidden, group0_ids, keys, greedy=greedy,
-                                            skip_greedy_draws=backend != "pallas")
+        codes = self.predict_residual_codes(talker_hidden, group0_ids, keys, greedy=greedy, backend=backend)
         pred = self.code_predictor.model
         embeds = sum(pred.embed(g, codes[:, g - 1]) for g in range(1, self.cfg.num_code_groups))
         return codes, embeds.astype(jnp.float32)
@@ -400,7 +401,7 @@ class Qwen3OmniTalker(nnx.Module):
                                top_k: int = CODE_PREDICTOR_SAMPLING["top_k"],
                                top_p: float = CODE_PREDICTOR_SAMPLING["top_p"],
                                greedy=None, return_logits: bool = False, cache: bool = True,
-                               skip_greedy_draws: bool = True):
+                               backend: str = "reference"):
         """Codes of groups 1..G-1 [B, G-1] (int32) for one talker step of a batch.
 
         talker_hidden [B, H]: the talker's final normed hidden state at the position
@@ -416,7 +417,8 @@ class Qwen3OmniTalker(nnx.Module):
         call: the two input rows one after the other, then each step only the new code's
         row (G rows per request in all). cache=False re-runs the whole sequence every
         step (G(G+1)/2 - 1 rows); benchmarks/code_predictor.py measures both.
-        skip_greedy_draws: an all-greedy batch skips the draws (`_choose`).
+        backend: the stage's attention backend (`_CachedSteps`; on a GPU's, "pallas", the draws of
+        an all-greedy batch are not skipped: `_choose`).
         """
         pred = self.code_predictor
         b, h = talker_hidden.shape
@@ -424,7 +426,7 @@ class Qwen3OmniTalker(nnx.Module):
         keys = None if key is None else _row_keys(key, b)
         dtype = pred.model.dtype
         seq = [talker_hidden.astype(dtype), self.model.embed(group0_ids).astype(dtype)]
-        step = _CachedSteps(pred.model, b, groups, dtype) if cache else None
+        step = _CachedSteps(pred.model, b, groups, dtype, backend) if cache else None
         codes, all_logits = [], []
         for s in range(1, groups):
             if step is not None:
@@ -440,7 +442,7 @@ class Qwen3OmniTalker(nnx.Module):
                 hidden = pred.model(x, positions, meta).reshape(b, length, h)[:, -1]
             logits = pred.lm_head[s - 1](hidden).astype(jnp.float32)
             step_keys = None if keys is None else jax.vmap(lambda k: jax.random.fold_in(k, s))(keys)
-            code = _choose(logits, step_keys, temperature, top_k, top_p, greedy, skip_greedy_draws)
+            code = _choose(logits, step_keys, temperature, top_k, top_p, greedy, skip_greedy_draws=backend != "pallas")
             codes.append(code)
             all_logits.append(logits)
             if s < groups - 1:

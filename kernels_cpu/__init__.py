@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_cpu.library import KernelBuildError, register, unavailable_reason
-from kernels_pallas.kv_update import write_kv_pages
+from kernels_pallas.kv_update import write_kv_pages, write_then
 
-__all__ = ["paged_attention", "ragged_paged_attention", "write_kv_pages", "KernelBuildError",
+__all__ = ["paged_attention", "paged_attention_with_write", "ragged_paged_attention", "write_kv_pages", "KernelBuildError",
            "unavailable_reason"]
 
 
@@ -36,6 +36,9 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, *, sm_scale=Non
     call = jax.ffi.ffi_call("omni_jax_paged_attention", jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(q, k_pages, v_pages, block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32),
                 **_attrs(sm_scale, sliding_window, q.shape[-1]))
+
+
+paged_attention_with_write = write_then(paged_attention)
 
 
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, cu_q_lens, *,

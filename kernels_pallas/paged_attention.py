@@ -39,7 +39,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas.tuning import pick, target_capability
 
-__all__ = ["paged_attention", "DECODE_TUNING", "decode_tuning"]
+__all__ = ["paged_attention", "paged_attention_with_write", "DECODE_TUNING", "decode_tuning"]
 
 LOG2E = math.log2(math.e)
 # The m (running max) initial value: finite, so a row that has seen only
@@ -150,30 +150,54 @@ def load_pages(pages_ref, page_ids, valid):
     return x.reshape(p * bs, d)
 
 
+def head_rows(rows, group):
+    """[R] query head of each row of this program's GQA group in [B, Hq, D]: rows 0..group-1
+    are KV head h's query heads h * group..; the rows padding the group to a Triton tile
+    repeat the last one (same address, same value: no mask, see `store_heads`)."""
+    r = jnp.arange(rows, dtype=jnp.int32)
+    return pl.program_id(1) * group + jnp.minimum(r, group - 1)
+
+
+def load_heads(q_ref, rows, group):
+    """This program's query rows [R, D] from q_ref [B, Hq, D] (so that no pad of q to the
+    GQA tile precedes the kernel: a launch per layer)."""
+    d = q_ref.shape[-1]
+    idx = (jnp.full((rows, 1), pl.program_id(0), jnp.int32), head_rows(rows, group)[:, None],
+           jnp.arange(d, dtype=jnp.int32)[None, :])
+    return plgpu.load(q_ref.at[idx])
+
+
 def store_heads(o_ref, o, group):
     """Rows 0..group-1 of this program's o [R, D] (its KV head's query heads; the rest pad the
     GQA group to a Triton tile) to query heads h * group.. of sequence b in o_ref [B, Hq, D], so
     that no slice of a padded output follows (a launch per layer). The pad rows store row
     group-1 again, its address and its value: no mask, as interpret mode stores a masked row
     back as it read it, which would race with the real write of that row."""
-    b, h = pl.program_id(0), pl.program_id(1)
     rows, d = o.shape
     r = jnp.arange(rows, dtype=jnp.int32)
     last = jnp.sum(jnp.where(r[:, None] == group - 1, o, jnp.zeros_like(o)), axis=0)
     o = jnp.where(r[:, None] < group, o, last[None, :].astype(o.dtype))
-    heads = h * group + jnp.minimum(r, group - 1)
-    idx = (jnp.full((rows, 1), b, jnp.int32), heads[:, None], jnp.arange(d, dtype=jnp.int32)[None, :])
+    idx = (jnp.full((rows, 1), pl.program_id(0), jnp.int32), head_rows(rows, group)[:, None],
+           jnp.arange(d, dtype=jnp.int32)[None, :])
     plgpu.store(o_ref.at[idx], o)
 
 
-def _decode_kernel(seq_len_ref, table_ref, q_ref, k_ref, v_ref, *out_refs,
+def _decode_kernel(seq_len_ref, table_ref, q_ref, *refs,
                    scale_log2, pages_per_block, pages_per_split,
-                   sliding_window, precision, group):
-    block_size = k_ref.shape[1]
+                   sliding_window, precision, group, rows, write):
+    if write:   # where this step's K/V go (the pools stay the last operands: hlo_bytes)
+        slot_ref, *refs = refs
+    k_ref, v_ref, *out_refs = refs
+    block_size, d = k_ref.shape[1], k_ref.shape[2]
     split = pl.program_id(2)
     seq_len = seq_len_ref[()]
-    q = q_ref[...]                                        # [Gp, D]
-    rows, d = q.shape
+    q = load_heads(q_ref, rows, group)                    # [R, D]
+    if write:   # this step's K/V of (sequence, KV head) follow the query heads
+        hkv = q_ref.shape[1] // (group + 2)                   # q_ref: [B, Hq + 2 * Hkv, D]
+        at = lambda head: (jnp.full((d,), pl.program_id(0), jnp.int32),  # noqa: E731
+                           jnp.full((d,), head, jnp.int32), jnp.arange(d, dtype=jnp.int32))
+        k_new = plgpu.load(q_ref.at[at(group * hkv + pl.program_id(1))])        # [D]
+        v_new = plgpu.load(q_ref.at[at((group + 1) * hkv + pl.program_id(1))])
 
     lo_tok = 0 if sliding_window is None else jnp.maximum(
         seq_len - sliding_window, 0)
@@ -189,12 +213,16 @@ def _decode_kernel(seq_len_ref, table_ref, q_ref, k_ref, v_ref, *out_refs,
     offs = jnp.arange(pages_per_block, dtype=jnp.int32)
     in_page = jnp.arange(block_size, dtype=jnp.int32)
 
+    # With the write, the new token's key is not read from its page (the store below need
+    # not land before the load): it joins the softmax after the loop, from the inputs.
+    last = seq_len - 1 if write else seq_len
+
     def body(i, carry):
         page0 = start + i * pages_per_block
         page_ids = table_ref[pl.ds(page0, pages_per_block)]
         tok = (page0 + offs)[:, None] * block_size + in_page[None, :]
         valid = (tok < split_end * block_size) & (tok >= lo_tok)
-        valid &= tok < seq_len
+        valid &= tok < last
         k = load_pages(k_ref, page_ids, valid)
         v = load_pages(v_ref, page_ids, valid)
         mask = jnp.broadcast_to(valid.reshape(1, -1), (rows, k.shape[0]))
@@ -204,6 +232,25 @@ def _decode_kernel(seq_len_ref, table_ref, q_ref, k_ref, v_ref, *out_refs,
              jnp.full((rows,), M_INIT, jnp.float32),
              jnp.zeros((rows,), jnp.float32))
     acc, m, l = lax.fori_loop(0, n_iter, body, carry)
+
+    if write:
+        *out_refs, ko_ref, vo_ref = out_refs
+        # The split holding the new position (padded rows, seq_len 0, have none).
+        mine = (seq_len > 0) & (last // (pages_per_split * block_size) == split)
+        s_new = jnp.sum(q.astype(jnp.float32) * k_new.astype(jnp.float32)[None, :], axis=1) * scale_log2
+        s_new = jnp.where(mine, s_new, -jnp.inf)                        # [R]
+        m_new = jnp.maximum(m, s_new)
+        alpha, p = jnp.exp2(m - m_new), jnp.exp2(s_new - m_new)
+        acc = acc * alpha[:, None] + p[:, None] * v_new.astype(jnp.float32)[None, :]
+        m, l = m_new, l * alpha + p
+
+        @pl.when(mine)
+        def _():
+            slot = slot_ref[()]
+            idx = (jnp.full((d,), slot // block_size, jnp.int32), jnp.full((d,), slot % block_size, jnp.int32),
+                   jnp.arange(d, dtype=jnp.int32))
+            plgpu.store(ko_ref.at[idx], k_new.astype(ko_ref.dtype))
+            plgpu.store(vo_ref.at[idx], v_new.astype(vo_ref.dtype))
 
     if len(out_refs) == 1:           # single split: final output directly
         (o_ref,) = out_refs
@@ -296,6 +343,34 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, *,
     and ``num_stages``; unset ones come from ``DECODE_TUNING`` for the GPU being
     compiled for. Returns [B, Hq, D] in q's dtype.
     """
+    return _decode(q, k_pages, v_pages, block_tables, seq_lens, None, sm_scale=sm_scale,
+                   sliding_window=sliding_window, interpret=interpret,
+                   pages_per_compute_block=pages_per_compute_block, k_splits=k_splits,
+                   num_warps=num_warps, num_stages=num_stages)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "sliding_window", "interpret",
+                     "pages_per_compute_block", "k_splits", "num_warps",
+                     "num_stages"))
+def paged_attention_with_write(q, k_new, v_new, k_pages, v_pages, slot_mapping, block_tables,
+                               seq_lens, *, sm_scale=None, sliding_window=None, interpret=False,
+                               pages_per_compute_block=None, k_splits=None, num_warps=None,
+                               num_stages=None):
+    """``write_kv_pages`` of this step's K/V, then ``paged_attention``, in one launch (the KV
+    write is two to four launches per layer otherwise). k_new/v_new: [B, Hkv, D], stored at
+    slot_mapping[b], which must be the slot of position seq_lens[b] - 1 through
+    block_tables[b] (as the engine's decode steps make it); rows with seq_len 0 store
+    nothing. The pages are updated in place (aliased). Returns (out, k_pages, v_pages)."""
+    return _decode(q, k_pages, v_pages, block_tables, seq_lens, (slot_mapping, k_new, v_new),
+                   sm_scale=sm_scale, sliding_window=sliding_window, interpret=interpret,
+                   pages_per_compute_block=pages_per_compute_block, k_splits=k_splits,
+                   num_warps=num_warps, num_stages=num_stages)
+
+
+def _decode(q, k_pages, v_pages, block_tables, seq_lens, new_kv, *, sm_scale, sliding_window,
+            interpret, pages_per_compute_block, k_splits, num_warps, num_stages):
     tune = decode_tuning()
     num_warps = num_warps or tune["num_warps"]
     num_stages = num_stages or tune["num_stages"]
@@ -319,47 +394,62 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, *,
     tables = jnp.pad(block_tables.astype(jnp.int32),
                      ((0, 0), (0, splits * pages_per_split - width)))
 
-    qg = q.reshape(batch, hkv, group, d)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
-
+    write = new_kv is not None
     kernel = functools.partial(
         _decode_kernel, scale_log2=softmax_scale_log2(sm_scale, d),
         pages_per_block=ppb, pages_per_split=pages_per_split,
-        sliding_window=sliding_window, precision=dot_precision(q.dtype), group=group)
+        sliding_window=sliding_window, precision=dot_precision(q.dtype), group=group, rows=rows,
+        write=write)
     page_spec = pl.BlockSpec((num_blocks, block_size, None, d),
                              lambda b, h, s: (0, 0, h, 0))
+    per_seq = pl.BlockSpec((None,), lambda b, h, s: (b,))
+    heads = q
+    if write:   # one array, so that the projections' epilogue before the kernel is one fusion
+        slot_mapping, k_new, v_new = new_kv
+        heads = jnp.concatenate([q, k_new, v_new], axis=1)
     in_specs = [
-        pl.BlockSpec((None,), lambda b, h, s: (b,)),                  # seq_len
+        per_seq,                                                      # seq_len
         pl.BlockSpec((None, tables.shape[1]), lambda b, h, s: (b, 0)),  # table
-        pl.BlockSpec((None, None, rows, d), lambda b, h, s: (b, h, 0, 0)),
-        page_spec, page_spec,
+        pl.BlockSpec(heads.shape, lambda b, h, s: (0, 0, 0)),         # q (k, v), rows gathered
     ]
+    args = [seq_lens.astype(jnp.int32), tables, heads]
+    if write:
+        in_specs.append(per_seq)                                      # slot
+        args.append(slot_mapping.astype(jnp.int32))
+    in_specs += [page_spec, page_spec]
+    args += [k_pages, v_pages]
     if splits == 1:
-        out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
-        out_specs = pl.BlockSpec(q.shape, lambda b, h, s: (0, 0, 0))
+        out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+        out_specs = [pl.BlockSpec(q.shape, lambda b, h, s: (0, 0, 0))]
     else:
         part = (splits, batch, hkv, rows)
-        out_shape = (jax.ShapeDtypeStruct(part + (d,), jnp.float32),
+        out_shape = [jax.ShapeDtypeStruct(part + (d,), jnp.float32),
                      jax.ShapeDtypeStruct(part, jnp.float32),
-                     jax.ShapeDtypeStruct(part, jnp.float32))
-        out_specs = (pl.BlockSpec((None, None, None, rows, d),
+                     jax.ShapeDtypeStruct(part, jnp.float32)]
+        out_specs = [pl.BlockSpec((None, None, None, rows, d),
                                   lambda b, h, s: (s, b, h, 0, 0)),
                      pl.BlockSpec((None, None, None, rows),
                                   lambda b, h, s: (s, b, h, 0)),
                      pl.BlockSpec((None, None, None, rows),
-                                  lambda b, h, s: (s, b, h, 0)))
+                                  lambda b, h, s: (s, b, h, 0))]
+    aliases = {}
+    if write:
+        aliases = {len(args) - 2: len(out_shape), len(args) - 1: len(out_shape) + 1}
+        out_shape += [jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+                      jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)]
+        out_specs += [page_spec, page_spec]
     out = pl.pallas_call(
         kernel,
         grid=(batch, hkv, splits),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps,
                                              num_stages=num_stages),
         interpret=interpret,
-        name=f"paged_decode_bs{block_size}_ppb{ppb}_k{splits}",
-    )(seq_lens.astype(jnp.int32), tables, qg, k_pages, v_pages)
+        name=f"paged_decode_bs{block_size}_ppb{ppb}_k{splits}" + ("_write" if write else ""),
+    )(*args)
 
-    if splits > 1:
-        out = merge_splits_kernel(*out, group, q.dtype, interpret=interpret)
-    return out
+    attn = out[0] if splits == 1 else merge_splits_kernel(*out[:3], group, q.dtype, interpret=interpret)
+    return (attn, *out[-2:]) if write else attn

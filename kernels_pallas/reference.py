@@ -28,9 +28,9 @@ from jax import lax
 
 # The production KV write already is plain XLA (a scatter), so the reference
 # is the same function; see kv_update.py for why no kernel is used.
-from kernels_pallas.kv_update import page_values, write_kv_pages
+from kernels_pallas.kv_update import page_values, write_kv_pages, write_then
 
-__all__ = ["paged_attention", "ragged_paged_attention", "write_kv_pages"]
+__all__ = ["paged_attention", "paged_attention_with_write", "ragged_paged_attention", "write_kv_pages"]
 
 # HIGHEST: fp32 inputs get true fp32 products on GPU too (XLA would use TF32
 # otherwise); for bf16 inputs it changes nothing.
@@ -167,6 +167,9 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, *,
                   seq_lens.astype(jnp.int32) - 1, sliding_window,
                   _scale(sm_scale, d), span, max(1, pages // span))
     return out.reshape(b, hq, d).astype(q.dtype)
+
+
+paged_attention_with_write = write_then(paged_attention)
 
 
 def _attend_block(q, k_pages, v_pages, tables, seq, pos, seq_lo, seq_hi,

@@ -208,6 +208,48 @@ def test_decode_sliding_window(window):
     assert_close(out, want, F32)
 
 
+def _with_new_kv(seed, lens, hkv, d, bs, dtype):
+    """make_cache's pages with the slot of each sequence's last position (the token a decode
+    step brings) holding NaN, its slot, and that token's K/V."""
+    k, v, tables = make_cache(seed, lens, hkv, d, bs, dtype, width=6)
+    t = np.asarray(tables)
+    slots = np.array([t[b, (n - 1) // bs] * bs + (n - 1) % bs if n else b % bs for b, n in enumerate(lens)],
+                     np.int32)
+    stale = np.asarray([n > 0 for n in lens])
+    k, v = (p.reshape(-1, hkv, d).at[slots[stale]].set(jnp.nan).reshape(p.shape) for p in (k, v))
+    rng = np.random.default_rng(seed + 7)
+    k_new, v_new = (jnp.asarray(rng.standard_normal((len(lens), hkv, d)), dtype) for _ in "kv")
+    return k, v, tables, jnp.asarray(slots), k_new, v_new
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs,dtype,k_splits,window", [
+    pytest.param(28, 4, 128, 16, F32, None, None, id="g7-f32-split"),
+    pytest.param(28, 4, 128, 16, BF16, 1, None, id="g7-bf16-one-split"),
+    pytest.param(16, 4, 64, 32, F32, 3, 13, id="g4-f32-window"),
+    pytest.param(2, 2, 128, 64, BF16, None, None, id="g1-bf16-bs64"),
+])
+def test_decode_with_write_matches_write_then_decode(hq, hkv, d, bs, dtype, k_splits, window):
+    """The decode kernel that also stores the step's K/V (one launch where the write took two
+    to four per layer) against the XLA write then the reference decode: the same output and
+    the same pages outside the dummy block (padded rows store nothing). The slots written
+    hold NaN before, so attending to a page's stale row instead of the new K/V shows."""
+    from kernels_pallas.paged_attention import paged_attention_with_write
+
+    lens = [1, bs - 1, bs, bs + 1, 0, 3 * bs + 7]
+    k, v, tables, slots, k_new, v_new = _with_new_kv(4, lens, hkv, d, bs, dtype)
+    q = make_q(4, len(lens), hq, d, dtype)
+    seq_lens = jnp.asarray(lens, jnp.int32)
+    kw = dict(sliding_window=window)
+    out, k2, v2 = paged_attention_with_write(q, k_new, v_new, k, v, slots, tables, seq_lens, interpret=True,
+                                             k_splits=k_splits, pages_per_compute_block=1 if k_splits else None, **kw)
+    want, k_want, v_want = reference.paged_attention_with_write(q, k_new, v_new, k, v, slots, tables, seq_lens, **kw)
+    assert_close(out, want, dtype)
+    assert not np.asarray(out[4].astype(F32)).any()    # padded row: zeros
+    for got, ref in ((k2, k_want), (v2, v_want)):
+        assert got.shape == ref.shape and got.dtype == ref.dtype
+        np.testing.assert_array_equal(np.asarray(got.astype(F32))[1:], np.asarray(ref.astype(F32))[1:])
+
+
 # ----------------------------------------------------------- ragged kernel
 
 

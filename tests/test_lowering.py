@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import pytest
 
 from kernels_pallas import rms_norm, write_kv_pages
-from kernels_pallas.paged_attention import paged_attention
+from kernels_pallas.paged_attention import paged_attention, paged_attention_with_write
 from kernels_pallas.ragged_paged_attention import ragged_paged_attention
 from omni_jax.gpu.targets import load_target
 
@@ -75,6 +75,21 @@ def test_decode_lowers(model, bs):
         splits = int(re.search(r"paged_decode_bs\d+_ppb\d+_k(\d+)", text).group(1))
         assert splits > 1 or k_splits == 1 or batch >= 64, (batch, context)
         assert text.count(f"@{TRITON_CALL}(") == (2 if splits > 1 else 1), (batch, context, splits)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_decode_with_write_lowers(model):
+    """The decode kernel that also stores the step's K/V, at every decode shape: one kernel
+    (and the merge), the two pools updated in place (outputs aliased to them)."""
+    hq, hkv, d = MODELS[model]
+    for batch, context, k_splits in DECODE_SHAPES:
+        fn = functools.partial(paged_attention_with_write, k_splits=k_splits)
+        new = sds((batch, hkv, d), BF16)
+        text = lower_cuda(fn, sds((batch, hq, d), BF16), new, new, pages(16, hkv, d), pages(16, hkv, d),
+                          sds((batch,), I32), sds((batch, context // 16), I32), sds((batch,), I32))
+        splits = int(re.search(r"paged_decode_bs16_ppb\d+_k(\d+)_write", text).group(1))
+        assert text.count(f"@{TRITON_CALL}(") == (2 if splits > 1 else 1), (batch, context, splits)
+        assert text.count("output_operand_alias<") == 2, (batch, context)
 
 
 @pytest.mark.parametrize("bs", [16, 32, 64])

@@ -390,7 +390,7 @@ def test_qwen3_code_predictor_on_the_gpu_kernels(qwen3_talker, monkeypatch):
 
     import kernels_pallas
 
-    for kernel in ("paged_attention", "rms_norm"):
+    for kernel in ("paged_attention_with_write", "rms_norm"):
         monkeypatch.setattr(kernels_pallas, kernel, functools.partial(getattr(kernels_pallas, kernel), interpret=True))
     rng = np.random.default_rng(5)
     b = 3

@@ -10,7 +10,9 @@ exceptions that make a plain sum over the HLO wrong by far, each counted as what
 * a Pallas kernel's tables (the paged KV pool of the attention kernels, the expert
   weights of the grouped matmul) are read in part, at addresses the HLO cannot show: they
   are left out here and returned apart, for the caller to add what the kernel reads of
-  them (`plan.py`: the KV at the plan's context, the experts the batch routes to).
+  them (`plan.py`: the KV at the plan's context, the experts the batch routes to). A
+  table the kernel also updates in place (the decode kernel's KV write) is an output
+  aliased to it, left out too: the kernel writes a row per sequence and KV head.
 
 XLA's own cost analysis (`hlo_module_cost_analysis`) counts neither in-place updates nor
 custom kernels as they run (the KV write as twice the pool, a Pallas call as next to
@@ -142,6 +144,11 @@ def _fusion_bytes(ins: Instr, types: dict, comps: dict) -> int:
     return sum(read) + written
 
 
+def _aliases(attrs: str) -> list[tuple[int, int]]:
+    """(output index, operand index) of a custom call's `output_to_operand_aliasing`."""
+    return [(int(o), int(a)) for o, a in re.findall(r"\{(\d+)\}:\s*\((\d+)", attrs)]
+
+
 def _pallas_name(ins: Instr) -> str | None:
     m = re.search(r'op_name="[^"]*?/([\w]+)/pallas_call"', ins.attrs)
     return m.group(1) if m else None
@@ -176,9 +183,13 @@ def program_bytes(text: str) -> dict:
             operand = [shape_bytes(types.get(o, "")) for o in ins.operands]
             kernel = (_pallas_name(ins) or "") if ins.opcode == "custom-call" else ""
             prefix = next((p for p in TABLE_OPERANDS if kernel.startswith(p)), None)
+            written = shape_bytes(ins.type)
             if prefix:
                 n = TABLE_OPERANDS[prefix]
                 tables[prefix] = tables.get(prefix, 0) + sum(operand[-n:])
                 operand = operand[:-n]
-            total += sum(operand) + shape_bytes(ins.type)
+                for _, src in _aliases(ins.attrs):
+                    if src >= len(ins.operands) - n:
+                        written -= shape_bytes(types.get(ins.operands[src], ""))
+            total += sum(operand) + written
     return dict(bytes=total, tables=tables)

@@ -8,7 +8,8 @@ described by :class:`AttentionMetadata`:
   used for parity tests and one-shot full-sequence forwards.
 * ``mode="paged"``: new K/V are written into the paged cache at ``slot_mapping``,
   then attention reads the pages through the block tables: the decode kernel when
-  every sequence brings one token (``decode_only``); otherwise the ragged prefill
+  every sequence brings one token (``decode_only``; on a GPU it also does the write);
+  otherwise the ragged prefill
   kernel, and, when ``num_decodes`` is given, the decode kernel for the first
   ``num_decodes`` sequences, which bring one token each in the first rows. So one
   step of decodes and prefill chunks is one device call. ``backend`` picks the Pallas
@@ -38,8 +39,8 @@ from .rope import apply_rope
 
 log = logging.getLogger("omni_jax.attention")
 
-# The attention backends by name; each has paged_attention, ragged_paged_attention and
-# write_kv_pages with the same signatures.
+# The attention backends by name; each has paged_attention, paged_attention_with_write,
+# ragged_paged_attention and write_kv_pages with the same signatures.
 BACKENDS = {"pallas": kernels_pallas, "cpu": kernels_cpu, "reference": reference}
 
 
@@ -131,11 +132,12 @@ def paged_attention_step(q, k, v, kv_cache, meta: AttentionMetadata, sm_scale, s
 def _paged_attention_local(q, k, v, kv_cache, meta: AttentionMetadata, sm_scale, sliding_window=None):
     ops = BACKENDS[meta.backend]
     k_pages, v_pages = kv_cache
-    k_pages, v_pages = ops.write_kv_pages(k_pages, v_pages, k, v, meta.slot_mapping)
-    if meta.decode_only:
-        out = ops.paged_attention(q, k_pages, v_pages, meta.block_tables, meta.kv_lens,
-                                  sm_scale=sm_scale, sliding_window=sliding_window)
+    if meta.decode_only:  # the write and the attention: one launch on a GPU
+        out, k_pages, v_pages = ops.paged_attention_with_write(
+            q, k, v, k_pages, v_pages, meta.slot_mapping, meta.block_tables, meta.kv_lens,
+            sm_scale=sm_scale, sliding_window=sliding_window)
         return out, (k_pages, v_pages)
+    k_pages, v_pages = ops.write_kv_pages(k_pages, v_pages, k, v, meta.slot_mapping)
     cu_q_lens = meta.cu_q_lens
     if meta.num_decodes is not None:
         # The decode sequences become empty ones just past their rows: the ragged kernel then

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .linear import Linear
+from .linear import Linear, parallel_linears
 
 # transformers' ACT2FN names -> JAX functions ("gelu" is the exact, erf-based GELU).
 ACTIVATIONS = {
@@ -35,4 +35,5 @@ class GatedMLP(nnx.Module):
         self.act = ACTIVATIONS[act]
 
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = parallel_linears(x, self.gate_proj, self.up_proj)
+        return self.down_proj(self.act(gate) * up)

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_cpu.library import KernelBuildError, register, unavailable_reason
-from kernels_pallas.kv_update import write_kv_pages, write_then
+from kernels_pallas.kv_update import write_kv_pages
+from kernels_pallas.reference import write_then
 
 __all__ = ["paged_attention", "paged_attention_with_write", "ragged_paged_attention", "write_kv_pages", "KernelBuildError",
            "unavailable_reason"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["write_kv_pages", "write_then", "page_dtype", "page_values", "BF16_BITS"]
+__all__ = ["write_kv_pages", "page_dtype", "page_values", "BF16_BITS"]
 
 
 # Pages of this dtype hold bf16 values as their bits. XLA:CPU gathers and scatters 16-bit
@@ -49,7 +49,7 @@ def _scatter_rows(pages, new, slots):
     else:
         new = new.astype(pages.dtype)
     flat = pages.reshape(nb * bs, hkv, d)
-    return flat.at[slots].set(new, mode="promise_in_bounds").reshape(pages.shape)
+    return flat.at[slots].set(new, mode="drop").reshape(pages.shape)
 
 
 def write_kv_pages(k_pages, v_pages, k_new, v_new, slot_mapping):
@@ -63,18 +63,6 @@ def write_kv_pages(k_pages, v_pages, k_new, v_new, slot_mapping):
     slots = slot_mapping.astype(jnp.int32)
     # jnp would wrap negative indices python-style; send them out of range so
     # mode="drop" discards them instead.
-    slots = jnp.where(slots < 0, 0, slots)
+    slots = jnp.where(slots < 0, num_slots, slots)
     return (_scatter_rows(k_pages, k_new, slots),
             _scatter_rows(v_pages, v_new, slots))
-
-
-def write_then(paged_attention):
-    """`paged_attention_with_write` for a backend without a kernel that does both:
-    `write_kv_pages` of the step's K/V, then `paged_attention` over the updated pages."""
-
-    def paged_attention_with_write(q, k_new, v_new, k_pages, v_pages, slot_mapping, block_tables,
-                                   seq_lens, **kwargs):
-        k_pages, v_pages = write_kv_pages(k_pages, v_pages, k_new, v_new, slot_mapping)
-        return paged_attention(q, k_pages, v_pages, block_tables, seq_lens, **kwargs), k_pages, v_pages
-
-    return paged_attention_with_write

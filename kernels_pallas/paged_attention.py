@@ -158,13 +158,29 @@ def head_rows(rows, group):
     return pl.program_id(1) * group + jnp.minimum(r, group - 1)
 
 
-def load_heads(q_ref, rows, group):
-    """This program's query rows [R, D] from q_ref [B, Hq, D] (so that no pad of q to the
-    GQA tile precedes the kernel: a launch per layer)."""
-    d = q_ref.shape[-1]
-    idx = (jnp.full((rows, 1), pl.program_id(0), jnp.int32), head_rows(rows, group)[:, None],
-           jnp.arange(d, dtype=jnp.int32)[None, :])
-    return plgpu.load(q_ref.at[idx])
+def load_rows(ref, heads, *, rope=None, norm=None, eps=0.0):
+    """Rows `heads` [R] of this program's sequence in ref [B, H, D] -> [R, D]. `norm`: a
+    ref [D] of RMSNorm weights (Qwen3's q/k norm), `rope`: (cos, sin) [D] of the sequence's
+    position; when given, the rows are normalised then rotated (rotate-half) as the layer
+    would before attending, in fp32, so that no fusion of them precedes the kernel."""
+    d = ref.shape[-1]
+    col = jnp.arange(d, dtype=jnp.int32)
+    at = lambda c: (jnp.full((heads.shape[0], 1), pl.program_id(0), jnp.int32),  # noqa: E731
+                    heads[:, None], c[None, :])
+    x = plgpu.load(ref.at[at(col)])
+    if rope is None and norm is None:
+        return x
+    dtype, half = x.dtype, d // 2
+    swap = (col + half) % d                  # rotate-half reads each row with its halves swapped
+    x, xs = x.astype(jnp.float32), plgpu.load(ref.at[at(swap)]).astype(jnp.float32)
+    if norm is not None:                     # xs is x permuted: the same mean square
+        r = lax.rsqrt(jnp.mean(x * x, axis=1, keepdims=True) + eps)
+        x = x * r * plgpu.load(norm.at[(col,)]).astype(jnp.float32)[None, :]
+        xs = xs * r * plgpu.load(norm.at[(swap,)]).astype(jnp.float32)[None, :]
+    if rope is not None:
+        cos, sin = (c.astype(jnp.float32)[None, :] for c in rope)
+        x = x * cos + jnp.where(col < half, -1.0, 1.0)[None, :] * xs * sin
+    return x.astype(dtype)
 
 
 def store_heads(o_ref, o, group):
@@ -184,20 +200,27 @@ def store_heads(o_ref, o, group):
 
 def _decode_kernel(seq_len_ref, table_ref, q_ref, *refs,
                    scale_log2, pages_per_block, pages_per_split,
-                   sliding_window, precision, group, rows, write):
-    if write:   # where this step's K/V go (the pools stay the last operands: hlo_bytes)
+                   sliding_window, precision, group, rows, write, rope, qk_norm, eps):
+    # With the write: where this step's K/V go, and what q and k take before attending (the
+    # pools stay the last operands: hlo_bytes).
+    if write:
         slot_ref, *refs = refs
+    cos_ref = sin_ref = q_norm = k_norm = None
+    if rope:
+        cos_ref, sin_ref, *refs = refs
+    if qk_norm:
+        q_norm, k_norm, *refs = refs
     k_ref, v_ref, *out_refs = refs
     block_size, d = k_ref.shape[1], k_ref.shape[2]
     split = pl.program_id(2)
     seq_len = seq_len_ref[()]
-    q = load_heads(q_ref, rows, group)                    # [R, D]
+    angle = (cos_ref[...], sin_ref[...]) if rope else None
+    q = load_rows(q_ref, head_rows(rows, group), rope=angle, norm=q_norm, eps=eps)    # [R, D]
     if write:   # this step's K/V of (sequence, KV head) follow the query heads
         hkv = q_ref.shape[1] // (group + 2)                   # q_ref: [B, Hq + 2 * Hkv, D]
-        at = lambda head: (jnp.full((d,), pl.program_id(0), jnp.int32),  # noqa: E731
-                           jnp.full((d,), head, jnp.int32), jnp.arange(d, dtype=jnp.int32))
-        k_new = plgpu.load(q_ref.at[at(group * hkv + pl.program_id(1))])        # [D]
-        v_new = plgpu.load(q_ref.at[at((group + 1) * hkv + pl.program_id(1))])
+        kv_head = jnp.full((1,), pl.program_id(1), jnp.int32)
+        k_new = load_rows(q_ref, group * hkv + kv_head, rope=angle, norm=k_norm, eps=eps)   # [1, D]
+        v_new = load_rows(q_ref, (group + 1) * hkv + kv_head)
 
     lo_tok = 0 if sliding_window is None else jnp.maximum(
         seq_len - sliding_window, 0)
@@ -237,18 +260,18 @@ def _decode_kernel(seq_len_ref, table_ref, q_ref, *refs,
         *out_refs, ko_ref, vo_ref = out_refs
         # The split holding the new position (padded rows, seq_len 0, have none).
         mine = (seq_len > 0) & (last // (pages_per_split * block_size) == split)
-        s_new = jnp.sum(q.astype(jnp.float32) * k_new.astype(jnp.float32)[None, :], axis=1) * scale_log2
+        s_new = jnp.sum(q.astype(jnp.float32) * k_new.astype(jnp.float32), axis=1) * scale_log2
         s_new = jnp.where(mine, s_new, -jnp.inf)                        # [R]
         m_new = jnp.maximum(m, s_new)
         alpha, p = jnp.exp2(m - m_new), jnp.exp2(s_new - m_new)
-        acc = acc * alpha[:, None] + p[:, None] * v_new.astype(jnp.float32)[None, :]
+        acc = acc * alpha[:, None] + p[:, None] * v_new.astype(jnp.float32)
         m, l = m_new, l * alpha + p
 
         @pl.when(mine)
         def _():
             slot = slot_ref[()]
-            idx = (jnp.full((d,), slot // block_size, jnp.int32), jnp.full((d,), slot % block_size, jnp.int32),
-                   jnp.arange(d, dtype=jnp.int32))
+            idx = (jnp.full((1, d), slot // block_size, jnp.int32), jnp.full((1, d), slot % block_size, jnp.int32),
+                   jnp.arange(d, dtype=jnp.int32)[None, :])
             plgpu.store(ko_ref.at[idx], k_new.astype(ko_ref.dtype))
             plgpu.store(vo_ref.at[idx], v_new.astype(vo_ref.dtype))
 
@@ -351,26 +374,31 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, *,
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "sliding_window", "interpret",
+    static_argnames=("sm_scale", "sliding_window", "norm_eps", "interpret",
                      "pages_per_compute_block", "k_splits", "num_warps",
                      "num_stages"))
 def paged_attention_with_write(q, k_new, v_new, k_pages, v_pages, slot_mapping, block_tables,
-                               seq_lens, *, sm_scale=None, sliding_window=None, interpret=False,
-                               pages_per_compute_block=None, k_splits=None, num_warps=None,
-                               num_stages=None):
+                               seq_lens, *, rope=None, qk_norm=None, norm_eps=1e-6, sm_scale=None,
+                               sliding_window=None, interpret=False, pages_per_compute_block=None,
+                               k_splits=None, num_warps=None, num_stages=None):
     """``write_kv_pages`` of this step's K/V, then ``paged_attention``, in one launch (the KV
     write is two to four launches per layer otherwise). k_new/v_new: [B, Hkv, D], stored at
     slot_mapping[b], which must be the slot of position seq_lens[b] - 1 through
     block_tables[b] (as the engine's decode steps make it); rows with seq_len 0 store
-    nothing. The pages are updated in place (aliased). Returns (out, k_pages, v_pages)."""
-    return _decode(q, k_pages, v_pages, block_tables, seq_lens, (slot_mapping, k_new, v_new),
-                   sm_scale=sm_scale, sliding_window=sliding_window, interpret=interpret,
+    nothing. The pages are updated in place (aliased). Returns (out, k_pages, v_pages).
+
+    What the layer does to q and k before attending, done here instead (the fusions that do
+    it are launches of their own): ``qk_norm`` = (q weight, k weight) [D], a per-head
+    RMSNorm (eps ``norm_eps``), then ``rope`` = (cos, sin) [B, D], the rotary embedding of
+    each sequence's position (rotate-half); ``reference.prepare_qk`` is their reference."""
+    return _decode(q, k_pages, v_pages, block_tables, seq_lens, (slot_mapping, k_new, v_new, rope, qk_norm),
+                   sm_scale=sm_scale, sliding_window=sliding_window, interpret=interpret, eps=norm_eps,
                    pages_per_compute_block=pages_per_compute_block, k_splits=k_splits,
                    num_warps=num_warps, num_stages=num_stages)
 
 
 def _decode(q, k_pages, v_pages, block_tables, seq_lens, new_kv, *, sm_scale, sliding_window,
-            interpret, pages_per_compute_block, k_splits, num_warps, num_stages):
+            interpret, pages_per_compute_block, k_splits, num_warps, num_stages, eps=0.0):
     tune = decode_tuning()
     num_warps = num_warps or tune["num_warps"]
     num_stages = num_stages or tune["num_stages"]
@@ -395,17 +423,17 @@ def _decode(q, k_pages, v_pages, block_tables, seq_lens, new_kv, *, sm_scale, sl
                      ((0, 0), (0, splits * pages_per_split - width)))
 
     write = new_kv is not None
+    slot_mapping, k_new, v_new, rope, qk_norm = new_kv if write else (None,) * 5
     kernel = functools.partial(
         _decode_kernel, scale_log2=softmax_scale_log2(sm_scale, d),
         pages_per_block=ppb, pages_per_split=pages_per_split,
         sliding_window=sliding_window, precision=dot_precision(q.dtype), group=group, rows=rows,
-        write=write)
+        write=write, rope=rope is not None, qk_norm=qk_norm is not None, eps=eps)
     page_spec = pl.BlockSpec((num_blocks, block_size, None, d),
                              lambda b, h, s: (0, 0, h, 0))
     per_seq = pl.BlockSpec((None,), lambda b, h, s: (b,))
     heads = q
     if write:   # one array, so that the projections' epilogue before the kernel is one fusion
-        slot_mapping, k_new, v_new = new_kv
         heads = jnp.concatenate([q, k_new, v_new], axis=1)
     in_specs = [
         per_seq,                                                      # seq_len
@@ -416,6 +444,12 @@ def _decode(q, k_pages, v_pages, block_tables, seq_lens, new_kv, *, sm_scale, sl
     if write:
         in_specs.append(per_seq)                                      # slot
         args.append(slot_mapping.astype(jnp.int32))
+    if rope is not None:                                              # cos, sin [B, D]
+        in_specs += [pl.BlockSpec((None, d), lambda b, h, s: (b, 0))] * 2
+        args += list(rope)
+    if qk_norm is not None:                                           # weights [D]
+        in_specs += [pl.BlockSpec((d,), lambda b, h, s: (0,))] * 2
+        args += list(qk_norm)
     in_specs += [page_spec, page_spec]
     args += [k_pages, v_pages]
     if splits == 1:

@@ -28,9 +28,10 @@ from jax import lax
 
 # The production KV write already is plain XLA (a scatter), so the reference
 # is the same function; see kv_update.py for why no kernel is used.
-from kernels_pallas.kv_update import page_values, write_kv_pages, write_then
+from kernels_pallas.kv_update import page_values, write_kv_pages
 
-__all__ = ["paged_attention", "paged_attention_with_write", "ragged_paged_attention", "write_kv_pages"]
+__all__ = ["paged_attention", "paged_attention_with_write", "ragged_paged_attention", "write_kv_pages",
+           "write_then", "prepare_qk", "apply_rope", "rms_norm"]
 
 # HIGHEST: fp32 inputs get true fp32 products on GPU too (XLA would use TF32
 # otherwise); for bf16 inputs it changes nothing.
@@ -167,6 +168,37 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, *,
                   seq_lens.astype(jnp.int32) - 1, sliding_window,
                   _scale(sm_scale, d), span, max(1, pages // span))
     return out.reshape(b, hq, d).astype(q.dtype)
+
+
+def apply_rope(x, cos, sin):
+    """Rotate x [T, heads, D] by cos/sin [T, D] (rotate-half: the Qwen decoders' rotary embedding)."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def prepare_qk(q, k, rope=None, qk_norm=None, norm_eps=1e-6):
+    """q [T, Hq, D] and k [T, Hkv, D] as a decoder layer attends with them: every head
+    RMS-normed when ``qk_norm`` = (q weight, k weight) [D] is given (Qwen3), then rotated by
+    ``rope`` = (cos, sin) [T, D] when given (what the Pallas decode kernel does in-kernel)."""
+    if qk_norm is not None:
+        q, k = rms_norm(q, qk_norm[0], eps=norm_eps), rms_norm(k, qk_norm[1], eps=norm_eps)
+    if rope is not None:
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    return q, k
+
+
+def write_then(paged_attention):
+    """``paged_attention_with_write`` for a backend without a kernel that does it all:
+    ``prepare_qk``, ``write_kv_pages`` of the step's K/V, then ``paged_attention``."""
+
+    def paged_attention_with_write(q, k_new, v_new, k_pages, v_pages, slot_mapping, block_tables,
+                                   seq_lens, *, rope=None, qk_norm=None, norm_eps=1e-6, **kwargs):
+        q, k_new = prepare_qk(q, k_new, rope, qk_norm, norm_eps)
+        k_pages, v_pages = write_kv_pages(k_pages, v_pages, k_new, v_new, slot_mapping)
+        return paged_attention(q, k_pages, v_pages, block_tables, seq_lens, **kwargs), k_pages, v_pages
+
+    return paged_attention_with_write
 
 
 paged_attention_with_write = write_then(paged_attention)

@@ -222,24 +222,33 @@ def _with_new_kv(seed, lens, hkv, d, bs, dtype):
     return k, v, tables, jnp.asarray(slots), k_new, v_new
 
 
-@pytest.mark.parametrize("hq,hkv,d,bs,dtype,k_splits,window", [
-    pytest.param(28, 4, 128, 16, F32, None, None, id="g7-f32-split"),
-    pytest.param(28, 4, 128, 16, BF16, 1, None, id="g7-bf16-one-split"),
-    pytest.param(16, 4, 64, 32, F32, 3, 13, id="g4-f32-window"),
-    pytest.param(2, 2, 128, 64, BF16, None, None, id="g1-bf16-bs64"),
+@pytest.mark.parametrize("hq,hkv,d,bs,dtype,k_splits,window,prepare", [
+    pytest.param(28, 4, 128, 16, F32, None, None, "", id="g7-f32-split"),
+    pytest.param(28, 4, 128, 16, BF16, 1, None, "rope", id="g7-bf16-one-split-rope"),
+    pytest.param(16, 4, 64, 32, F32, 3, 13, "rope+norm", id="g4-f32-window-rope-norm"),
+    pytest.param(16, 2, 128, 64, BF16, None, None, "rope+norm", id="g8-bf16-bs64-rope-norm"),
 ])
-def test_decode_with_write_matches_write_then_decode(hq, hkv, d, bs, dtype, k_splits, window):
+def test_decode_with_write_matches_write_then_decode(hq, hkv, d, bs, dtype, k_splits, window, prepare):
     """The decode kernel that also stores the step's K/V (one launch where the write took two
-    to four per layer) against the XLA write then the reference decode: the same output and
-    the same pages outside the dummy block (padded rows store nothing). The slots written
-    hold NaN before, so attending to a page's stale row instead of the new K/V shows."""
+    to four per layer), and rotates and normalises q and k first when asked (Qwen2.5's RoPE,
+    Qwen3's q/k norm: the fusions before it), against the XLA path (``prepare_qk``, the
+    write, the reference decode): the same output and the same pages outside the dummy block
+    (padded rows store nothing). The slots written hold NaN before, so attending to a page's
+    stale row instead of the new K/V shows."""
     from kernels_pallas.paged_attention import paged_attention_with_write
 
     lens = [1, bs - 1, bs, bs + 1, 0, 3 * bs + 7]
     k, v, tables, slots, k_new, v_new = _with_new_kv(4, lens, hkv, d, bs, dtype)
     q = make_q(4, len(lens), hq, d, dtype)
     seq_lens = jnp.asarray(lens, jnp.int32)
+    rng = np.random.default_rng(9)
     kw = dict(sliding_window=window)
+    if "rope" in prepare:       # each sequence's angles, as rope_cos_sin makes them (both halves alike)
+        angles = np.tile(rng.uniform(0, 2 * np.pi, (len(lens), d // 2)), 2)
+        kw["rope"] = (jnp.asarray(np.cos(angles), dtype), jnp.asarray(np.sin(angles), dtype))
+    if "norm" in prepare:
+        kw["qk_norm"] = tuple(jnp.asarray(rng.uniform(0.5, 1.5, d), dtype) for _ in "qk")
+        kw["norm_eps"] = 1e-6
     out, k2, v2 = paged_attention_with_write(q, k_new, v_new, k, v, slots, tables, seq_lens, interpret=True,
                                              k_splits=k_splits, pages_per_compute_block=1 if k_splits else None, **kw)
     want, k_want, v_want = reference.paged_attention_with_write(q, k_new, v_new, k, v, slots, tables, seq_lens, **kw)
@@ -247,7 +256,10 @@ def test_decode_with_write_matches_write_then_decode(hq, hkv, d, bs, dtype, k_sp
     assert not np.asarray(out[4].astype(F32)).any()    # padded row: zeros
     for got, ref in ((k2, k_want), (v2, v_want)):
         assert got.shape == ref.shape and got.dtype == ref.dtype
-        np.testing.assert_array_equal(np.asarray(got.astype(F32))[1:], np.asarray(ref.astype(F32))[1:])
+        # The kernel rotates and normalises in fp32 and rounds once (XLA: op by op in bf16).
+        tol = TOL[dtype] if prepare else 0
+        np.testing.assert_allclose(np.asarray(got.astype(F32))[1:], np.asarray(ref.astype(F32))[1:],
+                                   atol=tol, rtol=tol)
 
 
 # ----------------------------------------------------------- ragged kernel

@@ -79,14 +79,18 @@ def test_decode_lowers(model, bs):
 
 @pytest.mark.parametrize("model", MODELS)
 def test_decode_with_write_lowers(model):
-    """The decode kernel that also stores the step's K/V, at every decode shape: one kernel
-    (and the merge), the two pools updated in place (outputs aliased to them)."""
+    """The decode kernel that also rotates q and k (and normalises them: Qwen3) and stores
+    the step's K/V, at every decode shape: one kernel (and the merge), the two pools updated
+    in place (outputs aliased to them)."""
     hq, hkv, d = MODELS[model]
     for batch, context, k_splits in DECODE_SHAPES:
+        rope = (sds((batch, d), BF16),) * 2
+        norms = (sds((d,), BF16),) * 2 if model.startswith("qwen3") else None
         fn = functools.partial(paged_attention_with_write, k_splits=k_splits)
         new = sds((batch, hkv, d), BF16)
-        text = lower_cuda(fn, sds((batch, hq, d), BF16), new, new, pages(16, hkv, d), pages(16, hkv, d),
-                          sds((batch,), I32), sds((batch, context // 16), I32), sds((batch,), I32))
+        text = lower_cuda(lambda *a: fn(*a[:8], rope=a[8], qk_norm=a[9]),
+                          sds((batch, hq, d), BF16), new, new, pages(16, hkv, d), pages(16, hkv, d),
+                          sds((batch,), I32), sds((batch, context // 16), I32), sds((batch,), I32), rope, norms)
         splits = int(re.search(r"paged_decode_bs16_ppb\d+_k(\d+)_write", text).group(1))
         assert text.count(f"@{TRITON_CALL}(") == (2 if splits > 1 else 1), (batch, context, splits)
         assert text.count("output_operand_alias<") == 2, (batch, context)

@@ -35,7 +35,6 @@ from kernels_pallas import reference
 from . import parallel
 from .linear import Linear
 from .norms import RMSNorm
-from .rope import apply_rope
 
 log = logging.getLogger("omni_jax.attention")
 
@@ -107,36 +106,46 @@ def dense_causal_attention(q, k, v, segment_ids, sm_scale, sliding_window=None):
     return out.reshape(t, hq, d).astype(q.dtype)
 
 
-def paged_attention_step(q, k, v, kv_cache, meta: AttentionMetadata, sm_scale, sliding_window=None):
+def paged_attention_step(q, k, v, kv_cache, meta: AttentionMetadata, sm_scale, sliding_window=None,
+                         qk: dict | None = None, norm_eps: float = 1e-6):
     """Write k/v into the pages, then attend through the block tables. Returns (out, kv_cache).
 
+    `qk`: what q and k still take before attending, as `reference.prepare_qk`'s keywords
+    (``rope`` = (cos, sin), ``qk_norm`` = the q/k norm weights, eps `norm_eps`): on a decode
+    step the decode kernel applies them (on a GPU the launches of that fusion are saved).
+
     Under a tensor-parallel mesh (layers/parallel.py) this runs per shard: q, k, v split over
-    heads, the pages over their KV-head axis, the metadata replicated. k/v come in with the
-    model's KV heads and are repeated to the cache's when it stores each head several times.
+    heads, the pages over their KV-head axis, the metadata and `qk` replicated. k/v come in
+    with the model's KV heads and are repeated to the cache's when it stores each head
+    several times.
     """
     tp = parallel.axis_size(parallel.TP)
+    local = functools.partial(_paged_attention_local, sm_scale=sm_scale, sliding_window=sliding_window,
+                              norm_eps=norm_eps)
     if tp == 1:
-        return _paged_attention_local(q, k, v, kv_cache, meta, sm_scale, sliding_window)
+        return local(q, k, v, kv_cache, meta, qk)
     if q.shape[1] % tp:
         raise ValueError(f"tensor_parallel_size {tp} must divide the {q.shape[1]} attention heads")
     repeat = kv_cache[0].shape[2] // k.shape[1]
     if repeat > 1:
         k, v = jnp.repeat(k, repeat, axis=1), jnp.repeat(v, repeat, axis=1)
     heads, pages = P(None, parallel.TP, None), P(None, None, parallel.TP, None)
-    local = functools.partial(_paged_attention_local, sm_scale=sm_scale, sliding_window=sliding_window)
     return jax.shard_map(local, mesh=parallel.current_mesh(),
-                         in_specs=(heads, heads, heads, (pages, pages), P()),
-                         out_specs=(heads, (pages, pages)), check_vma=False)(q, k, v, kv_cache, meta)
+                         in_specs=(heads, heads, heads, (pages, pages), P(), P()),
+                         out_specs=(heads, (pages, pages)), check_vma=False)(q, k, v, kv_cache, meta, qk)
 
 
-def _paged_attention_local(q, k, v, kv_cache, meta: AttentionMetadata, sm_scale, sliding_window=None):
+def _paged_attention_local(q, k, v, kv_cache, meta: AttentionMetadata, qk=None, *, sm_scale, sliding_window=None,
+                           norm_eps=1e-6):
     ops = BACKENDS[meta.backend]
     k_pages, v_pages = kv_cache
-    if meta.decode_only:  # the write and the attention: one launch on a GPU
+    qk = dict(qk or {}, norm_eps=norm_eps)
+    if meta.decode_only:  # q/k's last touches, the write and the attention: one launch on a GPU
         out, k_pages, v_pages = ops.paged_attention_with_write(
             q, k, v, k_pages, v_pages, meta.slot_mapping, meta.block_tables, meta.kv_lens,
-            sm_scale=sm_scale, sliding_window=sliding_window)
+            sm_scale=sm_scale, sliding_window=sliding_window, **qk)
         return out, (k_pages, v_pages)
+    q, k = reference.prepare_qk(q, k, **qk)
     k_pages, v_pages = ops.write_kv_pages(k_pages, v_pages, k, v, meta.slot_mapping)
     cu_q_lens = meta.cu_q_lens
     if meta.num_decodes is not None:
@@ -193,12 +202,12 @@ class Attention(nnx.Module):
         q = self.q_proj(x).reshape(t, cfg.num_heads, cfg.head_dim)
         k = self.k_proj(x).reshape(t, cfg.num_kv_heads, cfg.head_dim)
         v = self.v_proj(x).reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qk = dict(rope=(cos, sin), qk_norm=(self.q_norm.weight[...], self.k_norm.weight[...]) if cfg.qk_norm else None)
         scale = cfg.head_dim ** -0.5
         if meta.mode == "dense":
+            q, k = reference.prepare_qk(q, k, **qk, norm_eps=cfg.rms_norm_eps)
             out = dense_causal_attention(q, k, v, meta.segment_ids, scale, cfg.sliding_window)
         else:
-            out, kv_cache = paged_attention_step(q, k, v, kv_cache, meta, scale, cfg.sliding_window)
+            out, kv_cache = paged_attention_step(q, k, v, kv_cache, meta, scale, cfg.sliding_window, qk,
+                                                 cfg.rms_norm_eps)
         return self.o_proj(out.reshape(t, cfg.num_heads * cfg.head_dim)), kv_cache

@@ -13,6 +13,8 @@ from typing import Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas import reference
+
 
 def inv_frequencies(head_dim: int, theta: float) -> np.ndarray:
     """The standard RoPE inverse frequencies, [head_dim // 2] float32."""
@@ -50,8 +52,6 @@ def rope_cos_sin(positions: jnp.ndarray, inv_freq: np.ndarray, band_rows: np.nda
     return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
 
 
-def apply_rope(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
-    """Rotate x [T, heads, head_dim] with cos/sin [T, head_dim] (rotate-half convention)."""
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+# The rotation itself (rotate-half) is the kernels' reference: the decode kernel rotates q and
+# k in-kernel on a GPU.
+apply_rope = reference.apply_rope

@@ -287,6 +287,25 @@ def experts_point(tokens, experts=EXPERTS, interpret=False, iters=20):
                 flops=2 * tokens * k * 2 * i * h)
 
 
+def route_point(tokens, experts=EXPERTS, interpret=False, iters=20):
+    """A decode step's MoE routing of `tokens` tokens (softmax, top-k, renormalised, the pairs'
+    order by expert): the one-launch Pallas kernel against its XLA reference (six to eight
+    kernels on a GPU). Its error covers the weights; the order must match exactly (else NaN)."""
+    from kernels_pallas.moe_route import moe_route
+
+    e, k, _, _ = experts
+    logits = jax.random.normal(jax.random.key(12 + tokens), (tokens, e), DTYPE)
+    valid = jnp.ones((tokens,), bool)
+    kern = jax.jit(lambda a, b: moe_route(a, b, top_k=k, norm_topk_prob=True, interpret=interpret))
+    ref = jax.jit(lambda a, b: reference.moe_route(a, b, top_k=k, norm_topk_prob=True))
+    tk, tr, _ = _timed_pair(lambda *a: kern(*a)[0], lambda *a: ref(*a)[0], (logits, valid), iters, interpret)
+    got, want = kern(logits, valid), ref(logits, valid)
+    err, rel = _errors(got[0], want[0])
+    same_order = bool(jnp.array_equal(got[1], want[1]) and jnp.array_equal(got[2], want[2]))
+    return dict(kernel_s=tk, xla_s=tr, max_err=err, rel_err=rel if same_order else float("nan"),
+                bytes=logits.size * ITEM + tokens * k * 8 + e * 4)
+
+
 def norm_point(tokens, hidden, interpret=False, iters=20):
     """The residual add + RMSNorm of `tokens` rows (a decoder's post-attention norm): the
     one-launch Pallas kernel against its XLA reference (three kernels on a GPU)."""

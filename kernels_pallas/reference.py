@@ -31,7 +31,7 @@ from jax import lax
 from kernels_pallas.kv_update import page_values, write_kv_pages
 
 __all__ = ["paged_attention", "paged_attention_with_write", "ragged_paged_attention", "write_kv_pages",
-           "write_then", "prepare_qk", "apply_rope", "rms_norm"]
+           "write_then", "prepare_qk", "apply_rope", "rms_norm", "route_top_k", "rank_pairs", "moe_route"]
 
 # HIGHEST: fp32 inputs get true fp32 products on GPU too (XLA would use TF32
 # otherwise); for bf16 inputs it changes nothing.
@@ -331,3 +331,39 @@ def rms_norm(x, weight, delta=None, *, eps: float):
     var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
     y = weight.astype(x.dtype) * (x32 * jnp.reciprocal(jnp.sqrt(var + eps))).astype(x.dtype)
     return y if delta is None else (y, x)
+
+
+def route_top_k(router_logits, top_k: int, norm_topk_prob: bool):
+    """MoE routing (transformers' Qwen3-MoE router): softmax in fp32 over all experts, the
+    top k (the lowest id among ties), renormalised over the k when ``norm_topk_prob``:
+    logits [T, E] -> (weights [T, k] fp32, experts [T, k] int32)."""
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def rank_pairs(flat_experts, num_experts: int):
+    """Stable order of token-expert pairs by expert, by comparing every pair with every other:
+    (position [P]: pair p's row in expert order, group_sizes [E]); ids >= E (pairs of no
+    expert) sort last and are counted nowhere. For a decode step's few pairs."""
+    p = flat_experts.shape[0]
+    e = flat_experts.astype(jnp.int32)
+    group_sizes = jnp.sum(e[None, :] == jnp.arange(num_experts, dtype=jnp.int32)[:, None], axis=1,
+                          dtype=jnp.int32)
+    idx = jnp.arange(p, dtype=jnp.int32)
+    before = (e[None, :] < e[:, None]) | ((e[None, :] == e[:, None]) & (idx[None, :] < idx[:, None]))
+    return jnp.sum(before, axis=1, dtype=jnp.int32), group_sizes
+
+
+def moe_route(router_logits, valid, *, top_k: int, norm_topk_prob: bool, **tuning):
+    """The Pallas ``moe_route``'s reference: ``route_top_k``, then ``rank_pairs`` of the
+    pairs with those of invalid tokens (bucket padding) given to no expert: (weights [T, k],
+    position [T, k], group_sizes [E])."""
+    del tuning
+    t, num_experts = router_logits.shape
+    weights, experts = route_top_k(router_logits, top_k, norm_topk_prob)
+    experts = jnp.where(valid[:, None], experts, num_experts)
+    position, group_sizes = rank_pairs(experts.reshape(-1), num_experts)
+    return weights, position.reshape(t, top_k), group_sizes

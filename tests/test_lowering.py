@@ -148,6 +148,17 @@ def test_kv_write_lowers(model):
     assert "bitcast_convert" not in text and "ui16" not in text
 
 
+@pytest.mark.parametrize("experts,top_k", [(128, 8), (128, 6)])   # Qwen3-Omni thinker, talker
+def test_moe_route_lowers(experts, top_k):
+    """A decode step's MoE routing kernel at the smallest and largest token counts it takes."""
+    from kernels_pallas.moe_route import MAX_TOKENS, moe_route
+
+    for tokens in (1, MAX_TOKENS):
+        fn = functools.partial(moe_route, top_k=top_k, norm_topk_prob=top_k == 8)
+        text = lower_cuda(fn, sds((tokens, experts), BF16), sds((tokens,), jnp.bool_))
+        assert text.count(f"@{TRITON_CALL}(") == 1, tokens
+
+
 # Hidden sizes of the decoders we serve (Qwen2.5-Omni-7B thinker and talker, Qwen3-Omni
 # thinker and talker/code predictor): 3584 and 896 are no power of two (the row is padded).
 HIDDEN_SIZES = (3584, 896, 2048, 1024)

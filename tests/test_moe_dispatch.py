@@ -107,6 +107,37 @@ def test_pallas_kernel_matches_blocked_over_random_routings(p, g, k_in, n_out, b
     assert kernels_pallas.grouped_matmul(rows[:0], w, s, interpret=True).shape == (0, n_out)
 
 
+@pytest.mark.parametrize("tokens,experts,top_k,renorm,dtype", [
+    (1, 128, 8, True, jnp.float32),        # Qwen3-Omni thinker, batch 1
+    (64, 128, 8, True, jnp.bfloat16),      # ... the largest decode bucket
+    (5, 128, 6, False, jnp.bfloat16),      # the talker's routing
+    (24, 32, 4, True, jnp.float32),
+    (3, 8, 2, False, jnp.float32),
+])
+def test_route_kernel_matches_route_and_sort(tokens, experts, top_k, renorm, dtype):
+    """A decode step's MoE routing as one kernel (interpret mode) against the XLA path
+    (`route` + `sort_pairs`): the same weights, experts in the same order (ties to the lowest
+    id: some rows repeat a logit), the pairs of padding tokens last, the same group sizes."""
+    from kernels_pallas import reference
+    from kernels_pallas.moe_route import moe_route
+
+    rng = np.random.default_rng(tokens)
+    logits = rng.standard_normal((tokens, experts)) * 2
+    logits[0, [3, 5]] = logits[0].max() + 1.0                  # a tie at the top
+    logits = jnp.asarray(logits, dtype)
+    valid = jnp.asarray(rng.random(tokens) < 0.7).at[0].set(True)
+    weights, position, sizes = moe_route(logits, valid, top_k=top_k, norm_topk_prob=renorm, interpret=True)
+    want_w, want_e = route(logits, top_k, renorm)
+    np.testing.assert_allclose(np.asarray(weights), np.asarray(want_w), rtol=1e-5, atol=1e-6)
+    want_pos, want_sizes = reference.rank_pairs(jnp.where(valid[:, None], want_e, experts).reshape(-1), experts)
+    np.testing.assert_array_equal(np.asarray(position).reshape(-1), np.asarray(want_pos))
+    np.testing.assert_array_equal(np.asarray(sizes), np.asarray(want_sizes))
+    assert int(sizes.sum()) == top_k * int(valid.sum())
+    with pytest.raises(ValueError, match="at most 64"):
+        moe_route(jnp.zeros((65, experts), dtype), jnp.ones(65, bool), top_k=top_k, norm_topk_prob=renorm,
+                  interpret=True)
+
+
 def test_moe_experts_impls_match_dense_reference():
     cfg = MoEConfig(hidden_size=32, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=3)
     rng = np.random.default_rng(0)
@@ -233,7 +264,10 @@ def test_default_impl_per_lowering_platform():
     cuda = text(lambda s, v: nnx.merge(graph, s)(v), "cuda", load_target("a100").abstract_mesh())
     assert "ragged_dot" not in cuda
     assert len(re.findall(r'custom_call @__gpu\$xla\.gpu\.triton.*?name = "grouped_matmul', cuda)) == 2, cuda
-    assert "grouped_matmul" not in text(lambda s, v: nnx.merge(graph, s)(v), "cpu")
+    # A decode step's routing (64 tokens): one kernel on a GPU, XLA's ops elsewhere.
+    assert len(re.findall(r'custom_call @__gpu\$xla\.gpu\.triton.*?name = "moe_route', cuda)) == 1, cuda
+    cpu = text(lambda s, v: nnx.merge(graph, s)(v), "cpu")
+    assert "grouped_matmul" not in cpu and "moe_route" not in cpu
     # The ragged_dot path stays available on request.
     def forced(s, v):
         m = nnx.merge(graph, s)

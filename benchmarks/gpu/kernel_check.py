@@ -23,6 +23,7 @@ def run(size, rep, results_dir) -> None:
     import jax
 
     import kernels as kb
+    from kernels_pallas.moe_route import MAX_TOKENS as ROUTE_KERNEL_MAX_TOKENS
     from omni_jax.gpu.programs import text_config
 
     qwen2_5 = text_config("qwen2_5_omni", "thinker", hf_config("qwen2_5_omni", size))
@@ -69,6 +70,9 @@ def run(size, rep, results_dir) -> None:
     for tokens in size.expert_tokens:
         record(f"moe gate/up qwen3 {tokens} tokens",
                kb.experts_point(tokens, experts, interpret=interp, iters=iters))
+    for tokens in size.expert_tokens:
+        if tokens <= ROUTE_KERNEL_MAX_TOKENS:   # the kernel routes decode steps
+            record(f"moe routing qwen3 {tokens} tokens", kb.route_point(tokens, experts, interpret=interp, iters=iters))
     for tokens in size.expert_tokens:   # a decode batch and a prefill chunk
         record(f"add + rms norm qwen2.5 {tokens} tokens",
                kb.norm_point(tokens, qwen2_5.hidden_size, interpret=interp, iters=iters))

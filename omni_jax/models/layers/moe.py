@@ -94,7 +94,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import kernels_pallas
+from kernels_pallas import reference
 from kernels_pallas.grouped_matmul import MIN_BLOCK_ROWS, blocked_plan, default_block_rows
+from kernels_pallas.moe_route import MAX_TOKENS as ROUTE_KERNEL_MAX_TOKENS
 
 from . import parallel
 from .linear import Linear
@@ -197,18 +199,11 @@ def grouped_matmul(rows: jnp.ndarray, weights: jnp.ndarray, group_sizes: jnp.nda
                                       **{plat: fns[name] for plat, name in DEFAULT_IMPL.items()})
 
 
-def route(router_logits: jnp.ndarray, top_k: int, norm_topk_prob: bool):
-    """Softmax (fp32) top-k routing: logits [T, E] -> (weights [T, k] fp32, experts [T, k] int32).
-
-    The softmax over all E experts stays (though renormalised over the k it equals the
-    softmax of the top k logits): on a GPU it also sums the router matmul's split-K
-    partials, which a top-k of the logits needs done apart (two launches more per layer)."""
-    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
-    weights, experts = jax.lax.top_k(probs, top_k)
-    if norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, experts.astype(jnp.int32)
-
+# Softmax (fp32) top-k routing: logits [T, E] -> (weights [T, k] fp32, experts [T, k] int32).
+# The softmax over all E experts stays (though renormalised over the k it equals the softmax
+# of the top k logits): on a GPU it also sums the router matmul's split-K partials, which a
+# top-k of the logits needs done apart (two launches more per layer).
+route = reference.route_top_k
 
 # Pairs up to which sort_pairs ranks by comparing every pair with every other (P x P, one
 # fused reduction: decode steps), above which it sorts (prefill).
@@ -221,21 +216,34 @@ def sort_pairs(flat_experts, num_experts: int):
     of each expert (ids >= E belong to no group and sort last).
 
     Decode steps (P <= COMPARE_ALL_MAX_PAIRS) rank each pair by counting the pairs before it
-    (lower expert, or same expert and lower index): two fused reductions, where a sort and
-    the scatters that invert it are several kernels each, a step's launches on a GPU."""
+    (`reference.rank_pairs`: two fused reductions, where a sort and the scatters that invert
+    it are several kernels each, a step's launches on a GPU)."""
     p = flat_experts.shape[0]
     e = flat_experts.astype(jnp.int32)
-    # Counted apart from the ranks: one reduction of both came out a kernel less but a copy
-    # more (the custom call takes the sizes as a buffer of their own).
+    if p <= COMPARE_ALL_MAX_PAIRS:
+        return reference.rank_pairs(e, num_experts)
     group_sizes = jnp.sum(e[None, :] == jnp.arange(num_experts, dtype=jnp.int32)[:, None], axis=1,
                           dtype=jnp.int32)
-    if p <= COMPARE_ALL_MAX_PAIRS:
-        idx = jnp.arange(p, dtype=jnp.int32)
-        before = (e[None, :] < e[:, None]) | ((e[None, :] == e[:, None]) & (idx[None, :] < idx[:, None]))
-        return jnp.sum(before, axis=1, dtype=jnp.int32), group_sizes
     order = jnp.argsort(e, stable=True)
     position = jnp.zeros_like(order).at[order].set(jnp.arange(p, dtype=order.dtype), unique_indices=True)
     return position.astype(jnp.int32), group_sizes
+
+
+def route_sorted(router_logits, valid, top_k: int, norm_topk_prob: bool):
+    """`route` and `sort_pairs` at once: (weights [T, k], position [T * k], group_sizes [E]),
+    the pairs of invalid tokens (valid [T] bool) in no group. A decode step's few tokens
+    (at most ROUTE_KERNEL_MAX_TOKENS) on a GPU: one kernel (`kernels_pallas.moe_route`) where
+    XLA makes six or more launches of them; elsewhere `reference.moe_route`, the same."""
+    t, num_experts = router_logits.shape
+    if t > ROUTE_KERNEL_MAX_TOKENS:
+        weights, experts = route(router_logits, top_k, norm_topk_prob)
+        position, group_sizes = sort_pairs(jnp.where(valid[:, None], experts, num_experts).reshape(-1), num_experts)
+        return weights, position, group_sizes
+    kw = dict(top_k=top_k, norm_topk_prob=norm_topk_prob)
+    weights, position, group_sizes = jax.lax.platform_dependent(
+        router_logits, valid, cuda=functools.partial(kernels_pallas.moe_route, **kw),
+        default=functools.partial(reference.moe_route, **kw))
+    return weights, position.reshape(-1), group_sizes
 
 
 def moe_experts(x, routing_weights, experts, gate_up_proj, down_proj, act=jax.nn.silu, valid=None,
@@ -248,14 +256,22 @@ def moe_experts(x, routing_weights, experts, gate_up_proj, down_proj, act=jax.nn
     impl, block_rows: grouped-matmul implementation and blocked row-block size
     (:func:`grouped_matmul`); None = per platform / :func:`default_block_rows`.
     """
-    t, k = experts.shape
-    num_experts = gate_up_proj.shape[0]
-    inter = down_proj.shape[-1]
+    k = experts.shape[1]
     flat_experts = experts.reshape(-1)
     if valid is not None:
         # Expert id E sorts after every real expert and is counted in no group.
-        flat_experts = jnp.where(jnp.repeat(valid, k), flat_experts, num_experts)
-    position, group_sizes = sort_pairs(flat_experts, num_experts)
+        flat_experts = jnp.where(jnp.repeat(valid, k), flat_experts, gate_up_proj.shape[0])
+    position, group_sizes = sort_pairs(flat_experts, gate_up_proj.shape[0])
+    return sorted_experts(x, routing_weights, position, group_sizes, gate_up_proj, down_proj, act, valid,
+                          impl=impl, block_rows=block_rows)
+
+
+def sorted_experts(x, routing_weights, position, group_sizes, gate_up_proj, down_proj, act=jax.nn.silu,
+                   valid=None, *, impl: str | None = None, block_rows: int | None = None):
+    """`moe_experts` of pairs already ordered by expert (`sort_pairs`, `route_sorted`):
+    position [T * k], group_sizes [E]."""
+    t, k = routing_weights.shape
+    inter = down_proj.shape[-1]
     # Pair p = token * k + slot goes to row position[p] of the expert-ordered rows; at least
     # a kernel block's worth of them (the rows past the pairs belong to no group), so that
     # the grouped matmuls take them as they are (a pad before each is one launch more).
@@ -334,9 +350,15 @@ class SparseMoeBlock(nnx.Module):
         """x [T, H] -> [T, H]; valid [T] bool (optional) marks real tokens (see moe_experts)."""
         cfg = self.cfg
         x = x.astype(self.dtype)
-        weights, experts = route(self.gate(x), cfg.num_experts_per_tok, cfg.norm_topk_prob)
-        out = expert_parallel_moe(x, weights, experts, self.experts.gate_up_proj[...],
-                                  self.experts.down_proj[...], ACTIVATIONS[cfg.hidden_act], valid)
+        logits, act = self.gate(x), ACTIVATIONS[cfg.hidden_act]
+        gate_up, down = self.experts.gate_up_proj[...], self.experts.down_proj[...]
+        if parallel.axis_size(parallel.EP) == 1:
+            valid = jnp.ones(x.shape[0], bool) if valid is None else valid
+            weights, position, sizes = route_sorted(logits, valid, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+            out = sorted_experts(x, weights, position, sizes, gate_up, down, act, valid)
+        else:
+            weights, experts = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+            out = expert_parallel_moe(x, weights, experts, gate_up, down, act, valid)
         if cfg.shared_expert_intermediate_size:
             out = out + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -25,6 +25,13 @@ per head, whose partial results a second kernel merges by log-sum-exp. The page
 loop runs only over the pages a sequence uses (its bounds come from
 ``seq_len`` and the sliding window), and loads past ``seq_len`` are masked,
 so padded rows (``seq_len == 0``) read nothing and return zeros.
+
+A decode step calls ``paged_attention_with_write``: the same kernel also takes the
+step's K/V (with q, as one array), normalises and rotates q and k first when asked
+(Qwen3's q/k norm, RoPE), and the split holding the new position stores its K/V into
+the pools (aliased: in place). That key joins the softmax after the page loop, from
+the inputs, so no load has to wait for the store. XLA ran those as four to eight
+launches per layer besides the kernel (issue 47).
 """
 from __future__ import annotations
 

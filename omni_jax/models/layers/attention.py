@@ -8,9 +8,9 @@ described by :class:`AttentionMetadata`:
   used for parity tests and one-shot full-sequence forwards.
 * ``mode="paged"``: new K/V are written into the paged cache at ``slot_mapping``,
   then attention reads the pages through the block tables: the decode kernel when
-  every sequence brings one token (``decode_only``; on a GPU it also does the write);
-  otherwise the ragged prefill
-  kernel, and, when ``num_decodes`` is given, the decode kernel for the first
+  every sequence brings one token (``decode_only``; it takes q and k before their RoPE
+  and norm, and does those and the write itself: on a GPU one launch); otherwise the
+  ragged prefill kernel, and, when ``num_decodes`` is given, the decode kernel for the first
   ``num_decodes`` sequences, which bring one token each in the first rows. So one
   step of decodes and prefill chunks is one device call. ``backend`` picks the Pallas
   kernels ("pallas", GPU), the C++ CPU kernels ("cpu") or the pure-JAX references
@@ -202,7 +202,8 @@ class Attention(nnx.Module):
         q = self.q_proj(x).reshape(t, cfg.num_heads, cfg.head_dim)
         k = self.k_proj(x).reshape(t, cfg.num_kv_heads, cfg.head_dim)
         v = self.v_proj(x).reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        qk = dict(rope=(cos, sin), qk_norm=(self.q_norm.weight[...], self.k_norm.weight[...]) if cfg.qk_norm else None)
+        norms = (self.q_norm.weight[...], self.k_norm.weight[...]) if cfg.qk_norm else None
+        qk = dict(rope=(cos, sin), qk_norm=norms)
         scale = cfg.head_dim ** -0.5
         if meta.mode == "dense":
             q, k = reference.prepare_qk(q, k, **qk, norm_eps=cfg.rms_norm_eps)

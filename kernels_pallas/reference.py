@@ -31,7 +31,8 @@ from jax import lax
 from kernels_pallas.kv_update import page_values, write_kv_pages
 
 __all__ = ["paged_attention", "paged_attention_with_write", "ragged_paged_attention", "write_kv_pages",
-           "write_then", "prepare_qk", "apply_rope", "rms_norm", "route_top_k", "rank_pairs", "moe_route"]
+           "write_then", "prepare_qk", "apply_rope", "rms_norm", "route_top_k", "rank_pairs", "expert_counts",
+           "moe_route"]
 
 # HIGHEST: fp32 inputs get true fp32 products on GPU too (XLA would use TF32
 # otherwise); for bf16 inputs it changes nothing.
@@ -350,11 +351,17 @@ def rank_pairs(flat_experts, num_experts: int):
     expert) sort last and are counted nowhere. For a decode step's few pairs."""
     p = flat_experts.shape[0]
     e = flat_experts.astype(jnp.int32)
-    group_sizes = jnp.sum(e[None, :] == jnp.arange(num_experts, dtype=jnp.int32)[:, None], axis=1,
-                          dtype=jnp.int32)
     idx = jnp.arange(p, dtype=jnp.int32)
     before = (e[None, :] < e[:, None]) | ((e[None, :] == e[:, None]) & (idx[None, :] < idx[:, None]))
-    return jnp.sum(before, axis=1, dtype=jnp.int32), group_sizes
+    # Counted apart from the ranks: one reduction of both came out a kernel less but a copy
+    # more on a GPU (the custom call takes the sizes as a buffer of their own).
+    return jnp.sum(before, axis=1, dtype=jnp.int32), expert_counts(e, num_experts)
+
+
+def expert_counts(flat_experts, num_experts: int):
+    """[E] int32: the pairs routed to each expert (ids >= E are counted nowhere)."""
+    return jnp.sum(flat_experts[None, :] == jnp.arange(num_experts, dtype=jnp.int32)[:, None], axis=1,
+                   dtype=jnp.int32)
 
 
 def moe_route(router_logits, valid, *, top_k: int, norm_topk_prob: bool, **tuning):

@@ -222,11 +222,9 @@ def sort_pairs(flat_experts, num_experts: int):
     e = flat_experts.astype(jnp.int32)
     if p <= COMPARE_ALL_MAX_PAIRS:
         return reference.rank_pairs(e, num_experts)
-    group_sizes = jnp.sum(e[None, :] == jnp.arange(num_experts, dtype=jnp.int32)[:, None], axis=1,
-                          dtype=jnp.int32)
     order = jnp.argsort(e, stable=True)
     position = jnp.zeros_like(order).at[order].set(jnp.arange(p, dtype=order.dtype), unique_indices=True)
-    return position.astype(jnp.int32), group_sizes
+    return position.astype(jnp.int32), reference.expert_counts(e, num_experts)
 
 
 def route_sorted(router_logits, valid, top_k: int, norm_topk_prob: bool):

@@ -8,7 +8,9 @@ On a GPU it times, at Qwen2.5-Omni-7B thinker shapes (28 q heads, 4 KV heads,
 head dim 128, bf16), the decode kernel, the ragged prefill kernel, the KV
 write and the XLA reference of each, and prints achieved HBM bandwidth
 (bytes of K/V pages actually read plus q and output), its fraction of the
-device's peak, and the kernel / XLA-reference speedup. Target: decode at
+device's peak, and the kernel / XLA-reference speedup; also the decode kernel as
+the engine calls it (the step's KV write and RoPE inside) against the XLA path
+it replaces. Target: decode at
 batch 64, 4k context, >= 70% of peak on H100 and >= 1.5x the reference.
 It also times the MoE experts' grouped matmul at Qwen3-Omni-30B-A3B thinker shapes
 (128 experts, 8 per token, hidden 2048, expert width 768): the Pallas kernel against the
@@ -21,6 +23,7 @@ shapes as a smoke check and says clearly that no timing was taken.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -164,6 +167,19 @@ def bench_prefill(peak):
               f"{r['flops'] / tk / 1e12:8.1f} | {tr * 1e3:8.3f} | {tr / tk:5.2f}x"
               f"{'' if r['rel_err'] < 2e-2 else '  MISMATCH %.3g' % r['rel_err']}")
 
+def bench_decode_write(shapes, peak):
+    """The decode kernel with the step's KV write, RoPE (and Qwen3's q/k norm), as the engine
+    calls it, against the XLA path it replaces."""
+    print("\nDecode with the KV write and RoPE (the engine's decode kernel), block size 16")
+    print(f"{'batch':>5} {'ctx':>6} {'qk norm':>7} | {'kernel ms':>9} {'kernel HBM':>20} | {'xla ms':>8} | speedup")
+    for batch, ctx in shapes:
+        for norm in (False, True):
+            r = decode_write_point(batch, ctx, (HQ, HKV, D), qk_norm=norm)
+            tk, tr = r["kernel_s"], r["xla_s"]
+            print(f"{batch:5d} {ctx:6d} {str(norm):>7} | {tk * 1e3:9.3f} {fmt_bw(r['bytes'], tk, peak)} | "
+                  f"{tr * 1e3:8.3f} | {tr / tk:5.2f}x{'' if r['rel_err'] < 2e-2 else '  MISMATCH %.3g' % r['rel_err']}")
+
+
 def bench_kv_write(peak):
     print("\nKV write (XLA scatter, donated pages)")
     for tokens in (256, 2048, 8192):
@@ -242,6 +258,62 @@ def prefill_point(new, cached, seqs, heads, bs=16, interpret=False, iters=5):
     pairs = seqs * (new * cached + new * (new + 1) / 2)
     nbytes = seqs * ctx * hkv * d * 2 * ITEM + 2 * q.size * ITEM
     return dict(kernel_s=tk, xla_s=tr, max_err=err, rel_err=rel, bytes=nbytes, flops=4 * pairs * hq * d)
+
+
+def decode_write_point(batch, ctx, heads, bs=16, qk_norm=False, interpret=False, iters=20):
+    """The decode kernel as the engine's decode steps call it (``paged_attention_with_write``):
+    this step's K/V stored at position ctx - 1 of each sequence, q and k rotated (and
+    RMS-normed per head with ``qk_norm``, Qwen3), then attention over ctx tokens, against the
+    XLA path (``reference.prepare_qk``, the scatter, the reference attention). Both update
+    donated pools in place, threaded from call to call as the engine threads its KV cache.
+    The error covers the output and the rows written (read back from the pools)."""
+    from kernels_pallas.paged_attention import paged_attention_with_write
+
+    hq, hkv, d = heads
+    k, v, tables = make_pool(jax.random.key(batch * 7919 + ctx + 1), batch, ctx, bs, hkv, d)
+    keys = jax.random.split(jax.random.key(ctx + 5), 6)
+    q = jax.random.normal(keys[0], (batch, hq, d), DTYPE)
+    kn, vn = (jax.random.normal(kk, (batch, hkv, d), DTYPE) for kk in keys[1:3])
+    angle = jax.random.uniform(keys[3], (batch, d // 2), jnp.float32, 0, 2 * np.pi)
+    rope = (jnp.tile(jnp.cos(angle), 2).astype(DTYPE), jnp.tile(jnp.sin(angle), 2).astype(DTYPE))
+    norm = tuple(1 + 0.1 * jax.random.normal(kk, (d,), DTYPE) for kk in keys[4:6]) if qk_norm else None
+    lens = jnp.full((batch,), ctx, jnp.int32)
+    slots = (tables[:, (ctx - 1) // bs] * bs + (ctx - 1) % bs).astype(jnp.int32)
+    extra = dict(rope=rope, qk_norm=norm)
+
+    def jitted(fn):
+        return jax.jit(lambda kp, vp: fn(q, kn, vn, kp, vp, slots, tables, lens, **extra), donate_argnums=(0, 1))
+
+    kern = jitted(functools.partial(paged_attention_with_write, interpret=interpret))
+    ref = jitted(reference.paged_attention_with_write)
+    # The pools are donated: each side gets its own copy; the reference's is the kernel's
+    # before its first call, so both write the same rows into the same pages.
+    kr, vr = jnp.copy(k), jnp.copy(v)
+    out, k, v = kern(k, v)
+    want, kr, vr = ref(kr, vr)
+    rows = lambda pool: pool.reshape(-1, hkv, d)[slots]  # noqa: E731
+    err, rel = _errors(jnp.concatenate([out.reshape(batch, -1), rows(k).reshape(batch, -1), rows(v).reshape(batch, -1)], 1),
+                       jnp.concatenate([want.reshape(batch, -1), rows(kr).reshape(batch, -1),
+                                        rows(vr).reshape(batch, -1)], 1))
+    reps = 1 if interpret else 5
+    tk, (k, v) = _time_threaded(kern, (k, v), iters, reps)
+    del k, v
+    tr, _ = _time_threaded(ref, (kr, vr), max(1, iters // 4), reps)
+    nbytes = batch * ctx * hkv * d * 2 * ITEM + (2 * q.size + 2 * kn.size * 2) * ITEM + tables.size * 4
+    return dict(kernel_s=tk, xla_s=tr, max_err=err, rel_err=rel, bytes=nbytes)
+
+
+def _time_threaded(fn, pools, iters, reps):
+    """(median seconds per call, pools) of fn(*pools) -> (out, *pools), each call taking the
+    pools the last one returned (they are donated)."""
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out, *pools = fn(*pools)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t0) / iters)
+    return statistics.median(samples), tuple(pools)
 
 
 def kv_write_point(tokens, heads, bs=16, pool_tokens=64 * 1024, iters=20, interpret=False):
@@ -386,6 +458,7 @@ def main(argv=None):
                         peak)
     if not args.quick:
         rows += bench_decode(BS_SHAPES, [32, 64], peak)
+        bench_decode_write(QUICK_DECODE, peak)
         bench_prefill(peak)
         bench_kv_write(peak)
         bench_experts(peak)

@@ -60,6 +60,11 @@ def run(size, rep, results_dir) -> None:
             if on_gpu and family == "qwen2.5" and batch >= 64:
                 rep.add(f"decode b{batch} share of copy bandwidth", round(100 * share, 1), "%",
                         "target >= 70%" + ("" if share >= 0.7 else " (NOT MET)"))
+            # As the engine's decode steps call it: the step's KV write and RoPE inside (and
+            # Qwen3's q/k norm), against the XLA ops it replaces.
+            record(f"decode+write {family} b{batch} ctx{ctx}",
+                   kb.decode_write_point(batch, ctx, _heads(text), qk_norm=family == "qwen3", interpret=interp,
+                                         iters=iters))
     for new, cached, seqs in size.prefill_points:
         record(f"prefill qwen2.5 {seqs}x{new} after {cached}",
                kb.prefill_point(new, cached, seqs, _heads(qwen2_5), interpret=interp, iters=max(1, iters // 4)))

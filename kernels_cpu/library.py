@@ -51,7 +51,11 @@ def register() -> None:
         raise KernelBuildError(f"{path.name} was built from another {build_info.SOURCE.name} or for "
                                f"another CPU (build key {built}, here {want}); {_REINSTALL}")
     for target, symbol in TARGETS.items():
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+        try:
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+        except jax.errors.JaxRuntimeError as exc:  # e.g. built against a newer jaxlib's FFI headers
+            raise KernelBuildError(f"XLA (jaxlib {jax.lib.__version__}) refused {path.name}: {exc}; "
+                                   f"{_REINSTALL}") from exc
 
 
 @functools.cache

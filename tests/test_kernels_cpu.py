@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import jax
@@ -163,6 +165,29 @@ def test_a_missing_or_stale_library_is_refused_with_the_remedy(monkeypatch):
     with pytest.raises(library.KernelBuildError, match="built from another paged_attention.cc or for "
                                                        "another CPU.*pip install -v -e ."):
         library.register.__wrapped__()
+
+
+def test_a_library_xla_refuses_is_reported_not_raised_from_xla(monkeypatch):
+    # What a library compiled against a newer jaxlib's FFI headers than the one installed gets.
+    refusal = "handler's API version (0.5) is incompatible with the framework's API version (0.4)"
+
+    def refuse(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError(f"INVALID_ARGUMENT: {refusal}")
+
+    monkeypatch.setattr(jax.ffi, "register_ffi_target", refuse)
+    with pytest.raises(library.KernelBuildError, match=rf"XLA \(jaxlib {jax.lib.__version__}\) refused "
+                                                       rf".*{re.escape(refusal)}.*pip install -v -e ."):
+        library.register.__wrapped__()
+
+
+def test_the_kernels_compile_against_the_oldest_supported_jax():
+    # XLA accepts handlers of its own FFI API version or older: the headers pip builds against
+    # (in its isolated build environment) must be those of the oldest jax the package runs on.
+    with open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as f:
+        meta = tomllib.load(f)
+    floor = [d for d in meta["project"]["dependencies"] if re.match(r"jax\b", d)]
+    build = [d for d in meta["build-system"]["requires"] if re.match(r"jax\b", d)]
+    assert len(floor) == 1 and build == [floor[0].replace(">=", "==")], (floor, build)
 
 
 def test_an_install_without_a_compiler_succeeds_without_the_kernels(tmp_path):

@@ -89,7 +89,7 @@ def build_random_checkpoint(out_dir: str, hf_config: dict, *, seed: int = 0, dty
 def tiny_checkpoint(cache_dir: str | None = None) -> str:
     """Path of the tiny checkpoint, building it on first use."""
     path = cache_dir or default_cache_dir()
-    if not os.path.isfile(os.path.join(path, "omni_jax_config.json")):
+    if not os.path.isfile(os.path.join(path, CONFIG_FILE)):
         print(f"[omni-jax] building the tiny demo model in {path}", file=sys.stderr, flush=True)
         build_tiny_checkpoint(path)
     return path

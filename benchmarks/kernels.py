@@ -305,14 +305,15 @@ def decode_write_point(batch, ctx, heads, bs=16, qk_norm=False, interpret=False,
 
 
 def _time_threaded(fn, pools, iters, reps):
-    """Median seconds per call of fn(*pools) -> (out, *pools), each call taking the pools the
+    """Median seconds per call of fn(*pools) -> (..., *pools), each call taking the pools the
     one before returned (they are donated, as the engine's steps donate the KV cache)."""
     samples = []
     for _ in range(reps):
         t0 = time.perf_counter()
         for _ in range(iters):
-            out, *pools = fn(*pools)
-        jax.block_until_ready(out)
+            results = fn(*pools)
+            pools = results[-len(pools):]
+        jax.block_until_ready(results)
         samples.append((time.perf_counter() - t0) / iters)
     return statistics.median(samples)
 
@@ -326,19 +327,13 @@ def kv_write_point(tokens, heads, bs=16, pool_tokens=64 * 1024, iters=20, interp
     kn = jax.random.normal(jax.random.key(4), (tokens, hkv, d), DTYPE)
     vn = jax.random.normal(jax.random.key(5), (tokens, hkv, d), DTYPE)
     slots = (bs + jax.random.permutation(jax.random.key(6), (k.shape[0] - 1) * bs)[:tokens]).astype(jnp.int32)
-    step = jax.jit(write_kv_pages, donate_argnums=(0, 1))
-    k, v = step(k, v, kn, vn, slots)
-    jax.block_until_ready(k)
+    jitted = jax.jit(write_kv_pages, donate_argnums=(0, 1))
+    step = lambda kp, vp: jitted(kp, vp, kn, vn, slots)  # noqa: E731
+    k, v = step(k, v)
     err = max(float(jnp.max(jnp.abs(k.reshape(-1, hkv, d)[slots].astype(jnp.float32) - kn.astype(jnp.float32)))),
               float(jnp.max(jnp.abs(v.reshape(-1, hkv, d)[slots].astype(jnp.float32) - vn.astype(jnp.float32)))))
-    samples = []
-    for _ in range(1 if interpret else 5):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            k, v = step(k, v, kn, vn, slots)
-        jax.block_until_ready(k)
-        samples.append((time.perf_counter() - t0) / iters)
-    return dict(kernel_s=statistics.median(samples), max_err=err, rel_err=0.0 if err == 0 else float("nan"),
+    secs = _time_threaded(step, (k, v), iters, 1 if interpret else 5)
+    return dict(kernel_s=secs, max_err=err, rel_err=0.0 if err == 0 else float("nan"),
                 bytes=2 * 2 * tokens * hkv * d * ITEM + tokens * 4)
 
 

@@ -38,7 +38,7 @@ import torch
 import hf_tiny
 import hf_tiny_qwen3
 from omni_jax.engine.protocol import MultiModalPayload
-from omni_jax.errors import PromptError
+from omni_jax.errors import PromptError, PromptTooLongError
 from omni_jax.inputs.media import load_audio, load_video, sample_frame_indices
 from omni_jax.inputs.qwen_tokenizer import (DEFAULT_SYSTEM_PROMPT, build_qwen2_5_omni_tokenizer,
                                             build_qwen3_omni_tokenizer)
@@ -542,6 +542,17 @@ def test_audio_sources_agree(family, proc, media_dir):
         assert o.multi_modal.audio_features[0].shape == (128, 150)  # 1.5 s
         assert int((o.prompt_token_ids == family.ids.AUDIO_TOKEN).sum()) == family.tone_tokens
         np.testing.assert_array_equal(o.multi_modal.audio_features[0], outs[0].multi_modal.audio_features[0])
+
+
+def test_media_that_makes_a_prompt_too_long_is_refused_as_too_long(family, proc, media_dir):
+    """The length is checked again once the media is expanded: a prompt that fits as text but not
+    with its audio is a PromptTooLongError (a server's context_length_exceeded), not a request
+    the first stage refuses later."""
+    prompt = _user({"type": "audio", "audio": str(media_dir / "tone44k.wav")}, {"type": "text", "text": "Hi"})
+    n = proc.process(prompt).prompt_token_ids.size
+    assert proc.process(prompt, max_prompt_len=n).prompt_token_ids.size == n
+    with pytest.raises(PromptTooLongError, match=f"with its media it has {n} tokens; a prompt may have at most {n - 1}"):
+        proc.process(prompt, max_prompt_len=n - 1)
 
 
 def test_speech_output_system_prompt(family, proc):

@@ -377,7 +377,7 @@ class InputProcessor:
         then get the family's speech system prompt, if any (raw prompts are left as given).
         max_prompt_len: longer prompts are refused here: a text as soon as it certainly has more
         tokens (without tokenizing it whole, see token_floor.py), token ids before any media is
-        decoded, `prompt_embeds` before they travel (the first stage checks the expanded prompt).
+        decoded and again once the media is expanded, `prompt_embeds` before they travel.
         """
         if isinstance(prompt, dict) and "prompt_embeds" in prompt:
             return self._embeds_prompt(prompt, max_prompt_len)
@@ -428,6 +428,10 @@ class InputProcessor:
             raise self._too_long(max_prompt_len, f"it has {ids.size} tokens")
         if items is not None:
             ids, mm = self._expand(ids, items, by_kind, use_aiv)
+            if max_prompt_len is not None and ids.size > max_prompt_len:
+                # Its media made it too long: refused as a prompt too long (a server's
+                # context_length_exceeded, which a realtime session answers by dropping old turns).
+                raise self._too_long(max_prompt_len, f"with its media it has {ids.size} tokens")
         bad = (ids < 0) | (ids >= self.vocab_size)
         if bad.any():
             raise PromptError(f"token id {int(ids[bad][0])} is out of range [0, {self.vocab_size})")

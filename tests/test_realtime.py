@@ -409,6 +409,27 @@ def test_text_only_session_and_an_image_item(client, library, media_dir):
     assert done.response.output[0].content[0].text == want.text
 
 
+def test_a_conversation_longer_than_the_model_loses_its_oldest_turns(client):
+    """Spoken turns that fit one by one but not together (this thinker's audio encoder takes 6.4 s
+    in one request, a turn lasts about 6 s): the reply is made from the newest turn (OpenAI's
+    truncation "auto"), not failed as audio too long. (Too many tokens: test_inputs.py.)"""
+    turn = {"type": "message", "role": "user", "content": [
+        {"type": "input_audio", "audio": _b64(_speech("Tell me about the weather by the sea tomorrow.", tail_s=2.5))}]}
+    with client.realtime.connect(model=MODEL) as conn:
+        _until(conn, "session.created")
+        conn.session.update(session={"type": "realtime", "output_modalities": ["text"]})
+        _until(conn, "session.updated")
+        conn.response.create(response={"max_output_tokens": 1, "conversation": "none", "input": [turn]})
+        one = _until(conn, "response.done").response.usage.input_tokens  # one turn with the instructions
+        for _ in range(4):
+            conn.conversation.item.create(item=turn)
+            _until(conn, "conversation.item.added")
+        conn.response.create(response={"max_output_tokens": 2})
+        done = _until(conn, "response.done").response
+    assert done.status == "incomplete" and done.status_details.reason == "max_output_tokens", done.status_details
+    assert done.usage.input_tokens == one, (one, done.usage)  # the instructions and the newest turn
+
+
 def test_cancel_and_conversation_edits(client, server):
     with client.realtime.connect(model=MODEL) as conn:
         _until(conn, "session.created")

@@ -436,6 +436,7 @@ def test_input_audio_and_video_parts(client, library, media_dir):
         client.chat.completions.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": [
             {"type": "video_url", "video_url": {"url": video}}, question]}])
     assert want.error.split(": ", 1)[1] in e.value.body["message"]
+    assert e.value.body["code"] == "context_length_exceeded"  # more than the model takes at once
 
 
 # ---------------------------------------------------------------------------------------- speech

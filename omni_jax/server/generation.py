@@ -145,8 +145,13 @@ def failure(engine: ServedEngine, error: str, request_id: str | None = None) -> 
     if not ok or any(w in error for w in ("died", "restarting", "stopped answering")):
         # A stage failed (check() tells whether for good: then /health stays 503).
         return APIError(503, f"the request failed because a stage failed: {error}", None, "service_unavailable")
-    if error.startswith("bad prompt") or any(w in error for w in ("max_model_len", "too long", "too large")):
-        return bad_request(error, "messages")  # the prompt exceeds what this deployment was sized for
+    if any(w in error for w in ("max_model_len", "too long", "too large")):
+        # The prompt (its tokens or its media) exceeds what this deployment was sized for: OpenAI's
+        # code for a prompt longer than the model takes, which a realtime session answers by
+        # leaving out its oldest turns.
+        return bad_request(error, "messages", "context_length_exceeded")
+    if error.startswith("bad prompt"):
+        return bad_request(error, "messages")
     if request_id is not None and error.startswith(f"request {request_id!r}: "):
         # A stage refused the request as given (its own checks; most are made up front): the client's doing.
         return bad_request(error[len(f"request {request_id!r}: "):], "sampling_params_list", "invalid_request")

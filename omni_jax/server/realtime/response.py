@@ -122,12 +122,19 @@ class Response:
 
     async def _open(self, chain_mods: list[str]):
         """The request, on as much of the conversation as the model takes: while the prompt is
-        too long, the oldest turn is left out (the conversation itself keeps it)."""
+        too long (its tokens, or its media for the thinker's encoders), the oldest turn is left
+        out (the conversation itself keeps it)."""
         messages = self.messages
         while True:
             try:
-                return await open_request(self.engine, {"messages": messages}, self.params, chain_mods,
-                                          self.voice if self.audio else None, self.id)
+                gen = await open_request(self.engine, {"messages": messages}, self.params, chain_mods,
+                                         self.voice if self.audio else None, self.id)
+                if gen.first.error:  # a stage refused it as soon as it saw it
+                    refused = failure(self.engine, gen.first.error, self.id)
+                    if refused.code == "context_length_exceeded":
+                        await gen.close()
+                        raise refused
+                return gen
             except APIError as e:
                 shorter = without_oldest_turn(messages) if e.code == "context_length_exceeded" else None
                 if shorter is None:

@@ -141,20 +141,34 @@ def test_push_to_talk_and_barge_in(browser, server, mic_wavs):
     _open(b, server)
     b.js("document.getElementById('ptt').click()")
     assert b.js("document.getElementById('talk').textContent") == "Hold to talk"
+
+    def say_and_let_go(reply: int) -> None:
+        """Speak for 2 s with the key held (pressed already), let go: the turn is sent, the reply begins."""
+        b.wait_for("document.getElementById('talk').getAttribute('aria-pressed') === 'true'", 10)
+        b.js("new Promise(r => setTimeout(r, 2000))")
+        b.key("keyUp")
+        b.wait_for(f"omniStats.responses.length > {reply}", 60, f"reply {reply}")
+
     b.key("keyDown")
-    b.wait_for("document.getElementById('talk').getAttribute('aria-pressed') === 'true'", 10)
-    b.js("new Promise(r => setTimeout(r, 2000))")
-    b.key("keyUp")
-    b.wait_for("omniStats.responses.length > 0 && omniStats.responses[0].received > 0", 120, "the reply's audio")
-    b.key("keyDown")  # speak over the reply
-    cut = b.wait_for("omniStats.responses.find(r => r.status === 'cancelled')", 60, "the cancelled reply")
-    assert cut["reason"] == "client_cancelled" and cut["cut"]
-    # playback stopped at once: nothing of it is left scheduled, nothing more was played
-    assert b.js("document.querySelector('#log li.assistant.cut') !== null")
+    say_and_let_go(0)
+    # Speaking again while a reply is being made cancels it at the server: pressed as soon as it
+    # begins (its first audio is a second away, its end seconds), so it is still running.
+    b.key("keyDown")
+    first = b.wait_for("omniStats.responses[0].status !== 'in_progress' && omniStats.responses[0]", 60,
+                       "the cancelled reply")
+    assert first["status"] == "cancelled" and first["reason"] == "client_cancelled", first
+    say_and_let_go(1)
+    b.wait_for("omniStats.responses[1].received > 0", 120, "the reply's audio")
+    # Speaking over a reply that plays stops it at once: nothing more of it is played or taken,
+    # and it is marked as interrupted (the server's end of it may come before or after).
+    b.key("keyDown")
+    heard = b.wait_for("omniStats.responses[1].cut && omniStats.responses[1].received", 10, "the cut")
+    assert b.js("document.querySelector('#log li.assistant.cut .meta').textContent") == "interrupted"
     b.screenshot(SHOTS / "04-barge-in.png")
-    b.key("keyUp")
-    b.wait_for("omniStats.responses.length > 1 && omniStats.responses[1].status !== 'in_progress'", 120,
-               "the reply to the second turn")
+    cut = b.wait_for("omniStats.responses[1].status !== 'in_progress' && omniStats.responses[1]", 60, "its end")
+    assert cut["received"] == cut["scheduled"] == heard, cut
+    say_and_let_go(2)
+    b.wait_for("omniStats.responses[2].status !== 'in_progress'", 120, "the reply to the third turn")
     assert not b.console_errors
 
 

@@ -55,6 +55,11 @@ function bubble(id, who, text = "") {
 const follow = () => { ui.log.scrollTop = ui.log.scrollHeight; };
 const append = (li, delta) => { li.querySelector(".text").textContent += delta; follow(); };
 const meta = (li, text) => { li.querySelector(".meta").textContent = text; };
+/** A reply the user spoke over (or cancelled): dimmed and said so. */
+function markCut(item) {
+  const li = item && bubbles.get(item);
+  if (li) li.classList.add("cut"), meta(li, "interrupted");
+}
 
 // ---------------------------------------------------------------- settings
 
@@ -192,6 +197,7 @@ function interrupt({cancel}) {
     const heardMs = Math.floor((player.played() * 1000) / RATE);
     player.stop();
     playing.cut = true;
+    markCut(playing.item);  // also when the server had finished it: the rest was not heard
     rt.send({type: "conversation.item.truncate", item_id: playing.item, content_index: 0, audio_end_ms: heardMs});
   }
   if (cancel && active) rt.send({type: "response.cancel"});
@@ -285,8 +291,7 @@ function listen(rt) {
     if (!r) return;
     r.status = e.response.status;
     r.reason = e.response.status_details?.reason ?? null;
-    const li = r.item && bubbles.get(r.item);
-    if (li && r.status === "cancelled") li.classList.add("cut"), meta(li, "interrupted");
+    if (r.status === "cancelled") markCut(r.item);
     if (r.status === "failed") notify(`The reply failed: ${e.response.status_details?.error?.message ?? "unknown error"}`);
     if (active === r) active = null;
   });

@@ -172,6 +172,56 @@ def test_push_to_talk_and_barge_in(browser, server, mic_wavs):
     assert not b.console_errors
 
 
+# Put in before the page's own scripts: the realtime socket hands the page nothing of a reply from
+# its first audio on until a key is pressed after its end, and then all of it just before the page
+# sees the key. The page then plays a reply the server has finished, as when a GPU speaks
+# faster than real time, and the user speaks over it at once.
+LATE_REPLY = """
+(() => {
+  const late = window.lateReply = {held: [], seen: [], done: false, release: null};
+  window.WebSocket = class extends WebSocket {
+    set onmessage(handler) {
+      super.onmessage = (m) => {
+        const type = JSON.parse(m.data).type;
+        late.seen.push(type);
+        if (late.release && (late.held.length || type === "response.output_audio.delta")) {
+          late.held.push(m);
+          late.done ||= type === "response.done";
+          return;
+        }
+        handler(m);
+      };
+      late.release = () => { late.release = null; for (const m of late.held.splice(0)) handler(m); };
+    }
+  };
+  document.addEventListener("keydown", () => late.done && late.release(), {capture: true});
+})();
+"""
+
+
+def test_a_finished_reply_spoken_over_stops_at_once(browser, server, mic_wavs):
+    """The server has finished the reply the page plays: speaking over it stops it and marks it,
+    with nothing to cancel."""
+    b = browser(mic_wavs["chatter"])
+    b.call("Page.addScriptToEvaluateOnNewDocument", source=LATE_REPLY)
+    _open(b, server)
+    b.js("document.getElementById('ptt').click()")
+    b.key("keyDown")
+    b.wait_for("document.getElementById('talk').getAttribute('aria-pressed') === 'true'", 10)
+    b.js("new Promise(r => setTimeout(r, 2000))")
+    b.key("keyUp")
+    b.wait_for("lateReply.done", 120, "the reply's end at the server")
+    assert b.js("omniStats.responses[0].received") == 0
+    b.key("keyDown")  # the reply arrives whole, then the key
+    reply = _stats(b)["responses"][0]
+    assert reply["status"] == "incomplete" and reply["cut"], reply
+    assert reply["received"] == reply["scheduled"] > 0, reply
+    assert b.js("document.querySelector('#log li.assistant.cut .meta').textContent") == "interrupted"
+    # Nothing to cancel; what was heard of it (nothing) is kept in the conversation.
+    b.wait_for("lateReply.seen.includes('conversation.item.truncated')", 10, "the truncation")
+    assert "error" not in b.js("lateReply.seen") and not b.console_errors
+
+
 def test_text_image_and_audio_turns_and_text_replies(browser, server, media_dir, mic_wavs):  # noqa: F811
     b = browser()
     _open(b, server)

@@ -411,7 +411,7 @@ def test_text_only_session_and_an_image_item(client, library, media_dir):
 
 def test_a_conversation_longer_than_the_model_loses_its_oldest_turns(client):
     """Spoken turns that fit one by one but not together (this thinker's audio encoder takes 6.4 s
-    in one request, a turn lasts about 6 s): the reply is made from the newest turn (OpenAI's
+    in one request, a turn lasts about 5 s): the reply is made from the newest turn (OpenAI's
     truncation "auto"), not failed as audio too long. (Too many tokens: test_inputs.py.)"""
     turn = {"type": "message", "role": "user", "content": [
         {"type": "input_audio", "audio": _b64(_speech("Tell me about the weather by the sea tomorrow.", tail_s=2.5))}]}

@@ -100,6 +100,13 @@ def _text(b: Browser, selector: str) -> list[str]:
     return b.js(f"[...document.querySelectorAll({selector!r})].map(e => e.textContent)")
 
 
+def _say_and_let_go(b: Browser) -> None:
+    """With the push-to-talk key pressed: speak for 2 s, let go (the turn is sent)."""
+    b.wait_for("document.getElementById('talk').getAttribute('aria-pressed') === 'true'", 10)
+    b.js("new Promise(r => setTimeout(r, 2000))")
+    b.key("keyUp")
+
+
 def test_page_is_served_and_no_ui_turns_it_off(server):
     page = httpx.get(f"{server.url}/", timeout=10)  # no key needed for the page itself
     assert page.status_code == 200 and "content-security-policy" in page.headers
@@ -143,10 +150,7 @@ def test_push_to_talk_and_barge_in(browser, server, mic_wavs):
     assert b.js("document.getElementById('talk').textContent") == "Hold to talk"
 
     def say_and_let_go(reply: int) -> None:
-        """Speak for 2 s with the key held (pressed already), let go: the turn is sent, the reply begins."""
-        b.wait_for("document.getElementById('talk').getAttribute('aria-pressed') === 'true'", 10)
-        b.js("new Promise(r => setTimeout(r, 2000))")
-        b.key("keyUp")
+        _say_and_let_go(b)
         b.wait_for(f"omniStats.responses.length > {reply}", 60, f"reply {reply}")
 
     b.key("keyDown")
@@ -207,9 +211,7 @@ def test_a_finished_reply_spoken_over_stops_at_once(browser, server, mic_wavs):
     _open(b, server)
     b.js("document.getElementById('ptt').click()")
     b.key("keyDown")
-    b.wait_for("document.getElementById('talk').getAttribute('aria-pressed') === 'true'", 10)
-    b.js("new Promise(r => setTimeout(r, 2000))")
-    b.key("keyUp")
+    _say_and_let_go(b)
     b.wait_for("lateReply.done", 120, "the reply's end at the server")
     assert b.js("omniStats.responses[0].received") == 0
     b.key("keyDown")  # the reply arrives whole, then the key

@@ -37,7 +37,7 @@ from .checkpoint import read_config
 from .config import PipelineConfig, default_pipeline_for, load_pipeline_config
 from .engine.protocol import AddRequest, MultiModalPayload, StageInputs
 from .engine.sampling_params import SamplingParams, is_utf8
-from .errors import ConfigError, PromptError
+from .errors import ConfigError, PromptError, error_code
 from .inputs.media import MediaLimits
 from .models.registry import get_family, resolve_model, tiny_family
 from .prompt_workers import PromptWorkers
@@ -332,7 +332,7 @@ class OmniJax(_Frontend):
                                         prompt_voice, layers, hidden_states_include_prompt, timeout_s)
                 except PromptError as e:
                     results[rid] = OmniRequestOutput(request_id=rid, finished=True, finish_reason="error",
-                                                     error=f"bad prompt: {e}")
+                                                     error=f"bad prompt: {e}", error_code=error_code(e))
                     continue
                 self._orch.submit(req)
                 submitted.add(rid)

@@ -5,7 +5,7 @@ kernels_cpu, a layer below.)"""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 
 # -- a checkpoint (checkpoint.py, conversion)
@@ -81,7 +81,29 @@ class RequestError(ValueError):
         text = str(e)
         if isinstance(e, RequestError) and repr(request_id) in text:
             return e
-        return cls(text if repr(request_id) in text else f"request {request_id!r}: {text}")
+        kind = type(e) if isinstance(e, RequestError) else cls  # a TooLongError stays one
+        return kind(text if repr(request_id) in text else f"request {request_id!r}: {text}")
+
+
+class TooLongError(RequestError):
+    """A request is larger than the stage was sized for: its tokens past max_model_len or the
+    KV pool, its media past the encoders' largest buckets (OpenAI's `context_length_exceeded`)."""
+
+
+# -- why a request failed: OmniRequestOutput.error_code, carried from the stages as a word so that
+# a caller (the server) never has to read the message.
+ErrorCode = Literal["invalid_request", "context_length_exceeded", "unavailable", "internal"]
+"""invalid_request: the request as given cannot be served (the caller's doing);
+context_length_exceeded: it is longer than this deployment takes (PromptTooLongError, TooLongError);
+unavailable: a stage it needs died, restarts or stopped answering, or the engine was shut down;
+internal: anything else (a failed model step, a family's input function that raised)."""
+
+
+def error_code(e: BaseException) -> ErrorCode:
+    """The ErrorCode of a request refused with `e`."""
+    if isinstance(e, (TooLongError, PromptTooLongError)):
+        return "context_length_exceeded"
+    return "invalid_request" if isinstance(e, ValueError) else "internal"
 
 
 # -- the stage processes (runtime)

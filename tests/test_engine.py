@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import hf_tiny
-from omni_jax.errors import RequestError
+from omni_jax.errors import RequestError, TooLongError, error_code
 from omni_jax.engine.runner import RunnerConfig
 from omni_jax.engine.sampling_params import SamplingParams
 from omni_jax.models.qwen2_5_omni.audio_encoder import audio_output_lengths
@@ -227,17 +227,18 @@ def test_abort_frees_blocks(engine):
     assert_pool_empty(engine)
 
 
-@pytest.mark.parametrize("prompt, params, match", [
-    ([], SamplingParams(), "empty prompt"),
-    (list(range(1, 200)), SamplingParams(), "max_model_len|too long|longer"),
-    ([5, 152064], SamplingParams(), "out of range"),
-    ([5, -1], SamplingParams(), "out of range"),
-    ([5, 6], SamplingParams(stop_token_ids=[999999]), "stop_token_ids|vocab"),
+@pytest.mark.parametrize("prompt, params, match, code", [
+    ([], SamplingParams(), "empty prompt", "invalid_request"),
+    (list(range(1, 200)), SamplingParams(), "max_model_len", "context_length_exceeded"),
+    ([5, 152064], SamplingParams(), "out of range", "invalid_request"),
+    ([5, -1], SamplingParams(), "out of range", "invalid_request"),
+    ([5, 6], SamplingParams(stop_token_ids=[999999]), "stop_token_ids|vocab", "invalid_request"),
 ])
-def test_bad_requests_fail_clearly_others_finish(engine, prompt, params, match):
+def test_bad_requests_fail_clearly_others_finish(engine, prompt, params, match, code):
     engine.add_request("good", [11, 12, 13], SamplingParams(temperature=0.0, max_tokens=3))
-    with pytest.raises(RequestError, match=match):
+    with pytest.raises(RequestError, match=match) as refused:
         engine.add_request("bad", prompt, params)
+    assert error_code(refused.value) == code  # what the stage sends with its refusal
     toks, final = run_all(engine)
     assert set(final) == {"good"} and len(toks["good"]) == 3
     assert_pool_empty(engine)
@@ -260,7 +261,7 @@ def test_bad_media_fails_only_that_request(engine):
         engine.add_request("mismatch", image_prompt((1, 8, 8)), SamplingParams(),
                            multi_modal_data=MultiModalPayload(pixel_values=np.zeros((16, 1176), np.float32),
                                                            image_grid_thw=np.array([[1, 4, 4]])))
-    with pytest.raises(RequestError, match="too long|too large"):
+    with pytest.raises(TooLongError, match="audio too long: 4000 mel frames"):
         engine.add_request("long", audio_prompt(4000), SamplingParams(),
                            multi_modal_data=MultiModalPayload(audio_features=[np.zeros((128, 4000), np.float32)]))
     toks, final = run_all(engine)

@@ -143,6 +143,7 @@ def test_bad_prompt_fails_alone(omni):
     assert "max_model_len" in outs[2].error or "too long" in outs[2].error
     assert "tokenizer" in outs[3].error
     assert outs[4].error is None and len(outs[4].token_ids) == 6
+    assert [o.error_code for o in outs] == [None, "invalid_request", "context_length_exceeded", "invalid_request", None]
 
 
 def test_any_prompt_failure_fails_only_that_prompt(omni, monkeypatch):
@@ -174,6 +175,7 @@ def test_undecodable_payload_fails_its_request(omni):
     bad = {"prompt_token_ids": [1, 2, 3], "multi_modal_data": MultiModalPayload(pixel_values=[[0.5] * 4])}
     outs = omni.generate([bad, {"prompt_token_ids": [4, 5, 6]}], sampling_params=GREEDY)
     assert outs[0].finish_reason == "error" and "could not read the request" in outs[0].error
+    assert outs[0].error_code == "invalid_request" and outs[1].error_code is None
     assert outs[1].error is None and len(outs[1].token_ids) == 6
 
 
@@ -203,6 +205,7 @@ def test_duplicate_request_id_is_refused_and_an_early_abort_is_kept(converted_th
 
     original, duplicate, early, stats = asyncio.run(run())
     assert duplicate.finish_reason == "error" and "already in flight" in duplicate.error
+    assert duplicate.error_code == "invalid_request"
     assert original.error is None and original.finish_reason == "length" and len(original.token_ids) == 40
     assert len(early) == 1 and early[0].finished and early[0].finish_reason == "abort" and early[0].token_ids == []
     assert stats["num_running"] == 0 and stats["kv_cache_usage"] == 0.0
@@ -347,6 +350,7 @@ def test_sigkill_stage_fails_requests_fast_and_later_calls_raise(converted_think
     assert not t.is_alive(), "generate hung after the stage died"
     assert time.monotonic() - killed_at < 10
     assert results[0].finish_reason == "error" and "thinker" in results[0].error
+    assert results[0].error_code == "unavailable"
     with pytest.raises(EngineDeadError, match="thinker"):
         engine.generate([{"prompt_token_ids": [1, 2]}])
     engine.shutdown()
@@ -372,6 +376,7 @@ def test_silent_stage_fails_its_requests_and_recovers(converted_thinker_fp32):
             assert time.monotonic() - t0 < 1.0
             refused = engine.generate([{"prompt_token_ids": [1, 2]}], sampling_params=GREEDY)[0]
             assert refused.finish_reason == "error" and "stopped answering" in refused.error
+            assert results[0].error_code == refused.error_code == "unavailable"
         finally:
             os.kill(pid, signal.SIGCONT)
         assert time.monotonic() - stopped_at < limit + 5 + 5
@@ -411,10 +416,11 @@ def test_dead_or_silent_stage_is_restarted(converted_thinker_fp32):
             t.join(limit + 5)
             assert not t.is_alive(), "generate hung on a failed stage"
             assert results[0].finish_reason == "error" and says in results[0].error, results[0].error
+            assert results[0].error_code == "unavailable"
             assert time.monotonic() - t0 < limit + 5
             refused = engine.generate([{"prompt_token_ids": [1, 2]}], sampling_params=GREEDY)[0]
             if refused.error is not None:  # unless it is already back
-                assert "'thinker' is restarting" in refused.error
+                assert "'thinker' is restarting" in refused.error and refused.error_code == "unavailable"
             back = _wait_healthy(engine, "thinker", 60)
             print(f"thinker back {back:.1f} s after {sig.name}")
             assert engine.stage_pids()["thinker"] != pid

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from omni_jax.engine.protocol import Request, RequestStatus, StageOutput
+from omni_jax.errors import TooLongError
 from omni_jax.engine.runner import compute_slot_mapping
 from omni_jax.engine.scheduler import (
     ARScheduler,
@@ -396,7 +397,8 @@ def test_failed_step_frees_blocks_and_others_continue():
     sched.add_request(new_req("a", 9, SP(max_tokens=3)))
     out = sched.schedule()
     failed = sched.fail_scheduled(out, "RuntimeError: boom")
-    assert [(r.request_id, r.finish_reason, r.error) for r in failed] == [("a", "error", "RuntimeError: boom")]
+    assert [(r.request_id, r.finish_reason, r.error, r.error_code) for r in failed] == [
+        ("a", "error", "RuntimeError: boom", "internal")]
     assert_no_leak(sched)
     sched.add_request(new_req("b", 9, SP(max_tokens=3)))
     finals, tokens, _ = run_to_end(sched, runner)
@@ -410,9 +412,9 @@ def test_bad_requests_rejected_others_continue():
     sched.add_request(new_req("ok", 5, SP(max_tokens=3)))
     with pytest.raises(ValueError, match=r"empty prompt \(0 tokens\)"):
         sched.add_request(Request("empty", [], SP()))
-    with pytest.raises(ValueError, match=r"prompt of 32 tokens.*max_model_len \(32\)"):
+    with pytest.raises(TooLongError, match=r"prompt of 32 tokens.*max_model_len \(32\)"):
         sched.add_request(new_req("toolong", 32))
-    with pytest.raises(ValueError, match=r"prompt of 20 tokens needs 5 KV blocks.*4 usable blocks"):
+    with pytest.raises(TooLongError, match=r"prompt of 20 tokens needs 5 KV blocks.*4 usable blocks"):
         sched.add_request(new_req("toobig", 20))
     with pytest.raises(ValueError, match="already in use"):
         sched.add_request(new_req("ok", 3))

@@ -436,7 +436,32 @@ def test_input_audio_and_video_parts(client, library, media_dir):
         client.chat.completions.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": [
             {"type": "video_url", "video_url": {"url": video}}, question]}])
     assert want.error.split(": ", 1)[1] in e.value.body["message"]
-    assert e.value.body["code"] == "context_length_exceeded"  # more than the model takes at once
+    assert want.error_code == e.value.body["code"] == "context_length_exceeded"  # more than the model takes at once
+
+
+@pytest.mark.parametrize("error_code, status, code, param", [
+    ("invalid_request", 400, "invalid_request", "sampling_params_list"),
+    ("context_length_exceeded", 400, "context_length_exceeded", "messages"),
+    ("unavailable", 503, "service_unavailable", None),
+    ("internal", 500, "internal_error", None),
+])
+def test_a_failed_request_is_answered_by_its_error_code_not_its_words(error_code, status, code, param):
+    """The library's error_code alone picks the HTTP error (a message that merely mentions "too
+    long" or "died" changes nothing); the refusal's "request 'id': " prefix is left out."""
+    from types import SimpleNamespace
+
+    from omni_jax.runtime.outputs import OmniRequestOutput
+    from omni_jax.server.generation import failure
+
+    healthy = SimpleNamespace(check=lambda: (True, ""))
+    out = OmniRequestOutput("r1", finished=True, finish_reason="error", error_code=error_code,
+                            error="request 'r1': the stage died of a too long name")
+    err = failure(healthy, out)
+    assert (err.status, err.code, err.param) == (status, code, param)
+    if status == 400:
+        assert err.message == "the stage died of a too long name"
+    # Whatever the code, an engine that cannot serve answers 503.
+    assert failure(SimpleNamespace(check=lambda: (False, "dead")), out).status == 503
 
 
 # ---------------------------------------------------------------------------------------- speech

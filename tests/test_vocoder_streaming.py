@@ -258,6 +258,7 @@ def test_stream_without_codes_ends_in_error(engine, spy):
     assert engine.has_unfinished()  # the error output is pending
     [out] = engine.step()
     assert out.finished and out.finish_reason == "error" and "no codec frames" in out.error
+    assert out.error_code == "invalid_request"
     assert spy.calls == [] and spy.released == ["empty"] and not engine.has_unfinished()
 
 
@@ -273,6 +274,7 @@ def test_bad_code_fails_only_its_stream(engine, spy):
     step_all(engine, outs, frames_at, {})
     [err] = outs["bad"]
     assert err.finish_reason == "error" and "'bad'" in err.error and "frame 1, group 1" in err.error
+    assert err.error_code == "invalid_request"
     assert outs["good"][-1].finish_reason == "stop"
     assert_same(np.concatenate([o.audio for o in outs["good"]]), whole(engine, good))
     # A piece of a frame is refused too.
@@ -290,6 +292,7 @@ def test_stream_call_failure_fails_its_streams(engine, spy, monkeypatch):
     engine.add_request("f", flat(random_codes(28, 3)), stream=True)
     [out] = engine.step()
     assert out.finish_reason == "error" and "device lost" in out.error and not engine.streams
+    assert out.error_code == "internal"
     monkeypatch.undo()
     engine.add_request("ok", flat(random_codes(29, 3)), stream=True)
     engine.extend_request("ok", [], complete=True)

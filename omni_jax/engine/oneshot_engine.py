@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..errors import RequestError
+from ..errors import ErrorCode, RequestError, error_code
 from .protocol import FINISH_REASON_TO_STATUS, Request, RequestStatus, StageOutput
 from .runner import compilation_count
 from .sampling_params import SamplingParams
@@ -232,13 +232,14 @@ class OneShotEngine:
             if self.validate is not None:
                 self.validate(s.request)
         except ValueError as e:
-            message = str(RequestError.of(request_id, e))
-            self._pending.append(self._end_stream(s, "error", message))
+            refused = RequestError.of(request_id, e)
+            self._pending.append(self._end_stream(s, "error", str(refused), error_code(refused)))
             return True
         s.complete = complete
         if complete and s.num_tokens == 0:
             self._pending.append(self._end_stream(
-                s, "error", f"request {request_id!r}: the talker produced no codec frames before its end token"))
+                s, "error", f"request {request_id!r}: the talker produced no codec frames before its end token",
+                "invalid_request"))  # as a talker max_tokens too small for one frame would
         return True
 
     def abort(self, request_id: str) -> bool:
@@ -303,9 +304,10 @@ class OneShotEngine:
         self.streams[s.request.request_id] = self.streams.pop(s.request.request_id)
         return StageOutput(request_id=s.request.request_id, audio=piece) if len(piece) else None
 
-    def _end_stream(self, s: CodecStream, reason: str, error: str | None = None,
+    def _end_stream(self, s: CodecStream, reason: str, error: str | None = None, code: ErrorCode = "internal",
                     audio: np.ndarray | None = None) -> StageOutput:
-        """Finish a stream, free its state (here and in the synthesizer), and say so."""
+        """Finish a stream, free its state (here and in the synthesizer), and say so (with the
+        error and its code if it failed)."""
         rid = s.request.request_id
         self.streams.pop(rid, None)
         release = getattr(self.synthesize, "release", None)
@@ -313,7 +315,8 @@ class OneShotEngine:
             release(rid)
         s.request.status = FINISH_REASON_TO_STATUS[reason]
         s.request.error = error
-        return StageOutput(request_id=rid, finished=True, finish_reason=reason, error=error, audio=audio)
+        return StageOutput(request_id=rid, finished=True, finish_reason=reason, error=error,
+                           error_code=code if error is not None else None, audio=audio)
 
     def _run_whole(self, sched) -> list[StageOutput]:
         if sched.is_empty:

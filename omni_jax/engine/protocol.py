@@ -33,6 +33,7 @@ import msgspec
 import numpy as np
 
 from omni_jax.engine.sampling_params import SamplingParams
+from omni_jax.errors import ErrorCode
 
 __all__ = [
     "Request",
@@ -246,7 +247,8 @@ class StageOutput(_Message):
     """One request's progress in one step: the tokens it produced since the last output.
 
     finish_reason is "stop", "length", "abort" or "error" once `finished`; stop_reason the
-    stop token id or string that ended it. hidden_states maps a layer index to the
+    stop token id or string that ended it; error (with its `errors.ErrorCode` as error_code) why
+    the request failed here. hidden_states maps a layer index to the
     [num_new_tokens, H] hidden states of the new tokens (requests with capture_hidden).
     logprobs: one dict per new token; prompt_logprobs (with the first token, when asked): one
     per prompt position from 1 on. audio: a waveform chunk (vocoder stages).
@@ -259,6 +261,7 @@ class StageOutput(_Message):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    error_code: ErrorCode | None = None
     text_delta: str = ""
     hidden_states: dict[int, np.ndarray] | None = None
     hidden_offset: int = 0  # absolute position of the first hidden-state row (recomputes resend rows)
@@ -288,11 +291,13 @@ class Ready(_Message):
 
 
 class StageFailure(_Message):
-    """A request rejected at add time (`request_id` set), or a fatal stage error (None)."""
+    """A request rejected at add time (`request_id` set, with the `errors.ErrorCode` of why), or
+    a fatal stage error (None)."""
 
     stage: str
     message: str
     request_id: str | None = None
+    error_code: ErrorCode = "internal"
 
 
 class HealthReply(_Message):

@@ -23,6 +23,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from omni_jax.engine.kv_cache import KVCacheManager
+from omni_jax.errors import TooLongError
 from omni_jax.engine.protocol import FINISH_REASON_TO_STATUS, Request, RequestStatus, StageOutput
 from omni_jax.engine.runner import DUMMY_BLOCK_ID, RunnerConfig, ScheduledChunk, cdiv
 
@@ -252,6 +253,7 @@ class _QueueScheduler:
         for s in scheduler_output.scheduled:
             if self.finish_request(s.request_id, reason="error", error=error):
                 outputs.append(_step_output(s.request, []))
+                outputs[-1].error_code = "internal"
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -298,17 +300,18 @@ class ARScheduler(_QueueScheduler):
 
     # -- intake --------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queue a request; ValueError naming the problem if it can never run."""
+        """Queue a request; ValueError naming the problem if it can never run (TooLongError
+        if it is too long for this stage)."""
         self._validate_common(request)
         rid, n = request.request_id, request.num_prompt_tokens
         if n + 1 > self.max_model_len:
-            raise ValueError(
+            raise TooLongError(
                 f"request {rid!r}: prompt of {n} tokens leaves no room to generate: "
                 f"prompt + 1 must be <= max_model_len ({self.max_model_len})"
             )
         num_blocks = cdiv(n, self.block_size)
         if num_blocks > self.kv_cache_manager.num_usable_blocks:
-            raise ValueError(
+            raise TooLongError(
                 f"request {rid!r}: prompt of {n} tokens needs {num_blocks} KV blocks of {self.block_size} "
                 f"tokens, more than the whole pool ({self.kv_cache_manager.num_usable_blocks} usable blocks)"
             )
@@ -621,10 +624,10 @@ class OneShotScheduler(_QueueScheduler):
     stages without KV cache (vocoders); each request finishes after the step that ran it."""
 
     def add_request(self, request: Request) -> None:
-        """Queue a request; ValueError if it could never fit a batch."""
+        """Queue a request; ValueError if it is malformed, TooLongError if it could never fit a batch."""
         self._validate_common(request)
         if request.num_prompt_tokens > self.max_num_batched_tokens:
-            raise ValueError(
+            raise TooLongError(
                 f"request {request.request_id!r}: {request.num_prompt_tokens} tokens exceed "
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) of a one-shot batch"
             )

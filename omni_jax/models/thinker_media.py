@@ -23,6 +23,7 @@ from flax import nnx
 from ..engine.buckets import pick_bucket
 from ..engine.jitted import Jitted
 from ..engine.protocol import MultiModalPayload, StageInputs
+from ..errors import TooLongError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +112,7 @@ class ThinkerMediaEncoder:
         try:
             chunks = pick_bucket(need, self.buckets.audio_chunks)
         except ValueError:
-            raise ValueError(f"audio too long: {int(lens.sum())} mel frames need {need} encoder chunks, "
+            raise TooLongError(f"audio too long: {int(lens.sum())} mel frames need {need} encoder chunks, "
                              f"more than the largest bucket {self.buckets.audio_chunks[-1]}") from None
         feats = np.zeros((acfg.num_mel_bins, chunks * acfg.chunk_frames), self.dtype)
         feats[:, :lens.sum()] = np.concatenate([np.asarray(f, np.float32) for f in features], axis=1)
@@ -129,7 +130,7 @@ class ThinkerMediaEncoder:
         try:
             patches = pick_bucket(n, self.buckets.vision_patches)
         except ValueError:
-            raise ValueError(f"{what} too large: {n} patches, more than the largest bucket "
+            raise TooLongError(f"{what} too large: {n} patches, more than the largest bucket "
                              f"{self.buckets.vision_patches[-1]}") from None
         padded = np.zeros((patches, vcfg.patch_dim), self.dtype)
         padded[:n] = pixel_values

@@ -32,7 +32,7 @@ import numpy as np
 import zmq
 
 from ..engine.protocol import AddRequest, HealthReply, Ready, StageFailure, StageOutput, StageOutputs
-from ..errors import EngineDeadError, ProtocolError
+from ..errors import EngineDeadError, ErrorCode, ProtocolError
 from ..models.handoff import PositionRows
 from .outputs import OmniRequestOutput, logprobs_of
 from .stage_client import StageClient
@@ -237,7 +237,7 @@ class Orchestrator:
             except Exception:  # keep routing whatever one message did
                 log.exception("orchestrator loop error")
         for req in list(self._requests.values()):
-            self._finish(req, error="the engine was shut down", reason="abort")
+            self._finish(req, error="the engine was shut down", reason="abort", code="unavailable")
 
     def _drain_commands(self) -> None:
         while True:
@@ -261,19 +261,19 @@ class Orchestrator:
 
     def _start(self, req: OrchestratorRequest) -> None:
         if self.dead is not None:
-            self._finish(req, error=self.dead)
+            self._finish(req, error=self.dead, code="unavailable")
             return
         silent = [self.clients[n].unhealthy_reason for n in req.chain if self.clients[n].unhealthy_reason]
         silent += [f"stage {n!r} is restarting ({self.clients[n].restarting}); try again when it is back"
                    for n in req.chain if self.clients[n].restarting]
         if silent:
-            self._finish(req, error=silent[0])
+            self._finish(req, error=silent[0], code="unavailable")
             return
         if req.request_id in self._requests:
             # Refused without touching the request already in flight under that id.
             out = req.output
             out.finished, out.finish_reason = True, "error"
-            out.error = f"request id {req.request_id!r} is already in flight"
+            out.error, out.error_code = f"request id {req.request_id!r} is already in flight", "invalid_request"
             req.sink(out.snapshot())
             return
         self._requests[req.request_id] = req
@@ -282,10 +282,11 @@ class Orchestrator:
             try:
                 sent = self.clients[name].add(msg)
             except ProtocolError as e:  # a value the wire cannot carry (text that is not UTF-8, an object...)
-                self._finish(req, error=f"the request cannot be sent to stage {name!r}: {e}")
+                self._finish(req, error=f"the request cannot be sent to stage {name!r}: {e}", code="invalid_request")
                 return
             if not sent:
-                self._finish(req, error=f"stage {name!r} takes no messages (exit code {self.clients[name].exitcode})")
+                self._finish(req, error=f"stage {name!r} takes no messages (exit code {self.clients[name].exitcode})",
+                             code="unavailable")
                 return
 
     def _drain_replies(self, client: StageClient) -> None:
@@ -310,7 +311,7 @@ class Orchestrator:
             elif isinstance(msg, StageFailure):
                 req = self._requests.get(msg.request_id) if msg.request_id else None
                 if req is not None:
-                    self._finish(req, error=msg.message)
+                    self._finish(req, error=msg.message, code=msg.error_code)
                 elif msg.request_id is None and client.restarting is not None:
                     self._give_up(client, msg.message)  # it could not start again
                 elif msg.request_id is None:
@@ -347,7 +348,7 @@ class Orchestrator:
                 req.keep_hidden(o)
             req.stage_tokens.setdefault(stage, []).extend(o.new_token_ids)
             if o.error is not None:
-                self._finish(req, error=o.error)
+                self._finish(req, error=o.error, code=o.error_code or "internal")
                 continue
             if stage == req.chain[0] and o.num_cached_tokens:
                 out.num_cached_tokens = o.num_cached_tokens
@@ -392,12 +393,14 @@ class Orchestrator:
         req.sink(out.snapshot())
         out.new_token_ids, out.text_delta, out.audio_delta = [], "", None
 
-    def _finish(self, req: OrchestratorRequest, *, reason: str | None = None, error: str | None = None) -> None:
+    def _finish(self, req: OrchestratorRequest, *, reason: str | None = None, error: str | None = None,
+                code: ErrorCode = "internal") -> None:
+        """End a request (failed with `error` and its `code`, or for `reason`) and free it everywhere."""
         self._requests.pop(req.request_id, None)
         out = req.output
         out.finished = True
         out.finish_reason = "error" if error is not None else (reason or out.finish_reason)
-        out.error = error
+        out.error, out.error_code = error, (code if error is not None else None)
         out.metrics.finish_time = time.monotonic()
         if req.first.output_hidden_states:
             out.hidden_states = req.hidden_arrays()
@@ -439,11 +442,11 @@ class Orchestrator:
                     self._restart(c, c.unhealthy_reason)
         if self.dead is not None:
             for req in list(self._requests.values()):
-                self._finish(req, error=self.dead)
+                self._finish(req, error=self.dead, code="unavailable")
         for c in self.clients.values():
             if c.unhealthy_reason is not None:
                 for req in [r for r in self._requests.values() if c.name in r.chain]:
-                    self._finish(req, error=c.unhealthy_reason)
+                    self._finish(req, error=c.unhealthy_reason, code="unavailable")
         self._resolve_stats()
 
     def _expire(self) -> None:
@@ -456,7 +459,7 @@ class Orchestrator:
         """Fail the requests of chains through the stage, then start it again (not waiting)."""
         log.error("%s; starting it again", reason)
         for req in [r for r in self._requests.values() if c.name in r.chain]:
-            self._finish(req, error=f"{reason}; it is being restarted")
+            self._finish(req, error=f"{reason}; it is being restarted", code="unavailable")
         c.restart(reason)
 
     def _give_up(self, c: StageClient, reason: str) -> None:

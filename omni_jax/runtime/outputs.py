@@ -8,6 +8,8 @@ import wave
 
 import numpy as np
 
+from ..errors import ErrorCode
+
 
 @dataclasses.dataclass
 class RequestMetrics:
@@ -76,6 +78,8 @@ class OmniRequestOutput:
 
     `generate()` returns finished outputs; the async generator yields one per update,
     with `text_delta`, `new_token_ids` and `audio_delta` holding what is new.
+    A failed request has finish_reason "error", the message in `error` and why in `error_code`
+    (`errors.ErrorCode`: invalid_request, context_length_exceeded, unavailable or internal).
     `logprobs` (when the thinker's SamplingParams ask for them): one {token id: Logprob} per
     output token, aligned with `token_ids`. `prompt_logprobs` (when they ask for them, from the
     first update on): one per prompt position, None for the first, else {token id: Logprob} with the
@@ -93,6 +97,7 @@ class OmniRequestOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    error_code: ErrorCode | None = None
     audio: np.ndarray | None = None
     sample_rate: int = 24000
     metrics: RequestMetrics = dataclasses.field(default_factory=RequestMetrics)

@@ -44,7 +44,7 @@ from ..models.handoff import UpstreamOutputs
 from ..models.registry import get_family
 from . import spmd
 from .transport import Channel, stage_addresses
-from ..errors import OutOfStep, ProtocolError
+from ..errors import ErrorCode, OutOfStep, ProtocolError, error_code
 
 log = logging.getLogger("omni_jax.stage")
 
@@ -142,7 +142,7 @@ class StageServer:
             except ProtocolError as e:
                 log.warning("dropped a malformed message: %s", e)
                 if e.request_id is not None and channel is self.inbox:
-                    self._fail(e.request_id, f"stage {self.name!r} could not read the request: {e}")
+                    self._fail(e.request_id, f"stage {self.name!r} could not read the request: {e}", "invalid_request")
                 continue
             if msg is None:
                 return True
@@ -176,7 +176,7 @@ class StageServer:
         try:
             self.engine.add_request(**to_engine_request(msg, stream))
         except ValueError as e:
-            self._fail(msg.request_id, str(e))
+            self._fail(msg.request_id, str(e), error_code(e))
             return False
         if msg.forward_to is not None:
             self.forward[msg.request_id] = msg.forward_to
@@ -203,8 +203,8 @@ class StageServer:
         while len(self.closed) > CLOSED_MEMORY:
             self.closed.popitem(last=False)
 
-    def _fail(self, rid: str, message: str) -> None:
-        self.outbox.send(StageFailure(stage=self.name, message=message, request_id=rid))
+    def _fail(self, rid: str, message: str, code: ErrorCode = "internal") -> None:
+        self.outbox.send(StageFailure(stage=self.name, message=message, request_id=rid, error_code=code))
 
     # ------------------------------------------------------------------ input from the stage before
     def _on_data(self, data: StageData) -> None:

@@ -100,7 +100,7 @@ class ChatHandler:
             return JSONResponse({}, status_code=499)
         self.metrics.finished("chat", out)
         if out.error:
-            raise failure(self.engine, out.error, out.request_id)
+            raise failure(self.engine, out)
         return JSONResponse(self._whole(req, out, mods, rid))
 
     def _logprobs(self, req: ChatCompletionRequest, token_ids: list[int], logprobs) -> dict | None:
@@ -153,7 +153,7 @@ class ChatHandler:
                     yield chunk({"audio": {"id": audio_id, "data": piece}})
             self.metrics.finished("chat", out)
             if out.error:
-                err = failure(self.engine, out.error, out.request_id)
+                err = failure(self.engine, out)
                 self.metrics.error(err.status)
                 yield event(err.body())
             else:

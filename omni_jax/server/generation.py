@@ -139,22 +139,23 @@ async def _cancel(first_update, agen) -> None:
         await agen.aclose()
 
 
-def failure(engine: ServedEngine, error: str, request_id: str | None = None) -> APIError:
-    """The HTTP error for a request the library failed with `error`."""
-    ok, why = engine.check()
-    if not ok or any(w in error for w in ("died", "restarting", "stopped answering")):
+def failure(engine: ServedEngine, out) -> APIError:
+    """The HTTP error for a request the library failed (an OmniRequestOutput with `error` and
+    its `error_code`)."""
+    error, code = out.error, out.error_code
+    ok, _ = engine.check()
+    if not ok or code == "unavailable":
         # A stage failed (check() tells whether for good: then /health stays 503).
         return APIError(503, f"the request failed because a stage failed: {error}", None, "service_unavailable")
-    if any(w in error for w in ("max_model_len", "too long", "too large")):
+    own = error.removeprefix(f"request {out.request_id!r}: ")  # a stage's refusal names the request
+    if code == "context_length_exceeded":
         # The prompt (its tokens or its media) exceeds what this deployment was sized for: OpenAI's
         # code for a prompt longer than the model takes, which a realtime session answers by
         # leaving out its oldest turns.
-        return bad_request(error, "messages", "context_length_exceeded")
-    if error.startswith("bad prompt"):
-        return bad_request(error, "messages")
-    if request_id is not None and error.startswith(f"request {request_id!r}: "):
+        return bad_request(own, "messages", "context_length_exceeded")
+    if code == "invalid_request":
         # A stage refused the request as given (its own checks; most are made up front): the client's doing.
-        return bad_request(error[len(f"request {request_id!r}: "):], "sampling_params_list", "invalid_request")
+        return bad_request(own, "sampling_params_list", "invalid_request")
     return APIError(500, f"the request failed: {error}", None, "internal_error")
 
 

@@ -79,7 +79,7 @@ class SpeechHandler:
             return Response(status_code=499)
         self.metrics.finished("speech", out)
         if out.error:
-            raise failure(self.engine, out.error, out.request_id)
+            raise failure(self.engine, out)
         return Response(audio_codec.encode(out.audio, out.sample_rate, req.response_format), media_type=media_type)
 
     async def _pcm(self, gen: Generation):
@@ -105,7 +105,7 @@ class SpeechHandler:
                     yield event({"type": "speech.audio.delta", "audio": data})
             self.metrics.finished("speech", out)
             if out.error:
-                err = failure(self.engine, out.error, out.request_id)
+                err = failure(self.engine, out)
                 self.metrics.error(err.status)
                 yield event({"type": "error", **error_body(err.status, err.message, err.param, err.code)})
                 return

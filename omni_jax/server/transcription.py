@@ -110,7 +110,7 @@ class TranscriptionHandler:
             return JSONResponse({}, status_code=499)
         self.metrics.finished("transcription", out)
         if out.error:
-            raise failure(self.engine, out.error, rid)
+            raise failure(self.engine, out)
         task = "translate" if self.translate else "transcribe"
         return _formatted(response_format, out.text.strip(), duration, "english" if self.translate else language,
                           task, token_usage(out))
@@ -123,7 +123,7 @@ class TranscriptionHandler:
                     yield event({"type": "transcript.text.delta", "delta": out.text_delta})
             self.metrics.finished("transcription", out)
             if out.error:
-                err = failure(self.engine, out.error, out.request_id)
+                err = failure(self.engine, out)
                 yield event(err.body())
             else:
                 yield event({"type": "transcript.text.done", "text": out.text.strip(), "usage": token_usage(out)})

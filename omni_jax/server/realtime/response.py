@@ -101,7 +101,7 @@ class Response:
                 if self.audio and out.audio_delta is not None:
                     await self._audio(out.audio_delta, part)
             if out.error:
-                err = failure(self.engine, out.error, out.request_id)
+                err = failure(self.engine, out)
                 self.status, self.error = "failed", {"type": "server_error" if err.status >= 500 else
                                                      "invalid_request_error", "code": err.code, "message": err.message}
             elif out.finish_reason == "length":
@@ -130,7 +130,7 @@ class Response:
                 gen = await open_request(self.engine, {"messages": messages}, self.params, chain_mods,
                                          self.voice if self.audio else None, self.id)
                 if gen.first.error:  # a stage refused it as soon as it saw it
-                    refused = failure(self.engine, gen.first.error, self.id)
+                    refused = failure(self.engine, gen.first)
                     if refused.code == "context_length_exceeded":
                         await gen.close()
                         raise refused

@@ -393,14 +393,14 @@ def run_all_text(engine, max_steps=500):
 def test_incremental_detokenizer_matches_whole_decode(stops):
     """The windowed detokenizer gives the text of decoding every output at once: random
     ids (split multi-byte characters, special tokens), fed one to three at a time."""
-    from omni_jax.engine.ar_engine import _Detokenizer
+    from omni_jax.engine.incremental_detokenizer import IncrementalDetokenizer
     from omni_jax.inputs.qwen_tokenizer import build_qwen2_5_omni_tokenizer
 
     tok = build_qwen2_5_omni_tokenizer()
     rng = np.random.default_rng(3)
     for trial in range(40):
         ids = rng.integers(0, 151660 if trial % 4 else 152000, int(rng.integers(1, 40))).tolist()
-        det = _Detokenizer(tok, stops, include_stop=True)
+        det = IncrementalDetokenizer(tok, stops, include_stop=True)
         out, stopped, i = "", None, 0
         while i < len(ids) and stopped is None:
             n = int(rng.integers(1, 4))

@@ -22,8 +22,8 @@ import jax
 import numpy as np
 
 from ..errors import RequestError
-from .incremental_detokenizer import IncrementalDetokenizer
 from .hidden_cache import HiddenRowCache
+from .incremental_detokenizer import IncrementalDetokenizer
 from .jitted import Jitted
 from .protocol import Request, StageInputs, StageOutput
 from .runner import ModelRunner, RunnerConfig, compilation_count

@@ -23,9 +23,9 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from omni_jax.engine.kv_cache import KVCacheManager
-from omni_jax.errors import TooLongError
 from omni_jax.engine.protocol import FINISH_REASON_TO_STATUS, Request, RequestStatus, StageOutput
 from omni_jax.engine.runner import DUMMY_BLOCK_ID, RunnerConfig, ScheduledChunk, cdiv
+from omni_jax.errors import TooLongError
 
 
 @dataclass
@@ -624,10 +624,10 @@ class OneShotScheduler(_QueueScheduler):
     stages without KV cache (vocoders); each request finishes after the step that ran it."""
 
     def add_request(self, request: Request) -> None:
-        """Queue a request; ValueError if it is malformed, TooLongError if it could never fit a batch."""
+        """Queue a request; ValueError if it could never fit a batch."""
         self._validate_common(request)
         if request.num_prompt_tokens > self.max_num_batched_tokens:
-            raise TooLongError(
+            raise ValueError(
                 f"request {request.request_id!r}: {request.num_prompt_tokens} tokens exceed "
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) of a one-shot batch"
             )

@@ -34,7 +34,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from omni_jax import SamplingParams
 from omni_jax.server.realtime.audio_buffer import InputAudioBuffer
-from omni_jax.server.realtime.conversation import without_oldest_turn
+from omni_jax.server.realtime.conversation import Conversation, ConversationItem, Part, without_oldest_turn
 from omni_jax.server.realtime.events import EventError, ServerVADConfig, parse
 from omni_jax.server.realtime.session import SessionConfig
 from omni_jax.server.realtime.turns import Turns
@@ -152,6 +152,35 @@ def test_session_update_changes_only_what_it_sends_and_refuses_whole():
     assert text_only.output_modalities == ["text"] and text_only.voice is None
     with pytest.raises(EventError, match="no speech output"):
         text_only.update(parse('{"type": "session.update", "session": {"output_modalities": ["audio"]}}').session)
+
+
+def test_a_transcription_session_has_only_input_settings():
+    cfg = SessionConfig("tiny", ["Chelsie"])
+    assert cfg.transcription_settings is None  # a realtime session transcribes only when asked
+    cfg.update(parse('{"type": "session.update", "session": {"type": "transcription"}}').session)
+    s = cfg.as_json()
+    assert (s["type"], s["object"], set(s), set(s["audio"])) == (
+        "transcription", "realtime.transcription_session", {"type", "object", "id", "audio", "include"}, {"input"})
+    assert s["audio"]["input"]["transcription"]["model"] == "tiny"  # the served model, unless told
+    for session, param in [('{"type": "transcription", "instructions": "x"}', "session.instructions"),
+                           ('{"output_modalities": ["text"]}', "session.output_modalities"),
+                           ('{"audio": {"output": {"voice": "Chelsie"}}}', "session.audio.output"),
+                           ('{"include": ["item.input_audio_transcription.logprobs"]}', "session.include")]:
+        with pytest.raises(EventError) as e:
+            cfg.update(parse(f'{{"type": "session.update", "session": {session}}}').session)
+        assert e.value.param == param
+        assert cfg.as_json() == s  # a refused update changes nothing
+    cfg.update(parse('{"type": "session.update", "session": {"type": "realtime", "instructions": "Hi."}}').session)
+    assert cfg.as_json()["type"] == "realtime" and cfg.instructions == "Hi." and cfg.transcription_settings is None
+    # Its conversation, which nothing answers, makes room for each new turn by forgetting the oldest.
+    conv = Conversation(max_items=2)
+    turns = [ConversationItem(f"item_{i}", "user", [Part("input_text", text=str(i))]) for i in range(3)]
+    for turn in turns[:2]:
+        assert conv.make_room() is None
+        conv.add(turn)
+    assert conv.make_room() == "item_0" and conv.make_room() is None
+    conv.add(turns[2])
+    assert [it.id for it in conv.items] == ["item_1", "item_2"]
 
 
 def test_a_long_conversation_loses_its_oldest_turns_first():
@@ -524,8 +553,8 @@ def test_qwen3_spoken_turn_speaks_as_the_library(qwen3_server):
 
 # ---------------------------------------------------------------------------------------- hostile clients
 
-def _raw(server, key: str = API_KEY):
-    url = server.url.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}"
+def _raw(server, key: str = API_KEY, query: str = ""):
+    url = server.url.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}{query}"
     return ws_client.connect(url, additional_headers={"Authorization": f"Bearer {key}"}, open_timeout=30,
                              max_size=None)
 
@@ -625,6 +654,50 @@ def test_a_client_vanishing_mid_reply_aborts_it_everywhere(server):
 
 
 # ---------------------------------------------------------------------------------------- transcriptions, audio ids
+
+def test_a_transcription_session_transcribes_each_turn_and_answers_none(client):
+    """session.update to type "transcription": every turn the VAD commits is transcribed
+    (streamed deltas, then completed), none is answered, and response.create is refused."""
+    audio = _speech("Hello there. What is the weather like today?")
+    with client.realtime.connect(model=MODEL) as conn:
+        _until(conn, "session.created")
+        conn.session.update(session={"type": "transcription",
+                                     "audio": {"input": {"transcription": {"model": MODEL, "language": "English"}}}})
+        assert _until(conn, "session.updated").session.type == "transcription"
+        seen = []
+        for i in range(0, 2 * len(audio), 2400):  # two turns, as a microphone sends them
+            conn.input_audio_buffer.append(audio=_b64(np.tile(audio, 2)[i:i + 2400]))
+        while sum(e.type == "input_audio_buffer.committed" for e in seen) < 2:
+            _until(conn, "input_audio_buffer.committed", seen)
+        items = [e.item_id for e in seen if e.type == "input_audio_buffer.committed"]
+        while sum(e.type == "conversation.item.input_audio_transcription.completed" for e in seen) < 2:
+            _until(conn, "conversation.item.input_audio_transcription.completed", seen)
+        conn.response.create()
+        refused = _until(conn, "error", seen).error
+    assert refused.code == "invalid_request" and "transcription session" in refused.message
+    assert not [e for e in seen if e.type.startswith("response.")]
+    done = {e.item_id: e for e in seen if e.type == "conversation.item.input_audio_transcription.completed"}
+    assert set(done) == set(items)
+    for item in items:
+        deltas = [e.delta for e in seen if e.type == "conversation.item.input_audio_transcription.delta"
+                  and e.item_id == item]
+        assert done[item].transcript and "".join(deltas) == done[item].transcript
+        assert done[item].usage.input_tokens > 0
+
+
+def test_intent_transcription_starts_a_transcription_session(server):
+    with _raw(server, query="&intent=transcription") as ws:
+        session = _next(ws, "session.created")["session"]
+        assert session["type"] == "transcription" and session["audio"]["input"]["transcription"]["model"] == MODEL
+        ws.send('{"type": "response.create", "event_id": "e1"}')
+        err = _next(ws, "error")["error"]
+        assert (err["code"], err["event_id"]) == ("invalid_request", "e1")
+    with _raw(server, query="&intent=chat") as ws:
+        err = _next(ws, "error")["error"]
+        assert (err["code"], err["param"]) == ("invalid_value", "intent")
+        with pytest.raises(ConnectionClosed):
+            ws.recv(timeout=10)
+
 
 def _wav_file(audio: np.ndarray, rate: int = SR) -> bytes:
     buf = io.BytesIO()

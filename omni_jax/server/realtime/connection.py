@@ -80,22 +80,27 @@ class RealtimeEndpoint:
                     401, "Invalid or missing API key: send 'Authorization: Bearer KEY'", None, "invalid_api_key"))
                 return
         await ws.accept(subprotocol="realtime" if "realtime" in _protocols(ws) else None)
-        refusal = self._refusal(ws.query_params.get("model"))
+        intent = ws.query_params.get("intent")
+        refusal = self._refusal(ws.query_params.get("model"), intent)
         if refusal is not None:
             await _send_and_close(ws, refusal)
             return
         self.active += 1
         self.metrics.realtime_sessions.inc()
         try:
-            await RealtimeSession(ws, self.engine, self.policy, self.metrics, self.limits).run()
+            await RealtimeSession(ws, self.engine, self.policy, self.metrics, self.limits,
+                                  "transcription" if intent == "transcription" else "realtime").run()
         finally:
             self.active -= 1
             self.metrics.realtime_sessions.dec()
 
-    def _refusal(self, model: str | None) -> EventError | None:
+    def _refusal(self, model: str | None, intent: str | None) -> EventError | None:
         if model is not None and model != self.engine.served_name:
             return EventError(f"The model {model[:64]!r} does not exist; this server serves "
                               f"{self.engine.served_name!r}", "model_not_found", "model")
+        if intent not in (None, "transcription"):
+            return EventError(f"unknown intent {intent[:64]!r}; leave it out, or 'transcription' for a session "
+                              f"that only transcribes", "invalid_value", "intent")
         ok, why = self.engine.check()
         if not ok:
             return EventError(why, "service_unavailable", type="server_error")
@@ -122,9 +127,10 @@ async def _send_and_close(ws: WebSocket, error: EventError) -> None:
 class RealtimeSession:
     """One connection's session: settings, conversation, input audio, and its response."""
 
-    def __init__(self, ws: WebSocket, engine, policy: MediaPolicy, metrics: Metrics, limits: RealtimeLimits):
+    def __init__(self, ws: WebSocket, engine, policy: MediaPolicy, metrics: Metrics, limits: RealtimeLimits,
+                 kind: str = "realtime"):
         self.ws, self.engine, self.policy, self.metrics, self.limits = ws, engine, policy, metrics, limits
-        self.config = SessionConfig(engine.served_name, engine.voices)
+        self.config = SessionConfig(engine.served_name, engine.voices, type=kind)
         self.conversation = Conversation(limits.max_items)
         self.conversation_id = new_id("conv")
         self.turns = Turns(limits.max_buffer_s, self.config.turn_detection)
@@ -259,17 +265,23 @@ class RealtimeSession:
                 await self.send({"type": "input_audio_buffer.speech_stopped", "event_id": new_id("event"),
                                  "audio_end_ms": vev.ms, "item_id": self.speech_item})
                 await self._commit(audio, self.speech_item)
-                if self.config.turn_detection is not None and self.config.turn_detection.create_response:
+                td = self.config.turn_detection
+                if self.config.type == "realtime" and td is not None and td.create_response:
                     await self._respond(None)
 
     async def _commit(self, audio, item_id: str | None) -> None:
         item = ConversationItem(item_id or new_id("item"), "user", [Part("input_audio", audio=audio)])
         self.speech_item = None
+        # Nothing answers a transcription session's turns: it goes on for as long as it is spoken
+        # to, forgetting its oldest turn (and saying so) rather than refusing the newest.
+        forgotten = self.conversation.make_room() if self.config.type == "transcription" else None
+        if forgotten is not None:
+            await self.send({"type": "conversation.item.deleted", "event_id": new_id("event"), "item_id": forgotten})
         previous = self.conversation.add(item)
         await self.send({"type": "input_audio_buffer.committed", "event_id": new_id("event"),
                          "item_id": item.id, "previous_item_id": previous})
         await self._announce(item, previous)
-        if self.config.transcription is not None:
+        if self.config.transcription_settings is not None:
             self._spawn(self._transcribe(item))
 
     async def _add_item(self, item: ConversationItem, previous_item_id: str | None, event_id: str | None) -> None:
@@ -293,7 +305,7 @@ class RealtimeSession:
     async def _transcribe(self, item: ConversationItem) -> None:
         """The transcript of a committed item: conversation.item.input_audio_transcription.delta
         events as the thinker writes it, then .completed (or .failed)."""
-        part, tc = item.parts[0], self.config.transcription
+        part, tc = item.parts[0], self.config.transcription_settings
         prompt = transcription_prompt(part.audio, RATE, tc.language, tc.prompt)
         params = transcription_params(self.engine, 0.0)
         gen = None
@@ -323,6 +335,9 @@ class RealtimeSession:
                 await gen.close()
 
     async def _respond(self, ev: ResponseCreate | None) -> None:
+        if self.config.type == "transcription":
+            raise EventError("a transcription session makes no responses; switch it with session.update to type "
+                             "'realtime' first", "invalid_request", None, ev.event_id if ev else None)
         if self.response is not None:
             raise EventError(f"Conversation already has an active response in progress: {self.response.id}. Wait "
                              f"until the response is finished before creating a new one.",

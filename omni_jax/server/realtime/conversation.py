@@ -110,6 +110,12 @@ class Conversation:
                 return it
         raise EventError(f"no item with id {item_id[:64]!r} in the conversation", "item_not_found", "item_id", event_id)
 
+    def make_room(self) -> str | None:
+        """Forget the oldest item if the conversation is full; its id, else None."""
+        if len(self.items) < self.max_items:
+            return None
+        return self.items.pop(0).id
+
     def add(self, item: ConversationItem, previous_item_id: str | None = None) -> str | None:
         """Insert after `previous_item_id` (default: at the end); the id it follows."""
         if len(self.items) >= self.max_items:

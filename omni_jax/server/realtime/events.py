@@ -92,9 +92,11 @@ MaxTokens = Annotated[int, Field(ge=1, le=1 << 20)] | Literal["inf"]
 
 
 class SessionFields(_Model):
-    """`session` of session.update (only the fields sent change anything)."""
+    """`session` of session.update (only the fields sent change anything): a realtime session's,
+    or a transcription session's (type "transcription": audio input and include only)."""
 
-    type: Literal["realtime"] = "realtime"
+    type: Literal["realtime", "transcription"] = "realtime"
+    include: list[Literal["item.input_audio_transcription.logprobs"]] | None = None
     model: Annotated[str, Field(max_length=256)] | None = None
     instructions: Annotated[str, Field(max_length=MAX_TEXT)] | None = None
     output_modalities: Modalities | None = None

@@ -2,7 +2,9 @@
 
 Only the fields an update sends change anything; `turn_detection: null` turns server VAD
 off (manual commits). What this server cannot serve is refused by name, and a refused update
-changes nothing.
+changes nothing. A session is of type "realtime" (a conversation the model answers) or
+"transcription" (each committed turn is only transcribed; `?intent=transcription` at connect,
+or `session.update` with that type).
 """
 
 from __future__ import annotations
@@ -15,10 +17,15 @@ from .events import EventError, ServerVADConfig, SessionFields, TranscriptionCon
 PCM = {"type": "audio/pcm", "rate": 24000}
 
 
+# What only a realtime session (one that answers) has: refused in a transcription session's update.
+ANSWER_FIELDS = ("instructions", "output_modalities", "max_output_tokens", "temperature", "tools")
+
+
 @dataclasses.dataclass
 class SessionConfig:
     model: str
     voices: list[str]                       # the model's voices, default first (empty: no speech)
+    type: str = "realtime"                  # or "transcription"
     id: str = dataclasses.field(default_factory=lambda: new_id("sess"))
     instructions: str = ""
     output_modalities: list[str] = dataclasses.field(default_factory=lambda: ["audio"])
@@ -50,7 +57,17 @@ class SessionConfig:
         if s.output_modalities == ["audio"] and not self.voices:
             raise EventError("this model has no speech output; use output_modalities ['text']", "invalid_value",
                              "session.output_modalities", event_id)
-        new = dataclasses.replace(self)
+        kind = s.type if "type" in sent else self.type
+        if kind == "transcription":
+            refused = [f"session.{n}" for n in ANSWER_FIELDS if n in sent and getattr(s, n) not in (None, "", [])]
+            refused += ["session.audio.output"] if out is not None else []
+            if refused:
+                raise EventError(f"{refused[0]} is not a setting of a transcription session (it makes no "
+                                 f"responses); use type 'realtime'", "invalid_value", refused[0], event_id)
+        if s.include:
+            raise EventError("transcription logprobs are not supported by this server", "unsupported",
+                             "session.include", event_id)
+        new = dataclasses.replace(self, type=kind)
         for name in ("instructions", "output_modalities", "max_output_tokens", "temperature"):
             if name in sent:
                 value = getattr(s, name)
@@ -75,16 +92,26 @@ class SessionConfig:
                              event_id)
         return names[voice.lower()]
 
+    @property
+    def transcription_settings(self) -> TranscriptionConfig | None:
+        """How committed turns are transcribed; None: they are not (a transcription session always
+        transcribes, with the served model when no settings were sent)."""
+        if self.transcription is None and self.type == "transcription":
+            return TranscriptionConfig(model=self.model)
+        return self.transcription
+
     def as_json(self) -> dict[str, Any]:
         """The `session` object of session.created / session.updated."""
+        audio_in = {"format": PCM, "noise_reduction": None,
+                    "transcription": None if self.transcription_settings is None else
+                    self.transcription_settings.model_dump(),
+                    "turn_detection": None if self.turn_detection is None else self.turn_detection.model_dump()}
+        if self.type == "transcription":
+            return {"type": "transcription", "object": "realtime.transcription_session", "id": self.id,
+                    "audio": {"input": audio_in}, "include": None}
         return {
             "type": "realtime", "object": "realtime.session", "id": self.id, "model": self.model,
             "instructions": self.instructions, "output_modalities": list(self.output_modalities),
             "max_output_tokens": self.max_output_tokens, "tools": [], "tool_choice": "auto",
-            "audio": {
-                "input": {"format": PCM, "noise_reduction": None,
-                          "transcription": None if self.transcription is None else self.transcription.model_dump(),
-                          "turn_detection": None if self.turn_detection is None else self.turn_detection.model_dump()},
-                "output": {"format": PCM, "voice": self.voice, "speed": 1.0},
-            },
+            "audio": {"input": audio_in, "output": {"format": PCM, "voice": self.voice, "speed": 1.0}},
         }

@@ -390,6 +390,30 @@ def test_barge_in_cancels_the_reply_and_frees_every_stage(client, server):
     _idle(server)
 
 
+def test_a_silent_user_is_prompted_after_idle_timeout_ms(client):
+    """turn_detection.idle_timeout_ms: once a reply has played (response.done plus its audio), that
+    long without speech commits the silence as the user's turn (input_audio_buffer.timeout_triggered,
+    then committed) and answers it; audio the microphone keeps sending (silence) changes nothing."""
+    with client.realtime.connect(model=MODEL) as conn:
+        _until(conn, "session.created")
+        conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": {
+            "type": "server_vad", "idle_timeout_ms": 1000}}}})
+        _until(conn, "session.updated")
+        seen = []
+        _say_hello(conn, max_output_tokens=6)
+        _until(conn, "response.done", seen)
+        done_at = time.monotonic()
+        conn.input_audio_buffer.append(audio=_b64(np.zeros(SR // 2, np.float32)))  # the mic, silent
+        triggered = _until(conn, "input_audio_buffer.timeout_triggered", seen)
+        waited_ms = (time.monotonic() - done_at) * 1000
+        committed = _until(conn, "input_audio_buffer.committed", seen)
+        answered = _until(conn, "response.done", seen).response
+    played_ms = len(_audio_of(seen[:seen.index(triggered)])) * 1000 / SR
+    assert played_ms > 0 and played_ms + 1000 - 100 <= waited_ms < played_ms + 1000 + 15000, (played_ms, waited_ms)
+    assert committed.item_id == triggered.item_id and triggered.audio_end_ms >= triggered.audio_start_ms
+    assert answered.status in ("completed", "incomplete") and answered.usage.input_tokens > 0
+
+
 def test_manual_commit_with_vad_off_hears_the_audio(client, library):
     audio = _speech("Good morning.", lead_s=0.1, tail_s=0.1)
     with client.realtime.connect(model=MODEL) as conn:

@@ -20,6 +20,7 @@ import json
 import logging
 from types import SimpleNamespace
 
+import numpy as np
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from ..errors import APIError, InputAudioError, error_response
@@ -139,6 +140,7 @@ class RealtimeSession:
         self.tasks: set[asyncio.Task] = set()     # transcriptions
         self._lock = asyncio.Lock()
         self.closed = False
+        self._idle: asyncio.TimerHandle | None = None   # turn_detection.idle_timeout_ms, once armed
 
     async def send(self, event: dict) -> None:
         """Send one server event (dropped once the client is gone)."""
@@ -189,6 +191,7 @@ class RealtimeSession:
             pass
         finally:
             self.closed = True
+            self._disarm_idle()
             if self.response is not None:
                 await self.response.cancel("client_cancelled")
             for t in list(self.tasks):
@@ -207,6 +210,7 @@ class RealtimeSession:
             self.config.update(ev.session, ev.event_id)
             if self.config.turn_detection != had_vad:
                 self.turns.configure(self.config.turn_detection)
+                self._disarm_idle()  # the next reply's end arms the new setting
             await self.send({"type": "session.updated", "event_id": new_id("event"), "session": self.config.as_json()})
         elif isinstance(ev, InputAudioBufferCommit):
             held = self.turns.buffer.ms
@@ -255,6 +259,7 @@ class RealtimeSession:
             raise EventError(str(e), "invalid_value", "audio", ev.event_id) from None
         for vev, audio in turn_events:
             if vev.kind == "speech_started":
+                self._disarm_idle()
                 self.speech_item = new_id("item")
                 await self.send({"type": "input_audio_buffer.speech_started", "event_id": new_id("event"),
                                  "audio_start_ms": vev.ms, "item_id": self.speech_item})
@@ -272,6 +277,7 @@ class RealtimeSession:
     async def _commit(self, audio, item_id: str | None) -> None:
         item = ConversationItem(item_id or new_id("item"), "user", [Part("input_audio", audio=audio)])
         self.speech_item = None
+        self._disarm_idle()
         # Nothing answers a transcription session's turns: it goes on for as long as it is spoken
         # to, forgetting its oldest turn (and saying so) rather than refusing the newest.
         forgotten = self.conversation.make_room() if self.config.type == "transcription" else None
@@ -285,6 +291,7 @@ class RealtimeSession:
             self._spawn(self._transcribe(item))
 
     async def _add_item(self, item: ConversationItem, previous_item_id: str | None, event_id: str | None) -> None:
+        self._disarm_idle()
         try:
             previous = self.conversation.add(item, previous_item_id)
         except EventError as e:
@@ -296,6 +303,39 @@ class RealtimeSession:
         body = {"item": item.as_json(), "previous_item_id": previous}
         await self.send({"type": "conversation.item.added", "event_id": new_id("event"), **body})
         await self.send({"type": "conversation.item.done", "event_id": new_id("event"), **body})
+
+    # ------------------------------------------------------------------------------ idle timeout
+
+    def _arm_idle(self, played_ms: int) -> None:
+        """Once a reply ends: OpenAI's idle_timeout_ms counts from when its audio has played."""
+        self._disarm_idle()
+        td = self.config.turn_detection
+        if not self.closed and self.config.type == "realtime" and td is not None and td.idle_timeout_ms:
+            self._idle = asyncio.get_running_loop().call_later(
+                (played_ms + td.idle_timeout_ms) / 1000, lambda: self._spawn(self._on_idle()))
+
+    def _disarm_idle(self) -> None:
+        """The user spoke, committed or added an item (or the session changed or ended)."""
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+
+    async def _on_idle(self) -> None:
+        """The user kept silent: input_audio_buffer.timeout_triggered, the silence committed as
+        their turn (at least the shortest commit), and a response to it."""
+        self._idle = None
+        if self.closed or self.response is not None or self.speech_item is not None:
+            return
+        buffer, item_id = self.turns.buffer, new_id("item")
+        await self.send({"type": "input_audio_buffer.timeout_triggered", "event_id": new_id("event"),
+                         "audio_start_ms": buffer.start * 1000 // RATE, "audio_end_ms": buffer.end * 1000 // RATE,
+                         "item_id": item_id})
+        audio = self.turns.commit()
+        try:
+            await self._commit(np.pad(audio, (0, max(0, MIN_COMMIT_MS * RATE // 1000 - len(audio)))), item_id)
+            await self._respond(None)
+        except EventError as e:  # a full conversation, say: told, and the session goes on
+            await self.send(e.event())
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)
@@ -389,6 +429,7 @@ class RealtimeSession:
 
         def finished(out) -> None:
             self.response = None
+            self._arm_idle(part.audio_ms or 0)
             if out is not None and out.finished:
                 self.metrics.finished("realtime", out)
             else:

@@ -60,7 +60,9 @@ class ServerVADConfig(_Model):
     silence_duration_ms: int = Field(default=500, ge=30, le=10000)
     create_response: bool = True
     interrupt_response: bool = True
-    idle_timeout_ms: int | None = None
+    # After a reply has played, this long without the user speaking makes a turn of the silence
+    # and answers it (connection.py: RealtimeSession._on_idle).
+    idle_timeout_ms: int | None = Field(default=None, ge=1000, le=600_000)
 
 
 class TranscriptionConfig(_Model):

@@ -141,6 +141,7 @@ class RealtimeSession:
         self._lock = asyncio.Lock()
         self.closed = False
         self._idle: asyncio.TimerHandle | None = None   # turn_detection.idle_timeout_ms, once armed
+        self._turn_lock = asyncio.Lock()  # appends (the VAD runs off the loop) and the idle timeout's commit
 
     async def send(self, event: dict) -> None:
         """Send one server event (dropped once the client is gone)."""
@@ -252,6 +253,10 @@ class RealtimeSession:
             await self.response.cancel("client_cancelled")
 
     async def _append(self, ev: InputAudioBufferAppend) -> None:
+        async with self._turn_lock:
+            await self._append_locked(ev)
+
+    async def _append_locked(self, ev: InputAudioBufferAppend) -> None:
         try:
             wave24 = decode_pcm16(ev.audio)
             turn_events = await asyncio.to_thread(self.turns.append, wave24)
@@ -324,18 +329,19 @@ class RealtimeSession:
         """The user kept silent: input_audio_buffer.timeout_triggered, the silence committed as
         their turn (at least the shortest commit), and a response to it."""
         self._idle = None
-        if self.closed or self.response is not None or self.speech_item is not None:
-            return
-        buffer, item_id = self.turns.buffer, new_id("item")
-        await self.send({"type": "input_audio_buffer.timeout_triggered", "event_id": new_id("event"),
-                         "audio_start_ms": buffer.start * 1000 // RATE, "audio_end_ms": buffer.end * 1000 // RATE,
-                         "item_id": item_id})
-        audio = self.turns.commit()
-        try:
-            await self._commit(np.pad(audio, (0, max(0, MIN_COMMIT_MS * RATE // 1000 - len(audio)))), item_id)
-            await self._respond(None)
-        except EventError as e:  # a full conversation, say: told, and the session goes on
-            await self.send(e.event())
+        async with self._turn_lock:  # not while an append is in the VAD
+            if self.closed or self.response is not None or self.speech_item is not None:
+                return
+            buffer, item_id = self.turns.buffer, new_id("item")
+            await self.send({"type": "input_audio_buffer.timeout_triggered", "event_id": new_id("event"),
+                             "audio_start_ms": buffer.start * 1000 // RATE, "audio_end_ms": buffer.end * 1000 // RATE,
+                             "item_id": item_id})
+            audio = self.turns.commit()
+            try:
+                await self._commit(np.pad(audio, (0, max(0, MIN_COMMIT_MS * RATE // 1000 - len(audio)))), item_id)
+                await self._respond(None)
+            except EventError as e:  # a full conversation, say: told, and the session goes on
+                await self.send(e.event())
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)

@@ -1,14 +1,17 @@
 """OpenAI's Realtime API over WebSocket (`/v1/realtime`): spoken turns in, streamed speech out.
 
-connection.py    the endpoint (handshake, session limit) and one session's event loop
+endpoint.py      the endpoint: handshake, API key, session limit
+connection.py    one session's event loop (turns, transcriptions, the idle timeout, its response)
 events.py        client events, validated; the `error` event
-session.py       the session's settings (`session.update`)
+session.py       the session's settings (`session.update`): a realtime or a transcription session
 conversation.py  the conversation's items and the chat prompt they make
 audio_buffer.py  input audio: PCM16 24 kHz in, 16 kHz out, bounded
+turns.py         the input buffer with its turn detection
 vad.py           server VAD: where turns start and stop
 response.py      one response: an AsyncOmniJax request as response events
 """
 
-from .connection import RealtimeEndpoint, RealtimeLimits
+from .connection import RealtimeLimits
+from .endpoint import RealtimeEndpoint
 
 __all__ = ["RealtimeEndpoint", "RealtimeLimits"]

@@ -1,0 +1,92 @@
+"""`/v1/realtime`: the WebSocket endpoint, which admits sessions (connection.py runs each).
+
+It checks the API key at the handshake (a wrong one is refused there, 401), then admits at
+most `max_sessions` sessions; past that a session gets an `error` event and close code 1008.
+`?intent=transcription` starts a transcription session (session.py).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from starlette.websockets import WebSocket
+
+from ..errors import error_response
+from ..messages import MediaPolicy
+from ..metrics import Metrics
+from .connection import POLICY_VIOLATION, RealtimeLimits, RealtimeSession
+from .events import EventError
+
+KEY_PROTOCOL = "openai-insecure-api-key."   # how a browser, which cannot set headers, sends the key
+
+
+class RealtimeEndpoint:
+    """The `/v1/realtime` WebSocket route on one engine."""
+
+    def __init__(self, engine, policy: MediaPolicy, metrics: Metrics, api_key: str | None,
+                 limits: RealtimeLimits = RealtimeLimits()):
+        self.engine, self.policy, self.metrics, self.api_key, self.limits = engine, policy, metrics, api_key, limits
+        self.active = 0
+
+    def _key(self, ws: WebSocket) -> str | None:
+        auth = ws.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() == "bearer":
+            return token.strip()
+        for proto in _protocols(ws):
+            if proto.startswith(KEY_PROTOCOL):
+                return proto[len(KEY_PROTOCOL):]
+        return None
+
+    async def __call__(self, ws: WebSocket) -> None:
+        if self.api_key is not None:
+            key = self._key(ws)
+            if key is None or not hmac.compare_digest(key.encode(), self.api_key.encode()):
+                self.metrics.error(401)
+                await ws.send_denial_response(error_response(
+                    401, "Invalid or missing API key: send 'Authorization: Bearer KEY'", None, "invalid_api_key"))
+                return
+        await ws.accept(subprotocol="realtime" if "realtime" in _protocols(ws) else None)
+        intent = ws.query_params.get("intent")
+        refusal = self._refusal(ws.query_params.get("model"), intent)
+        if refusal is not None:
+            await _send_and_close(ws, refusal)
+            return
+        self.active += 1
+        self.metrics.realtime_sessions.inc()
+        try:
+            await RealtimeSession(ws, self.engine, self.policy, self.metrics, self.limits,
+                                  "transcription" if intent == "transcription" else "realtime").run()
+        finally:
+            self.active -= 1
+            self.metrics.realtime_sessions.dec()
+
+    def _refusal(self, model: str | None, intent: str | None) -> EventError | None:
+        if model is not None and model != self.engine.served_name:
+            return EventError(f"The model {model[:64]!r} does not exist; this server serves "
+                              f"{self.engine.served_name!r}", "model_not_found", "model")
+        if intent not in (None, "transcription"):
+            return EventError(f"unknown intent {intent[:64]!r}; leave it out, or 'transcription' for a session "
+                              f"that only transcribes", "invalid_value", "intent")
+        ok, why = self.engine.check()
+        if not ok:
+            return EventError(why, "service_unavailable", type="server_error")
+        if self.active >= self.limits.max_sessions:
+            self.metrics.error(429)
+            return EventError(f"the server holds its limit of {self.limits.max_sessions} realtime sessions "
+                              f"(--max-realtime-sessions); try again later", "session_limit_reached",
+                              type="rate_limit_error")
+        return None
+
+
+def _protocols(ws: WebSocket) -> list[str]:
+    return [p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
+
+
+async def _send_and_close(ws: WebSocket, error: EventError) -> None:
+    try:
+        await ws.send_text(json.dumps(error.event()))
+        await ws.close(POLICY_VIOLATION, error.message[:120])
+    except Exception:  # the client left first
+        pass

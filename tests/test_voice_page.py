@@ -143,6 +143,25 @@ def test_spoken_turn_is_heard_and_the_reply_plays(browser, server, mic_wavs):
     assert not b.console_errors
 
 
+def test_captions_only_writes_down_what_is_said_and_answers_nothing(browser, server, mic_wavs):
+    """Settings > Captions only: the session turns into a transcription session; a spoken turn is
+    written down, no reply comes, and the composer (nothing would answer it) is off."""
+    b = browser(mic_wavs["turn"])
+    _open(b, server)
+    b.js("document.getElementById('settings').open = true")
+    b.js("document.getElementById('captions').click()")
+    b.wait_for("['send', 'text', 'attach'].every(id => document.getElementById(id).disabled)", 10, "no composer")
+    b.js("document.getElementById('talk').click()")
+    b.wait_for("omniStats.userTurns.length > 0 && omniStats.userTurns[0].transcript !== null", 120, "a caption")
+    b.js("new Promise(r => setTimeout(r, 3000))")  # longer than a reply takes to start here
+    s = _stats(b)
+    assert s["responses"] == [] and s["userTurns"][0]["transcript"] in _text(b, "#log li .text")
+    assert not any(s["notices"]), s["notices"]  # the server took the settings: no error shown
+    b.js("document.getElementById('settings').open = false")
+    b.screenshot(SHOTS / "04-captions.png")
+    assert not b.console_errors
+
+
 def test_push_to_talk_and_barge_in(browser, server, mic_wavs):
     b = browser(mic_wavs["chatter"])
     _open(b, server)

@@ -8,7 +8,8 @@ const $ = (id) => document.getElementById(id);
 const ui = {
   status: $("status"), model: $("model"), notice: $("notice"), log: $("log"), talk: $("talk"), text: $("text"),
   send: $("send"), attach: $("attach"), attached: $("attached"), unattach: $("unattach"), voice: $("voice"),
-  speak: $("speak"), ptt: $("ptt"), instructions: $("instructions"), key: $("key"), reconnect: $("reconnect"),
+  speak: $("speak"), ptt: $("ptt"), captions: $("captions"), instructions: $("instructions"), key: $("key"),
+  reconnect: $("reconnect"),
   ttfa: $("ttfa"), settings: $("settings"), compose: $("compose"),
 };
 const stats = window.omniStats = {state: "connecting", responses: [], userTurns: [], notices: []};
@@ -26,8 +27,15 @@ function setState(state, text) {
   stats.state = state;
   ui.status.dataset.state = state;
   ui.status.textContent = text;
-  const ready = state === "connected";
-  ui.talk.disabled = ui.send.disabled = !ready;
+  enableControls();
+}
+
+/** Talking once connected; typing and sending too, but not for captions (nothing answers). */
+function enableControls() {
+  const ready = stats.state === "connected";
+  ui.talk.disabled = !ready;
+  ui.send.disabled = !ready || ui.captions.checked;
+  ui.text.disabled = ui.attach.disabled = ui.captions.checked;
 }
 
 function notify(message) {
@@ -68,6 +76,7 @@ function loadSettings() {
   const saved = JSON.parse(localStorage.getItem("omni-jax-ui") || "{}");
   ui.speak.checked = saved.speak ?? true;
   ui.ptt.checked = saved.ptt ?? false;
+  ui.captions.checked = saved.captions ?? false;
   ui.instructions.value = saved.instructions ?? "";
   ui.voice.append(new Option(saved.voice ?? "", saved.voice ?? ""));  // chosen again once the list is in
   const fromHash = new URLSearchParams(location.hash.slice(1)).get("key");
@@ -76,13 +85,15 @@ function loadSettings() {
 
 function saveSettings() {
   localStorage.setItem("omni-jax-ui", JSON.stringify(
-    {speak: ui.speak.checked, ptt: ui.ptt.checked, instructions: ui.instructions.value, voice: ui.voice.value}));
+    {speak: ui.speak.checked, ptt: ui.ptt.checked, captions: ui.captions.checked, instructions: ui.instructions.value,
+     voice: ui.voice.value}));
   sessionStorage.setItem("omni-jax-key", ui.key.value);
 }
 
 function sessionFields() {
   const speak = ui.speak.checked && voices.length > 0;
   const audio = {input: {turn_detection: ui.ptt.checked ? null : {type: "server_vad"}, transcription: {model}}};
+  if (ui.captions.checked) return {type: "transcription", audio};  // a session that only transcribes
   if (speak) audio.output = {voice: ui.voice.value};
   return {type: "realtime", instructions: ui.instructions.value, output_modalities: [speak ? "audio" : "text"], audio};
 }
@@ -90,6 +101,7 @@ function sessionFields() {
 function applySettings() {
   saveSettings();
   ui.talk.textContent = ui.ptt.checked ? "Hold to talk" : micOn ? "Stop talking" : "Start talking";
+  enableControls();
   if (rt && rt.open) rt.send({type: "session.update", session: sessionFields()});
 }
 
@@ -226,7 +238,7 @@ function pttUp() {
   ui.talk.setAttribute("aria-pressed", "false");
   turnEnd = performance.now();
   rt.send({type: "input_audio_buffer.commit"});
-  rt.send({type: "response.create"});
+  if (!ui.captions.checked) rt.send({type: "response.create"});
 }
 
 // ---------------------------------------------------------------- server events
@@ -373,7 +385,7 @@ ui.ptt.addEventListener("change", () => {  // the open microphone stops streamin
   micOn = false;
   ui.talk.setAttribute("aria-pressed", "false");
 });
-for (const el of [ui.voice, ui.speak, ui.ptt, ui.instructions]) el.addEventListener("change", applySettings);
+for (const el of [ui.voice, ui.speak, ui.ptt, ui.captions, ui.instructions]) el.addEventListener("change", applySettings);
 ui.reconnect.addEventListener("click", () => { retries = 0; saveSettings(); connect(); });
 
 loadSettings();

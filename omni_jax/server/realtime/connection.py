@@ -201,7 +201,7 @@ class RealtimeSession:
                                  "audio_end_ms": vev.ms, "item_id": self.speech_item})
                 await self._commit(audio, self.speech_item)
                 td = self.config.turn_detection
-                if self.config.type == "realtime" and td is not None and td.create_response:
+                if self.config.answers and td is not None and td.create_response:
                     await self._respond(None)
 
     async def _commit(self, audio, item_id: str | None) -> None:
@@ -210,7 +210,7 @@ class RealtimeSession:
         self._disarm_idle()
         # Nothing answers a transcription session's turns: it goes on for as long as it is spoken
         # to, forgetting its oldest turn (and saying so) rather than refusing the newest.
-        forgotten = self.conversation.make_room() if self.config.type == "transcription" else None
+        forgotten = None if self.config.answers else self.conversation.make_room()
         if forgotten is not None:
             await self.send({"type": "conversation.item.deleted", "event_id": new_id("event"), "item_id": forgotten})
         previous = self.conversation.add(item)
@@ -240,7 +240,7 @@ class RealtimeSession:
         """Once a reply ends: OpenAI's idle_timeout_ms counts from when its audio has played."""
         self._disarm_idle()
         td = self.config.turn_detection
-        if not self.closed and self.config.type == "realtime" and td is not None and td.idle_timeout_ms:
+        if not self.closed and self.config.answers and td is not None and td.idle_timeout_ms:
             self._idle = asyncio.get_running_loop().call_later(
                 (played_ms + td.idle_timeout_ms) / 1000, lambda: self._spawn(self._on_idle()))
 
@@ -306,7 +306,7 @@ class RealtimeSession:
                 await gen.close()
 
     async def _respond(self, ev: ResponseCreate | None) -> None:
-        if self.config.type == "transcription":
+        if not self.config.answers:
             raise EventError("a transcription session makes no responses; switch it with session.update to type "
                              "'realtime' first", "invalid_request", None, ev.event_id if ev else None)
         if self.response is not None:

@@ -17,8 +17,9 @@ from .events import EventError, ServerVADConfig, SessionFields, TranscriptionCon
 PCM = {"type": "audio/pcm", "rate": 24000}
 
 
-# What only a realtime session (one that answers) has: refused in a transcription session's update.
-ANSWER_FIELDS = ("instructions", "output_modalities", "max_output_tokens", "temperature", "tools")
+# The settings of a session's answers: session.update sets them; a transcription session (which
+# answers nothing) refuses them, and tools too.
+ANSWER_SETTINGS = ("instructions", "output_modalities", "max_output_tokens", "temperature")
 
 
 @dataclasses.dataclass
@@ -59,7 +60,8 @@ class SessionConfig:
                              "session.output_modalities", event_id)
         kind = s.type if "type" in sent else self.type
         if kind == "transcription":
-            refused = [f"session.{n}" for n in ANSWER_FIELDS if n in sent and getattr(s, n) not in (None, "", [])]
+            refused = [f"session.{n}" for n in ANSWER_SETTINGS + ("tools",)
+                       if n in sent and getattr(s, n) not in (None, "", [])]
             refused += ["session.audio.output"] if out is not None else []
             if refused:
                 raise EventError(f"{refused[0]} is not a setting of a transcription session (it makes no "
@@ -68,7 +70,7 @@ class SessionConfig:
             raise EventError("transcription logprobs are not supported by this server", "unsupported",
                              "session.include", event_id)
         new = dataclasses.replace(self, type=kind)
-        for name in ("instructions", "output_modalities", "max_output_tokens", "temperature"):
+        for name in ANSWER_SETTINGS:
             if name in sent:
                 value = getattr(s, name)
                 default = getattr(SessionConfig(self.model, self.voices), name)
@@ -93,10 +95,15 @@ class SessionConfig:
         return names[voice.lower()]
 
     @property
+    def answers(self) -> bool:
+        """A realtime session answers its turns; a transcription session only transcribes them."""
+        return self.type == "realtime"
+
+    @property
     def transcription_settings(self) -> TranscriptionConfig | None:
         """How committed turns are transcribed; None: they are not (a transcription session always
         transcribes, with the served model when no settings were sent)."""
-        if self.transcription is None and self.type == "transcription":
+        if self.transcription is None and not self.answers:
             return TranscriptionConfig(model=self.model)
         return self.transcription
 
@@ -106,7 +113,7 @@ class SessionConfig:
                     "transcription": None if self.transcription_settings is None else
                     self.transcription_settings.model_dump(),
                     "turn_detection": None if self.turn_detection is None else self.turn_detection.model_dump()}
-        if self.type == "transcription":
+        if not self.answers:
             return {"type": "transcription", "object": "realtime.transcription_session", "id": self.id,
                     "audio": {"input": audio_in}, "include": None}
         return {

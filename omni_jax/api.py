@@ -268,6 +268,12 @@ class _Frontend:
         v = self._handoff.voices
         return [v.default, *(n for n in v.names if n != v.default)]
 
+    @property
+    def audio_seconds_per_request(self) -> float:
+        """The most audio one prompt may hold: the thinker's largest audio bucket (longer is refused
+        as too long; a transcription can cut longer audio into pieces of at most this)."""
+        return self.processor.audio_seconds(self._stages[0].audio_chunk_buckets[-1])
+
     def shutdown(self) -> None:
         """Stop every stage process; the object cannot be used afterwards."""
         self._orch.shutdown()

@@ -40,7 +40,7 @@ from omni_jax.server.realtime.session import SessionConfig
 from omni_jax.server.realtime.turns import Turns
 from omni_jax.server.app import build_app
 from omni_jax.server.engine import ServedEngine
-from omni_jax.server.realtime.vad import ServerVAD
+from omni_jax.server.vad import ServerVAD
 from test_async_chunk_pipeline import pipeline_for
 from test_server import (API_KEY, HELLO, MAX_BODY_MB, MODEL, VOCODER_SEED, _assert_same_audio, _idle,  # noqa: F401
                          _free_port, _lib_params, _metrics, env, library, media_dir, server)
@@ -164,8 +164,7 @@ def test_a_transcription_session_has_only_input_settings():
     assert s["audio"]["input"]["transcription"]["model"] == "tiny"  # the served model, unless told
     for session, param in [('{"type": "transcription", "instructions": "x"}', "session.instructions"),
                            ('{"output_modalities": ["text"]}', "session.output_modalities"),
-                           ('{"audio": {"output": {"voice": "Chelsie"}}}', "session.audio.output"),
-                           ('{"include": ["item.input_audio_transcription.logprobs"]}', "session.include")]:
+                           ('{"audio": {"output": {"voice": "Chelsie"}}}', "session.audio.output")]:
         with pytest.raises(EventError) as e:
             cfg.update(parse(f'{{"type": "session.update", "session": {session}}}').session)
         assert e.value.param == param
@@ -681,13 +680,15 @@ def test_a_client_vanishing_mid_reply_aborts_it_everywhere(server):
 
 def test_a_transcription_session_transcribes_each_turn_and_answers_none(client):
     """session.update to type "transcription": every turn the VAD commits is transcribed
-    (streamed deltas, then completed), none is answered, and response.create is refused."""
+    (streamed deltas with their tokens' logprobs, then completed), none is answered, and
+    response.create is refused."""
     audio = _speech("Hello there. What is the weather like today?")
     with client.realtime.connect(model=MODEL) as conn:
         _until(conn, "session.created")
-        conn.session.update(session={"type": "transcription",
+        conn.session.update(session={"type": "transcription", "include": ["item.input_audio_transcription.logprobs"],
                                      "audio": {"input": {"transcription": {"model": MODEL, "language": "English"}}}})
-        assert _until(conn, "session.updated").session.type == "transcription"
+        updated = _until(conn, "session.updated").session
+        assert updated.type == "transcription" and updated.include == ["item.input_audio_transcription.logprobs"]
         seen = []
         for i in range(0, 2 * len(audio), 2400):  # two turns, as a microphone sends them
             conn.input_audio_buffer.append(audio=_b64(np.tile(audio, 2)[i:i + 2400]))
@@ -707,6 +708,11 @@ def test_a_transcription_session_transcribes_each_turn_and_answers_none(client):
                   and e.item_id == item]
         assert done[item].transcript and "".join(deltas) == done[item].transcript
         assert done[item].usage.input_tokens > 0
+        logprobs = [x for e in seen if e.type == "conversation.item.input_audio_transcription.delta"
+                    and e.item_id == item for x in e.logprobs]
+        assert len(done[item].logprobs) == done[item].usage.output_tokens == len(logprobs)
+        assert [x.logprob for x in logprobs] == [x.logprob for x in done[item].logprobs]
+        assert all(x.logprob <= 0 for x in logprobs)
 
 
 def test_intent_transcription_starts_a_transcription_session(server):
@@ -721,44 +727,6 @@ def test_intent_transcription_starts_a_transcription_session(server):
         assert (err["code"], err["param"]) == ("invalid_value", "intent")
         with pytest.raises(ConnectionClosed):
             ws.recv(timeout=10)
-
-
-def _wav_file(audio: np.ndarray, rate: int = SR) -> bytes:
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1), w.setsampwidth(2), w.setframerate(rate)
-        w.writeframes((np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes())
-    return buf.getvalue()
-
-
-def test_transcriptions_through_the_thinker(client, library):
-    from omni_jax.inputs.media import load_audio
-    from omni_jax.server.transcription import transcription_prompt
-
-    data = _wav_file(_speech("Good morning.", lead_s=0.1, tail_s=0.1))
-    wave16 = load_audio(data)
-    greedy = library.pipeline.stage("thinker").sampling_params().updated(temperature=0.0)  # the server's params
-    want = library.generate(transcription_prompt(wave16, 16000, "English"), greedy, output_modalities=["text"])[0]
-    r = client.audio.transcriptions.create(model=MODEL, file=("hello.wav", data), language="English")
-    assert r.text == want.text.strip() and r.text
-    assert r.usage.input_tokens == len(want.prompt_token_ids) and r.usage.output_tokens == len(want.token_ids)
-    srt = client.audio.transcriptions.create(model=MODEL, file=("hello.wav", data), language="English",
-                                             response_format="srt")
-    assert srt.startswith("1\n00:00:00,000 --> 00:00:0") and srt.rstrip().endswith(want.text.strip())
-    verbose = client.audio.transcriptions.create(model=MODEL, file=("hello.wav", data), language="English",
-                                                 response_format="verbose_json")
-    assert abs(verbose.duration - len(wave16) / 16000) < 1e-3 and verbose.segments[0].end == verbose.duration
-    events = list(client.audio.transcriptions.create(model=MODEL, file=("hello.wav", data), language="English",
-                                                     stream=True))
-    assert [e.type for e in events][-1] == "transcript.text.done"
-    assert "".join(e.delta for e in events if e.type == "transcript.text.delta").strip() == events[-1].text == r.text
-    translated = client.audio.translations.create(model=MODEL, file=("hello.wav", data))
-    want_en = library.generate(transcription_prompt(wave16, 16000, translate=True), greedy,
-                               output_modalities=["text"])[0]
-    assert translated.text == want_en.text.strip()
-    with pytest.raises(openai.BadRequestError) as e:
-        client.audio.transcriptions.create(model=MODEL, file=("x.wav", b"not audio at all"))
-    assert e.value.body["param"] == "file"
 
 
 def test_a_spoken_reply_comes_back_by_its_audio_id(client, library):

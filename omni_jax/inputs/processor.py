@@ -118,6 +118,8 @@ class InputProcessor:
     say. max_audio_seconds / max_video_seconds: longer media are refused. video_fps /
     video_min_frames / video_max_frames: frame sampling of video files (defaults from the video config).
     hidden_size: the thinker's, the width `prompt_embeds` must have (None: prompt_embeds refused).
+    n_window: the thinker's audio encoder's `n_window` (its audio_config): an encoder chunk holds
+    2 * n_window mel frames (None: the family's released value).
     media_limits: sample rates, pixel counts, frame rates and frame counts media may have, checked
     before decoding (None: `MediaLimits()`'s defaults).
     """
@@ -131,6 +133,7 @@ class InputProcessor:
     # Placeholder token and the triple a prompt writes per media item (for error messages).
     PLACEHOLDER_TOKENS: dict
     PLACEHOLDER_TRIPLES: dict
+    DEFAULT_N_WINDOW: int                  # the released audio encoder's n_window
 
     @classmethod
     def default_token_config(cls) -> RopeIndexConfig:
@@ -143,7 +146,7 @@ class InputProcessor:
                  max_video_seconds: float = 300.0, video_fps: float | None = None,
                  video_min_frames: int | None = None, video_max_frames: int | None = None,
                  chat_template: str | None = None, hidden_size: int | None = None,
-                 media_limits: MediaLimits | None = None):
+                 media_limits: MediaLimits | None = None, n_window: int | None = None):
         self.tokenizer = tokenizer
         self._chat_text = ChatText(tokenizer) if tokenizer is not None else None
         self._floor = TokenFloor(tokenizer) if tokenizer is not None else None
@@ -154,6 +157,7 @@ class InputProcessor:
         self.use_audio_in_video = bool(use_audio_in_video)
         self.max_audio_seconds = max_audio_seconds
         self.max_video_seconds = max_video_seconds
+        self.n_window = int(n_window if n_window is not None else self.DEFAULT_N_WINDOW)
         self.chat_template = chat_template
         pre = _merged(self.DEFAULT_PREPROCESSOR_CONFIG, preprocessor_config)
         self.preprocessor_config = pre
@@ -186,6 +190,8 @@ class InputProcessor:
         if vocab_size is None:
             vocab_size = text.get("vocab_size") or thinker.get("vocab_size") or 2 ** 31 - 1
         options.setdefault("hidden_size", text.get("hidden_size") or thinker.get("hidden_size"))
+        if (thinker.get("audio_config") or {}).get("n_window") is not None:
+            options.setdefault("n_window", int(thinker["audio_config"]["n_window"]))
         tokenizer = None
         if any(os.path.isfile(os.path.join(ckpt_dir, f)) for f in ("tokenizer.json", "vocab.json")):
             from transformers import AutoTokenizer
@@ -204,6 +210,11 @@ class InputProcessor:
     def _options_from_hf(cls, hf: dict) -> dict:
         """Constructor options the family reads off the HF config (a whole config dict, maybe empty)."""
         raise NotImplementedError
+
+    def audio_seconds(self, encoder_chunks: int) -> float:
+        """Seconds of audio that many chunks of the audio encoder hold (a thinker's audio bucket)."""
+        hop = int(self.preprocessor_config["hop_length"])
+        return encoder_chunks * 2 * self.n_window * hop / self.sampling_rate
 
     # ------------------------------------------------------------------ media processors
     @property

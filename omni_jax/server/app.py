@@ -8,7 +8,7 @@ import hmac
 import json
 import logging
 
-from fastapi import FastAPI, File, Form, Request, UploadFile
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from . import errors, page
@@ -207,19 +207,15 @@ def build_app(engine: ServedEngine, *, api_key: str | None = None, max_body_byte
     async def audio_speech(req: SpeechRequest, request: Request):
         return await speech(req, request)
 
+    # Multipart forms, read by the handlers (transcription_form.py): OpenAI's clients send lists
+    # as `key[]` and objects as `key[field]`, which declared Form parameters cannot name.
     @app.post("/v1/audio/transcriptions")
-    async def audio_transcriptions(request: Request, file: UploadFile = File(...), model: str = Form(...),
-                                   language: str | None = Form(None), prompt: str | None = Form(None),
-                                   response_format: str = Form("json"), temperature: float = Form(0.0),
-                                   stream: bool = Form(False)):
-        return await transcribe(request, await file.read(), model, language, prompt, response_format, temperature,
-                                stream)
+    async def audio_transcriptions(request: Request):
+        return await transcribe(request)
 
     @app.post("/v1/audio/translations")
-    async def audio_translations(request: Request, file: UploadFile = File(...), model: str = Form(...),
-                                 prompt: str | None = Form(None), response_format: str = Form("json"),
-                                 temperature: float = Form(0.0)):
-        return await translate(request, await file.read(), model, None, prompt, response_format, temperature, False)
+    async def audio_translations(request: Request):
+        return await translate(request)
 
     @app.get("/v1/audio/voices")
     async def audio_voices():

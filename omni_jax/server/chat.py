@@ -21,6 +21,7 @@ from . import audio as audio_codec
 from .engine import ServedEngine
 from .errors import bad_request, error_body
 from .generation import Generation, check_model, failure, finish_reason, open_request
+from .logprobs import token_logprobs
 from .messages import MediaPolicy, to_prompt
 from .reply_audio import ReplyAudio
 from .metrics import Metrics
@@ -57,19 +58,6 @@ def _validate(req: ChatCompletionRequest) -> None:
 def _usage(out) -> dict:
     p, c = len(out.prompt_token_ids), len(out.token_ids)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-
-def token_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict], top_n: int) -> list[dict]:
-    """OpenAI's `logprobs.content`: per token its text, logprob, UTF-8 bytes and the top_n alternatives."""
-    def entry(token_id: int, logprob: float) -> dict:
-        text = tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-    out = []
-    for token_id, lp in zip(token_ids, logprobs):
-        top = sorted(((t, v) for t, v in lp.items() if v.rank <= top_n), key=lambda tv: tv[1].rank)
-        out.append(entry(token_id, lp[token_id].logprob) | {"top_logprobs": [entry(t, v.logprob) for t, v in top]})
-    return out
 
 
 class ChatHandler:

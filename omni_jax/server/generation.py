@@ -63,7 +63,7 @@ class Generation:
     async def close(self) -> None:
         await self._agen.aclose()
 
-    async def result(self, request, poll_s: float = 0.25):
+    async def result(self, request, poll_s: float = DISCONNECT_POLL_S):
         """The finished output, or None if the client disconnected first (the request is then aborted)."""
 
         async def collect():
@@ -72,21 +72,27 @@ class Generation:
                 pass
             return last
 
-        task = asyncio.ensure_future(collect())
         try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=poll_s)
-                if done:
-                    return task.result()
-                if await request.is_disconnected():
-                    task.cancel()
-                    return None
+            return await while_connected(request, collect(), poll_s)
         finally:
-            if not task.done():
-                task.cancel()
-                # the generator may only be closed once the cancelled task has left it
-                await asyncio.wait({task})
             await self.close()
+
+
+async def while_connected(request, work, poll_s: float = DISCONNECT_POLL_S):
+    """`work`'s result, or None if the client disconnected first (`work` is then cancelled, and
+    has finished when this returns: a generator it was reading may then be closed)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                return None
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
 
 
 async def open_request(engine: ServedEngine, prompt, params, modalities, voice, request_id: str,

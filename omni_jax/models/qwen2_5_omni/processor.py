@@ -56,6 +56,7 @@ class Qwen2_5InputProcessor(InputProcessor):
     PLACEHOLDER_TRIPLES = {"image": "<|vision_bos|><|IMAGE|><|vision_eos|>",
                            "audio": "<|audio_bos|><|AUDIO|><|audio_eos|>",
                            "video": "<|vision_bos|><|VIDEO|><|vision_eos|>"}
+    DEFAULT_N_WINDOW = 100
 
     @classmethod
     def default_token_config(cls) -> RopeIndexConfig:

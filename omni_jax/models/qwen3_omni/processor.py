@@ -130,11 +130,8 @@ def qwen3_token_config(hf: dict) -> RopeIndexConfig:
 
 
 class Qwen3InputProcessor(InputProcessor):
-    """`InputProcessor` with Qwen3-Omni's rules (module docstring).
-
-    n_window: the audio encoder's `n_window` (thinker audio_config; 50 in the real model), which
-    fixes the audio tokens per clip. Other arguments as `InputProcessor`.
-    """
+    """`InputProcessor` with Qwen3-Omni's rules (module docstring); arguments as `InputProcessor`
+    (its `n_window` also fixes the audio tokens per clip)."""
 
     DEFAULT_PREPROCESSOR_CONFIG = QWEN3_OMNI_PREPROCESSOR_CONFIG
     DEFAULT_VIDEO_CONFIG = QWEN3_OMNI_VIDEO_CONFIG
@@ -144,10 +141,7 @@ class Qwen3InputProcessor(InputProcessor):
     PLACEHOLDER_TRIPLES = {"image": "<|vision_start|><|image_pad|><|vision_end|>",
                            "audio": "<|audio_start|><|audio_pad|><|audio_end|>",
                            "video": "<|vision_start|><|video_pad|><|vision_end|>"}
-
-    def __init__(self, tokenizer, vocab_size: int, *, n_window: int = 50, **options):
-        super().__init__(tokenizer, vocab_size, **options)
-        self.n_window = int(n_window)
+    DEFAULT_N_WINDOW = 50
 
     @classmethod
     def default_token_config(cls) -> RopeIndexConfig:
@@ -157,12 +151,7 @@ class Qwen3InputProcessor(InputProcessor):
     def _options_from_hf(cls, hf: dict) -> dict:
         if not hf:
             return {}
-        thinker = hf.get("thinker_config", hf)
-        n_window = (thinker.get("audio_config") or {}).get("n_window")
-        options = {"token_config": qwen3_token_config(hf)}
-        if n_window is not None:
-            options["n_window"] = int(n_window)
-        return options
+        return {"token_config": qwen3_token_config(hf)}
 
     def _audio_pad_length(self, waves: list[np.ndarray]) -> int:
         # Qwen3OmniMoeProcessor extracts features with padding=True: to the prompt's longest clip.

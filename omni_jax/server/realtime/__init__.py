@@ -6,8 +6,7 @@ events.py        client events, validated; the `error` event
 session.py       the session's settings (`session.update`): a realtime or a transcription session
 conversation.py  the conversation's items and the chat prompt they make
 audio_buffer.py  input audio: PCM16 24 kHz in, 16 kHz out, bounded
-turns.py         the input buffer with its turn detection
-vad.py           server VAD: where turns start and stop
+turns.py         the input buffer with its turn detection (the server VAD: ../vad.py)
 response.py      one response: an AsyncOmniJax request as response events
 """
 

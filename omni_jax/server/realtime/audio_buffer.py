@@ -16,7 +16,7 @@ import numpy as np
 import soxr
 
 from ..errors import InputAudioError
-from .vad import RATE
+from ..vad import RATE
 
 INPUT_RATE = 24000
 

@@ -24,6 +24,7 @@ from ..errors import APIError, InputAudioError
 from ..messages import MediaPolicy
 from ..metrics import Metrics
 from ..stage_params import stage_params
+from ..logprobs import token_logprobs
 from ..transcription import token_usage, transcription_params, transcription_prompt
 from ..generation import open_request
 from .audio_buffer import decode_pcm16
@@ -34,7 +35,7 @@ from .events import (ConversationItemCreate, ConversationItemDelete, Conversatio
 from .response import Response
 from .session import SessionConfig
 from .turns import Turns
-from .vad import RATE
+from ..vad import RATE
 
 log = logging.getLogger("omni_jax.server")
 POLICY_VIOLATION = 1008  # a message past the size limit is closed by uvicorn with 1009 (serve.py's ws_max_size)
@@ -277,23 +278,29 @@ class RealtimeSession:
         """The transcript of a committed item: conversation.item.input_audio_transcription.delta
         events as the thinker writes it, then .completed (or .failed)."""
         part, tc = item.parts[0], self.config.transcription_settings
+        with_logprobs = self.config.transcription_logprobs
         prompt = transcription_prompt(part.audio, RATE, tc.language, tc.prompt)
-        params = transcription_params(self.engine, 0.0)
-        gen = None
+        params = transcription_params(self.engine, 0.0, with_logprobs)
+        gen, logprobs = None, []
         try:
             gen = await open_request(self.engine, prompt, params, ["text"], None, new_id("transcribe"))
             out = None
             async for out in gen.updates():
+                new = out.new_token_ids
+                lps = token_logprobs(self.engine.omni.tokenizer, new, out.logprobs[-len(new):], None) \
+                    if with_logprobs and new and out.logprobs else []
+                logprobs += lps
                 if out.text_delta:
                     await self.send({"type": "conversation.item.input_audio_transcription.delta",
                                      "event_id": new_id("event"), "item_id": item.id, "content_index": 0,
-                                     "delta": out.text_delta})
+                                     "delta": out.text_delta, "logprobs": lps if with_logprobs else None})
             if out.error:
                 raise RuntimeError(out.error)
             part.transcript = out.text
             await self.send({"type": "conversation.item.input_audio_transcription.completed",
                              "event_id": new_id("event"), "item_id": item.id, "content_index": 0,
-                             "transcript": out.text, "usage": token_usage(out)})
+                             "transcript": out.text, "usage": token_usage(out),
+                             "logprobs": logprobs if with_logprobs else None})
         except asyncio.CancelledError:
             raise
         except Exception as e:

@@ -17,7 +17,7 @@ from ..errors import APIError, InputAudioError
 from ..messages import MediaPolicy
 from .audio_buffer import decode_pcm16, INPUT_RATE
 from .events import EventError, Item, new_id
-from .vad import RATE
+from ..vad import RATE
 
 _USER_PARTS = ("input_text", "input_audio", "input_image")
 _ASSISTANT_PARTS = ("output_text", "output_audio", "text")

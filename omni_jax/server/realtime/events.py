@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..vad import VADSettings
+
 MAX_TEXT = 1 << 20          # characters of one text part or of the instructions
 MAX_ITEMS_PER_EVENT = 64
 MAX_PARTS = 64
@@ -53,11 +55,9 @@ class AudioFormat(_Model):
     rate: Literal[24000] = 24000
 
 
-class ServerVADConfig(_Model):
-    type: Literal["server_vad"]
-    threshold: float = Field(default=0.5, ge=0.0, le=1.0)
-    prefix_padding_ms: int = Field(default=300, ge=0, le=5000)
-    silence_duration_ms: int = Field(default=500, ge=30, le=10000)
+class ServerVADConfig(VADSettings):
+    """`turn_detection`: the VAD's turn rules and what a turn it ends sets off."""
+
     create_response: bool = True
     interrupt_response: bool = True
     # After a reply has played, this long without the user speaking makes a turn of the silence

@@ -36,6 +36,7 @@ class SessionConfig:
     transcription: TranscriptionConfig | None = None
     max_output_tokens: int | str = "inf"
     temperature: float | None = None
+    include: list[str] = dataclasses.field(default_factory=list)   # "item.input_audio_transcription.logprobs"
 
     def __post_init__(self):
         if not self.voices:
@@ -66,10 +67,9 @@ class SessionConfig:
             if refused:
                 raise EventError(f"{refused[0]} is not a setting of a transcription session (it makes no "
                                  f"responses); use type 'realtime'", "invalid_value", refused[0], event_id)
-        if s.include:
-            raise EventError("transcription logprobs are not supported by this server", "unsupported",
-                             "session.include", event_id)
         new = dataclasses.replace(self, type=kind)
+        if "include" in sent:
+            new.include = list(s.include or [])
         for name in ANSWER_SETTINGS:
             if name in sent:
                 value = getattr(s, name)
@@ -100,6 +100,11 @@ class SessionConfig:
         return self.type == "realtime"
 
     @property
+    def transcription_logprobs(self) -> bool:
+        """The input transcription's events carry each token's logprob (`include`)."""
+        return "item.input_audio_transcription.logprobs" in self.include
+
+    @property
     def transcription_settings(self) -> TranscriptionConfig | None:
         """How committed turns are transcribed; None: they are not (a transcription session always
         transcribes, with the served model when no settings were sent)."""
@@ -115,10 +120,11 @@ class SessionConfig:
                     "turn_detection": None if self.turn_detection is None else self.turn_detection.model_dump()}
         if not self.answers:
             return {"type": "transcription", "object": "realtime.transcription_session", "id": self.id,
-                    "audio": {"input": audio_in}, "include": None}
+                    "audio": {"input": audio_in}, "include": self.include or None}
         return {
             "type": "realtime", "object": "realtime.session", "id": self.id, "model": self.model,
             "instructions": self.instructions, "output_modalities": list(self.output_modalities),
             "max_output_tokens": self.max_output_tokens, "tools": [], "tool_choice": "auto",
+            "include": self.include or None,
             "audio": {"input": audio_in, "output": {"format": PCM, "voice": self.voice, "speed": 1.0}},
         }

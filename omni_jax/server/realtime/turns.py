@@ -12,7 +12,7 @@ import numpy as np
 
 from .audio_buffer import InputAudioBuffer
 from .events import ServerVADConfig
-from .vad import ServerVAD, VADEvent
+from ..vad import ServerVAD, VADEvent
 
 
 class Turns:

@@ -1,4 +1,5 @@
-"""Server VAD: where speech starts and stops in a session's input audio.
+"""Server VAD: where speech starts and stops in a stream of audio (a realtime session's turns,
+the pieces a long transcription is cut into), and its settings as OpenAI's `server_vad` has them.
 
 The voice/silence call per frame is WebRTC's VAD (`webrtcvad-wheels`): a small C library with
 wheels for every Python we support, no model file and no torch or onnxruntime, and it costs
@@ -16,11 +17,25 @@ from __future__ import annotations
 
 import dataclasses
 
+from typing import Literal
+
 import numpy as np
 import webrtcvad
+from pydantic import BaseModel, ConfigDict, Field
 
 RATE = 16000
 FRAME = RATE * 30 // 1000   # webrtcvad takes 10, 20 or 30 ms frames; 30 ms is the steadiest
+
+
+class VADSettings(BaseModel):
+    """OpenAI's `server_vad` turn rules (a realtime session's `turn_detection`, a transcription's
+    `chunking_strategy`); unknown fields are ignored, as OpenAI does."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["server_vad"]
+    threshold: float = Field(default=0.5, ge=0.0, le=1.0)
+    prefix_padding_ms: int = Field(default=300, ge=0, le=5000)
+    silence_duration_ms: int = Field(default=500, ge=30, le=10000)
 
 
 @dataclasses.dataclass(frozen=True)

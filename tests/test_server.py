@@ -502,6 +502,11 @@ def test_speech_through_openai_client(client):
 @pytest.mark.parametrize("change, param", [
     ({"temperature": 5}, "temperature"),
     ({"n": 2}, "n"),
+    # OpenAI's fields the server does not serve: refused by name, not ignored
+    ({"tools": [{"type": "function", "function": {"name": "weather", "parameters": {}}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"logit_bias": {"15": 5}}, "logit_bias"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"modalities": ["audio"]}, "modalities"),
@@ -527,6 +532,13 @@ def test_400_names_the_field(server, change, param):
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == param, err
     assert param.rsplit(".", 1)[-1].split("[")[0] in err["message"]
+
+
+def test_unserved_fields_at_their_off_values_are_accepted(client):
+    """What clients send by default (no tools, a text response) is not a refusal."""
+    r = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2, temperature=0.0, tools=[],
+                                       tool_choice="none", response_format={"type": "text"}, logit_bias={})
+    assert r.choices[0].finish_reason in ("stop", "length")
 
 
 def test_media_limits_flag_and_typed_special_tokens(client, library, media_dir):

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from . import audio as audio_codec
 from .engine import ServedEngine
-from .errors import bad_request, error_body
+from .errors import bad_request, error_body, short
 from .generation import Generation, check_model, failure, finish_reason, open_request
 from .logprobs import token_logprobs
 from .messages import MediaPolicy, to_prompt
@@ -42,8 +42,29 @@ def _modalities(req: ChatCompletionRequest, engine: ServedEngine) -> list[str]:
     return mods
 
 
+# OpenAI's fields this server does not serve, and why; set to anything but their off value
+# (empty, "none", "auto" without tools, a text response format) they are a 400 naming them.
+_UNSERVED = {
+    "tools": "tools (function calling) are not supported by this server",
+    "functions": "functions (function calling) are not supported by this server",
+    "logit_bias": "logit_bias is not supported by this server",
+    "prediction": "predicted outputs are not supported by this server",
+    "web_search_options": "web search is not supported by this server",
+}
+
+
 def _validate(req: ChatCompletionRequest) -> None:
     """400s for fields OpenAI has that are out of range here or not served yet."""
+    for name, why in _UNSERVED.items():
+        if getattr(req, name):
+            raise bad_request(why, name, "unsupported_parameter")
+    for name in ("tool_choice", "function_call"):
+        if getattr(req, name) not in (None, "none", "auto"):
+            raise bad_request(f"{name} needs function calling, which this server does not support", name,
+                              "unsupported_parameter")
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        raise bad_request(f"response_format {short(req.response_format.get('type'))} is not supported by this "
+                          "server; only 'text'", "response_format", "unsupported_parameter")
     if req.n != 1:
         raise bad_request("only n=1 is supported", "n")
     if req.top_logprobs is not None and not req.logprobs:

@@ -78,6 +78,16 @@ class ChatCompletionRequest(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Name | None = None
+    # OpenAI's, not served: a request that sets them is refused by name (chat.py), since
+    # ignoring them would answer a different question than the one asked.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    logit_bias: dict[str, Any] | None = None
+    prediction: Any = None
+    web_search_options: Any = None
     # vLLM extras (sent through the client's extra_body).
     top_k: int | None = Field(default=None, ge=-1)
     repetition_penalty: float | None = Field(default=None, gt=0.0)

@@ -2,10 +2,9 @@
 
 The prompt is a chat turn whose assistant reply is prefilled with the input text (a raw
 prompt: the chat template up to the open assistant turn, then the input), so the thinker
-continues from "having said" the input and the talker speaks the reply it is handed.
-The library has no way yet to hand the talker prefilled tokens *as the reply*: the talker
-sees the input as context and speaks the thinker's continuation (see the report on
-issue 16). `stream_format: "sse"` sends `speech.audio.delta` events (base64 of the audio:
+continues from "having said" the input and the talker speaks the reply it is handed: the
+families' handoffs take a reply begun in the prompt as the reply (`handoff.reply_start`).
+`stream_format: "sse"` sends `speech.audio.delta` events (base64 of the audio:
 raw pcm chunks as they come for `pcm`, one encoded file at the end for other formats) and
 a `speech.audio.done` event with usage; `stream_format: "audio"` sends the file (pcm: its
 chunks as they come).

@@ -29,7 +29,6 @@ import pytest
 import soxr
 import uvicorn
 import websockets.sync.client as ws_client
-import yaml
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from omni_jax import SamplingParams
@@ -43,7 +42,8 @@ from omni_jax.server.engine import ServedEngine
 from omni_jax.server.vad import ServerVAD
 from test_async_chunk_pipeline import pipeline_for
 from test_server import (API_KEY, HELLO, MAX_BODY_MB, MODEL, VOCODER_SEED, _assert_same_audio, _idle,  # noqa: F401
-                         _free_port, _lib_params, _metrics, env, library, media_dir, server)
+                         _free_port, _lib_params, _metrics, client, env, library, media_dir, server,
+                         with_audio_buckets)
 from test_server import pipeline_yaml as server_pipeline_yaml
 
 pytestmark = pytest.mark.server
@@ -194,20 +194,8 @@ def test_a_long_conversation_loses_its_oldest_turns_first():
 
 @pytest.fixture(scope="module")
 def pipeline_yaml(server_pipeline_yaml) -> str:
-    """test_server's pipeline (its compiles are cached), with an audio encoder bucket for spoken
-    turns of up to 6.4 s (the tiny encoder's chunks are 0.2 s; the preset's largest bucket is 4)."""
-    with open(server_pipeline_yaml) as f:
-        cfg = yaml.safe_load(f)
-    next(s for s in cfg["stages"] if s["name"] == "thinker")["audio_chunk_buckets"] = [1, 4, 32]
-    path = server_pipeline_yaml.replace(".yaml", "_realtime.yaml")
-    with open(path, "w") as f:
-        yaml.safe_dump(cfg, f)
-    return path
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    """test_server's pipeline with an audio encoder bucket for spoken turns of up to 6.4 s."""
+    return with_audio_buckets(server_pipeline_yaml, [1, 4, 32], "realtime")
 
 
 def _until(conn, kind: str, seen: list | None = None, timeout_s: float = 120.0):

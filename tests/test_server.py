@@ -113,6 +113,18 @@ def pipeline_yaml(tmp_path_factory) -> str:
     return str(path)
 
 
+def with_audio_buckets(server_yaml: str, buckets: list[int], tag: str) -> str:
+    """A copy of the server's pipeline (its compiles are cached) whose thinker has these audio
+    encoder buckets (the tiny encoder's chunks are 0.2 s; the preset's largest bucket is 4)."""
+    with open(server_yaml) as f:
+        cfg = yaml.safe_load(f)
+    next(s for s in cfg["stages"] if s["name"] == "thinker")["audio_chunk_buckets"] = buckets
+    path = server_yaml.replace(".yaml", f"_{tag}.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    return path
+
+
 @pytest.fixture(scope="module")
 def media_dir(tmp_path_factory):
     from PIL import Image

@@ -15,7 +15,6 @@ import numpy as np
 import openai
 import pytest
 import soxr
-import yaml
 
 from omni_jax import SamplingParams
 from omni_jax.inputs.media import load_audio
@@ -26,7 +25,8 @@ from omni_jax.models.registry import prompt_processor
 from omni_jax.server.audio_pieces import pieces, speech_spans
 from omni_jax.server.transcription import _Transcript, transcription_prompt
 from test_realtime import SR, _speech
-from test_server import API_KEY, MODEL, _auth, _idle, env, library, media_dir, server  # noqa: F401
+from test_server import (MODEL, _auth, _idle, client, env, library, media_dir, server,  # noqa: F401
+                         with_audio_buckets)
 from test_server import pipeline_yaml as server_pipeline_yaml
 
 pytestmark = pytest.mark.server
@@ -43,19 +43,8 @@ WORDS = ("Yes.", "Hello.", "Seven.")
 
 @pytest.fixture(scope="module")
 def pipeline_yaml(server_pipeline_yaml) -> str:
-    """test_server's pipeline (its compiles are cached) with one audio bucket more: 1.6 s per request."""
-    with open(server_pipeline_yaml) as f:
-        cfg = yaml.safe_load(f)
-    next(s for s in cfg["stages"] if s["name"] == "thinker")["audio_chunk_buckets"] = [1, 4, 8]
-    path = server_pipeline_yaml.replace(".yaml", "_transcription.yaml")
-    with open(path, "w") as f:
-        yaml.safe_dump(cfg, f)
-    return path
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    """test_server's pipeline with one audio bucket more: 1.6 s per request."""
+    return with_audio_buckets(server_pipeline_yaml, [1, 4, 8], "transcription")
 
 
 def _wav_file(audio: np.ndarray, rate: int = SR) -> bytes:

@@ -267,6 +267,23 @@ def test_bad_transcription_fields_are_refused_by_name(server, fields, param, cod
     assert (r.status_code, err["param"], err["code"], err["type"]) == (400, param, code, "invalid_request_error"), err
 
 
+def test_hostile_transcription_forms_are_400s(server):
+    """Two files, hundreds of fields, a JSON body: OpenAI's error shape, and the server goes on."""
+    url, wav = f"{server.url}/v1/audio/transcriptions", _wav_file(_speech("Yes.", 0.1, 0.1))
+    replies = [
+        httpx.post(url, headers=_auth(), data={"model": MODEL}, timeout=60,
+                   files=[("file", ("a.wav", wav)), ("file", ("b.wav", wav))]),
+        httpx.post(url, headers=_auth(), data={"model": MODEL, **{f"x{i}": "1" for i in range(300)}}, timeout=60,
+                   files={"file": ("a.wav", wav)}),
+        httpx.post(url, headers=_auth(), json={"model": MODEL, "file": "aGk="}, timeout=60),
+    ]
+    for r in replies:
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert replies[-1].json()["error"]["param"] == "file"
+    ok = httpx.post(url, headers=_auth(), data={"model": MODEL}, files={"file": ("a.wav", wav)}, timeout=60)
+    assert ok.status_code == 200 and "text" in ok.json()
+
+
 def test_a_transcription_without_a_file_is_refused_by_name(server):
     r = httpx.post(f"{server.url}/v1/audio/transcriptions", headers=_auth(), data={"model": MODEL},
                    files={"other": ("x.txt", b"x")}, timeout=60)

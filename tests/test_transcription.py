@@ -6,6 +6,7 @@ pieces `chunking_strategy` cuts long audio into and how their texts join, on the
 
 from __future__ import annotations
 
+import asyncio
 import io
 import types
 import wave
@@ -23,7 +24,9 @@ from omni_jax.models.qwen2_5_omni.tiny import tiny_checkpoint
 from omni_jax.models.qwen3_omni.processor import Qwen3InputProcessor
 from omni_jax.models.registry import prompt_processor
 from omni_jax.server.audio_pieces import pieces, speech_spans
-from omni_jax.server.transcription import _Transcript, transcription_prompt
+from omni_jax.server.errors import APIError
+from omni_jax.server.generation import open_request
+from omni_jax.server.transcription import TranscriptionHandler, _Transcript, transcription_prompt
 from test_realtime import SR, _speech
 from test_server import (MODEL, _auth, _idle, client, env, library, media_dir, server,  # noqa: F401
                          with_audio_buckets)
@@ -132,6 +135,55 @@ def test_pieces_texts_join_as_their_stream_does():
     assert "".join(sent) == t.text == joined == "Hello world Bye. ok  then"
     assert [p.text for p in t.pieces] == ["Hello world", "", "Bye.", "ok  then"]
     assert t.usage() == {"type": "tokens", "input_tokens": 8, "output_tokens": 3 + 2 + 2 + 3, "total_tokens": 18}
+
+
+class _PiecesEngine:
+    """A served engine whose requests write one token each and finish, except those named in
+    `breaks` (their stream raises after the first token) and `refuses` (they cannot start)."""
+
+    def __init__(self, breaks=(), refuses=()):
+        self.breaks, self.refuses, self.aborted = set(breaks), set(refuses), []
+        self.omni = self
+
+    def generate(self, prompt, sampling_params_list, request_id, output_modalities, voice):
+        async def stream():
+            if request_id in self.refuses:
+                raise ValueError("bad prompt")
+            yield _update("a", "a", ids=[1], new=[1])
+            if request_id in self.breaks:
+                raise RuntimeError("the stream broke")
+            out = _update("a.", ".", finished=True, ids=[1, 2], new=[2])
+            out.error, out.finish_reason = None, "stop"
+            yield out
+        return stream()
+
+    def abort(self, request_id):
+        self.aborted.append(request_id)
+
+    def mark_dead(self, why):
+        pass
+
+
+@pytest.mark.parametrize("engine, raised", [
+    (_PiecesEngine(breaks={"r-1"}), RuntimeError), (_PiecesEngine(refuses={"r-2"}), APIError)])
+def test_a_broken_piece_ends_the_transcription_and_aborts_the_rest(engine, raised):
+    """Nothing waits on a piece that will not finish: its error is raised in its turn, and every
+    piece not finished is aborted (the earlier ones were read to their end)."""
+    metrics = types.SimpleNamespace(finished=lambda *a: None, aborted=lambda *a: None)
+    handler = TranscriptionHandler(engine, metrics)
+
+    async def run():
+        first = await open_request(engine, "p", [], ["text"], None, "r-0")
+        got = []
+        with pytest.raises(raised):
+            async for i, out in handler._updates(first, ["p"] * 4, [], "r"):
+                got.append((i, out.finished))
+        return got
+
+    got = asyncio.run(asyncio.wait_for(run(), 10))
+    stop = 1 if raised is RuntimeError else 2
+    assert [i for i, done in got if done] == list(range(stop))
+    assert engine.aborted == [f"r-{i}" for i in range(stop, 4)]
 
 
 # ---------------------------------------------------------------------------------------- the endpoints

@@ -254,7 +254,8 @@ class TranscriptionHandler:
     async def _updates(self, first: Generation | None, prompts: list, params: list,
                        rid: str) -> AsyncIterator[tuple[int, object]]:
         """(piece, update) of every piece's request, in piece order, at most PIECES_IN_FLIGHT
-        running at once; a failed piece raises its APIError and aborts the others."""
+        running at once; a failed piece raises (its APIError, or what broke its stream) and aborts
+        the others: nothing waits on a piece that will not finish."""
         slots = asyncio.Semaphore(PIECES_IN_FLIGHT)   # FIFO: the pieces start in order
         queues = [asyncio.Queue() for _ in prompts]
 
@@ -265,7 +266,7 @@ class TranscriptionHandler:
                                                                   f"{rid}-{i}")
                     async for out in gen.updates():
                         queues[i].put_nowait(out)
-            except APIError as e:   # refused to start: raised in its turn
+            except Exception as e:   # refused to start (APIError), or its stream broke: raised in its turn
                 queues[i].put_nowait(e)
 
         tasks = [asyncio.ensure_future(pump(i)) for i in range(len(prompts))]
@@ -274,7 +275,7 @@ class TranscriptionHandler:
             for i, q in enumerate(queues):
                 while True:
                     out = await q.get()
-                    if isinstance(out, APIError):
+                    if isinstance(out, Exception):
                         raise out
                     if out.finished:
                         ended += 1

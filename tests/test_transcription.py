@@ -302,6 +302,7 @@ def test_a_client_leaving_a_transcription_in_pieces_aborts_every_piece(server):
     ({"known_speaker_names[]": "agent"}, "known_speaker_names", "unsupported_parameter"),
     ({"response_format": "diarized_json"}, "response_format", "invalid_value"),
     ({"chunking_strategy": "sometimes"}, "chunking_strategy", "invalid_value"),
+    ({"chunking_strategy": "[1, 2]"}, "chunking_strategy", "invalid_value"),
     ({"chunking_strategy[type]": "server_vad", "chunking_strategy[threshold]": "2"}, "chunking_strategy.threshold",
      "invalid_value"),
     ({"chunking_strategy": '{"type": "semantic_vad"}'}, "chunking_strategy.type", "invalid_value"),

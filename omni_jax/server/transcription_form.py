@@ -22,6 +22,8 @@ MAX_LIST = 32          # keywords, languages
 
 @dataclasses.dataclass(frozen=True)
 class TranscriptionForm:
+    """What a transcription (or translation) request asks for, checked; `file` is its bytes."""
+
     file: bytes
     model: str
     language: str | None = None
@@ -71,8 +73,10 @@ def _chunking(form) -> VADSettings | None:
         try:
             fields = json.loads(raw)
         except ValueError:
+            fields = None
+        if not isinstance(fields, dict):
             raise bad_request(f"chunking_strategy must be 'auto' or a server_vad object, got {short(raw)}",
-                              "chunking_strategy") from None
+                              "chunking_strategy")
     try:
         return VADSettings.model_validate(fields)
     except ValidationError as e:

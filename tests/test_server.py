@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 import json
 import os
@@ -169,15 +170,11 @@ def _start_server(args, env, log_path) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
-@pytest.fixture(scope="module")
-def server(env, pipeline_yaml, media_dir, tmp_path_factory):
-    log_path = str(tmp_path_factory.mktemp("server") / "serve.log")
-    proc, url = _start_server(["--model", MODEL, "--pipeline", pipeline_yaml, "--api-key", API_KEY,
-                               "--allowed-local-media-path", str(media_dir),
-                               "--max-request-body-mb", str(MAX_BODY_MB),
-                               # the fixtures' media are at most 64 x 64 (a video's frames count too)
-                               "--media-limits", '{"max_image_pixels": 4096}', "--prompt-timeout-s", "60"],
-                              env, log_path)
+@contextlib.contextmanager
+def serving(args, env, log_path):
+    """`omni-jax serve` with `args`, once /health says 200 (what it said before is kept); stopped
+    with SIGTERM afterwards."""
+    proc, url = _start_server(args, env, log_path)
     seen = []
     deadline = time.monotonic() + 900
     try:
@@ -192,12 +189,22 @@ def server(env, pipeline_yaml, media_dir, tmp_path_factory):
             except httpx.TransportError:
                 pass
             time.sleep(0.5)
-        srv = Server(proc, url, log_path, seen)
-        yield srv
+        yield Server(proc, url, log_path, seen)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def server(env, pipeline_yaml, media_dir, tmp_path_factory):
+    log_path = str(tmp_path_factory.mktemp("server") / "serve.log")
+    with serving(["--model", MODEL, "--pipeline", pipeline_yaml, "--api-key", API_KEY,
+                  "--allowed-local-media-path", str(media_dir), "--max-request-body-mb", str(MAX_BODY_MB),
+                  # the fixtures' media are at most 64 x 64 (a video's frames count too)
+                  "--media-limits", '{"max_image_pixels": 4096}', "--prompt-timeout-s", "60"],
+                 env, log_path) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

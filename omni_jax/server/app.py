@@ -13,11 +13,12 @@ from fastapi.responses import JSONResponse, Response
 
 from . import errors, page
 from .chat import ChatHandler
+from .completions import CompletionsHandler
 from .engine import ServedEngine
 from .errors import RETRY_AFTER_S, APIError, error_body, short
 from .messages import MediaPolicy
 from .metrics import Metrics
-from .schemas import ChatCompletionRequest, SpeechRequest
+from .schemas import ChatCompletionRequest, CompletionRequest, SpeechRequest
 from .realtime import RealtimeEndpoint, RealtimeLimits
 from .reply_audio import ReplyAudio
 from .speech import SpeechHandler
@@ -163,6 +164,7 @@ def build_app(engine: ServedEngine, *, api_key: str | None = None, max_body_byte
     errors.install(app)
     policy = MediaPolicy(allowed_media_dir)
     chat = ChatHandler(engine, policy, metrics, ReplyAudio(reply_audio_ttl_s))
+    complete = CompletionsHandler(engine, metrics)
     speech = SpeechHandler(engine, metrics)
     transcribe, translate = TranscriptionHandler(engine, metrics), TranscriptionHandler(engine, metrics, translate=True)
     app.state.engine, app.state.metrics = engine, metrics
@@ -202,6 +204,10 @@ def build_app(engine: ServedEngine, *, api_key: str | None = None, max_body_byte
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         return await chat(req, request)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        return await complete(req, request)
 
     @app.post("/v1/audio/speech")
     async def audio_speech(req: SpeechRequest, request: Request):

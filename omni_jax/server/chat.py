@@ -92,7 +92,8 @@ class ChatHandler:
         _validate(req)
         mods = _modalities(req, self.engine)
         prompt = to_prompt(req.messages, self.policy, self.replies)
-        params = stage_params(self.engine.stage_defaults(self.engine.stage_names(mods)), req)
+        params = stage_params(self.engine.stage_defaults(self.engine.stage_names(mods)), req,
+                              logprobs=(req.top_logprobs or 0) if req.logprobs else None)
         voice = req.audio.voice if req.audio is not None else None
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         gen = await open_request(self.engine, prompt, params, mods, voice, rid, voice_param="audio.voice", request=request)

@@ -32,7 +32,7 @@ def check_model(engine: ServedEngine, model: str) -> None:
         raise APIError(503, why, None, "service_unavailable")
 
 
-def _param_of_prompt_error(message: str) -> str:
+def _param_of_prompt_error(message: str, prompt_param: str) -> str:
     m = _SAMPLING_FIELD.match(message)
     if m:
         return m.group(1)
@@ -40,7 +40,7 @@ def _param_of_prompt_error(message: str) -> str:
         return "voice"
     if "output_modalities" in message:
         return "modalities"
-    return "messages"
+    return prompt_param
 
 
 class Generation:
@@ -96,8 +96,9 @@ async def while_connected(request, work, poll_s: float = DISCONNECT_POLL_S):
 
 
 async def open_request(engine: ServedEngine, prompt, params, modalities, voice, request_id: str,
-                       voice_param: str = "voice", request=None) -> Generation:
-    """Submit the request and wait for its first update (400 / 503 on failure to start).
+                       voice_param: str = "voice", request=None, prompt_param: str = "messages") -> Generation:
+    """Submit the request and wait for its first update (400 / 503 on failure to start; a bad
+    prompt's 400 names `prompt_param`).
 
     While the prompt is processed, the client's connection is watched (`request`): a client that
     leaves cancels the processing itself (the prompt workers stop at their next step), not only
@@ -119,10 +120,10 @@ async def open_request(engine: ServedEngine, prompt, params, modalities, voice, 
     except Overloaded as e:
         raise overloaded(str(e)) from None
     except PromptTooLongError as e:
-        raise bad_request(str(e), "messages", "context_length_exceeded") from None  # OpenAI's code for it
+        raise bad_request(str(e), prompt_param, "context_length_exceeded") from None  # OpenAI's code for it
     except ValueError as e:  # PromptError, unknown voice, modalities the engine was not started with
         msg = str(e)
-        param = _param_of_prompt_error(msg)
+        param = _param_of_prompt_error(msg, prompt_param)
         raise bad_request(msg, voice_param if param == "voice" else param) from None
     except RuntimeError as e:  # a dead stage or a shut-down engine refuses submissions
         engine.mark_dead(str(e))
@@ -145,9 +146,9 @@ async def _cancel(first_update, agen) -> None:
         await agen.aclose()
 
 
-def failure(engine: ServedEngine, out) -> APIError:
+def failure(engine: ServedEngine, out, prompt_param: str = "messages") -> APIError:
     """The HTTP error for a request the library failed (an OmniRequestOutput with `error` and
-    its `error_code`)."""
+    its `error_code`; a prompt too long for a stage names `prompt_param`)."""
     error, code = out.error, out.error_code
     ok, _ = engine.check()
     if not ok or code == "unavailable":
@@ -158,7 +159,7 @@ def failure(engine: ServedEngine, out) -> APIError:
         # The prompt (its tokens or its media) exceeds what this deployment was sized for: OpenAI's
         # code for a prompt longer than the model takes, which a realtime session answers by
         # leaving out its oldest turns.
-        return bad_request(own, "messages", "context_length_exceeded")
+        return bad_request(own, prompt_param, "context_length_exceeded")
     if code == "invalid_request":
         # A stage refused the request as given (its own checks; most are made up front): the client's doing.
         return bad_request(own, "sampling_params_list", "invalid_request")

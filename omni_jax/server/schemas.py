@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ..engine.sampling_params import MAX_LOGPROBS
+
 # Per-field bounds: fields with a natural size are refused (400 naming them) past it, so that no
 # value costs more than it can be worth. A message's text is bounded by the model's context (the
 # prompt processor refuses a text that cannot fit, without tokenizing it), media by the body limit.
@@ -21,6 +23,7 @@ MAX_PARTS = 4096        # content parts of one message
 MAX_STOP = 16
 MAX_STOP_CHARS = 1024
 MAX_STAGES = 8          # entries of sampling_params_list
+MAX_PROMPTS = 64        # prompts of one completions request (a batch)
 Name = Annotated[str, Field(max_length=MAX_NAME)]
 
 CHAT_AUDIO_FORMATS = ("wav", "mp3", "flac", "opus", "pcm16")
@@ -57,7 +60,25 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(_Body):
+class _Stops(_Body):
+    """`stop`, as both text APIs bound it."""
+
+    stop: str | list[str] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _short_stops(cls, stop):
+        # Checked here, not by a constrained type: an error inside the union would be named
+        # `stop.constrained-str`, and the text's own checks (UTF-8) come later, naming `stop`.
+        if isinstance(stop, list) and len(stop) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings")
+        for s in [stop] if isinstance(stop, str) else stop or []:
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
+        return stop
+
+
+class ChatCompletionRequest(_Stops):
     """POST /v1/chat/completions."""
 
     model: Name
@@ -68,7 +89,6 @@ class ChatCompletionRequest(_Body):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    stop: str | list[str] | None = None
     seed: int | None = None
     n: int = 1
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
@@ -96,17 +116,34 @@ class ChatCompletionRequest(_Body):
     # vLLM-Omni: one dict of SamplingParams fields per stage (thinker, talker, vocoder); null keeps a default.
     sampling_params_list: Annotated[list[dict[str, Any] | None], Field(max_length=MAX_STAGES)] | None = None
 
-    @field_validator("stop")
-    @classmethod
-    def _short_stops(cls, stop):
-        # Checked here, not by a constrained type: an error inside the union would be named
-        # `stop.constrained-str`, and the text's own checks (UTF-8) come later, naming `stop`.
-        if isinstance(stop, list) and len(stop) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop strings")
-        for s in [stop] if isinstance(stop, str) else stop or []:
-            if len(s) > MAX_STOP_CHARS:
-                raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
-        return stop
+
+class CompletionRequest(_Stops):
+    """POST /v1/completions (OpenAI's legacy text completions). `prompt` is a text, a list of
+    texts, a list of token ids or a list of lists of them; its shape is checked by the handler."""
+
+    model: Name
+    prompt: str | list[Any]
+    max_tokens: int | None = Field(default=16, ge=0)  # OpenAI's default; 0 only with echo
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: int = 1
+    best_of: int | None = None
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    seed: int | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: Name | None = None
+    # OpenAI's, not served (completions.py refuses them by name).
+    suffix: str | None = None
+    logit_bias: dict[str, Any] | None = None
+    # vLLM extras.
+    top_k: int | None = Field(default=None, ge=-1)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    min_tokens: int | None = Field(default=None, ge=0)
+    ignore_eos: bool | None = None
 
 
 class SpeechRequest(_Body):

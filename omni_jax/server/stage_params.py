@@ -29,10 +29,11 @@ def _updated(params: SamplingParams, changes: dict, param: str) -> SamplingParam
         raise bad_request(str(e), field) from None
 
 
-def stage_params(defaults: list[SamplingParams], req) -> list[SamplingParams]:
-    """The per-stage params of a chat or speech request (`defaults`: the chain's stage defaults)."""
+def stage_params(defaults: list[SamplingParams], req, **thinker) -> list[SamplingParams]:
+    """The per-stage params of a request (`defaults`: the chain's stage defaults); `thinker`:
+    fields the handler sets on the first stage's on top of the request's (None: left as is)."""
     params = list(defaults)
-    given = req.sampling_params_list or []
+    given = getattr(req, "sampling_params_list", None) or []
     if len(given) > len(params):
         raise bad_request(f"sampling_params_list has {len(given)} entries but this request runs "
                           f"{len(params)} stage(s)", "sampling_params_list")
@@ -51,8 +52,7 @@ def stage_params(defaults: list[SamplingParams], req) -> list[SamplingParams]:
     stop = getattr(req, "stop", None)
     if stop is not None:
         top["stop"] = [stop] if isinstance(stop, str) else stop
-    if getattr(req, "logprobs", None):
-        top["logprobs"] = getattr(req, "top_logprobs", None) or 0
+    top.update((k, v) for k, v in thinker.items() if v is not None)
     if top:
         params[0] = _updated(params[0], top, "")
     return params

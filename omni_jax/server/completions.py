@@ -1,0 +1,261 @@
+"""POST /v1/completions: OpenAI's legacy text completions, answered by the thinker alone.
+
+A prompt is a text (no chat template: the model continues it) or token ids; a list of them
+is a batch, one choice per prompt (`index`: its place), run side by side. `echo` puts the
+prompt before the completion and, with `logprobs`, the prompt tokens' logprobs (computed in
+the thinker's prefill; the first token has none) before the completion's; `echo` with
+`max_tokens: 0` returns the prompt alone, which is how evaluation harnesses score a text (the
+thinker samples one token, which is dropped, as vLLM does). Streamed replies are
+`text_completion` chunks, one choice each, as the choices' tokens come; then a chunk with each
+choice's `finish_reason`, `usage` when `stream_options.include_usage`, and `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from .engine import ServedEngine
+from .errors import bad_request, error_body
+from .generation import Generation, check_model, failure, finish_reason, open_request
+from .logprobs import CompletionLogprobs
+from .metrics import Metrics
+from .schemas import MAX_PROMPTS, CompletionRequest
+from .sse import DONE, event
+from .stage_params import stage_params
+
+MODALITIES = ["text"]
+
+
+def _is_id(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def prompts_of(req: CompletionRequest) -> list:
+    """The library prompts of the request's `prompt`: one per choice. A batch's prompts may be
+    texts and token id lists alike."""
+    p = req.prompt
+    if isinstance(p, str):
+        return [p]
+    if not p:
+        raise bad_request("prompt is an empty list", "prompt")
+    if all(_is_id(x) for x in p):
+        return [{"prompt_token_ids": p}]
+    if len(p) > MAX_PROMPTS:
+        raise bad_request(f"prompt holds {len(p)} prompts; at most {MAX_PROMPTS} go in one request", "prompt")
+    out = []
+    for x in p:
+        if isinstance(x, str):
+            out.append(x)
+        elif isinstance(x, list) and x and all(_is_id(t) for t in x):
+            out.append({"prompt_token_ids": x})
+        else:
+            raise bad_request("prompt must be a string, a list of token ids, or a list of strings and non-empty "
+                              "lists of token ids", "prompt")
+    return out
+
+
+def _validate(req: CompletionRequest) -> None:
+    """400s for fields OpenAI has that are out of range here or not served."""
+    if req.suffix:
+        raise bad_request("suffix (text after the completion) is not supported by this server", "suffix",
+                          "unsupported_parameter")
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported by this server", "logit_bias", "unsupported_parameter")
+    if req.n != 1:
+        raise bad_request("only n=1 is supported", "n")
+    if req.best_of not in (None, 1):
+        raise bad_request("only best_of=1 is supported", "best_of")
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens 0 is only allowed with echo (the prompt's logprobs alone)", "max_tokens")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+
+
+class _Choice:
+    """One prompt's choice: its text and logprobs as its updates come."""
+
+    def __init__(self, index: int, req: CompletionRequest, prompt, tokenizer):
+        self.index, self.req, self.prompt = index, req, prompt
+        self.echo_only = req.echo and req.max_tokens == 0
+        self.logprobs = CompletionLogprobs(tokenizer, req.logprobs) if req.logprobs is not None else None
+        self.tokenizer = tokenizer
+        self.out = None
+
+    def _echo(self, out) -> tuple[str, dict | None]:
+        text = self.prompt if isinstance(self.prompt, str) else self.tokenizer.decode(list(out.prompt_token_ids))
+        lps = None
+        if self.logprobs is not None:
+            lps = self.logprobs.add(list(out.prompt_token_ids), out.prompt_logprobs or [None] * len(out.prompt_token_ids))
+        return text, lps
+
+    def _add(self, out, first: bool, text: str, token_ids: list[int], logprobs) -> tuple[str, dict | None]:
+        self.out = out
+        echo, lps = self._echo(out) if first and self.req.echo else ("", None)
+        if self.echo_only:
+            return echo, lps
+        if self.logprobs is not None and token_ids:
+            more = self.logprobs.add(token_ids, logprobs[-len(token_ids):])
+            lps = more if lps is None else {k: lps[k] + more[k] for k in lps}
+        return echo + text, lps
+
+    def delta(self, out, first: bool) -> tuple[str, dict | None]:
+        """The text and logprobs this update adds to the choice (the prompt first, when echoed)."""
+        return self._add(out, first, out.text_delta, out.new_token_ids, out.logprobs)
+
+    def whole(self, out) -> tuple[str, dict | None]:
+        """The finished choice's text and logprobs."""
+        return self._add(out, True, out.text, list(out.token_ids), out.logprobs)
+
+    def finish_reason(self) -> str:
+        return "length" if self.echo_only else finish_reason(self.out.finish_reason)
+
+    def usage(self) -> tuple[int, int]:
+        return len(self.out.prompt_token_ids), 0 if self.echo_only else len(self.out.token_ids)
+
+
+def _usage(choices: list[_Choice]) -> dict:
+    p = sum(c.usage()[0] for c in choices)
+    c = sum(c.usage()[1] for c in choices)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+class CompletionsHandler:
+    """Serves text completions on one engine."""
+
+    def __init__(self, engine: ServedEngine, metrics: Metrics):
+        self.engine, self.metrics = engine, metrics
+
+    async def __call__(self, req: CompletionRequest, request: Request):
+        check_model(self.engine, req.model)
+        _validate(req)
+        prompts = prompts_of(req)
+        echo_only = req.echo and req.max_tokens == 0
+        params = stage_params(self.engine.stage_defaults(self.engine.stage_names(MODALITIES)), req,
+                              max_tokens=1 if echo_only else req.max_tokens, logprobs=req.logprobs,
+                              prompt_logprobs=req.logprobs if req.echo else None)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        gens = await self._open(prompts, params, rid, request)
+        choices = [_Choice(i, req, p, self.engine.omni.tokenizer) for i, p in enumerate(prompts)]
+        self.metrics.in_flight.inc()
+        if req.stream:
+            return StreamingResponse(self._stream(req, rid, gens, choices), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            outs = await asyncio.gather(*(g.result(request) for g in gens))
+        finally:
+            self.metrics.in_flight.dec()
+        if any(out is None for out in outs):  # the client left; nobody reads this
+            for _ in gens:
+                self.metrics.aborted("completions")
+            return JSONResponse({}, status_code=499)
+        for out in outs:
+            self.metrics.finished("completions", out)
+        for choice, out in zip(choices, outs):
+            if out.error:
+                raise failure(self.engine, out, self._param(choice.index, len(prompts)))
+        body = []
+        for choice, out in zip(choices, outs):
+            text, lps = choice.whole(out)
+            body.append({"index": choice.index, "text": text, "logprobs": lps, "finish_reason": choice.finish_reason()})
+        return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()), "model": req.model,
+                             "system_fingerprint": None, "choices": body, "usage": _usage(choices)})
+
+    @staticmethod
+    def _param(index: int, count: int) -> str:
+        return "prompt" if count == 1 else f"prompt[{index}]"
+
+    async def _open(self, prompts: list, params, rid: str, request: Request) -> list[Generation]:
+        """Every prompt submitted; if one is refused, the others are aborted and its error raised."""
+        opened = await asyncio.gather(
+            *(open_request(self.engine, p, params, MODALITIES, None, f"{rid}-{i}", request=request,
+                           prompt_param=self._param(i, len(prompts))) for i, p in enumerate(prompts)),
+            return_exceptions=True)
+        refused = [x for x in opened if isinstance(x, BaseException)]
+        if refused:
+            for gen in opened:
+                if isinstance(gen, Generation):
+                    await gen.close()
+            raise refused[0]
+        return list(opened)
+
+    async def _stream(self, req: CompletionRequest, rid: str, gens: list[Generation],
+                      choices: list[_Choice]) -> AsyncIterator[bytes]:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": req.model,
+                "system_fingerprint": None}
+
+        def chunk(index: int, text: str, logprobs: dict | None = None, reason: str | None = None) -> bytes:
+            body = {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}]}
+            if include_usage:
+                body["usage"] = None
+            return event(body)
+
+        finished = 0
+        try:
+            seen = set()
+            async for i, out in _merged(gens):
+                choice = choices[i]
+                text, lps = choice.delta(out, first=i not in seen)
+                seen.add(i)
+                if text or lps:
+                    yield chunk(i, text, lps)
+                if out.finished:
+                    finished += 1
+                    self.metrics.finished("completions", out)
+                    if out.error:
+                        err = failure(self.engine, out, self._param(i, len(choices)))
+                        self.metrics.error(err.status)
+                        yield event(err.body())
+                        yield DONE
+                        return
+                    yield chunk(i, "", None, choice.finish_reason())
+            if include_usage:
+                yield event({**head, "choices": [], "usage": _usage(choices)})
+            yield DONE
+        except Exception as e:  # a bug must end the stream visibly, not hang it
+            self.metrics.error(500)
+            yield event(error_body(500, f"internal error: {type(e).__name__}: {e}"))
+            yield DONE
+        finally:
+            self.metrics.in_flight.dec()
+            for _ in range(len(gens) - finished):  # the client left mid-stream, or a choice failed
+                self.metrics.aborted("completions")
+            for gen in gens:
+                await gen.close()
+
+
+async def _merged(gens: list[Generation]) -> AsyncIterator[tuple[int, object]]:
+    """(index, update) of every generation as they come, until each has finished; closing this
+    early stops reading them (the caller closes them, which aborts the requests)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, gen: Generation) -> None:
+        try:
+            async for out in gen.updates():
+                await queue.put((i, out, None))
+        except Exception as e:
+            await queue.put((i, None, e))
+        finally:
+            await queue.put((i, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        running = len(tasks)
+        while running:
+            i, out, err = await queue.get()
+            if err is not None:
+                raise err
+            if out is None:
+                running -= 1
+                continue
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

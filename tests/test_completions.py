@@ -1,0 +1,245 @@
+"""POST /v1/completions on a real `omni-jax serve` (text only: the thinker alone), driven by the
+official `openai` client and checked against `OmniJax.generate` with the same prompts and params."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from omni_jax import OmniJax, SamplingParams
+from omni_jax.server.schemas import MAX_PROMPTS
+from test_server import API_KEY, MODEL, _auth, _idle, _metrics, env, pipeline_yaml, serving  # noqa: F401
+
+pytestmark = pytest.mark.server
+
+PROMPT = "Hello, my name is"
+IDS = [9707, 11, 1879, 0]
+GREEDY = dict(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def server(env, pipeline_yaml, tmp_path_factory):  # noqa: F811
+    log_path = str(tmp_path_factory.mktemp("completions_server") / "serve.log")
+    with serving(["--model", MODEL, "--pipeline", pipeline_yaml, "--api-key", API_KEY, "--modalities", "text"],
+                 env, log_path) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def library(server, pipeline_yaml):  # noqa: F811
+    omni = OmniJax(model=MODEL, pipeline=pipeline_yaml, output_modalities=["text"])
+    yield omni
+    omni.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def _want(library, prompt, **params):
+    return library.generate(prompt, SamplingParams(**params), output_modalities=["text"], use_tqdm=False)[0]
+
+
+def _assert_offsets(text: str, lps) -> None:
+    """Each token's text is where its offset says in the choice's text."""
+    for token, offset in zip(lps.tokens, lps.text_offset):
+        assert text[offset:offset + len(token)] == token, (text, lps)
+    assert "".join(lps.tokens) == text
+
+
+def test_text_equals_the_library(client, library):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, **GREEDY)
+    want = _want(library, PROMPT, max_tokens=8, **GREEDY)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-") and r.model == MODEL
+    assert len(r.choices) == 1 and r.choices[0].index == 0
+    assert r.choices[0].text == want.text and want.text
+    assert r.choices[0].finish_reason == want.finish_reason == "length" and r.choices[0].logprobs is None
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(want.prompt_token_ids), 8)
+    # no chat template: the prompt is the text itself
+    assert list(want.prompt_token_ids) == library.tokenizer.encode(PROMPT)
+
+
+def test_max_tokens_defaults_to_16_as_openai(client):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, extra_body={"ignore_eos": True}, **GREEDY)
+    assert r.usage.completion_tokens == 16
+
+
+def test_a_batch_of_texts_or_token_ids_is_one_choice_each(client, library):
+    texts = [PROMPT, "The sky is", "1, 2, 3,"]
+    r = client.completions.create(model=MODEL, prompt=texts, max_tokens=5, **GREEDY)
+    wants = [_want(library, t, max_tokens=5, **GREEDY) for t in texts]
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [w.text for w in wants]
+    assert r.usage.prompt_tokens == sum(len(w.prompt_token_ids) for w in wants)
+    assert r.usage.completion_tokens == 15
+    # token ids: one list, or a list of lists
+    want = _want(library, {"prompt_token_ids": IDS}, max_tokens=5, **GREEDY)
+    assert client.completions.create(model=MODEL, prompt=IDS, max_tokens=5, **GREEDY).choices[0].text == want.text
+    r = client.completions.create(model=MODEL, prompt=[IDS, IDS[:2]], max_tokens=5, **GREEDY)
+    assert r.choices[0].text == want.text
+    assert r.choices[1].text == _want(library, {"prompt_token_ids": IDS[:2]}, max_tokens=5, **GREEDY).text
+
+
+def test_logprobs_and_echo_equal_the_library(client, library):
+    want = _want(library, PROMPT, max_tokens=4, logprobs=2, prompt_logprobs=2, **GREEDY)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, logprobs=2, echo=True, **GREEDY)
+    choice = r.choices[0]
+    assert choice.text == PROMPT + want.text
+    lps = choice.logprobs
+    ids = list(want.prompt_token_ids) + list(want.token_ids)
+    assert lps.tokens == [library.tokenizer.decode([t]) for t in ids]
+    # the prompt's first token has no logprob; then the prompt's, then the completion's
+    assert lps.token_logprobs[0] is None and lps.top_logprobs[0] is None
+    steps = list(want.prompt_logprobs[1:]) + list(want.logprobs)
+    for token, step, got, top in zip(ids[1:], steps, lps.token_logprobs[1:], lps.top_logprobs[1:]):
+        assert abs(got - step[token].logprob) < 1e-6
+        # the top 2 and the token itself
+        names = {library.tokenizer.decode([t]) for t, v in step.items() if v.rank <= 2 or t == token}
+        assert set(top) == names and 2 <= len(top) <= 3
+    _assert_offsets(choice.text, lps)
+    # without echo: the completion's tokens only, offsets from 0
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, logprobs=0, **GREEDY)
+    lps = r.choices[0].logprobs
+    assert [abs(a - s[t].logprob) < 1e-6 for a, s, t in zip(lps.token_logprobs, want.logprobs, want.token_ids)] \
+        == [True] * 4
+    assert all(len(top) == 1 for top in lps.top_logprobs)  # logprobs 0: the token alone
+    _assert_offsets(r.choices[0].text, lps)
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt(client, library):
+    """What evaluation harnesses send to score a text: the prompt back, with its logprobs."""
+    want = _want(library, PROMPT, max_tokens=1, prompt_logprobs=1, **GREEDY)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1)
+    choice = r.choices[0]
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(want.prompt_token_ids)
+    got = choice.logprobs.token_logprobs
+    assert got[0] is None and len(got) == len(want.prompt_token_ids)
+    for token, step, lp in zip(want.prompt_token_ids[1:], want.prompt_logprobs[1:], got[1:]):
+        assert abs(lp - step[token].logprob) < 1e-6
+    streamed = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1,
+                                              stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == PROMPT
+    assert [x for c in streamed if c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs] == got
+
+
+def test_a_streamed_batch_equals_the_whole_reply(client):
+    kw = dict(model=MODEL, prompt=[PROMPT, IDS], max_tokens=6, logprobs=1, echo=True, **GREEDY)
+    whole = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    texts, offsets, reasons = ["", ""], [[], []], [[], []]
+    for c in chunks[:-1]:
+        assert c.object == "text_completion" and c.usage is None and len(c.choices) == 1
+        ch = c.choices[0]
+        texts[ch.index] += ch.text
+        if ch.logprobs:
+            offsets[ch.index] += ch.logprobs.text_offset
+        if ch.finish_reason:
+            reasons[ch.index].append(ch.finish_reason)
+    assert texts == [c.text for c in whole.choices]
+    assert offsets == [c.logprobs.text_offset for c in whole.choices]
+    assert reasons == [["length"], ["length"]]
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+@pytest.mark.parametrize("change, param, code", [
+    ({"prompt": [1, "a"]}, "prompt", "invalid_value"),
+    ({"prompt": []}, "prompt", "invalid_value"),
+    ({"prompt": [[1], []]}, "prompt", "invalid_value"),
+    ({"prompt": [True, 1]}, "prompt", "invalid_value"),
+    ({"prompt": ["x"] * (MAX_PROMPTS + 1)}, "prompt", "invalid_value"),
+    ({"prompt": ""}, "prompt", "invalid_value"),
+    ({"prompt": [[1], [1 << 30]]}, "prompt[1]", "invalid_value"),
+    ({"prompt": "word " * 600}, "prompt", "context_length_exceeded"),
+    ({"n": 2}, "n", "invalid_value"),
+    ({"best_of": 3}, "best_of", "invalid_value"),
+    ({"suffix": "end"}, "suffix", "unsupported_parameter"),
+    ({"logit_bias": {"1": 5}}, "logit_bias", "unsupported_parameter"),
+    ({"max_tokens": 0}, "max_tokens", "invalid_value"),
+    ({"max_tokens": -1}, "max_tokens", "invalid_value"),
+    ({"logprobs": 21}, "logprobs", "invalid_value"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),
+    ({"temperature": 3}, "temperature", "invalid_value"),
+    ({"stop": ["s"] * 17}, "stop", "invalid_value"),
+])
+def test_400_names_the_field(server, change, param, code):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, **change}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, headers=_auth(), timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"], err["type"]) == (param, code, "invalid_request_error"), err
+
+
+def test_unknown_model_is_404(server):
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": "gpt-3.5-turbo-instruct", "prompt": "x"},
+                   headers=_auth(), timeout=60)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_a_refused_prompt_or_a_client_that_leaves_frees_the_whole_batch(server):
+    long = {"model": MODEL, "max_tokens": 300, "ignore_eos": True, "temperature": 0}
+    # One bad prompt of a batch: 400 naming it, and the good ones, submitted beside it, stopped.
+    r = httpx.post(f"{server.url}/v1/completions", json={**long, "prompt": [IDS, IDS, [1 << 30]]}, headers=_auth(),
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt[2]"
+    _idle(server)
+    # A client that leaves a streamed batch: every choice not finished is aborted. 32 prompts on a
+    # thinker of 8 sequences: the stream starts once each has begun, so the last 8 have their
+    # 300 tokens ahead when the client leaves.
+    def counts():
+        m = _metrics(server)
+        return [m.get(f'omni_jax_requests_total{{endpoint="completions",finish_reason="{r}"}}', 0)
+                for r in ("abort", "length")]
+
+    before = counts()
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**long, "prompt": [IDS] * 32, "stream": True},
+                      headers=_auth(), timeout=60) as s:
+        seen = 0
+        for line in s.iter_lines():
+            seen += line.startswith("data: ")
+            if seen >= 6:
+                break
+    _idle(server)  # no request running, no KV block held
+    aborted, finished = (a - b for a, b in zip(counts(), before))
+    assert aborted >= 1 and aborted + finished == 32, (aborted, finished)
+
+
+def test_concurrent_batches_complete(server, library):
+    want = [_want(library, p, max_tokens=6, **GREEDY).text for p in (PROMPT, {"prompt_token_ids": IDS})]
+    c = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+    async def one(i):
+        kw = dict(model=MODEL, prompt=[PROMPT, IDS], max_tokens=6, **GREEDY)
+        if i % 2:
+            return [c.text for c in (await c.completions.create(**kw)).choices]
+        texts = ["", ""]
+        async for chunk in await c.completions.create(**kw, stream=True):
+            texts[chunk.choices[0].index] += chunk.choices[0].text
+        return texts
+
+    async def go():
+        try:
+            return await asyncio.gather(*(one(i) for i in range(16)))
+        finally:
+            await c.close()
+
+    assert all(texts == want for texts in asyncio.run(go()))
+    m = _idle(server)
+    assert m["omni_jax_requests_in_flight"] == 0
+
+
+def test_wire_format(server):
+    """The raw events: `data: {json}` per chunk, `data: [DONE]` last, as OpenAI streams them."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=_auth(), timeout=60) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(ln.removeprefix("data: ")) for ln in lines[:-1]]
+    assert all(e["object"] == "text_completion" and "usage" not in e for e in events)
+    assert events[-1]["choices"][0]["finish_reason"] == "length"

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from omni_jax import OmniJax, SamplingParams
-from omni_jax.server.schemas import MAX_PROMPTS
+from omni_jax.server.schemas import MAX_CHOICES
 from test_server import API_KEY, MODEL, _auth, _idle, _metrics, env, pipeline_yaml, serving  # noqa: F401
 
 pytestmark = pytest.mark.server
@@ -85,6 +85,21 @@ def test_a_batch_of_texts_or_token_ids_is_one_choice_each(client, library):
     assert r.choices[1].text == _want(library, {"prompt_token_ids": IDS[:2]}, max_tokens=5, **GREEDY).text
 
 
+def test_n_samples_per_prompt(client, library):
+    """n choices per prompt, prompt i's j-th at index i * n + j; seeded, sample j takes seed + j."""
+    sampled = dict(temperature=1.0, top_p=0.9, max_tokens=6)
+    r = client.completions.create(model=MODEL, prompt=[PROMPT, IDS], n=3, seed=11, **sampled)
+    assert [c.index for c in r.choices] == list(range(6))
+    for i, prompt in enumerate([PROMPT, {"prompt_token_ids": IDS}]):
+        want = [_want(library, prompt, seed=11 + j, **sampled).text for j in range(3)]
+        assert [c.text for c in r.choices[3 * i:3 * i + 3]] == want
+        assert len(set(want)) > 1  # the samples differ
+    assert r.usage.completion_tokens == 36
+    # greedy: n copies of the one answer, as OpenAI gives
+    r = client.completions.create(model=MODEL, prompt=PROMPT, n=2, max_tokens=4, best_of=2, **GREEDY)
+    assert r.choices[0].text == r.choices[1].text == _want(library, PROMPT, max_tokens=4, **GREEDY).text
+
+
 def test_logprobs_and_echo_equal_the_library(client, library):
     want = _want(library, PROMPT, max_tokens=4, logprobs=2, prompt_logprobs=2, **GREEDY)
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, logprobs=2, echo=True, **GREEDY)
@@ -152,12 +167,13 @@ def test_a_streamed_batch_equals_the_whole_reply(client):
     ({"prompt": []}, "prompt", "invalid_value"),
     ({"prompt": [[1], []]}, "prompt", "invalid_value"),
     ({"prompt": [True, 1]}, "prompt", "invalid_value"),
-    ({"prompt": ["x"] * (MAX_PROMPTS + 1)}, "prompt", "invalid_value"),
+    ({"prompt": ["x"] * (MAX_CHOICES + 1)}, "prompt", "invalid_value"),
+    ({"prompt": ["x"] * 8, "n": 9}, "n", "invalid_value"),
+    ({"n": 0}, "n", "invalid_value"),
     ({"prompt": ""}, "prompt", "invalid_value"),
     ({"prompt": [[1], [1 << 30]]}, "prompt[1]", "invalid_value"),
     ({"prompt": "word " * 600}, "prompt", "context_length_exceeded"),
-    ({"n": 2}, "n", "invalid_value"),
-    ({"best_of": 3}, "best_of", "invalid_value"),
+    ({"n": 2, "best_of": 3}, "best_of", "unsupported_parameter"),
     ({"suffix": "end"}, "suffix", "unsupported_parameter"),
     ({"logit_bias": {"1": 5}}, "logit_bias", "unsupported_parameter"),
     ({"max_tokens": 0}, "max_tokens", "invalid_value"),

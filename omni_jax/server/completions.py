@@ -1,7 +1,7 @@
 """POST /v1/completions: OpenAI's legacy text completions, answered by the thinker alone.
 
 A prompt is a text (no chat template: the model continues it) or token ids; a list of them
-is a batch, one choice per prompt (`index`: its place), run side by side. `echo` puts the
+is a batch, `n` choices per prompt (choice i * n + j: prompt i's j-th), run side by side. `echo` puts the
 prompt before the completion and, with `logprobs`, the prompt tokens' logprobs (computed in
 the thinker's prefill; the first token has none) before the completion's; `echo` with
 `max_tokens: 0` returns the prompt alone, which is how evaluation harnesses score a text (the
@@ -22,10 +22,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from .engine import ServedEngine
 from .errors import bad_request, error_body
-from .generation import Generation, check_model, failure, finish_reason, open_request
+from .generation import Generation, check_model, failure, finish_reason, merged, open_requests
 from .logprobs import CompletionLogprobs
 from .metrics import Metrics
-from .schemas import MAX_PROMPTS, CompletionRequest
+from .schemas import MAX_CHOICES, CompletionRequest
 from .sse import DONE, event
 from .stage_params import stage_params
 
@@ -46,8 +46,8 @@ def prompts_of(req: CompletionRequest) -> list:
         raise bad_request("prompt is an empty list", "prompt")
     if all(_is_id(x) for x in p):
         return [{"prompt_token_ids": p}]
-    if len(p) > MAX_PROMPTS:
-        raise bad_request(f"prompt holds {len(p)} prompts; at most {MAX_PROMPTS} go in one request", "prompt")
+    if len(p) > MAX_CHOICES:
+        raise bad_request(f"prompt holds {len(p)} prompts; at most {MAX_CHOICES} go in one request", "prompt")
     out = []
     for x in p:
         if isinstance(x, str):
@@ -67,10 +67,9 @@ def _validate(req: CompletionRequest) -> None:
                           "unsupported_parameter")
     if req.logit_bias:
         raise bad_request("logit_bias is not supported by this server", "logit_bias", "unsupported_parameter")
-    if req.n != 1:
-        raise bad_request("only n=1 is supported", "n")
-    if req.best_of not in (None, 1):
-        raise bad_request("only best_of=1 is supported", "best_of")
+    if req.best_of not in (None, req.n):
+        raise bad_request("best_of (choosing the best of more samples than n) is not supported by this server",
+                          "best_of", "unsupported_parameter")
     if req.max_tokens == 0 and not req.echo:
         raise bad_request("max_tokens 0 is only allowed with echo (the prompt's logprobs alone)", "max_tokens")
     if req.stream_options is not None and not req.stream:
@@ -78,10 +77,10 @@ def _validate(req: CompletionRequest) -> None:
 
 
 class _Choice:
-    """One prompt's choice: its text and logprobs as its updates come."""
+    """One choice: its text and logprobs as its updates come. `param`: its prompt's field."""
 
-    def __init__(self, index: int, req: CompletionRequest, prompt, tokenizer):
-        self.index, self.req, self.prompt = index, req, prompt
+    def __init__(self, index: int, req: CompletionRequest, prompt, param: str, tokenizer):
+        self.index, self.req, self.prompt, self.param = index, req, prompt, param
         self.echo_only = req.echo and req.max_tokens == 0
         self.logprobs = CompletionLogprobs(tokenizer, req.logprobs) if req.logprobs is not None else None
         self.tokenizer = tokenizer
@@ -139,9 +138,20 @@ class CompletionsHandler:
         params = stage_params(self.engine.stage_defaults(self.engine.stage_names(MODALITIES)), req,
                               max_tokens=1 if echo_only else req.max_tokens, logprobs=req.logprobs,
                               prompt_logprobs=req.logprobs if req.echo else None)
+        if len(prompts) * req.n > MAX_CHOICES:
+            raise bad_request(f"{len(prompts)} prompt(s) x n={req.n} make more than {MAX_CHOICES} choices", "n")
         rid = f"cmpl-{uuid.uuid4().hex}"
-        gens = await self._open(prompts, params, rid, request)
-        choices = [_Choice(i, req, p, self.engine.omni.tokenizer) for i, p in enumerate(prompts)]
+        # Choice i * n + j is prompt i's j-th sample (OpenAI's order); a seeded request's samples
+        # take seed + j, as vLLM's, or they would all be the same.
+        choices, requests = [], []
+        tokenizer = self.engine.omni.tokenizer
+        for i, prompt in enumerate(prompts):
+            param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            for j in range(req.n):
+                own = params if j == 0 or req.seed is None else [params[0].updated(seed=req.seed + j), *params[1:]]
+                choices.append(_Choice(len(choices), req, prompt, param, tokenizer))
+                requests.append((prompt, own, f"{rid}-{len(requests)}", param))
+        gens = await open_requests(self.engine, requests, MODALITIES, None, request=request)
         self.metrics.in_flight.inc()
         if req.stream:
             return StreamingResponse(self._stream(req, rid, gens, choices), media_type="text/event-stream",
@@ -158,31 +168,13 @@ class CompletionsHandler:
             self.metrics.finished("completions", out)
         for choice, out in zip(choices, outs):
             if out.error:
-                raise failure(self.engine, out, self._param(choice.index, len(prompts)))
+                raise failure(self.engine, out, choice.param)
         body = []
         for choice, out in zip(choices, outs):
             text, lps = choice.whole(out)
             body.append({"index": choice.index, "text": text, "logprobs": lps, "finish_reason": choice.finish_reason()})
         return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()), "model": req.model,
                              "system_fingerprint": None, "choices": body, "usage": _usage(choices)})
-
-    @staticmethod
-    def _param(index: int, count: int) -> str:
-        return "prompt" if count == 1 else f"prompt[{index}]"
-
-    async def _open(self, prompts: list, params, rid: str, request: Request) -> list[Generation]:
-        """Every prompt submitted; if one is refused, the others are aborted and its error raised."""
-        opened = await asyncio.gather(
-            *(open_request(self.engine, p, params, MODALITIES, None, f"{rid}-{i}", request=request,
-                           prompt_param=self._param(i, len(prompts))) for i, p in enumerate(prompts)),
-            return_exceptions=True)
-        refused = [x for x in opened if isinstance(x, BaseException)]
-        if refused:
-            for gen in opened:
-                if isinstance(gen, Generation):
-                    await gen.close()
-            raise refused[0]
-        return list(opened)
 
     async def _stream(self, req: CompletionRequest, rid: str, gens: list[Generation],
                       choices: list[_Choice]) -> AsyncIterator[bytes]:
@@ -199,7 +191,7 @@ class CompletionsHandler:
         finished = 0
         try:
             seen = set()
-            async for i, out in _merged(gens):
+            async for i, out in merged(gens):
                 choice = choices[i]
                 text, lps = choice.delta(out, first=i not in seen)
                 seen.add(i)
@@ -209,7 +201,7 @@ class CompletionsHandler:
                     finished += 1
                     self.metrics.finished("completions", out)
                     if out.error:
-                        err = failure(self.engine, out, self._param(i, len(choices)))
+                        err = failure(self.engine, out, choice.param)
                         self.metrics.error(err.status)
                         yield event(err.body())
                         yield DONE
@@ -229,33 +221,3 @@ class CompletionsHandler:
             for gen in gens:
                 await gen.close()
 
-
-async def _merged(gens: list[Generation]) -> AsyncIterator[tuple[int, object]]:
-    """(index, update) of every generation as they come, until each has finished; closing this
-    early stops reading them (the caller closes them, which aborts the requests)."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, gen: Generation) -> None:
-        try:
-            async for out in gen.updates():
-                await queue.put((i, out, None))
-        except Exception as e:
-            await queue.put((i, None, e))
-        finally:
-            await queue.put((i, None, None))
-
-    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
-    try:
-        running = len(tasks)
-        while running:
-            i, out, err = await queue.get()
-            if err is not None:
-                raise err
-            if out is None:
-                running -= 1
-                continue
-            yield i, out
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

@@ -134,6 +134,54 @@ async def open_request(engine: ServedEngine, prompt, params, modalities, voice, 
     return Generation(engine, request_id, agen, first)
 
 
+async def open_requests(engine: ServedEngine, requests: list[tuple], modalities, voice, request=None,
+                        voice_param: str = "voice") -> list[Generation]:
+    """Several requests (each `(prompt, params, request_id, prompt_param)`) submitted side by side
+    as `open_request` does; if one is refused, the others are aborted and its error raised."""
+    opened = await asyncio.gather(
+        *(open_request(engine, prompt, params, modalities, voice, rid, voice_param=voice_param, request=request,
+                       prompt_param=param) for prompt, params, rid, param in requests),
+        return_exceptions=True)
+    refused = [x for x in opened if isinstance(x, BaseException)]
+    if refused:
+        for gen in opened:
+            if isinstance(gen, Generation):
+                await gen.close()
+        raise refused[0]
+    return list(opened)
+
+
+async def merged(gens: list[Generation]) -> AsyncIterator[tuple[int, object]]:
+    """(index, update) of every generation as they come, until each has finished. Closing this
+    early stops reading them (the caller closes them, which aborts their requests)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, gen: Generation) -> None:
+        try:
+            async for out in gen.updates():
+                await queue.put((i, out, None))
+        except Exception as e:
+            await queue.put((i, None, e))
+        finally:
+            await queue.put((i, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        running = len(tasks)
+        while running:
+            i, out, err = await queue.get()
+            if err is not None:
+                raise err
+            if out is None:
+                running -= 1
+                continue
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def _cancel(first_update, agen) -> None:
     """Stop a request still being prepared: its prompt's processing (PromptWorkers.run) and its
     generator (which aborts it if it was submitted meanwhile)."""

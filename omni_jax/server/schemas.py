@@ -23,7 +23,7 @@ MAX_PARTS = 4096        # content parts of one message
 MAX_STOP = 16
 MAX_STOP_CHARS = 1024
 MAX_STAGES = 8          # entries of sampling_params_list
-MAX_PROMPTS = 64        # prompts of one completions request (a batch)
+MAX_CHOICES = 64        # choices of one request: n, times the prompts of a completions batch
 Name = Annotated[str, Field(max_length=MAX_NAME)]
 
 CHAT_AUDIO_FORMATS = ("wav", "mp3", "flac", "opus", "pcm16")
@@ -126,7 +126,7 @@ class CompletionRequest(_Stops):
     max_tokens: int | None = Field(default=16, ge=0)  # OpenAI's default; 0 only with echo
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     best_of: int | None = None
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)

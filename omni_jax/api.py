@@ -39,6 +39,7 @@ from .engine.protocol import AddRequest, MultiModalPayload, StageInputs
 from .engine.sampling_params import SamplingParams, is_utf8
 from .errors import ConfigError, PromptError, error_code
 from .inputs.media import MediaLimits
+from .inputs.processor import ProcessedPrompt
 from .models.registry import get_family, resolve_model, tiny_family
 from .prompt_workers import PromptWorkers
 from .runtime.orchestrator import Orchestrator, OrchestratorRequest
@@ -89,6 +90,16 @@ def _first_stage_inputs(prompt_embeds, capture_hidden: bool) -> StageInputs | No
         return StageInputs(capture_hidden=True) if capture_hidden else None
     return StageInputs(overlay_rows=prompt_embeds, overlay_index=np.arange(len(prompt_embeds), dtype=np.int32),
                        capture_hidden=capture_hidden)
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedPrompt:
+    """A prompt processed once by `process()`, to be given to `generate` as a prompt any number
+    of times: n samples of one prompt tokenize its text and decode its media once. It serves
+    the output modalities it was processed for (a speech reply's prompt differs)."""
+
+    processed: ProcessedPrompt
+    chain: tuple[str, ...]
 
 
 class _Frontend:
@@ -212,8 +223,17 @@ class _Frontend:
                              f"captures layers {list(stage.hidden_layers)} (its hidden_layers in the pipeline config)")
         return sorted(set(layers))
 
+    def _prepare(self, prompt, output_modalities) -> PreparedPrompt:
+        chain = self._chain(output_modalities)
+        return PreparedPrompt(self._process(prompt, chain), tuple(chain))
+
     def _process(self, prompt, chain):
         """The processed prompt (raises PromptError, whatever the prompt trips over)."""
+        if isinstance(prompt, PreparedPrompt):
+            if prompt.chain != tuple(chain):
+                raise PromptError(f"the prompt was processed for stages {list(prompt.chain)}, this request runs "
+                                  f"{list(chain)}; process it for these output_modalities")
+            return prompt.processed
         try:
             # A prompt plus one generated token must fit the first stage (scheduler.add_request).
             return self.processor.process(prompt, speech_output=len(chain) > 1,
@@ -294,6 +314,10 @@ class _Frontend:
 class OmniJax(_Frontend):
     """Synchronous front end: `generate` takes a batch and returns finished outputs."""
 
+    def process(self, prompt, output_modalities: Sequence[str] | None = None) -> PreparedPrompt:
+        """The prompt processed once for `generate(..., output_modalities)` (raises PromptError)."""
+        return self._prepare(prompt, output_modalities)
+
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  output_modalities: Sequence[str] | None = None, voice: str | Sequence[str] | None = None,
                  use_tqdm: bool = True, output_hidden_states: Sequence[int] | None = None,
@@ -318,7 +342,7 @@ class OmniJax(_Frontend):
         with finish_reason "timeout" (its output so far kept) and frees every stage.
         """
         self._check_timeout(timeout_s)
-        if isinstance(prompts, (str, dict)):
+        if isinstance(prompts, (str, dict, PreparedPrompt)):
             prompts = [prompts]
         prompts = list(prompts)
         chain = self._chain(output_modalities)
@@ -393,6 +417,11 @@ class AsyncOmniJax(_Frontend):
         except BaseException:
             self._prompts.shutdown()
             raise
+
+    async def process(self, prompt, output_modalities: Sequence[str] | None = None) -> PreparedPrompt:
+        """The prompt processed once, on the prompt workers, for `generate(..., output_modalities)`;
+        raises as `generate`'s first step does (PromptError, Overloaded)."""
+        return await self._prompts.run(self._prepare, prompt, output_modalities)
 
     def generate(self, prompt, sampling_params: SamplingParams | None = None,
                  request_id: str | None = None, output_modalities: Sequence[str] | None = None,

@@ -134,6 +134,18 @@ def test_per_prompt_and_per_stage_lists_are_unambiguous(omni):
     assert [o.token_ids for o in outs] == [o.token_ids for o in omni.generate(batch, sampling_params=GREEDY)]
 
 
+def test_a_prompt_processed_once_serves_many_requests(omni):
+    """`process` then `generate` with it: the same replies as the prompt itself, any number of times."""
+    prompt = {"prompt_token_ids": prompts(1, seed=23)[0]}
+    prepared = omni.process(prompt)
+    seeded = [SamplingParams(temperature=1.0, seed=s, max_tokens=5) for s in (1, 2, 3)]
+    assert [o.token_ids for o in omni.generate([prepared] * 3, sampling_params=seeded, use_tqdm=False)] == \
+        [o.token_ids for o in omni.generate([prompt] * 3, sampling_params=seeded, use_tqdm=False)]
+    assert omni.generate(prepared, GREEDY)[0].token_ids == omni.generate(prompt, GREEDY)[0].token_ids
+    with pytest.raises(ValueError, match="empty prompt"):
+        omni.process({"prompt_token_ids": []})
+
+
 def test_bad_prompt_fails_alone(omni):
     outs = omni.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": []},
                           {"prompt_token_ids": list(range(600))}, "text without a tokenizer",

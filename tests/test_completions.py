@@ -94,7 +94,8 @@ def test_n_samples_per_prompt(client, library):
         want = [_want(library, prompt, seed=11 + j, **sampled).text for j in range(3)]
         assert [c.text for c in r.choices[3 * i:3 * i + 3]] == want
         assert len(set(want)) > 1  # the samples differ
-    assert r.usage.completion_tokens == 36
+    assert r.usage.completion_tokens == 36  # the prompts counted once each
+    assert r.usage.prompt_tokens == len(library.tokenizer.encode(PROMPT)) + len(IDS)
     # greedy: n copies of the one answer, as OpenAI gives
     r = client.completions.create(model=MODEL, prompt=PROMPT, n=2, max_tokens=4, best_of=2, **GREEDY)
     assert r.choices[0].text == r.choices[1].text == _want(library, PROMPT, max_tokens=4, **GREEDY).text

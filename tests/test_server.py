@@ -316,6 +316,29 @@ def test_logprobs_equal_the_library(client, library):
     assert [c.logprob for c in got] == [c.logprob for c in content]
 
 
+def test_n_choices_are_samples_of_the_one_prompt(client, library):
+    """n choices, each the library's reply with the request's seed + its index (vLLM's rule), whole
+    and streamed; the prompt is counted once in usage, as OpenAI's."""
+    params = dict(max_tokens=5, temperature=1.0, top_p=0.9)
+    want = [library.generate({"messages": HELLO}, SamplingParams(seed=5 + j, **params),
+                             output_modalities=["text"])[0] for j in range(3)]
+    r = client.chat.completions.create(model=MODEL, messages=HELLO, n=3, seed=5, **params)
+    assert [(c.index, c.message.content) for c in r.choices] == [(j, w.text) for j, w in enumerate(want)]
+    assert len({w.text for w in want}) > 1
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(want[0].prompt_token_ids), 15)
+    texts, reasons = ["", "", ""], [[], [], []]
+    for chunk in client.chat.completions.create(model=MODEL, messages=HELLO, n=3, seed=5, stream=True, **params):
+        c = chunk.choices[0]
+        texts[c.index] += c.delta.content or ""
+        reasons[c.index] += [c.finish_reason] if c.finish_reason else []
+    assert texts == [w.text for w in want] and reasons == [["length"]] * 3
+    # (the server processes the prompt once for its n samples: a prompt processed for text
+    # replies is refused for a spoken one, whose prompt differs)
+    prepared = library.process({"messages": HELLO}, ["text"])
+    out = library.generate(prepared, SamplingParams(max_tokens=2), output_modalities=["text", "audio"])[0]
+    assert "was processed for stages ['thinker']" in out.error
+
+
 def test_stop_and_seed_reach_the_thinker(client, library):
     params = dict(max_tokens=6, temperature=0.8, top_p=0.9, seed=7)
     r = client.chat.completions.create(model=MODEL, messages=HELLO, **params)
@@ -520,7 +543,9 @@ def test_speech_through_openai_client(client):
 
 @pytest.mark.parametrize("change, param", [
     ({"temperature": 5}, "temperature"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": 65}, "n"),
+    ({"n": 2, "modalities": ["text", "audio"]}, "n"),
     # OpenAI's fields the server does not serve: refused by name, not ignored
     ({"tools": [{"type": "function", "function": {"name": "weather", "parameters": {}}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),

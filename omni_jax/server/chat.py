@@ -1,10 +1,12 @@
-"""POST /v1/chat/completions: one choice with `content` and, when asked, `audio`.
+"""POST /v1/chat/completions: `n` choices with `content` (each its own sample of the prompt, run
+side by side), or one with `content` and `audio` when audio is asked for.
 
 Streamed replies are OpenAI chat.completion.chunk events: text in `delta.content` (and in
 `delta.audio.transcript` when audio is asked for), audio in `delta.audio.data` as base64
 pcm16 (24 kHz mono, little-endian), passed on as the library delivers it (`audio_delta`:
 today the whole waveform at the end, chunk by chunk once stages stream to each other),
-a last chunk with `finish_reason`, `usage` when `stream_options.include_usage`, `[DONE]`.
+a last chunk with `finish_reason` (each chunk names its choice's `index`), `usage` when
+`stream_options.include_usage`, `[DONE]`.
 """
 
 from __future__ import annotations
@@ -20,13 +22,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from . import audio as audio_codec
 from .engine import ServedEngine
 from .errors import bad_request, error_body, short
-from .generation import Generation, check_model, failure, finish_reason, open_request
+from .generation import (Generation, check_model, failure, finish_reason, finished_outputs, merged,
+                         open_requests, prepare)
 from .logprobs import token_logprobs
 from .messages import MediaPolicy, to_prompt
 from .reply_audio import ReplyAudio
 from .metrics import Metrics
 from .schemas import ChatCompletionRequest
-from .stage_params import stage_params
+from .stage_params import sample_params, stage_params
 from .sse import DONE, event
 
 # Audio deltas longer than this are split over several chunks (keeps SSE events small).
@@ -65,8 +68,6 @@ def _validate(req: ChatCompletionRequest) -> None:
     if req.response_format is not None and req.response_format.get("type", "text") != "text":
         raise bad_request(f"response_format {short(req.response_format.get('type'))} is not supported by this "
                           "server; only 'text'", "response_format", "unsupported_parameter")
-    if req.n != 1:
-        raise bad_request("only n=1 is supported", "n")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     if req.stream and req.audio is not None and req.audio.format != "pcm16":
@@ -76,8 +77,9 @@ def _validate(req: ChatCompletionRequest) -> None:
         raise bad_request("stream_options is only allowed with stream=true", "stream_options")
 
 
-def _usage(out) -> dict:
-    p, c = len(out.prompt_token_ids), len(out.token_ids)
+def _usage(outs) -> dict:
+    # The prompt once (OpenAI counts it once for n choices), every choice's tokens.
+    p, c = len(outs[0].prompt_token_ids), sum(len(out.token_ids) for out in outs)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
@@ -91,27 +93,32 @@ class ChatHandler:
         check_model(self.engine, req.model)
         _validate(req)
         mods = _modalities(req, self.engine)
+        if req.n > 1 and "audio" in mods:
+            raise bad_request("n > 1 is only supported for text replies (modalities ['text'])", "n")
         prompt = to_prompt(req.messages, self.policy, self.replies)
         params = stage_params(self.engine.stage_defaults(self.engine.stage_names(mods)), req,
                               logprobs=(req.top_logprobs or 0) if req.logprobs else None)
         voice = req.audio.voice if req.audio is not None else None
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        gen = await open_request(self.engine, prompt, params, mods, voice, rid, voice_param="audio.voice", request=request)
+        if req.n > 1:  # n samples of the one prompt: processed once
+            prompt = await prepare(self.engine, prompt, mods, request)
+        requests = [(prompt, sample_params(params, req.seed, j), rid if req.n == 1 else f"{rid}-{j}", "messages")
+                    for j in range(req.n)]
+        gens = await open_requests(self.engine, requests, mods, voice, request=request, voice_param="audio.voice")
         self.metrics.in_flight.inc()
         if req.stream:
-            return StreamingResponse(self._stream(req, gen, mods), media_type="text/event-stream",
+            return StreamingResponse(self._stream(req, rid, gens, mods), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            out = await gen.result(request)
+            outs = await finished_outputs(gens, request, self.metrics, "chat")
         finally:
             self.metrics.in_flight.dec()
-        if out is None:  # the client left; nobody reads this
-            self.metrics.aborted("chat")
+        if outs is None:
             return JSONResponse({}, status_code=499)
-        self.metrics.finished("chat", out)
-        if out.error:
-            raise failure(self.engine, out)
-        return JSONResponse(self._whole(req, out, mods, rid))
+        for out in outs:
+            if out.error:
+                raise failure(self.engine, out)
+        return JSONResponse(self._whole(req, outs, mods, rid))
 
     def _logprobs(self, req: ChatCompletionRequest, token_ids: list[int], logprobs) -> dict | None:
         if not req.logprobs or logprobs is None:
@@ -119,22 +126,25 @@ class ChatHandler:
         return {"content": token_logprobs(self.engine.omni.tokenizer, token_ids, logprobs, req.top_logprobs or 0),
                 "refusal": None}
 
-    def _whole(self, req: ChatCompletionRequest, out, mods: list[str], rid: str) -> dict:
-        message = {"role": "assistant", "content": out.text, "refusal": None, "audio": None}
-        if "audio" in mods:
-            fmt = req.audio.format if req.audio is not None else "wav"
-            data = audio_codec.encode(out.audio, out.sample_rate, fmt)
-            audio_id = f"audio_{rid[len('chatcmpl-'):]}"
-            message["audio"] = {"id": audio_id, "data": base64.b64encode(data).decode(),
-                                "expires_at": self.replies.put(audio_id, out.text), "transcript": out.text}
+    def _whole(self, req: ChatCompletionRequest, outs: list, mods: list[str], rid: str) -> dict:
+        choices = []
+        for j, out in enumerate(outs):
+            message = {"role": "assistant", "content": out.text, "refusal": None, "audio": None}
+            if "audio" in mods:  # n is 1
+                fmt = req.audio.format if req.audio is not None else "wav"
+                data = audio_codec.encode(out.audio, out.sample_rate, fmt)
+                audio_id = f"audio_{rid[len('chatcmpl-'):]}"
+                message["audio"] = {"id": audio_id, "data": base64.b64encode(data).decode(),
+                                    "expires_at": self.replies.put(audio_id, out.text), "transcript": out.text}
+            choices.append({"index": j, "message": message,
+                            "logprobs": self._logprobs(req, out.token_ids, out.logprobs),
+                            "finish_reason": finish_reason(out.finish_reason)})
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": req.model,
-                "system_fingerprint": None,
-                "choices": [{"index": 0, "message": message, "logprobs": self._logprobs(req, out.token_ids, out.logprobs),
-                             "finish_reason": finish_reason(out.finish_reason)}],
-                "usage": _usage(out)}
+                "system_fingerprint": None, "choices": choices, "usage": _usage(outs)}
 
-    async def _stream(self, req: ChatCompletionRequest, gen: Generation, mods: list[str]) -> AsyncIterator[bytes]:
-        created, rid = int(time.time()), gen.request_id
+    async def _stream(self, req: ChatCompletionRequest, rid: str, gens: list[Generation],
+                      mods: list[str]) -> AsyncIterator[bytes]:
+        created = int(time.time())
         audio_id = f"audio_{rid[len('chatcmpl-'):]}"
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         with_audio = "audio" in mods
@@ -142,35 +152,40 @@ class ChatHandler:
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
                 "system_fingerprint": None}
 
-        def chunk(delta: dict, reason: str | None = None, logprobs: dict | None = None) -> bytes:
-            body = {**head, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
+        def chunk(j: int, delta: dict, reason: str | None = None, logprobs: dict | None = None) -> bytes:
+            body = {**head, "choices": [{"index": j, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
             if include_usage:
                 body["usage"] = None
             return event(body)
 
-        out = None
+        outs = [None] * len(gens)
         try:
-            yield chunk({"role": "assistant", "content": ""})
-            async for out in gen.updates():
+            for j in range(len(gens)):
+                yield chunk(j, {"role": "assistant", "content": ""})
+            async for j, out in merged(gens):
+                outs[j] = out
                 new = out.new_token_ids
                 lp = self._logprobs(req, new, out.logprobs[-len(new):]) if new and out.logprobs else None
                 if out.text_delta or lp:
                     delta = {"content": out.text_delta}
                     if with_audio:
                         delta["audio"] = {"id": audio_id, "transcript": out.text_delta}
-                    yield chunk(delta, logprobs=lp)
+                    yield chunk(j, delta, logprobs=lp)
                 for piece, _ in audio_codec.pcm16_pieces(out.audio_delta, MAX_AUDIO_CHUNK_SAMPLES):
-                    yield chunk({"audio": {"id": audio_id, "data": piece}})
-            self.metrics.finished("chat", out)
-            if out.error:
-                err = failure(self.engine, out)
-                self.metrics.error(err.status)
-                yield event(err.body())
-            else:
+                    yield chunk(j, {"audio": {"id": audio_id, "data": piece}})
+                if not out.finished:
+                    continue
+                self.metrics.finished("chat", out)
+                if out.error:
+                    err = failure(self.engine, out)
+                    self.metrics.error(err.status)
+                    yield event(err.body())
+                    yield DONE
+                    return
                 last = {"audio": {"id": audio_id, "expires_at": self.replies.put(audio_id, out.text)}} if with_audio else {}
-                yield chunk(last, finish_reason(out.finish_reason))
-                if include_usage:
-                    yield event({**head, "choices": [], "usage": _usage(out)})
+                yield chunk(j, last, finish_reason(out.finish_reason))
+            if include_usage:
+                yield event({**head, "choices": [], "usage": _usage(outs)})
             yield DONE
         except Exception as e:  # an encoder bug must end the stream visibly, not hang it
             self.metrics.error(500)
@@ -178,6 +193,8 @@ class ChatHandler:
             yield DONE
         finally:
             self.metrics.in_flight.dec()
-            if out is None or not out.finished:  # the client left mid-stream
-                self.metrics.aborted("chat")
-            await gen.close()
+            for out in outs:
+                if out is None or not out.finished:  # the client left mid-stream, or another choice failed
+                    self.metrics.aborted("chat")
+            for gen in gens:
+                await gen.close()

@@ -22,12 +22,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from .engine import ServedEngine
 from .errors import bad_request, error_body
-from .generation import Generation, check_model, failure, finish_reason, merged, open_requests
+from .generation import (Generation, check_model, failure, finish_reason, finished_outputs, merged,
+                         open_requests, prepare)
 from .logprobs import CompletionLogprobs
 from .metrics import Metrics
 from .schemas import MAX_CHOICES, CompletionRequest
 from .sse import DONE, event
-from .stage_params import stage_params
+from .stage_params import sample_params, stage_params
 
 MODALITIES = ["text"]
 
@@ -79,8 +80,8 @@ def _validate(req: CompletionRequest) -> None:
 class _Choice:
     """One choice: its text and logprobs as its updates come. `param`: its prompt's field."""
 
-    def __init__(self, index: int, req: CompletionRequest, prompt, param: str, tokenizer):
-        self.index, self.req, self.prompt, self.param = index, req, prompt, param
+    def __init__(self, index: int, req: CompletionRequest, prompt, param: str, tokenizer, sample: int):
+        self.index, self.req, self.prompt, self.param, self.sample = index, req, prompt, param, sample
         self.echo_only = req.echo and req.max_tokens == 0
         self.logprobs = CompletionLogprobs(tokenizer, req.logprobs) if req.logprobs is not None else None
         self.tokenizer = tokenizer
@@ -115,7 +116,9 @@ class _Choice:
         return "length" if self.echo_only else finish_reason(self.out.finish_reason)
 
     def usage(self) -> tuple[int, int]:
-        return len(self.out.prompt_token_ids), 0 if self.echo_only else len(self.out.token_ids)
+        """Its prompt's tokens (counted once for the n samples, as OpenAI's) and its own."""
+        prompt = len(self.out.prompt_token_ids) if self.sample == 0 else 0
+        return prompt, 0 if self.echo_only else len(self.out.token_ids)
 
 
 def _usage(choices: list[_Choice]) -> dict:
@@ -141,31 +144,32 @@ class CompletionsHandler:
         if len(prompts) * req.n > MAX_CHOICES:
             raise bad_request(f"{len(prompts)} prompt(s) x n={req.n} make more than {MAX_CHOICES} choices", "n")
         rid = f"cmpl-{uuid.uuid4().hex}"
-        # Choice i * n + j is prompt i's j-th sample (OpenAI's order); a seeded request's samples
-        # take seed + j, as vLLM's, or they would all be the same.
+        # Choice i * n + j is prompt i's j-th sample (OpenAI's order).
         choices, requests = [], []
         tokenizer = self.engine.omni.tokenizer
-        for i, prompt in enumerate(prompts):
-            param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        fields = ["prompt"] if len(prompts) == 1 else [f"prompt[{i}]" for i in range(len(prompts))]
+        inputs = prompts
+        if req.n > 1:  # each prompt's n samples: the prompt processed once
+            inputs = await asyncio.gather(*(prepare(self.engine, p, MODALITIES, request, f)
+                                            for p, f in zip(prompts, fields)), return_exceptions=True)
+            refused = [x for x in inputs if isinstance(x, BaseException)]
+            if refused:
+                raise refused[0]
+        for prompt, given, param in zip(inputs, prompts, fields):
             for j in range(req.n):
-                own = params if j == 0 or req.seed is None else [params[0].updated(seed=req.seed + j), *params[1:]]
-                choices.append(_Choice(len(choices), req, prompt, param, tokenizer))
-                requests.append((prompt, own, f"{rid}-{len(requests)}", param))
+                choices.append(_Choice(len(choices), req, given, param, tokenizer, j))
+                requests.append((prompt, sample_params(params, req.seed, j), f"{rid}-{len(requests)}", param))
         gens = await open_requests(self.engine, requests, MODALITIES, None, request=request)
         self.metrics.in_flight.inc()
         if req.stream:
             return StreamingResponse(self._stream(req, rid, gens, choices), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            outs = await asyncio.gather(*(g.result(request) for g in gens))
+            outs = await finished_outputs(gens, request, self.metrics, "completions")
         finally:
             self.metrics.in_flight.dec()
-        if any(out is None for out in outs):  # the client left; nobody reads this
-            for _ in gens:
-                self.metrics.aborted("completions")
+        if outs is None:
             return JSONResponse({}, status_code=499)
-        for out in outs:
-            self.metrics.finished("completions", out)
         for choice, out in zip(choices, outs):
             if out.error:
                 raise failure(self.engine, out, choice.param)

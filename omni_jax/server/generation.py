@@ -9,6 +9,7 @@ chunks as `audio_delta`); closing it early (client gone) aborts the request in e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import AsyncIterator
 
 import re
@@ -95,28 +96,11 @@ async def while_connected(request, work, poll_s: float = DISCONNECT_POLL_S):
             await asyncio.wait({task})
 
 
-async def open_request(engine: ServedEngine, prompt, params, modalities, voice, request_id: str,
-                       voice_param: str = "voice", request=None, prompt_param: str = "messages") -> Generation:
-    """Submit the request and wait for its first update (400 / 503 on failure to start; a bad
-    prompt's 400 names `prompt_param`).
-
-    While the prompt is processed, the client's connection is watched (`request`): a client that
-    leaves cancels the processing itself (the prompt workers stop at their next step), not only
-    the reply. 503 with Retry-After when the prompt workers' queue is full."""
-    agen = None
-    first_update = None
+@contextlib.contextmanager
+def _as_http_errors(engine: ServedEngine, prompt_param: str, voice_param: str):
+    """The library's refusals of a request (its prompt, voice, params, a dead stage) as HTTP errors."""
     try:
-        agen = engine.omni.generate(prompt, sampling_params_list=params, request_id=request_id,
-                                    output_modalities=list(modalities), voice=voice)
-        first_update = asyncio.ensure_future(agen.__anext__())
-        while True:
-            done, _ = await asyncio.wait({first_update}, timeout=DISCONNECT_POLL_S)
-            if done:
-                first = first_update.result()
-                break
-            if request is not None and await request.is_disconnected():
-                await _cancel(first_update, agen)
-                raise APIError(499, "the client closed the connection", None, "client_closed")
+        yield
     except Overloaded as e:
         raise overloaded(str(e)) from None
     except PromptTooLongError as e:
@@ -128,6 +112,41 @@ async def open_request(engine: ServedEngine, prompt, params, modalities, voice, 
     except RuntimeError as e:  # a dead stage or a shut-down engine refuses submissions
         engine.mark_dead(str(e))
         raise APIError(503, f"the engine cannot serve: {e}", None, "service_unavailable") from None
+
+
+async def prepare(engine: ServedEngine, prompt, modalities, request, prompt_param: str = "messages"):
+    """The prompt processed once, for several requests of it (`n` samples): the errors and the
+    watch on the client's connection of `open_request`."""
+    with _as_http_errors(engine, prompt_param, "voice"):
+        prepared = await while_connected(request, engine.omni.process(prompt, list(modalities)))
+    if prepared is None:
+        raise APIError(499, "the client closed the connection", None, "client_closed")
+    return prepared
+
+
+async def open_request(engine: ServedEngine, prompt, params, modalities, voice, request_id: str,
+                       voice_param: str = "voice", request=None, prompt_param: str = "messages") -> Generation:
+    """Submit the request and wait for its first update (400 / 503 on failure to start; a bad
+    prompt's 400 names `prompt_param`).
+
+    While the prompt is processed, the client's connection is watched (`request`): a client that
+    leaves cancels the processing itself (the prompt workers stop at their next step), not only
+    the reply. 503 with Retry-After when the prompt workers' queue is full."""
+    agen = None
+    first_update = None
+    try:
+        with _as_http_errors(engine, prompt_param, voice_param):
+            agen = engine.omni.generate(prompt, sampling_params_list=params, request_id=request_id,
+                                        output_modalities=list(modalities), voice=voice)
+            first_update = asyncio.ensure_future(agen.__anext__())
+            while True:
+                done, _ = await asyncio.wait({first_update}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    first = first_update.result()
+                    break
+                if request is not None and await request.is_disconnected():
+                    await _cancel(first_update, agen)
+                    raise APIError(499, "the client closed the connection", None, "client_closed")
     except asyncio.CancelledError:
         await _cancel(first_update, agen)
         raise
@@ -180,6 +199,19 @@ async def merged(gens: list[Generation]) -> AsyncIterator[tuple[int, object]]:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def finished_outputs(gens: list[Generation], request, metrics, endpoint: str) -> list | None:
+    """Every generation's finished output, counted in `metrics`, or None if the client left first
+    (each request is then aborted); the first failed one's HTTP error is for the caller to raise."""
+    outs = await asyncio.gather(*(g.result(request) for g in gens))
+    if any(out is None for out in outs):  # the client left; nobody reads this
+        for _ in gens:
+            metrics.aborted(endpoint)
+        return None
+    for out in outs:
+        metrics.finished(endpoint, out)
+    return outs
 
 
 async def _cancel(first_update, agen) -> None:

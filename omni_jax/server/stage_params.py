@@ -56,3 +56,11 @@ def stage_params(defaults: list[SamplingParams], req, **thinker) -> list[Samplin
     if top:
         params[0] = _updated(params[0], top, "")
     return params
+
+
+def sample_params(params: list[SamplingParams], seed: int | None, j: int) -> list[SamplingParams]:
+    """The params of a request's j-th sample (`n` > 1): a seeded request's sample j takes seed + j,
+    as vLLM's, or every sample would be the same."""
+    if j == 0 or seed is None:
+        return params
+    return [params[0].updated(seed=seed + j), *params[1:]]

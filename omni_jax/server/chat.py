@@ -17,7 +17,7 @@ import uuid
 from typing import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from . import audio as audio_codec
 from .engine import ServedEngine
@@ -30,7 +30,7 @@ from .reply_audio import ReplyAudio
 from .metrics import Metrics
 from .schemas import ChatCompletionRequest
 from .stage_params import sample_params, stage_params
-from .sse import DONE, event
+from .sse import DONE, event, event_stream
 
 # Audio deltas longer than this are split over several chunks (keeps SSE events small).
 MAX_AUDIO_CHUNK_SAMPLES = 12000
@@ -107,8 +107,7 @@ class ChatHandler:
         gens = await open_requests(self.engine, requests, mods, voice, request=request, voice_param="audio.voice")
         self.metrics.in_flight.inc()
         if req.stream:
-            return StreamingResponse(self._stream(req, rid, gens, mods), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return event_stream(self._stream(req, rid, gens, mods))
         try:
             outs = await finished_outputs(gens, request, self.metrics, "chat")
         finally:

@@ -18,7 +18,7 @@ import uuid
 from typing import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from .engine import ServedEngine
 from .errors import bad_request, error_body
@@ -27,7 +27,7 @@ from .generation import (Generation, check_model, failure, finish_reason, finish
 from .logprobs import CompletionLogprobs
 from .metrics import Metrics
 from .schemas import MAX_CHOICES, CompletionRequest
-from .sse import DONE, event
+from .sse import DONE, event, event_stream
 from .stage_params import sample_params, stage_params
 
 MODALITIES = ["text"]
@@ -162,8 +162,7 @@ class CompletionsHandler:
         gens = await open_requests(self.engine, requests, MODALITIES, None, request=request)
         self.metrics.in_flight.inc()
         if req.stream:
-            return StreamingResponse(self._stream(req, rid, gens, choices), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return event_stream(self._stream(req, rid, gens, choices))
         try:
             outs = await finished_outputs(gens, request, self.metrics, "completions")
         finally:

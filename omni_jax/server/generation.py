@@ -1,9 +1,11 @@
-"""Running one request on the served engine, with the library's failures as HTTP errors.
+"""Running requests on the served engine, with the library's failures as HTTP errors.
 
 `open_request` processes the prompt and submits it before anything is sent to the client,
 so a bad prompt is a clean 400 (and a dead stage a 503) even for a streamed reply.
 `updates` then yields the library's OmniRequestOutputs unchanged (text deltas, audio
 chunks as `audio_delta`); closing it early (client gone) aborts the request in every stage.
+A reply of several choices (`n`, a completions batch) opens them side by side
+(`open_requests`, a shared prompt processed once by `prepare`) and streams them `merged`.
 """
 
 from __future__ import annotations

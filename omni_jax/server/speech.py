@@ -25,7 +25,7 @@ from .generation import Generation, check_model, failure, open_request
 from .metrics import Metrics
 from .schemas import SpeechRequest
 from .stage_params import stage_params
-from .sse import event
+from .sse import event, event_stream
 
 MODALITIES = ["text", "audio"]
 
@@ -65,8 +65,7 @@ class SpeechHandler:
         self.metrics.in_flight.inc()
         media_type = audio_codec.MEDIA_TYPES[req.response_format]
         if req.stream_format == "sse":
-            return StreamingResponse(self._sse(req, gen), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return event_stream(self._sse(req, gen))
         if req.response_format == "pcm":
             return StreamingResponse(self._pcm(gen), media_type=media_type)
         try:

@@ -20,7 +20,7 @@ from typing import AsyncIterator
 
 import numpy as np
 from fastapi import Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from ..errors import MediaError
 from ..inputs.media import TARGET_SAMPLE_RATE, load_audio
@@ -30,7 +30,7 @@ from .errors import APIError, bad_request, error_body
 from .generation import Generation, check_model, failure, open_request, while_connected
 from .logprobs import token_logprobs
 from .metrics import Metrics
-from .sse import event
+from .sse import event, event_stream
 from .transcription_form import TranscriptionForm, read_form
 
 # The instruction Qwen's cookbooks give the Omni models for speech recognition.
@@ -234,8 +234,7 @@ class TranscriptionHandler:
                                    request=request) if prompts else None
         updates = self._updates(first, prompts, params, rid)
         if form.stream:
-            return StreamingResponse(self._events(updates, t, form), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return event_stream(self._events(updates, t, form))
 
         async def collect():
             async for i, out in updates:

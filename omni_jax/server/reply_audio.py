@@ -8,35 +8,19 @@ reads its own earlier replies as text, so what is kept per id is the transcript 
 
 from __future__ import annotations
 
-import collections
-import threading
-import time
+from .kept import Kept
 
 
 class ReplyAudio:
-    """audio id -> (transcript, expires_at)."""
+    """audio id -> transcript, kept `ttl_s` seconds (at most `max_entries` ids)."""
 
     def __init__(self, ttl_s: float = 3600.0, max_entries: int = 100_000):
-        self.ttl_s, self.max_entries = ttl_s, max_entries
-        self._entries: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()
-        self._lock = threading.Lock()
+        self._kept = Kept(ttl_s, max_entries)
 
     def put(self, audio_id: str, transcript: str) -> int:
         """Keep a reply; its expires_at (Unix seconds)."""
-        now = time.time()
-        expires = now + self.ttl_s
-        with self._lock:
-            self._entries[audio_id] = (transcript, expires)
-            self._entries.move_to_end(audio_id)
-            while self._entries and (len(self._entries) > self.max_entries
-                                     or next(iter(self._entries.values()))[1] <= now):
-                self._entries.popitem(last=False)
-        return int(expires)
+        return self._kept.put(audio_id, transcript)
 
     def transcript(self, audio_id: str) -> str | None:
         """The reply's transcript, or None if the id is unknown or expired."""
-        with self._lock:
-            entry = self._entries.get(audio_id)
-        if entry is None or entry[1] <= time.time():
-            return None
-        return entry[0]
+        return self._kept.get(audio_id)

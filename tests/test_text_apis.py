@@ -1,16 +1,21 @@
-"""POST /v1/completions on a real `omni-jax serve` (text only: the thinker alone), driven by the
-official `openai` client and checked against `OmniJax.generate` with the same prompts and params."""
+"""POST /v1/completions and /v1/responses on a real `omni-jax serve` (text only: the thinker alone),
+driven by the official `openai` client and checked against `OmniJax.generate` with the same
+prompts and params."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 import json
+import time
 
 import httpx
 import openai
 import pytest
 
 from omni_jax import OmniJax, SamplingParams
+from omni_jax.server.kept import Kept
 from omni_jax.server.schemas import MAX_CHOICES
 from test_server import API_KEY, MODEL, _auth, _idle, _metrics, env, pipeline_yaml, serving  # noqa: F401
 
@@ -260,3 +265,167 @@ def test_wire_format(server):
     events = [json.loads(ln.removeprefix("data: ")) for ln in lines[:-1]]
     assert all(e["object"] == "text_completion" and "usage" not in e for e in events)
     assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+# ---------------------------------------------------------------------------------------- /v1/responses
+
+def _png_url() -> str:
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(1).integers(0, 255, (56, 56, 3), np.uint8)).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _chat(library, messages, **params):
+    return _want(library, {"messages": messages}, **GREEDY, **params)
+
+
+def test_a_response_equals_the_library(client, library):
+    r = client.responses.create(model=MODEL, input="Hello", instructions="Be brief.", max_output_tokens=5, **GREEDY)
+    want = _chat(library, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}],
+                 max_tokens=5)
+    assert r.object == "response" and r.id.startswith("resp_") and r.model == MODEL
+    assert r.output_text == want.text and want.text
+    assert [(o.type, o.role, o.content[0].type) for o in r.output] == [("message", "assistant", "output_text")]
+    # max_output_tokens ended it: incomplete, as OpenAI's
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.output[0].status == "incomplete"
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (len(want.prompt_token_ids), 5)
+    assert r.instructions == "Be brief." and r.store is True and r.previous_response_id is None
+
+
+def test_input_items_with_parts_images_and_roles(client, library):
+    url = _png_url()
+    items = [{"role": "developer", "content": "Answer in one word."},
+             {"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": url},
+                                                             {"type": "input_text", "text": "What is it?"}]},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "A picture."}]},
+             {"role": "user", "content": "Which colours?"}]
+    r = client.responses.create(model=MODEL, input=items, max_output_tokens=4, **GREEDY)
+    want = _chat(library, [{"role": "system", "content": "Answer in one word."},
+                           {"role": "user", "content": [{"type": "image", "image": url},
+                                                        {"type": "text", "text": "What is it?"}]},
+                           {"role": "assistant", "content": "A picture."},
+                           {"role": "user", "content": "Which colours?"}], max_tokens=4)
+    assert r.output_text == want.text and r.usage.input_tokens == len(want.prompt_token_ids)
+
+
+def test_previous_response_id_continues_the_conversation(client, library):
+    first = client.responses.create(model=MODEL, input="Hello", instructions="Be brief.", max_output_tokens=4,
+                                    **GREEDY)
+    second = client.responses.create(model=MODEL, input="Tell me more", previous_response_id=first.id,
+                                     max_output_tokens=4, **GREEDY)
+    # the earlier turns, the earlier reply, the new input; the instructions are not carried over
+    want = _chat(library, [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": first.output_text},
+                           {"role": "user", "content": "Tell me more"}], max_tokens=4)
+    assert second.output_text == want.text and second.previous_response_id == first.id
+    third = client.responses.create(model=MODEL, input="Again", previous_response_id=second.id, max_output_tokens=3,
+                                    **GREEDY)
+    want = _chat(library, [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": first.output_text},
+                           {"role": "user", "content": "Tell me more"},
+                           {"role": "assistant", "content": second.output_text},
+                           {"role": "user", "content": "Again"}], max_tokens=3)
+    assert third.output_text == want.text
+    # retrieved as it was answered; deleted, it is gone for both
+    assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    assert client.responses.delete(first.id) is None
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="x", previous_response_id=first.id)
+    assert (e.value.body["param"], e.value.body["code"]) == ("previous_response_id", "previous_response_not_found")
+    # store: false keeps nothing
+    unstored = client.responses.create(model=MODEL, input="Hello", max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_streamed_events_in_order_and_equal_to_the_whole(client):
+    kw = dict(model=MODEL, input="Hello", max_output_tokens=6, top_logprobs=1,
+              include=["message.output_text.logprobs"], **GREEDY)
+    whole = client.responses.create(**kw)
+    events = list(client.responses.create(**kw, stream=True))
+    kinds = [e.type for e in events]
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", *["response.output_text.delta"] * len(deltas),
+                     "response.output_text.done", "response.content_part.done", "response.output_item.done",
+                     "response.incomplete"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(d.delta for d in deltas) == whole.output_text
+    assert [x.logprob for d in deltas for x in d.logprobs] == [x.logprob for x in whole.output[0].content[0].logprobs]
+    final = events[-1].response
+    assert final.output_text == whole.output_text and final.usage == whole.usage
+    assert client.responses.retrieve(final.id).output_text == whole.output_text  # a streamed one is stored too
+
+
+def test_a_response_stream_on_the_wire(server):
+    """`event: <type>` then `data: <json>` per event, as OpenAI's."""
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 2, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/responses", json=body, headers=_auth(), timeout=60) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        blocks = [b for b in r.read().decode().split("\n\n") if b]
+    for block in blocks:
+        kind, data = block.split("\n")
+        assert kind.startswith("event: ") and json.loads(data.removeprefix("data: "))["type"] == kind[len("event: "):]
+
+
+@pytest.mark.parametrize("change, param, code", [
+    ({"tools": [{"type": "web_search"}]}, "tools", "unsupported_parameter"),
+    ({"tool_choice": "required"}, "tool_choice", "unsupported_parameter"),
+    ({"reasoning": {"effort": "low"}}, "reasoning", "unsupported_parameter"),
+    ({"background": True}, "background", "unsupported_parameter"),
+    ({"text": {"format": {"type": "json_object"}}}, "text.format", "unsupported_parameter"),
+    ({"truncation": "auto"}, "truncation", "unsupported_parameter"),
+    ({"include": ["reasoning.encrypted_content"]}, "include", "unsupported_parameter"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0].type",
+     "unsupported_parameter"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role", "invalid_value"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0].type",
+     "invalid_value"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x.org/a.png"}]}]},
+     "input[0].content[0].image_url.url", "invalid_value"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
+     "input[0].content[0].image_url", "unsupported_parameter"),
+    ({"input": [{"role": "user", "content": 5}]}, "input[0].content", "invalid_value"),
+    ({"input": "word " * 600}, "input", "context_length_exceeded"),
+    ({"previous_response_id": "resp_unknown"}, "previous_response_id", "previous_response_not_found"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "invalid_value"),
+    ({"max_output_tokens": 0}, "max_output_tokens", "invalid_value"),
+])
+def test_response_400_names_the_field(server, change, param, code):
+    body = {"model": MODEL, "input": "Hello", "max_output_tokens": 4, **change}
+    r = httpx.post(f"{server.url}/v1/responses", json=body, headers=_auth(), timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"], err["type"]) == (param, code, "invalid_request_error"), err
+
+
+def test_a_client_that_leaves_a_response_stream_aborts_it(server):
+    body = {"model": MODEL, "input": "Hello", "max_output_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/responses", json=body, headers=_auth(), timeout=60) as s:
+        for i, _ in enumerate(s.iter_lines()):
+            if i >= 10:
+                break
+    m = _idle(server)
+    assert m['omni_jax_requests_total{endpoint="responses",finish_reason="abort"}'] >= 1
+
+
+def test_kept_holds_within_its_bounds():
+    """The store behind stored responses: the oldest go first past the byte or count budget, and
+    an entry is gone after its time."""
+    kept = Kept(ttl_s=60, max_entries=3, max_bytes=100)
+    for key in "abc":
+        kept.put(key, key.upper(), 40)
+    assert [kept.get(k) for k in "abc"] == [None, "B", "C"]  # 120 bytes: a went
+    kept.put("b", "B2", 10)  # replaced (now the newest), not counted twice: 50 bytes
+    kept.put("d", "D", 10)
+    kept.put("e", "E", 10)  # 4 entries: the oldest, c, went
+    assert [kept.get(k) for k in "bcde"] == ["B2", None, "D", "E"]
+    assert kept.pop("e") and not kept.pop("e") and kept.get("e") is None
+    brief = Kept(ttl_s=0.05)
+    brief.put("x", 1)
+    time.sleep(0.1)
+    assert brief.get("x") is None

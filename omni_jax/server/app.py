@@ -14,13 +14,15 @@ from fastapi.responses import JSONResponse, Response
 from . import errors, page
 from .chat import ChatHandler
 from .completions import CompletionsHandler
+from .kept import Kept
 from .engine import ServedEngine
 from .errors import RETRY_AFTER_S, APIError, error_body, short
 from .messages import MediaPolicy
 from .metrics import Metrics
-from .schemas import ChatCompletionRequest, CompletionRequest, SpeechRequest
+from .schemas import ChatCompletionRequest, CompletionRequest, ResponseRequest, SpeechRequest
 from .realtime import RealtimeEndpoint, RealtimeLimits
 from .reply_audio import ReplyAudio
+from .responses import ResponsesHandler
 from .speech import SpeechHandler
 from .transcription import TranscriptionHandler
 
@@ -29,6 +31,7 @@ log = logging.getLogger("omni_jax.server")
 # Paths anyone may call without the API key (load balancers probe it).
 OPEN_PATHS = ("/health", "/")
 UI_PATH = "/ui/"  # the voice chat page's files: the page asks for the key itself
+STORED_RESPONSE_TTL_S = 3600.0  # how long /v1/responses keeps a stored response
 
 
 class Gate:
@@ -148,11 +151,13 @@ class Gate:
 def build_app(engine: ServedEngine, *, api_key: str | None = None, max_body_bytes: int = 64 << 20,
               allowed_media_dir: str | None = None, max_inflight_body_bytes: int | None = None,
               body_timeout_s: float = 30.0, realtime: RealtimeLimits = RealtimeLimits(),
-              reply_audio_ttl_s: float = 3600.0, ui: bool = True) -> FastAPI:
+              reply_audio_ttl_s: float = 3600.0, stored_responses_bytes: int = 256 << 20,
+              ui: bool = True) -> FastAPI:
     """The server's app around an engine (started by the caller, shut down with the app).
     `max_inflight_body_bytes`: the budget of bytes all request bodies may hold at once (None:
     four times `max_body_bytes`). `realtime`: the limits of /v1/realtime sessions. `reply_audio_ttl_s`: how
-    long a spoken chat reply can be referred to by its audio id. `ui`: serve the voice chat page at /."""
+    long a spoken chat reply can be referred to by its audio id. `stored_responses_bytes`: what
+    /v1/responses keeps of stored responses (each an hour at most). `ui`: serve the voice chat page at /."""
     metrics = Metrics()
 
     @contextlib.asynccontextmanager
@@ -165,6 +170,7 @@ def build_app(engine: ServedEngine, *, api_key: str | None = None, max_body_byte
     policy = MediaPolicy(allowed_media_dir)
     chat = ChatHandler(engine, policy, metrics, ReplyAudio(reply_audio_ttl_s))
     complete = CompletionsHandler(engine, metrics)
+    responses = ResponsesHandler(engine, policy, metrics, Kept(STORED_RESPONSE_TTL_S, max_bytes=stored_responses_bytes))
     speech = SpeechHandler(engine, metrics)
     transcribe, translate = TranscriptionHandler(engine, metrics), TranscriptionHandler(engine, metrics, translate=True)
     app.state.engine, app.state.metrics = engine, metrics
@@ -208,6 +214,18 @@ def build_app(engine: ServedEngine, *, api_key: str | None = None, max_body_byte
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         return await complete(req, request)
+
+    @app.post("/v1/responses")
+    async def create_response(req: ResponseRequest, request: Request):
+        return await responses.create(req, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        return responses.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        return responses.delete(response_id)
 
     @app.post("/v1/audio/speech")
     async def audio_speech(req: SpeechRequest, request: Request):

@@ -57,7 +57,7 @@ class MediaPolicy:
         return real
 
 
-def _part(part: Any, where: str, policy: MediaPolicy) -> dict:
+def message_part(part: Any, where: str, policy: MediaPolicy) -> dict:
     """One OpenAI content part -> the processor's part."""
     if not isinstance(part, dict):
         raise bad_request(f"{where} must be an object with a 'type'", where)
@@ -102,6 +102,6 @@ def to_prompt(messages: list[ChatMessage], policy: MediaPolicy, replies: ReplyAu
         if content is None:
             content = ""
         if isinstance(content, list):
-            content = [_part(p, f"messages[{i}].content[{j}]", policy) for j, p in enumerate(content)]
+            content = [message_part(p, f"messages[{i}].content[{j}]", policy) for j, p in enumerate(content)]
         out.append({"role": role, "content": content})
     return {"messages": out}

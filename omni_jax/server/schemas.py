@@ -157,3 +157,47 @@ class SpeechRequest(_Body):
     stream_format: Literal["audio", "sse"] = "audio"
     instructions: Annotated[str, Field(max_length=4096)] | None = None
     sampling_params_list: Annotated[list[dict[str, Any] | None], Field(max_length=MAX_STAGES)] | None = None
+
+
+class ResponseRequest(_Body):
+    """POST /v1/responses (OpenAI's Responses API; text replies). `input` items are checked by the
+    handler (responses.py), which knows the media rules."""
+
+    model: Name
+    input: str | Annotated[list[Any], Field(max_length=MAX_MESSAGES)]
+    instructions: str | None = None
+    previous_response_id: Name | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    include: Annotated[list[str], Field(max_length=16)] | None = None
+    stream: bool = False
+    store: bool = True
+    metadata: dict[str, str] | None = None
+    user: Name | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    # OpenAI's, not served: refused by name (responses.py) when set to anything but their off value.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    reasoning: Any = None
+    background: bool | None = None
+    conversation: Any = None
+    prompt: Any = None
+    # vLLM extras (through the client's extra_body).
+    seed: int | None = None
+    top_k: int | None = Field(default=None, ge=-1)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    min_tokens: int | None = Field(default=None, ge=0)
+    ignore_eos: bool | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _small_metadata(cls, metadata):
+        # OpenAI's bounds: 16 pairs, keys of 64 characters, values of 512.
+        if metadata is not None and (len(metadata) > 16 or any(len(k) > 64 or len(v) > 512
+                                                                for k, v in metadata.items())):
+            raise ValueError("at most 16 pairs, keys of at most 64 characters and values of at most 512")
+        return metadata

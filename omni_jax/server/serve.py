@@ -69,6 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a realtime session is closed after this many seconds (default 1800, OpenAI's 30 minutes)")
     p.add_argument("--reply-audio-ttl-s", type=float, default=3600.0,
                    help="how long a chat reply's audio id can bring that reply into a later request (default 3600)")
+    p.add_argument("--stored-responses-mb", type=float, default=256.0,
+                   help="/v1/responses: what stored responses and their conversations may hold, the oldest dropped "
+                        "first (each is kept an hour at most; 0 keeps none; default 256)")
     p.add_argument("--no-ui", action="store_true", help="do not serve the voice chat page at /")
     add_async_chunk_argument(p)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -116,6 +119,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if not 0 < value < float("inf"):
             raise ValueError(f"--{flag.replace('_', '-')} must be a positive number, got {value!r}")
+    if not 0 <= args.stored_responses_mb < float("inf"):
+        raise ValueError(f"--stored-responses-mb must be 0 or more, got {args.stored_responses_mb!r}")
     if args.max_inflight_body_mb is not None and not args.max_inflight_body_mb >= args.max_request_body_mb:
         raise ValueError(f"--max-inflight-body-mb ({args.max_inflight_body_mb:g}) must be at least "
                          f"--max-request-body-mb ({args.max_request_body_mb:g}), or no body could be taken")
@@ -155,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(engine, api_key=args.api_key, max_body_bytes=max_body,
                     allowed_media_dir=args.allowed_local_media_path, max_inflight_body_bytes=inflight,
                     body_timeout_s=args.body_timeout_s, realtime=realtime,
-                    reply_audio_ttl_s=args.reply_audio_ttl_s, ui=not args.no_ui)
+                    reply_audio_ttl_s=args.reply_audio_ttl_s,
+                    stored_responses_bytes=int(args.stored_responses_mb * (1 << 20)), ui=not args.no_ui)
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"omni-jax serve: listening on http://{host}:{sock.getsockname()[1]} "
           f"(model {engine.served_name!r}; loading and compiling the stages, /health is 503 until ready"

@@ -1,0 +1,268 @@
+"""POST /v1/responses, GET and DELETE /v1/responses/{id}: OpenAI's Responses API, text replies.
+
+`input` is a text or a list of messages (roles user, system, developer and assistant; content
+a text or parts: input_text, input_image, input_audio, and an assistant's output_text), after
+`instructions` as a system message. A stored response (`store`, on by default) is kept with the
+conversation that made it, for `ttl_s` and within a byte budget: GET returns it, DELETE forgets
+it, and `previous_response_id` continues its conversation (without its instructions, as
+OpenAI's: each request gives its own). Streamed, the events are OpenAI's, each `event: <type>`
+and `data: <json>` with a `sequence_number`: response.created and .in_progress, the message's
+output_item.added and content_part.added, output_text.delta per piece of text, then
+output_text.done, content_part.done, output_item.done and response.completed (.incomplete
+when max_output_tokens ended it, .failed when the request failed).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+import msgspec
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from .engine import ServedEngine
+from .errors import APIError, bad_request, error_body, short
+from .generation import Generation, check_model, failure, open_request
+from .kept import Kept
+from .logprobs import token_logprobs
+from .messages import MediaPolicy, message_part
+from .metrics import Metrics
+from .schemas import ResponseRequest
+from .sse import event_stream
+from .stage_params import stage_params
+
+MODALITIES = ["text"]
+LOGPROBS = "message.output_text.logprobs"
+_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+# Responses' content parts -> chat's (messages.py checks them, and the media rules).
+_TEXT_PARTS = ("input_text", "output_text")
+# OpenAI's fields not served here, with their off values.
+_UNSERVED = {"tools": (None, []), "tool_choice": (None, "none", "auto"), "reasoning": (None,),
+             "background": (None, False), "conversation": (None,), "prompt": (None,)}
+_encoder = msgspec.json.Encoder()
+
+
+def _part(part: Any, where: str, policy: MediaPolicy) -> dict:
+    """One Responses content part -> the processor's part (400 naming it)."""
+    ptype = part.get("type") if isinstance(part, dict) else None
+    if ptype in _TEXT_PARTS:
+        if not isinstance(part.get("text"), str):
+            raise bad_request(f"{where}.text must be a string", f"{where}.text")
+        return {"type": "text", "text": part["text"]}
+    if ptype == "input_image":
+        if part.get("image_url") is None:
+            raise bad_request(f"{where}: images by file_id are not supported; send image_url (a data: URL or an "
+                              f"allowed local path)", f"{where}.image_url", "unsupported_parameter")
+        return message_part({"type": "image_url", "image_url": {"url": part["image_url"]}}, where, policy)
+    if ptype == "input_audio":
+        return message_part({"type": "input_audio", "input_audio": part.get("input_audio")}, where, policy)
+    raise bad_request(f"{where}.type {short(ptype)} is not supported; use input_text, input_image, input_audio or "
+                      f"(an assistant's) output_text", f"{where}.type")
+
+
+def input_messages(items: str | list, policy: MediaPolicy) -> list[dict]:
+    """The request's `input` as the processor's chat messages (400 naming the first bad item)."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise bad_request(f"{where} must be a message object", where)
+        if item.get("type", "message") != "message":
+            raise bad_request(f"{where}.type {short(item.get('type'))} is not supported: only messages (no tool calls, "
+                              f"reasoning or item references)", f"{where}.type", "unsupported_parameter")
+        role = _ROLES.get(item.get("role"))
+        if role is None:
+            raise bad_request(f"{where}.role must be one of {sorted(_ROLES)}", f"{where}.role")
+        content = item.get("content")
+        if isinstance(content, list):
+            content = [_part(p, f"{where}.content[{j}]", policy) for j, p in enumerate(content)]
+        elif not isinstance(content, str):
+            raise bad_request(f"{where}.content must be a string or a list of parts", f"{where}.content")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def _validate(req: ResponseRequest) -> None:
+    for name, off in _UNSERVED.items():
+        if getattr(req, name) not in off:
+            raise bad_request(f"{name} is not supported by this server", name, "unsupported_parameter")
+    fmt = (req.text or {}).get("format") or {"type": "text"}
+    if not isinstance(fmt, dict) or fmt.get("type") != "text":
+        raise bad_request("text.format other than text is not supported by this server", "text.format",
+                          "unsupported_parameter")
+    if req.truncation == "auto":
+        raise bad_request("truncation 'auto' is not supported: a conversation past the context is refused",
+                          "truncation", "unsupported_parameter")
+    unknown = sorted(set(req.include or ()) - {LOGPROBS})
+    if unknown:
+        raise bad_request(f"include {unknown[:4]} is not supported; only {LOGPROBS!r}", "include",
+                          "unsupported_parameter")
+
+
+class _Reply:
+    """One response as it is made: its body in OpenAI's shape, and its text and logprobs so far."""
+
+    def __init__(self, req: ResponseRequest, rid: str, tokenizer, top_logprobs: int | None):
+        self.req, self.rid, self.tokenizer, self.top_logprobs = req, rid, tokenizer, top_logprobs
+        self.item_id = f"msg_{uuid.uuid4().hex}"
+        self.created_at = int(time.time())
+        self.text, self.logprobs = "", []
+
+    def _logprobs(self, token_ids, logprobs) -> list:
+        if self.top_logprobs is None or not token_ids or not logprobs:
+            return []
+        return token_logprobs(self.tokenizer, token_ids, logprobs[-len(token_ids):], self.top_logprobs)
+
+    def add(self, out) -> tuple[str, list]:
+        """The text and logprobs this update adds."""
+        lps = self._logprobs(out.new_token_ids, out.logprobs)
+        self.text += out.text_delta
+        self.logprobs += lps
+        return out.text_delta, lps
+
+    def whole(self, out) -> None:
+        """Take the finished request's text and logprobs at once."""
+        self.text, self.logprobs = out.text, self._logprobs(list(out.token_ids), out.logprobs)
+
+    def part(self) -> dict:
+        return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": self.logprobs}
+
+    def item(self, status: str) -> dict:
+        content = [self.part()] if status != "in_progress" else []
+        return {"id": self.item_id, "type": "message", "status": status, "role": "assistant", "content": content}
+
+    def body(self, status: str, out=None, error: dict | None = None) -> dict:
+        req = self.req
+        done = status in ("completed", "incomplete")
+        usage = None
+        if out is not None:
+            p, c = len(out.prompt_token_ids), len(out.token_ids)
+            usage = {"input_tokens": p, "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
+                     "output_tokens": c, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": p + c}
+        return {"id": self.rid, "object": "response", "created_at": self.created_at, "status": status,
+                "completed_at": int(time.time()) if done else None, "error": error,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": req.model,
+                "output": [self.item(status)] if done else [],
+                "parallel_tool_calls": req.parallel_tool_calls is not False,
+                "previous_response_id": req.previous_response_id, "temperature": req.temperature,
+                "top_p": req.top_p, "top_logprobs": req.top_logprobs, "tool_choice": "auto", "tools": [],
+                "text": {"format": {"type": "text"}}, "truncation": "disabled", "store": req.store,
+                "metadata": req.metadata or {}, "user": req.user, "usage": usage}
+
+
+def _status(out) -> str:
+    return "incomplete" if out.finish_reason == "length" else "completed"
+
+
+class ResponsesHandler:
+    """Serves /v1/responses on one engine, keeping stored responses in `kept`."""
+
+    def __init__(self, engine: ServedEngine, policy: MediaPolicy, metrics: Metrics, kept: Kept):
+        self.engine, self.policy, self.metrics, self.kept = engine, policy, metrics, kept
+
+    async def create(self, req: ResponseRequest, request: Request):
+        check_model(self.engine, req.model)
+        _validate(req)
+        history = []
+        if req.previous_response_id is not None:
+            stored = self.kept.get(req.previous_response_id)
+            if stored is None:
+                raise bad_request(f"no response {short(req.previous_response_id)} is stored here (unknown, expired, "
+                                  f"deleted, or made with store: false)", "previous_response_id",
+                                  "previous_response_not_found")
+            history = stored["messages"]
+        messages = [*history, *input_messages(req.input, self.policy)]
+        system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+        # the logprobs come with `include` or `top_logprobs` (OpenAI: either asks for them)
+        logprobs = (req.top_logprobs or 0) if LOGPROBS in (req.include or ()) or req.top_logprobs is not None else None
+        params = stage_params(self.engine.stage_defaults(self.engine.stage_names(MODALITIES)), req,
+                              max_tokens=req.max_output_tokens, logprobs=logprobs)
+        rid = f"resp_{uuid.uuid4().hex}"
+        gen = await open_request(self.engine, {"messages": [*system, *messages]}, params, MODALITIES, None, rid,
+                                 request=request, prompt_param="input")
+        reply = _Reply(req, rid, self.engine.omni.tokenizer, logprobs)
+        self.metrics.in_flight.inc()
+        if req.stream:
+            return event_stream(self._stream(reply, gen, messages))
+        try:
+            out = await gen.result(request)
+        finally:
+            self.metrics.in_flight.dec()
+        if out is None:  # the client left; nobody reads this
+            self.metrics.aborted("responses")
+            return JSONResponse({}, status_code=499)
+        self.metrics.finished("responses", out)
+        if out.error:
+            raise failure(self.engine, out, "input")
+        reply.whole(out)
+        body = reply.body(_status(out), out)
+        self._store(reply, body, messages)
+        return JSONResponse(body)
+
+    def _store(self, reply: _Reply, body: dict, messages: list[dict]) -> None:
+        if reply.req.store:
+            conversation = [*messages, {"role": "assistant", "content": reply.text}]
+            # sized by its JSON (the media in it are data: URLs or paths)
+            size = len(_encoder.encode(conversation)) + len(_encoder.encode(body))
+            self.kept.put(reply.rid, {"response": body, "messages": conversation}, size)
+
+    def retrieve(self, response_id: str) -> dict:
+        stored = self.kept.get(response_id)
+        if stored is None:
+            raise APIError(404, f"no response {short(response_id)} is stored here", "response_id", "not_found")
+        return stored["response"]
+
+    def delete(self, response_id: str) -> dict:
+        if not self.kept.pop(response_id):
+            raise APIError(404, f"no response {short(response_id)} is stored here", "response_id", "not_found")
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    async def _stream(self, reply: _Reply, gen: Generation, messages: list[dict]) -> AsyncIterator[bytes]:
+        seq = 0
+
+        def emit(kind: str, **fields) -> bytes:
+            nonlocal seq
+            body = {"type": kind, "sequence_number": seq, **fields}
+            seq += 1
+            return b"event: " + kind.encode() + b"\ndata: " + _encoder.encode(body) + b"\n\n"
+
+        where = {"item_id": reply.item_id, "output_index": 0, "content_index": 0}
+        out = None
+        try:
+            yield emit("response.created", response=reply.body("in_progress"))
+            yield emit("response.in_progress", response=reply.body("in_progress"))
+            yield emit("response.output_item.added", output_index=0, item=reply.item("in_progress"))
+            yield emit("response.content_part.added", part={"type": "output_text", "text": "", "annotations": []},
+                       **where)
+            async for out in gen.updates():
+                text, lps = reply.add(out)
+                if text or lps:
+                    yield emit("response.output_text.delta", delta=text, logprobs=lps, **where)
+            self.metrics.finished("responses", out)
+            if out.error:
+                err = failure(self.engine, out, "input")
+                self.metrics.error(err.status)
+                yield emit("response.failed", response=reply.body("failed", out, {"code": err.code,
+                                                                                  "message": err.message}))
+                return
+            status = _status(out)
+            yield emit("response.output_text.done", text=reply.text, logprobs=reply.logprobs, **where)
+            yield emit("response.content_part.done", part=reply.part(), **where)
+            yield emit("response.output_item.done", output_index=0, item=reply.item(status))
+            body = reply.body(status, out)
+            self._store(reply, body, messages)
+            yield emit(f"response.{status}", response=body)
+        except Exception as e:  # a bug must end the stream visibly, not hang it
+            self.metrics.error(500)
+            err = error_body(500, f"internal error: {type(e).__name__}: {e}")["error"]
+            yield emit("error", code=err["code"], message=err["message"], param=None)
+        finally:
+            self.metrics.in_flight.dec()
+            if out is None or not out.finished:  # the client left mid-stream
+                self.metrics.aborted("responses")
+            await gen.close()

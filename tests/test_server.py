@@ -611,6 +611,8 @@ def test_media_limits_flag_and_typed_special_tokens(client, library, media_dir):
     ("--media-limits", "{oops", "not valid JSON"),
     ("--prompt-timeout-s", "0", "prompt_timeout_s must be a positive number"),
     ("--prompt-workers", "0", "prompt_workers must be a positive integer"),
+    ("--stored-responses-mb", "-1", "--stored-responses-mb must be 0 or more"),
+    ("--stored-responses-mb", "nan", "--stored-responses-mb must be 0 or more"),
 ])
 def test_bad_serving_flags_exit_2_naming_them(flag, value, message, capsys):
     from omni_jax.cli import main

@@ -108,10 +108,7 @@ class ChatHandler:
         self.metrics.in_flight.inc()
         if req.stream:
             return event_stream(self._stream(req, rid, gens, mods))
-        try:
-            outs = await finished_outputs(gens, request, self.metrics, "chat")
-        finally:
-            self.metrics.in_flight.dec()
+        outs = await finished_outputs(gens, request, self.metrics, "chat")
         if outs is None:
             return JSONResponse({}, status_code=499)
         for out in outs:

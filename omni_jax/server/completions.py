@@ -163,10 +163,7 @@ class CompletionsHandler:
         self.metrics.in_flight.inc()
         if req.stream:
             return event_stream(self._stream(req, rid, gens, choices))
-        try:
-            outs = await finished_outputs(gens, request, self.metrics, "completions")
-        finally:
-            self.metrics.in_flight.dec()
+        outs = await finished_outputs(gens, request, self.metrics, "completions")
         if outs is None:
             return JSONResponse({}, status_code=499)
         for choice, out in zip(choices, outs):

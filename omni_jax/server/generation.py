@@ -204,9 +204,13 @@ async def merged(gens: list[Generation]) -> AsyncIterator[tuple[int, object]]:
 
 
 async def finished_outputs(gens: list[Generation], request, metrics, endpoint: str) -> list | None:
-    """Every generation's finished output, counted in `metrics`, or None if the client left first
-    (each request is then aborted); the first failed one's HTTP error is for the caller to raise."""
-    outs = await asyncio.gather(*(g.result(request) for g in gens))
+    """Every generation's finished output, counted in `metrics` (the reply leaves the in-flight
+    count the handler raised), or None if the client left first (each request is then aborted);
+    a failed one's HTTP error is for the caller to raise."""
+    try:
+        outs = await asyncio.gather(*(g.result(request) for g in gens))
+    finally:
+        metrics.in_flight.dec()
     if any(out is None for out in outs):  # the client left; nobody reads this
         for _ in gens:
             metrics.aborted(endpoint)

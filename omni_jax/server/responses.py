@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse
 
 from .engine import ServedEngine
 from .errors import APIError, bad_request, error_body, short
-from .generation import Generation, check_model, failure, open_request
+from .generation import Generation, check_model, failure, finished_outputs, open_request
 from .kept import Kept
 from .logprobs import token_logprobs
 from .messages import MediaPolicy, message_part
@@ -189,14 +189,10 @@ class ResponsesHandler:
         self.metrics.in_flight.inc()
         if req.stream:
             return event_stream(self._stream(reply, gen, messages))
-        try:
-            out = await gen.result(request)
-        finally:
-            self.metrics.in_flight.dec()
-        if out is None:  # the client left; nobody reads this
-            self.metrics.aborted("responses")
+        outs = await finished_outputs([gen], request, self.metrics, "responses")
+        if outs is None:
             return JSONResponse({}, status_code=499)
-        self.metrics.finished("responses", out)
+        out = outs[0]
         if out.error:
             raise failure(self.engine, out, "input")
         reply.whole(out)

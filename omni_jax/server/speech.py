@@ -21,7 +21,7 @@ from fastapi.responses import Response, StreamingResponse
 from . import audio as audio_codec
 from .engine import ServedEngine
 from .errors import bad_request, error_body
-from .generation import Generation, check_model, failure, open_request
+from .generation import Generation, check_model, failure, finished_outputs, open_request
 from .metrics import Metrics
 from .schemas import SpeechRequest
 from .stage_params import stage_params
@@ -68,14 +68,10 @@ class SpeechHandler:
             return event_stream(self._sse(req, gen))
         if req.response_format == "pcm":
             return StreamingResponse(self._pcm(gen), media_type=media_type)
-        try:
-            out = await gen.result(request)
-        finally:
-            self.metrics.in_flight.dec()
-        if out is None:  # the client left; nobody reads this
-            self.metrics.aborted("speech")
+        outs = await finished_outputs([gen], request, self.metrics, "speech")
+        if outs is None:
             return Response(status_code=499)
-        self.metrics.finished("speech", out)
+        out = outs[0]
         if out.error:
             raise failure(self.engine, out)
         return Response(audio_codec.encode(out.audio, out.sample_rate, req.response_format), media_type=media_type)

@@ -470,9 +470,10 @@ class AsyncOmniJax(_Frontend):
         updates = UpdateCollector(asyncio.get_running_loop())
         rid = ticket.request_id
         try:
-            req = await self._prompts.run(
-                self._request, prompt, params, chain, rid, updates.put,
-                voice, hidden_layers, include_prompt, timeout_s)
+            args = (prompt, params, chain, rid, updates.put, voice, hidden_layers, include_prompt, timeout_s)
+            # A prepared prompt leaves nothing slow to do: built here, it takes no worker or queue place.
+            req = self._request(*args) if isinstance(prompt, PreparedPrompt) else \
+                await self._prompts.run(self._request, *args)
             if ticket.aborted:
                 yield OmniRequestOutput(request_id=rid, prompt_token_ids=req.output.prompt_token_ids, finished=True,
                                         finish_reason="abort")

@@ -304,6 +304,16 @@ def test_2_abandoned_prompts_stop_costing_and_the_queue_is_bounded(server):
     assert _normal_chat_s(server) < 3
 
 
+def test_2_n_samples_take_one_prompt_place(server):
+    """n samples of a prompt are processed once: n = 8 (and a batch of 3 x n = 4 completions)
+    on a server of 2 prompt workers and 2 queue places are answered, not refused as overloaded."""
+    r = _post(server, _chat("Hello", n=8, temperature=1.0))
+    assert r.status_code == 200, r.text
+    assert [c["index"] for c in r.json()["choices"]] == list(range(8))
+    r = _post(server, {"model": MODEL, "prompt": ["a", "b", "c"], "n": 4, "max_tokens": 2}, "/v1/completions")
+    assert r.status_code == 200 and len(r.json()["choices"]) == 12, r.text
+
+
 # ---------------------------------------------------------------------------------------- 3: media bombs
 
 def test_3_audio_without_a_length_stops_decoding_at_the_limit(server):

@@ -104,9 +104,9 @@ class _Choice:
             lps = more if lps is None else {k: lps[k] + more[k] for k in lps}
         return echo + text, lps
 
-    def delta(self, out, first: bool) -> tuple[str, dict | None]:
+    def delta(self, out) -> tuple[str, dict | None]:
         """The text and logprobs this update adds to the choice (the prompt first, when echoed)."""
-        return self._add(out, first, out.text_delta, out.new_token_ids, out.logprobs)
+        return self._add(out, self.out is None, out.text_delta, out.new_token_ids, out.logprobs)
 
     def whole(self, out) -> tuple[str, dict | None]:
         """The finished choice's text and logprobs."""
@@ -190,11 +190,9 @@ class CompletionsHandler:
 
         finished = 0
         try:
-            seen = set()
             async for i, out in merged(gens):
                 choice = choices[i]
-                text, lps = choice.delta(out, first=i not in seen)
-                seen.add(i)
+                text, lps = choice.delta(out)
                 if text or lps:
                     yield chunk(i, text, lps)
                 if out.finished:

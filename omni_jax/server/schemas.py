@@ -60,8 +60,23 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _Stops(_Body):
-    """`stop`, as both text APIs bound it."""
+class _Sampling(_Body):
+    """The thinker's sampling fields every text-reply API takes: OpenAI's, and vLLM's extras (sent
+    through the client's extra_body)."""
+
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    min_tokens: int | None = Field(default=None, ge=0)
+    ignore_eos: bool | None = None
+
+
+class _Stops(_Sampling):
+    """`stop`, as both completions APIs bound it."""
 
     stop: str | list[str] | None = None
 
@@ -85,16 +100,11 @@ class ChatCompletionRequest(_Stops):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     modalities: list[Literal["text", "audio"]] | None = None
     audio: AudioOptions | None = None
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    seed: int | None = None
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Name | None = None
@@ -108,11 +118,6 @@ class ChatCompletionRequest(_Stops):
     logit_bias: dict[str, Any] | None = None
     prediction: Any = None
     web_search_options: Any = None
-    # vLLM extras (sent through the client's extra_body).
-    top_k: int | None = Field(default=None, ge=-1)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
-    min_tokens: int | None = Field(default=None, ge=0)
-    ignore_eos: bool | None = None
     # vLLM-Omni: one dict of SamplingParams fields per stage (thinker, talker, vocoder); null keeps a default.
     sampling_params_list: Annotated[list[dict[str, Any] | None], Field(max_length=MAX_STAGES)] | None = None
 
@@ -124,26 +129,16 @@ class CompletionRequest(_Stops):
     model: Name
     prompt: str | list[Any]
     max_tokens: int | None = Field(default=16, ge=0)  # OpenAI's default; 0 only with echo
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     best_of: int | None = None
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    seed: int | None = None
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Name | None = None
     # OpenAI's, not served (completions.py refuses them by name).
     suffix: str | None = None
     logit_bias: dict[str, Any] | None = None
-    # vLLM extras.
-    top_k: int | None = Field(default=None, ge=-1)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
-    min_tokens: int | None = Field(default=None, ge=0)
-    ignore_eos: bool | None = None
 
 
 class SpeechRequest(_Body):
@@ -159,7 +154,7 @@ class SpeechRequest(_Body):
     sampling_params_list: Annotated[list[dict[str, Any] | None], Field(max_length=MAX_STAGES)] | None = None
 
 
-class ResponseRequest(_Body):
+class ResponseRequest(_Sampling):
     """POST /v1/responses (OpenAI's Responses API; text replies). `input` items are checked by the
     handler (responses.py), which knows the media rules."""
 
@@ -168,8 +163,6 @@ class ResponseRequest(_Body):
     instructions: str | None = None
     previous_response_id: Name | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     include: Annotated[list[str], Field(max_length=16)] | None = None
     stream: bool = False
@@ -186,12 +179,6 @@ class ResponseRequest(_Body):
     background: bool | None = None
     conversation: Any = None
     prompt: Any = None
-    # vLLM extras (through the client's extra_body).
-    seed: int | None = None
-    top_k: int | None = Field(default=None, ge=-1)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
-    min_tokens: int | None = Field(default=None, ge=0)
-    ignore_eos: bool | None = None
 
     @field_validator("metadata")
     @classmethod

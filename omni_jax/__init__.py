@@ -8,10 +8,11 @@ import os
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 from .checkpoint import load_checkpoint
-from .engine.sampling_params import SamplingParams
+from .engine.sampling_params import SamplingParams, StructuredOutputs
 from .runtime.outputs import Logprob, OmniRequestOutput
 
-__all__ = ["OmniJax", "AsyncOmniJax", "SamplingParams", "OmniRequestOutput", "Logprob", "load_checkpoint"]
+__all__ = ["OmniJax", "AsyncOmniJax", "SamplingParams", "StructuredOutputs", "OmniRequestOutput", "Logprob",
+           "load_checkpoint"]
 
 
 def __getattr__(name):

@@ -182,6 +182,9 @@ def test_a_streamed_batch_equals_the_whole_reply(client):
     ({"n": 2, "best_of": 3}, "best_of", "unsupported_parameter"),
     ({"suffix": "end"}, "suffix", "unsupported_parameter"),
     ({"logit_bias": {"1": 5}}, "logit_bias", "unsupported_parameter"),
+    ({"structured_outputs": {"grammar": "start: nothing_defined"}}, "structured_outputs", "invalid_value"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": []}}},
+     "response_format.json_schema.schema", "invalid_value"),
     ({"max_tokens": 0}, "max_tokens", "invalid_value"),
     ({"max_tokens": -1}, "max_tokens", "invalid_value"),
     ({"logprobs": 21}, "logprobs", "invalid_value"),
@@ -379,7 +382,10 @@ def test_a_response_stream_on_the_wire(server):
     ({"tool_choice": "required"}, "tool_choice", "unsupported_parameter"),
     ({"reasoning": {"effort": "low"}}, "reasoning", "unsupported_parameter"),
     ({"background": True}, "background", "unsupported_parameter"),
-    ({"text": {"format": {"type": "json_object"}}}, "text.format", "unsupported_parameter"),
+    ({"text": {"format": {"type": "xml"}}}, "text.format.type", "unsupported_parameter"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}},
+     "text.format.schema", "invalid_value"),
+    ({"text": {"format": {"type": "json_schema", "name": "bad name!"}}}, "text.format.name", "invalid_value"),
     ({"truncation": "auto"}, "truncation", "unsupported_parameter"),
     ({"include": ["reasoning.encrypted_content"]}, "include", "unsupported_parameter"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0].type",
@@ -431,3 +437,92 @@ def test_kept_holds_within_its_bounds():
     brief.put("x", 1)
     time.sleep(0.1)
     assert brief.get("x") is None
+
+
+# ------------------------------------------------------------------------------ structured outputs
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "n", "color"],
+          "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9},
+                         "color": {"enum": ["red", "green"]}}}
+JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
+
+
+def _is_answer(text: str) -> dict:
+    value = json.loads(text)
+    assert set(value) == {"ok", "n", "color"} and isinstance(value["ok"], bool), text
+    assert type(value["n"]) is int and 0 <= value["n"] <= 9 and value["color"] in ("red", "green"), text
+    return value
+
+
+def _constrained(library, prompt, spec: dict, **params):
+    from omni_jax import StructuredOutputs
+
+    return _want(library, prompt, structured_outputs=StructuredOutputs(**spec), **params)
+
+
+def test_chat_response_format_json_schema_equals_the_library(client, library):
+    """A chat reply under a JSON schema is JSON the schema accepts, and the library's reply to the
+    same messages under the same schema; json_object's reply (a random model's never-ending
+    string here) is the library's, and opens an object."""
+    msgs = [{"role": "user", "content": "Answer in JSON."}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, response_format=JSON_SCHEMA, max_tokens=300,
+                                       **GREEDY)
+    want = _constrained(library, {"messages": msgs}, {"json": SCHEMA}, max_tokens=300, **GREEDY)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == want.text
+    _is_answer(want.text)
+    r = client.chat.completions.create(model=MODEL, messages=msgs, response_format={"type": "json_object"},
+                                       max_tokens=20, **GREEDY)
+    want = _constrained(library, {"messages": msgs}, {"json_object": True}, max_tokens=20, **GREEDY)
+    assert r.choices[0].message.content == want.text and want.text.lstrip().startswith("{")
+
+
+def test_chat_parse_with_a_pydantic_model(client):
+    """openai's `parse` helper: a pydantic model sent as a strict schema, the reply parsed into it."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Answer(BaseModel):
+        ok: bool
+        color: Literal["red", "green"]
+
+    r = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "Pick a color."}],
+                                      response_format=Answer, max_tokens=300, **GREEDY)
+    assert isinstance(r.choices[0].message.parsed, Answer)
+
+
+def test_completions_structured_outputs_and_streams(client, library):
+    """vLLM's structured_outputs (choice, regex, grammar) on completions, whole and streamed."""
+    specs = [{"choice": ["yes", "no", "maybe"]}, {"regex": r"[a-z]{3}-[0-9]{2}"},
+             {"grammar": 'start: "A" ("B" | "C") ("B" | "C")? "D"'}, {"json": SCHEMA, "disable_any_whitespace": True}]
+    for spec in specs:
+        r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=200,
+                                      extra_body={"structured_outputs": spec}, **GREEDY)
+        want = _constrained(library, PROMPT, spec, max_tokens=200, **GREEDY)
+        text = r.choices[0].text
+        assert text == want.text and r.choices[0].finish_reason == "stop", (spec, text)
+        streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=200, stream=True,
+                                             extra_body={"structured_outputs": spec}, **GREEDY)
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == text
+    assert text == json.dumps(_is_answer(text))
+
+
+def test_response_text_format_json_schema(client, library):
+    fmt = {"type": "json_schema", "name": "answer", "schema": SCHEMA, "strict": True}
+    r = client.responses.create(model=MODEL, input="Answer in JSON.", text={"format": fmt}, max_output_tokens=300,
+                                **GREEDY)
+    want = _constrained(library, {"messages": [{"role": "user", "content": "Answer in JSON."}]}, {"json": SCHEMA},
+                        max_tokens=300, **GREEDY)
+    assert r.status == "completed" and r.output_text == want.text
+    _is_answer(r.output_text)
+    assert r.text.format.type == "json_schema" and r.text.format.name == "answer"
+
+
+def test_a_stage_refused_grammar_is_a_400_and_the_server_serves_on(server, client):
+    """A grammar only the stage sees (through sampling_params_list) is refused by the stage: a 400
+    naming the problem, and the next request is served."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+            "sampling_params_list": [{"structured_outputs": {"regex": "(("}}]}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=_auth(), timeout=60)
+    assert r.status_code == 400 and "regex is not valid" in r.json()["error"]["message"], r.text
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, **GREEDY).choices[0].text

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any, Callable
 
 import jax
@@ -27,10 +28,11 @@ from .incremental_detokenizer import IncrementalDetokenizer
 from .jitted import Jitted
 from .protocol import Request, StageInputs, StageOutput
 from .runner import ModelRunner, RunnerConfig, compilation_count
-from .sampling import sample
+from .sampling import apply_token_bitmask, sample
 from .sampling_metadata import PAD_TOKEN_ID, SamplingFlags, SamplingMetadataBuilder
 from .sampling_params import MAX_LOGPROBS, SamplingParams
 from .scheduler import ARScheduler, SchedulerConfig
+from .structured_output import Grammars
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,10 +96,12 @@ class _StreamedRows:
 
 def _needs_token_on_host(req: Request) -> bool:
     """Whether a request's next step needs its last sampled token on the host: penalty
-    histories are built there, and embedding inputs are packed there (an after-sample
-    stage gives every request its feedback embeddings, so its steps never go ahead)."""
+    histories are built there, structured outputs' masks computed there, and embedding inputs
+    are packed there (an after-sample stage gives every request its feedback embeddings, so
+    its steps never go ahead)."""
     d = req.data
-    return req.sampling_params.uses_penalties or (d is not None and (d.is_rich or d.capture_hidden))
+    return (req.sampling_params.uses_penalties or req.grammar is not None
+            or (d is not None and (d.is_rich or d.capture_hidden)))
 
 
 def _prompt_embeds_salt(inputs: StageInputs | None, rich: bool) -> str | None:
@@ -124,6 +128,7 @@ class _Batch:
         self.token_on_host = any(map(_needs_token_on_host, requests))  # a sampled token needed on the host
         self.capture_hidden = any(r.data is not None and r.data.capture_hidden for r in requests)
         self.prompt_logprobs = any(r.num_prompt_logprobs is not None for r in requests)
+        self.grammars = any(r.grammar is not None for r in requests)  # structured outputs
         self._sampler_inputs = None
 
     def same(self, chunks) -> bool:
@@ -181,9 +186,14 @@ class AREngine:
         self._history_width = history
         self._empty_histories: dict[int, jax.Array] = {}
         self.jitted = Jitted(sample=jax.jit(sample, static_argnames=("flags",)))
+        self.grammars = None  # structured outputs: a stage that detokenizes its replies can constrain them
+        if tokenizer is not None and cfg.vocab_size:
+            self.grammars = Grammars(tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+            self.jitted.allow = jax.jit(apply_token_bitmask)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[StageOutput] = []
         self._streamed: dict[str, _StreamedRows] = {}  # requests whose extra rows are still coming
+        self._building: dict[str, Any] = {}  # request id -> Future of its structured-output Grammar
         self._in_flight: _Launched | None = None  # launched, outputs not applied yet
         self._batch = _Batch([])  # the last step's requests
         self._last_tables: tuple[Any, np.ndarray] | None = None  # the last step's (SchedulerOutput, block tables)
@@ -220,6 +230,14 @@ class AREngine:
             raise RequestError(f"request {request_id!r}: more than {self.cfg.banned_width} suppressed/stop ids")
         if params.seed is None and not params.is_greedy:
             params = params.with_seed()
+        grammar = None  # a Future of the request's structured_output.Grammar
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise RequestError(f"request {request_id!r}: structured outputs need a stage with a tokenizer")
+            try:
+                grammar = self.grammars.build(params.structured_outputs)
+            except ValueError as e:
+                raise RequestError(f"request {request_id!r}: structured_outputs: {e}") from None
         mm_hashes = []
         if multi_modal_data is not None:
             if self.prepare_inputs is None:
@@ -259,6 +277,9 @@ class AREngine:
                       has_prompt_embeds=rich, cache_salt=_prompt_embeds_salt(inputs, rich),
                       eos_token_ids=self.cfg.eos_token_ids, data=inputs,
                       captures_hidden=inputs is not None and inputs.capture_hidden)
+        if grammar is not None:
+            req.input_limit = 0  # no step until its grammar is built (_admit_grammars)
+            self._building[request_id] = grammar
         if self.tokenizer is not None:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
         if stream:
@@ -268,6 +289,7 @@ class AREngine:
             self.scheduler.add_request(req)
         except ValueError as e:
             self._streamed.pop(request_id, None)
+            self._building.pop(request_id, None)
             raise RequestError.of(request_id, e) from None
         if req.detokenizer is not None:  # kept past the request's release, for its last text
             self._detok[request_id] = req.detokenizer
@@ -306,13 +328,15 @@ class AREngine:
         """Abort a request wherever it is; its blocks return to the pool."""
         self._detok.pop(request_id, None)
         self._streamed.pop(request_id, None)
+        self._building.pop(request_id, None)
         if self.hidden_cache is not None:
             self.hidden_cache.release(request_id)
         return self.scheduler.abort_request(request_id)
 
     def has_unfinished(self) -> bool:
         """True while a step would make progress (requests waiting for input chunks do not count)."""
-        return self.scheduler.has_ready_requests() or bool(self._pending) or self._in_flight is not None
+        return (self.scheduler.has_ready_requests() or bool(self._pending) or self._in_flight is not None
+                or bool(self._building))
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[StageOutput]:
@@ -323,10 +347,14 @@ class AREngine:
         device work, and each call returns the outputs of the step launched before it.
         """
         out, self._pending = self._pending, []
+        if self._building:
+            out += self._admit_grammars()
         if self._in_flight is None:
             sched = self.scheduler.schedule()
             if sched.is_empty:
                 self.scheduler.update_from_output(sched, {})
+                if self._building:  # only grammars being built: wait a little for one, not spin
+                    wait(list(self._building.values()), timeout=0.01, return_when=FIRST_COMPLETED)
                 return out
             launched = self._launch(sched)
             if isinstance(launched, list):  # the step failed
@@ -417,6 +445,8 @@ class AREngine:
         except Exception as e:
             return self._fail(sched, e)
         step_outputs = self.scheduler.update_from_output(sched, sampled)
+        if launched.batch.grammars:
+            self._advance_grammars(step_outputs)
         self.stats["steps"] += 1
         self.stats["preemptions"] += len(sched.preempted_request_ids)
         self.stats[f"{result.kind}_steps"] += 1
@@ -465,6 +495,39 @@ class AREngine:
                 out.append(StageOutput(request_id=rid, hidden_states=hidden, hidden_offset=offset))
         return out
 
+    def _admit_grammars(self) -> list[StageOutput]:
+        """Let the requests whose grammars are built be scheduled; fail those whose grammars do not
+        compile (a reason only the tokenizer shows), alone."""
+        out = []
+        for rid, built in list(self._building.items()):
+            if not built.done():
+                continue
+            del self._building[rid]
+            req = self.scheduler.get_request(rid)
+            if req is None:
+                continue
+            try:
+                req.grammar, req.input_limit = built.result(), None
+            except ValueError as e:
+                error = f"request {rid!r}: structured_outputs: {e}"
+                self.scheduler.finish_request(rid, reason="error", error=error)
+                self._detok.pop(rid, None)
+                out.append(StageOutput(request_id=rid, finished=True, finish_reason="error", error=error,
+                                       error_code="invalid_request"))
+        return out
+
+    def _advance_grammars(self, step_outputs: list[StageOutput]) -> None:
+        """Move each going-on request's grammar over its new tokens; a request whose tokens do
+        not fit (a grammar past llguidance's limits) fails alone."""
+        for o in step_outputs:
+            r = None if o.finished or not o.new_token_ids else self.scheduler.get_request(o.request_id)
+            if r is None or r.grammar is None:
+                continue
+            error = r.grammar.accept(o.new_token_ids)
+            if error is not None and self.scheduler.finish_request(o.request_id, reason="error", error=error):
+                o.finished, o.finish_reason, o.error, o.error_code = True, "error", error, "internal"
+                self._detok.pop(o.request_id, None)
+
     def _keep_hidden_rows(self, hidden_of: dict, replayed: dict, chunks) -> None:
         """Record the step's hidden rows of prefix-cached requests in the hidden cache, and put a
         hit's kept rows before its first computed ones (`hidden_of` is changed in place)."""
@@ -496,7 +559,11 @@ class AREngine:
         flags = _canonical(flags)
         if flags.any_penalties and md.history_ids is None:
             md = md.replace(history_ids=self._empty_history(bucket))
-        return reqs, self.jitted.sample(result.logits, md, flags=flags)
+        logits = result.logits
+        if batch.grammars:
+            bits = self.grammars.bitmask([r.grammar for r in reqs], bucket)
+            logits = self.jitted.allow(logits, self.runner.on_mesh(bits))
+        return reqs, self.jitted.sample(logits, md, flags=flags)
 
     def _launch_prompt_logprobs(self, result, chunks):
         """Launch the prompt logprobs of the step's chunks that ask for them and still have
@@ -631,6 +698,8 @@ class AREngine:
                     md = md.replace(history_ids=self._empty_history(b))
                 logits = self.runner.on_mesh(jax.numpy.zeros((b, vocab), jax.numpy.float32))  # as a step's
                 jax.block_until_ready(self.jitted.sample(logits, md, flags=flags))
+            if self.grammars is not None:
+                jax.block_until_ready(self.jitted.allow(logits, self.runner.on_mesh(self.grammars.bitmask([], b))))
             if self.runner.cfg.after_sample:
                 z = np.zeros(b, np.int32)
                 self.runner.after_sample(jax.numpy.zeros((b, self.runner.hidden_size), self.runner.dtype), z,

@@ -432,6 +432,8 @@ class Request:
         # Its hidden states are returned: a prefix-cache hit must replay the cached blocks' rows.
         self.captures_hidden = captures_hidden
         self.data = data
+        # The engine's structured-output matcher (structured_output.Grammar), if the reply has one.
+        self.grammar: Any = None
 
         # Stop conditions, read once from the sampling params.
         self.max_tokens: Optional[int] = _sampling_attr(sampling_params, "max_tokens", None)

@@ -10,7 +10,9 @@ Order of operations (as vLLM v1): suppress tokens and, while a request has produ
 than `min_tokens`, its eos/stop ids (-> -inf); repetition / frequency / presence penalties;
 greedy rows take the argmax; random rows are divided by their temperature, then top-k,
 top-p and min-p masks are applied and a token is drawn by Gumbel-max with the request's
-own PRNG key.
+own PRNG key. Before all of it, a batch holding structured outputs masks the tokens their
+grammars do not allow (`apply_token_bitmask`, its own small program), so logprobs describe
+the allowed tokens.
 
 Determinism: a request's key is `fold_in(key(seed), num_output_tokens)`, and every
 operation is row-wise, so a seeded request draws the same tokens whatever else is in the
@@ -62,6 +64,15 @@ def apply_banned(logits: jax.Array, banned_ids: jax.Array) -> jax.Array:
     """Set logits[b, banned_ids[b, j]] to -inf; PAD_TOKEN_ID entries are dropped."""
     rows = jnp.arange(logits.shape[0])[:, None]
     return logits.at[rows, banned_ids].set(-jnp.inf, mode="drop")
+
+
+def apply_token_bitmask(logits: jax.Array, bits: jax.Array) -> jax.Array:
+    """Set logits[b, t] to -inf where bit t % 32 of bits[b, t // 32] is clear (structured
+    outputs: `structured_output.Grammars.bitmask`); a row of all ones is unchanged."""
+    B, V = logits.shape
+    shifts = jnp.arange(32, dtype=jnp.int32)
+    allowed = ((bits[:, :, None] >> shifts) & 1).reshape(B, -1)[:, :V]
+    return jnp.where(allowed != 0, logits, -jnp.inf)
 
 
 def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:

@@ -45,6 +45,58 @@ def _bad(field: str, value: Any, requirement: str) -> ValueError:
     return ValueError(f"SamplingParams.{field} must be {requirement}, got {value!r}")
 
 
+MAX_GRAMMAR_CHARS = 1 << 16  # a schema, regex, grammar or the choices together: compiled on the stage's loop
+
+
+class StructuredOutputs(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """What a reply must match (vLLM's structured outputs): exactly one of a JSON schema (`json`,
+    a dict or its JSON text), any JSON object (`json_object`), a regular expression (`regex`),
+    one of some strings (`choice`) or a Lark / GBNF grammar (`grammar`). JSON may hold up to
+    64 whitespace characters between its tokens, none with `disable_any_whitespace`.
+
+    Each step masks the tokens that cannot continue a match (`engine/structured_output.py`);
+    once the match is complete only an end-of-reply token is allowed. A reply cut by
+    `max_tokens` may still be incomplete. Whether the grammar itself compiles is checked where
+    the request is served (`structured_output.grammar_of`).
+    """
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    # JSON without whitespace between tokens (", " and ": " separate): a model cannot pad it.
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        set_ = msgspec.structs.force_setattr
+        if isinstance(self.json, dict):  # kept as text: a frozen value, as the wire carries it
+            set_(self, "json", msgspec.json.encode(self.json).decode())
+        if isinstance(self.choice, list):
+            set_(self, "choice", tuple(self.choice))
+        for name in ("json_object", "disable_any_whitespace"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"StructuredOutputs.{name} must be a bool, got {getattr(self, name)!r}")
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object is True else []
+        if len(given) != 1:
+            raise ValueError(f"StructuredOutputs needs exactly one of json, json_object, regex, choice or "
+                             f"grammar, got {given or 'none'}")
+        for name in ("json", "regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, str) and v and is_utf8(v)):
+                raise ValueError(f"StructuredOutputs.{name} must be a non-empty string of UTF-8 text, got {v!r:.80}")
+        size = sum(len(v) for v in (self.json, self.regex, self.grammar) if v is not None)
+        size += sum(len(c) for c in self.choice or () if isinstance(c, str))
+        if size > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"StructuredOutputs: at most {MAX_GRAMMAR_CHARS} characters of schema, regex, choices "
+                             f"or grammar, got {size}")
+        if self.choice is not None and not (
+                self.choice and all(isinstance(c, str) and c and is_utf8(c) for c in self.choice)):
+            raise ValueError(f"StructuredOutputs.choice must be a non-empty list of non-empty strings, "
+                             f"got {self.choice!r:.80}")
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     """How one request's tokens are chosen and when its generation stops.
 
@@ -56,6 +108,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tr
     `logprobs=n` returns the sampled token's logprob plus the top `n` (0 = sampled only).
     `prompt_logprobs=n` returns, per prompt position after the first, the prompt token's
     logprob plus the top `n` (computed in prefill; such a request reads no prefix cache).
+    `structured_outputs` constrains the reply to a JSON schema, regex, choice or grammar.
     `seed=None` draws fresh randomness every step; `with_seed()` / `assign_seed` fixes a
     random seed at request creation so the request can be replayed.
     """
@@ -77,6 +130,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tr
     prompt_logprobs: int | None = None
     suppress_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputs | None = None
     # Stage-specific options beyond sampling (vLLM's name), e.g. a vocoder stage's
     # "initial_codec_chunk_frames"; the stage that reads a key validates its value.
     extra_args: dict[str, Any] | None = None
@@ -87,6 +141,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tr
         set_ = msgspec.structs.force_setattr
         if isinstance(self.stop, str):
             set_(self, "stop", (self.stop,))
+        if isinstance(self.structured_outputs, dict):  # as JSON gives it (sampling_params_list)
+            try:
+                set_(self, "structured_outputs", StructuredOutputs(**self.structured_outputs))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"SamplingParams.structured_outputs: {e}") from None
         for name in ("stop", "stop_token_ids", "suppress_token_ids"):
             value = getattr(self, name)
             if isinstance(value, (list, np.ndarray)):
@@ -148,6 +207,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tr
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "a bool")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputs):
+                raise _bad("structured_outputs", self.structured_outputs, "None or a StructuredOutputs")
+            if self.min_tokens:  # the grammar says where the reply ends; min_tokens could contradict it
+                raise _bad("min_tokens", self.min_tokens, "0 with structured_outputs")
         if self.extra_args is not None and (not isinstance(self.extra_args, dict)
                                             or not all(isinstance(k, str) for k in self.extra_args)):
             raise _bad("extra_args", self.extra_args, "None or a dict with string keys")

@@ -21,12 +21,13 @@ from fastapi.responses import JSONResponse
 
 from . import audio as audio_codec
 from .engine import ServedEngine
-from .errors import bad_request, error_body, short
+from .errors import bad_request, error_body
 from .generation import (Generation, check_model, failure, finish_reason, finished_outputs, merged,
                          open_requests, prepare)
 from .logprobs import token_logprobs
 from .messages import MediaPolicy, to_prompt
 from .reply_audio import ReplyAudio
+from .structured import structured_outputs
 from .metrics import Metrics
 from .schemas import ChatCompletionRequest
 from .stage_params import sample_params, stage_params
@@ -65,9 +66,6 @@ def _validate(req: ChatCompletionRequest) -> None:
         if getattr(req, name) not in (None, "none", "auto"):
             raise bad_request(f"{name} needs function calling, which this server does not support", name,
                               "unsupported_parameter")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise bad_request(f"response_format {short(req.response_format.get('type'))} is not supported by this "
-                          "server; only 'text'", "response_format", "unsupported_parameter")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     if req.stream and req.audio is not None and req.audio.format != "pcm16":
@@ -97,7 +95,8 @@ class ChatHandler:
             raise bad_request("n > 1 is only supported for text replies (modalities ['text'])", "n")
         prompt = to_prompt(req.messages, self.policy, self.replies)
         params = stage_params(self.engine.stage_defaults(self.engine.stage_names(mods)), req,
-                              logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+                              logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                              structured_outputs=structured_outputs(req, req.response_format, "response_format"))
         voice = req.audio.voice if req.audio is not None else None
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.n > 1:  # n samples of the one prompt: processed once

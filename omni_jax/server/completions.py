@@ -29,6 +29,7 @@ from .metrics import Metrics
 from .schemas import MAX_CHOICES, CompletionRequest
 from .sse import DONE, event, event_stream
 from .stage_params import sample_params, stage_params
+from .structured import structured_outputs
 
 MODALITIES = ["text"]
 
@@ -140,7 +141,8 @@ class CompletionsHandler:
         echo_only = req.echo and req.max_tokens == 0
         params = stage_params(self.engine.stage_defaults(self.engine.stage_names(MODALITIES)), req,
                               max_tokens=1 if echo_only else req.max_tokens, logprobs=req.logprobs,
-                              prompt_logprobs=req.logprobs if req.echo else None)
+                              prompt_logprobs=req.logprobs if req.echo else None,
+                              structured_outputs=structured_outputs(req, req.response_format, "response_format"))
         if len(prompts) * req.n > MAX_CHOICES:
             raise bad_request(f"{len(prompts)} prompt(s) x n={req.n} make more than {MAX_CHOICES} choices", "n")
         rid = f"cmpl-{uuid.uuid4().hex}"

@@ -32,6 +32,7 @@ from .metrics import Metrics
 from .schemas import ResponseRequest
 from .sse import event_stream
 from .stage_params import stage_params
+from .structured import structured_outputs
 
 MODALITIES = ["text"]
 LOGPROBS = "message.output_text.logprobs"
@@ -90,10 +91,6 @@ def _validate(req: ResponseRequest) -> None:
     for name, off in _UNSERVED.items():
         if getattr(req, name) not in off:
             raise bad_request(f"{name} is not supported by this server", name, "unsupported_parameter")
-    fmt = (req.text or {}).get("format") or {"type": "text"}
-    if not isinstance(fmt, dict) or fmt.get("type") != "text":
-        raise bad_request("text.format other than text is not supported by this server", "text.format",
-                          "unsupported_parameter")
     if req.truncation == "auto":
         raise bad_request("truncation 'auto' is not supported: a conversation past the context is refused",
                           "truncation", "unsupported_parameter")
@@ -151,8 +148,12 @@ class _Reply:
                 "parallel_tool_calls": req.parallel_tool_calls is not False,
                 "previous_response_id": req.previous_response_id, "temperature": req.temperature,
                 "top_p": req.top_p, "top_logprobs": req.top_logprobs, "tool_choice": "auto", "tools": [],
-                "text": {"format": {"type": "text"}}, "truncation": "disabled", "store": req.store,
+                "text": {"format": _format(req) or {"type": "text"}}, "truncation": "disabled", "store": req.store,
                 "metadata": req.metadata or {}, "user": req.user, "usage": usage}
+
+
+def _format(req: ResponseRequest):
+    return (req.text or {}).get("format") if isinstance(req.text, dict) else None
 
 
 def _status(out) -> str:
@@ -181,7 +182,8 @@ class ResponsesHandler:
         # the logprobs come with `include` or `top_logprobs` (OpenAI: either asks for them)
         logprobs = (req.top_logprobs or 0) if LOGPROBS in (req.include or ()) or req.top_logprobs is not None else None
         params = stage_params(self.engine.stage_defaults(self.engine.stage_names(MODALITIES)), req,
-                              max_tokens=req.max_output_tokens, logprobs=logprobs)
+                              max_tokens=req.max_output_tokens, logprobs=logprobs,
+                              structured_outputs=structured_outputs(req, _format(req), "text.format", nested=False))
         rid = f"resp_{uuid.uuid4().hex}"
         gen = await open_request(self.engine, {"messages": [*system, *messages]}, params, MODALITIES, None, rid,
                                  request=request, prompt_param="input")

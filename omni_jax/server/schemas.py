@@ -73,6 +73,8 @@ class _Sampling(_Body):
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     min_tokens: int | None = Field(default=None, ge=0)
     ignore_eos: bool | None = None
+    # the reply's constraint: json, json_object, regex, choice or grammar (server/structured.py)
+    structured_outputs: dict[str, Any] | None = None
 
 
 class _Stops(_Sampling):
@@ -139,6 +141,7 @@ class CompletionRequest(_Stops):
     # OpenAI's, not served (completions.py refuses them by name).
     suffix: str | None = None
     logit_bias: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None  # vLLM's: text, json_object or json_schema
 
 
 class SpeechRequest(_Body):

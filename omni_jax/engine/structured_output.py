@@ -1,0 +1,141 @@
+"""Structured outputs on the host: a request's grammar, and the tokens it allows each step.
+
+`grammar_of(spec)` turns a `StructuredOutputs` into an llguidance grammar, or a ValueError
+saying what is wrong with it (the server calls it to answer a bad schema with a 400 before the
+request is sent). `Grammars` belongs to one engine: on a thread of its own it wraps the stage's
+tokenizer for llguidance once (about a second for Qwen's 152k tokens, at the first structured
+request, not at every stage start) and builds each request's `Grammar` (milliseconds, up to a
+second for a large schema); the engine's loop goes on meanwhile, and the request waits for its
+grammar as a streamed request waits for input. It also packs the allowed tokens of a step's
+rows into the bitmask the sampler's `apply_token_bitmask` reads (bit t % 32 of word t // 32
+set: token t allowed).
+
+llguidance (guidance-ai's, one of vLLM's structured-output backends) computes a mask from the
+tokenizer's byte strings and a lazily built lexer, in tens of microseconds per step for JSON;
+it needs neither torch nor the tokenizer's Python object, only its `tokenizer.json` text.
+A request's mask depends on its last token, so a batch holding one waits for its tokens on the
+host before the next step (as penalties do): no step is launched ahead for it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from .sampling_params import StructuredOutputs
+
+
+# JSON's whitespace between two tokens: enough to pretty-print a deep reply, bounded so that a
+# model cannot pad a reply without end (outlines bounds it for the same reason); or none at all.
+MAX_JSON_WHITESPACE = 64
+_FLEXIBLE = {"whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{MAX_JSON_WHITESPACE}}}"}
+_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def grammar_of(spec: StructuredOutputs) -> str:
+    """The llguidance grammar of `spec`; ValueError with llguidance's reason if it does not compile."""
+    from llguidance import LLMatcher, grammar_from
+
+    try:
+        if spec.json is not None or spec.json_object:
+            options = _COMPACT if spec.disable_any_whitespace else _FLEXIBLE
+            grammar = LLMatcher.grammar_from_json_schema(spec.json or '{"type": "object"}', overrides=options)
+        elif spec.regex is not None:
+            grammar = LLMatcher.grammar_from_regex(spec.regex)
+        elif spec.choice is not None:
+            grammar = grammar_from("choice", json.dumps(list(spec.choice)))
+        else:
+            grammar = grammar_from("grammar", spec.grammar)
+    except ValueError as e:
+        raise ValueError(f"{_kind(spec)} is not valid: {_one_line(str(e))}") from None
+    error = LLMatcher.validate_grammar(grammar)
+    if error:
+        raise ValueError(f"{_kind(spec)} is not valid: {_one_line(error)}")
+    return grammar
+
+
+def _one_line(reason: str) -> str:
+    """llguidance's multi-line reason as one line, without its carets and its echo of the
+    grammar it made (the request's own text is what a reader knows)."""
+    lines = (line.strip() for line in reason.splitlines())
+    text = " ".join(line for line in lines if line and set(line) != {"^"} and not re.match(r"\d+ \|", line))
+    return text if len(text) <= _MAX_REASON else text[:_MAX_REASON] + "..."
+
+
+_MAX_REASON = 300  # llguidance may list every special token of the vocabulary
+_KINDS = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex", "choice": "choice",
+          "grammar": "grammar"}
+
+
+def _kind(spec: StructuredOutputs) -> str:
+    return next(label for k, label in _KINDS.items() if getattr(spec, k) not in (None, False))
+
+
+class Grammar:
+    """One request's position in its grammar."""
+
+    def __init__(self, matcher):
+        self._matcher = matcher
+
+    def accept(self, token_ids) -> str | None:
+        """Advance over the request's new tokens; the reason when they do not fit, else None."""
+        m = self._matcher
+        if m.is_stopped():  # complete: only an end token was allowed, which ended the request
+            return None
+        if not m.consume_tokens([int(t) for t in token_ids]):
+            return f"structured output: {m.get_error() or 'a sampled token does not fit the grammar'}"
+        return None
+
+    def fill(self, row: np.ndarray) -> None:
+        """Write the tokens allowed next into `row` (one int32 word per 32 tokens)."""
+        self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+
+
+class Grammars:
+    """The structured-output side of one engine (see module docstring)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._eos = [int(t) for t in eos_token_ids]
+        self.words = (vocab_size + 31) // 32
+        self._pool: ThreadPoolExecutor | None = None
+
+    @functools.cached_property
+    def _lltokenizer(self):
+        from llguidance import LLTokenizer
+
+        fast = getattr(self._tokenizer, "backend_tokenizer", self._tokenizer)  # transformers' wraps one
+        if not hasattr(fast, "to_str"):
+            raise ValueError("structured outputs need the checkpoint's tokenizer.json (a fast tokenizer)")
+        # The model's vocabulary (its logits' width) may exceed the tokenizer's: ids past the
+        # tokenizer's are never allowed.
+        return LLTokenizer(fast.to_str(), n_vocab=self.vocab_size, eos_token=self._eos or None)
+
+    def build(self, spec: StructuredOutputs) -> Future:
+        """Start building `spec`'s Grammar: a Future of it, or of the ValueError saying why it
+        does not compile. What needs no tokenizer is checked here and now (ValueError)."""
+        grammar = grammar_of(spec)
+        if self._pool is None:  # llguidance releases the GIL while it builds
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammars")
+        return self._pool.submit(self._matcher, grammar, _kind(spec))
+
+    def _matcher(self, grammar: str, kind: str) -> Grammar:
+        from llguidance import LLMatcher
+
+        matcher = LLMatcher(self._lltokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"{kind} is not valid: {_one_line(matcher.get_error())}")
+        return Grammar(matcher)
+
+    def bitmask(self, grammars: list[Grammar | None], rows: int) -> np.ndarray:
+        """[rows, words] int32: each grammar's allowed tokens in its row, every token elsewhere."""
+        bits = np.full((rows, self.words), -1, np.int32)
+        for j, g in enumerate(grammars):
+            if g is not None:
+                g.fill(bits[j])
+        return bits

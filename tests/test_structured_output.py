@@ -1,6 +1,7 @@
-"""Structured outputs: the sampler's token mask against llguidance's own numpy one, the spec's
-checks, and the built-in tiny model's thinker engine constrained to JSON schemas, regexes,
-choices and grammars, with the replies checked by Python's own json and re."""
+"""Structured outputs and logit bias, what shapes the logits before sampling: the sampler's mask
+and bias against numpy (llguidance's own mask), the spec's checks, and the built-in tiny model's
+thinker engine constrained to JSON schemas, regexes, choices and grammars (the replies checked by
+Python's own json and re) or biased."""
 
 from __future__ import annotations
 
@@ -181,3 +182,42 @@ def test_a_bad_grammar_or_a_cut_reply_loses_nothing_else(engine):
     assert engine.abort("left")
     done = _run(engine, {"after": SamplingParams(temperature=0.0, max_tokens=300, structured_outputs=spec)})
     _checks_schema(done["after"][0])
+
+
+def test_shape_logits_adds_the_bias_then_masks():
+    """sampling.shape_logits against numpy: each row's bias added at its ids (padding dropped), then
+    the bitmask."""
+    from llguidance.numpy import apply_token_bitmask_inplace
+
+    from omni_jax.engine.sampling import shape_logits
+    from omni_jax.engine.sampling_metadata import logit_bias_arrays
+
+    rng = np.random.default_rng(0)
+    vocab = 100
+    logits = rng.normal(size=(3, vocab)).astype(np.float32)
+    params = [SamplingParams(logit_bias={5: -100, 17: 2.5}), SamplingParams(), SamplingParams(logit_bias={99: 100})]
+    ids, bias = logit_bias_arrays(params, 3)
+    bits = rng.integers(-2**31, 2**31, size=(3, 4), dtype=np.int64).astype(np.int32)
+    want = logits.copy()
+    want[0, 5] -= 100
+    want[0, 17] += 2.5
+    want[2, 99] += 100
+    apply_token_bitmask_inplace(want, bits)
+    np.testing.assert_allclose(np.asarray(jax.jit(shape_logits)(logits, ids, bias, bits)), want, rtol=0, atol=1e-6)
+
+
+def test_logit_bias_in_the_engine(engine):
+    """-100 on the greedy first token makes the runner-up (by the engine's own logprobs) first; +100
+    forces a token under sampling too; a biased request leaves its batch-mate's tokens alone; an id
+    past the vocabulary is refused by name."""
+    lp = _run(engine, {"lp": SamplingParams(temperature=0.0, max_tokens=1, logprobs=2)})["lp"][2].logprobs[0]
+    top, second = [token for token, _ in lp["top"]]
+    banned = _run(engine, {"b": SamplingParams(temperature=0.0, max_tokens=1, logit_bias={top: -100})})
+    assert banned["b"][1] == [second]
+    plain = SamplingParams(temperature=0.0, max_tokens=6)
+    both = _run(engine, {"f": SamplingParams(temperature=1.0, seed=3, max_tokens=6, logit_bias={1234: 100}),
+                         "p": plain})
+    assert both["f"][1] == [1234] * 6
+    assert both["p"][1] == _run(engine, {"p": plain})["p"][1]
+    with pytest.raises(RequestError, match="logit_bias must be token ids < vocab_size"):
+        engine.add_request("far", PROMPT, SamplingParams(logit_bias={engine.vocab_size: 1}))

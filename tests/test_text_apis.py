@@ -181,7 +181,8 @@ def test_a_streamed_batch_equals_the_whole_reply(client):
     ({"prompt": "word " * 600}, "prompt", "context_length_exceeded"),
     ({"n": 2, "best_of": 3}, "best_of", "unsupported_parameter"),
     ({"suffix": "end"}, "suffix", "unsupported_parameter"),
-    ({"logit_bias": {"1": 5}}, "logit_bias", "unsupported_parameter"),
+    ({"logit_bias": {"1": -101}}, "logit_bias", "invalid_value"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", "invalid_value"),
     ({"structured_outputs": {"grammar": "start: nothing_defined"}}, "structured_outputs", "invalid_value"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": []}}},
      "response_format.json_schema.schema", "invalid_value"),
@@ -516,6 +517,26 @@ def test_response_text_format_json_schema(client, library):
     assert r.status == "completed" and r.output_text == want.text
     _is_answer(r.output_text)
     assert r.text.format.type == "json_schema" and r.text.format.name == "answer"
+
+
+def test_logit_bias_bans_and_forces_tokens(client, library):
+    """OpenAI's logit_bias: -100 on the greedy first token makes the runner-up first (the library's
+    own logprobs say which), +100 forces a token, in chat and completions alike; a token id past
+    the vocabulary is a 400."""
+    first = _want(library, PROMPT, max_tokens=1, logprobs=2, **GREEDY)
+    rank = {lp.rank: token for token, lp in first.logprobs[0].items()}
+    top, second = rank[1], rank[2]
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, logit_bias={str(top): -100}, **GREEDY)
+    assert library.tokenizer.encode(r.choices[0].text) == [second]
+    forced = library.tokenizer.encode(" sky")[0]
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, logit_bias={str(forced): 100},
+                                  temperature=1.0, seed=1)
+    assert library.tokenizer.encode(r.choices[0].text) == [forced] * 3
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                       logit_bias={str(forced): 100}, **GREEDY)
+    assert r.choices[0].message.content == library.tokenizer.decode([forced] * 3)
+    with pytest.raises(openai.BadRequestError, match="vocab_size"):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, logit_bias={"10000000": 5})
 
 
 def test_a_stage_refused_grammar_is_a_400_and_the_server_serves_on(server, client):

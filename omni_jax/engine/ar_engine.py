@@ -28,11 +28,11 @@ from .incremental_detokenizer import IncrementalDetokenizer
 from .jitted import Jitted
 from .protocol import Request, StageInputs, StageOutput
 from .runner import ModelRunner, RunnerConfig, compilation_count
-from .sampling import apply_token_bitmask, sample
-from .sampling_metadata import PAD_TOKEN_ID, SamplingFlags, SamplingMetadataBuilder
+from .sampling import sample, shape_logits
+from .sampling_metadata import PAD_TOKEN_ID, SamplingFlags, SamplingMetadataBuilder, logit_bias_arrays
 from .sampling_params import MAX_LOGPROBS, SamplingParams
 from .scheduler import ARScheduler, SchedulerConfig
-from .structured_output import Grammars
+from .structured_output import Grammars, allow_all
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +129,7 @@ class _Batch:
         self.capture_hidden = any(r.data is not None and r.data.capture_hidden for r in requests)
         self.prompt_logprobs = any(r.num_prompt_logprobs is not None for r in requests)
         self.grammars = any(r.grammar is not None for r in requests)  # structured outputs
+        self.shaped = self.grammars or any(r.sampling_params.logit_bias for r in requests)  # sampling.shape_logits
         self._sampler_inputs = None
 
     def same(self, chunks) -> bool:
@@ -185,11 +186,10 @@ class AREngine:
                                                         history_min_width=history)
         self._history_width = history
         self._empty_histories: dict[int, jax.Array] = {}
-        self.jitted = Jitted(sample=jax.jit(sample, static_argnames=("flags",)))
+        self.jitted = Jitted(sample=jax.jit(sample, static_argnames=("flags",)), shape=jax.jit(shape_logits))
         self.grammars = None  # structured outputs: a stage that detokenizes its replies can constrain them
         if tokenizer is not None and cfg.vocab_size:
             self.grammars = Grammars(tokenizer, cfg.vocab_size, cfg.eos_token_ids)
-            self.jitted.allow = jax.jit(apply_token_bitmask)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[StageOutput] = []
         self._streamed: dict[str, _StreamedRows] = {}  # requests whose extra rows are still coming
@@ -560,10 +560,18 @@ class AREngine:
         if flags.any_penalties and md.history_ids is None:
             md = md.replace(history_ids=self._empty_history(bucket))
         logits = result.logits
-        if batch.grammars:
-            bits = self.grammars.bitmask([r.grammar for r in reqs], bucket)
-            logits = self.jitted.allow(logits, self.runner.on_mesh(bits))
+        if batch.shaped:
+            logits = self.jitted.shape(logits, *self._shaping(reqs, params, bucket, logits.shape[1]))
         return reqs, self.jitted.sample(logits, md, flags=flags)
+
+    def _shaping(self, reqs, params, rows: int, vocab: int) -> tuple:
+        """`shape_logits`' inputs on the stage's mesh: the rows' logit biases and allowed tokens."""
+        bias_ids, bias = logit_bias_arrays(params, rows)
+        if any(r.grammar is not None for r in reqs):
+            bits = self.grammars.bitmask([r.grammar for r in reqs], rows)
+        else:
+            bits = allow_all(rows, vocab)
+        return self.runner.on_mesh((bias_ids, bias, bits))
 
     def _launch_prompt_logprobs(self, result, chunks):
         """Launch the prompt logprobs of the step's chunks that ask for them and still have
@@ -698,8 +706,8 @@ class AREngine:
                     md = md.replace(history_ids=self._empty_history(b))
                 logits = self.runner.on_mesh(jax.numpy.zeros((b, vocab), jax.numpy.float32))  # as a step's
                 jax.block_until_ready(self.jitted.sample(logits, md, flags=flags))
-            if self.grammars is not None:
-                jax.block_until_ready(self.jitted.allow(logits, self.runner.on_mesh(self.grammars.bitmask([], b))))
+            if self.grammars is not None:  # a text stage; the others compile it if a logit_bias comes
+                jax.block_until_ready(self.jitted.shape(logits, *self._shaping([], [], b, vocab)))
             if self.runner.cfg.after_sample:
                 z = np.zeros(b, np.int32)
                 self.runner.after_sample(jax.numpy.zeros((b, self.runner.hidden_size), self.runner.dtype), z,

@@ -10,9 +10,9 @@ Order of operations (as vLLM v1): suppress tokens and, while a request has produ
 than `min_tokens`, its eos/stop ids (-> -inf); repetition / frequency / presence penalties;
 greedy rows take the argmax; random rows are divided by their temperature, then top-k,
 top-p and min-p masks are applied and a token is drawn by Gumbel-max with the request's
-own PRNG key. Before all of it, a batch holding structured outputs masks the tokens their
-grammars do not allow (`apply_token_bitmask`, its own small program), so logprobs describe
-the allowed tokens.
+own PRNG key. Before all of it, a batch holding a logit bias or a structured output adds the
+biases and masks the tokens the grammars do not allow (`shape_logits`, its own small program,
+run only for such batches), so logprobs describe the biased, allowed distribution.
 
 Determinism: a request's key is `fold_in(key(seed), num_output_tokens)`, and every
 operation is row-wise, so a seeded request draws the same tokens whatever else is in the
@@ -73,6 +73,13 @@ def apply_token_bitmask(logits: jax.Array, bits: jax.Array) -> jax.Array:
     shifts = jnp.arange(32, dtype=jnp.int32)
     allowed = ((bits[:, :, None] >> shifts) & 1).reshape(B, -1)[:, :V]
     return jnp.where(allowed != 0, logits, -jnp.inf)
+
+
+def shape_logits(logits: jax.Array, bias_ids: jax.Array, bias: jax.Array, bits: jax.Array) -> jax.Array:
+    """The pre-pass of a batch holding a logit bias or a structured output: add each row's bias
+    (bias_ids [B, K] padded with PAD_TOKEN_ID, dropped; bias [B, K]), then mask by `bits`."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return apply_token_bitmask(logits.at[rows, bias_ids].add(bias.astype(logits.dtype), mode="drop"), bits)
 
 
 def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:

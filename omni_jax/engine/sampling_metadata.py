@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, Sequence
 import flax.struct
 import numpy as np
 
-from .sampling_params import MAX_LOGPROBS, SamplingParams
+from .sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 # Widths the top-logprobs output is padded to, so a batch asking for 3 and one asking
 # for 4 share a compiled variant.
@@ -132,6 +132,18 @@ class SamplingMetadata:
         return _default_builder().build(
             params_list, output_token_ids_list, prompt_token_ids_list, batch_bucket,
             vocab_size, **kwargs)
+
+
+def logit_bias_arrays(params_list: Sequence[SamplingParams], rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """`sampling.shape_logits`' bias inputs: ids [rows, MAX_LOGIT_BIAS] i32 (PAD_TOKEN_ID past a
+    request's own) and their biases f32, a request's in its row."""
+    ids = np.full((rows, MAX_LOGIT_BIAS), PAD_TOKEN_ID, np.int32)
+    bias = np.zeros((rows, MAX_LOGIT_BIAS), np.float32)
+    for j, p in enumerate(params_list):
+        if p.logit_bias:
+            ids[j, :len(p.logit_bias)] = list(p.logit_bias)
+            bias[j, :len(p.logit_bias)] = list(p.logit_bias.values())
+    return ids, bias
 
 
 def _pow2_at_least(n: int, minimum: int) -> int:

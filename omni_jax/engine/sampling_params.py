@@ -41,10 +41,18 @@ def is_utf8(s: str) -> bool:
     return True
 
 
+def _token_key(k: Any) -> Any:
+    """A logit_bias key as an int: JSON's "15" is token 15 (other keys stay, to be refused)."""
+    if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 10:
+        return int(k)
+    return int(k) if _is_int(k) else k
+
+
 def _bad(field: str, value: Any, requirement: str) -> ValueError:
     return ValueError(f"SamplingParams.{field} must be {requirement}, got {value!r}")
 
 
+MAX_LOGIT_BIAS = 300  # token ids one request may bias (OpenAI's logit_bias); the sampler's padded width
 MAX_GRAMMAR_CHARS = 1 << 16  # a schema, regex, grammar or the choices together: compiled on the stage's loop
 
 
@@ -109,6 +117,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tr
     `prompt_logprobs=n` returns, per prompt position after the first, the prompt token's
     logprob plus the top `n` (computed in prefill; such a request reads no prefix cache).
     `structured_outputs` constrains the reply to a JSON schema, regex, choice or grammar.
+    `logit_bias` adds to a token's logit (OpenAI's: at most 300 ids, each bias in [-100, 100];
+    -100 in effect bans a token, 100 all but forces it), before penalties and masks.
     `seed=None` draws fresh randomness every step; `with_seed()` / `assign_seed` fixes a
     random seed at request creation so the request can be replayed.
     """
@@ -131,6 +141,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tr
     suppress_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputs | None = None
+    logit_bias: dict[int, float] | None = None
     # Stage-specific options beyond sampling (vLLM's name), e.g. a vocoder stage's
     # "initial_codec_chunk_frames"; the stage that reads a key validates its value.
     extra_args: dict[str, Any] | None = None
@@ -141,6 +152,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tr
         set_ = msgspec.structs.force_setattr
         if isinstance(self.stop, str):
             set_(self, "stop", (self.stop,))
+        if isinstance(self.logit_bias, dict):  # JSON's keys are strings
+            set_(self, "logit_bias", {_token_key(k): (float(v) if _is_real(v) else v)
+                                      for k, v in self.logit_bias.items()})
         if isinstance(self.structured_outputs, dict):  # as JSON gives it (sampling_params_list)
             try:
                 set_(self, "structured_outputs", StructuredOutputs(**self.structured_outputs))
@@ -207,6 +221,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tr
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "a bool")
+        if self.logit_bias is not None:
+            bias = self.logit_bias
+            why = "SamplingParams.logit_bias must be"
+            if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+                size = len(bias) if isinstance(bias, dict) else type(bias).__name__
+                raise ValueError(f"{why} None or a dict of at most {MAX_LOGIT_BIAS} token ids, got {size}")
+            for k, v in bias.items():
+                if not _is_int(k) or not 0 <= k <= INT32_MAX:
+                    raise ValueError(f"{why} keyed by token ids (ints in [0, {INT32_MAX}]), got key {k!r:.40}")
+                if not _is_real(v) or not -100.0 <= v <= 100.0:
+                    raise ValueError(f"{why} a bias in [-100, 100] per token, got {v!r:.40} for token {k}")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputs):
                 raise _bad("structured_outputs", self.structured_outputs, "None or a StructuredOutputs")
@@ -217,9 +242,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tr
             raise _bad("extra_args", self.extra_args, "None or a dict with string keys")
 
     def validate_for_vocab(self, vocab_size: int) -> None:
-        """Raise ValueError if a stop or suppressed token id is outside the vocabulary."""
-        for name in ("stop_token_ids", "suppress_token_ids"):
-            bad = [i for i in getattr(self, name) if i >= vocab_size]
+        """Raise ValueError if a stop, suppressed or biased token id is outside the vocabulary."""
+        for name in ("stop_token_ids", "suppress_token_ids", "logit_bias"):
+            bad = [i for i in getattr(self, name) or () if i >= vocab_size]
             if bad:
                 raise ValueError(
                     f"SamplingParams.{name} must be token ids < vocab_size={vocab_size}, "

@@ -102,7 +102,6 @@ class Grammars:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._eos = [int(t) for t in eos_token_ids]
-        self.words = (vocab_size + 31) // 32
         self._pool: ThreadPoolExecutor | None = None
 
     @functools.cached_property
@@ -134,8 +133,13 @@ class Grammars:
 
     def bitmask(self, grammars: list[Grammar | None], rows: int) -> np.ndarray:
         """[rows, words] int32: each grammar's allowed tokens in its row, every token elsewhere."""
-        bits = np.full((rows, self.words), -1, np.int32)
+        bits = allow_all(rows, self.vocab_size)
         for j, g in enumerate(grammars):
             if g is not None:
                 g.fill(bits[j])
         return bits
+
+
+def allow_all(rows: int, vocab_size: int) -> np.ndarray:
+    """The bitmask that allows every token of every row."""
+    return np.full((rows, (vocab_size + 31) // 32), -1, np.int32)

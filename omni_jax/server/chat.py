@@ -51,7 +51,6 @@ def _modalities(req: ChatCompletionRequest, engine: ServedEngine) -> list[str]:
 _UNSERVED = {
     "tools": "tools (function calling) are not supported by this server",
     "functions": "functions (function calling) are not supported by this server",
-    "logit_bias": "logit_bias is not supported by this server",
     "prediction": "predicted outputs are not supported by this server",
     "web_search_options": "web search is not supported by this server",
 }

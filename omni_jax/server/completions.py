@@ -67,8 +67,6 @@ def _validate(req: CompletionRequest) -> None:
     if req.suffix:
         raise bad_request("suffix (text after the completion) is not supported by this server", "suffix",
                           "unsupported_parameter")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported by this server", "logit_bias", "unsupported_parameter")
     if req.best_of not in (None, req.n):
         raise bad_request("best_of (choosing the best of more samples than n) is not supported by this server",
                           "best_of", "unsupported_parameter")

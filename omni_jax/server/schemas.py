@@ -110,14 +110,14 @@ class ChatCompletionRequest(_Stops):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Name | None = None
+    response_format: dict[str, Any] | None = None  # text, json_object or json_schema (server/structured.py)
+    logit_bias: dict[str, Any] | None = None  # token id -> bias (SamplingParams checks it)
     # OpenAI's, not served: a request that sets them is refused by name (chat.py), since
     # ignoring them would answer a different question than the one asked.
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
-    logit_bias: dict[str, Any] | None = None
     prediction: Any = None
     web_search_options: Any = None
     # vLLM-Omni: one dict of SamplingParams fields per stage (thinker, talker, vocoder); null keeps a default.
@@ -138,10 +138,10 @@ class CompletionRequest(_Stops):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Name | None = None
-    # OpenAI's, not served (completions.py refuses them by name).
-    suffix: str | None = None
-    logit_bias: dict[str, Any] | None = None
+    logit_bias: dict[str, Any] | None = None  # token id -> bias (SamplingParams checks it)
     response_format: dict[str, Any] | None = None  # vLLM's: text, json_object or json_schema
+    # OpenAI's, not served (completions.py refuses it by name).
+    suffix: str | None = None
 
 
 class SpeechRequest(_Body):

@@ -42,7 +42,7 @@ def stage_params(defaults: list[SamplingParams], req, **thinker) -> list[Samplin
             params[i] = _updated(params[i], changes, f"sampling_params_list[{i}]")
     top = {}
     for name in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k",
-                 "repetition_penalty", "min_tokens", "ignore_eos"):
+                 "repetition_penalty", "min_tokens", "ignore_eos", "logit_bias"):
         value = getattr(req, name, None)
         if value is not None:
             top[name] = value

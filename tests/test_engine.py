@@ -272,7 +272,7 @@ def test_bad_media_fails_only_that_request(engine):
 def test_async_scheduling_same_outputs_as_sync(engine):
     """The next decode step launched before this one's tokens reach the host (the default)
     gives exactly the synchronous engine's outputs: lengths, stop ids, min_tokens, seeded
-    sampling and logprobs. An abort while such a step is in flight (the path a stop string
+    sampling, penalties and logprobs. An abort while such a step is in flight (the path a stop string
     takes too) changes nothing else and leaks nothing."""
     import dataclasses
 
@@ -310,7 +310,9 @@ def test_async_scheduling_same_outputs_as_sync(engine):
         SamplingParams(temperature=0.0, max_tokens=9, stop_token_ids=[ref["as2"][1]], min_tokens=5),
         SamplingParams(temperature=0.0, max_tokens=12, logprobs=3),
         SamplingParams(temperature=0.9, top_k=20, seed=5, max_tokens=14, logprobs=2),
-        SamplingParams(temperature=0.7, seed=9, max_tokens=16, ignore_eos=True),
+        # penalties: the step goes ahead, its sampler waits for the tokens before it (_launch_deferred)
+        SamplingParams(temperature=0.7, seed=9, max_tokens=16, ignore_eos=True, repetition_penalty=1.3,
+                       frequency_penalty=0.5),
     ]
     sync = run(False, params)
     tokens, final, texts, ahead_steps = run(True, params)

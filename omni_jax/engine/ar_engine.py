@@ -95,13 +95,18 @@ class _StreamedRows:
 
 
 def _needs_token_on_host(req: Request) -> bool:
-    """Whether a request's next step needs its last sampled token on the host: penalty
-    histories are built there, structured outputs' masks computed there, and embedding inputs
-    are packed there (an after-sample stage gives every request its feedback embeddings, so
-    its steps never go ahead)."""
+    """Whether a request's next step needs its last sampled token on the host for its inputs:
+    embedding inputs are packed there (an after-sample stage gives every request its feedback
+    embeddings, so its steps never go ahead)."""
     d = req.data
-    return (req.sampling_params.uses_penalties or req.grammar is not None
-            or (d is not None and (d.is_rich or d.capture_hidden)))
+    return d is not None and (d.is_rich or d.capture_hidden)
+
+
+def _samples_from_host(req: Request) -> bool:
+    """Whether a request's next sampling needs its last token on the host: penalty histories
+    are built there, and structured outputs' masks computed there. Its next step's model call
+    may still go ahead; the sampler waits for the token (AREngine._launch_deferred)."""
+    return req.sampling_params.uses_penalties or req.grammar is not None
 
 
 def _prompt_embeds_salt(inputs: StageInputs | None, rich: bool) -> str | None:
@@ -125,7 +130,8 @@ class _Batch:
 
     def __init__(self, requests: list[Request]):
         self.requests = requests
-        self.token_on_host = any(map(_needs_token_on_host, requests))  # a sampled token needed on the host
+        self.token_on_host = any(map(_needs_token_on_host, requests))  # a sampled token needed for the inputs
+        self.samples_from_host = any(map(_samples_from_host, requests))  # ... or for the sampler
         self.capture_hidden = any(r.data is not None and r.data.capture_hidden for r in requests)
         self.prompt_logprobs = any(r.num_prompt_logprobs is not None for r in requests)
         self.grammars = any(r.grammar is not None for r in requests)  # structured outputs
@@ -156,6 +162,7 @@ class _Launched:
     batch: _Batch            # its requests and what they need
     host_time: float         # seconds spent launching it
     replayed: dict = dataclasses.field(default_factory=dict)  # request id -> hidden rows of its prefix-cache hit
+    deferred: bool = False   # its sampler waits for the tokens of the step before (_launch_deferred)
 
 
 class AREngine:
@@ -366,14 +373,20 @@ class AREngine:
             out += ahead
         else:
             self._in_flight = ahead
-        return out + self._finish(current)
+        out += self._finish(current)
+        if self._in_flight is not None and self._in_flight.deferred:
+            out += self._launch_deferred()
+        return out
 
-    def _launch(self, sched, fed=None, output_offset: int = 0) -> "_Launched | list[StageOutput]":
+    def _launch(self, sched, fed=None, output_offset: int = 0,
+                defer: bool = False) -> "_Launched | list[StageOutput]":
         """Run a scheduled step's model calls and sampler on the device, without waiting.
 
         `fed`/`output_offset`: a step scheduled ahead takes its tokens from the previous
         step's sampled tokens on the device, and each of its requests has `output_offset`
-        more output tokens than the host knows yet. A failure fails the step's requests.
+        more output tokens than the host knows yet. `defer`: only the model calls; the
+        sampler follows once the previous step's tokens are applied (`_launch_deferred`).
+        A failure fails the step's requests.
         """
         t0 = time.perf_counter()
         chunks = sched.scheduled
@@ -386,12 +399,27 @@ class AREngine:
             self._last_tables = (sched, tables)
             result = self.runner.execute(chunks, tables, want_hidden=batch.capture_hidden, fed=fed,
                                          fed_in_place=sched.fed_in_place)
-            draw = self._launch_sampler(result, chunks, batch, output_offset)
+            draw = None if defer else self._launch_sampler(result, chunks, batch, output_offset)
             prompt_draw = self._launch_prompt_logprobs(result, chunks) if batch.prompt_logprobs else None
             replayed = self._replayed_rows(chunks) if batch.capture_hidden else {}
         except Exception as e:  # fail this step's requests, keep serving
             return self._fail(sched, e)
-        return _Launched(sched, result, draw, prompt_draw, batch, time.perf_counter() - t0, replayed)
+        return _Launched(sched, result, draw, prompt_draw, batch, time.perf_counter() - t0, replayed, defer)
+
+    def _launch_deferred(self) -> list[StageOutput]:
+        """Launch the sampler of the step launched ahead now that the tokens before it are
+        applied (penalty histories and grammars are up to date: the host knows every output
+        token, as if the step had not gone ahead)."""
+        launched = self._in_flight
+        t0 = time.perf_counter()
+        try:
+            launched.draw = self._launch_sampler(launched.result, launched.sched.scheduled, launched.batch)
+        except Exception as e:  # fail this step's requests, keep serving
+            self._in_flight = None
+            return self._fail(launched.sched, e)
+        launched.deferred = False
+        launched.host_time += time.perf_counter() - t0
+        return []
 
     def _replayed_rows(self, chunks) -> dict[str, dict[int, np.ndarray]]:
         """The kept hidden rows of the prefix-cache hits of the step's just admitted requests that
@@ -409,15 +437,16 @@ class AREngine:
         if not self.cfg.async_scheduling:
             return None
         result, draw = current.result, current.draw
-        # Only plain decodes: whatever needs the sampled token on the host before the next
-        # step (penalty histories, embedding inputs such as after-sample feedback, hidden
-        # states) waits.
+        # Only plain decodes: whatever needs the sampled token on the host for the next step's
+        # inputs (embedding inputs such as after-sample feedback, hidden states) waits; what needs
+        # it for the next sampling (penalty histories, grammars) goes ahead without its sampler.
         if result.kind != "decode" or draw is None or not result.rows_in_order or current.batch.token_on_host:
             return None
         nxt = self.scheduler.schedule_ahead(current.sched)
         if nxt is None:
             return None
-        launched = self._launch(nxt, fed=draw[1].token_ids, output_offset=1)
+        launched = self._launch(nxt, fed=draw[1].token_ids, output_offset=1,
+                                defer=current.batch.samples_from_host)
         if not isinstance(launched, list):
             self.stats["ahead_steps"] += 1
         return launched

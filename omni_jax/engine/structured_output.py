@@ -13,8 +13,8 @@ set: token t allowed).
 llguidance (guidance-ai's, one of vLLM's structured-output backends) computes a mask from the
 tokenizer's byte strings and a lazily built lexer, in tens of microseconds per step for JSON;
 it needs neither torch nor the tokenizer's Python object, only its `tokenizer.json` text.
-A request's mask depends on its last token, so a batch holding one waits for its tokens on the
-host before the next step (as penalties do): no step is launched ahead for it.
+A request's mask depends on its last token: a step launched ahead of its tokens (async
+scheduling) runs its model call at once and its sampler once they are applied (as penalties).
 """
 
 from __future__ import annotations

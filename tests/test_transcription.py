@@ -116,8 +116,10 @@ def test_one_request_takes_the_thinkers_largest_audio_bucket():
 
 
 def _update(text: str, delta: str, finished: bool = False, ids=(), new=()):
+    times = types.SimpleNamespace(ttft=0.1, tpot=None, time_to_first_audio=None, rtf=None, e2e_latency=0.2)
     return types.SimpleNamespace(text=text, text_delta=delta, finished=finished, token_ids=list(ids),
-                                 new_token_ids=list(new), prompt_token_ids=[1, 2], logprobs=None)
+                                 new_token_ids=list(new), prompt_token_ids=[1, 2], logprobs=None,
+                                 num_cached_tokens=0, metrics=times)
 
 
 def test_pieces_texts_join_as_their_stream_does():
@@ -169,7 +171,7 @@ class _PiecesEngine:
 def test_a_broken_piece_ends_the_transcription_and_aborts_the_rest(engine, raised):
     """Nothing waits on a piece that will not finish: its error is raised in its turn, and every
     piece not finished is aborted (the earlier ones were read to their end)."""
-    metrics = types.SimpleNamespace(finished=lambda *a: None, aborted=lambda *a: None)
+    metrics = types.SimpleNamespace(finished=lambda *a, **k: None, aborted=lambda *a: None)
     handler = TranscriptionHandler(engine, metrics)
 
     async def run():
@@ -184,6 +186,24 @@ def test_a_broken_piece_ends_the_transcription_and_aborts_the_rest(engine, raise
     stop = 1 if raised is RuntimeError else 2
     assert [i for i, done in got if done] == list(range(stop))
     assert engine.aborted == [f"r-{i}" for i in range(stop, 4)]
+
+
+def test_a_transcription_in_pieces_counts_as_one_request():
+    """The Prometheus request counter sees one request per transcription, whatever its pieces; each
+    piece's tokens and times are still recorded."""
+    from omni_jax.server.metrics import Metrics
+
+    engine, metrics = _PiecesEngine(), Metrics()
+    handler = TranscriptionHandler(engine, metrics)
+
+    async def run():
+        first = await open_request(engine, "p", [], ["text"], None, "r-0")
+        return [i async for i, out in handler._updates(first, ["p"] * 4, [], "r") if out.finished]
+
+    assert asyncio.run(asyncio.wait_for(run(), 10)) == [0, 1, 2, 3]
+    assert metrics.requests.labels("transcription", "stop")._value.get() == 1
+    assert metrics.prompt_tokens.labels("computed")._value.get() == 8  # each piece's two prompt tokens
+    assert metrics.ttft._sum.get() == pytest.approx(0.4)  # and its time to first token
 
 
 # ---------------------------------------------------------------------------------------- the endpoints

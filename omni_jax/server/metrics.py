@@ -73,9 +73,11 @@ class Metrics:
         """Record a request its client left before it finished (it is aborted in every stage)."""
         self.requests.labels(endpoint, "abort").inc()
 
-    def finished(self, endpoint: str, out) -> None:
-        """Record a finished OmniRequestOutput."""
-        self.requests.labels(endpoint, out.finish_reason or "unknown").inc()
+    def finished(self, endpoint: str, out, counted: bool = True) -> None:
+        """Record a finished OmniRequestOutput; `counted`: it ends a client's request (a long
+        transcription's pieces other than its last do not), so it counts in `requests`."""
+        if counted:
+            self.requests.labels(endpoint, out.finish_reason or "unknown").inc()
         if out.error:
             self.errors.labels("request_failed").inc()
         cached = out.num_cached_tokens

@@ -278,7 +278,9 @@ class TranscriptionHandler:
                         raise out
                     if out.finished:
                         ended += 1
-                        self.metrics.finished("transcription", out)
+                        # one client request, however many pieces: the last (or a failed) one counts it
+                        self.metrics.finished("transcription", out,
+                                              counted=i == len(prompts) - 1 or bool(out.error))
                         if out.error:
                             raise failure(self.engine, out)
                     yield i, out

@@ -35,7 +35,7 @@ from omni_jax import SamplingParams
 from omni_jax.server.realtime.audio_buffer import InputAudioBuffer
 from omni_jax.server.realtime.conversation import Conversation, ConversationItem, Part, without_oldest_turn
 from omni_jax.server.realtime.events import EventError, ServerVADConfig, parse
-from omni_jax.server.realtime.session import SessionConfig
+from omni_jax.server.realtime.session import PCM, SessionConfig
 from omni_jax.server.realtime.turns import Turns
 from omni_jax.server.app import build_app
 from omni_jax.server.engine import ServedEngine
@@ -138,8 +138,10 @@ def test_session_update_changes_only_what_it_sends_and_refuses_whole():
     cfg.update(parse('{"type": "session.update", "session": {"instructions": "Be brief.", "audio": {"input": '
                      '{"turn_detection": null}, "output": {"voice": "ethan"}}}}').session)
     assert (cfg.instructions, cfg.voice, cfg.turn_detection) == ("Be brief.", "Ethan", None)
+    cfg.update(parse('{"type": "session.update", "session": {"audio": {"output": {"speed": 1.25}}}}').session)
+    assert cfg.speed == 1.25 and cfg.as_json()["audio"]["output"] == {"format": PCM, "voice": "Ethan", "speed": 1.25}
     before = cfg.as_json()
-    for session, param in [('{"output_modalities": ["text"], "audio": {"output": {"speed": 1.2}}}',
+    for session, param in [('{"output_modalities": ["text"], "audio": {"output": {"speed": 1.6}}}',
                             "session.audio.output.speed"),
                            ('{"instructions": "x", "audio": {"output": {"voice": "Nobody"}}}',
                             "session.audio.output.voice"),
@@ -269,6 +271,24 @@ def test_text_turn_speaks_as_the_library(client, library):
     assert r.status == "incomplete" and r.status_details.reason == "max_output_tokens"  # 8 tokens: cut short
     assert r.usage.output_tokens == len(want.token_ids) and r.usage.input_tokens == len(want.prompt_token_ids)
     assert r.output[0].content[0].transcript == want.text
+
+
+def test_the_session_speed_paces_the_spoken_reply(client, library):
+    """session.audio.output.speed: the reply's audio is the library's at that pace (server/tempo.py),
+    its transcript unchanged."""
+    from omni_jax.server.tempo import stretch
+
+    want = library.generate({"messages": HELLO}, sampling_params_list=_lib_params(library, 8),
+                            output_modalities=["text", "audio"], voice="Chelsie")[0]
+    with client.realtime.connect(model=MODEL) as conn:
+        _until(conn, "session.created")
+        conn.session.update(session={"type": "realtime", "audio": {"output": {"speed": 1.5}}})
+        assert _until(conn, "session.updated").session.audio.output.speed == 1.5
+        _say_hello(conn, max_output_tokens=8, temperature=0.0)
+        seen = []
+        _until(conn, "response.done", seen)
+    assert _text_of(seen, "response.output_audio_transcript.delta") == want.text
+    _assert_same_audio(_audio_of(seen), stretch(want.audio, 1.5))
 
 
 def _speak(conn, audio: np.ndarray, seen: list):

@@ -7,13 +7,16 @@ families' handoffs take a reply begun in the prompt as the reply (`handoff.reply
 `stream_format: "sse"` sends `speech.audio.delta` events (base64 of the audio:
 raw pcm chunks as they come for `pcm`, one encoded file at the end for other formats) and
 a `speech.audio.done` event with usage; `stream_format: "audio"` sends the file (pcm: its
-chunks as they come).
+chunks as they come). `speed` paces the speech without changing its pitch (`tempo.py`), streamed
+chunks included.
 """
 
 from __future__ import annotations
 
 import base64
 import uuid
+
+import numpy as np
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -26,6 +29,7 @@ from .metrics import Metrics
 from .schemas import SpeechRequest
 from .stage_params import stage_params
 from .sse import event, event_stream
+from .tempo import Tempo, stretch
 
 MODALITIES = ["text", "audio"]
 
@@ -45,8 +49,6 @@ class SpeechHandler:
 
     async def __call__(self, req: SpeechRequest, request: Request):
         check_model(self.engine, req.model)
-        if req.speed != 1.0:
-            raise bad_request("only speed 1.0 is supported", "speed", "unsupported_parameter")
         if req.instructions:
             raise bad_request("instructions are not supported by this model", "instructions",
                               "unsupported_parameter")
@@ -67,21 +69,34 @@ class SpeechHandler:
         if req.stream_format == "sse":
             return event_stream(self._sse(req, gen))
         if req.response_format == "pcm":
-            return StreamingResponse(self._pcm(gen), media_type=media_type)
+            return StreamingResponse(self._pcm(req, gen), media_type=media_type)
         outs = await finished_outputs([gen], request, self.metrics, "speech")
         if outs is None:
             return Response(status_code=499)
         out = outs[0]
         if out.error:
             raise failure(self.engine, out)
-        return Response(audio_codec.encode(out.audio, out.sample_rate, req.response_format), media_type=media_type)
+        return Response(audio_codec.encode(stretch(out.audio, req.speed), out.sample_rate, req.response_format),
+                        media_type=media_type)
 
-    async def _pcm(self, gen: Generation):
+    @staticmethod
+    async def _chunks(req: SpeechRequest, gen: Generation):
+        """(the reply's next audio at the asked speed, the update it came with), then (the rest,
+        the last update) once it finished."""
+        tempo = Tempo(req.speed) if req.speed != 1.0 else None
+        out = None
+        async for out in gen.updates():
+            audio = out.audio_delta if out.audio_delta is not None else np.zeros(0, np.float32)
+            yield (tempo.push(audio) if tempo is not None else audio), out
+        if tempo is not None and out is not None and out.finished and not out.error:
+            yield tempo.flush(), out
+
+    async def _pcm(self, req: SpeechRequest, gen: Generation):
         out = None
         try:
-            async for out in gen.updates():
-                if out.audio_delta is not None and len(out.audio_delta):
-                    yield audio_codec.to_pcm16(out.audio_delta)
+            async for audio, out in self._chunks(req, gen):
+                if len(audio):
+                    yield audio_codec.to_pcm16(audio)
             self.metrics.finished("speech", out)
         finally:
             self.metrics.in_flight.dec()
@@ -93,9 +108,9 @@ class SpeechHandler:
         chunked = req.response_format == "pcm"
         out = None
         try:
-            async for out in gen.updates():
-                if chunked and out.audio_delta is not None and len(out.audio_delta):
-                    data = base64.b64encode(audio_codec.to_pcm16(out.audio_delta)).decode()
+            async for audio, out in self._chunks(req, gen):
+                if chunked and len(audio):
+                    data = base64.b64encode(audio_codec.to_pcm16(audio)).decode()
                     yield event({"type": "speech.audio.delta", "audio": data})
             self.metrics.finished("speech", out)
             if out.error:
@@ -104,7 +119,7 @@ class SpeechHandler:
                 yield event({"type": "error", **error_body(err.status, err.message, err.param, err.code)})
                 return
             if not chunked:
-                data = audio_codec.encode(out.audio, out.sample_rate, req.response_format)
+                data = audio_codec.encode(stretch(out.audio, req.speed), out.sample_rate, req.response_format)
                 yield event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
             n_in, n_out = len(out.prompt_token_ids), len(out.token_ids)
             yield event({"type": "speech.audio.done",

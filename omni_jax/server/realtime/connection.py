@@ -373,7 +373,8 @@ class RealtimeSession:
             else:
                 self.metrics.aborted("realtime")
 
-        self.response = Response(self.engine, self.send, messages, modalities=modalities, voice=voice, params=params,
+        self.response = Response(self.engine, self.send, messages, modalities=modalities, voice=voice,
+                                 speed=self.config.speed, params=params,
                                  max_output_tokens=max_tokens, conversation_id=None if out_of_band else
                                  self.conversation_id, item=item,
                                  metadata=fields.metadata if fields is not None else None,

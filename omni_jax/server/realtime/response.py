@@ -18,6 +18,7 @@ import numpy as np
 from .. import audio as audio_codec
 from ..errors import APIError
 from ..generation import failure, open_request
+from ..tempo import Tempo
 from .conversation import ConversationItem, Part, without_oldest_turn
 from .events import new_id
 from .session import PCM
@@ -33,7 +34,7 @@ class Response:
     """Runs one response (`run`), cancellable (`cancel`) from the session's receive loop."""
 
     def __init__(self, engine, send: Send, messages: list[dict], *, modalities: list[str], voice: str | None,
-                 params: list, max_output_tokens, conversation_id: str, item: ConversationItem,
+                 speed: float = 1.0, params: list, max_output_tokens, conversation_id: str, item: ConversationItem,
                  metadata: dict | None, previous_item_id: str | None, on_finished: Callable[[object], None]):
         self.engine, self.send, self.messages, self.params = engine, send, messages, params
         self.id = new_id("resp")
@@ -41,6 +42,7 @@ class Response:
         self.conversation_id, self.item, self.metadata = conversation_id, item, metadata
         self.on_finished, self.previous_item_id = on_finished, previous_item_id
         self.audio = modalities == ["audio"]
+        self.tempo = Tempo(speed) if self.audio and speed != 1.0 else None  # the session's pace
         self.status, self.reason, self.error = "in_progress", None, None
         self.usage = None
         self.sent_samples = 0
@@ -99,7 +101,9 @@ class Response:
                         await self.send({"type": "response.output_text.delta", "event_id": new_id("event"),
                                          **self._at(), "delta": out.text_delta})
                 if self.audio and out.audio_delta is not None:
-                    await self._audio(out.audio_delta, part)
+                    await self._audio(out.audio_delta if self.tempo is None else self.tempo.push(out.audio_delta), part)
+            if self.tempo is not None and out.finished and not out.error:
+                await self._audio(self.tempo.flush(), part)
             if out.error:
                 err = failure(self.engine, out)
                 self.status, self.error = "failed", {"type": "server_error" if err.status >= 500 else

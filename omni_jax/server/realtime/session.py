@@ -31,6 +31,7 @@ class SessionConfig:
     instructions: str = ""
     output_modalities: list[str] = dataclasses.field(default_factory=lambda: ["audio"])
     voice: str | None = None
+    speed: float = 1.0                      # the spoken answers' pace (server/tempo.py)
     turn_detection: ServerVADConfig | None = dataclasses.field(
         default_factory=lambda: ServerVADConfig(type="server_vad"))
     transcription: TranscriptionConfig | None = None
@@ -53,9 +54,6 @@ class SessionConfig:
             raise EventError("tools (function calling) are not supported by this server", "unsupported",
                              "session.tools", event_id)
         out = s.audio.output if s.audio is not None else None
-        if out is not None and out.speed != 1.0:
-            raise EventError("only speed 1.0 is supported", "unsupported_parameter", "session.audio.output.speed",
-                             event_id)
         if s.output_modalities == ["audio"] and not self.voices:
             raise EventError("this model has no speech output; use output_modalities ['text']", "invalid_value",
                              "session.output_modalities", event_id)
@@ -84,6 +82,8 @@ class SessionConfig:
                 new.transcription = audio.input.transcription
         if out is not None and out.voice is not None:
             new.voice = self.check_voice(out.voice, "session.audio.output.voice", event_id)
+        if out is not None and "speed" in out.model_fields_set:
+            new.speed = out.speed
         self.__dict__.update(new.__dict__)
 
     def check_voice(self, voice: str, param: str, event_id: str | None = None) -> str:
@@ -126,5 +126,5 @@ class SessionConfig:
             "instructions": self.instructions, "output_modalities": list(self.output_modalities),
             "max_output_tokens": self.max_output_tokens, "tools": [], "tool_choice": "auto",
             "include": self.include or None,
-            "audio": {"input": audio_in, "output": {"format": PCM, "voice": self.voice, "speed": 1.0}},
+            "audio": {"input": audio_in, "output": {"format": PCM, "voice": self.voice, "speed": self.speed}},
         }

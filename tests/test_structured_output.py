@@ -48,6 +48,9 @@ def test_token_bitmask_equals_llguidance_numpy(vocab):
     got = np.asarray(jax.jit(apply_token_bitmask)(logits, bits))
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(got[2], logits[2])
+    # a mask narrower than the logits (a model's vocabulary past the tokenizer's) allows none past it
+    short = np.asarray(jax.jit(apply_token_bitmask)(logits, bits[:, :1]))
+    assert np.isneginf(short[:, 32:]).all() and np.array_equal(short[2, :32], logits[2, :32])
 
 
 @pytest.mark.parametrize("given, says", [

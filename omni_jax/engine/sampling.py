@@ -68,10 +68,12 @@ def apply_banned(logits: jax.Array, banned_ids: jax.Array) -> jax.Array:
 
 def apply_token_bitmask(logits: jax.Array, bits: jax.Array) -> jax.Array:
     """Set logits[b, t] to -inf where bit t % 32 of bits[b, t // 32] is clear (structured
-    outputs: `structured_output.Grammars.bitmask`); a row of all ones is unchanged."""
+    outputs: `structured_output.Grammars.bitmask`), and past the tokens the mask covers; a row
+    of all ones is unchanged."""
     B, V = logits.shape
     shifts = jnp.arange(32, dtype=jnp.int32)
-    allowed = ((bits[:, :, None] >> shifts) & 1).reshape(B, -1)[:, :V]
+    allowed = ((bits[:, :, None] >> shifts) & 1).reshape(B, -1)
+    allowed = jnp.pad(allowed, ((0, 0), (0, max(0, V - allowed.shape[1]))))[:, :V]
     return jnp.where(allowed != 0, logits, -jnp.inf)
 
 

@@ -53,7 +53,7 @@ def _bad(field: str, value: Any, requirement: str) -> ValueError:
 
 
 MAX_LOGIT_BIAS = 300  # token ids one request may bias (OpenAI's logit_bias); the sampler's padded width
-MAX_GRAMMAR_CHARS = 1 << 16  # a schema, regex, grammar or the choices together: compiled on the stage's loop
+MAX_GRAMMAR_CHARS = 1 << 16  # a schema, regex, grammar or the choices together: each request compiles its own
 
 
 class StructuredOutputs(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):

@@ -547,3 +547,45 @@ def test_a_stage_refused_grammar_is_a_400_and_the_server_serves_on(server, clien
     r = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=_auth(), timeout=60)
     assert r.status_code == 400 and "regex is not valid" in r.json()["error"]["message"], r.text
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, **GREEDY).choices[0].text
+
+
+# ------------------------------------------------------------------------------ tokenize / detokenize
+
+def _post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json={"model": MODEL, **body}, headers=_auth(), timeout=60)
+
+
+def test_tokenize_counts_what_a_request_takes(server, library):
+    """vLLM's /tokenize: a text's ids are the tokenizer's; a chat's are the prompt ids the library's
+    request with the same messages has, an image's placeholders included; /detokenize gives the
+    text back; the model card says max_model_len."""
+    r = _post(server, "/tokenize", {"prompt": PROMPT, "return_token_strs": True}).json()
+    ids = library.tokenizer.encode(PROMPT)
+    assert r["tokens"] == ids and r["count"] == len(ids)
+    assert r["token_strs"] == library.tokenizer.convert_ids_to_tokens(ids)
+    max_len = library.pipeline.stage("thinker").max_model_len
+    assert r["max_model_len"] == max_len
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _png_url()}},
+                                         {"type": "text", "text": "What is it?"}]}]
+    r = _post(server, "/tokenize", {"messages": msgs}).json()
+    want = _chat(library, [{"role": "user", "content": [{"type": "image", "image": _png_url()},
+                                                        {"type": "text", "text": "What is it?"}]}], max_tokens=1)
+    assert r["tokens"] == list(want.prompt_token_ids) and r["token_strs"] is None
+    assert _post(server, "/detokenize", {"tokens": ids}).json() == {"prompt": PROMPT}
+    assert httpx.get(f"{server.url}/v1/models/{MODEL}", headers=_auth(), timeout=30).json()["max_model_len"] == max_len
+
+
+@pytest.mark.parametrize("path, body, param, code", [
+    ("/tokenize", {}, "prompt", "invalid_value"),
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt", "invalid_value"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "b"}], "add_generation_prompt": False},
+     "add_generation_prompt", "unsupported_parameter"),
+    ("/tokenize", {"prompt": "word " * 600}, "prompt", "context_length_exceeded"),
+    ("/detokenize", {"tokens": [1, 10 ** 9]}, "tokens", "invalid_value"),
+    ("/detokenize", {"tokens": ["a"]}, "tokens[0]", "invalid_value"),
+])
+def test_tokenize_400s_name_the_field(server, path, body, param, code):
+    r = _post(server, path, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"]) == (param, code), err

@@ -19,11 +19,13 @@ from .engine import ServedEngine
 from .errors import RETRY_AFTER_S, APIError, error_body, short
 from .messages import MediaPolicy
 from .metrics import Metrics
-from .schemas import ChatCompletionRequest, CompletionRequest, ResponseRequest, SpeechRequest
+from .schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponseRequest, SpeechRequest,
+                      TokenizeRequest)
 from .realtime import RealtimeEndpoint, RealtimeLimits
 from .reply_audio import ReplyAudio
 from .responses import ResponsesHandler
 from .speech import SpeechHandler
+from .tokenize import TokenizeHandler, max_model_len
 from .transcription import TranscriptionHandler
 
 log = logging.getLogger("omni_jax.server")
@@ -172,6 +174,7 @@ def build_app(engine: ServedEngine, *, api_key: str | None = None, max_body_byte
     complete = CompletionsHandler(engine, metrics)
     responses = ResponsesHandler(engine, policy, metrics, Kept(STORED_RESPONSE_TTL_S, max_bytes=stored_responses_bytes))
     speech = SpeechHandler(engine, metrics)
+    tokens = TokenizeHandler(engine, policy)
     transcribe, translate = TranscriptionHandler(engine, metrics), TranscriptionHandler(engine, metrics, translate=True)
     app.state.engine, app.state.metrics = engine, metrics
 
@@ -184,8 +187,11 @@ def build_app(engine: ServedEngine, *, api_key: str | None = None, max_body_byte
 
     def model_card() -> dict:
         # `root` names the model as served, never the checkpoint's path on this machine.
-        return {"id": engine.served_name, "object": "model", "created": int(engine.started), "owned_by": "omni-jax",
+        card = {"id": engine.served_name, "object": "model", "created": int(engine.started), "owned_by": "omni-jax",
                 "root": engine.served_name, "modalities": engine.output_modalities}
+        if engine.check()[0]:  # vLLM's: the longest prompt + reply
+            card["max_model_len"] = max_model_len(engine)
+        return card
 
     @app.get("/v1/models")
     async def models():
@@ -226,6 +232,14 @@ def build_app(engine: ServedEngine, *, api_key: str | None = None, max_body_byte
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):
         return responses.delete(response_id)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest, request: Request):
+        return await tokens.tokenize(req, request)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        return await tokens.detokenize(req)
 
     @app.post("/v1/audio/speech")
     async def audio_speech(req: SpeechRequest, request: Request):

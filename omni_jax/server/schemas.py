@@ -23,6 +23,7 @@ MAX_PARTS = 4096        # content parts of one message
 MAX_STOP = 16
 MAX_STOP_CHARS = 1024
 MAX_STAGES = 8          # entries of sampling_params_list
+MAX_DETOKENIZE = 1 << 17  # token ids one /detokenize may decode
 MAX_CHOICES = 64        # choices of one request: n, times the prompts of a completions batch
 Name = Annotated[str, Field(max_length=MAX_NAME)]
 
@@ -155,6 +156,24 @@ class SpeechRequest(_Body):
     stream_format: Literal["audio", "sse"] = "audio"
     instructions: Annotated[str, Field(max_length=4096)] | None = None
     sampling_params_list: Annotated[list[dict[str, Any] | None], Field(max_length=MAX_STAGES)] | None = None
+
+
+class TokenizeRequest(_Body):
+    """POST /tokenize (vLLM's): a text (`prompt`, no chat template) or chat `messages`."""
+
+    model: Name
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None  # Qwen's tokenizers add no special tokens to a text either way
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize (vLLM's)."""
+
+    model: Name
+    tokens: Annotated[list[int], Field(max_length=MAX_DETOKENIZE)]
 
 
 class ResponseRequest(_Sampling):

@@ -271,6 +271,20 @@ def test_text_image_and_audio_turns_and_text_replies(browser, server, media_dir,
     assert not b.console_errors
 
 
+def test_the_speed_setting_reaches_the_session_and_is_kept(browser, server):
+    """Settings' Speed: the session is updated to it (the server's session.updated says so), and the
+    page opens with it next time."""
+    b = browser()
+    _open(b, server)
+    assert b.js("document.getElementById('speed').value") == "1"
+    b.js("const s = document.getElementById('speed'); s.value = '1.5'; s.dispatchEvent(new Event('change'))")
+    b.wait_for("omniStats.session && omniStats.session.audio.output.speed === 1.5", 30, "the session at speed 1.5")
+    _open(b, server)
+    assert b.js("document.getElementById('speed').value") == "1.5"
+    b.wait_for("omniStats.session && omniStats.session.audio.output.speed === 1.5", 30, "the reopened session")
+    assert not b.console_errors
+
+
 def test_a_model_without_speech_is_explained(browser, server):
     """The page's side of a server started with `--modalities text`, whose /v1/audio/voices lists
     none (here answered by the browser: this module's server speaks)."""
@@ -278,7 +292,7 @@ def test_a_model_without_speech_is_explained(browser, server):
     b.respond("*/v1/audio/voices", {"voices": []})
     _open(b, server)
     assert "no speech output" in b.js("document.getElementById('notice').textContent")
-    assert b.js("document.getElementById('speak').disabled && document.getElementById('voice').disabled")
+    assert b.js("['speak', 'voice', 'speed'].every(id => document.getElementById(id).disabled)")
     b.js("document.getElementById('text').value = 'Hello'")
     b.js("document.getElementById('send').click()")
     reply = b.wait_for("omniStats.responses.find(r => r.status !== 'in_progress')", 120, "the text reply")

@@ -8,8 +8,8 @@ const $ = (id) => document.getElementById(id);
 const ui = {
   status: $("status"), model: $("model"), notice: $("notice"), log: $("log"), talk: $("talk"), text: $("text"),
   send: $("send"), attach: $("attach"), attached: $("attached"), unattach: $("unattach"), voice: $("voice"),
-  speak: $("speak"), ptt: $("ptt"), captions: $("captions"), instructions: $("instructions"), key: $("key"),
-  reconnect: $("reconnect"),
+  speed: $("speed"), speak: $("speak"), ptt: $("ptt"), captions: $("captions"), instructions: $("instructions"),
+  key: $("key"), reconnect: $("reconnect"),
   ttfa: $("ttfa"), settings: $("settings"), compose: $("compose"),
 };
 const stats = window.omniStats = {state: "connecting", responses: [], userTurns: [], notices: []};
@@ -78,6 +78,7 @@ function loadSettings() {
   ui.ptt.checked = saved.ptt ?? false;
   ui.captions.checked = saved.captions ?? false;
   ui.instructions.value = saved.instructions ?? "";
+  ui.speed.value = saved.speed ?? "1";
   ui.voice.append(new Option(saved.voice ?? "", saved.voice ?? ""));  // chosen again once the list is in
   const fromHash = new URLSearchParams(location.hash.slice(1)).get("key");
   ui.key.value = fromHash ?? sessionStorage.getItem("omni-jax-key") ?? "";
@@ -86,7 +87,7 @@ function loadSettings() {
 function saveSettings() {
   localStorage.setItem("omni-jax-ui", JSON.stringify(
     {speak: ui.speak.checked, ptt: ui.ptt.checked, captions: ui.captions.checked, instructions: ui.instructions.value,
-     voice: ui.voice.value}));
+     voice: ui.voice.value, speed: ui.speed.value}));
   sessionStorage.setItem("omni-jax-key", ui.key.value);
 }
 
@@ -94,7 +95,7 @@ function sessionFields() {
   const speak = ui.speak.checked && voices.length > 0;
   const audio = {input: {turn_detection: ui.ptt.checked ? null : {type: "server_vad"}, transcription: {model}}};
   if (ui.captions.checked) return {type: "transcription", audio};  // a session that only transcribes
-  if (speak) audio.output = {voice: ui.voice.value};
+  if (speak) audio.output = {voice: ui.voice.value, speed: Number(ui.speed.value)};
   return {type: "realtime", instructions: ui.instructions.value, output_modalities: [speak ? "audio" : "text"], audio};
 }
 
@@ -164,7 +165,7 @@ function fillVoices() {
   const want = ui.voice.value;
   ui.voice.replaceChildren(...voices.map((v) => new Option(v, v)));
   if (voices.includes(want)) ui.voice.value = want;
-  ui.voice.disabled = ui.speak.disabled = voices.length === 0;
+  ui.voice.disabled = ui.speed.disabled = ui.speak.disabled = voices.length === 0;
 }
 
 // ---------------------------------------------------------------- audio
@@ -246,6 +247,7 @@ function pttUp() {
 const responseOf = (id) => stats.responses.find((r) => r.id === id);
 
 function listen(rt) {
+  rt.on("session.updated", (e) => { stats.session = e.session; });  // the settings as the server took them
   rt.on("input_audio_buffer.speech_started", () => interrupt({cancel: false}));  // the server cancels the reply
   rt.on("input_audio_buffer.speech_stopped", () => { turnEnd = performance.now(); });
   rt.on("input_audio_buffer.committed", (e) => {
@@ -385,7 +387,9 @@ ui.ptt.addEventListener("change", () => {  // the open microphone stops streamin
   micOn = false;
   ui.talk.setAttribute("aria-pressed", "false");
 });
-for (const el of [ui.voice, ui.speak, ui.ptt, ui.captions, ui.instructions]) el.addEventListener("change", applySettings);
+for (const el of [ui.voice, ui.speed, ui.speak, ui.ptt, ui.captions, ui.instructions]) {
+  el.addEventListener("change", applySettings);
+}
 ui.reconnect.addEventListener("click", () => { retries = 0; saveSettings(); connect(); });
 
 loadSettings();

@@ -36,6 +36,7 @@ import httpx
 import numpy as np
 import psutil
 import yaml
+from machine import cpu_model
 from serve_process import served
 
 API_KEY = "hostile-load"
@@ -216,14 +217,6 @@ def _report(name: str, phase: Phase, peak: int, load: str) -> None:
         print(f"{'':8s} hostile {outcome}: {n}")
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown"
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seconds", type=float, default=60.0, help="length of each phase (default 60; at most 600)")
@@ -242,7 +235,7 @@ def main() -> int:
             bodies = hostile_bodies()
             ps = psutil.Process(proc.pid)
             print(f"hostile_load: {args.seconds:g} s per phase, {args.normal_clients} normal and "
-                  f"{args.hostile_clients} hostile clients; CPU {_cpu_model()} ({os.cpu_count()} cores)", flush=True)
+                  f"{args.hostile_clients} hostile clients; CPU {cpu_model()} ({os.cpu_count()} cores)", flush=True)
             print(f"server RSS after start-up {ps.memory_info().rss / 2**20:.0f} MiB", flush=True)
             _report("normal", *_run_phase(url, ps, args, None))
             _report("hostile", *_run_phase(url, ps, args, bodies))

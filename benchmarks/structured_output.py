@@ -27,6 +27,8 @@ import time
 
 import numpy as np
 
+from machine import cpu_model
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 XGRAMMAR = ("xgrammar==0.2.9", "apache-tvm-ffi==0.1.11")
@@ -173,7 +175,7 @@ def main() -> None:
     ckpt = tiny_checkpoint(os.path.join(tempfile.gettempdir(), "omni_jax_bench_tiny"))
     tokenizer = load_tokenizer(ckpt)
     eos = [151645, 151643]
-    print(f"load average {os.getloadavg()[0]:.2f}; {os.cpu_count()} CPUs; {_cpu_model()}")
+    print(f"load average {os.getloadavg()[0]:.2f}; {os.cpu_count()} CPUs; {cpu_model()}")
     backends = []
     for make in (lambda: Llguidance(tokenizer, eos), lambda: Xgrammar(os.path.join(ckpt, "tokenizer.json"), eos)):
         t = time.perf_counter()
@@ -189,14 +191,6 @@ def main() -> None:
                   f"{xs / ls:5.2f}", flush=True)
     if not args.no_engine:
         engine_ratio(ckpt)
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown CPU"
 
 
 if __name__ == "__main__":

@@ -193,6 +193,7 @@ class AREngine:
                                                         history_min_width=history)
         self._history_width = history
         self._empty_histories: dict[int, jax.Array] = {}
+        self._unshaped: dict[tuple, Any] = {}  # (what, rows): shape_logits' no-op inputs on the device
         self.jitted = Jitted(sample=jax.jit(sample, static_argnames=("flags",)), shape=jax.jit(shape_logits))
         self.grammars = None  # structured outputs: a stage that detokenizes its replies can constrain them
         if tokenizer is not None and cfg.vocab_size:
@@ -594,13 +595,23 @@ class AREngine:
         return reqs, self.jitted.sample(logits, md, flags=flags)
 
     def _shaping(self, reqs, params, rows: int, vocab: int) -> tuple:
-        """`shape_logits`' inputs on the stage's mesh: the rows' logit biases and allowed tokens."""
-        bias_ids, bias = logit_bias_arrays(params, rows)
-        if any(r.grammar is not None for r in reqs):
-            bits = self.grammars.bitmask([r.grammar for r in reqs], rows)
+        """`shape_logits`' inputs on the stage's mesh: the rows' logit biases and allowed tokens
+        (what no row of the batch sets: kept on the device, not sent every step)."""
+        if any(p.logit_bias for p in params):
+            bias = self.runner.on_mesh(logit_bias_arrays(params, rows))
         else:
-            bits = allow_all(rows, vocab)
-        return self.runner.on_mesh((bias_ids, bias, bits))
+            bias = self._unshaped_input("bias", rows, lambda: logit_bias_arrays([], rows))
+        if any(r.grammar is not None for r in reqs):
+            bits = self.runner.on_mesh(self.grammars.bitmask([r.grammar for r in reqs], rows))
+        else:
+            bits = self._unshaped_input("bits", rows, lambda: allow_all(rows, vocab))
+        return (*bias, bits)
+
+    def _unshaped_input(self, what: str, rows: int, make):
+        key = (what, rows)
+        if key not in self._unshaped:
+            self._unshaped[key] = self.runner.on_mesh(jax.device_put(make()))
+        return self._unshaped[key]
 
     def _launch_prompt_logprobs(self, result, chunks):
         """Launch the prompt logprobs of the step's chunks that ask for them and still have

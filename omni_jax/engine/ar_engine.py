@@ -135,7 +135,8 @@ class _Batch:
         self.capture_hidden = any(r.data is not None and r.data.capture_hidden for r in requests)
         self.prompt_logprobs = any(r.num_prompt_logprobs is not None for r in requests)
         self.grammars = any(r.grammar is not None for r in requests)  # structured outputs
-        self.shaped = self.grammars or any(r.sampling_params.logit_bias for r in requests)  # sampling.shape_logits
+        self.biased = any(r.sampling_params.logit_bias for r in requests)
+        self.shaped = self.grammars or self.biased  # sampling.shape_logits runs before the sampler
         self._sampler_inputs = None
 
     def same(self, chunks) -> bool:
@@ -591,17 +592,17 @@ class AREngine:
             md = md.replace(history_ids=self._empty_history(bucket))
         logits = result.logits
         if batch.shaped:
-            logits = self.jitted.shape(logits, *self._shaping(reqs, params, bucket, logits.shape[1]))
+            logits = self.jitted.shape(logits, *self._shaping(batch, reqs, params, bucket, logits.shape[1]))
         return reqs, self.jitted.sample(logits, md, flags=flags)
 
-    def _shaping(self, reqs, params, rows: int, vocab: int) -> tuple:
+    def _shaping(self, batch: _Batch | None, reqs, params, rows: int, vocab: int) -> tuple:
         """`shape_logits`' inputs on the stage's mesh: the rows' logit biases and allowed tokens
-        (what no row of the batch sets: kept on the device, not sent every step)."""
-        if any(p.logit_bias for p in params):
+        (what no row of the batch sets: kept on the device, not sent every step; batch None: none)."""
+        if batch is not None and batch.biased:
             bias = self.runner.on_mesh(logit_bias_arrays(params, rows))
         else:
             bias = self._unshaped_input("bias", rows, lambda: logit_bias_arrays([], rows))
-        if any(r.grammar is not None for r in reqs):
+        if batch is not None and batch.grammars:
             bits = self.runner.on_mesh(self.grammars.bitmask([r.grammar for r in reqs], rows))
         else:
             bits = self._unshaped_input("bits", rows, lambda: allow_all(rows, vocab))
@@ -747,7 +748,7 @@ class AREngine:
                 logits = self.runner.on_mesh(jax.numpy.zeros((b, vocab), jax.numpy.float32))  # as a step's
                 jax.block_until_ready(self.jitted.sample(logits, md, flags=flags))
             if self.grammars is not None:  # a text stage; the others compile it if a logit_bias comes
-                jax.block_until_ready(self.jitted.shape(logits, *self._shaping([], [], b, vocab)))
+                jax.block_until_ready(self.jitted.shape(logits, *self._shaping(None, [], [], b, vocab)))
             if self.runner.cfg.after_sample:
                 z = np.zeros(b, np.int32)
                 self.runner.after_sample(jax.numpy.zeros((b, self.runner.hidden_size), self.runner.dtype), z,

@@ -9,10 +9,11 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 from .checkpoint import load_checkpoint
 from .engine.sampling_params import SamplingParams, StructuredOutputs
+from .inputs.tool_calls import ToolCall, call_grammar, read_tool_calls
 from .runtime.outputs import Logprob, OmniRequestOutput
 
 __all__ = ["OmniJax", "AsyncOmniJax", "SamplingParams", "StructuredOutputs", "OmniRequestOutput", "Logprob",
-           "load_checkpoint"]
+           "ToolCall", "call_grammar", "read_tool_calls", "load_checkpoint"]
 
 
 def __getattr__(name):

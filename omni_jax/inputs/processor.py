@@ -16,6 +16,9 @@ Accepted prompt forms (as vLLM):
   `<|vision_bos|><|IMAGE|><|vision_eos|>`: see models/<family>/processor.py), or a ready
   `MultiModalPayload` (passed on untouched: the prompt must then hold the expanded placeholders
   already).
+* with "messages", "tools": OpenAI's function tools, which the chat template writes into the
+  prompt (Qwen's format: inputs/chat_template.py); an assistant message may then carry
+  "tool_calls" (its "content" may be left out) and "tool" messages the calls' results.
 * {"prompt_embeds": array [T, H]} (numpy or JAX, any real dtype, cast to float32; H the
   thinker's hidden size), optionally with "prompt_token_ids" of the same length: the thinker
   takes these rows instead of token embeddings. The ids serve penalties, the talker's prompt
@@ -53,6 +56,7 @@ from ..engine.protocol import MultiModalPayload
 from ..errors import MediaError, PromptError, PromptTooLongError
 from . import cancel, prompt_parts
 from .chat_text import ChatText
+from .tool_calls import check_tools
 from .media import MediaLimits, VideoClip, load_audio, load_image, load_video
 from .rope_index import RopeIndexConfig
 from .token_floor import TokenFloor
@@ -174,6 +178,7 @@ class InputProcessor:
         self.merge_size = int(vid.get("merge_size", pre["merge_size"]))
         self._feature_extractor = None
         self._image_processor = None
+        self._writes_tools: bool | None = None  # whether the chat template writes tools (found once)
 
     @classmethod
     def from_checkpoint(cls, ckpt_dir: str, vocab_size: int | None = None, **options) -> "InputProcessor":
@@ -331,7 +336,8 @@ class InputProcessor:
     def _normalize_messages(self, messages: Any, speech_output: bool, need_source: bool = True,
                             hide: bool = False) -> tuple[list, list[prompt_parts.MediaItem]]:
         """Messages with media parts reduced to {"type": kind} for the template, and the media items
-        in order. `hide`: special-token strings in roles and text become stand-ins (see chat_text.py)."""
+        in order. `hide`: special-token strings in roles, text and tool calls become stand-ins (see
+        chat_text.py)."""
         if not isinstance(messages, list) or not messages:
             raise PromptError("'messages' must be a non-empty list of {'role', 'content'} dicts")
 
@@ -341,13 +347,21 @@ class InputProcessor:
 
         canonical, items = [], []
         for i, m in enumerate(messages):
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            calls = m.get("tool_calls") if isinstance(m, dict) else None
+            if not isinstance(m, dict) or "role" not in m or ("content" not in m and not calls):
                 raise PromptError(f"messages[{i}] must be a dict with 'role' and 'content'")
             if not isinstance(m["role"], str) or not m["role"]:
                 raise PromptError(f"messages[{i}].role must be a non-empty string, got {m['role']!r}")
-            role, content = typed(m["role"], f"messages[{i}].role"), m["content"]
+            role, content = typed(m["role"], f"messages[{i}].role"), m.get("content")
+            if content is None and calls:
+                content = ""
+            if calls:
+                if role != "assistant":
+                    raise PromptError(f"messages[{i}].tool_calls: only an assistant message makes tool calls")
+                calls = [_tool_call(c, f"messages[{i}].tool_calls[{j}]", typed) for j, c in enumerate(calls)]
             if isinstance(content, str):
-                canonical.append({"role": role, "content": typed(content, f"messages[{i}].content")})
+                canonical.append({"role": role, "content": typed(content, f"messages[{i}].content"),
+                                  **({"tool_calls": calls} if calls else {})})
                 continue
             if not isinstance(content, list):
                 raise PromptError(f"messages[{i}].content must be a string or a list of parts")
@@ -360,7 +374,7 @@ class InputProcessor:
                 else:
                     parts.append({"type": kind})
                     items.append(item)
-            canonical.append({"role": role, "content": parts})
+            canonical.append({"role": role, "content": parts, **({"tool_calls": calls} if calls else {})})
         if speech_output and self.SPEECH_SYSTEM_PROMPT and not any(m["role"] == "system" for m in canonical):
             # Qwen2.5-Omni's talker is trained to speak only under this system prompt.
             canonical.insert(0, {"role": "system", "content": self.SPEECH_SYSTEM_PROMPT})
@@ -373,11 +387,37 @@ class InputProcessor:
         canonical, _ = self._normalize_messages(messages, speech_output, need_source=False)
         return self._render(canonical)
 
-    def _render(self, canonical: list) -> str:
+    def _render(self, canonical: list, tools: list | None = None) -> str:
         tok = self._need_tokenizer("a chat prompt")
-        template = self.chat_template or getattr(tok, "chat_template", None) or self.DEFAULT_CHAT_TEMPLATE
-        return tok.apply_chat_template(canonical, chat_template=template, add_generation_prompt=True,
-                                       tokenize=False)
+        return tok.apply_chat_template(canonical, chat_template=self._template(), tools=tools,
+                                       add_generation_prompt=True, tokenize=False)
+
+    def _template(self) -> str:
+        return self.chat_template or getattr(self.tokenizer, "chat_template", None) or self.DEFAULT_CHAT_TEMPLATE
+
+    def _tools(self, tools: Any) -> list | None:
+        """A prompt's tools, checked, with their special strings hidden; PromptError if the chat
+        template would leave them out of the prompt (a model that is not told of its tools
+        cannot call them)."""
+        if tools is None:
+            return None
+        check_tools(tools)
+        if self._writes_tools is None:
+            probe = [{"role": "user", "content": "x"}]
+            self._writes_tools = self._render(probe, [_PROBE_TOOL]) != self._render(probe)
+        if not self._writes_tools:
+            raise PromptError("this checkpoint's chat template does not write tools into the prompt, so the model "
+                              "cannot be told of them")
+        try:
+            text = json.dumps(tools)
+        except (TypeError, ValueError) as e:
+            raise PromptError(f"'tools' must be JSON: {e}") from None
+        return json.loads(text, object_hook=self._hide_strings) if self._chat_text else tools
+
+    def _hide_strings(self, obj: dict) -> dict:
+        return {self._hide(k): self._hide(v) if isinstance(v, str) else
+                [self._hide(x) if isinstance(x, str) else x for x in v] if isinstance(v, list) else v
+                for k, v in obj.items()}
 
     # ------------------------------------------------------------------ entry point
     def process(self, prompt: Any, speech_output: bool = False,
@@ -409,12 +449,14 @@ class InputProcessor:
                 raise PromptError(f"a prompt dict needs exactly one of 'prompt', 'prompt_token_ids', "
                                   f"'messages'; got {given or 'none'}")
             use_aiv = prompt_parts.use_audio_in_video(prompt, use_aiv)
+            if "tools" in prompt and "messages" not in prompt:
+                raise PromptError("'tools' go with 'messages' (the chat template writes them into the prompt)")
             if "messages" in prompt:
                 if "multi_modal_data" in prompt:
                     raise PromptError("with 'messages', put the media in the message parts, not in 'multi_modal_data'")
-                self._check_fits(prompt_parts.message_texts(prompt["messages"]), max_prompt_len)
+                self._check_fits(prompt_parts.message_texts(prompt["messages"], prompt.get("tools")), max_prompt_len)
                 canonical, items = self._normalize_messages(prompt["messages"], speech_output, hide=True)
-                ids = self._encode_chat(self._render(canonical))
+                ids = self._encode_chat(self._render(canonical, self._tools(prompt.get("tools"))))
             elif "prompt" in prompt:
                 if not isinstance(prompt["prompt"], str):
                     raise PromptError("'prompt' must be a string")
@@ -615,6 +657,24 @@ class InputProcessor:
 
 
 # ---------------------------------------------------------------------- prompt parsing helpers
+
+# A tool the template is asked to write once, to learn whether it writes tools at all.
+_PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "", "parameters": {}}}
+
+
+def _tool_call(call: Any, where: str, typed) -> dict:
+    """An assistant message's tool call as the template reads it: OpenAI's {"id"?, "type":
+    "function", "function": {"name", "arguments": JSON text or object}}."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise PromptError(f"{where} must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        args = typed(args, f"{where}.function.arguments")
+    elif not isinstance(args, dict):
+        raise PromptError(f"{where}.function.arguments must be JSON text or an object")
+    return {"type": "function", "function": {"name": typed(fn["name"], f"{where}.function.name"), "arguments": args}}
+
 
 def _check_unicode(text: str, where: str = "the prompt") -> None:
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import json
 import os
 from typing import Any
 
@@ -22,7 +23,7 @@ _PART_KINDS = {
 }
 # The keys a prompt dict may have.
 PROMPT_KEYS = {"prompt", "prompt_token_ids", "prompt_embeds", "messages", "multi_modal_data",
-                "use_audio_in_video", "mm_processor_kwargs"}
+                "use_audio_in_video", "mm_processor_kwargs", "tools"}
 
 
 @dataclasses.dataclass
@@ -36,15 +37,19 @@ class MediaItem:
     audio: Any = None
 
 
-def message_texts(messages: Any):
-    """The strings a chat's messages hold (roles, contents, text parts); malformed ones are skipped
-    here and named by `InputProcessor._normalize_messages`."""
+def message_texts(messages: Any, tools: Any = None):
+    """The strings a chat's messages hold (roles, contents, text parts, tool calls) and its tools'
+    JSON; malformed ones are skipped here and named by `InputProcessor._normalize_messages`."""
+    if tools is not None:
+        yield json.dumps(tools, default=str)
     if not isinstance(messages, list):
         return
     for m in messages:
         if not isinstance(m, dict):
             continue
         yield m.get("role")
+        if isinstance(m.get("tool_calls"), list):
+            yield json.dumps(m["tool_calls"], default=str)
         content = m.get("content")
         if isinstance(content, list):
             for part in content:

@@ -15,6 +15,8 @@ import functools
 import importlib.util
 import os
 
+from .chat_template import qwen_chat_template
+
 __all__ = [
     "DEFAULT_SYSTEM_PROMPT",
     "QWEN2_5_OMNI_CHAT_TEMPLATE",
@@ -73,41 +75,11 @@ _NAMED_TOKENS = {
     "vision_eos_token": "<|vision_eos|>",
 }
 
-# Same output as the checkpoint's template: a default "helpful assistant" system turn when the
-# conversation does not open with one, string or multi-part content, one placeholder triple per
-# media part, optional "Picture n: " / "Audio n: " / "Video n: " labels.
-QWEN2_5_OMNI_CHAT_TEMPLATE = (
-    "{%- set n = namespace(audio=0, image=0, video=0) -%}"
-    "{%- for message in messages -%}"
-    "{%- if loop.first and message['role'] != 'system' -%}"
-    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
-    "{%- if message['content'] is string -%}"
-    "{{- message['content'] -}}"
-    "{%- else -%}"
-    "{%- for part in message['content'] -%}"
-    "{%- if part['type'] == 'image' or 'image' in part or 'image_url' in part -%}"
-    "{%- set n.image = n.image + 1 -%}"
-    "{%- if add_vision_id -%}{{- 'Picture ' ~ n.image ~ ': ' -}}{%- endif -%}"
-    "{{- '<|vision_bos|><|IMAGE|><|vision_eos|>' -}}"
-    "{%- elif part['type'] == 'audio' or 'audio' in part or 'audio_url' in part -%}"
-    "{%- set n.audio = n.audio + 1 -%}"
-    "{%- if add_audio_id -%}{{- 'Audio ' ~ n.audio ~ ': ' -}}{%- endif -%}"
-    "{{- '<|audio_bos|><|AUDIO|><|audio_eos|>' -}}"
-    "{%- elif part['type'] == 'video' or 'video' in part -%}"
-    "{%- set n.video = n.video + 1 -%}"
-    "{%- if add_vision_id -%}{{- 'Video ' ~ n.video ~ ': ' -}}{%- endif -%}"
-    "{{- '<|vision_bos|><|VIDEO|><|vision_eos|>' -}}"
-    "{%- elif 'text' in part -%}"
-    "{{- part['text'] -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
+# Same output as the checkpoint's template (a default "helpful assistant" system turn when the
+# conversation does not open with one), and Qwen's function-calling turns (inputs/chat_template.py).
+QWEN2_5_OMNI_CHAT_TEMPLATE = qwen_chat_template(
+    image="<|vision_bos|><|IMAGE|><|vision_eos|>", audio="<|audio_bos|><|AUDIO|><|audio_eos|>",
+    video="<|vision_bos|><|VIDEO|><|vision_eos|>", default_system="You are a helpful assistant.")
 
 
 def _tiktoken_file() -> str:
@@ -249,6 +221,9 @@ QWEN3_OMNI_SPECIAL_TOKENS = [
     "<tts_text_bos>", "<tts_text_eod>", "<tts_text_bos_single>", "<|audio_pad|>",
 ]
 
+# As Qwen3's tokenizer_config: function-calling and reasoning tags are plain (a reply's text keeps
+# its `<tool_call>` blocks for the server to read, inputs/tool_calls.py).
+_QWEN3_PLAIN_ADDED_TOKENS = _PLAIN_ADDED_TOKENS | {"<tool_response>", "</tool_response>", "<think>", "</think>"}
 
 def build_qwen3_omni_tokenizer(out_dir: str | None = None):
     """The Qwen3-Omni tokenizer rebuilt offline: the Qwen2 BPE plus Qwen3-Omni's added tokens (the
@@ -257,7 +232,7 @@ def build_qwen3_omni_tokenizer(out_dir: str | None = None):
     from transformers import Qwen2TokenizerFast
 
     vocab, merges = _vocab_and_merges()
-    added = {FIRST_SPECIAL_ID + i: AddedToken(t, normalized=False, special=True)
+    added = {FIRST_SPECIAL_ID + i: AddedToken(t, normalized=False, special=t not in _QWEN3_PLAIN_ADDED_TOKENS)
              for i, t in enumerate(QWEN3_OMNI_SPECIAL_TOKENS)}
     tokenizer = Qwen2TokenizerFast(
         vocab=dict(vocab), merges=list(merges), added_tokens_decoder=added, unk_token=None, bos_token=None,

@@ -33,6 +33,7 @@ import dataclasses
 
 import numpy as np
 
+from ...inputs.chat_template import qwen_chat_template
 from ...inputs.processor import InputProcessor
 from ...errors import PromptError
 from ...inputs.rope_index import RopeIndexConfig
@@ -69,36 +70,11 @@ QWEN3_OMNI_TOKENS = RopeIndexConfig(
 
 # Used only when neither the checkpoint nor its tokenizer brings a template. Like the released
 # one for the parts that matter here: no default system turn, string or multi-part content, one
-# placeholder triple per media part, optional "Picture n: " / "Audio n: " / "Video n: " labels.
-QWEN3_OMNI_CHAT_TEMPLATE = (
-    "{%- set n = namespace(audio=0, image=0, video=0) -%}"
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
-    "{%- if message['content'] is string -%}"
-    "{{- message['content'] -}}"
-    "{%- else -%}"
-    "{%- for part in message['content'] -%}"
-    "{%- if part['type'] == 'image' or 'image' in part or 'image_url' in part -%}"
-    "{%- set n.image = n.image + 1 -%}"
-    "{%- if add_vision_id -%}{{- 'Picture ' ~ n.image ~ ': ' -}}{%- endif -%}"
-    "{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
-    "{%- elif part['type'] == 'audio' or 'audio' in part or 'audio_url' in part -%}"
-    "{%- set n.audio = n.audio + 1 -%}"
-    "{%- if add_audio_id -%}{{- 'Audio ' ~ n.audio ~ ': ' -}}{%- endif -%}"
-    "{{- '<|audio_start|><|audio_pad|><|audio_end|>' -}}"
-    "{%- elif part['type'] == 'video' or 'video' in part -%}"
-    "{%- set n.video = n.video + 1 -%}"
-    "{%- if add_vision_id -%}{{- 'Video ' ~ n.video ~ ': ' -}}{%- endif -%}"
-    "{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
-    "{%- elif 'text' in part -%}"
-    "{{- part['text'] -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
+# placeholder triple per media part, optional "Picture n: " / "Audio n: " / "Video n: " labels,
+# Qwen's function-calling turns (inputs/chat_template.py).
+QWEN3_OMNI_CHAT_TEMPLATE = qwen_chat_template(
+    image="<|vision_start|><|image_pad|><|vision_end|>", audio="<|audio_start|><|audio_pad|><|audio_end|>",
+    video="<|vision_start|><|video_pad|><|vision_end|>")
 
 # HF thinker_config keys of each RopeIndexConfig field (first present wins).
 _TOKEN_KEYS = {

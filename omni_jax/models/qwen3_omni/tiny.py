@@ -30,7 +30,7 @@ from ...paths import cache_root
 from ..random_checkpoint import write_random_checkpoint
 
 # 2: the built-in model has the Qwen3-Omni tokenizer (chat prompts, the server's realtime API).
-TINY_VERSION = 2
+TINY_VERSION = 3  # 3: the tokenizer's function-calling tags are plain tokens, as in Qwen3
 
 # Real Qwen3-Omni ids (QWEN_NOTES.md and the released config.json).
 VOCAB = 152064

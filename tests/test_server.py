@@ -565,14 +565,32 @@ def test_speech_through_openai_client(client):
 
 # ---------------------------------------------------------------------------------------- errors
 
+WEATHER_TOOL = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+
+
 @pytest.mark.parametrize("change, param", [
     ({"temperature": 5}, "temperature"),
     ({"n": 0}, "n"),
     ({"n": 65}, "n"),
     ({"n": 2, "modalities": ["text", "audio"]}, "n"),
     # OpenAI's fields the server does not serve: refused by name, not ignored
-    ({"tools": [{"type": "function", "function": {"name": "weather", "parameters": {}}}]}, "tools"),
+    ({"functions": [{"name": "weather", "parameters": {}}]}, "functions"),
+    ({"function_call": {"name": "weather"}}, "function_call"),
+    # function calling
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
+    ({"tools": [{"type": "code_interpreter"}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [WEATHER_TOOL], "modalities": ["text", "audio"]}, "tools"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+      "tool_choice": "required"}, "tools[0].function.parameters"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0].tool_calls"),
+    ({"messages": [{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": {}}}]}]}, "messages[0].tool_calls[0]"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema.name"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},

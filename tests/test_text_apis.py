@@ -589,3 +589,106 @@ def test_tokenize_400s_name_the_field(server, path, body, param, code):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert (err["param"], err["code"]) == (param, code), err
+
+
+# ------------------------------------------------------------------------------ function calling
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"enum": ["Paris", "Lyon"]}}}}}
+NOW = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {},
+                                                                     "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _streamed_calls(stream) -> tuple[str, list, str]:
+    """A streamed chat reply's content, tool calls (OpenAI's deltas put together) and finish reason."""
+    content, calls, reason = "", {}, None
+    for c in stream:
+        if not c.choices:
+            continue
+        d = c.choices[0].delta
+        content += d.content or ""
+        for t in d.tool_calls or []:
+            got = calls.setdefault(t.index, {"id": t.id, "name": "", "arguments": ""})
+            got["name"] += t.function.name or ""
+            got["arguments"] += t.function.arguments or ""
+        reason = c.choices[0].finish_reason or reason
+    return content, [calls[i] for i in sorted(calls)], reason
+
+
+@pytest.mark.parametrize("choice, parallel", [({"type": "function", "function": {"name": "get_weather"}}, None),
+                                              ("required", False)])
+def test_a_required_tool_call_equals_the_library(client, library, choice, parallel):
+    """tool_choice naming a function, or "required": the reply is a call (the random model held to
+    Qwen's format and the tool's schema by the grammar), in message.tool_calls with finish_reason
+    "tool_calls", the library's reply under the same grammar read the same way; streamed alike."""
+    from omni_jax import StructuredOutputs, call_grammar, read_tool_calls
+
+    extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, NOW], tool_choice=choice,
+                                       max_tokens=60, **extra, **GREEDY)
+    chosen = [WEATHER] if isinstance(choice, dict) else [WEATHER, NOW]
+    want = library.generate({"messages": ASK, "tools": [WEATHER, NOW]}, SamplingParams(
+        max_tokens=60, structured_outputs=StructuredOutputs(grammar=call_grammar(chosen, parallel=False)), **GREEDY),
+        output_modalities=["text"], use_tqdm=False)[0]
+    content, calls = read_tool_calls(want.text)
+    assert content == "" and len(calls) == 1, want.text
+    message = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and message.content is None
+    assert [(c.type, c.function.name, c.function.arguments) for c in message.tool_calls] == [
+        ("function", calls[0].name, calls[0].arguments)]
+    assert message.tool_calls[0].id.startswith("call_")
+    if isinstance(choice, dict):
+        assert json.loads(calls[0].arguments)["city"] in ("Paris", "Lyon")
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+    streamed = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, NOW], tool_choice=choice,
+                                              max_tokens=60, stream=True, **extra, **GREEDY)
+    content, got, reason = _streamed_calls(streamed)
+    assert (content, reason) == ("", "tool_calls")
+    assert [(c["name"], c["arguments"]) for c in got] == [(calls[0].name, calls[0].arguments)]
+
+
+def test_auto_reads_the_calls_a_reply_makes(client):
+    """tool_choice "auto": words, then calls, read out of the reply whole and streamed. (The random
+    model is made to write them, tags as the tokens they are, by a grammar; it would not otherwise.)"""
+    calls = ['\n{"name": "now", "arguments": {}}\n', '\n{"name": "get_weather", "arguments": {"city": "Lyon"}}\n']
+    said = "Sure.\n" + "\n".join(f"<tool_call>{c}</tool_call>" for c in calls)
+    grammar = "start: " + ' "\\n" '.join(["\"Sure.\"", *(f"<tool_call> {json.dumps(c)} </tool_call>" for c in calls)])
+    extra = {"structured_outputs": {"grammar": grammar}}
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, NOW], max_tokens=200,
+                                       extra_body=extra, **GREEDY)
+    message = r.choices[0].message
+    assert message.content == "Sure." and r.choices[0].finish_reason == "tool_calls", message
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [
+        ("now", "{}"), ("get_weather", '{"city": "Lyon"}')]
+    assert len({c.id for c in message.tool_calls}) == 2
+    streamed = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, NOW], max_tokens=200,
+                                              extra_body=extra, stream=True, **GREEDY)
+    content, calls, reason = _streamed_calls(streamed)
+    assert (content, reason) == ("Sure.", "tool_calls")
+    assert [(c["name"], c["arguments"]) for c in calls] == [("now", "{}"), ("get_weather", '{"city": "Lyon"}')]
+    # tool_choice "none": the tools are left out of the prompt and nothing is read as a call
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, NOW], tool_choice="none",
+                                       max_tokens=200, extra_body=extra, **GREEDY)
+    assert r.choices[0].message.content == said and not r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.prompt_tokens == client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=1, **GREEDY).usage.prompt_tokens
+
+
+def test_a_conversation_with_calls_and_results_is_the_library_prompt(client, library):
+    """An assistant turn's calls and the tool messages with their results make the prompt the
+    library makes of the same messages: same prompt tokens, same greedy reply."""
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "20 C, sunny"}]
+    r = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], max_tokens=6, **GREEDY)
+    lib_history = [m if m["role"] != "assistant" else {k: v for k, v in m.items() if k != "content"} for m in history]
+    want = _want(library, {"messages": lib_history, "tools": [WEATHER]}, max_tokens=6, **GREEDY)
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert r.choices[0].message.content == want.text
+    ids = list(want.prompt_token_ids)
+    assert library.tokenizer.decode(ids).count("<tool_response>\n20 C, sunny\n</tool_response>") == 1

@@ -7,6 +7,10 @@ pcm16 (24 kHz mono, little-endian), passed on as the library delivers it (`audio
 today the whole waveform at the end, chunk by chunk once stages stream to each other),
 a last chunk with `finish_reason` (each chunk names its choice's `index`), `usage` when
 `stream_options.include_usage`, `[DONE]`.
+
+With `tools`, calls the model makes are read out of its reply (server/tools.py) into
+`message.tool_calls` (finish_reason "tool_calls"); streamed, each call is one `delta.tool_calls`
+entry, sent whole when the model has written it, and the text before it `delta.content`.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from ..inputs.tool_calls import read_tool_calls
 from . import audio as audio_codec
 from .engine import ServedEngine
 from .errors import bad_request, error_body
@@ -28,6 +33,7 @@ from .logprobs import token_logprobs
 from .messages import MediaPolicy, to_prompt
 from .reply_audio import ReplyAudio
 from .structured import structured_outputs
+from .tools import NO_TOOLS, ToolUse, call_id, chat_tool_call, combined, tool_use
 from .metrics import Metrics
 from .schemas import ChatCompletionRequest
 from .stage_params import sample_params, stage_params
@@ -49,8 +55,7 @@ def _modalities(req: ChatCompletionRequest, engine: ServedEngine) -> list[str]:
 # OpenAI's fields this server does not serve, and why; set to anything but their off value
 # (empty, "none", "auto" without tools, a text response format) they are a 400 naming them.
 _UNSERVED = {
-    "tools": "tools (function calling) are not supported by this server",
-    "functions": "functions (function calling) are not supported by this server",
+    "functions": "functions (the deprecated function calling) are not supported by this server; use tools",
     "prediction": "predicted outputs are not supported by this server",
     "web_search_options": "web search is not supported by this server",
 }
@@ -61,10 +66,9 @@ def _validate(req: ChatCompletionRequest) -> None:
     for name, why in _UNSERVED.items():
         if getattr(req, name):
             raise bad_request(why, name, "unsupported_parameter")
-    for name in ("tool_choice", "function_call"):
-        if getattr(req, name) not in (None, "none", "auto"):
-            raise bad_request(f"{name} needs function calling, which this server does not support", name,
-                              "unsupported_parameter")
+    if req.function_call not in (None, "none", "auto"):
+        raise bad_request("function_call (the deprecated function calling) is not supported by this server; use "
+                          "tool_choice", "function_call", "unsupported_parameter")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     if req.stream and req.audio is not None and req.audio.format != "pcm16":
@@ -92,10 +96,17 @@ class ChatHandler:
         mods = _modalities(req, self.engine)
         if req.n > 1 and "audio" in mods:
             raise bad_request("n > 1 is only supported for text replies (modalities ['text'])", "n")
+        tools = tool_use(req.tools, req.tool_choice, req.parallel_tool_calls)
+        if tools.reads_calls and "audio" in mods:
+            raise bad_request("tools are served for text replies (modalities ['text']): a spoken reply would read "
+                              "its calls aloud", "tools")
         prompt = to_prompt(req.messages, self.policy, self.replies)
+        if tools.tools is not None:
+            prompt["tools"] = tools.tools
+        constraint = combined(tools, structured_outputs(req, req.response_format, "response_format"), "response_format")
         params = stage_params(self.engine.stage_defaults(self.engine.stage_names(mods)), req,
                               logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                              structured_outputs=structured_outputs(req, req.response_format, "response_format"))
+                              structured_outputs=constraint)
         voice = req.audio.voice if req.audio is not None else None
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.n > 1:  # n samples of the one prompt: processed once
@@ -105,14 +116,14 @@ class ChatHandler:
         gens = await open_requests(self.engine, requests, mods, voice, request=request, voice_param="audio.voice")
         self.metrics.in_flight.inc()
         if req.stream:
-            return event_stream(self._stream(req, rid, gens, mods))
+            return event_stream(self._stream(req, rid, gens, mods, tools))
         outs = await finished_outputs(gens, request, self.metrics, "chat")
         if outs is None:
             return JSONResponse({}, status_code=499)
         for out in outs:
             if out.error:
                 raise failure(self.engine, out)
-        return JSONResponse(self._whole(req, outs, mods, rid))
+        return JSONResponse(self._whole(req, outs, mods, rid, tools))
 
     def _logprobs(self, req: ChatCompletionRequest, token_ids: list[int], logprobs) -> dict | None:
         if not req.logprobs or logprobs is None:
@@ -120,10 +131,17 @@ class ChatHandler:
         return {"content": token_logprobs(self.engine.omni.tokenizer, token_ids, logprobs, req.top_logprobs or 0),
                 "refusal": None}
 
-    def _whole(self, req: ChatCompletionRequest, outs: list, mods: list[str], rid: str) -> dict:
+    def _whole(self, req: ChatCompletionRequest, outs: list, mods: list[str], rid: str, tools: ToolUse) -> dict:
         choices = []
         for j, out in enumerate(outs):
             message = {"role": "assistant", "content": out.text, "refusal": None, "audio": None}
+            reason = finish_reason(out.finish_reason)
+            if tools.reads_calls:
+                content, calls = read_tool_calls(out.text)
+                message["content"] = content or None
+                if calls:
+                    message["tool_calls"] = [chat_tool_call(c, call_id()) for c in calls]
+                    reason = _with_calls(reason)
             if "audio" in mods:  # n is 1
                 fmt = req.audio.format if req.audio is not None else "wav"
                 data = audio_codec.encode(out.audio, out.sample_rate, fmt)
@@ -132,12 +150,12 @@ class ChatHandler:
                                     "expires_at": self.replies.put(audio_id, out.text), "transcript": out.text}
             choices.append({"index": j, "message": message,
                             "logprobs": self._logprobs(req, out.token_ids, out.logprobs),
-                            "finish_reason": finish_reason(out.finish_reason)})
+                            "finish_reason": reason})
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": req.model,
                 "system_fingerprint": None, "choices": choices, "usage": _usage(outs)}
 
     async def _stream(self, req: ChatCompletionRequest, rid: str, gens: list[Generation],
-                      mods: list[str]) -> AsyncIterator[bytes]:
+                      mods: list[str], tools: ToolUse = NO_TOOLS) -> AsyncIterator[bytes]:
         created = int(time.time())
         audio_id = f"audio_{rid[len('chatcmpl-'):]}"
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -153,6 +171,17 @@ class ChatHandler:
             return event(body)
 
         outs = [None] * len(gens)
+        readers = [tools.reader() for _ in gens]
+        calls_sent = [0] * len(gens)
+
+        def call_chunks(j: int, calls: list) -> list[bytes]:
+            chunks = []
+            for call in calls:
+                entry = {"index": calls_sent[j], **chat_tool_call(call, call_id())}
+                calls_sent[j] += 1
+                chunks.append(chunk(j, {"tool_calls": [entry]}))
+            return chunks
+
         try:
             for j in range(len(gens)):
                 yield chunk(j, {"role": "assistant", "content": ""})
@@ -160,11 +189,19 @@ class ChatHandler:
                 outs[j] = out
                 new = out.new_token_ids
                 lp = self._logprobs(req, new, out.logprobs[-len(new):]) if new and out.logprobs else None
-                if out.text_delta or lp:
-                    delta = {"content": out.text_delta}
+                text, calls = out.text_delta, []
+                if readers[j] is not None:
+                    text, calls = readers[j].feed(text)
+                    if out.finished:
+                        rest, closing = readers[j].finish()
+                        text, calls = text + rest, calls + closing
+                if text or lp:
+                    delta = {"content": text}
                     if with_audio:
                         delta["audio"] = {"id": audio_id, "transcript": out.text_delta}
                     yield chunk(j, delta, logprobs=lp)
+                for c in call_chunks(j, calls):
+                    yield c
                 for piece, _ in audio_codec.pcm16_pieces(out.audio_delta, MAX_AUDIO_CHUNK_SAMPLES):
                     yield chunk(j, {"audio": {"id": audio_id, "data": piece}})
                 if not out.finished:
@@ -177,7 +214,8 @@ class ChatHandler:
                     yield DONE
                     return
                 last = {"audio": {"id": audio_id, "expires_at": self.replies.put(audio_id, out.text)}} if with_audio else {}
-                yield chunk(j, last, finish_reason(out.finish_reason))
+                reason = finish_reason(out.finish_reason)
+                yield chunk(j, last, _with_calls(reason) if calls_sent[j] else reason)
             if include_usage:
                 yield event({**head, "choices": [], "usage": _usage(outs)})
             yield DONE
@@ -192,3 +230,8 @@ class ChatHandler:
                     self.metrics.aborted("chat")
             for gen in gens:
                 await gen.close()
+
+
+def _with_calls(reason: str) -> str:
+    """A reply that called tools ends with "tool_calls" (OpenAI's), unless it was cut or aborted."""
+    return "tool_calls" if reason == "stop" else reason

@@ -103,5 +103,21 @@ def to_prompt(messages: list[ChatMessage], policy: MediaPolicy, replies: ReplyAu
             content = ""
         if isinstance(content, list):
             content = [message_part(p, f"messages[{i}].content[{j}]", policy) for j, p in enumerate(content)]
-        out.append({"role": role, "content": content})
+        message = {"role": role, "content": content}
+        if m.tool_calls:
+            if role != "assistant":
+                raise bad_request(f"messages[{i}].tool_calls is only allowed in assistant messages",
+                                  f"messages[{i}].tool_calls")
+            message["tool_calls"] = [_tool_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(m.tool_calls)]
+        out.append(message)
     return {"messages": out}
+
+
+def _tool_call(call: Any, where: str) -> dict:
+    """An assistant message's earlier call: {"id", "type": "function", "function": {"name",
+    "arguments": JSON text}}."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+        raise bad_request(f"{where} must be {{'id', 'type': 'function', 'function': {{'name', 'arguments': "
+                          f"JSON text}}}}", where)
+    return {"type": "function", "function": {"name": fn["name"], "arguments": fn["arguments"]}}

@@ -44,10 +44,12 @@ class AudioReference(_Body):
 class ChatMessage(_Body):
     """One chat message; `content` parts are checked in messages.py (which knows the media rules)."""
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[Any], Field(max_length=MAX_PARTS)] | None = None
     name: Name | None = None
     audio: AudioReference | None = None
+    tool_calls: Annotated[list[Any], Field(max_length=MAX_PARTS)] | None = None  # an assistant's (messages.py)
+    tool_call_id: Name | None = None  # a tool message's: the call it answers
 
 
 class AudioOptions(_Body):
@@ -113,10 +115,12 @@ class ChatCompletionRequest(_Stops):
     user: Name | None = None
     response_format: dict[str, Any] | None = None  # text, json_object or json_schema (server/structured.py)
     logit_bias: dict[str, Any] | None = None  # token id -> bias (SamplingParams checks it)
-    # OpenAI's, not served: a request that sets them is refused by name (chat.py), since
-    # ignoring them would answer a different question than the one asked.
+    # Function calling (server/tools.py).
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    # OpenAI's, not served: a request that sets them is refused by name (chat.py), since
+    # ignoring them would answer a different question than the one asked.
     functions: list[Any] | None = None
     function_call: Any = None
     prediction: Any = None

@@ -379,8 +379,12 @@ def test_a_response_stream_on_the_wire(server):
 
 
 @pytest.mark.parametrize("change, param, code", [
-    ({"tools": [{"type": "web_search"}]}, "tools", "unsupported_parameter"),
-    ({"tool_choice": "required"}, "tool_choice", "unsupported_parameter"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type", "unsupported_parameter"),
+    ({"tool_choice": "required"}, "tool_choice", "invalid_value"),
+    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "tool_choice", "invalid_value"),  # the chat completions' shape: the Responses API names the function flat
+    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": "required",
+      "text": {"format": {"type": "json_object"}}}, "text.format", "invalid_value"),
     ({"reasoning": {"effort": "low"}}, "reasoning", "unsupported_parameter"),
     ({"background": True}, "background", "unsupported_parameter"),
     ({"text": {"format": {"type": "xml"}}}, "text.format.type", "unsupported_parameter"),
@@ -389,8 +393,9 @@ def test_a_response_stream_on_the_wire(server):
     ({"text": {"format": {"type": "json_schema", "name": "bad name!"}}}, "text.format.name", "invalid_value"),
     ({"truncation": "auto"}, "truncation", "unsupported_parameter"),
     ({"include": ["reasoning.encrypted_content"]}, "include", "unsupported_parameter"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0].type",
-     "unsupported_parameter"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]}, "input[0].output", "invalid_value"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments", "invalid_value"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type", "unsupported_parameter"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role", "invalid_value"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0].type",
      "invalid_value"),
@@ -655,8 +660,7 @@ def test_auto_reads_the_calls_a_reply_makes(client):
     model is made to write them, tags as the tokens they are, by a grammar; it would not otherwise.)"""
     calls = ['\n{"name": "now", "arguments": {}}\n', '\n{"name": "get_weather", "arguments": {"city": "Lyon"}}\n']
     said = "Sure.\n" + "\n".join(f"<tool_call>{c}</tool_call>" for c in calls)
-    grammar = "start: " + ' "\\n" '.join(["\"Sure.\"", *(f"<tool_call> {json.dumps(c)} </tool_call>" for c in calls)])
-    extra = {"structured_outputs": {"grammar": grammar}}
+    extra = _call_grammar_extra(calls)
     r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, NOW], max_tokens=200,
                                        extra_body=extra, **GREEDY)
     message = r.choices[0].message
@@ -692,3 +696,86 @@ def test_a_conversation_with_calls_and_results_is_the_library_prompt(client, lib
     assert r.choices[0].message.content == want.text
     ids = list(want.prompt_token_ids)
     assert library.tokenizer.decode(ids).count("<tool_response>\n20 C, sunny\n</tool_response>") == 1
+
+
+def _flat(tool: dict) -> dict:
+    """A chat completions tool in the Responses API's shape."""
+    return {"type": "function", **tool["function"]}
+
+
+def _call_grammar_extra(calls: list[str], words: str = "Sure.") -> dict:
+    """vLLM's structured_outputs extra that makes the random model say `words`, then make these
+    calls (each a block's JSON with its newlines), tags as the tokens they are."""
+    parts = [json.dumps(words), *(f"<tool_call> {json.dumps(c)} </tool_call>" for c in calls)]
+    return {"structured_outputs": {"grammar": "start: " + ' "\\n" '.join(parts)}}
+
+
+def test_a_response_calls_a_function(client, library):
+    """The Responses API: a named function's call is a function_call output item (no message
+    item), the library's reply under the same grammar; streamed, its events in OpenAI's order,
+    the completed response's output the same."""
+    from omni_jax import StructuredOutputs, call_grammar, read_tool_calls
+
+    tools = [_flat(WEATHER), _flat(NOW)]
+    choice = {"type": "function", "name": "get_weather"}
+    r = client.responses.create(model=MODEL, input=ASK[0]["content"], tools=tools, tool_choice=choice,
+                                max_output_tokens=60, **GREEDY)
+    want = library.generate({"messages": ASK, "tools": [WEATHER, NOW]}, SamplingParams(
+        max_tokens=60, structured_outputs=StructuredOutputs(grammar=call_grammar([WEATHER], parallel=False)), **GREEDY),
+        output_modalities=["text"], use_tqdm=False)[0]
+    _, calls = read_tool_calls(want.text)
+    assert r.status == "completed" and r.output_text == "" and len(r.output) == 1
+    item = r.output[0]
+    assert (item.type, item.name, item.arguments, item.status) == ("function_call", "get_weather",
+                                                                   calls[0].arguments, "completed")
+    assert item.call_id.startswith("call_") and item.id.startswith("fc_")
+    assert [t.name for t in r.tools] == ["get_weather", "now"] and r.tool_choice.name == "get_weather"
+    events = list(client.responses.create(model=MODEL, input=ASK[0]["content"], tools=tools, tool_choice=choice,
+                                          max_output_tokens=60, stream=True, **GREEDY))
+    assert [e.type for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.completed"]
+    assert events[2].item.type == "function_call" and events[2].item.arguments == ""
+    assert events[3].delta == events[4].arguments == calls[0].arguments
+    done = events[-1].response
+    assert [(o.type, o.name, o.arguments) for o in done.output] == [("function_call", "get_weather", calls[0].arguments)]
+
+
+def test_a_response_with_words_and_calls_and_the_next_turn(client, library):
+    """Words and two calls (tool_choice auto): the message item, then a function_call item per
+    call, streamed in that order at their output indexes. The next turn, by previous_response_id
+    with the calls' outputs or statelessly with the calls given back, is the library's prompt of
+    the whole conversation."""
+    calls = ['\n{"name": "now", "arguments": {}}\n', '\n{"name": "get_weather", "arguments": {"city": "Lyon"}}\n']
+    extra = _call_grammar_extra(calls)
+    tools = [_flat(WEATHER), _flat(NOW)]
+    r = client.responses.create(model=MODEL, input=ASK[0]["content"], tools=tools, max_output_tokens=200,
+                                extra_body=extra, **GREEDY)
+    assert [o.type for o in r.output] == ["message", "function_call", "function_call"]
+    assert r.output_text == "Sure."
+    assert [(o.name, o.arguments) for o in r.output[1:]] == [("now", "{}"), ("get_weather", '{"city": "Lyon"}')]
+    events = list(client.responses.create(model=MODEL, input=ASK[0]["content"], tools=tools, max_output_tokens=200,
+                                          extra_body=extra, stream=True, **GREEDY))
+    added = [(e.output_index, e.item.type) for e in events if e.type == "response.output_item.added"]
+    assert added == [(0, "message"), (1, "function_call"), (2, "function_call")]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Sure."
+    assert [o.type for o in events[-1].response.output] == ["message", "function_call", "function_call"]
+    # the next turn: the calls' outputs
+    outputs = [{"type": "function_call_output", "call_id": o.call_id, "output": out}
+               for o, out in zip(r.output[1:], ["noon", "20 C"])]
+    nxt = client.responses.create(model=MODEL, input=outputs, previous_response_id=r.id, tools=tools,
+                                  max_output_tokens=4, **GREEDY)
+    history = ASK + [
+        {"role": "assistant", "content": "Sure.", "tool_calls": [
+            {"type": "function", "function": {"name": "now", "arguments": "{}"}},
+            {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Lyon"}'}}]},
+        {"role": "tool", "content": "noon"}, {"role": "tool", "content": "20 C"}]
+    want = _want(library, {"messages": history, "tools": [WEATHER, NOW]}, max_tokens=4, **GREEDY)
+    assert nxt.usage.input_tokens == len(want.prompt_token_ids) and nxt.output_text == want.text
+    # statelessly: the calls given back as input items
+    given = [*ASK, {"role": "assistant", "content": "Sure."},
+             *({"type": "function_call", "call_id": o.call_id, "name": o.name, "arguments": o.arguments}
+               for o in r.output[1:]), *outputs]
+    again = client.responses.create(model=MODEL, input=given, tools=tools, max_output_tokens=4, **GREEDY)
+    assert again.usage.input_tokens == len(want.prompt_token_ids) and again.output_text == want.text

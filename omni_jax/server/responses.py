@@ -10,6 +10,12 @@ and `data: <json>` with a `sequence_number`: response.created and .in_progress, 
 output_item.added and content_part.added, output_text.delta per piece of text, then
 output_text.done, content_part.done, output_item.done and response.completed (.incomplete
 when max_output_tokens ended it, .failed when the request failed).
+
+Function tools (`tools`, `tool_choice`: server/tools.py) work as in chat completions: a call the
+model makes is a `function_call` output item (after the message item when the reply has words,
+which is then only added once they come), streamed as output_item.added,
+function_call_arguments.delta and .done, output_item.done; `function_call` and
+`function_call_output` input items give earlier calls and their results back.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from .schemas import ResponseRequest
 from .sse import event_stream
 from .stage_params import stage_params
 from .structured import structured_outputs
+from .tools import NO_TOOLS, ToolUse, call_id, combined, tool_use
 
 MODALITIES = ["text"]
 LOGPROBS = "message.output_text.logprobs"
@@ -40,8 +47,7 @@ _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant"
 # Responses' content parts -> chat's (messages.py checks them, and the media rules).
 _TEXT_PARTS = ("input_text", "output_text")
 # OpenAI's fields not served here, with their off values.
-_UNSERVED = {"tools": (None, []), "tool_choice": (None, "none", "auto"), "reasoning": (None,),
-             "background": (None, False), "conversation": (None,), "prompt": (None,)}
+_UNSERVED = {"reasoning": (None,), "background": (None, False), "conversation": (None,), "prompt": (None,)}
 _encoder = msgspec.json.Encoder()
 
 
@@ -72,9 +78,14 @@ def input_messages(items: str | list, policy: MediaPolicy) -> list[dict]:
         where = f"input[{i}]"
         if not isinstance(item, dict):
             raise bad_request(f"{where} must be a message object", where)
-        if item.get("type", "message") != "message":
-            raise bad_request(f"{where}.type {short(item.get('type'))} is not supported: only messages (no tool calls, "
-                              f"reasoning or item references)", f"{where}.type", "unsupported_parameter")
+        kind = item.get("type", "message")
+        if kind in ("function_call", "function_call_output"):
+            _tool_item(item, where, out)
+            continue
+        if kind != "message":
+            raise bad_request(f"{where}.type {short(item.get('type'))} is not supported: only messages, function calls "
+                              f"and their outputs (no reasoning or item references)", f"{where}.type",
+                              "unsupported_parameter")
         role = _ROLES.get(item.get("role"))
         if role is None:
             raise bad_request(f"{where}.role must be one of {sorted(_ROLES)}", f"{where}.role")
@@ -85,6 +96,22 @@ def input_messages(items: str | list, policy: MediaPolicy) -> list[dict]:
             raise bad_request(f"{where}.content must be a string or a list of parts", f"{where}.content")
         out.append({"role": role, "content": content})
     return out
+
+
+def _tool_item(item: dict, where: str, out: list[dict]) -> None:
+    """An earlier call (into the assistant turn before it, or one of its own) or its output (a
+    tool message), appended to the chat messages `out`."""
+    fields = ("name", "arguments") if item["type"] == "function_call" else ("output",)
+    for name in fields:
+        if not isinstance(item.get(name), str):
+            raise bad_request(f"{where}.{name} must be a string", f"{where}.{name}")
+    if item["type"] == "function_call_output":
+        out.append({"role": "tool", "content": item["output"]})
+        return
+    call = {"type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+    if not out or out[-1]["role"] != "assistant":
+        out.append({"role": "assistant", "content": ""})
+    out[-1].setdefault("tool_calls", []).append(call)
 
 
 def _validate(req: ResponseRequest) -> None:
@@ -103,27 +130,64 @@ def _validate(req: ResponseRequest) -> None:
 class _Reply:
     """One response as it is made: its body in OpenAI's shape, and its text and logprobs so far."""
 
-    def __init__(self, req: ResponseRequest, rid: str, tokenizer, top_logprobs: int | None):
+    def __init__(self, req: ResponseRequest, rid: str, tokenizer, top_logprobs: int | None, tools: ToolUse = NO_TOOLS):
         self.req, self.rid, self.tokenizer, self.top_logprobs = req, rid, tokenizer, top_logprobs
+        self.tools, self.reader = tools, tools.reader()
         self.item_id = f"msg_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         self.text, self.logprobs = "", []
+        self.calls: list[dict] = []  # function_call output items, in order
+        # where the message item is among the output items; with tools it is added with the first words
+        self.message_index: int | None = 0 if self.reader is None else None
 
     def _logprobs(self, token_ids, logprobs) -> list:
         if self.top_logprobs is None or not token_ids or not logprobs:
             return []
         return token_logprobs(self.tokenizer, token_ids, logprobs[-len(token_ids):], self.top_logprobs)
 
-    def add(self, out) -> tuple[str, list]:
-        """The text and logprobs this update adds."""
+    def add(self, out) -> tuple[str, list, list[dict]]:
+        """The text, logprobs and function_call items this update adds."""
         lps = self._logprobs(out.new_token_ids, out.logprobs)
-        self.text += out.text_delta
+        text, calls = self._read(out.text_delta, out.finished)
+        self.text += text
         self.logprobs += lps
-        return out.text_delta, lps
+        return text, lps, calls
 
     def whole(self, out) -> None:
-        """Take the finished request's text and logprobs at once."""
-        self.text, self.logprobs = out.text, self._logprobs(list(out.token_ids), out.logprobs)
+        """Take the finished request's text, logprobs and calls at once."""
+        self.text, _ = self._read(out.text, True)
+        self.logprobs = self._logprobs(list(out.token_ids), out.logprobs)
+
+    def _read(self, text: str, finished: bool) -> tuple[str, list[dict]]:
+        if self.reader is None:
+            return text, []
+        text, calls = self.reader.feed(text)
+        if finished:
+            rest, closing = self.reader.finish()
+            text, calls = text + rest, calls + closing
+        if text and self.message_index is None:
+            self.message_index = len(self.calls)
+        items = [{"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "completed", "call_id": call_id(),
+                  "name": c.name, "arguments": c.arguments} for c in calls]
+        self.calls += items
+        return text, items
+
+    def output(self, status: str) -> list[dict]:
+        """The output items: the message (when it has words or there are no calls) and the calls."""
+        items = list(self.calls)
+        if self.message_index is not None or not items:
+            items.insert(self.message_index or 0, self.item(status))
+        return items
+
+    def index(self, call: dict) -> int:
+        """A function_call item's output index."""
+        i = self.calls.index(call)
+        return i + (self.message_index is not None and self.message_index <= i)
+
+    def assistant(self) -> dict:
+        """The reply as the conversation's next chat message (stored for previous_response_id)."""
+        calls = [{"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}} for c in self.calls]
+        return {"role": "assistant", "content": self.text, **({"tool_calls": calls} if calls else {})}
 
     def part(self) -> dict:
         return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": self.logprobs}
@@ -144,10 +208,11 @@ class _Reply:
                 "completed_at": int(time.time()) if done else None, "error": error,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": req.model,
-                "output": [self.item(status)] if done else [],
+                "output": self.output(status) if done else [],
                 "parallel_tool_calls": req.parallel_tool_calls is not False,
                 "previous_response_id": req.previous_response_id, "temperature": req.temperature,
-                "top_p": req.top_p, "top_logprobs": req.top_logprobs, "tool_choice": "auto", "tools": [],
+                "top_p": req.top_p, "top_logprobs": req.top_logprobs,
+                "tool_choice": req.tool_choice if req.tool_choice is not None else "auto", "tools": req.tools or [],
                 "text": {"format": _format(req) or {"type": "text"}}, "truncation": "disabled", "store": req.store,
                 "metadata": req.metadata or {}, "user": req.user, "usage": usage}
 
@@ -181,13 +246,15 @@ class ResponsesHandler:
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         # the logprobs come with `include` or `top_logprobs` (OpenAI: either asks for them)
         logprobs = (req.top_logprobs or 0) if LOGPROBS in (req.include or ()) or req.top_logprobs is not None else None
+        tools = tool_use(req.tools, req.tool_choice, req.parallel_tool_calls, flat=True)
+        constraint = combined(tools, structured_outputs(req, _format(req), "text.format", nested=False), "text.format")
         params = stage_params(self.engine.stage_defaults(self.engine.stage_names(MODALITIES)), req,
-                              max_tokens=req.max_output_tokens, logprobs=logprobs,
-                              structured_outputs=structured_outputs(req, _format(req), "text.format", nested=False))
+                              max_tokens=req.max_output_tokens, logprobs=logprobs, structured_outputs=constraint)
         rid = f"resp_{uuid.uuid4().hex}"
-        gen = await open_request(self.engine, {"messages": [*system, *messages]}, params, MODALITIES, None, rid,
-                                 request=request, prompt_param="input")
-        reply = _Reply(req, rid, self.engine.omni.tokenizer, logprobs)
+        prompt = {"messages": [*system, *messages], **({"tools": tools.tools} if tools.tools is not None else {})}
+        gen = await open_request(self.engine, prompt, params, MODALITIES, None, rid, request=request,
+                                 prompt_param="input")
+        reply = _Reply(req, rid, self.engine.omni.tokenizer, logprobs, tools)
         self.metrics.in_flight.inc()
         if req.stream:
             return event_stream(self._stream(reply, gen, messages))
@@ -204,7 +271,7 @@ class ResponsesHandler:
 
     def _store(self, reply: _Reply, body: dict, messages: list[dict]) -> None:
         if reply.req.store:
-            conversation = [*messages, {"role": "assistant", "content": reply.text}]
+            conversation = [*messages, reply.assistant()]
             # sized by its JSON (the media in it are data: URLs or paths)
             size = len(_encoder.encode(conversation)) + len(_encoder.encode(body))
             self.kept.put(reply.rid, {"response": body, "messages": conversation}, size)
@@ -220,6 +287,17 @@ class ResponsesHandler:
             raise APIError(404, f"no response {short(response_id)} is stored here", "response_id", "not_found")
         return {"id": response_id, "object": "response", "deleted": True}
 
+    @staticmethod
+    def _call_events(emit, index: int, item: dict) -> list[bytes]:
+        """A function call's events: its item added, its arguments (whole: the call is read once
+        its block closes), the item done."""
+        where = {"item_id": item["id"], "output_index": index}
+        return [emit("response.output_item.added", output_index=index,
+                     item={**item, "status": "in_progress", "arguments": ""}),
+                emit("response.function_call_arguments.delta", delta=item["arguments"], **where),
+                emit("response.function_call_arguments.done", name=item["name"], arguments=item["arguments"], **where),
+                emit("response.output_item.done", output_index=index, item=item)]
+
     async def _stream(self, reply: _Reply, gen: Generation, messages: list[dict]) -> AsyncIterator[bytes]:
         seq = 0
 
@@ -229,18 +307,34 @@ class ResponsesHandler:
             seq += 1
             return b"event: " + kind.encode() + b"\ndata: " + _encoder.encode(body) + b"\n\n"
 
-        where = {"item_id": reply.item_id, "output_index": 0, "content_index": 0}
+        def where() -> dict:
+            return {"item_id": reply.item_id, "output_index": reply.message_index, "content_index": 0}
+
+        def open_message() -> list[bytes]:
+            return [emit("response.output_item.added", output_index=reply.message_index, item=reply.item("in_progress")),
+                    emit("response.content_part.added", part={"type": "output_text", "text": "", "annotations": []},
+                         **where())]
+
         out = None
         try:
             yield emit("response.created", response=reply.body("in_progress"))
             yield emit("response.in_progress", response=reply.body("in_progress"))
-            yield emit("response.output_item.added", output_index=0, item=reply.item("in_progress"))
-            yield emit("response.content_part.added", part={"type": "output_text", "text": "", "annotations": []},
-                       **where)
+            opened = reply.message_index is not None
+            for e in open_message() if opened else []:
+                yield e
             async for out in gen.updates():
-                text, lps = reply.add(out)
-                if text or lps:
-                    yield emit("response.output_text.delta", delta=text, logprobs=lps, **where)
+                text, lps, calls = reply.add(out)
+                if not opened and (text or (out.finished and not reply.calls)):
+                    opened = True
+                    if reply.message_index is None:  # a reply with neither words nor calls
+                        reply.message_index = 0
+                    for e in open_message():
+                        yield e
+                if opened and (text or lps):
+                    yield emit("response.output_text.delta", delta=text, logprobs=lps, **where())
+                for item in calls:
+                    for e in self._call_events(emit, reply.index(item), item):
+                        yield e
             self.metrics.finished("responses", out)
             if out.error:
                 err = failure(self.engine, out, "input")
@@ -249,9 +343,10 @@ class ResponsesHandler:
                                                                                   "message": err.message}))
                 return
             status = _status(out)
-            yield emit("response.output_text.done", text=reply.text, logprobs=reply.logprobs, **where)
-            yield emit("response.content_part.done", part=reply.part(), **where)
-            yield emit("response.output_item.done", output_index=0, item=reply.item(status))
+            if opened:
+                yield emit("response.output_text.done", text=reply.text, logprobs=reply.logprobs, **where())
+                yield emit("response.content_part.done", part=reply.part(), **where())
+                yield emit("response.output_item.done", output_index=reply.message_index, item=reply.item(status))
             body = reply.body(status, out)
             self._store(reply, body, messages)
             yield emit(f"response.{status}", response=body)

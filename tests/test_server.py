@@ -568,6 +568,12 @@ def test_speech_through_openai_client(client):
 WEATHER_TOOL = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
 
 
+def _big_tool(name: str) -> dict:
+    """A tool whose schema alone a grammar may hold, but not two of them."""
+    return {"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": {"a": {"enum": ["x" * 40000]}}}}}
+
+
 @pytest.mark.parametrize("change, param", [
     ({"temperature": 5}, "temperature"),
     ({"n": 0}, "n"),
@@ -582,6 +588,7 @@ WEATHER_TOOL = {"type": "function", "function": {"name": "weather", "parameters"
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice"),
     ({"tools": [WEATHER_TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [_big_tool("f"), _big_tool("g")], "tool_choice": "required"}, "tools"),
     ({"tools": [WEATHER_TOOL], "modalities": ["text", "audio"]}, "tools"),
     ({"tools": [WEATHER_TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
      "response_format"),

@@ -586,6 +586,10 @@ def test_tokenize_counts_what_a_request_takes(server, library):
     ("/tokenize", {"messages": [{"role": "user", "content": "b"}], "add_generation_prompt": False},
      "add_generation_prompt", "unsupported_parameter"),
     ("/tokenize", {"prompt": "word " * 600}, "prompt", "context_length_exceeded"),
+    ("/tokenize", {"prompt": "a", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
+     "invalid_value"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "b"}], "tools": [{"type": "function"}]}, "tools",
+     "invalid_value"),
     ("/detokenize", {"tokens": [1, 10 ** 9]}, "tokens", "invalid_value"),
     ("/detokenize", {"tokens": ["a"]}, "tokens[0]", "invalid_value"),
 ])
@@ -682,7 +686,7 @@ def test_auto_reads_the_calls_a_reply_makes(client):
         model=MODEL, messages=ASK, max_tokens=1, **GREEDY).usage.prompt_tokens
 
 
-def test_a_conversation_with_calls_and_results_is_the_library_prompt(client, library):
+def test_a_conversation_with_calls_and_results_is_the_library_prompt(server, client, library):
     """An assistant turn's calls and the tool messages with their results make the prompt the
     library makes of the same messages: same prompt tokens, same greedy reply."""
     history = ASK + [
@@ -696,6 +700,8 @@ def test_a_conversation_with_calls_and_results_is_the_library_prompt(client, lib
     assert r.choices[0].message.content == want.text
     ids = list(want.prompt_token_ids)
     assert library.tokenizer.decode(ids).count("<tool_response>\n20 C, sunny\n</tool_response>") == 1
+    # /tokenize counts the same prompt
+    assert _post(server, "/tokenize", {"messages": history, "tools": [WEATHER]}).json()["tokens"] == ids
 
 
 def _flat(tool: dict) -> dict:

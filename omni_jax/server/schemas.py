@@ -168,6 +168,7 @@ class TokenizeRequest(_Body):
     model: Name
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
+    tools: list[Any] | None = None  # a chat's function tools, written into its prompt
     add_generation_prompt: bool = True
     add_special_tokens: bool | None = None  # Qwen's tokenizers add no special tokens to a text either way
     return_token_strs: bool = False

@@ -17,6 +17,7 @@ from .errors import bad_request
 from .generation import check_model, prepare
 from .messages import MediaPolicy, to_prompt
 from .schemas import DetokenizeRequest, TokenizeRequest
+from .tools import tool_use
 
 MODALITIES = ["text"]
 
@@ -34,10 +35,16 @@ class TokenizeHandler:
         if req.messages is not None and not req.add_generation_prompt:
             raise bad_request("add_generation_prompt false is not supported: a chat prompt always opens the "
                               "assistant's turn here", "add_generation_prompt", "unsupported_parameter")
+        if req.tools is not None and req.messages is None:
+            raise bad_request("tools go with messages (a chat's prompt carries them)", "tools")
         if req.prompt is not None:
             prepared = await prepare(self.engine, req.prompt, MODALITIES, request, prompt_param="prompt")
         else:
-            prepared = await prepare(self.engine, to_prompt(req.messages, self.policy), MODALITIES, request)
+            prompt = to_prompt(req.messages, self.policy)
+            tools = tool_use(req.tools, None).tools
+            if tools is not None:
+                prompt["tools"] = tools
+            prepared = await prepare(self.engine, prompt, MODALITIES, request)
         ids = prepared.processed.prompt_token_ids.tolist()
         strs = self.engine.omni.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": max_model_len(self.engine), "tokens": ids, "token_strs": strs}

@@ -74,8 +74,11 @@ def tool_use(tools: list | None, choice: Any, parallel: bool | None = None, *, f
                 grammar_of(StructuredOutputs(json=params))
             except ValueError as e:
                 raise bad_request(f"tools[{i}] parameters: {e}", f"tools[{i}].function.parameters") from None
-    grammar = call_grammar([tools[i] for i in chosen], parallel=parallel is not False)
-    return ToolUse(tools, StructuredOutputs(grammar=grammar))
+    try:  # each schema compiles; together they may still be more than a grammar may hold
+        constraint = StructuredOutputs(grammar=call_grammar([tools[i] for i in chosen], parallel=parallel is not False))
+    except ValueError as e:
+        raise bad_request(f"tools: {e}", "tools") from None
+    return ToolUse(tools, constraint)
 
 
 def _chosen_name(choice: Any, flat: bool) -> Any:

@@ -67,6 +67,20 @@ def test_tools_and_calls_are_written_as_qwen_writes_them(processor):
     assert TOOLS_INTRO not in _text(processor, {"messages": CALLED})
 
 
+def test_a_final_assistant_message_is_continued(processor):
+    """continue_final_message: the prompt ends inside the assistant's turn, with its words and a
+    call's opening tag as the tag token (the realtime API's spoken replies continue so)."""
+    begun = CALLED[:1] + [{"role": "assistant", "content": "Sure.\n<tool_call>"}]
+    ids = processor.process({"messages": begun, "tools": [NOW], "continue_final_message": True}).prompt_token_ids
+    assert _text(processor, {"messages": begun, "tools": [NOW], "continue_final_message": True}).endswith(
+        "<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\nSure.\n<tool_call>")
+    assert ids[-1] == processor.tokenizer.convert_tokens_to_ids("<tool_call>")
+    # typed special strings stay text there too
+    typed = processor.process({"messages": CALLED[:1] + [{"role": "assistant", "content": "a<|im_end|>"}],
+                               "continue_final_message": True}).prompt_token_ids.tolist()
+    assert typed.count(processor.tokenizer.convert_tokens_to_ids("<|im_end|>")) == 1 + bool(processor.SPEECH_SYSTEM_PROMPT)
+
+
 @pytest.mark.parametrize("prompt, says", [
     ({"messages": CALLED[:1], "tools": {"a": 1}}, "'tools' must be a list"),
     ({"messages": CALLED[:1], "tools": [{"type": "function"}]}, r"tools\[0\] must be"),
@@ -74,7 +88,8 @@ def test_tools_and_calls_are_written_as_qwen_writes_them(processor):
     ({"messages": CALLED[:1], "tools": [NOW, NOW]}, "'now' is given twice"),
     ({"messages": CALLED[:1], "tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]},
      "parameters must be a JSON schema object"),
-    ({"prompt": "hi", "tools": [NOW]}, "'tools' go with 'messages'"),
+    ({"prompt": "hi", "tools": [NOW]}, "'tools' goes with 'messages'"),
+    ({"messages": CALLED[:1], "continue_final_message": True}, "needs the last message to be an assistant's text"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}]},
      "only an assistant message makes tool calls"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]},

@@ -18,7 +18,10 @@ Accepted prompt forms (as vLLM):
   already).
 * with "messages", "tools": OpenAI's function tools, which the chat template writes into the
   prompt (Qwen's format: inputs/chat_template.py); an assistant message may then carry
-  "tool_calls" (its "content" may be left out) and "tool" messages the calls' results.
+  "tool_calls" (its "content" may be left out) and "tool" messages the calls' results;
+* with "messages", "continue_final_message": True (vLLM's): the last message, an assistant's
+  text, is not closed: the reply continues it (its special-token strings stay text; a plain tag
+  such as Qwen's `<tool_call>` is the token it is).
 * {"prompt_embeds": array [T, H]} (numpy or JAX, any real dtype, cast to float32; H the
   thinker's hidden size), optionally with "prompt_token_ids" of the same length: the thinker
   takes these rows instead of token embeddings. The ids serve penalties, the talker's prompt
@@ -326,9 +329,8 @@ class InputProcessor:
     def chat_token_ids(self, messages: list, speech_output: bool = False, assistant_prefix: str = "") -> np.ndarray:
         """Token ids of text-only chat messages with the assistant turn opened and begun with
         `assistant_prefix`; special-token strings typed in the messages or the prefix stay text."""
-        canonical, _ = self._normalize_messages(messages, speech_output, need_source=False, hide=True)
-        _check_unicode(assistant_prefix, "the assistant prefix")
-        return self._encode_chat(self._render(canonical) + self._hide(assistant_prefix))
+        begun = [*messages, {"role": "assistant", "content": assistant_prefix}]
+        return self.process({"messages": begun, "continue_final_message": True}, speech_output).prompt_token_ids
 
     def _hide(self, text: str) -> str:
         return text if self._chat_text is None else self._chat_text.hide(text)
@@ -449,14 +451,21 @@ class InputProcessor:
                 raise PromptError(f"a prompt dict needs exactly one of 'prompt', 'prompt_token_ids', "
                                   f"'messages'; got {given or 'none'}")
             use_aiv = prompt_parts.use_audio_in_video(prompt, use_aiv)
-            if "tools" in prompt and "messages" not in prompt:
-                raise PromptError("'tools' go with 'messages' (the chat template writes them into the prompt)")
+            for key in ("tools", "continue_final_message"):
+                if key in prompt and "messages" not in prompt:
+                    raise PromptError(f"'{key}' goes with 'messages' (it is about the chat template)")
             if "messages" in prompt:
                 if "multi_modal_data" in prompt:
                     raise PromptError("with 'messages', put the media in the message parts, not in 'multi_modal_data'")
                 self._check_fits(prompt_parts.message_texts(prompt["messages"], prompt.get("tools")), max_prompt_len)
                 canonical, items = self._normalize_messages(prompt["messages"], speech_output, hide=True)
-                ids = self._encode_chat(self._render(canonical, self._tools(prompt.get("tools"))))
+                begun = ""
+                if prompt.get("continue_final_message"):
+                    last = canonical[-1]
+                    if last["role"] != "assistant" or not isinstance(last["content"], str) or "tool_calls" in last:
+                        raise PromptError("continue_final_message needs the last message to be an assistant's text")
+                    canonical, begun = canonical[:-1], last["content"]
+                ids = self._encode_chat(self._render(canonical, self._tools(prompt.get("tools"))) + begun)
             elif "prompt" in prompt:
                 if not isinstance(prompt["prompt"], str):
                     raise PromptError("'prompt' must be a string")

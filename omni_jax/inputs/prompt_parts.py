@@ -23,7 +23,7 @@ _PART_KINDS = {
 }
 # The keys a prompt dict may have.
 PROMPT_KEYS = {"prompt", "prompt_token_ids", "prompt_embeds", "messages", "multi_modal_data",
-                "use_audio_in_video", "mm_processor_kwargs", "tools"}
+                "use_audio_in_video", "mm_processor_kwargs", "tools", "continue_final_message"}
 
 
 @dataclasses.dataclass

@@ -55,23 +55,25 @@ def check_tools(tools: Any, where: str = "tools") -> list[dict]:
     return tools
 
 
-def call_grammar(tools: list[dict], parallel: bool = True) -> str:
+def call_grammar(tools: list[dict], parallel: bool = True, opened: bool = False) -> str:
     """A Lark grammar (llguidance's) for replies that are only calls of these tools, written as
     Qwen writes them, each call's arguments held to its tool's parameter schema; one call, or
-    one or more with `parallel`."""
+    one or more with `parallel`. `opened`: the reply's prompt already ends with the first call's
+    `<tool_call>` tag (the reply is the rest)."""
     rules, names = [], []
     for i, tool in enumerate(tools):
         fn = tool["function"]
         schema = dict(fn.get("parameters") or {"type": "object"})
         # Qwen's own spacing (", " and ": "), and no whitespace a model could pad without end.
         schema["x-guidance"] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-        # The tags are single tokens of Qwen's vocabularies, named as such (llguidance's <...>).
         head = json.dumps(f'\n{{"name": "{fn["name"]}", "arguments": ')
-        rules.append(f'call_{i}: {OPEN} {head} args_{i} "}}\\n" {CLOSE}')
+        rules.append(f'body_{i}: {head} args_{i} "}}\\n" {CLOSE}')
         rules.append(f"args_{i}: %json {json.dumps(schema)}")
-        names.append(f"call_{i}")
-    start = 'start: call ("\\n" call)*' if parallel else "start: call"
-    return "\n".join([start, "call: " + " | ".join(names), *rules])
+        names.append(f"body_{i}")
+    # The tags are single tokens of Qwen's vocabularies, named as such (llguidance's <...>).
+    first = "body" if opened else "call"
+    start = f'start: {first} ("\\n" call)*' if parallel else f"start: {first}"
+    return "\n".join([start, f"call: {OPEN} body", "body: " + " | ".join(names), *rules])
 
 
 def _call(body: str) -> ToolCall | None:

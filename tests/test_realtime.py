@@ -192,6 +192,61 @@ def test_a_long_conversation_loses_its_oldest_turns_first():
     assert without_oldest_turn([sys_, u3]) is None and without_oldest_turn([a1, u3]) == [u3]
 
 
+REALTIME_TOOLS = [
+    {"type": "function", "name": "get_weather", "description": "The weather in a city",
+     "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                    "properties": {"city": {"enum": ["Paris", "Lyon"]}}}},
+    {"type": "function", "name": "now", "parameters": {"type": "object", "properties": {},
+                                                       "additionalProperties": False}}]
+
+
+def test_session_tools_are_kept_checked_and_refused_by_a_transcription_session():
+    cfg = SessionConfig("tiny", ["Chelsie"])
+    cfg.update(parse(json.dumps({"type": "session.update", "session": {
+        "tools": REALTIME_TOOLS, "tool_choice": "required"}})).session)
+    assert cfg.as_json()["tools"] == REALTIME_TOOLS and cfg.as_json()["tool_choice"] == "required"
+    assert cfg.tool_use("response").constraint is not None
+    before = cfg.as_json()
+    for session, param in [({"tools": [{"type": "web_search"}]}, "session.tools[0].type"),
+                           ({"tool_choice": {"type": "function", "name": "other"}}, "session.tool_choice"),
+                           ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "nonsense"}}]},
+                            "session.tools[0].function.parameters"),
+                           ({"type": "transcription", "tools": REALTIME_TOOLS}, "session.tools")]:
+        with pytest.raises(EventError) as e:
+            cfg.update(parse(json.dumps({"type": "session.update", "session": session})).session)
+        assert e.value.param == param, e.value.message
+        assert cfg.as_json() == before
+
+
+def test_function_calls_and_outputs_join_the_conversation_prompt():
+    """A function call joins the assistant message before it (or makes one), an output is a tool
+    message; a call item must have its fields."""
+    from omni_jax.server.realtime.conversation import function_call_item, item_from_event
+    from omni_jax.server.messages import MediaPolicy
+    from omni_jax.server.realtime.events import Item
+
+    conv = Conversation()
+    conv.add(ConversationItem("u", "user", [Part("input_text", text="Weather?")]))
+    conv.add(ConversationItem("a", "assistant", [Part("output_text", text="Sure.")]))
+    conv.add(function_call_item("call_1", "get_weather", '{"city": "Paris"}'))
+    conv.add(item_from_event(Item(type="function_call_output", call_id="call_1", output="20 C"), MediaPolicy(), 1))
+    conv.add(function_call_item("call_2", "now", "{}"))
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    assert conv.messages(None) == [
+        {"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
+        {"role": "assistant", "content": "Sure.", "tool_calls": [call]},
+        {"role": "tool", "content": "20 C"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "now", "arguments": "{}"}}]}]
+    assert conv.items[2].as_json()["type"] == "function_call" and conv.items[2].as_json()["call_id"] == "call_1"
+    with pytest.raises(EventError) as e:
+        item_from_event(Item(type="function_call", call_id="c", name="now"), MediaPolicy(), 1)
+    assert e.value.param == "item.arguments"
+    with pytest.raises(EventError) as e:
+        item_from_event(Item(type="message", role="user", content=[]), MediaPolicy(), 1)
+    assert e.value.param == "item.content"
+
+
 # ---------------------------------------------------------------------------------------- helpers
 
 @pytest.fixture(scope="module")
@@ -764,3 +819,97 @@ def test_realtime_bench_against_the_server(server, env):
     assert "chat (same turns) concurrency 2: 2 requests (0 failed)" in r.stdout, r.stdout
     for name in ("ttft", "ttfa", "rtf", "barge_in"):
         assert re.search(rf"^\s+{name}\s+mean", r.stdout, re.M), r.stdout
+
+
+# ---------------------------------------------------------------------------------------- function calling
+
+def _calls_grammar(*calls: str) -> dict:
+    """The thinker's sampling params making the random model say "Sure." and then make these
+    calls (each a block's JSON with its newlines), tags as the tokens they are."""
+    parts = ['"Sure."', *(f"<tool_call> {json.dumps(c)} </tool_call>" for c in calls)]
+    return {"structured_outputs": {"grammar": "start: " + ' "\\n" '.join(parts)}}
+
+
+CALLS = ['\n{"name": "now", "arguments": {}}\n', '\n{"name": "get_weather", "arguments": {"city": "Lyon"}}\n']
+
+
+def test_a_text_session_calls_functions_and_hears_their_outputs(client, library):
+    """Words and two calls (tool_choice auto): the message item, then a function_call item per call
+    with OpenAI's events, in the conversation; the calls' outputs given back make the next reply's
+    prompt the library's prompt of the whole conversation."""
+    from omni_jax.server.tools import tool_use
+
+    with client.realtime.connect(model=MODEL) as conn:
+        _until(conn, "session.created")
+        conn.session.update(session={"type": "realtime", "output_modalities": ["text"], "tools": REALTIME_TOOLS})
+        _until(conn, "session.updated")
+        conn.conversation.item.create(item={"type": "message", "role": "user",
+                                            "content": [{"type": "input_text", "text": "Weather?"}]})
+        _until(conn, "conversation.item.added")
+        conn.response.create(response={"max_output_tokens": 200, "temperature": 0.0,
+                                       "sampling_params_list": [_calls_grammar(*CALLS)]})
+        seen = []
+        done = _until(conn, "response.done", seen).response
+        assert done.status == "completed", done.status_details
+        assert [o.type for o in done.output] == ["message", "function_call", "function_call"]
+        assert done.output[0].content[0].text == "Sure."
+        assert [(o.name, o.arguments) for o in done.output[1:]] == [("now", "{}"), ("get_weather", '{"city": "Lyon"}')]
+        kinds = [e.type for e in seen]
+        at = kinds.index("response.function_call_arguments.done")
+        assert kinds[at - 3:at + 3] == ["response.output_item.added", "conversation.item.added",
+                                        "response.function_call_arguments.delta",
+                                        "response.function_call_arguments.done", "response.output_item.done",
+                                        "conversation.item.done"]
+        args = next(e for e in seen if e.type == "response.function_call_arguments.done")
+        assert (args.name, args.arguments, args.call_id, args.output_index) == (
+            "now", "{}", done.output[1].call_id, 1)
+        for o, result in zip(done.output[1:], ["noon", "20 C"]):
+            conn.conversation.item.create(item={"type": "function_call_output", "call_id": o.call_id, "output": result})
+            assert _until(conn, "conversation.item.added").item.type == "function_call_output"
+        conn.response.create(response={"max_output_tokens": 3, "temperature": 0.0})
+        nxt = _until(conn, "response.done").response
+    history = [{"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": "Sure.", "tool_calls": [
+                   {"type": "function", "function": {"name": "now", "arguments": "{}"}},
+                   {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Lyon"}'}}]},
+               {"role": "tool", "content": "noon"}, {"role": "tool", "content": "20 C"}]
+    want = library.generate({"messages": history, "tools": tool_use(REALTIME_TOOLS, None, flat=True).tools},
+                            SamplingParams(temperature=0.0, max_tokens=3), output_modalities=["text"])[0]
+    assert nxt.usage.input_tokens == len(want.prompt_token_ids)
+    assert nxt.output[0].content[0].text == want.text
+
+
+def test_a_spoken_reply_stops_where_a_call_opens_and_the_call_is_written_unspoken(client, server):
+    """A spoken reply with tools: the words are spoken, the call is not (the reply stops at its tag)
+    and is written by the thinker alone, held to the tools' schemas; with a named tool there is
+    nothing to say: no audio, one call. Every stage is left idle."""
+    with client.realtime.connect(model=MODEL) as conn:
+        _until(conn, "session.created")
+        conn.session.update(session={"type": "realtime", "tools": REALTIME_TOOLS})
+        _until(conn, "session.updated")
+        conn.conversation.item.create(item={"type": "message", "role": "user",
+                                            "content": [{"type": "input_text", "text": "Weather?"}]})
+        _until(conn, "conversation.item.added")
+        conn.response.create(response={"max_output_tokens": 60, "temperature": 0.0,
+                                       "sampling_params_list": [_calls_grammar(*CALLS), None, VOCODER_SEED]})
+        seen = []
+        done = _until(conn, "response.done", seen).response
+        assert _text_of(seen, "response.output_audio_transcript.delta") == "Sure."
+        assert len(_audio_of(seen)) > 0
+        assert [o.type for o in done.output[:2]] == ["message", "function_call"]
+        for o in done.output[1:]:
+            args = json.loads(o.arguments)
+            assert (o.name, args) == ("now", {}) or (o.name == "get_weather" and args["city"] in ("Paris", "Lyon"))
+        # The greedy random model calls on (a real one ends after its calls): cut by the response's
+        # max_output_tokens, which counts the spoken words' tokens and the calls' together.
+        assert done.status == "incomplete" and done.usage.output_tokens == 60, done.status_details
+        conn.response.create(response={"max_output_tokens": 60, "temperature": 0.0,
+                                       "tool_choice": {"type": "function", "name": "get_weather"}})
+        seen = []
+        done = _until(conn, "response.done", seen).response
+    assert done.status == "completed", done.status_details
+    assert "response.output_audio.delta" not in {e.type for e in seen}
+    assert [o.type for o in done.output] == ["message", "function_call"] and done.output[1].name == "get_weather"
+    assert json.loads(done.output[1].arguments)["city"] in ("Paris", "Lyon")
+    _idle(server)
+

@@ -28,6 +28,7 @@ class ToolUse:
 
     tools: list | None = None
     constraint: StructuredOutputs | None = None
+    parallel: bool = True
 
     @property
     def reads_calls(self) -> bool:
@@ -35,6 +36,11 @@ class ToolUse:
 
     def reader(self) -> ToolCallReader | None:
         return ToolCallReader() if self.reads_calls else None
+
+    def call_constraint(self) -> StructuredOutputs:
+        """What holds the rest of a reply whose prompt ends with a call's opening tag to calls of
+        these tools (a spoken reply's calls, realtime/response.py)."""
+        return _grammar(self.tools, self.parallel, opened=True)
 
 
 NO_TOOLS = ToolUse()
@@ -58,27 +64,31 @@ def tool_use(tools: list | None, choice: Any, parallel: bool | None = None, *, f
     names = [t["function"]["name"] for t in tools]
     if choice == "none":
         return NO_TOOLS
-    if choice == "auto":
-        return ToolUse(tools)
-    if choice == "required":
-        chosen = list(range(len(tools)))
-    else:
-        name = _chosen_name(choice, flat)
-        if name not in names:
-            raise bad_request(f"tool_choice names {short(name)}, which is not one of the tools", "tool_choice")
-        chosen, parallel = [names.index(name)], False
-    for i in chosen:  # a schema that does not compile is named by its place
-        params = tools[i]["function"].get("parameters")
+    for i, tool in enumerate(tools):  # a schema that does not compile is named by its place
+        params = tool["function"].get("parameters")
         if params:
             try:
                 grammar_of(StructuredOutputs(json=params))
             except ValueError as e:
                 raise bad_request(f"tools[{i}] parameters: {e}", f"tools[{i}].function.parameters") from None
+    parallel = parallel is not False
+    if choice == "auto":
+        return ToolUse(tools, parallel=parallel)
+    if choice == "required":
+        chosen = tools
+    else:
+        name = _chosen_name(choice, flat)
+        if name not in names:
+            raise bad_request(f"tool_choice names {short(name)}, which is not one of the tools", "tool_choice")
+        chosen, parallel = [tools[names.index(name)]], False
+    return ToolUse(tools, _grammar(chosen, parallel), parallel)
+
+
+def _grammar(tools: list, parallel: bool, opened: bool = False) -> StructuredOutputs:
     try:  # each schema compiles; together they may still be more than a grammar may hold
-        constraint = StructuredOutputs(grammar=call_grammar([tools[i] for i in chosen], parallel=parallel is not False))
+        return StructuredOutputs(grammar=call_grammar(tools, parallel=parallel, opened=opened))
     except ValueError as e:
         raise bad_request(f"tools: {e}", "tools") from None
-    return ToolUse(tools, constraint)
 
 
 def _chosen_name(choice: Any, flat: bool) -> Any:

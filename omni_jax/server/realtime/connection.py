@@ -27,6 +27,7 @@ from ..stage_params import stage_params
 from ..logprobs import token_logprobs
 from ..transcription import token_usage, transcription_params, transcription_prompt
 from ..generation import open_request
+from ...inputs.tool_calls import OPEN
 from .audio_buffer import decode_pcm16
 from .conversation import Conversation, ConversationItem, Part, item_from_event
 from .events import (ConversationItemCreate, ConversationItemDelete, ConversationItemRetrieve,
@@ -332,9 +333,8 @@ class RealtimeSession:
         if fields is not None and fields.audio is not None and fields.audio.output is not None \
                 and fields.audio.output.voice is not None:
             voice = cfg.check_voice(fields.audio.output.voice, "response.audio.output.voice", event_id)
-        if fields is not None and fields.tools:
-            raise EventError("tools (function calling) are not supported by this server", "unsupported",
-                             "response.tools", event_id)
+        tools = cfg.tool_use("response", event_id, fields.tools if fields is not None else None,
+                             fields.tool_choice if fields is not None else None)
         instructions = fields.instructions if "instructions" in sent and fields.instructions is not None \
             else cfg.instructions
         max_tokens = fields.max_output_tokens if "max_output_tokens" in sent and fields.max_output_tokens \
@@ -352,12 +352,22 @@ class RealtimeSession:
         if not any(m["role"] != "system" for m in messages):
             raise EventError("the conversation is empty: add an item or commit audio first", "invalid_value",
                              None, event_id)
-        chain = ["text", "audio"] if modalities == ["audio"] else ["text"]
+        # a reply held to calls (a required or named tool) is the thinker's alone
+        speaks = modalities == ["audio"] and tools.constraint is None
+        chain = ["text", "audio"] if speaks else ["text"]
         fields_of = SimpleNamespace(max_tokens=max_tokens if isinstance(max_tokens, int) else None,
                                     temperature=temperature,
                                     sampling_params_list=fields.sampling_params_list if fields is not None else None)
         try:
             params = stage_params(self.engine.stage_defaults(self.engine.stage_names(chain)), fields_of)
+            call_params = None
+            if tools.constraint is not None:
+                params[0] = params[0].updated(structured_outputs=tools.constraint)
+            elif speaks and tools.reads_calls:
+                # spoken, the reply stops where a call opens; the thinker alone then writes the calls
+                tag = self.engine.omni.tokenizer.convert_tokens_to_ids(OPEN)
+                call_params = [params[0].updated(structured_outputs=tools.call_constraint())]
+                params[0] = params[0].updated(stop_token_ids=(*params[0].stop_token_ids, tag))
         except APIError as e:
             raise EventError(e.message, "invalid_value", f"response.{e.param}" if e.param else "response",
                              event_id) from None
@@ -378,4 +388,5 @@ class RealtimeSession:
                                  max_output_tokens=max_tokens, conversation_id=None if out_of_band else
                                  self.conversation_id, item=item,
                                  metadata=fields.metadata if fields is not None else None,
-                                 previous_item_id=previous, on_finished=finished).start()
+                                 previous_item_id=previous, on_finished=finished, tools=tools, call_params=call_params,
+                                 add_item=None if out_of_band else self.conversation.add).start()

@@ -1,8 +1,8 @@
 """A realtime session's conversation: its items in order, and the chat prompt they make.
 
-Items are kept as OpenAI returns them (`realtime.item` messages), plus what the prompt needs
-that an event does not carry back: a user's audio as 16 kHz samples (events show only its
-transcript). Every response's prompt renders all items in order, so each turn's prompt starts
+Items are kept as OpenAI returns them (`realtime.item` messages, function calls and their
+outputs), plus what the prompt needs that an event does not carry back: a user's audio as 16 kHz
+samples (events show only its transcript). Every response's prompt renders all items in order, so each turn's prompt starts
 with the previous turn's and the thinker's prefix cache computes only what is new.
 """
 
@@ -50,17 +50,41 @@ class Part:
 @dataclasses.dataclass
 class ConversationItem:
     id: str
-    role: str
+    role: str | None                     # a message's; None for a function call or its output
     parts: list[Part]
     status: str = "completed"
+    type: str = "message"                # or function_call, function_call_output
+    call: dict | None = None             # a function call's call_id, name, arguments; an output's call_id, output
 
     def as_json(self) -> dict:
+        if self.type != "message":
+            return {"id": self.id, "object": "realtime.item", "type": self.type, "status": self.status, **self.call}
         return {"id": self.id, "object": "realtime.item", "type": "message", "role": self.role,
                 "status": self.status, "content": [p.as_json() for p in self.parts]}
 
 
+def function_call_item(call_id: str, name: str, arguments: str) -> ConversationItem:
+    return ConversationItem(new_id("item"), None, [], type="function_call",
+                            call={"call_id": call_id, "name": name, "arguments": arguments})
+
+
+def _call_item(item: Item) -> ConversationItem:
+    """A client's function_call or function_call_output item, checked."""
+    fields = ("call_id", "name", "arguments") if item.type == "function_call" else ("call_id", "output")
+    for name in fields:
+        if getattr(item, name) is None:
+            raise EventError(f"item.{name} is required in a {item.type} item", "invalid_value", f"item.{name}")
+    return ConversationItem(item.id or new_id("item"), None, [], type=item.type,
+                            call={name: getattr(item, name) for name in fields})
+
+
 def item_from_event(item: Item, policy: MediaPolicy, max_audio_s: float) -> ConversationItem:
     """A client's item (conversation.item.create, response.create's input) -> ours, checked."""
+    if item.type != "message":
+        return _call_item(item)
+    if item.role is None or not item.content:
+        raise EventError("a message item needs a role and at least one content part", "invalid_value",
+                         "item.role" if item.role is None else "item.content")
     allowed = {"user": _USER_PARTS, "assistant": _ASSISTANT_PARTS, "system": _SYSTEM_PARTS}[item.role]
     parts = []
     for i, p in enumerate(item.content):
@@ -149,10 +173,18 @@ class Conversation:
         item.status = "incomplete"
 
     def messages(self, instructions: str | None) -> list[dict]:
-        """The chat messages (the prompt processor's parts) of every item, instructions first."""
+        """The chat messages (the prompt processor's parts) of every item, instructions first; a
+        function call joins the assistant turn before it, an output is a tool message."""
         out = [{"role": "system", "content": instructions}] if instructions else []
         for it in self.items:
-            if it.role == "user":
+            if it.type == "function_call":
+                if not out or out[-1]["role"] != "assistant":
+                    out.append({"role": "assistant", "content": ""})
+                out[-1].setdefault("tool_calls", []).append(
+                    {"type": "function", "function": {"name": it.call["name"], "arguments": it.call["arguments"]}})
+            elif it.type == "function_call_output":
+                out.append({"role": "tool", "content": it.call["output"]})
+            elif it.role == "user":
                 out.append({"role": "user", "content": [_prompt_part(p) for p in it.parts]})
             else:
                 out.append({"role": it.role, "content": "".join(p.prompt_text() for p in it.parts)})

@@ -3,7 +3,7 @@
 Each client event type has a pydantic model; `parse` turns one WebSocket text message into
 one of them or raises `EventError`, which the connection sends back as an `error` event
 (OpenAI's shape: type, code, message, param, and the client's event_id) and goes on.
-Fields OpenAI has that this server does not serve (tools, semantic VAD, other audio formats)
+Fields OpenAI has that this server does not serve (semantic VAD, other audio formats)
 are refused by name rather than ignored; unknown fields are ignored, as OpenAI does.
 """
 
@@ -119,11 +119,18 @@ class ContentPart(_Model):
 
 
 class Item(_Model):
+    """A message (role, content), a function call (call_id, name, arguments) or a call's output
+    (call_id, output); conversation.py checks that each has its fields."""
+
     id: Id | None = None
-    type: Literal["message"]
-    role: Literal["user", "assistant", "system"]
-    content: Annotated[list[ContentPart], Field(min_length=1, max_length=MAX_PARTS)]
+    type: Literal["message", "function_call", "function_call_output"]
+    role: Literal["user", "assistant", "system"] | None = None
+    content: Annotated[list[ContentPart], Field(max_length=MAX_PARTS)] | None = None
     status: Literal["completed", "incomplete", "in_progress"] | None = None
+    call_id: Id | None = None
+    name: Annotated[str, Field(max_length=64)] | None = None
+    arguments: Annotated[str, Field(max_length=MAX_TEXT)] | None = None
+    output: Annotated[str, Field(max_length=MAX_TEXT)] | None = None
 
 
 class ResponseAudio(_Model):
@@ -141,6 +148,7 @@ class ResponseFields(_Model):
     input: Annotated[list[Item], Field(max_length=MAX_ITEMS_PER_EVENT)] | None = None
     metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = None
     tools: list[Any] | None = None
+    tool_choice: Any = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     # vLLM-Omni's extra, as in chat completions: one dict of SamplingParams fields per stage.
     sampling_params_list: Annotated[list[dict[str, Any] | None], Field(max_length=8)] | None = None

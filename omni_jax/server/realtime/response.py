@@ -6,6 +6,12 @@ or text from the thinker, audio chunks from the vocoder), then the `.done` event
 response.done with the status and usage. A response cancelled (response.cancel, barge-in,
 the client gone) is aborted in every stage by closing its request, and still ends with its
 `.done` events, status `cancelled`; its item keeps the audio sent and is marked incomplete.
+
+With tools, the calls the model makes are function_call items after the message item (each
+added, its arguments, done, and added to the conversation). A spoken reply stops where the model
+opens a call (its `<tool_call>` tag is a stop token: the talker must not read the call aloud),
+and the call is then written by the thinker alone, held to the tools' schemas, on the prompt
+continued with the words and the tag.
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ from .. import audio as audio_codec
 from ..errors import APIError
 from ..generation import failure, open_request
 from ..tempo import Tempo
-from .conversation import ConversationItem, Part, without_oldest_turn
+from ..tools import NO_TOOLS, ToolUse, call_id
+from ...inputs.tool_calls import OPEN
+from .conversation import ConversationItem, Part, function_call_item, without_oldest_turn
 from .events import new_id
 from .session import PCM
 
@@ -35,13 +43,22 @@ class Response:
 
     def __init__(self, engine, send: Send, messages: list[dict], *, modalities: list[str], voice: str | None,
                  speed: float = 1.0, params: list, max_output_tokens, conversation_id: str, item: ConversationItem,
-                 metadata: dict | None, previous_item_id: str | None, on_finished: Callable[[object], None]):
+                 metadata: dict | None, previous_item_id: str | None, on_finished: Callable[[object], None],
+                 tools: ToolUse = NO_TOOLS, call_params: list | None = None,
+                 add_item: Callable[[ConversationItem, str | None], str | None] | None = None):
         self.engine, self.send, self.messages, self.params = engine, send, messages, params
+        # tools; the params of a spoken reply's call, written by the thinker alone (None: the reply
+        # is written in one go); how a function_call item joins the conversation (None: out of band)
+        self.tools, self.call_params, self.add_item = tools, call_params, add_item
+        self.calls: list[ConversationItem] = []
         self.id = new_id("resp")
         self.modalities, self.voice, self.max_output_tokens = modalities, voice, max_output_tokens
         self.conversation_id, self.item, self.metadata = conversation_id, item, metadata
         self.on_finished, self.previous_item_id = on_finished, previous_item_id
         self.audio = modalities == ["audio"]
+        # a reply held to calls (a required or named tool) has nothing to say: the thinker alone writes it
+        self.speaks = self.audio and tools.constraint is None
+        self.call_tokens = 0
         self.tempo = Tempo(speed) if self.audio and speed != 1.0 else None  # the session's pace
         self.status, self.reason, self.error = "in_progress", None, None
         self.usage = None
@@ -68,7 +85,7 @@ class Response:
         if self.status != "in_progress" and self.status != "completed":
             details = {"type": self.status, "reason": self.reason, "error": self.error}
         return {"id": self.id, "object": "realtime.response", "status": self.status, "status_details": details,
-                "output": [] if self.status == "in_progress" else [self.item.as_json()],
+                "output": [] if self.status == "in_progress" else [self.item.as_json(), *(c.as_json() for c in self.calls)],
                 "conversation_id": self.conversation_id, "output_modalities": self.modalities,
                 "max_output_tokens": self.max_output_tokens, "metadata": self.metadata,
                 "audio": {"output": {"format": PCM, "voice": self.voice}}, "usage": self.usage}
@@ -82,33 +99,38 @@ class Response:
         out, gen = None, None
         try:  # from the first await on: a cancel anywhere still ends with response.done
             await self.send({"type": "response.created", "event_id": new_id("event"), "response": self._object()})
-            chain_mods = ["text", "audio"] if self.audio else ["text"]
             try:
-                gen = await self._open(chain_mods)
+                gen = await self._open(["text", "audio"] if self.speaks else ["text"])
             except APIError as e:
                 self.status, self.error = "failed", {"type": "invalid_request_error" if e.status < 500 else
                                                      "server_error", "code": e.code, "message": e.message}
                 return
             await self._item_added(part)
+            reader = self.tools.reader()
             async for out in gen.updates():
-                if out.text_delta:
-                    if self.audio:
-                        part.transcript += out.text_delta
-                        await self.send({"type": "response.output_audio_transcript.delta", "event_id": new_id("event"),
-                                         **self._at(), "delta": out.text_delta})
-                    else:
-                        part.text += out.text_delta
-                        await self.send({"type": "response.output_text.delta", "event_id": new_id("event"),
-                                         **self._at(), "delta": out.text_delta})
-                if self.audio and out.audio_delta is not None:
+                text, calls = out.text_delta, []
+                if reader is not None:
+                    text, calls = reader.feed(text)
+                    if out.finished and not self._call_opened(out):
+                        rest, closing = reader.finish()
+                        text, calls = text + rest, calls + closing
+                if text:
+                    await self._text(text, part)
+                for call in calls:
+                    await self._call(call)
+                if self.speaks and out.audio_delta is not None:
                     await self._audio(out.audio_delta if self.tempo is None else self.tempo.push(out.audio_delta), part)
             if self.tempo is not None and out.finished and not out.error:
                 await self._audio(self.tempo.flush(), part)
-            if out.error:
-                err = failure(self.engine, out)
+            ending = out
+            if not out.error and self._call_opened(out):
+                ending = await self._write_call(part.transcript if self.audio else part.text, len(out.token_ids))
+                self.call_tokens = len(ending.token_ids)
+            if ending.error:
+                err = failure(self.engine, ending)
                 self.status, self.error = "failed", {"type": "server_error" if err.status >= 500 else
                                                      "invalid_request_error", "code": err.code, "message": err.message}
-            elif out.finish_reason == "length":
+            elif ending.finish_reason == "length":
                 self.status, self.reason = "incomplete", "max_output_tokens"
             else:
                 self.status = "completed"
@@ -117,12 +139,68 @@ class Response:
         finally:
             if gen is not None:
                 await gen.close()  # aborts the request in every stage if it is still running
-            self.usage = _usage(out)
+            self.usage = _usage(out, self.call_tokens)
             self.item.status = "completed" if self.status == "completed" else "incomplete"
             try:
                 await self._done(part, items_added=gen is not None)
             finally:
                 self.on_finished(out)
+
+    def _call_opened(self, out) -> bool:
+        """The spoken reply stopped where the model opened a call (module docstring)."""
+        return (self.call_params is not None and out.finish_reason == "stop" and bool(out.token_ids)
+                and out.token_ids[-1] == self.engine.omni.tokenizer.convert_tokens_to_ids(OPEN))
+
+    async def _write_call(self, said: str, spoken: int):
+        """The calls a spoken reply opened, written by the thinker alone after its words and the
+        tag (module docstring), within what is left of max_tokens after the `spoken` tokens; the
+        request's last output."""
+        prompt = {"messages": [*self.messages, {"role": "assistant", "content": said + OPEN}],
+                  "continue_final_message": True, "tools": self.tools.tools}
+        params = self.call_params[0]
+        if params.max_tokens is not None:
+            params = params.updated(max_tokens=max(params.max_tokens - spoken, 1))
+        gen = await open_request(self.engine, prompt, [params], ["text"], None, f"{self.id}-call")
+        reader, text, out = self.tools.reader(), OPEN, None
+        try:
+            async for out in gen.updates():
+                text += out.text_delta
+        finally:
+            await gen.close()  # a cancel aborts it too
+        if not out.error:
+            for call in reader.feed(text)[1] + reader.finish()[1]:
+                await self._call(call)
+        return out
+
+    async def _text(self, text: str, part: Part) -> None:
+        if self.audio:
+            part.transcript += text
+            await self.send({"type": "response.output_audio_transcript.delta", "event_id": new_id("event"),
+                             **self._at(), "delta": text})
+        else:
+            part.text += text
+            await self.send({"type": "response.output_text.delta", "event_id": new_id("event"), **self._at(),
+                             "delta": text})
+
+    async def _call(self, call) -> None:
+        """A function call the reply made: its item's events, and the item in the conversation."""
+        item = function_call_item(call_id(), call.name, call.arguments)
+        self.calls.append(item)
+        index = len(self.calls)
+        previous = self.add_item(item, (self.calls[-2] if len(self.calls) > 1 else self.item).id) \
+            if self.add_item is not None else None
+        added = {**item.as_json(), "status": "in_progress", "arguments": ""}
+        at = {"response_id": self.id, "item_id": item.id, "output_index": index}
+        events = [{"type": "response.output_item.added", "response_id": self.id, "output_index": index, "item": added},
+                  {"type": "conversation.item.added", "item": added, "previous_item_id": previous},
+                  {"type": "response.function_call_arguments.delta", **at, "call_id": item.call["call_id"],
+                   "delta": call.arguments},
+                  {"type": "response.function_call_arguments.done", **at, **item.call},
+                  {"type": "response.output_item.done", "response_id": self.id, "output_index": index,
+                   "item": item.as_json()},
+                  {"type": "conversation.item.done", "item": item.as_json(), "previous_item_id": previous}]
+        for e in events:
+            await self.send({"event_id": new_id("event"), **e})
 
     async def _open(self, chain_mods: list[str]):
         """The request, on as much of the conversation as the model takes: while the prompt is
@@ -131,13 +209,15 @@ class Response:
         messages = self.messages
         while True:
             try:
-                gen = await open_request(self.engine, {"messages": messages}, self.params, chain_mods,
-                                         self.voice if self.audio else None, self.id)
+                prompt = {"messages": messages, **({"tools": self.tools.tools} if self.tools.tools else {})}
+                gen = await open_request(self.engine, prompt, self.params, chain_mods,
+                                         self.voice if self.speaks else None, self.id)
                 if gen.first.error:  # a stage refused it as soon as it saw it
                     refused = failure(self.engine, gen.first)
                     if refused.code == "context_length_exceeded":
                         await gen.close()
                         raise refused
+                self.messages = messages
                 return gen
             except APIError as e:
                 shorter = without_oldest_turn(messages) if e.code == "context_length_exceeded" else None
@@ -188,10 +268,11 @@ def _content(part: Part) -> dict:
     return {"type": "text", "text": part.text or ""}
 
 
-def _usage(out) -> dict | None:
+def _usage(out, call_tokens: int = 0) -> dict | None:
+    """`call_tokens`: those of a spoken reply's calls, written after it (Response._write_call)."""
     if out is None:
         return None
-    prompt, reply = len(out.prompt_token_ids), len(out.token_ids)
+    prompt, reply = len(out.prompt_token_ids), len(out.token_ids) + call_tokens
     return {"total_tokens": prompt + reply, "input_tokens": prompt, "output_tokens": reply,
             "input_token_details": {"cached_tokens": out.num_cached_tokens,
                                     "text_tokens": None, "audio_tokens": None, "image_tokens": None},

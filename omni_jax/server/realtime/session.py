@@ -12,14 +12,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ..errors import APIError
+from ..tools import ToolUse, tool_use
 from .events import EventError, ServerVADConfig, SessionFields, TranscriptionConfig, new_id
 
 PCM = {"type": "audio/pcm", "rate": 24000}
 
 
 # The settings of a session's answers: session.update sets them; a transcription session (which
-# answers nothing) refuses them, and tools too.
-ANSWER_SETTINGS = ("instructions", "output_modalities", "max_output_tokens", "temperature")
+# answers nothing) refuses them.
+ANSWER_SETTINGS = ("instructions", "output_modalities", "max_output_tokens", "temperature", "tools", "tool_choice")
 
 
 @dataclasses.dataclass
@@ -37,6 +39,8 @@ class SessionConfig:
     transcription: TranscriptionConfig | None = None
     max_output_tokens: int | str = "inf"
     temperature: float | None = None
+    tools: list | None = None               # function tools, in the Responses API's flat shape
+    tool_choice: Any = None
     include: list[str] = dataclasses.field(default_factory=list)   # "item.input_audio_transcription.logprobs"
 
     def __post_init__(self):
@@ -50,17 +54,13 @@ class SessionConfig:
         if s.model is not None and s.model != self.model:
             raise EventError(f"this session serves {self.model!r}; it cannot switch to {s.model[:64]!r}",
                              "invalid_value", "session.model", event_id)
-        if s.tools:
-            raise EventError("tools (function calling) are not supported by this server", "unsupported",
-                             "session.tools", event_id)
         out = s.audio.output if s.audio is not None else None
         if s.output_modalities == ["audio"] and not self.voices:
             raise EventError("this model has no speech output; use output_modalities ['text']", "invalid_value",
                              "session.output_modalities", event_id)
         kind = s.type if "type" in sent else self.type
         if kind == "transcription":
-            refused = [f"session.{n}" for n in ANSWER_SETTINGS + ("tools",)
-                       if n in sent and getattr(s, n) not in (None, "", [])]
+            refused = [f"session.{n}" for n in ANSWER_SETTINGS if n in sent and getattr(s, n) not in (None, "", [])]
             refused += ["session.audio.output"] if out is not None else []
             if refused:
                 raise EventError(f"{refused[0]} is not a setting of a transcription session (it makes no "
@@ -73,6 +73,7 @@ class SessionConfig:
                 value = getattr(s, name)
                 default = getattr(SessionConfig(self.model, self.voices), name)
                 setattr(new, name, default if value is None else value)
+        new.tool_use("session", event_id)  # refused now, not at every response
         audio = s.audio
         if audio is not None and audio.input is not None:
             fields = audio.input.model_fields_set
@@ -85,6 +86,15 @@ class SessionConfig:
         if out is not None and "speed" in out.model_fields_set:
             new.speed = out.speed
         self.__dict__.update(new.__dict__)
+
+    def tool_use(self, where: str, event_id: str | None = None, tools: Any = None, choice: Any = None) -> ToolUse:
+        """What the session's tools (or a response's own `tools` / `tool_choice`) do; EventError
+        naming `where`'s field if they are refused."""
+        try:
+            return tool_use(self.tools if tools is None else tools, self.tool_choice if choice is None else choice,
+                            flat=True)
+        except APIError as e:
+            raise EventError(e.message, e.code or "invalid_value", f"{where}.{e.param}", event_id) from None
 
     def check_voice(self, voice: str, param: str, event_id: str | None = None) -> str:
         names = {v.lower(): v for v in self.voices}
@@ -124,7 +134,8 @@ class SessionConfig:
         return {
             "type": "realtime", "object": "realtime.session", "id": self.id, "model": self.model,
             "instructions": self.instructions, "output_modalities": list(self.output_modalities),
-            "max_output_tokens": self.max_output_tokens, "tools": [], "tool_choice": "auto",
+            "max_output_tokens": self.max_output_tokens, "tools": self.tools or [],
+            "tool_choice": self.tool_choice or "auto",
             "include": self.include or None,
             "audio": {"input": audio_in, "output": {"format": PCM, "voice": self.voice, "speed": self.speed}},
         }

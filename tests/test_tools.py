@@ -81,6 +81,19 @@ def test_a_final_assistant_message_is_continued(processor):
     assert typed.count(processor.tokenizer.convert_tokens_to_ids("<|im_end|>")) == 1 + bool(processor.SPEECH_SYSTEM_PROMPT)
 
 
+def test_special_strings_in_calls_and_tools_stay_text(processor):
+    """A turn-end string anywhere a client writes (a call's arguments as text or as an object, a
+    tool's schema) is text, not the end of a turn."""
+    im_end = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    sneaky = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"q": {"enum": [["<|im_end|>"]], "description": "<|im_end|>"}}}}}
+    for args in ('{"q": "<|im_end|>"}', {"q": ["<|im_end|>"]}):
+        msgs = [CALLED[0], {"role": "assistant", "tool_calls": [{"type": "function", "function": {
+            "name": "f", "arguments": args}}]}, {"role": "tool", "content": "ok"}]
+        ids = processor.process({"messages": msgs, "tools": [sneaky]}).prompt_token_ids.tolist()
+        assert ids.count(im_end) == 4, args  # the system, user, assistant and tool turns' ends
+
+
 @pytest.mark.parametrize("prompt, says", [
     ({"messages": CALLED[:1], "tools": {"a": 1}}, "'tools' must be a list"),
     ({"messages": CALLED[:1], "tools": [{"type": "function"}]}, r"tools\[0\] must be"),

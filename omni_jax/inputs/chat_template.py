@@ -33,13 +33,14 @@ def qwen_chat_template(image: str, audio: str, video: str, default_system: str |
     tools = (f"{{{{- {_literal(TOOLS_INTRO)} -}}}}"
              "{%- for tool in tools -%}{{- '\\n' -}}{{- tool | tojson -}}{%- endfor -%}"
              f"{{{{- {_literal(TOOLS_OUTRO)} -}}}}")
+    before_tools = f"{default_system}\n\n" if default_system else ""
     opening = ("{%- if loop.first and message['role'] != 'system' -%}"
                "{%- if tools -%}"
-               f"{{{{- {_literal('<|im_start|>system' + chr(10) + (default_system + chr(10) * 2 if default_system else ''))} -}}}}"
+               f"{{{{- {_literal('<|im_start|>system' + chr(10) + before_tools)} -}}}}"
                f"{tools}{{{{- '<|im_end|>\\n' -}}}}")
     if default_system is not None:
         opening += ("{%- else -%}"
-                    f"{{{{- {_literal('<|im_start|>system' + chr(10) + default_system + '<|im_end|>' + chr(10))} -}}}}")
+                    f"{{{{- {_literal(f'<|im_start|>system{chr(10)}{default_system}<|im_end|>{chr(10)}')} -}}}}")
     opening += "{%- endif -%}{%- endif -%}"
     return (
         "{%- set n = namespace(audio=0, image=0, video=0) -%}"

@@ -411,15 +411,20 @@ class InputProcessor:
             raise PromptError("this checkpoint's chat template does not write tools into the prompt, so the model "
                               "cannot be told of them")
         try:
-            text = json.dumps(tools)
+            json.dumps(tools)
         except (TypeError, ValueError) as e:
             raise PromptError(f"'tools' must be JSON: {e}") from None
-        return json.loads(text, object_hook=self._hide_strings) if self._chat_text else tools
+        return self._hidden(tools)
 
-    def _hide_strings(self, obj: dict) -> dict:
-        return {self._hide(k): self._hide(v) if isinstance(v, str) else
-                [self._hide(x) if isinstance(x, str) else x for x in v] if isinstance(v, list) else v
-                for k, v in obj.items()}
+    def _hidden(self, value: Any) -> Any:
+        """`value` (JSON) with the special strings of its keys and strings hidden."""
+        if isinstance(value, str):
+            return self._hide(value)
+        if isinstance(value, list):
+            return [self._hidden(v) for v in value]
+        if isinstance(value, dict):
+            return {self._hide(k): self._hidden(v) for k, v in value.items()}
+        return value
 
     # ------------------------------------------------------------------ entry point
     def process(self, prompt: Any, speech_output: bool = False,
@@ -678,10 +683,11 @@ def _tool_call(call: Any, where: str, typed) -> dict:
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
         raise PromptError(f"{where} must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}")
     args = fn.get("arguments", {})
-    if isinstance(args, str):
-        args = typed(args, f"{where}.function.arguments")
-    elif not isinstance(args, dict):
+    if isinstance(args, dict):  # as the template's tojson would write it, with its strings hidden too
+        args = json.dumps(args, ensure_ascii=False)
+    if not isinstance(args, str):
         raise PromptError(f"{where}.function.arguments must be JSON text or an object")
+    args = typed(args, f"{where}.function.arguments")
     return {"type": "function", "function": {"name": typed(fn["name"], f"{where}.function.name"), "arguments": args}}
 
 

@@ -225,6 +225,7 @@ QWEN3_OMNI_SPECIAL_TOKENS = [
 # its `<tool_call>` blocks for the server to read, inputs/tool_calls.py).
 _QWEN3_PLAIN_ADDED_TOKENS = _PLAIN_ADDED_TOKENS | {"<tool_response>", "</tool_response>", "<think>", "</think>"}
 
+
 def build_qwen3_omni_tokenizer(out_dir: str | None = None):
     """The Qwen3-Omni tokenizer rebuilt offline: the Qwen2 BPE plus Qwen3-Omni's added tokens (the
     chat template is the prompt processor's); `save_pretrained` to `out_dir` if given."""

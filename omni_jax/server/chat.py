@@ -53,7 +53,7 @@ def _modalities(req: ChatCompletionRequest, engine: ServedEngine) -> list[str]:
 
 
 # OpenAI's fields this server does not serve, and why; set to anything but their off value
-# (empty, "none", "auto" without tools, a text response format) they are a 400 naming them.
+# (empty, "none", "auto") they are a 400 naming them.
 _UNSERVED = {
     "functions": "functions (the deprecated function calling) are not supported by this server; use tools",
     "prediction": "predicted outputs are not supported by this server",

@@ -108,7 +108,8 @@ def to_prompt(messages: list[ChatMessage], policy: MediaPolicy, replies: ReplyAu
             if role != "assistant":
                 raise bad_request(f"messages[{i}].tool_calls is only allowed in assistant messages",
                                   f"messages[{i}].tool_calls")
-            message["tool_calls"] = [_tool_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(m.tool_calls)]
+            message["tool_calls"] = [_tool_call(c, f"messages[{i}].tool_calls[{j}]")
+                                     for j, c in enumerate(m.tool_calls)]
         out.append(message)
     return {"messages": out}
 

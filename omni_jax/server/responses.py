@@ -39,7 +39,7 @@ from .schemas import ResponseRequest
 from .sse import event_stream
 from .stage_params import stage_params
 from .structured import structured_outputs
-from .tools import NO_TOOLS, ToolUse, call_id, combined, tool_use
+from .tools import NO_TOOLS, ToolUse, call_id, combined, join_call, tool_use
 
 MODALITIES = ["text"]
 LOGPROBS = "message.output_text.logprobs"
@@ -108,10 +108,7 @@ def _tool_item(item: dict, where: str, out: list[dict]) -> None:
     if item["type"] == "function_call_output":
         out.append({"role": "tool", "content": item["output"]})
         return
-    call = {"type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
-    if not out or out[-1]["role"] != "assistant":
-        out.append({"role": "assistant", "content": ""})
-    out[-1].setdefault("tool_calls", []).append(call)
+    join_call(out, item["name"], item["arguments"])
 
 
 def _validate(req: ResponseRequest) -> None:
@@ -186,8 +183,10 @@ class _Reply:
 
     def assistant(self) -> dict:
         """The reply as the conversation's next chat message (stored for previous_response_id)."""
-        calls = [{"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}} for c in self.calls]
-        return {"role": "assistant", "content": self.text, **({"tool_calls": calls} if calls else {})}
+        said = [{"role": "assistant", "content": self.text}]
+        for c in self.calls:
+            join_call(said, c["name"], c["arguments"])
+        return said[0]
 
     def part(self) -> dict:
         return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": self.logprobs}

@@ -117,6 +117,14 @@ def combined(use: ToolUse, constraint: StructuredOutputs | None, param: str) -> 
     return use.constraint or constraint
 
 
+def join_call(messages: list[dict], name: str, arguments: str) -> None:
+    """An earlier call into chat `messages`: into the assistant turn it follows, else a turn of its own."""
+    if not messages or messages[-1]["role"] != "assistant":
+        messages.append({"role": "assistant", "content": ""})
+    messages[-1].setdefault("tool_calls", []).append(
+        {"type": "function", "function": {"name": name, "arguments": arguments}})
+
+
 def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 

@@ -2,8 +2,9 @@
 
 Items are kept as OpenAI returns them (`realtime.item` messages, function calls and their
 outputs), plus what the prompt needs that an event does not carry back: a user's audio as 16 kHz
-samples (events show only its transcript). Every response's prompt renders all items in order, so each turn's prompt starts
-with the previous turn's and the thinker's prefix cache computes only what is new.
+samples (events show only its transcript). Every response's prompt renders all items in order,
+so each turn's prompt starts with the previous turn's and the thinker's prefix cache computes
+only what is new.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import soxr
 
 from ..errors import APIError, InputAudioError
 from ..messages import MediaPolicy
+from ..tools import join_call
 from .audio_buffer import decode_pcm16, INPUT_RATE
 from .events import EventError, Item, new_id
 from ..vad import RATE
@@ -178,10 +180,7 @@ class Conversation:
         out = [{"role": "system", "content": instructions}] if instructions else []
         for it in self.items:
             if it.type == "function_call":
-                if not out or out[-1]["role"] != "assistant":
-                    out.append({"role": "assistant", "content": ""})
-                out[-1].setdefault("tool_calls", []).append(
-                    {"type": "function", "function": {"name": it.call["name"], "arguments": it.call["arguments"]}})
+                join_call(out, it.call["name"], it.call["arguments"])
             elif it.type == "function_call_output":
                 out.append({"role": "tool", "content": it.call["output"]})
             elif it.role == "user":

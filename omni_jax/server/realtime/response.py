@@ -28,7 +28,7 @@ from ..tempo import Tempo
 from ..tools import NO_TOOLS, ToolUse, call_id
 from ...inputs.tool_calls import OPEN
 from .conversation import ConversationItem, Part, function_call_item, without_oldest_turn
-from .events import new_id
+from .events import EventError, new_id
 from .session import PCM
 
 Send = Callable[[dict], Awaitable[None]]
@@ -85,7 +85,7 @@ class Response:
         if self.status != "in_progress" and self.status != "completed":
             details = {"type": self.status, "reason": self.reason, "error": self.error}
         return {"id": self.id, "object": "realtime.response", "status": self.status, "status_details": details,
-                "output": [] if self.status == "in_progress" else [self.item.as_json(), *(c.as_json() for c in self.calls)],
+                "output": [] if self.status == "in_progress" else [it.as_json() for it in (self.item, *self.calls)],
                 "conversation_id": self.conversation_id, "output_modalities": self.modalities,
                 "max_output_tokens": self.max_output_tokens, "metadata": self.metadata,
                 "audio": {"output": {"format": PCM, "voice": self.voice}}, "usage": self.usage}
@@ -187,8 +187,12 @@ class Response:
         item = function_call_item(call_id(), call.name, call.arguments)
         self.calls.append(item)
         index = len(self.calls)
-        previous = self.add_item(item, (self.calls[-2] if len(self.calls) > 1 else self.item).id) \
-            if self.add_item is not None else None
+        previous = None
+        if self.add_item is not None:
+            try:
+                previous = self.add_item(item, (self.calls[-2] if len(self.calls) > 1 else self.item).id)
+            except EventError:  # a full conversation, or its message deleted meanwhile:
+                pass            # the client still gets the call
         added = {**item.as_json(), "status": "in_progress", "arguments": ""}
         at = {"response_id": self.id, "item_id": item.id, "output_index": index}
         events = [{"type": "response.output_item.added", "response_id": self.id, "output_index": index, "item": added},

@@ -377,10 +377,15 @@ class InputProcessor:
                     parts.append({"type": kind})
                     items.append(item)
             canonical.append({"role": role, "content": parts, **({"tool_calls": calls} if calls else {})})
-        if speech_output and self.SPEECH_SYSTEM_PROMPT and not any(m["role"] == "system" for m in canonical):
+        return self.speech_messages(canonical) if speech_output else canonical, items
+
+    def speech_messages(self, messages: list) -> list:
+        """Chat messages as a spoken reply's prompt has them: with the family's speech system prompt
+        (if it has one) when they have no system message."""
+        if self.SPEECH_SYSTEM_PROMPT and not any(isinstance(m, dict) and m.get("role") == "system" for m in messages):
             # Qwen2.5-Omni's talker is trained to speak only under this system prompt.
-            canonical.insert(0, {"role": "system", "content": self.SPEECH_SYSTEM_PROMPT})
-        return canonical, items
+            return [{"role": "system", "content": self.SPEECH_SYSTEM_PROMPT}, *messages]
+        return messages
 
     def render_chat(self, messages: list, speech_output: bool = False) -> str:
         """The chat template applied to the messages (one placeholder triple per media part),

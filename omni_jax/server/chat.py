@@ -10,7 +10,9 @@ a last chunk with `finish_reason` (each chunk names its choice's `index`), `usag
 
 With `tools`, calls the model makes are read out of its reply (server/tools.py) into
 `message.tool_calls` (finish_reason "tool_calls"); streamed, each call is one `delta.tool_calls`
-entry, sent whole when the model has written it, and the text before it `delta.content`.
+entry, sent whole when the model has written it, and the text before it `delta.content`. A spoken
+reply says its words and not its calls (server/spoken_calls.py); one held to calls (a required
+or named tool) is not spoken.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from ..inputs.tool_calls import read_tool_calls
+from ..inputs.tool_calls import ToolCallReader
 from . import audio as audio_codec
 from .engine import ServedEngine
 from .errors import bad_request, error_body
@@ -33,7 +35,8 @@ from .logprobs import token_logprobs
 from .messages import MediaPolicy, to_prompt
 from .reply_audio import ReplyAudio
 from .structured import structured_outputs
-from .tools import NO_TOOLS, ToolUse, call_id, chat_tool_call, combined, tool_use
+from .spoken_calls import SpokenCalls
+from .tools import ToolUse, call_id, chat_tool_call, combined, tool_use
 from .metrics import Metrics
 from .schemas import ChatCompletionRequest
 from .stage_params import sample_params, stage_params
@@ -78,9 +81,10 @@ def _validate(req: ChatCompletionRequest) -> None:
         raise bad_request("stream_options is only allowed with stream=true", "stream_options")
 
 
-def _usage(outs) -> dict:
-    # The prompt once (OpenAI counts it once for n choices), every choice's tokens.
-    p, c = len(outs[0].prompt_token_ids), sum(len(out.token_ids) for out in outs)
+def _usage(outs, extra_tokens: int = 0) -> dict:
+    # The prompt once (OpenAI counts it once for n choices), every choice's tokens (and their
+    # spoken replies' calls', written after them).
+    p, c = len(outs[0].prompt_token_ids), sum(len(out.token_ids) for out in outs) + extra_tokens
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
@@ -97,9 +101,8 @@ class ChatHandler:
         if req.n > 1 and "audio" in mods:
             raise bad_request("n > 1 is only supported for text replies (modalities ['text'])", "n")
         tools = tool_use(req.tools, req.tool_choice, req.parallel_tool_calls)
-        if tools.reads_calls and "audio" in mods:
-            raise bad_request("tools are served for text replies (modalities ['text']): a spoken reply would read "
-                              "its calls aloud", "tools")
+        if tools.constraint is not None:
+            mods = ["text"]  # a reply of calls only: nothing to say
         prompt = to_prompt(req.messages, self.policy, self.replies)
         if tools.tools is not None:
             prompt["tools"] = tools.tools
@@ -107,8 +110,12 @@ class ChatHandler:
         params = stage_params(self.engine.stage_defaults(self.engine.stage_names(mods)), req,
                               logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                               structured_outputs=constraint)
-        voice = req.audio.voice if req.audio is not None else None
+        spoken = SpokenCalls(self.engine, tools, params) if tools.reads_calls and "audio" in mods else None
+        if spoken is not None:
+            params = spoken.params
+        voice = req.audio.voice if req.audio is not None and "audio" in mods else None
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        calls = _Calls(tools, spoken, prompt["messages"], rid, request)
         if req.n > 1:  # n samples of the one prompt: processed once
             prompt = await prepare(self.engine, prompt, mods, request)
         requests = [(prompt, sample_params(params, req.seed, j), rid if req.n == 1 else f"{rid}-{j}", "messages")
@@ -116,14 +123,14 @@ class ChatHandler:
         gens = await open_requests(self.engine, requests, mods, voice, request=request, voice_param="audio.voice")
         self.metrics.in_flight.inc()
         if req.stream:
-            return event_stream(self._stream(req, rid, gens, mods, tools))
+            return event_stream(self._stream(req, rid, gens, mods, calls))
         outs = await finished_outputs(gens, request, self.metrics, "chat")
         if outs is None:
             return JSONResponse({}, status_code=499)
         for out in outs:
             if out.error:
                 raise failure(self.engine, out)
-        return JSONResponse(self._whole(req, outs, mods, rid, tools))
+        return JSONResponse(await self._whole(req, outs, mods, rid, calls))
 
     def _logprobs(self, req: ChatCompletionRequest, token_ids: list[int], logprobs) -> dict | None:
         if not req.logprobs or logprobs is None:
@@ -131,31 +138,36 @@ class ChatHandler:
         return {"content": token_logprobs(self.engine.omni.tokenizer, token_ids, logprobs, req.top_logprobs or 0),
                 "refusal": None}
 
-    def _whole(self, req: ChatCompletionRequest, outs: list, mods: list[str], rid: str, tools: ToolUse) -> dict:
+    async def _whole(self, req: ChatCompletionRequest, outs: list, mods: list[str], rid: str, calls: "_Calls") -> dict:
         choices = []
         for j, out in enumerate(outs):
             message = {"role": "assistant", "content": out.text, "refusal": None, "audio": None}
-            reason = finish_reason(out.finish_reason)
-            if tools.reads_calls:
-                content, calls = read_tool_calls(out.text)
-                message["content"] = content or None
-                if calls:
-                    message["tool_calls"] = [chat_tool_call(c, call_id()) for c in calls]
+            reason, said = finish_reason(out.finish_reason), out.text
+            if calls.tools.reads_calls:
+                reader = ToolCallReader()
+                said, made = reader.feed(out.text)
+                reason, rest, more, failed = await calls.finish(out, reader, said)
+                if failed is not None:
+                    raise failure(self.engine, failed)
+                said, made = said + rest, made + more
+                message["content"] = said or None
+                if made:
+                    message["tool_calls"] = [chat_tool_call(c, call_id()) for c in made]
                     reason = _with_calls(reason)
             if "audio" in mods:  # n is 1
                 fmt = req.audio.format if req.audio is not None else "wav"
                 data = audio_codec.encode(out.audio, out.sample_rate, fmt)
                 audio_id = f"audio_{rid[len('chatcmpl-'):]}"
                 message["audio"] = {"id": audio_id, "data": base64.b64encode(data).decode(),
-                                    "expires_at": self.replies.put(audio_id, out.text), "transcript": out.text}
+                                    "expires_at": self.replies.put(audio_id, said), "transcript": said}
             choices.append({"index": j, "message": message,
                             "logprobs": self._logprobs(req, out.token_ids, out.logprobs),
                             "finish_reason": reason})
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": req.model,
-                "system_fingerprint": None, "choices": choices, "usage": _usage(outs)}
+                "system_fingerprint": None, "choices": choices, "usage": _usage(outs, calls.extra_tokens)}
 
     async def _stream(self, req: ChatCompletionRequest, rid: str, gens: list[Generation],
-                      mods: list[str], tools: ToolUse = NO_TOOLS) -> AsyncIterator[bytes]:
+                      mods: list[str], calls: "_Calls") -> AsyncIterator[bytes]:
         created = int(time.time())
         audio_id = f"audio_{rid[len('chatcmpl-'):]}"
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -171,12 +183,13 @@ class ChatHandler:
             return event(body)
 
         outs = [None] * len(gens)
-        readers = [tools.reader() for _ in gens]
+        readers = [calls.tools.reader() for _ in gens]
+        said = [""] * len(gens)  # each choice's words (its calls left out)
         calls_sent = [0] * len(gens)
 
-        def call_chunks(j: int, calls: list) -> list[bytes]:
+        def call_chunks(j: int, made: list) -> list[bytes]:
             chunks = []
-            for call in calls:
+            for call in made:
                 entry = {"index": calls_sent[j], **chat_tool_call(call, call_id())}
                 calls_sent[j] += 1
                 chunks.append(chunk(j, {"tool_calls": [entry]}))
@@ -189,35 +202,42 @@ class ChatHandler:
                 outs[j] = out
                 new = out.new_token_ids
                 lp = self._logprobs(req, new, out.logprobs[-len(new):]) if new and out.logprobs else None
-                text, calls = out.text_delta, []
+                text, made = out.text_delta, []
                 if readers[j] is not None:
-                    text, calls = readers[j].feed(text)
-                    if out.finished:
-                        rest, closing = readers[j].finish()
-                        text, calls = text + rest, calls + closing
+                    text, made = readers[j].feed(text)
+                said[j] += text
                 if text or lp:
                     delta = {"content": text}
                     if with_audio:
-                        delta["audio"] = {"id": audio_id, "transcript": out.text_delta}
+                        delta["audio"] = {"id": audio_id, "transcript": text}
                     yield chunk(j, delta, logprobs=lp)
-                for c in call_chunks(j, calls):
+                for c in call_chunks(j, made):
                     yield c
                 for piece, _ in audio_codec.pcm16_pieces(out.audio_delta, MAX_AUDIO_CHUNK_SAMPLES):
                     yield chunk(j, {"audio": {"id": audio_id, "data": piece}})
                 if not out.finished:
                     continue
                 self.metrics.finished("chat", out)
+                reason = finish_reason(out.finish_reason)
+                if not out.error and readers[j] is not None:
+                    reason, rest, made, failed = await calls.finish(out, readers[j], said[j])
+                    if rest:
+                        said[j] += rest
+                        yield chunk(j, {"content": rest, **({"audio": {"id": audio_id, "transcript": rest}}
+                                                             if with_audio else {})})
+                    for c in call_chunks(j, made):
+                        yield c
+                    out = failed or out
                 if out.error:
                     err = failure(self.engine, out)
                     self.metrics.error(err.status)
                     yield event(err.body())
                     yield DONE
                     return
-                last = {"audio": {"id": audio_id, "expires_at": self.replies.put(audio_id, out.text)}} if with_audio else {}
-                reason = finish_reason(out.finish_reason)
+                last = {"audio": {"id": audio_id, "expires_at": self.replies.put(audio_id, said[j])}} if with_audio else {}
                 yield chunk(j, last, _with_calls(reason) if calls_sent[j] else reason)
             if include_usage:
-                yield event({**head, "choices": [], "usage": _usage(outs)})
+                yield event({**head, "choices": [], "usage": _usage(outs, calls.extra_tokens)})
             yield DONE
         except Exception as e:  # an encoder bug must end the stream visibly, not hang it
             self.metrics.error(500)
@@ -235,3 +255,23 @@ class ChatHandler:
 def _with_calls(reason: str) -> str:
     """A reply that called tools ends with "tool_calls" (OpenAI's), unless it was cut or aborted."""
     return "tool_calls" if reason == "stop" else reason
+
+
+class _Calls:
+    """The calls at the end of each choice of a request with tools: the reader's last, or a spoken
+    reply's, written after it (server/spoken_calls.py; their tokens are counted in extra_tokens)."""
+
+    def __init__(self, tools: ToolUse, spoken: SpokenCalls | None, messages: list | None, rid: str, request=None):
+        self.tools, self.spoken, self.messages, self.rid, self.request = tools, spoken, messages, rid, request
+        self.extra_tokens = 0
+
+    async def finish(self, out, reader: ToolCallReader, said: str) -> tuple[str, str, list, object | None]:
+        """A finished choice's finish reason (before its calls make it "tool_calls"), last words and
+        calls, and the output of its spoken calls if they failed (else None); `said`: its words."""
+        if self.spoken is None or not self.spoken.opened(out):
+            rest, made = reader.finish()
+            return finish_reason(out.finish_reason), rest, made, None
+        written, made = await self.spoken.write(self.messages, said, len(out.token_ids), f"{self.rid}-call",
+                                                self.request)
+        self.extra_tokens += len(written.token_ids)
+        return finish_reason(written.finish_reason), "", made, written if written.error else None

@@ -27,7 +27,7 @@ from ..stage_params import stage_params
 from ..logprobs import token_logprobs
 from ..transcription import token_usage, transcription_params, transcription_prompt
 from ..generation import open_request
-from ...inputs.tool_calls import OPEN
+from ..spoken_calls import SpokenCalls
 from .audio_buffer import decode_pcm16
 from .conversation import Conversation, ConversationItem, Part, item_from_event
 from .events import (ConversationItemCreate, ConversationItemDelete, ConversationItemRetrieve,
@@ -360,14 +360,12 @@ class RealtimeSession:
                                     sampling_params_list=fields.sampling_params_list if fields is not None else None)
         try:
             params = stage_params(self.engine.stage_defaults(self.engine.stage_names(chain)), fields_of)
-            call_params = None
+            spoken = None
             if tools.constraint is not None:
                 params[0] = params[0].updated(structured_outputs=tools.constraint)
             elif speaks and tools.reads_calls:
-                # spoken, the reply stops where a call opens; the thinker alone then writes the calls
-                tag = self.engine.omni.tokenizer.convert_tokens_to_ids(OPEN)
-                call_params = [params[0].updated(structured_outputs=tools.call_constraint())]
-                params[0] = params[0].updated(stop_token_ids=(*params[0].stop_token_ids, tag))
+                spoken = SpokenCalls(self.engine, tools, params)
+                params = spoken.params
         except APIError as e:
             raise EventError(e.message, "invalid_value", f"response.{e.param}" if e.param else "response",
                              event_id) from None
@@ -388,5 +386,5 @@ class RealtimeSession:
                                  max_output_tokens=max_tokens, conversation_id=None if out_of_band else
                                  self.conversation_id, item=item,
                                  metadata=fields.metadata if fields is not None else None,
-                                 previous_item_id=previous, on_finished=finished, tools=tools, call_params=call_params,
+                                 previous_item_id=previous, on_finished=finished, tools=tools, spoken_calls=spoken,
                                  add_item=None if out_of_band else self.conversation.add).start()

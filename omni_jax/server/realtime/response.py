@@ -8,10 +8,8 @@ the client gone) is aborted in every stage by closing its request, and still end
 `.done` events, status `cancelled`; its item keeps the audio sent and is marked incomplete.
 
 With tools, the calls the model makes are function_call items after the message item (each
-added, its arguments, done, and added to the conversation). A spoken reply stops where the model
-opens a call (its `<tool_call>` tag is a stop token: the talker must not read the call aloud),
-and the call is then written by the thinker alone, held to the tools' schemas, on the prompt
-continued with the words and the tag.
+added, its arguments, done, and added to the conversation); a spoken reply says its words and
+not its calls (server/spoken_calls.py).
 """
 
 from __future__ import annotations
@@ -25,8 +23,8 @@ from .. import audio as audio_codec
 from ..errors import APIError
 from ..generation import failure, open_request
 from ..tempo import Tempo
+from ..spoken_calls import SpokenCalls
 from ..tools import NO_TOOLS, ToolUse, call_id
-from ...inputs.tool_calls import OPEN
 from .conversation import ConversationItem, Part, function_call_item, without_oldest_turn
 from .events import EventError, new_id
 from .session import PCM
@@ -44,12 +42,12 @@ class Response:
     def __init__(self, engine, send: Send, messages: list[dict], *, modalities: list[str], voice: str | None,
                  speed: float = 1.0, params: list, max_output_tokens, conversation_id: str, item: ConversationItem,
                  metadata: dict | None, previous_item_id: str | None, on_finished: Callable[[object], None],
-                 tools: ToolUse = NO_TOOLS, call_params: list | None = None,
+                 tools: ToolUse = NO_TOOLS, spoken_calls: SpokenCalls | None = None,
                  add_item: Callable[[ConversationItem, str | None], str | None] | None = None):
         self.engine, self.send, self.messages, self.params = engine, send, messages, params
-        # tools; the params of a spoken reply's call, written by the thinker alone (None: the reply
-        # is written in one go); how a function_call item joins the conversation (None: out of band)
-        self.tools, self.call_params, self.add_item = tools, call_params, add_item
+        # tools; a spoken reply's calls (None: a reply with tools is written in one go); how a
+        # function_call item joins the conversation (None: out of band)
+        self.tools, self.spoken_calls, self.add_item = tools, spoken_calls, add_item
         self.calls: list[ConversationItem] = []
         self.id = new_id("resp")
         self.modalities, self.voice, self.max_output_tokens = modalities, voice, max_output_tokens
@@ -102,8 +100,7 @@ class Response:
             try:
                 gen = await self._open(["text", "audio"] if self.speaks else ["text"])
             except APIError as e:
-                self.status, self.error = "failed", {"type": "invalid_request_error" if e.status < 500 else
-                                                     "server_error", "code": e.code, "message": e.message}
+                self._failed(e)
                 return
             await self._item_added(part)
             reader = self.tools.reader()
@@ -111,7 +108,7 @@ class Response:
                 text, calls = out.text_delta, []
                 if reader is not None:
                     text, calls = reader.feed(text)
-                    if out.finished and not self._call_opened(out):
+                    if out.finished and not self._call_opened(out):  # an opened call's tag stays held
                         rest, closing = reader.finish()
                         text, calls = text + rest, calls + closing
                 if text:
@@ -124,12 +121,17 @@ class Response:
                 await self._audio(self.tempo.flush(), part)
             ending = out
             if not out.error and self._call_opened(out):
-                ending = await self._write_call(part.transcript if self.audio else part.text, len(out.token_ids))
+                try:
+                    ending, calls = await self.spoken_calls.write(self.messages, part.transcript, len(out.token_ids),
+                                                                  f"{self.id}-call")
+                except APIError as e:
+                    self._failed(e)
+                    return
                 self.call_tokens = len(ending.token_ids)
+                for call in calls:
+                    await self._call(call)
             if ending.error:
-                err = failure(self.engine, ending)
-                self.status, self.error = "failed", {"type": "server_error" if err.status >= 500 else
-                                                     "invalid_request_error", "code": err.code, "message": err.message}
+                self._failed(failure(self.engine, ending))
             elif ending.finish_reason == "length":
                 self.status, self.reason = "incomplete", "max_output_tokens"
             else:
@@ -146,31 +148,12 @@ class Response:
             finally:
                 self.on_finished(out)
 
-    def _call_opened(self, out) -> bool:
-        """The spoken reply stopped where the model opened a call (module docstring)."""
-        return (self.call_params is not None and out.finish_reason == "stop" and bool(out.token_ids)
-                and out.token_ids[-1] == self.engine.omni.tokenizer.convert_tokens_to_ids(OPEN))
+    def _failed(self, e: APIError) -> None:
+        self.status, self.error = "failed", {"type": "invalid_request_error" if e.status < 500 else "server_error",
+                                             "code": e.code, "message": e.message}
 
-    async def _write_call(self, said: str, spoken: int):
-        """The calls a spoken reply opened, written by the thinker alone after its words and the
-        tag (module docstring), within what is left of max_tokens after the `spoken` tokens; the
-        request's last output."""
-        prompt = {"messages": [*self.messages, {"role": "assistant", "content": said + OPEN}],
-                  "continue_final_message": True, "tools": self.tools.tools}
-        params = self.call_params[0]
-        if params.max_tokens is not None:
-            params = params.updated(max_tokens=max(params.max_tokens - spoken, 1))
-        gen = await open_request(self.engine, prompt, [params], ["text"], None, f"{self.id}-call")
-        reader, text, out = self.tools.reader(), OPEN, None
-        try:
-            async for out in gen.updates():
-                text += out.text_delta
-        finally:
-            await gen.close()  # a cancel aborts it too
-        if not out.error:
-            for call in reader.feed(text)[1] + reader.finish()[1]:
-                await self._call(call)
-        return out
+    def _call_opened(self, out) -> bool:
+        return self.spoken_calls is not None and self.spoken_calls.opened(out)
 
     async def _text(self, text: str, part: Part) -> None:
         if self.audio:

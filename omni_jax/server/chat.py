@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse
 from ..inputs.tool_calls import ToolCallReader
 from . import audio as audio_codec
 from .engine import ServedEngine
-from .errors import bad_request, error_body
+from .errors import APIError, bad_request, error_body
 from .generation import (Generation, check_model, failure, finish_reason, finished_outputs, merged,
                          open_requests, prepare)
 from .logprobs import token_logprobs
@@ -138,7 +138,8 @@ class ChatHandler:
         return {"content": token_logprobs(self.engine.omni.tokenizer, token_ids, logprobs, req.top_logprobs or 0),
                 "refusal": None}
 
-    async def _whole(self, req: ChatCompletionRequest, outs: list, mods: list[str], rid: str, calls: "_Calls") -> dict:
+    async def _whole(self, req: ChatCompletionRequest, outs: list, mods: list[str], rid: str,
+                     calls: "_Calls") -> dict:
         choices = []
         for j, out in enumerate(outs):
             message = {"role": "assistant", "content": out.text, "refusal": None, "audio": None}
@@ -146,7 +147,7 @@ class ChatHandler:
             if calls.tools.reads_calls:
                 reader = ToolCallReader()
                 said, made = reader.feed(out.text)
-                reason, rest, more, failed = await calls.finish(out, reader, said)
+                reason, rest, more, failed = await calls.finish(out, reader)
                 if failed is not None:
                     raise failure(self.engine, failed)
                 said, made = said + rest, made + more
@@ -220,7 +221,13 @@ class ChatHandler:
                 self.metrics.finished("chat", out)
                 reason = finish_reason(out.finish_reason)
                 if not out.error and readers[j] is not None:
-                    reason, rest, made, failed = await calls.finish(out, readers[j], said[j])
+                    try:
+                        reason, rest, made, failed = await calls.finish(out, readers[j])
+                    except APIError as e:  # a spoken reply's calls could not start
+                        self.metrics.error(e.status)
+                        yield event(e.body())
+                        yield DONE
+                        return
                     if rest:
                         said[j] += rest
                         yield chunk(j, {"content": rest, **({"audio": {"id": audio_id, "transcript": rest}}
@@ -265,13 +272,12 @@ class _Calls:
         self.tools, self.spoken, self.messages, self.rid, self.request = tools, spoken, messages, rid, request
         self.extra_tokens = 0
 
-    async def finish(self, out, reader: ToolCallReader, said: str) -> tuple[str, str, list, object | None]:
+    async def finish(self, out, reader: ToolCallReader) -> tuple[str, str, list, object | None]:
         """A finished choice's finish reason (before its calls make it "tool_calls"), last words and
-        calls, and the output of its spoken calls if they failed (else None); `said`: its words."""
+        calls, and the output of its spoken calls if they failed (else None)."""
         if self.spoken is None or not self.spoken.opened(out):
             rest, made = reader.finish()
             return finish_reason(out.finish_reason), rest, made, None
-        written, made = await self.spoken.write(self.messages, said, len(out.token_ids), f"{self.rid}-call",
-                                                self.request)
+        written, made = await self.spoken.write(self.messages, out, f"{self.rid}-call", self.request)
         self.extra_tokens += len(written.token_ids)
         return finish_reason(written.finish_reason), "", made, written if written.error else None

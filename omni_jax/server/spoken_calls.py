@@ -12,6 +12,7 @@ from __future__ import annotations
 from ..engine.sampling_params import SamplingParams
 from ..inputs.tool_calls import OPEN, ToolCall, read_tool_calls
 from .engine import ServedEngine
+from .errors import bad_request
 from .generation import open_request
 from .tools import ToolUse
 
@@ -23,6 +24,9 @@ class SpokenCalls:
         """`params`: the spoken request's, per stage; `self.params` are they with the tag a stop token."""
         self.engine, self.tools = engine, tools
         self.tag = engine.omni.tokenizer.convert_tokens_to_ids(OPEN)
+        if not isinstance(self.tag, int) or engine.omni.tokenizer.convert_ids_to_tokens(self.tag) != OPEN:
+            raise bad_request(f"this model's tokenizer has no {OPEN} token, so a spoken reply cannot make calls; "
+                              f"ask for a text reply", "tools")
         thinker = params[0]
         self.params = [thinker.updated(stop_token_ids=(*thinker.stop_token_ids, self.tag)), *params[1:]]
         self._calls = thinker.updated(structured_outputs=tools.call_constraint(), min_tokens=0)
@@ -31,13 +35,13 @@ class SpokenCalls:
         """Whether the spoken reply stopped where the model opened a call."""
         return out.finish_reason == "stop" and bool(out.token_ids) and out.token_ids[-1] == self.tag
 
-    async def write(self, messages: list[dict], said: str, spoken_tokens: int, request_id: str,
-                    request=None) -> tuple[object, list[ToolCall]]:
-        """The calls the reply opened after saying `said` (in `spoken_tokens` tokens) to `messages`:
-        the request's last output, and the calls (none if it failed)."""
+    async def write(self, messages: list[dict], spoken, request_id: str, request=None) -> tuple[object, list[ToolCall]]:
+        """The calls the `spoken` reply (its finished output) to `messages` opened: the calls'
+        request's last output, and the calls (none if it failed)."""
         params = self._calls
         if params.max_tokens is not None:
-            params = params.updated(max_tokens=max(params.max_tokens - spoken_tokens, 1))
+            params = params.updated(max_tokens=max(params.max_tokens - len(spoken.token_ids), 1))
+        said = spoken.text.removesuffix(OPEN)  # its words as written (the tag's text, if decoded, off)
         # the spoken request's conversation: its prompt had the speech system prompt, if any
         begun = [*self.engine.omni.processor.speech_messages(messages), {"role": "assistant", "content": said + OPEN}]
         prompt = {"messages": begun, "continue_final_message": True, "tools": self.tools.tools}

@@ -39,7 +39,7 @@ class ToolUse:
 
     def call_constraint(self) -> StructuredOutputs:
         """What holds the rest of a reply whose prompt ends with a call's opening tag to calls of
-        these tools (a spoken reply's calls, realtime/response.py)."""
+        these tools (a spoken reply's calls, server/spoken_calls.py)."""
         return _grammar(self.tools, self.parallel, opened=True)
 
 

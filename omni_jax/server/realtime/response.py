@@ -122,8 +122,7 @@ class Response:
             ending = out
             if not out.error and self._call_opened(out):
                 try:
-                    ending, calls = await self.spoken_calls.write(self.messages, part.transcript, len(out.token_ids),
-                                                                  f"{self.id}-call")
+                    ending, calls = await self.spoken_calls.write(self.messages, out, f"{self.id}-call")
                 except APIError as e:
                     self._failed(e)
                     return

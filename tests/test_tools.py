@@ -113,17 +113,25 @@ def test_bad_tools_or_calls_are_named(processor, prompt, says):
         processor.process(prompt)
 
 
-def test_a_template_that_leaves_tools_out_is_refused():
-    """A model not told of its tools cannot call them: a checkpoint template without tools is an
-    error, not a prompt that silently lacks them."""
+def test_a_template_that_leaves_tools_out_is_replaced_or_refused():
+    """A checkpoint template without tools (Qwen2.5-Omni's released one) gives way to the family's
+    built-in one when that writes the same conversations (it is then the same template with Qwen's
+    tool turns); any other is an error, not a prompt that silently lacks the tools (a model not
+    told of its tools cannot call them)."""
     from omni_jax.models.qwen2_5_omni.tiny import tiny_checkpoint
 
-    processor = prompt_processor(tiny_checkpoint())
-    processor.chat_template = ("{%- for m in messages -%}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
-                               "'<|im_end|>\\n' }}{%- endfor -%}{{ '<|im_start|>assistant\\n' }}")
+    built_in = prompt_processor(tiny_checkpoint())
+    want = _text(built_in, {"messages": CALLED, "tools": [NOW]})
+    released = prompt_processor(tiny_checkpoint())
+    released.chat_template = "{%- set tools = none -%}" + built_in.DEFAULT_CHAT_TEMPLATE  # the same, without tools
+    assert TOOLS_INTRO not in released._render(CALLED[:1], [NOW], released.chat_template)  # it leaves them out
+    assert _text(released, {"messages": CALLED, "tools": [NOW]}) == want and TOOLS_INTRO in want
+    other = prompt_processor(tiny_checkpoint())
+    other.chat_template = ("{%- for m in messages -%}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+                           "'<|im_end|>\\n' }}{%- endfor -%}{{ '<|im_start|>assistant\\n' }}")
     with pytest.raises(PromptError, match="does not write tools into the prompt"):
-        processor.process({"messages": CALLED[:1], "tools": [NOW]})
-    assert processor.process({"messages": CALLED[:1]}).prompt_token_ids.size
+        other.process({"messages": CALLED[:1], "tools": [NOW]})
+    assert other.process({"messages": CALLED[:1]}).prompt_token_ids.size
 
 
 REPLY = ('I will check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n'

@@ -181,7 +181,7 @@ class InputProcessor:
         self.merge_size = int(vid.get("merge_size", pre["merge_size"]))
         self._feature_extractor = None
         self._image_processor = None
-        self._writes_tools: bool | None = None  # whether the chat template writes tools (found once)
+        self._tools_template: str | None | object = _UNKNOWN  # the template that writes tools (found once)
 
     @classmethod
     def from_checkpoint(cls, ckpt_dir: str, vocab_size: int | None = None, **options) -> "InputProcessor":
@@ -394,27 +394,37 @@ class InputProcessor:
         canonical, _ = self._normalize_messages(messages, speech_output, need_source=False)
         return self._render(canonical)
 
-    def _render(self, canonical: list, tools: list | None = None) -> str:
+    def _render(self, canonical: list, tools: list | None = None, template: str | None = None) -> str:
         tok = self._need_tokenizer("a chat prompt")
-        return tok.apply_chat_template(canonical, chat_template=self._template(), tools=tools,
+        return tok.apply_chat_template(canonical, chat_template=template or self._template(), tools=tools,
                                        add_generation_prompt=True, tokenize=False)
 
     def _template(self) -> str:
         return self.chat_template or getattr(self.tokenizer, "chat_template", None) or self.DEFAULT_CHAT_TEMPLATE
 
+    def _template_for_tools(self) -> str:
+        """The template that writes a prompt's tools: the checkpoint's, or where it leaves tools out
+        (Qwen2.5-Omni's released one does), the family's built-in one if it writes every probe
+        conversation as the checkpoint's does (it is then that template with Qwen's tool turns);
+        else PromptError (a model that is not told of its tools cannot call them)."""
+        if self._tools_template is _UNKNOWN:
+            own, probe = self._template(), [{"role": "user", "content": "x"}]
+            self._tools_template = None
+            if self._render(probe, [_PROBE_TOOL], own) != self._render(probe, None, own):
+                self._tools_template = own
+            elif all(self._render(c, None, own) == self._render(c, None, self.DEFAULT_CHAT_TEMPLATE)
+                     for c in _PROBE_CHATS):
+                self._tools_template = self.DEFAULT_CHAT_TEMPLATE
+        if self._tools_template is None:
+            raise PromptError("this checkpoint's chat template does not write tools into the prompt, so the model "
+                              "cannot be told of them")
+        return self._tools_template
+
     def _tools(self, tools: Any) -> list | None:
-        """A prompt's tools, checked, with their special strings hidden; PromptError if the chat
-        template would leave them out of the prompt (a model that is not told of its tools
-        cannot call them)."""
+        """A prompt's tools, checked, with their special strings hidden."""
         if tools is None:
             return None
         check_tools(tools)
-        if self._writes_tools is None:
-            probe = [{"role": "user", "content": "x"}]
-            self._writes_tools = self._render(probe, [_PROBE_TOOL]) != self._render(probe)
-        if not self._writes_tools:
-            raise PromptError("this checkpoint's chat template does not write tools into the prompt, so the model "
-                              "cannot be told of them")
         try:
             json.dumps(tools)
         except (TypeError, ValueError) as e:
@@ -475,7 +485,9 @@ class InputProcessor:
                     if last["role"] != "assistant" or not isinstance(last["content"], str) or "tool_calls" in last:
                         raise PromptError("continue_final_message needs the last message to be an assistant's text")
                     canonical, begun = canonical[:-1], last["content"]
-                ids = self._encode_chat(self._render(canonical, self._tools(prompt.get("tools"))) + begun)
+                tools = self._tools(prompt.get("tools"))
+                template = self._template_for_tools() if tools is not None else None
+                ids = self._encode_chat(self._render(canonical, tools, template) + begun)
             elif "prompt" in prompt:
                 if not isinstance(prompt["prompt"], str):
                     raise PromptError("'prompt' must be a string")
@@ -677,8 +689,16 @@ class InputProcessor:
 
 # ---------------------------------------------------------------------- prompt parsing helpers
 
-# A tool the template is asked to write once, to learn whether it writes tools at all.
+# A tool the template is asked to write once, to learn whether it writes tools at all; and the
+# conversations two templates must write alike to stand for each other.
 _PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "", "parameters": {}}}
+_PROBE_CHATS = (
+    [{"role": "user", "content": "x"}],
+    [{"role": "system", "content": "s"},
+     {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image"}, {"type": "audio"}, {"type": "video"}]},
+     {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}],
+)
+_UNKNOWN = object()
 
 
 def _tool_call(call: Any, where: str, typed) -> dict:

@@ -177,6 +177,15 @@ def test_a_bad_grammar_or_a_cut_reply_loses_nothing_else(engine):
     assert (final.finish_reason, final.error_code) == ("error", "invalid_request") and not ran["late"][1]
     assert "unknown special token" in final.error and len(final.error) < 400
     assert len(ran["ok"][1]) == 5
+    # A regex spelling an added token's text: llguidance lets the token through, then refuses it.
+    # The request fails alone, saying so and how to name the token instead.
+    ran = _run(engine, {"spelled": SamplingParams(temperature=0.0, max_tokens=20,
+                                                  structured_outputs=StructuredOutputs(regex="<tool_call>x")),
+                        "ok": SamplingParams(temperature=0.0, max_tokens=5)})
+    final = ran["spelled"][2]
+    assert (final.finish_reason, final.error_code) == ("error", "invalid_request"), final.error
+    assert "'<tool_call>'" in final.error and "unquoted (<tool_call>)" in final.error and len(final.error) < 300
+    assert len(ran["ok"][1]) == 5
     spec = StructuredOutputs(json=SCHEMA)
     cut = _run(engine, {"cut": SamplingParams(temperature=0.0, max_tokens=3, structured_outputs=spec)})
     text, tokens, final = cut["cut"]

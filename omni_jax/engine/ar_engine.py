@@ -549,14 +549,17 @@ class AREngine:
 
     def _advance_grammars(self, step_outputs: list[StageOutput]) -> None:
         """Move each going-on request's grammar over its new tokens; a request whose tokens do
-        not fit (a grammar past llguidance's limits) fails alone."""
+        not fit (a grammar past llguidance's limits, or one that spells an added token) fails alone."""
         for o in step_outputs:
             r = None if o.finished or not o.new_token_ids else self.scheduler.get_request(o.request_id)
             if r is None or r.grammar is None:
                 continue
-            error = r.grammar.accept(o.new_token_ids)
-            if error is not None and self.scheduler.finish_request(o.request_id, reason="error", error=error):
-                o.finished, o.finish_reason, o.error, o.error_code = True, "error", error, "internal"
+            refused = r.grammar.accept(o.new_token_ids)
+            if refused is None:
+                continue
+            error, code = refused
+            if self.scheduler.finish_request(o.request_id, reason="error", error=error):
+                o.finished, o.finish_reason, o.error, o.error_code = True, "error", error, code
                 self._detok.pop(o.request_id, None)
 
     def _keep_hidden_rows(self, hidden_of: dict, replayed: dict, chunks) -> None:

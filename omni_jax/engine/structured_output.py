@@ -78,16 +78,29 @@ def _kind(spec: StructuredOutputs) -> str:
 class Grammar:
     """One request's position in its grammar."""
 
-    def __init__(self, matcher):
+    def __init__(self, matcher, lltokenizer=None):
         self.matcher = matcher  # llguidance's LLMatcher
+        self._lltokenizer = lltokenizer
 
-    def accept(self, token_ids) -> str | None:
-        """Advance over the request's new tokens; the reason when they do not fit, else None."""
+    def accept(self, token_ids) -> tuple[str, str] | None:
+        """Advance over the request's new tokens; when they do not fit, the reason and its error
+        code (invalid_request: the grammar's own doing; internal: llguidance's limits), else None."""
         m = self.matcher
-        if m.is_stopped():  # complete: only an end token was allowed, which ended the request
-            return None
-        if not m.consume_tokens([int(t) for t in token_ids]):
-            return f"structured output: {m.get_error() or 'a sampled token does not fit the grammar'}"
+        for t in map(int, token_ids):
+            if m.is_stopped():  # complete: only an end token was allowed, which ended the request
+                return None
+            if m.consume_token(t):
+                continue
+            tok = self._lltokenizer
+            if tok is not None and tok.is_special_token(t):
+                # llguidance's forced-text path can allow an added token where the grammar spells
+                # its text (a quoted "<tool_call>"), which its parser then refuses.
+                name = tok.decode_str([t])
+                return (f"structured output: the grammar spells the text of {name!r}, which this tokenizer has as "
+                        f"one token ({t}); a Lark grammar names such a token unquoted ({name}) where it may come",
+                        "invalid_request")
+            reason = _one_line(m.get_error() or "a sampled token does not fit the grammar")
+            return f"structured output: {reason}", "internal"
         return None
 
 
@@ -125,7 +138,7 @@ class Grammars:
         matcher = LLMatcher(self._lltokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"{kind} is not valid: {_one_line(matcher.get_error())}")
-        return Grammar(matcher)
+        return Grammar(matcher, self._lltokenizer)
 
     def bitmask(self, grammars: list[Grammar | None], rows: int) -> np.ndarray:
         """[rows, words] int32: each grammar's allowed tokens in its row, every token elsewhere.

@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import wave
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
@@ -635,6 +636,29 @@ def test_qwen3_spoken_turn_speaks_as_the_library(qwen3_server):
     # model's loud convolutions raise to 1.8e-3 of a 27 peak before the clamp, 6.5e-5 of it); two
     # runs of one request need not share calls alike (through the library: up to 1.2e-3).
     np.testing.assert_allclose(got, np.clip(want.audio, -1, 1), atol=2e-3, rtol=0)
+
+
+def test_qwen3_spoken_reply_with_a_call(qwen3_server):
+    """Qwen3-Omni's talker and code2wav speak a reply stopped at a call's tag (the random model made
+    to say "Sure." and call by a grammar); the call is written after, unspoken, and fits its tool."""
+    engine, url = qwen3_server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    with client.realtime.connect(model="qwen3") as conn:
+        _until(conn, "session.created")
+        conn.session.update(session={"type": "realtime", "tools": REALTIME_TOOLS[:1], "temperature": 0.0})
+        _until(conn, "session.updated")
+        conn.conversation.item.create(item={"type": "message", "role": "user",
+                                            "content": [{"type": "input_text", "text": "Weather?"}]})
+        _until(conn, "conversation.item.added")
+        conn.response.create(response={"max_output_tokens": 40, "sampling_params_list": [
+            _calls_grammar('\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n')]})
+        seen = []
+        done = _until(conn, "response.done", seen).response
+    assert _text_of(seen, "response.output_audio_transcript.delta") == "Sure." and len(_audio_of(seen)) > 0
+    assert [o.type for o in done.output[:2]] == ["message", "function_call"], done.status_details
+    assert all(o.name == "get_weather" and json.loads(o.arguments)["city"] in ("Paris", "Lyon")
+               for o in done.output[1:])
+    _idle(SimpleNamespace(url=url))  # the spoken request and the calls' both done in every stage
 
 
 # ---------------------------------------------------------------------------------------- hostile clients

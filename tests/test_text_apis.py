@@ -659,6 +659,18 @@ def test_a_required_tool_call_equals_the_library(client, library, choice, parall
     assert [(c["name"], c["arguments"]) for c in got] == [(calls[0].name, calls[0].arguments)]
 
 
+def test_each_of_n_choices_makes_its_own_call(client):
+    """n sampled choices under a named tool: each its own call (its own id), fitting the schema."""
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], n=3, seed=5, temperature=1.0,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                       max_tokens=60)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
+        assert json.loads(c.message.tool_calls[0].function.arguments)["city"] in ("Paris", "Lyon")
+    assert len({c.message.tool_calls[0].id for c in r.choices}) == 3
+
+
 def test_auto_reads_the_calls_a_reply_makes(client):
     """tool_choice "auto": words, then calls, read out of the reply whole and streamed. (The random
     model is made to write them, tags as the tokens they are, by a grammar; it would not otherwise.)"""

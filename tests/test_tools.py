@@ -50,6 +50,13 @@ def test_tools_and_calls_are_written_as_qwen_writes_them(processor):
     text = _text(processor, {"messages": CALLED, "tools": [WEATHER, NOW]})
     tools = "\n".join(json.dumps(t, ensure_ascii=False) for t in (WEATHER, NOW))
     system = "You are a helpful assistant.\n\n" if processor.SPEECH_SYSTEM_PROMPT else ""
+    # Qwen's tool section, as Qwen3-Omni's released template and Qwen's text models write it
+    assert (TOOLS_INTRO, TOOLS_OUTRO) == (
+        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
+        "function signatures within <tools></tools> XML tags:\n<tools>",
+        "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+        '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}'
+        "\n</tool_call>")
     assert text == (
         f"<|im_start|>system\n{system}{TOOLS_INTRO}\n{tools}{TOOLS_OUTRO}<|im_end|>\n"
         "<|im_start|>user\nWeather in Paris?<|im_end|>\n"

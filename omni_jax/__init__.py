@@ -9,11 +9,12 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 from .checkpoint import load_checkpoint
 from .engine.sampling_params import SamplingParams, StructuredOutputs
+from .inputs.reasoning import ThinkTags, split_reasoning
 from .inputs.tool_calls import ToolCall, call_grammar, read_tool_calls
 from .runtime.outputs import Logprob, OmniRequestOutput
 
 __all__ = ["OmniJax", "AsyncOmniJax", "SamplingParams", "StructuredOutputs", "OmniRequestOutput", "Logprob",
-           "ToolCall", "call_grammar", "read_tool_calls", "load_checkpoint"]
+           "ToolCall", "call_grammar", "read_tool_calls", "ThinkTags", "split_reasoning", "load_checkpoint"]
 
 
 def __getattr__(name):

@@ -244,7 +244,7 @@ class AREngine:
             if self.grammars is None:
                 raise RequestError(f"request {request_id!r}: structured outputs need a stage with a tokenizer")
             try:
-                grammar = self.grammars.build(params.structured_outputs)
+                grammar = self.grammars.build(params.structured_outputs, ids)
             except ValueError as e:
                 raise RequestError(f"request {request_id!r}: structured_outputs: {e}") from None
         mm_hashes = []

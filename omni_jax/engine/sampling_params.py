@@ -66,6 +66,11 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, frozen=True, omit_defaults
     once the match is complete only an end-of-reply token is allowed. A reply cut by
     `max_tokens` may still be incomplete. Whether the grammar itself compiles is checked where
     the request is served (`structured_output.grammar_of`).
+
+    `reasoning_tokens` (start, end): a reasoning model's token ids that enclose its thinking
+    (Qwen3's `<think>`, `</think>`). The thinking is free and the match holds what follows it: the
+    reply may open with `start` (or its prompt has opened it already), and then the grammar
+    starts after `end`.
     """
 
     json: str | None = None
@@ -75,9 +80,17 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, frozen=True, omit_defaults
     grammar: str | None = None
     # JSON without whitespace between tokens (", " and ": " separate): a model cannot pad it.
     disable_any_whitespace: bool = False
+    reasoning_tokens: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         set_ = msgspec.structs.force_setattr
+        if self.reasoning_tokens is not None:
+            ids = tuple(self.reasoning_tokens) if isinstance(self.reasoning_tokens, (list, tuple)) else ()
+            if len(ids) != 2 or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids) \
+                    or ids[0] == ids[1]:
+                raise ValueError(f"StructuredOutputs.reasoning_tokens must be two different token ids (start, end), "
+                                 f"got {self.reasoning_tokens!r:.80}")
+            set_(self, "reasoning_tokens", ids)
         if isinstance(self.json, dict):  # kept as text: a frozen value, as the wire carries it
             set_(self, "json", msgspec.json.encode(self.json).decode())
         if isinstance(self.choice, list):

@@ -76,17 +76,32 @@ def _kind(spec: StructuredOutputs) -> str:
 
 
 class Grammar:
-    """One request's position in its grammar."""
+    """One request's position in its grammar, and, for a reasoning model, in its thinking: the
+    thinking is free and the grammar holds the reply after it (StructuredOutputs.reasoning_tokens)."""
 
-    def __init__(self, matcher, lltokenizer=None):
+    HOLDS, OPENING, THINKING = "holds", "opening", "thinking"
+
+    def __init__(self, matcher, lltokenizer=None, reasoning: tuple[int, int] | None = None,
+                 prompt_token_ids=()):
         self.matcher = matcher  # llguidance's LLMatcher
         self._lltokenizer = lltokenizer
+        self.reasoning = reasoning
+        self.phase = self.HOLDS
+        if reasoning is not None:
+            self.phase = self.THINKING if thinking_opened(prompt_token_ids, reasoning) else self.OPENING
 
     def accept(self, token_ids) -> tuple[str, str] | None:
         """Advance over the request's new tokens; when they do not fit, the reason and its error
         code (invalid_request: the grammar's own doing; internal: llguidance's limits), else None."""
         m = self.matcher
         for t in map(int, token_ids):
+            if self.phase != self.HOLDS:
+                start, end = self.reasoning
+                opens = self.phase == self.OPENING and t == start
+                if self.phase == self.THINKING or opens:
+                    self.phase = self.HOLDS if t == end else self.THINKING
+                    continue
+                self.phase = self.HOLDS  # the reply did not open with its thinking: the grammar holds it all
             if m.is_stopped():  # complete: only an end token was allowed, which ended the request
                 return None
             if m.consume_token(t):
@@ -102,6 +117,14 @@ class Grammar:
             reason = _one_line(m.get_error() or "a sampled token does not fit the grammar")
             return f"structured output: {reason}", "internal"
         return None
+
+
+def thinking_opened(prompt_token_ids, reasoning: tuple[int, int]) -> bool:
+    """Whether the prompt ends inside a thinking (its template opened the reply's `start`)."""
+    ids = np.asarray(prompt_token_ids).reshape(-1)
+    start, end = reasoning
+    opened, closed = np.flatnonzero(ids == start), np.flatnonzero(ids == end)
+    return opened.size > 0 and (closed.size == 0 or opened[-1] > closed[-1])
 
 
 class Grammars:
@@ -124,30 +147,39 @@ class Grammars:
         # tokenizer's are never allowed.
         return LLTokenizer(fast.to_str(), n_vocab=self.vocab_size, eos_token=self._eos or None)
 
-    def build(self, spec: StructuredOutputs) -> Future:
-        """Start building `spec`'s Grammar: a Future of it, or of the ValueError saying why it
-        does not compile. What needs no tokenizer is checked here and now (ValueError)."""
+    def build(self, spec: StructuredOutputs, prompt_token_ids=()) -> Future:
+        """Start building `spec`'s Grammar for a request of this prompt: a Future of it, or of the
+        ValueError saying why it does not compile. What needs no tokenizer is checked here and now
+        (ValueError)."""
         grammar = grammar_of(spec)
+        if spec.reasoning_tokens is not None and max(spec.reasoning_tokens) >= self.vocab_size:
+            raise ValueError(f"reasoning_tokens {list(spec.reasoning_tokens)} are not all below the vocabulary's "
+                             f"size {self.vocab_size}")
         if self._pool is None:  # llguidance releases the GIL while it builds
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammars")
-        return self._pool.submit(self._build, grammar, _kind(spec))
+        return self._pool.submit(self._build, grammar, _kind(spec), spec.reasoning_tokens, prompt_token_ids)
 
-    def _build(self, grammar: str, kind: str) -> Grammar:
+    def _build(self, grammar: str, kind: str, reasoning, prompt_token_ids) -> Grammar:
         from llguidance import LLMatcher
 
         matcher = LLMatcher(self._lltokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"{kind} is not valid: {_one_line(matcher.get_error())}")
-        return Grammar(matcher, self._lltokenizer)
+        return Grammar(matcher, self._lltokenizer, reasoning, prompt_token_ids)
 
     def bitmask(self, grammars: list[Grammar | None], rows: int) -> np.ndarray:
         """[rows, words] int32: each grammar's allowed tokens in its row, every token elsewhere.
         Rows are filled in parallel on llguidance's own threads (a row takes 0.1 to 1 ms of CPU
         for JSON; a batch of them would otherwise add up on the step's path)."""
         bits = allow_all(rows, self.vocab_size)
-        jobs = [(g.matcher, j) for j, g in enumerate(grammars) if g is not None]
+        jobs = [(g.matcher, j) for j, g in enumerate(grammars) if g is not None and g.phase != Grammar.THINKING]
         if jobs:
             self._executor.unsafe_compute_mask_ptr(jobs, bits.ctypes.data, bits.shape[1] * 4, rows)
+        words = bits.view(np.uint32)
+        for j, g in enumerate(grammars):
+            if g is not None and g.phase == Grammar.OPENING:  # the reply may also open its thinking
+                start = g.reasoning[0]
+                words[j, start // 32] |= np.uint32(1 << (start % 32))
         return bits
 
     @functools.cached_property

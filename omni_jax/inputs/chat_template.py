@@ -10,6 +10,10 @@ listing each tool as JSON inside `<tools></tools>`; an assistant message's `tool
 content as `<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>` blocks; `tool` messages
 (the calls' results) go back as one user turn of `<tool_response>` blocks. inputs/tool_calls.py
 reads the blocks back out of a reply.
+
+An assistant message's `reasoning_content` (a reasoning model's thinking, inputs/reasoning.py) is
+written back as `<think>\\n...\\n</think>\\n\\n` before its content only after the last user
+message, as Qwen3's templates do: earlier turns' thinking is left out.
 """
 
 from __future__ import annotations
@@ -44,6 +48,9 @@ def qwen_chat_template(image: str, audio: str, video: str, default_system: str |
     opening += "{%- endif -%}{%- endif -%}"
     return (
         "{%- set n = namespace(audio=0, image=0, video=0) -%}"
+        "{%- set q = namespace(last=-1) -%}"
+        "{%- for message in messages -%}{%- if message['role'] == 'user' -%}{%- set q.last = loop.index0 -%}"
+        "{%- endif -%}{%- endfor -%}"
         "{%- for message in messages -%}"
         + opening +
         # A run of tool results is one user turn.
@@ -52,6 +59,12 @@ def qwen_chat_template(image: str, audio: str, video: str, default_system: str |
         "{{- '\\n<tool_response>\\n' -}}"
         "{%- else -%}"
         "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+        # An assistant turn's thinking goes back only after the last user message (Qwen3's rule:
+        # the turns of a call loop in progress), as the model wrote it.
+        "{%- if message['role'] == 'assistant' and message['reasoning_content'] is string "
+        "and loop.index0 > q.last -%}"
+        "{{- '<think>\\n' + message['reasoning_content'].strip('\\n') + '\\n</think>\\n\\n' -}}"
+        "{%- endif -%}"
         "{%- endif -%}"
         "{%- if message['content'] is string -%}"
         "{{- message['content'] -}}"

@@ -19,6 +19,8 @@ Accepted prompt forms (as vLLM):
 * with "messages", "tools": OpenAI's function tools, which the chat template writes into the
   prompt (Qwen's format: inputs/chat_template.py); an assistant message may then carry
   "tool_calls" (its "content" may be left out) and "tool" messages the calls' results;
+  an assistant message's "reasoning_content" (a reasoning model's thinking) is written back as
+  Qwen3's templates do (inputs/chat_template.py);
 * with "messages", "continue_final_message": True (vLLM's): the last message, an assistant's
   text, is not closed: the reply continues it (its special-token strings stay text; a plain tag
   such as Qwen's `<tool_call>` is the token it is).
@@ -361,9 +363,14 @@ class InputProcessor:
                 if role != "assistant":
                     raise PromptError(f"messages[{i}].tool_calls: only an assistant message makes tool calls")
                 calls = [_tool_call(c, f"messages[{i}].tool_calls[{j}]", typed) for j, c in enumerate(calls)]
+            extra = {"tool_calls": calls} if calls else {}
+            thought = m.get("reasoning_content")
+            if thought is not None:
+                if role != "assistant" or not isinstance(thought, str):
+                    raise PromptError(f"messages[{i}].reasoning_content must be a string, in an assistant message")
+                extra["reasoning_content"] = typed(thought, f"messages[{i}].reasoning_content")
             if isinstance(content, str):
-                canonical.append({"role": role, "content": typed(content, f"messages[{i}].content"),
-                                  **({"tool_calls": calls} if calls else {})})
+                canonical.append({"role": role, "content": typed(content, f"messages[{i}].content"), **extra})
                 continue
             if not isinstance(content, list):
                 raise PromptError(f"messages[{i}].content must be a string or a list of parts")
@@ -376,7 +383,7 @@ class InputProcessor:
                 else:
                     parts.append({"type": kind})
                     items.append(item)
-            canonical.append({"role": role, "content": parts, **({"tool_calls": calls} if calls else {})})
+            canonical.append({"role": role, "content": parts, **extra})
         return self.speech_messages(canonical) if speech_output else canonical, items
 
     def speech_messages(self, messages: list) -> list:

@@ -48,6 +48,7 @@ def message_texts(messages: Any, tools: Any = None):
         if not isinstance(m, dict):
             continue
         yield m.get("role")
+        yield m.get("reasoning_content")
         if isinstance(m.get("tool_calls"), list):
             yield json.dumps(m["tool_calls"], default=str)
         content = m.get("content")

@@ -19,9 +19,10 @@ from ...inputs.qwen_tokenizer import build_qwen2_5_omni_tokenizer
 from ...paths import cache_root
 from ..random_checkpoint import write_random_checkpoint
 
-# 5: the chat template takes tools (inputs/chat_template.py); 4: weights drawn with numpy
-# (`random_weights.random_params`) instead of flax's initializers
-TINY_VERSION = 5
+# 6: the chat template writes an assistant's reasoning_content back; 5: it takes tools
+# (inputs/chat_template.py); 4: weights drawn with numpy (`random_weights.random_params`)
+# instead of flax's initializers
+TINY_VERSION = 6
 # <|endoftext|> and <|im_end|> end the reply, as in the released checkpoint's generation config.
 TINY_GENERATION_CONFIG = {"eos_token_id": [151643, 151645], "pad_token_id": 151643}
 

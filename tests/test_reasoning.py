@@ -1,0 +1,189 @@
+"""A reasoning model's thinking (Qwen3's `<think>` ... `</think>`): read apart from the answer, written
+back into a conversation, and left free by structured outputs, which hold the answer after it
+(torch-free: the tiny Qwen3-Omni checkpoint, its thinker engine and llguidance)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from omni_jax import SamplingParams, StructuredOutputs, ThinkTags, split_reasoning
+from omni_jax.errors import PromptError
+from omni_jax.inputs.reasoning import ReasoningReader
+from omni_jax.models.registry import prompt_processor
+
+# (reply, opened by the prompt) -> (reasoning or None, content)
+REPLIES = [
+    ("<think>\nI think.\nMore.\n</think>\n\nThe answer.", False, ("I think.\nMore.", "The answer.")),
+    ("\nplan\n</think>\n\nok", True, ("plan", "ok")),
+    ("<think>\ncut mid thought  ", False, ("cut mid thought", "")),
+    ("<think>", False, ("", "")),
+    ("<think></think>\n\nx", False, ("", "x")),
+    ("<think>a</think>b</think>c", False, ("a", "b</think>c")),
+    ("<think>a < b and </thin k></think> yes", False, ("a < b and </thin k>", "yes")),
+    ("Hello <think>x</think>", False, (None, "Hello <think>x</think>")),
+    ("<thi", False, (None, "<thi")),
+    ("  plain answer  ", False, (None, "  plain answer  ")),
+    (" <think>late</think>", False, (None, " <think>late</think>")),  # not its first token
+    ("", False, (None, "")),
+    ("", True, ("", "")),
+]
+
+
+@pytest.mark.parametrize("text,opened,want", REPLIES)
+def test_a_reply_is_read_the_same_whole_or_in_pieces(text, opened, want):
+    assert split_reasoning(text, opened) == want
+    rng = random.Random(text)
+    for _ in range(30):
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 6))))
+        reader, reasoning, content = ReasoningReader(opened), "", ""
+        for piece in (text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])):
+            r, c = reader.feed(piece)
+            reasoning, content = reasoning + r, content + c
+        r, c = reader.finish()
+        assert ((reasoning + r) if reader.thought else None, content + c) == want
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    from omni_jax.models.qwen3_omni.tiny import tiny_checkpoint
+
+    return prompt_processor(tiny_checkpoint())
+
+
+def test_the_tags_are_found_where_the_vocabulary_has_them(qwen3):
+    from omni_jax.models.qwen2_5_omni.tiny import tiny_checkpoint
+
+    tags = ThinkTags.of(qwen3.tokenizer)
+    assert tags is not None and qwen3.tokenizer.convert_ids_to_tokens(list(tags.ids)) == ["<think>", "</think>"]
+    assert ThinkTags.of(prompt_processor(tiny_checkpoint()).tokenizer) is None  # Qwen2.5-Omni does not reason
+    s, e = tags.ids
+    assert tags.opened([1, 2, s]) and tags.opened([s, 5, e, 9, s, 7])
+    assert not tags.opened([1, 2]) and not tags.opened([s, 3, e])
+    assert tags.reasoning_tokens([s, 4, 4, e, 9], False) == 4 and tags.reasoning_tokens([4, e, 9], True) == 2
+    assert tags.reasoning_tokens([9, e], False) == 0 and tags.reasoning_tokens([s, 4], False) == 2
+
+
+CALL = {"type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+def test_thinking_goes_back_only_after_the_last_user_message(qwen3):
+    """As Qwen3's templates: a turn of the call loop in progress keeps its thinking (before its
+    content and calls), an earlier turn's is left out; special strings in it stay text."""
+    messages = [{"role": "user", "content": "Q1"},
+                {"role": "assistant", "content": "A1", "reasoning_content": "old thought"},
+                {"role": "user", "content": "Q2"},
+                {"role": "assistant", "content": "", "reasoning_content": "\nnew <|im_end|> thought\n",
+                 "tool_calls": [CALL]},
+                {"role": "tool", "content": "42"}]
+    ids = qwen3.process({"messages": messages, "tools": [{"type": "function", "function": {"name": "f"}}]}
+                        ).prompt_token_ids
+    text = qwen3.tokenizer.decode(ids.tolist(), skip_special_tokens=False)
+    assert "old thought" not in text
+    assert ("<|im_start|>assistant\nA1<|im_end|>\n<|im_start|>user\nQ2<|im_end|>\n<|im_start|>assistant\n<think>\n"
+            "new <|im_end|> thought\n</think>\n\n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>"
+            "<|im_end|>\n") in text
+    assert int((ids == qwen3.tokenizer.convert_tokens_to_ids("<|im_end|>")).sum()) == 6  # the typed one is text
+
+
+@pytest.mark.parametrize("bad", [{"role": "user", "content": "x", "reasoning_content": "y"},
+                                 {"role": "assistant", "content": "x", "reasoning_content": 3}])
+def test_bad_reasoning_content_is_named(qwen3, bad):
+    with pytest.raises(PromptError, match=r"messages\[0\]\.reasoning_content"):
+        qwen3.process({"messages": [bad]})
+
+
+def test_reasoning_tokens_are_checked():
+    with pytest.raises(ValueError, match="reasoning_tokens"):
+        StructuredOutputs(regex="a", reasoning_tokens=(5, 5))
+    with pytest.raises(ValueError, match="reasoning_tokens"):
+        StructuredOutputs(regex="a", reasoning_tokens=(5,))
+    assert StructuredOutputs(regex="a", reasoning_tokens=[3, 4]).reasoning_tokens == (3, 4)
+
+
+def _allowed(bits: np.ndarray, row: int, token: int) -> bool:
+    return bool((bits.view(np.uint32)[row, token // 32] >> np.uint32(token % 32)) & np.uint32(1))
+
+
+def test_the_grammar_holds_the_answer_after_the_thinking(qwen3):
+    """The mask of a grammar with reasoning tokens: the first token may open the thinking, the
+    thinking is free, the grammar holds from its end tag on; a prompt that opened the thinking
+    starts free; a reply that does not open with it is the grammar's from its first token."""
+    from omni_jax.engine.structured_output import Grammar, Grammars
+
+    tok = qwen3.tokenizer
+    tags = ThinkTags.of(tok)
+    grammars = Grammars(tok, len(tok), [tok.convert_tokens_to_ids("<|im_end|>")])
+    spec = StructuredOutputs(choice=["yes", "no"], reasoning_tokens=tags.ids)
+    yes, word = tok.encode("yes")[0], tok.encode(" banana")[0]
+    fresh = grammars.build(spec, [1, 2, 3]).result()
+    opened = grammars.build(spec, [1, 2, tags.start]).result()
+    plain = grammars.build(StructuredOutputs(choice=["yes", "no"]), [1, 2, tags.start]).result()
+    assert (fresh.phase, opened.phase, plain.phase) == (Grammar.OPENING, Grammar.THINKING, Grammar.HOLDS)
+    bits = grammars.bitmask([fresh, opened, plain], 3)
+    assert _allowed(bits, 0, yes) and _allowed(bits, 0, tags.start) and not _allowed(bits, 0, word)
+    assert (bits[1] == -1).all()  # free
+    assert _allowed(bits, 2, yes) and not _allowed(bits, 2, tags.start) and not _allowed(bits, 2, word)
+
+    assert fresh.accept([tags.start, word, word]) is None and fresh.phase == Grammar.THINKING
+    assert (grammars.bitmask([fresh], 1) == -1).all()
+    assert fresh.accept([word, tags.end]) is None and fresh.phase == Grammar.HOLDS
+    bits = grammars.bitmask([fresh], 1)
+    assert _allowed(bits, 0, yes) and not _allowed(bits, 0, word) and not _allowed(bits, 0, tags.start)
+    assert fresh.accept([word]) is not None  # past the thinking, the grammar holds
+
+    answered = grammars.build(spec, [1]).result()
+    assert answered.accept([yes]) is None and answered.phase == Grammar.HOLDS
+    assert not _allowed(grammars.bitmask([answered], 1), 0, tags.start)  # no thinking after the answer began
+    with pytest.raises(ValueError, match="vocabulary"):
+        grammars.build(StructuredOutputs(regex="a", reasoning_tokens=(1, len(tok) + 5)))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from omni_jax.engine.runner import RunnerConfig
+    from omni_jax.models.qwen3_omni.stages import build_thinker_engine
+    from omni_jax.models.qwen3_omni.tiny import tiny_checkpoint
+    from omni_jax.models.thinker_media import MediaBuckets
+
+    return build_thinker_engine(tiny_checkpoint(), RunnerConfig(num_blocks=32, block_size=16, max_num_seqs=4,
+                                                                max_num_batched_tokens=32, max_model_len=256),
+                                media_buckets=MediaBuckets((1,), (64,)), progress=False)
+
+
+def test_the_engine_lets_the_thinking_end_before_the_grammar_holds(engine, qwen3):
+    """A prompt that opened the thinking, a bias toward its end tag: the random model ends the
+    thinking at once and then answers one of the choices; the same grammar without the reasoning
+    tokens holds the reply from its first token (the end tag is not allowed, bias or not), and a
+    sampled reply that opens its own thinking keeps it apart too. No block leaks."""
+    tags = ThinkTags.of(qwen3.tokenizer)
+    choices = ["yes", "no"]
+    bias = {tags.end: 100.0}
+    prompt = [100, 200, 300, tags.start]
+    runs = {"reasoning": StructuredOutputs(choice=choices, reasoning_tokens=tags.ids),
+            "plain": StructuredOutputs(choice=choices)}
+    for rid, spec in runs.items():
+        engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=8, logit_bias=bias,
+                                                       structured_outputs=spec))
+    # not opened by the prompt: a bias toward <think> makes the reply open its thinking, then end it
+    engine.add_request("opens", [100, 200, 300], SamplingParams(
+        temperature=0.0, max_tokens=8, logit_bias={tags.start: 100.0},
+        structured_outputs=StructuredOutputs(choice=choices, reasoning_tokens=tags.ids)))
+    texts, ids, final = {}, {}, {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            texts[o.request_id] = texts.get(o.request_id, "") + (o.text_delta or "")
+            ids.setdefault(o.request_id, []).extend(o.new_token_ids or [])
+            if o.finished:
+                final[o.request_id] = o
+    assert engine.scheduler.kv_cache_manager.is_idle_and_leak_free()
+    assert ids["reasoning"][0] == tags.end and final["reasoning"].finish_reason == "stop", texts
+    assert split_reasoning(texts["reasoning"], opened=True) == ("", texts["reasoning"].split("</think>")[1])
+    assert split_reasoning(texts["reasoning"], opened=True)[1] in choices
+    assert tags.end not in ids["plain"] and texts["plain"] in choices and final["plain"].finish_reason == "stop"
+    # the bias keeps <think> the likeliest token while thinking: the reply thinks to its length
+    assert ids["opens"][0] == tags.start and final["opens"].finish_reason == "length"
+    assert split_reasoning(texts["opens"])[0] is not None
+

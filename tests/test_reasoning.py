@@ -187,3 +187,30 @@ def test_the_engine_lets_the_thinking_end_before_the_grammar_holds(engine, qwen3
     assert ids["opens"][0] == tags.start and final["opens"].finish_reason == "length"
     assert split_reasoning(texts["opens"])[0] is not None
 
+
+class _Loaded:
+    """What ServedEngine reads of a loaded engine to choose its reasoning tags."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.stopped = tokenizer, False
+
+    def shutdown(self):
+        self.stopped = True
+
+
+def test_the_server_reads_reasoning_where_asked_or_where_no_talker_speaks(qwen3):
+    from omni_jax.models.qwen2_5_omni.tiny import tiny_checkpoint
+    from omni_jax.server.engine import ServedEngine
+
+    with pytest.raises(ValueError, match="unknown reasoning parser 'deepseek_r1'"):
+        ServedEngine("tiny-qwen3_omni", "q", reasoning_parser="deepseek_r1")
+    # auto: not where a talker would speak the thinking (the Qwen3-Omni that reasons has none)
+    assert ServedEngine("tiny-qwen3_omni", "q").reasoning_parser == "none"
+    asked = ServedEngine("tiny-qwen3_omni", "q", reasoning_parser="qwen3")
+    asked.omni = _Loaded(qwen3.tokenizer)
+    assert asked._think_tags() == ThinkTags.of(qwen3.tokenizer)
+    wrong = ServedEngine("tiny", "tiny", reasoning_parser="qwen3")
+    wrong.omni = _Loaded(prompt_processor(tiny_checkpoint()).tokenizer)
+    with pytest.raises(ValueError, match="the tokenizer does not have <think> and </think> as single tokens"):
+        wrong._think_tags()
+    assert wrong.omni.stopped  # the engine that cannot serve so is stopped

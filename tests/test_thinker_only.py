@@ -122,12 +122,15 @@ def test_chat_equals_transformers_and_speech_fails_per_request(thinking_ckpt, pi
         assert again.token_ids == want
 
 
-def test_served_with_text_only(thinking_ckpt, pipeline_yaml, reference, tmp_path):
-    """`omni-jax serve` on the checkpoint with no --modalities: text out, no voices, 400s for audio."""
+@pytest.fixture(scope="module")
+def served(thinking_ckpt, pipeline_yaml, tmp_path_factory):
+    """`omni-jax serve` on the checkpoint with no --modalities and no --reasoning-parser: its URL
+    and an `openai` client."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    log = open(tmp_path / "serve.log", "w")
+    log_path = tmp_path_factory.mktemp("thinking_serve") / "serve.log"
+    log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "omni_jax.cli", "serve", "--model", thinking_ckpt,
                              "--served-model-name", "thinking", "--pipeline", pipeline_yaml, "--port", str(port)],
                             stdout=log, stderr=subprocess.STDOUT)
@@ -135,35 +138,172 @@ def test_served_with_text_only(thinking_ckpt, pipeline_yaml, reference, tmp_path
     try:
         deadline = time.monotonic() + 900
         while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            assert proc.poll() is None, log_path.read_text()[-3000:]
             try:
                 if httpx.get(f"{url}/health", timeout=5).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
-            assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
             time.sleep(1)
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
-        assert [m.id for m in client.models.list().data] == ["thinking"]
-        assert httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["modalities"] == ["text"]
-        assert httpx.get(f"{url}/v1/audio/voices", timeout=30).json() == {"voices": []}
-        reply = client.chat.completions.create(model="thinking", messages=MESSAGES, temperature=0.0,
-                                               max_tokens=MAX_TOKENS)
-        assert reply.choices[0].message.content and reply.usage.completion_tokens == len(reference[1])
-        with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model="thinking", messages=MESSAGES, modalities=["text", "audio"],
-                                           audio={"voice": "ethan", "format": "wav"})
-        err = e.value.body
-        assert err["param"] == "modalities" and err["type"] == "invalid_request_error"
-        assert "model 'thinking' answers in text only (its checkpoint has no speech stages)" in err["message"]
-        with pytest.raises(openai.BadRequestError, match="answers in text only"):
-            client.audio.speech.create(model="thinking", voice="ethan", input="Hello.")
-        # The refusals cost nothing: the next chat is answered as the first.
-        again = client.chat.completions.create(model="thinking", messages=MESSAGES, temperature=0.0,
-                                               max_tokens=MAX_TOKENS)
-        assert again.choices[0].message.content == reply.choices[0].message.content
+        yield url, openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
     finally:
         proc.terminate()
         proc.wait(60)
         log.close()
+
+
+def test_served_with_text_only(served, reference):
+    """`omni-jax serve` on the checkpoint with no --modalities: text out, no voices, 400s for audio;
+    replies are read for reasoning (a checkpoint without a talker whose vocabulary has the tags)."""
+    url, client = served
+    assert [m.id for m in client.models.list().data] == ["thinking"]
+    assert httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["modalities"] == ["text"]
+    assert httpx.get(f"{url}/v1/audio/voices", timeout=30).json() == {"voices": []}
+    reply = client.chat.completions.create(model="thinking", messages=MESSAGES, temperature=0.0,
+                                           max_tokens=MAX_TOKENS)
+    assert reply.choices[0].message.content and reply.usage.completion_tokens == len(reference[1])
+    # the random model does not think: all of its reply is the answer
+    assert reply.choices[0].message.reasoning_content is None
+    assert reply.usage.completion_tokens_details.reasoning_tokens == 0
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="thinking", messages=MESSAGES, modalities=["text", "audio"],
+                                       audio={"voice": "ethan", "format": "wav"})
+    err = e.value.body
+    assert err["param"] == "modalities" and err["type"] == "invalid_request_error"
+    assert "model 'thinking' answers in text only (its checkpoint has no speech stages)" in err["message"]
+    with pytest.raises(openai.BadRequestError, match="answers in text only"):
+        client.audio.speech.create(model="thinking", voice="ethan", input="Hello.")
+    # The refusals cost nothing: the next chat is answered as the first.
+    again = client.chat.completions.create(model="thinking", messages=MESSAGES, temperature=0.0,
+                                           max_tokens=MAX_TOKENS)
+    assert again.choices[0].message.content == reply.choices[0].message.content
+
+
+# The random model made to think and then answer, the tags as the tokens they are (a grammar that
+# names them holds the whole reply; any other holds the answer after the thinking).
+THOUGHT, ANSWER = "The user coughs.", "A cough."
+THINK = {"structured_outputs": {"grammar": f'start: <think> {json.dumps(chr(10) + THOUGHT + chr(10))} </think> '
+                                           f'"\\n\\n" {json.dumps(ANSWER)}'}}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+THINK_CALL = {"structured_outputs": {"grammar": f'start: <think> {json.dumps(chr(10) + THOUGHT + chr(10))} </think> '
+                                                f'"\\n\\n" <tool_call> {json.dumps(chr(10) + CALL + chr(10))} </tool_call>'}}
+
+
+def _thinking_tokens(ckpt: str) -> int:
+    from omni_jax.models.registry import prompt_processor
+
+    return len(prompt_processor(ckpt).tokenizer.encode(f"<think>\n{THOUGHT}\n</think>"))
+
+
+def test_chat_gives_the_thinking_apart_from_the_answer(served, thinking_ckpt):
+    """message.reasoning_content (and .reasoning) and content; streamed, the thinking's deltas
+    first, then the answer's; the thinking's tokens in usage; a call after the thinking read from
+    the answer."""
+    _, client = served
+    kw = dict(model="thinking", messages=MESSAGES, temperature=0.0, max_tokens=40)
+    r = client.chat.completions.create(**kw, extra_body=THINK)
+    m = r.choices[0].message
+    assert (m.reasoning_content, m.reasoning, m.content) == (THOUGHT, THOUGHT, ANSWER)
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens_details.reasoning_tokens == _thinking_tokens(thinking_ckpt)
+    assert r.usage.completion_tokens > r.usage.completion_tokens_details.reasoning_tokens
+
+    chunks = list(client.chat.completions.create(**kw, extra_body=THINK, stream=True,
+                                                 stream_options={"include_usage": True}))
+    kinds = []
+    for c in chunks[:-1]:
+        d = c.choices[0].delta
+        if getattr(d, "reasoning_content", None):
+            assert d.reasoning == d.reasoning_content
+            kinds.append(("reasoning", d.reasoning_content))
+        if d.content:
+            kinds.append(("content", d.content))
+    assert "".join(t for k, t in kinds if k == "reasoning") == THOUGHT
+    assert "".join(t for k, t in kinds if k == "content") == ANSWER
+    first_answer = [k for k, _ in kinds].index("content")
+    assert all(k == "content" for k, _ in kinds[first_answer:])
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == _thinking_tokens(thinking_ckpt)
+
+    r = client.chat.completions.create(**kw, tools=[WEATHER], extra_body=THINK_CALL)
+    m = r.choices[0].message
+    assert m.reasoning_content == THOUGHT and m.content is None and r.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls] == [
+        ("get_weather", {"city": "Paris"})]
+
+
+def test_a_constraint_holds_the_answer_after_the_thinking(served):
+    """response_format on a reasoning model: the thinking is free (here the random model is made
+    to open it and go on thinking by a bias on <think>, which JSON alone would not allow)."""
+    url, client = served
+    start = httpx.post(f"{url}/tokenize", json={"model": "thinking", "prompt": "<think>"}, timeout=30).json()["tokens"]
+    assert len(start) == 1
+    r = client.chat.completions.create(model="thinking", messages=MESSAGES, temperature=0.0, max_tokens=4,
+                                       response_format={"type": "json_object"}, logit_bias={str(start[0]): 100})
+    m = r.choices[0].message
+    assert r.choices[0].finish_reason == "length" and m.content is None
+    assert m.reasoning_content == "<think>" * 3 and r.usage.completion_tokens_details.reasoning_tokens == 4
+
+
+def test_responses_give_a_reasoning_item(served, thinking_ckpt):
+    """The Responses API: a `reasoning` item before the message, its events in OpenAI's order,
+    the thinking's tokens in usage; the next turn by previous_response_id and statelessly with
+    the reasoning item given back."""
+    _, client = served
+    kw = dict(model="thinking", input="Describe the sound, please.", temperature=0.0, max_output_tokens=40,
+              extra_body=THINK)
+    r = client.responses.create(**kw)
+    assert [o.type for o in r.output] == ["reasoning", "message"] and r.status == "completed"
+    assert r.output[0].content[0].text == THOUGHT and r.output[0].summary == [] and r.output_text == ANSWER
+    assert r.usage.output_tokens_details.reasoning_tokens == _thinking_tokens(thinking_ckpt)
+
+    events = list(client.responses.create(**kw, stream=True))
+    types = [e.type for e in events]
+    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    thinking_done = types.index("response.reasoning_text.done")
+    assert set(types[4:thinking_done]) == {"response.reasoning_text.delta"}
+    assert types[thinking_done:thinking_done + 5] == [
+        "response.reasoning_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.content_part.added"]
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == THOUGHT
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == ANSWER
+    assert [e.output_index for e in events if e.type == "response.output_item.added"] == [0, 1]
+    assert events[2].item.type == "reasoning" and events[thinking_done + 3].item.type == "message"
+    done = events[-1].response
+    assert [o.type for o in done.output] == ["reasoning", "message"] and done.output[0].content[0].text == THOUGHT
+    assert done.output[0].status == "completed" and done.output_text == ANSWER
+
+    nxt = client.responses.create(model="thinking", previous_response_id=r.id, input="And then?",
+                                  temperature=0.0, max_output_tokens=4)
+    assert nxt.error is None
+    given_back = [{"role": "user", "content": "Describe the sound, please."},
+                  r.output[0].model_dump(exclude_none=True), r.output[1].model_dump(exclude_none=True),
+                  {"role": "user", "content": "And then?"}]
+    stateless = client.responses.create(model="thinking", input=given_back, temperature=0.0, max_output_tokens=4)
+    assert stateless.output_text == nxt.output_text
+
+
+def test_thinking_given_back_is_written_as_the_library_writes_it(served, thinking_ckpt):
+    """An assistant message's reasoning_content in a conversation: the server's prompt (/tokenize)
+    is the library's for the same messages (the thinking kept in the call loop after the last user
+    message), and a reasoning item's text given to the Responses API is the same turn."""
+    from omni_jax.models.registry import prompt_processor
+
+    url, _ = served
+    messages = [*MESSAGES, {"role": "assistant", "content": "", "reasoning_content": THOUGHT, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "20 C"}]
+    got = httpx.post(f"{url}/tokenize", json={"model": "thinking", "messages": messages, "tools": [WEATHER]},
+                     timeout=30).json()["tokens"]
+    want = prompt_processor(thinking_ckpt).process({"messages": messages, "tools": [WEATHER]}).prompt_token_ids
+    assert got == want.tolist()
+    assert f"<think>\n{THOUGHT}\n</think>" in prompt_processor(thinking_ckpt).tokenizer.decode(got)
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.reasoning_content is only allowed in assistant"):
+        openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0).chat.completions.create(
+            model="thinking", messages=[{"role": "user", "content": "x", "reasoning_content": "y"}])
 

@@ -9,6 +9,8 @@ Modules, one job each:
     engine.py     the served engine: start-up in the background, readiness, stage death
     generation.py one request on the engine: submit, stream its updates, abort, map failures to HTTP
     logprobs.py   token logprobs in OpenAI's shape
+    structured.py, tools.py, reasoning.py  what the text APIs share: response formats, function
+                  calling (spoken_calls.py: a spoken reply's calls), a reasoning model's thinking
     chat.py       POST /v1/chat/completions (whole and streamed)
     reply_audio.py   spoken chat replies kept for a later turn (multi-turn audio)
     speech.py     POST /v1/audio/speech

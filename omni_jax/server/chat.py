@@ -12,7 +12,8 @@ With `tools`, calls the model makes are read out of its reply (server/tools.py) 
 `message.tool_calls` (finish_reason "tool_calls"); streamed, each call is one `delta.tool_calls`
 entry, sent whole when the model has written it, and the text before it `delta.content`. A spoken
 reply says its words and not its calls (server/spoken_calls.py); one held to calls (a required
-or named tool) is not spoken.
+or named tool) is not spoken. A reasoning model's thinking is `message.reasoning_content`
+(`delta.reasoning_content` streamed, before the answer's deltas; server/reasoning.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from ..inputs.reasoning import ThinkTags
 from ..inputs.tool_calls import ToolCallReader
 from . import audio as audio_codec
 from .engine import ServedEngine
@@ -33,6 +35,7 @@ from .generation import (Generation, check_model, failure, finish_reason, finish
                          open_requests, prepare)
 from .logprobs import token_logprobs
 from .messages import MediaPolicy, to_prompt
+from .reasoning import ReplyReasoning, after_thinking, reasoning_fields, thinking_tokens, whole
 from .reply_audio import ReplyAudio
 from .structured import structured_outputs
 from .spoken_calls import SpokenCalls
@@ -81,11 +84,14 @@ def _validate(req: ChatCompletionRequest) -> None:
         raise bad_request("stream_options is only allowed with stream=true", "stream_options")
 
 
-def _usage(outs, extra_tokens: int = 0) -> dict:
+def _usage(outs, extra_tokens: int = 0, tags: ThinkTags | None = None) -> dict:
     # The prompt once (OpenAI counts it once for n choices), every choice's tokens (and their
     # spoken replies' calls', written after them).
     p, c = len(outs[0].prompt_token_ids), sum(len(out.token_ids) for out in outs) + extra_tokens
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    usage = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    if tags is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": sum(thinking_tokens(tags, out) for out in outs)}
+    return usage
 
 
 class ChatHandler:
@@ -107,6 +113,7 @@ class ChatHandler:
         if tools.tools is not None:
             prompt["tools"] = tools.tools
         constraint = combined(tools, structured_outputs(req, req.response_format, "response_format"), "response_format")
+        constraint = after_thinking(constraint, self.engine)
         params = stage_params(self.engine.stage_defaults(self.engine.stage_names(mods)), req,
                               logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                               structured_outputs=constraint)
@@ -140,13 +147,15 @@ class ChatHandler:
 
     async def _whole(self, req: ChatCompletionRequest, outs: list, mods: list[str], rid: str,
                      calls: "_Calls") -> dict:
-        choices = []
+        choices, tags = [], self.engine.reasoning
         for j, out in enumerate(outs):
-            message = {"role": "assistant", "content": out.text, "refusal": None, "audio": None}
-            reason, said = finish_reason(out.finish_reason), out.text
+            reasoning, said = whole(tags, out)
+            message = {"role": "assistant", "content": said if said or reasoning is None else None, "refusal": None,
+                       "audio": None, **(reasoning_fields(reasoning) if tags is not None else {})}
+            reason = finish_reason(out.finish_reason)
             if calls.tools.reads_calls:
                 reader = ToolCallReader()
-                said, made = reader.feed(out.text)
+                said, made = reader.feed(said)
                 reason, rest, more, failed = await calls.finish(out, reader)
                 if failed is not None:
                     raise failure(self.engine, failed)
@@ -165,7 +174,8 @@ class ChatHandler:
                             "logprobs": self._logprobs(req, out.token_ids, out.logprobs),
                             "finish_reason": reason})
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": req.model,
-                "system_fingerprint": None, "choices": choices, "usage": _usage(outs, calls.extra_tokens)}
+                "system_fingerprint": None, "choices": choices,
+                "usage": _usage(outs, calls.extra_tokens, tags)}
 
     async def _stream(self, req: ChatCompletionRequest, rid: str, gens: list[Generation],
                       mods: list[str], calls: "_Calls") -> AsyncIterator[bytes]:
@@ -184,6 +194,7 @@ class ChatHandler:
             return event(body)
 
         outs = [None] * len(gens)
+        thinking = [ReplyReasoning(self.engine.reasoning) for _ in gens]
         readers = [calls.tools.reader() for _ in gens]
         said = [""] * len(gens)  # each choice's words (its calls left out)
         calls_sent = [0] * len(gens)
@@ -203,10 +214,14 @@ class ChatHandler:
                 outs[j] = out
                 new = out.new_token_ids
                 lp = self._logprobs(req, new, out.logprobs[-len(new):]) if new and out.logprobs else None
-                text, made = out.text_delta, []
+                reasoning, text = thinking[j].feed(out)
+                made = []
                 if readers[j] is not None:
                     text, made = readers[j].feed(text)
                 said[j] += text
+                if reasoning:
+                    yield chunk(j, reasoning_fields(reasoning), logprobs=lp)
+                    lp = None
                 if text or lp:
                     delta = {"content": text}
                     if with_audio:
@@ -244,7 +259,7 @@ class ChatHandler:
                 last = {"audio": {"id": audio_id, "expires_at": self.replies.put(audio_id, said[j])}} if with_audio else {}
                 yield chunk(j, last, _with_calls(reason) if calls_sent[j] else reason)
             if include_usage:
-                yield event({**head, "choices": [], "usage": _usage(outs, calls.extra_tokens)})
+                yield event({**head, "choices": [], "usage": _usage(outs, calls.extra_tokens, self.engine.reasoning)})
             yield DONE
         except Exception as e:  # an encoder bug must end the stream visibly, not hang it
             self.metrics.error(500)

@@ -17,8 +17,10 @@ from typing import Callable, Sequence
 
 from ..api import AsyncOmniJax, resolve_checkpoint_and_pipeline
 from ..config import PipelineConfig
+from ..inputs.reasoning import END, START, ThinkTags
 
 log = logging.getLogger("omni_jax.server")
+REASONING_PARSERS = ("auto", "qwen3", "none")
 
 
 def _resolved(model: str, pipeline: str | None) -> PipelineConfig | None:
@@ -35,10 +37,16 @@ class ServedEngine:
 
     def __init__(self, model: str, served_name: str, pipeline: str | None = None,
                  output_modalities: Sequence[str] | None = None, on_failed: Callable[[], None] | None = None,
-                 async_chunk: bool | None = None, engine_options: dict | None = None):
+                 async_chunk: bool | None = None, engine_options: dict | None = None,
+                 reasoning_parser: str = "auto"):
         """`output_modalities`: what the engine is started for (None: all the model's pipeline
         delivers: text alone for a checkpoint without speech stages).
-        `engine_options`: more AsyncOmniJax arguments (prompt_workers, prompt_timeout_s, media_limits)."""
+        `engine_options`: more AsyncOmniJax arguments (prompt_workers, prompt_timeout_s, media_limits).
+        `reasoning_parser`: "qwen3" reads replies' thinking apart from their answers (inputs/reasoning.py),
+        "none" does not, "auto" does for a checkpoint without speech stages whose vocabulary has the
+        tags (Qwen3-Omni-30B-A3B-Thinking: the Qwen-Omni that reasons has no talker)."""
+        if reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; use one of {list(REASONING_PARSERS)}")
         self.model, self.served_name = model, served_name
         resolved = _resolved(model, pipeline)
         self.pipeline = resolved or pipeline  # resolved once: the engine loads this one
@@ -50,6 +58,9 @@ class ServedEngine:
         # Why a request for audio is refused, if it is.
         self.no_audio_reason = (f"model {served_name!r} answers in text only (its checkpoint has no speech stages)"
                                 if not speaks else "this server was started without audio output (--modalities text)")
+        # "auto" reads reasoning only where there is no talker to speak the thinking
+        self.reasoning_parser = "none" if reasoning_parser == "auto" and speaks else reasoning_parser
+        self.reasoning: ThinkTags | None = None  # the tags' ids when replies are read for reasoning
         self.omni = None
         self.state = "loading"          # loading -> ready -> dead | stopped; or failed
         self.reason = "the model is loading and compiling"
@@ -76,6 +87,7 @@ class ServedEngine:
             self.omni = AsyncOmniJax(model=self.model, pipeline=self.pipeline,
                                      output_modalities=self.output_modalities, async_chunk=self.async_chunk,
                                      **self.engine_options)
+            self.reasoning = self._think_tags()
         except Exception as e:  # the server stays up to report it on /health
             self.state, self.reason = "failed", f"the engine failed to start: {type(e).__name__}: {e}"
             print(f"omni-jax serve: error: {self.reason}", file=sys.stderr, flush=True)
@@ -87,6 +99,16 @@ class ServedEngine:
                 print(f"omni-jax serve: ready ({time.monotonic() - t0:.1f}s to load and compile; "
                       f"stage pids {self.stage_pids()})", flush=True)
         self._ready.set()
+
+    def _think_tags(self) -> ThinkTags | None:
+        if self.reasoning_parser == "none":
+            return None
+        tags = ThinkTags.of(self.omni.tokenizer)
+        if tags is None and self.reasoning_parser != "auto":
+            self.omni.shutdown()
+            raise ValueError(f"--reasoning-parser {self.reasoning_parser}: the tokenizer does not have {START} and "
+                             f"{END} as single tokens (the model does not reason); use --reasoning-parser none")
+        return tags
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until loading ends (ready or failed)."""

@@ -104,6 +104,12 @@ def to_prompt(messages: list[ChatMessage], policy: MediaPolicy, replies: ReplyAu
         if isinstance(content, list):
             content = [message_part(p, f"messages[{i}].content[{j}]", policy) for j, p in enumerate(content)]
         message = {"role": role, "content": content}
+        thought = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if thought is not None:
+            if role != "assistant":
+                raise bad_request(f"messages[{i}].reasoning_content is only allowed in assistant messages",
+                                  f"messages[{i}].reasoning_content")
+            message["reasoning_content"] = thought
         if m.tool_calls:
             if role != "assistant":
                 raise bad_request(f"messages[{i}].tool_calls is only allowed in assistant messages",

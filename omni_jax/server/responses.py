@@ -16,6 +16,11 @@ model makes is a `function_call` output item (after the message item when the re
 which is then only added once they come), streamed as output_item.added,
 function_call_arguments.delta and .done, output_item.done; `function_call` and
 `function_call_output` input items give earlier calls and their results back.
+
+A reasoning model's thinking (server/reasoning.py) is a `reasoning` output item before the
+message, its text a `reasoning_text` content part (streamed as its output_item.added and
+content_part.added, reasoning_text.delta, .done, content_part.done and output_item.done, the
+message's events after them); `reasoning` input items give it back.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from ..inputs.reasoning import ThinkTags
 from .engine import ServedEngine
 from .errors import APIError, bad_request, error_body, short
 from .generation import Generation, check_model, failure, finished_outputs, open_request
@@ -35,6 +41,7 @@ from .kept import Kept
 from .logprobs import token_logprobs
 from .messages import MediaPolicy, message_part
 from .metrics import Metrics
+from .reasoning import ReplyReasoning, after_thinking
 from .schemas import ResponseRequest
 from .sse import event_stream
 from .stage_params import stage_params
@@ -42,6 +49,7 @@ from .structured import structured_outputs
 from .tools import NO_TOOLS, ToolUse, call_id, combined, join_call, tool_use
 
 MODALITIES = ["text"]
+REASONING, MESSAGE = "reasoning", "message"  # the text output items
 LOGPROBS = "message.output_text.logprobs"
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 # Responses' content parts -> chat's (messages.py checks them, and the media rules).
@@ -82,9 +90,12 @@ def input_messages(items: str | list, policy: MediaPolicy) -> list[dict]:
         if kind in ("function_call", "function_call_output"):
             _tool_item(item, where, out)
             continue
+        if kind == "reasoning":
+            _reasoning_item(item, where, out)
+            continue
         if kind != "message":
-            raise bad_request(f"{where}.type {short(item.get('type'))} is not supported: only messages, function calls "
-                              f"and their outputs (no reasoning or item references)", f"{where}.type",
+            raise bad_request(f"{where}.type {short(item.get('type'))} is not supported: only messages, reasoning, "
+                              f"function calls and their outputs (no item references)", f"{where}.type",
                               "unsupported_parameter")
         role = _ROLES.get(item.get("role"))
         if role is None:
@@ -94,8 +105,28 @@ def input_messages(items: str | list, policy: MediaPolicy) -> list[dict]:
             content = [_part(p, f"{where}.content[{j}]", policy) for j, p in enumerate(content)]
         elif not isinstance(content, str):
             raise bad_request(f"{where}.content must be a string or a list of parts", f"{where}.content")
-        out.append({"role": role, "content": content})
+        last = out[-1] if out else None
+        if role == "assistant" and last is not None and _thought_alone(last):
+            last["content"] = content  # the words after the reasoning item before them
+        else:
+            out.append({"role": role, "content": content})
     return out
+
+
+def _reasoning_item(item: dict, where: str, out: list[dict]) -> None:
+    """A reply's thinking, given back: an assistant turn of its own, which the words and calls
+    after it join."""
+    parts = item.get("content") or []
+    if not isinstance(parts, list) or not all(isinstance(p, dict) and p.get("type") == "reasoning_text"
+                                              and isinstance(p.get("text"), str) for p in parts):
+        raise bad_request(f"{where}.content must be a list of reasoning_text parts", f"{where}.content")
+    out.append({"role": "assistant", "content": "", "reasoning_content": "".join(p["text"] for p in parts)})
+
+
+def _thought_alone(message: dict) -> bool:
+    """Whether a chat message is a reasoning item's turn that nothing has joined yet."""
+    return (message["role"] == "assistant" and "reasoning_content" in message and message["content"] == ""
+            and "tool_calls" not in message)
 
 
 def _tool_item(item: dict, where: str, out: list[dict]) -> None:
@@ -125,65 +156,84 @@ def _validate(req: ResponseRequest) -> None:
 
 
 class _Reply:
-    """One response as it is made: its body in OpenAI's shape, and its text and logprobs so far."""
+    """One response as it is made: its body in OpenAI's shape, its output items in the order they
+    came (its thinking, its message, its calls), and its reasoning, text and logprobs so far."""
 
-    def __init__(self, req: ResponseRequest, rid: str, tokenizer, top_logprobs: int | None, tools: ToolUse = NO_TOOLS):
+    def __init__(self, req: ResponseRequest, rid: str, tokenizer, top_logprobs: int | None, tools: ToolUse = NO_TOOLS,
+                 tags: ThinkTags | None = None):
         self.req, self.rid, self.tokenizer, self.top_logprobs = req, rid, tokenizer, top_logprobs
-        self.tools, self.reader = tools, tools.reader()
-        self.item_id = f"msg_{uuid.uuid4().hex}"
+        self.tools, self.reader, self.thinking = tools, tools.reader(), ReplyReasoning(tags)
+        self.item_id, self.reasoning_id = f"msg_{uuid.uuid4().hex}", f"rs_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
-        self.text, self.logprobs = "", []
+        self.reasoning, self.text, self.logprobs = "", "", []
         self.calls: list[dict] = []  # function_call output items, in order
-        # where the message item is among the output items; with tools it is added with the first words
-        self.message_index: int | None = 0 if self.reader is None else None
+        self.reasoning_tokens = 0
+        # The output items as they came: REASONING, MESSAGE and the calls. The message comes first
+        # unless a reply may think or call tools: then it is added with its first words.
+        self.order: list = [] if self.reader is not None or self.thinking.on else [MESSAGE]
+
+    @property
+    def message_index(self) -> int | None:
+        return self.order.index(MESSAGE) if MESSAGE in self.order else None
 
     def _logprobs(self, token_ids, logprobs) -> list:
         if self.top_logprobs is None or not token_ids or not logprobs:
             return []
         return token_logprobs(self.tokenizer, token_ids, logprobs[-len(token_ids):], self.top_logprobs)
 
-    def add(self, out) -> tuple[str, list, list[dict]]:
-        """The text, logprobs and function_call items this update adds."""
-        lps = self._logprobs(out.new_token_ids, out.logprobs)
-        text, calls = self._read(out.text_delta, out.finished)
+    def add(self, out) -> tuple[str, str, list, list[dict]]:
+        """The reasoning, text, logprobs and function_call items this update adds (the logprobs
+        are the message's: none for an update that is all thinking)."""
+        thought, text = self.thinking.feed(out)
+        self._thought(thought, out)
+        lps = self._logprobs(out.new_token_ids, out.logprobs) if text or not self.thinking.thought else []
+        text, calls = self._read(text, out.finished)
         self.text += text
         self.logprobs += lps
-        return text, lps, calls
+        return thought, text, lps, calls
 
     def whole(self, out) -> None:
-        """Take the finished request's text, logprobs and calls at once."""
-        self.text, _ = self._read(out.text, True)
-        self.logprobs = self._logprobs(list(out.token_ids), out.logprobs)
+        """Take the finished request's reasoning, text, logprobs and calls at once."""
+        thought, text = self.thinking.feed(out, out.text)
+        self._thought(thought, out)
+        self.text, _ = self._read(text, True)
+        self.logprobs = self._logprobs(list(out.token_ids)[self.reasoning_tokens:], out.logprobs)  # the message's
+
+    def _thought(self, thought: str, out) -> None:
+        if self.thinking.thought and REASONING not in self.order:
+            self.order.insert(0, REASONING)
+        self.reasoning += thought
+        if out.finished:
+            self.reasoning_tokens = self.thinking.tokens(out)
 
     def _read(self, text: str, finished: bool) -> tuple[str, list[dict]]:
-        if self.reader is None:
-            return text, []
-        text, calls = self.reader.feed(text)
-        if finished:
-            rest, closing = self.reader.finish()
-            text, calls = text + rest, calls + closing
-        if text and self.message_index is None:
-            self.message_index = len(self.calls)
+        calls = []
+        if self.reader is not None:
+            text, calls = self.reader.feed(text)
+            if finished:
+                rest, closing = self.reader.finish()
+                text, calls = text + rest, calls + closing
+        if MESSAGE not in self.order and (text or (finished and not calls and not self.calls)):
+            self.order.append(MESSAGE)  # with its first words, or empty for a reply of neither words nor calls
         items = [{"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "completed", "call_id": call_id(),
                   "name": c.name, "arguments": c.arguments} for c in calls]
         self.calls += items
+        self.order += items
         return text, items
 
     def output(self, status: str) -> list[dict]:
-        """The output items: the message (when it has words or there are no calls) and the calls."""
-        items = list(self.calls)
-        if self.message_index is not None or not items:
-            items.insert(self.message_index or 0, self.item(status))
-        return items
+        """The output items, in the order they came."""
+        made = {REASONING: lambda: self.reasoning_item(status), MESSAGE: lambda: self.item(status)}
+        return [made[entry]() if isinstance(entry, str) else entry for entry in self.order]
 
-    def index(self, call: dict) -> int:
-        """A function_call item's output index."""
-        i = self.calls.index(call)
-        return i + (self.message_index is not None and self.message_index <= i)
+    def index(self, entry) -> int:
+        """An output item's index (REASONING, MESSAGE or a function_call item)."""
+        return self.order.index(entry)
 
     def assistant(self) -> dict:
         """The reply as the conversation's next chat message (stored for previous_response_id)."""
-        said = [{"role": "assistant", "content": self.text}]
+        said = [{"role": "assistant", "content": self.text,
+                 **({"reasoning_content": self.reasoning} if self.thinking.thought else {})}]
         for c in self.calls:
             join_call(said, c["name"], c["arguments"])
         return said[0]
@@ -195,6 +245,15 @@ class _Reply:
         content = [self.part()] if status != "in_progress" else []
         return {"id": self.item_id, "type": "message", "status": status, "role": "assistant", "content": content}
 
+    def reasoning_part(self) -> dict:
+        return {"type": "reasoning_text", "text": self.reasoning}
+
+    def reasoning_item(self, status: str) -> dict:
+        """The reasoning item; its status the response's until its thinking is over."""
+        content = [self.reasoning_part()] if status != "in_progress" else []
+        return {"id": self.reasoning_id, "type": "reasoning", "summary": [], "content": content,
+                "encrypted_content": None, "status": "completed" if self.thinking.ended else status}
+
     def body(self, status: str, out=None, error: dict | None = None) -> dict:
         req = self.req
         done = status in ("completed", "incomplete")
@@ -202,7 +261,8 @@ class _Reply:
         if out is not None:
             p, c = len(out.prompt_token_ids), len(out.token_ids)
             usage = {"input_tokens": p, "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
-                     "output_tokens": c, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": p + c}
+                     "output_tokens": c, "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+                     "total_tokens": p + c}
         return {"id": self.rid, "object": "response", "created_at": self.created_at, "status": status,
                 "completed_at": int(time.time()) if done else None, "error": error,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
@@ -247,13 +307,14 @@ class ResponsesHandler:
         logprobs = (req.top_logprobs or 0) if LOGPROBS in (req.include or ()) or req.top_logprobs is not None else None
         tools = tool_use(req.tools, req.tool_choice, req.parallel_tool_calls, flat=True)
         constraint = combined(tools, structured_outputs(req, _format(req), "text.format", nested=False), "text.format")
+        constraint = after_thinking(constraint, self.engine)
         params = stage_params(self.engine.stage_defaults(self.engine.stage_names(MODALITIES)), req,
                               max_tokens=req.max_output_tokens, logprobs=logprobs, structured_outputs=constraint)
         rid = f"resp_{uuid.uuid4().hex}"
         prompt = {"messages": [*system, *messages], **({"tools": tools.tools} if tools.tools is not None else {})}
         gen = await open_request(self.engine, prompt, params, MODALITIES, None, rid, request=request,
                                  prompt_param="input")
-        reply = _Reply(req, rid, self.engine.omni.tokenizer, logprobs, tools)
+        reply = _Reply(req, rid, self.engine.omni.tokenizer, logprobs, tools, self.engine.reasoning)
         self.metrics.in_flight.inc()
         if req.stream:
             return event_stream(self._stream(reply, gen, messages))
@@ -306,31 +367,55 @@ class ResponsesHandler:
             seq += 1
             return b"event: " + kind.encode() + b"\ndata: " + _encoder.encode(body) + b"\n\n"
 
-        def where() -> dict:
-            return {"item_id": reply.item_id, "output_index": reply.message_index, "content_index": 0}
+        def where(entry: str) -> dict:
+            item_id = reply.item_id if entry == MESSAGE else reply.reasoning_id
+            return {"item_id": item_id, "output_index": reply.index(entry), "content_index": 0}
 
-        def open_message() -> list[bytes]:
-            return [emit("response.output_item.added", output_index=reply.message_index, item=reply.item("in_progress")),
-                    emit("response.content_part.added", part={"type": "output_text", "text": "", "annotations": []},
-                         **where())]
+        def opening(entry: str) -> list[bytes]:
+            """An item's output_item.added and content_part.added (its text empty)."""
+            if entry == MESSAGE:
+                item, part = reply.item("in_progress"), {"type": "output_text", "text": "", "annotations": []}
+            else:
+                item, part = reply.reasoning_item("in_progress"), {"type": "reasoning_text", "text": ""}
+            return [emit("response.output_item.added", output_index=reply.index(entry), item=item),
+                    emit("response.content_part.added", part=part, **where(entry))]
 
-        out = None
+        def closing(entry: str, status: str) -> list[bytes]:
+            """An item's text .done, content_part.done and output_item.done."""
+            if entry == MESSAGE:
+                text = emit("response.output_text.done", text=reply.text, logprobs=reply.logprobs, **where(entry))
+                part, item = reply.part(), reply.item(status)
+            else:
+                text = emit("response.reasoning_text.done", text=reply.reasoning, **where(entry))
+                part, item = reply.reasoning_part(), reply.reasoning_item(status)
+            return [text, emit("response.content_part.done", part=part, **where(entry)),
+                    emit("response.output_item.done", output_index=reply.index(entry), item=item)]
+
+        out, opened = None, []  # the text items added so far; the last one is still open
         try:
             yield emit("response.created", response=reply.body("in_progress"))
             yield emit("response.in_progress", response=reply.body("in_progress"))
-            opened = reply.message_index is not None
-            for e in open_message() if opened else []:
+            for e in opening(MESSAGE) if MESSAGE in reply.order else []:
+                opened.append(MESSAGE)
                 yield e
             async for out in gen.updates():
-                text, lps, calls = reply.add(out)
-                if not opened and (text or (out.finished and not reply.calls)):
-                    opened = True
-                    if reply.message_index is None:  # a reply with neither words nor calls
-                        reply.message_index = 0
-                    for e in open_message():
+                thought, text, lps, calls = reply.add(out)
+                if REASONING in reply.order and REASONING not in opened:
+                    opened.append(REASONING)
+                    for e in opening(REASONING):
                         yield e
-                if opened and (text or lps):
-                    yield emit("response.output_text.delta", delta=text, logprobs=lps, **where())
+                if thought:
+                    yield emit("response.reasoning_text.delta", delta=thought, **where(REASONING))
+                if (text or calls or MESSAGE in reply.order) and opened == [REASONING]:
+                    opened.append(None)  # the thinking is over (or the reply ended in it): its item is done
+                    for e in closing(REASONING, _status(out) if out.finished else "completed"):
+                        yield e
+                if MESSAGE in reply.order and MESSAGE not in opened:
+                    opened.append(MESSAGE)
+                    for e in opening(MESSAGE):
+                        yield e
+                if MESSAGE in opened and (text or lps):
+                    yield emit("response.output_text.delta", delta=text, logprobs=lps, **where(MESSAGE))
                 for item in calls:
                     for e in self._call_events(emit, reply.index(item), item):
                         yield e
@@ -342,10 +427,9 @@ class ResponsesHandler:
                                                                                   "message": err.message}))
                 return
             status = _status(out)
-            if opened:
-                yield emit("response.output_text.done", text=reply.text, logprobs=reply.logprobs, **where())
-                yield emit("response.content_part.done", part=reply.part(), **where())
-                yield emit("response.output_item.done", output_index=reply.message_index, item=reply.item(status))
+            for entry in (e for e in opened[-1:] if e is not None):  # the item still open
+                for e in closing(entry, status):
+                    yield e
             body = reply.body(status, out)
             self._store(reply, body, messages)
             yield emit(f"response.{status}", response=body)

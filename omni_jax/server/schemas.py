@@ -50,6 +50,9 @@ class ChatMessage(_Body):
     audio: AudioReference | None = None
     tool_calls: Annotated[list[Any], Field(max_length=MAX_PARTS)] | None = None  # an assistant's (messages.py)
     tool_call_id: Name | None = None  # a tool message's: the call it answers
+    # an assistant's thinking, as a reasoning model's reply gave it (vLLM's name, and the newer one)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class AudioOptions(_Body):

@@ -23,7 +23,7 @@ from ..api import add_async_chunk_argument
 from ..inputs.media import MediaLimits
 from ..prompt_workers import PromptWorkers
 from .app import build_app
-from .engine import ServedEngine
+from .engine import REASONING_PARSERS, ServedEngine
 from .realtime import RealtimeLimits
 from .timeouts import with_header_timeout
 
@@ -72,6 +72,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stored-responses-mb", type=float, default=256.0,
                    help="/v1/responses: what stored responses and their conversations may hold, the oldest dropped "
                         "first (each is kept an hour at most; 0 keeps none; default 256)")
+    p.add_argument("--reasoning-parser", default="auto", choices=list(REASONING_PARSERS),
+                   help="qwen3: replies' thinking (<think> ... </think>) comes apart from their answers, as "
+                        "reasoning_content / reasoning items, and structured outputs and tool calls hold the answer; "
+                        "none: replies as written; auto (default): qwen3 for a checkpoint without speech stages "
+                        "whose vocabulary has the tags (Qwen3-Omni-30B-A3B-Thinking)")
     p.add_argument("--no-ui", action="store_true", help="do not serve the voice chat page at /")
     add_async_chunk_argument(p)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -152,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
     engine = ServedEngine(args.model, args.served_model_name or args.model, args.pipeline, mods,
                           on_failed=stop_server, async_chunk=args.async_chunk,
                           engine_options=dict(prompt_workers=args.prompt_workers, prompt_timeout_s=args.prompt_timeout_s,
-                                              media_limits=limits, max_queued_prompts=args.max_queued_prompts))
+                                              media_limits=limits, max_queued_prompts=args.max_queued_prompts),
+                          reasoning_parser=args.reasoning_parser)
     max_body = int(args.max_request_body_mb * (1 << 20))
     realtime = RealtimeLimits(max_sessions=args.max_realtime_sessions, max_buffer_s=args.realtime_max_buffer_s,
                               max_session_s=args.realtime_max_session_s)

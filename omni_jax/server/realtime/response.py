@@ -22,6 +22,7 @@ import numpy as np
 from .. import audio as audio_codec
 from ..errors import APIError
 from ..generation import failure, open_request
+from ..reasoning import ReplyReasoning
 from ..tempo import Tempo
 from ..spoken_calls import SpokenCalls
 from ..tools import NO_TOOLS, ToolUse, call_id
@@ -104,8 +105,12 @@ class Response:
                 return
             await self._item_added(part)
             reader = self.tools.reader()
+            # A reasoning model's thinking is left out: a realtime reply is what is said (OpenAI's
+            # realtime events have no place for it).
+            thinking = ReplyReasoning(self.engine.reasoning)
             async for out in gen.updates():
-                text, calls = out.text_delta, []
+                _, text = thinking.feed(out)
+                calls = []
                 if reader is not None:
                     text, calls = reader.feed(text)
                     if out.finished and not self._call_opened(out):  # an opened call's tag stays held

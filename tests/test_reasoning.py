@@ -214,3 +214,29 @@ def test_the_server_reads_reasoning_where_asked_or_where_no_talker_speaks(qwen3)
     with pytest.raises(ValueError, match="the tokenizer does not have <think> and </think> as single tokens"):
         wrong._think_tags()
     assert wrong.omni.stopped  # the engine that cannot serve so is stopped
+
+
+def _updates(deltas: list[str], token_ids: list[int], prompt=(1, 2)):
+    """A request's updates as the server reads them (one token each)."""
+    from types import SimpleNamespace
+
+    return [SimpleNamespace(text_delta=d, finished=k == len(deltas) - 1, token_ids=token_ids[:k + 1],
+                            new_token_ids=[token_ids[k]], prompt_token_ids=list(prompt), logprobs=None,
+                            text="".join(deltas[:k + 1])) for k, d in enumerate(deltas)]
+
+
+def test_a_transcript_leaves_the_thinking_out(qwen3):
+    """/v1/audio/transcriptions on a reasoning model: each piece's thinking is no part of the
+    transcript, streamed or whole."""
+    from omni_jax.server.transcription import _Transcript
+
+    tags = ThinkTags.of(qwen3.tokenizer)
+    first = _updates(["<think>", "\nthe speaker ", "says hi\n", "</think>", "\n\nHello", " there "],
+                     [tags.start, 7, 8, tags.end, 9, 10])
+    second = _updates([" World."], [11])
+    t = _Transcript([(0.0, 1.0), (1.0, 2.0)], qwen3.tokenizer, False, tags)
+    deltas = [t.add(0, out)[0] for out in first] + [t.add(1, out)[0] for out in second]
+    assert "".join(deltas) == t.text == "Hello there World."
+    assert [p.text for p in t.pieces] == ["Hello there", "World."]
+    plain = _Transcript([(0.0, 1.0)], qwen3.tokenizer, False)  # a server that does not read reasoning
+    assert "".join(plain.add(0, out)[0] for out in first).startswith("<think>")

@@ -644,6 +644,9 @@ def _big_tool(name: str) -> dict:
     ({"messages": [{"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": {}}}]}]}, "messages[0].tool_calls[0]"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"not a name": 1}}, "chat_template_kwargs"),
+    ({"messages": [{"role": "user", "content": "x", "reasoning_content": "y"}]}, "messages[0].reasoning_content"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema.name"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
      "response_format.json_schema.schema"),

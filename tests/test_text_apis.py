@@ -580,8 +580,28 @@ def test_tokenize_counts_what_a_request_takes(server, library):
     assert httpx.get(f"{server.url}/v1/models/{MODEL}", headers=_auth(), timeout=30).json()["max_model_len"] == max_len
 
 
+def test_chat_template_kwargs_reach_the_template(server, client, library):
+    """vLLM's chat_template_kwargs: the built-in template's add_vision_id labels the picture; a
+    chat's prompt and /tokenize's are the library's prompt with the same variables."""
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _png_url()}},
+                                         {"type": "text", "text": "What is it?"}]}]
+    labelled = {"add_vision_id": True}
+    want = library.processor.process({"messages": msgs, "chat_template_kwargs": labelled}).prompt_token_ids
+    plain = library.processor.process({"messages": msgs}).prompt_token_ids
+    assert "Picture 1: " in library.tokenizer.decode(want.tolist()) and len(want) > len(plain)
+    r = _post(server, "/tokenize", {"messages": msgs, "chat_template_kwargs": labelled}).json()
+    assert r["tokens"] == want.tolist()
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1, extra_body={
+        "chat_template_kwargs": labelled})
+    assert r.usage.prompt_tokens == len(want)
+
+
 @pytest.mark.parametrize("path, body, param, code", [
     ("/tokenize", {}, "prompt", "invalid_value"),
+    ("/tokenize", {"prompt": "a", "chat_template_kwargs": {"add_vision_id": True}}, "chat_template_kwargs",
+     "invalid_value"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "b"}], "chat_template_kwargs": {"messages": []}},
+     "chat_template_kwargs", "invalid_value"),
     ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt", "invalid_value"),
     ("/tokenize", {"messages": [{"role": "user", "content": "b"}], "add_generation_prompt": False},
      "add_generation_prompt", "unsupported_parameter"),

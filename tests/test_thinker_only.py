@@ -200,8 +200,8 @@ def _thinking_tokens(ckpt: str) -> int:
 
 def test_chat_gives_the_thinking_apart_from_the_answer(served, thinking_ckpt):
     """message.reasoning_content (and .reasoning) and content; streamed, the thinking's deltas
-    first, then the answer's; the thinking's tokens in usage; a call after the thinking read from
-    the answer."""
+    first, then the answer's; the thinking's tokens in usage; none of it with include_reasoning
+    false (vLLM's); a call after the thinking read from the answer."""
     _, client = served
     kw = dict(model="thinking", messages=MESSAGES, temperature=0.0, max_tokens=40)
     r = client.chat.completions.create(**kw, extra_body=THINK)
@@ -210,6 +210,11 @@ def test_chat_gives_the_thinking_apart_from_the_answer(served, thinking_ckpt):
     assert r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens_details.reasoning_tokens == _thinking_tokens(thinking_ckpt)
     assert r.usage.completion_tokens > r.usage.completion_tokens_details.reasoning_tokens
+    hidden = client.chat.completions.create(**kw, extra_body={**THINK, "include_reasoning": False})
+    assert hidden.choices[0].message.content == ANSWER and "reasoning_content" not in hidden.choices[0].message.model_extra
+    hidden = list(client.chat.completions.create(**kw, extra_body={**THINK, "include_reasoning": False}, stream=True))
+    assert not any("reasoning_content" in (c.choices[0].delta.model_extra or {}) for c in hidden if c.choices)
+    assert "".join(c.choices[0].delta.content or "" for c in hidden if c.choices) == ANSWER
 
     chunks = list(client.chat.completions.create(**kw, extra_body=THINK, stream=True,
                                                  stream_options={"include_usage": True}))
@@ -307,3 +312,22 @@ def test_thinking_given_back_is_written_as_the_library_writes_it(served, thinkin
         openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0).chat.completions.create(
             model="thinking", messages=[{"role": "user", "content": "x", "reasoning_content": "y"}])
 
+
+
+def test_realtime_says_the_answer_and_not_the_thinking(served):
+    """A realtime reply is what is said: the thinking is left out of its text and its item."""
+    from test_realtime import _text_of, _until
+
+    _, client = served
+    with client.realtime.connect(model="thinking") as conn:
+        _until(conn, "session.created")
+        conn.session.update(session={"type": "realtime", "output_modalities": ["text"]})
+        _until(conn, "session.updated")
+        conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "Describe the sound, please."}]})
+        conn.response.create(response={"max_output_tokens": 40, "temperature": 0.0, "sampling_params_list": [
+            {"structured_outputs": THINK["structured_outputs"]}]})
+        seen = []
+        done = _until(conn, "response.done", seen)
+    assert _text_of(seen, "response.output_text.delta") == ANSWER
+    assert done.response.status == "completed" and done.response.output[0].content[0].text == ANSWER

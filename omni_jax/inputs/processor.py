@@ -21,6 +21,9 @@ Accepted prompt forms (as vLLM):
   "tool_calls" (its "content" may be left out) and "tool" messages the calls' results;
   an assistant message's "reasoning_content" (a reasoning model's thinking) is written back as
   Qwen3's templates do (inputs/chat_template.py);
+* with "messages", "chat_template_kwargs" (vLLM's): more variables for the chat template, e.g.
+  {"add_vision_id": True} for "Picture 1: " labels, or what a checkpoint's own template reads
+  (JSON values; not the names the template's own arguments have);
 * with "messages", "continue_final_message": True (vLLM's): the last message, an assistant's
   text, is not closed: the reply continues it (its special-token strings stay text; a plain tag
   such as Qwen's `<tool_call>` is the token it is).
@@ -53,6 +56,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from typing import Any
 
 import numpy as np
@@ -401,10 +405,29 @@ class InputProcessor:
         canonical, _ = self._normalize_messages(messages, speech_output, need_source=False)
         return self._render(canonical)
 
-    def _render(self, canonical: list, tools: list | None = None, template: str | None = None) -> str:
+    def _render(self, canonical: list, tools: list | None = None, template: str | None = None,
+                kwargs: dict | None = None) -> str:
         tok = self._need_tokenizer("a chat prompt")
         return tok.apply_chat_template(canonical, chat_template=template or self._template(), tools=tools,
-                                       add_generation_prompt=True, tokenize=False)
+                                       add_generation_prompt=True, tokenize=False, **(kwargs or {}))
+
+    def _template_kwargs(self, kwargs: Any) -> dict | None:
+        """A prompt's chat_template_kwargs, checked, with their special strings hidden."""
+        if kwargs is None:
+            return None
+        if not isinstance(kwargs, dict):
+            raise PromptError("'chat_template_kwargs' must be a dict of template variables")
+        for key in kwargs:
+            if not isinstance(key, str) or not _TEMPLATE_VARIABLE.fullmatch(key):
+                raise PromptError(f"chat_template_kwargs: {key!r:.80} is not a template variable's name (letters, "
+                                  f"digits and '_', at most 64)")
+            if key in _TEMPLATE_OWN:
+                raise PromptError(f"chat_template_kwargs: {key!r} cannot be set: the template is given it otherwise")
+        try:
+            json.dumps(kwargs)
+        except (TypeError, ValueError) as e:
+            raise PromptError(f"'chat_template_kwargs' must be JSON: {e}") from None
+        return self._hidden(kwargs)
 
     def _template(self) -> str:
         return self.chat_template or getattr(self.tokenizer, "chat_template", None) or self.DEFAULT_CHAT_TEMPLATE
@@ -478,13 +501,14 @@ class InputProcessor:
                 raise PromptError(f"a prompt dict needs exactly one of 'prompt', 'prompt_token_ids', "
                                   f"'messages'; got {given or 'none'}")
             use_aiv = prompt_parts.use_audio_in_video(prompt, use_aiv)
-            for key in ("tools", "continue_final_message"):
+            for key in ("tools", "continue_final_message", "chat_template_kwargs"):
                 if key in prompt and "messages" not in prompt:
                     raise PromptError(f"'{key}' goes with 'messages' (it is about the chat template)")
             if "messages" in prompt:
                 if "multi_modal_data" in prompt:
                     raise PromptError("with 'messages', put the media in the message parts, not in 'multi_modal_data'")
-                self._check_fits(prompt_parts.message_texts(prompt["messages"], prompt.get("tools")), max_prompt_len)
+                self._check_fits(prompt_parts.message_texts(prompt["messages"], prompt.get("tools"),
+                                                            prompt.get("chat_template_kwargs")), max_prompt_len)
                 canonical, items = self._normalize_messages(prompt["messages"], speech_output, hide=True)
                 begun = ""
                 if prompt.get("continue_final_message"):
@@ -494,7 +518,8 @@ class InputProcessor:
                     canonical, begun = canonical[:-1], last["content"]
                 tools = self._tools(prompt.get("tools"))
                 template = self._template_for_tools() if tools is not None else None
-                ids = self._encode_chat(self._render(canonical, tools, template) + begun)
+                kwargs = self._template_kwargs(prompt.get("chat_template_kwargs"))
+                ids = self._encode_chat(self._render(canonical, tools, template, kwargs) + begun)
             elif "prompt" in prompt:
                 if not isinstance(prompt["prompt"], str):
                     raise PromptError("'prompt' must be a string")
@@ -706,6 +731,16 @@ _PROBE_CHATS = (
      {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}],
 )
 _UNKNOWN = object()
+
+
+# chat_template_kwargs may not set what the template is given otherwise (the messages, the tools,
+# apply_chat_template's own arguments, its helpers and the special tokens it is told of).
+_TEMPLATE_VARIABLE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
+_TEMPLATE_OWN = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "raise_exception", "strftime_now", "bos_token",
+    "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token", "additional_special_tokens"})
 
 
 def _tool_call(call: Any, where: str, typed) -> dict:

@@ -23,7 +23,7 @@ _PART_KINDS = {
 }
 # The keys a prompt dict may have.
 PROMPT_KEYS = {"prompt", "prompt_token_ids", "prompt_embeds", "messages", "multi_modal_data",
-                "use_audio_in_video", "mm_processor_kwargs", "tools", "continue_final_message"}
+                "use_audio_in_video", "mm_processor_kwargs", "tools", "continue_final_message", "chat_template_kwargs"}
 
 
 @dataclasses.dataclass
@@ -37,11 +37,13 @@ class MediaItem:
     audio: Any = None
 
 
-def message_texts(messages: Any, tools: Any = None):
+def message_texts(messages: Any, tools: Any = None, template_kwargs: Any = None):
     """The strings a chat's messages hold (roles, contents, text parts, tool calls) and its tools'
-    JSON; malformed ones are skipped here and named by `InputProcessor._normalize_messages`."""
-    if tools is not None:
-        yield json.dumps(tools, default=str)
+    and template arguments' JSON; malformed ones are skipped here and named by
+    `InputProcessor._normalize_messages`."""
+    for extra in (tools, template_kwargs):
+        if extra is not None:
+            yield json.dumps(extra, default=str)
     if not isinstance(messages, list):
         return
     for m in messages:

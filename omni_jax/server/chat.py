@@ -109,7 +109,7 @@ class ChatHandler:
         tools = tool_use(req.tools, req.tool_choice, req.parallel_tool_calls)
         if tools.constraint is not None:
             mods = ["text"]  # a reply of calls only: nothing to say
-        prompt = to_prompt(req.messages, self.policy, self.replies)
+        prompt = to_prompt(req.messages, self.policy, self.replies, req.chat_template_kwargs)
         if tools.tools is not None:
             prompt["tools"] = tools.tools
         constraint = combined(tools, structured_outputs(req, req.response_format, "response_format"), "response_format")
@@ -117,7 +117,8 @@ class ChatHandler:
         params = stage_params(self.engine.stage_defaults(self.engine.stage_names(mods)), req,
                               logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                               structured_outputs=constraint)
-        spoken = SpokenCalls(self.engine, tools, params) if tools.reads_calls and "audio" in mods else None
+        spoken = (SpokenCalls(self.engine, tools, params, req.chat_template_kwargs)
+                  if tools.reads_calls and "audio" in mods else None)
         if spoken is not None:
             params = spoken.params
         voice = req.audio.voice if req.audio is not None and "audio" in mods else None
@@ -148,10 +149,11 @@ class ChatHandler:
     async def _whole(self, req: ChatCompletionRequest, outs: list, mods: list[str], rid: str,
                      calls: "_Calls") -> dict:
         choices, tags = [], self.engine.reasoning
+        shown = tags is not None and req.include_reasoning
         for j, out in enumerate(outs):
             reasoning, said = whole(tags, out)
             message = {"role": "assistant", "content": said if said or reasoning is None else None, "refusal": None,
-                       "audio": None, **(reasoning_fields(reasoning) if tags is not None else {})}
+                       "audio": None, **(reasoning_fields(reasoning) if shown else {})}
             reason = finish_reason(out.finish_reason)
             if calls.tools.reads_calls:
                 reader = ToolCallReader()
@@ -219,7 +221,7 @@ class ChatHandler:
                 if readers[j] is not None:
                     text, made = readers[j].feed(text)
                 said[j] += text
-                if reasoning:
+                if reasoning and req.include_reasoning:
                     yield chunk(j, reasoning_fields(reasoning), logprobs=lp)
                     lp = None
                 if text or lp:

@@ -43,6 +43,8 @@ def _param_of_prompt_error(message: str, prompt_param: str) -> str:
         return "voice"
     if "output_modalities" in message:
         return "modalities"
+    if "chat_template_kwargs" in message:
+        return "chat_template_kwargs"
     return prompt_param
 
 

@@ -84,9 +84,11 @@ def message_part(part: Any, where: str, policy: MediaPolicy) -> dict:
                       f"video_url", f"{where}.type")
 
 
-def to_prompt(messages: list[ChatMessage], policy: MediaPolicy, replies: ReplyAudio | None = None) -> dict:
-    """The OmniJax chat prompt for OpenAI messages (400 naming the first bad part). An assistant
-    message with `audio.id` stands for that earlier spoken reply (`replies` keeps them)."""
+def to_prompt(messages: list[ChatMessage], policy: MediaPolicy, replies: ReplyAudio | None = None,
+              template_kwargs: dict | None = None) -> dict:
+    """The OmniJax chat prompt for OpenAI messages (400 naming the first bad part), with vLLM's
+    chat_template_kwargs if given. An assistant message with `audio.id` stands for that earlier
+    spoken reply (`replies` keeps them)."""
     out = []
     for i, m in enumerate(messages):
         role = "system" if m.role == "developer" else m.role
@@ -117,7 +119,7 @@ def to_prompt(messages: list[ChatMessage], policy: MediaPolicy, replies: ReplyAu
             message["tool_calls"] = [_tool_call(c, f"messages[{i}].tool_calls[{j}]")
                                      for j, c in enumerate(m.tool_calls)]
         out.append(message)
-    return {"messages": out}
+    return {"messages": out, **({"chat_template_kwargs": template_kwargs} if template_kwargs is not None else {})}
 
 
 def _tool_call(call: Any, where: str) -> dict:

@@ -122,6 +122,9 @@ class ChatCompletionRequest(_Stops):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: more variables for the chat template; whether a reasoning model's thinking is shown
+    chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True
     # OpenAI's, not served: a request that sets them is refused by name (chat.py), since
     # ignoring them would answer a different question than the one asked.
     functions: list[Any] | None = None
@@ -172,6 +175,7 @@ class TokenizeRequest(_Body):
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
     tools: list[Any] | None = None  # a chat's function tools, written into its prompt
+    chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool | None = None  # Qwen's tokenizers add no special tokens to a text either way
     return_token_strs: bool = False

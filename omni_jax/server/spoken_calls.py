@@ -20,9 +20,11 @@ from .tools import ToolUse
 class SpokenCalls:
     """The calls of one spoken request with tools (module docstring)."""
 
-    def __init__(self, engine: ServedEngine, tools: ToolUse, params: list[SamplingParams]):
-        """`params`: the spoken request's, per stage; `self.params` are they with the tag a stop token."""
-        self.engine, self.tools = engine, tools
+    def __init__(self, engine: ServedEngine, tools: ToolUse, params: list[SamplingParams],
+                 template_kwargs: dict | None = None):
+        """`params`: the spoken request's, per stage; `self.params` are they with the tag a stop token.
+        `template_kwargs`: the spoken request's chat_template_kwargs (its calls' prompt has them too)."""
+        self.engine, self.tools, self.template_kwargs = engine, tools, template_kwargs
         self.tag = engine.omni.tokenizer.convert_tokens_to_ids(OPEN)
         if not isinstance(self.tag, int) or engine.omni.tokenizer.convert_ids_to_tokens(self.tag) != OPEN:
             raise bad_request(f"this model's tokenizer has no {OPEN} token, so a spoken reply cannot make calls; "
@@ -45,6 +47,8 @@ class SpokenCalls:
         # the spoken request's conversation: its prompt had the speech system prompt, if any
         begun = [*self.engine.omni.processor.speech_messages(messages), {"role": "assistant", "content": said + OPEN}]
         prompt = {"messages": begun, "continue_final_message": True, "tools": self.tools.tools}
+        if self.template_kwargs is not None:
+            prompt["chat_template_kwargs"] = self.template_kwargs
         gen = await open_request(self.engine, prompt, [params], ["text"], None, request_id, request=request)
         text, out = OPEN, None
         try:

@@ -35,12 +35,13 @@ class TokenizeHandler:
         if req.messages is not None and not req.add_generation_prompt:
             raise bad_request("add_generation_prompt false is not supported: a chat prompt always opens the "
                               "assistant's turn here", "add_generation_prompt", "unsupported_parameter")
-        if req.tools is not None and req.messages is None:
-            raise bad_request("tools go with messages (a chat's prompt carries them)", "tools")
+        for name in ("tools", "chat_template_kwargs"):
+            if getattr(req, name) is not None and req.messages is None:
+                raise bad_request(f"{name} go with messages (a chat's prompt carries them)", name)
         if req.prompt is not None:
             prepared = await prepare(self.engine, req.prompt, MODALITIES, request, prompt_param="prompt")
         else:
-            prompt = to_prompt(req.messages, self.policy)
+            prompt = to_prompt(req.messages, self.policy, template_kwargs=req.chat_template_kwargs)
             tools = tool_use(req.tools, None).tools
             if tools is not None:
                 prompt["tools"] = tools

@@ -24,12 +24,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from ..errors import MediaError
 from ..inputs.media import TARGET_SAMPLE_RATE, load_audio
+from ..inputs.reasoning import ThinkTags
 from .audio_pieces import pieces
 from .engine import ServedEngine
 from .errors import APIError, bad_request, error_body
 from .generation import Generation, check_model, failure, open_request, while_connected
 from .logprobs import token_logprobs
 from .metrics import Metrics
+from .reasoning import ReplyReasoning
 from .sse import event, event_stream
 from .transcription_form import TranscriptionForm, read_form
 
@@ -117,10 +119,12 @@ class _Piece:
 
 class _Transcript:
     """The pieces' outputs, in order, joined into one text: each piece stripped, one space
-    between pieces, and the stream's deltas add up to exactly that text."""
+    between pieces, and the stream's deltas add up to exactly that text (a reasoning model's
+    thinking left out: `tags`, server/reasoning.py)."""
 
-    def __init__(self, spans: list[tuple[float, float]], tokenizer, logprobs: bool):
+    def __init__(self, spans: list[tuple[float, float]], tokenizer, logprobs: bool, tags: ThinkTags | None = None):
         self.pieces = [_Piece(a, b) for a, b in spans]
+        self._said = [ReplyReasoning(tags) for _ in spans]
         self.tokenizer, self.logprobs = tokenizer, logprobs
         self.text = ""
         self._started = False   # the current piece has given text
@@ -130,15 +134,17 @@ class _Transcript:
     def add(self, i: int, out) -> tuple[str, list]:
         """One update of piece `i`: the text it adds to the transcript, and its tokens' logprobs."""
         piece = self.pieces[i]
+        _, said = self._said[i].feed(out)
+        piece.text += said
         if out.finished:
-            piece.text, piece.token_ids, piece.prompt_tokens = out.text.strip(), list(out.token_ids), \
+            piece.text, piece.token_ids, piece.prompt_tokens = piece.text.strip(), list(out.token_ids), \
                 len(out.prompt_token_ids)
         new = out.new_token_ids
         if new and out.logprobs and self.logprobs:
             entries = token_logprobs(self.tokenizer, new, out.logprobs[-len(new):], None)
             piece.logprobs += entries
             self._lps += entries
-        delta = self._join(out.text_delta)
+        delta = self._join(said)
         if out.finished:
             self._started, self._held = False, ""
         if not delta:
@@ -227,7 +233,8 @@ class TranscriptionHandler:
         # verbose_json's segments give their tokens' mean logprob
         with_logprobs = form.logprobs or form.response_format == "verbose_json"
         params = transcription_params(self.engine, form.temperature, with_logprobs)
-        t = _Transcript([(a / rate, b / rate) for a, b in spans], self.engine.omni.tokenizer, with_logprobs)
+        t = _Transcript([(a / rate, b / rate) for a, b in spans], self.engine.omni.tokenizer, with_logprobs,
+                        self.engine.reasoning)
         rid = f"transcribe-{uuid.uuid4().hex}"
         # The first piece is submitted before anything is answered: a prompt it refuses is a clean 400.
         first = await open_request(self.engine, prompts[0], params, ["text"], None, f"{rid}-0",

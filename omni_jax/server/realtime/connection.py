@@ -27,7 +27,7 @@ from ..stage_params import stage_params
 from ..logprobs import token_logprobs
 from ..transcription import token_usage, transcription_params, transcription_prompt
 from ..generation import open_request
-from ..reasoning import after_thinking
+from ..reasoning import ReplyReasoning, after_thinking
 from ..spoken_calls import SpokenCalls
 from .audio_buffer import decode_pcm16
 from .conversation import Conversation, ConversationItem, Part, item_from_event
@@ -283,7 +283,8 @@ class RealtimeSession:
         with_logprobs = self.config.transcription_logprobs
         prompt = transcription_prompt(part.audio, RATE, tc.language, tc.prompt)
         params = transcription_params(self.engine, 0.0, with_logprobs)
-        gen, logprobs = None, []
+        gen, logprobs, heard = None, [], ""
+        thinking = ReplyReasoning(self.engine.reasoning)  # a reasoning model's thinking is no transcript
         try:
             gen = await open_request(self.engine, prompt, params, ["text"], None, new_id("transcribe"))
             out = None
@@ -292,16 +293,18 @@ class RealtimeSession:
                 lps = token_logprobs(self.engine.omni.tokenizer, new, out.logprobs[-len(new):], None) \
                     if with_logprobs and new and out.logprobs else []
                 logprobs += lps
-                if out.text_delta:
+                _, delta = thinking.feed(out)
+                heard += delta
+                if delta:
                     await self.send({"type": "conversation.item.input_audio_transcription.delta",
                                      "event_id": new_id("event"), "item_id": item.id, "content_index": 0,
-                                     "delta": out.text_delta, "logprobs": lps if with_logprobs else None})
+                                     "delta": delta, "logprobs": lps if with_logprobs else None})
             if out.error:
                 raise RuntimeError(out.error)
-            part.transcript = out.text
+            part.transcript = heard
             await self.send({"type": "conversation.item.input_audio_transcription.completed",
                              "event_id": new_id("event"), "item_id": item.id, "content_index": 0,
-                             "transcript": out.text, "usage": token_usage(out),
+                             "transcript": heard, "usage": token_usage(out),
                              "logprobs": logprobs if with_logprobs else None})
         except asyncio.CancelledError:
             raise

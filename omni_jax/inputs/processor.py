@@ -56,16 +56,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 from typing import Any
 
 import numpy as np
 
 from ..engine.protocol import MultiModalPayload
 from ..errors import MediaError, PromptError, PromptTooLongError
-from . import cancel, prompt_parts
+from . import cancel, chat_messages, prompt_parts
 from .chat_text import ChatText
-from .tool_calls import check_tools
 from .media import MediaLimits, VideoClip, load_audio, load_image, load_video
 from .rope_index import RopeIndexConfig
 from .token_floor import TokenFloor
@@ -323,7 +321,7 @@ class InputProcessor:
 
     def _encode(self, text: str) -> np.ndarray:
         tok = self._need_tokenizer("a text prompt")
-        _check_unicode(text)
+        chat_messages.check_unicode(text)
         return np.asarray(tok(text, add_special_tokens=False)["input_ids"], np.int32)
 
     def _encode_chat(self, rendered: str) -> np.ndarray:
@@ -343,51 +341,10 @@ class InputProcessor:
 
     def _normalize_messages(self, messages: Any, speech_output: bool, need_source: bool = True,
                             hide: bool = False) -> tuple[list, list[prompt_parts.MediaItem]]:
-        """Messages with media parts reduced to {"type": kind} for the template, and the media items
-        in order. `hide`: special-token strings in roles, text and tool calls become stand-ins (see
-        chat_text.py)."""
-        if not isinstance(messages, list) or not messages:
-            raise PromptError("'messages' must be a non-empty list of {'role', 'content'} dicts")
-
-        def typed(text: str, where: str) -> str:
-            _check_unicode(text, where)
-            return self._hide(text) if hide else text
-
-        canonical, items = [], []
-        for i, m in enumerate(messages):
-            calls = m.get("tool_calls") if isinstance(m, dict) else None
-            if not isinstance(m, dict) or "role" not in m or ("content" not in m and not calls):
-                raise PromptError(f"messages[{i}] must be a dict with 'role' and 'content'")
-            if not isinstance(m["role"], str) or not m["role"]:
-                raise PromptError(f"messages[{i}].role must be a non-empty string, got {m['role']!r}")
-            role, content = typed(m["role"], f"messages[{i}].role"), m.get("content")
-            if content is None and calls:
-                content = ""
-            if calls:
-                if role != "assistant":
-                    raise PromptError(f"messages[{i}].tool_calls: only an assistant message makes tool calls")
-                calls = [_tool_call(c, f"messages[{i}].tool_calls[{j}]", typed) for j, c in enumerate(calls)]
-            extra = {"tool_calls": calls} if calls else {}
-            thought = m.get("reasoning_content")
-            if thought is not None:
-                if role != "assistant" or not isinstance(thought, str):
-                    raise PromptError(f"messages[{i}].reasoning_content must be a string, in an assistant message")
-                extra["reasoning_content"] = typed(thought, f"messages[{i}].reasoning_content")
-            if isinstance(content, str):
-                canonical.append({"role": role, "content": typed(content, f"messages[{i}].content"), **extra})
-                continue
-            if not isinstance(content, list):
-                raise PromptError(f"messages[{i}].content must be a string or a list of parts")
-            parts = []
-            for j, part in enumerate(content):
-                where = f"messages[{i}].content[{j}]"
-                kind, item = prompt_parts.parse_part(part, where, need_source)
-                if kind == "text":
-                    parts.append({"type": "text", "text": typed(item, where)})
-                else:
-                    parts.append({"type": kind})
-                    items.append(item)
-            canonical.append({"role": role, "content": parts, **extra})
+        """The messages as the template reads them and their media items (chat_messages.py), with
+        the family's speech system prompt for a spoken reply. `hide`: special-token strings in
+        roles, text, tool calls and reasoning become stand-ins (chat_text.py)."""
+        canonical, items = chat_messages.canonical(messages, self._hide if hide else None, need_source)
         return self.speech_messages(canonical) if speech_output else canonical, items
 
     def speech_messages(self, messages: list) -> list:
@@ -411,24 +368,6 @@ class InputProcessor:
         return tok.apply_chat_template(canonical, chat_template=template or self._template(), tools=tools,
                                        add_generation_prompt=True, tokenize=False, **(kwargs or {}))
 
-    def _template_kwargs(self, kwargs: Any) -> dict | None:
-        """A prompt's chat_template_kwargs, checked, with their special strings hidden."""
-        if kwargs is None:
-            return None
-        if not isinstance(kwargs, dict):
-            raise PromptError("'chat_template_kwargs' must be a dict of template variables")
-        for key in kwargs:
-            if not isinstance(key, str) or not _TEMPLATE_VARIABLE.fullmatch(key):
-                raise PromptError(f"chat_template_kwargs: {key!r:.80} is not a template variable's name (letters, "
-                                  f"digits and '_', at most 64)")
-            if key in _TEMPLATE_OWN:
-                raise PromptError(f"chat_template_kwargs: {key!r} cannot be set: the template is given it otherwise")
-        try:
-            json.dumps(kwargs)
-        except (TypeError, ValueError) as e:
-            raise PromptError(f"'chat_template_kwargs' must be JSON: {e}") from None
-        return self._hidden(kwargs)
-
     def _template(self) -> str:
         return self.chat_template or getattr(self.tokenizer, "chat_template", None) or self.DEFAULT_CHAT_TEMPLATE
 
@@ -449,27 +388,6 @@ class InputProcessor:
             raise PromptError("this checkpoint's chat template does not write tools into the prompt, so the model "
                               "cannot be told of them")
         return self._tools_template
-
-    def _tools(self, tools: Any) -> list | None:
-        """A prompt's tools, checked, with their special strings hidden."""
-        if tools is None:
-            return None
-        check_tools(tools)
-        try:
-            json.dumps(tools)
-        except (TypeError, ValueError) as e:
-            raise PromptError(f"'tools' must be JSON: {e}") from None
-        return self._hidden(tools)
-
-    def _hidden(self, value: Any) -> Any:
-        """`value` (JSON) with the special strings of its keys and strings hidden."""
-        if isinstance(value, str):
-            return self._hide(value)
-        if isinstance(value, list):
-            return [self._hidden(v) for v in value]
-        if isinstance(value, dict):
-            return {self._hide(k): self._hidden(v) for k, v in value.items()}
-        return value
 
     # ------------------------------------------------------------------ entry point
     def process(self, prompt: Any, speech_output: bool = False,
@@ -516,9 +434,9 @@ class InputProcessor:
                     if last["role"] != "assistant" or not isinstance(last["content"], str) or "tool_calls" in last:
                         raise PromptError("continue_final_message needs the last message to be an assistant's text")
                     canonical, begun = canonical[:-1], last["content"]
-                tools = self._tools(prompt.get("tools"))
+                tools = chat_messages.tools(prompt.get("tools"), self._hide)
                 template = self._template_for_tools() if tools is not None else None
-                kwargs = self._template_kwargs(prompt.get("chat_template_kwargs"))
+                kwargs = chat_messages.template_kwargs(prompt.get("chat_template_kwargs"), self._hide)
                 ids = self._encode_chat(self._render(canonical, tools, template, kwargs) + begun)
             elif "prompt" in prompt:
                 if not isinstance(prompt["prompt"], str):
@@ -731,38 +649,4 @@ _PROBE_CHATS = (
      {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}],
 )
 _UNKNOWN = object()
-
-
-# chat_template_kwargs may not set what the template is given otherwise (the messages, the tools,
-# apply_chat_template's own arguments, its helpers and the special tokens it is told of).
-_TEMPLATE_VARIABLE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
-_TEMPLATE_OWN = frozenset({
-    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs", "raise_exception", "strftime_now", "bos_token",
-    "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token", "additional_special_tokens"})
-
-
-def _tool_call(call: Any, where: str, typed) -> dict:
-    """An assistant message's tool call as the template reads it: OpenAI's {"id"?, "type":
-    "function", "function": {"name", "arguments": JSON text or object}}."""
-    fn = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-        raise PromptError(f"{where} must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}")
-    args = fn.get("arguments", {})
-    if isinstance(args, dict):  # as the template's tojson would write it, with its strings hidden too
-        args = json.dumps(args, ensure_ascii=False)
-    if not isinstance(args, str):
-        raise PromptError(f"{where}.function.arguments must be JSON text or an object")
-    args = typed(args, f"{where}.function.arguments")
-    return {"type": "function", "function": {"name": typed(fn["name"], f"{where}.function.name"), "arguments": args}}
-
-
-def _check_unicode(text: str, where: str = "the prompt") -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:  # a lone surrogate, e.g. from a bad JSON escape
-        raise PromptError(f"{where} is not valid Unicode text: {e.reason} "
-                          f"({text[e.start]!r} at character {e.start})") from None
-
 

@@ -40,7 +40,7 @@ class MediaItem:
 def message_texts(messages: Any, tools: Any = None, template_kwargs: Any = None):
     """The strings a chat's messages hold (roles, contents, text parts, tool calls) and its tools'
     and template arguments' JSON; malformed ones are skipped here and named by
-    `InputProcessor._normalize_messages`."""
+    `chat_messages.canonical`."""
     for extra in (tools, template_kwargs):
         if extra is not None:
             yield json.dumps(extra, default=str)

@@ -172,10 +172,6 @@ class _Reply:
         # unless a reply may think or call tools: then it is added with its first words.
         self.order: list = [] if self.reader is not None or self.thinking.on else [MESSAGE]
 
-    @property
-    def message_index(self) -> int | None:
-        return self.order.index(MESSAGE) if MESSAGE in self.order else None
-
     def _logprobs(self, token_ids, logprobs) -> list:
         if self.top_logprobs is None or not token_ids or not logprobs:
             return []

@@ -74,7 +74,8 @@ async def http_one(session: aiohttp.ClientSession, url: str, body: dict, headers
                     res.tokens = event["usage"]["completion_tokens"]
                 for choice in event.get("choices", ()):
                     delta = choice.get("delta", {})
-                    if delta.get("content") and res.ttft is None:
+                    # a reasoning model's first token is its thinking's (as vLLM's bench counts it)
+                    if (delta.get("content") or delta.get("reasoning_content")) and res.ttft is None:
                         res.ttft = time.perf_counter() - t0
                     data = (delta.get("audio") or {}).get("data")
                     if data:

@@ -94,6 +94,30 @@ def test_chat_token_ids_prefill_keeps_typed_specials_as_text(proc, tok):
     assert ids.count(tok.convert_tokens_to_ids("<|im_end|>")) == 2  # the system's and the user's turn ends
 
 
+def _nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("depth", [80, 5000])
+def test_json_nested_past_the_bound_is_named_not_a_recursion_error(proc, depth):
+    """Tools, template variables and a call's arguments nested deeper than a real schema (past
+    Python's recursion limit too) are a PromptError naming them, found before the length check."""
+    deep = _nested(depth)
+    call = {"type": "function", "function": {"name": "f", "arguments": {"a": deep}}}
+    for prompt, where in [
+            ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"a": deep}}}]}, "'tools'"),
+            ({"chat_template_kwargs": {"a": deep}}, "'chat_template_kwargs'"),
+            ({"messages": [{"role": "assistant", "content": "", "tool_calls": [call]}]},
+             r"'messages\[0\]\.tool_calls\[0\]\.function\.arguments'")]:
+        prompt = {"messages": _chat("hi")["messages"], **prompt}
+        with pytest.raises(PromptError, match=f"{where} nests deeper than 64 levels"):
+            proc.process(prompt, max_prompt_len=100)
+    assert proc.process({**_chat("hi"), "chat_template_kwargs": {"a": _nested(40)}}).prompt_token_ids.size
+
+
 def test_lone_surrogates_are_a_prompt_error_naming_the_place(proc):
     _refused_fast(proc, "bad \ud800 text", r"the prompt is not valid Unicode text.*'\\ud800' at character 4")
     _refused_fast(proc, _chat([{"type": "text", "text": "ok"}, {"type": "text", "text": "\udfff"}]),

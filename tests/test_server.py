@@ -646,6 +646,7 @@ def _big_tool(name: str) -> dict:
     ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
     ({"chat_template_kwargs": {"not a name": 1}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"a": json.loads("[" * 200 + "]" * 200)}}, "chat_template_kwargs"),
     ({"messages": [{"role": "user", "content": "x", "reasoning_content": "y"}]}, "messages[0].reasoning_content"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema.name"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},

@@ -77,7 +77,7 @@ def _tool_call(call: Any, where: str, typed) -> dict:
         raise PromptError(f"{where} must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}")
     args = fn.get("arguments", {})
     if isinstance(args, dict):  # as the template's tojson would write it, with its strings hidden too
-        args = json.dumps(args, ensure_ascii=False)
+        args = json.dumps(_json(args, f"{where}.function.arguments", None), ensure_ascii=False)
     if not isinstance(args, str):
         raise PromptError(f"{where}.function.arguments must be JSON text or an object")
     args = typed(args, f"{where}.function.arguments")
@@ -117,7 +117,21 @@ def template_kwargs(given: Any, hide: Hide | None = None) -> dict | None:
     return _json(given, "chat_template_kwargs", hide)
 
 
+# How deep a prompt's tools or template variables may nest (a real schema is a few levels deep; a
+# deeper one would take the recursion of JSON encoders, Jinja and llguidance to their limits).
+MAX_JSON_DEPTH = 64
+
+
 def _json(value: Any, name: str, hide: Hide | None) -> Any:
+    stack = [(value, 1)]
+    while stack:  # iterative: a value nested past Python's recursion limit is named, not a RecursionError
+        item, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise PromptError(f"'{name}' nests deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(item, dict):
+            stack += [(v, depth + 1) for v in item.values()]
+        elif isinstance(item, (list, tuple)):
+            stack += [(v, depth + 1) for v in item]
     try:
         json.dumps(value)
     except (TypeError, ValueError) as e:

@@ -425,18 +425,19 @@ class InputProcessor:
             if "messages" in prompt:
                 if "multi_modal_data" in prompt:
                     raise PromptError("with 'messages', put the media in the message parts, not in 'multi_modal_data'")
+                # checked first (linear, no tokenizer): message_texts writes their JSON
+                tools = chat_messages.tools(prompt.get("tools"), self._hide)
+                kwargs = chat_messages.template_kwargs(prompt.get("chat_template_kwargs"), self._hide)
+                canonical, items = self._normalize_messages(prompt["messages"], speech_output, hide=True)
                 self._check_fits(prompt_parts.message_texts(prompt["messages"], prompt.get("tools"),
                                                             prompt.get("chat_template_kwargs")), max_prompt_len)
-                canonical, items = self._normalize_messages(prompt["messages"], speech_output, hide=True)
                 begun = ""
                 if prompt.get("continue_final_message"):
                     last = canonical[-1]
                     if last["role"] != "assistant" or not isinstance(last["content"], str) or "tool_calls" in last:
                         raise PromptError("continue_final_message needs the last message to be an assistant's text")
                     canonical, begun = canonical[:-1], last["content"]
-                tools = chat_messages.tools(prompt.get("tools"), self._hide)
                 template = self._template_for_tools() if tools is not None else None
-                kwargs = chat_messages.template_kwargs(prompt.get("chat_template_kwargs"), self._hide)
                 ids = self._encode_chat(self._render(canonical, tools, template, kwargs) + begun)
             elif "prompt" in prompt:
                 if not isinstance(prompt["prompt"], str):

@@ -157,7 +157,7 @@ def test_the_engine_lets_the_thinking_end_before_the_grammar_holds(engine, qwen3
     """A prompt that opened the thinking, a bias toward its end tag: the random model ends the
     thinking at once and then answers one of the choices; the same grammar without the reasoning
     tokens holds the reply from its first token (the end tag is not allowed, bias or not), and a
-    sampled reply that opens its own thinking keeps it apart too. No block leaks."""
+    reply whose prompt did not open the thinking may open it (then it is free). No block leaks."""
     tags = ThinkTags.of(qwen3.tokenizer)
     choices = ["yes", "no"]
     bias = {tags.end: 100.0}
@@ -167,7 +167,8 @@ def test_the_engine_lets_the_thinking_end_before_the_grammar_holds(engine, qwen3
     for rid, spec in runs.items():
         engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=8, logit_bias=bias,
                                                        structured_outputs=spec))
-    # not opened by the prompt: a bias toward <think> makes the reply open its thinking, then end it
+    # not opened by the prompt: a bias toward <think> makes the reply open its thinking, where the
+    # choice alone would not allow it
     engine.add_request("opens", [100, 200, 300], SamplingParams(
         temperature=0.0, max_tokens=8, logit_bias={tags.start: 100.0},
         structured_outputs=StructuredOutputs(choice=choices, reasoning_tokens=tags.ids)))

@@ -392,7 +392,7 @@ def test_a_response_stream_on_the_wire(server):
      "text.format.schema", "invalid_value"),
     ({"text": {"format": {"type": "json_schema", "name": "bad name!"}}}, "text.format.name", "invalid_value"),
     ({"truncation": "auto"}, "truncation", "unsupported_parameter"),
-    ({"include": ["reasoning.encrypted_content"]}, "include", "unsupported_parameter"),
+    ({"include": ["file_search_call.results"]}, "include", "unsupported_parameter"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]}, "input[0].output", "invalid_value"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments", "invalid_value"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type", "unsupported_parameter"),

@@ -255,7 +255,8 @@ def test_a_constraint_holds_the_answer_after_the_thinking(served):
 def test_responses_give_a_reasoning_item(served, thinking_ckpt):
     """The Responses API: a `reasoning` item before the message, its events in OpenAI's order,
     the thinking's tokens in usage; the next turn by previous_response_id and statelessly with
-    the reasoning item given back."""
+    the reasoning item given back, or only its encrypted_content (include, as store: false clients
+    ask)."""
     _, client = served
     kw = dict(model="thinking", input="Describe the sound, please.", temperature=0.0, max_output_tokens=40,
               extra_body=THINK)
@@ -291,6 +292,19 @@ def test_responses_give_a_reasoning_item(served, thinking_ckpt):
                   {"role": "user", "content": "And then?"}]
     stateless = client.responses.create(model="thinking", input=given_back, temperature=0.0, max_output_tokens=4)
     assert stateless.output_text == nxt.output_text
+    # A client that keeps no state asks for the thinking as encrypted_content and gives only that back.
+    sealed = client.responses.create(**kw, store=False, include=["reasoning.encrypted_content"])
+    thought = sealed.output[0]
+    assert thought.encrypted_content and THOUGHT not in thought.encrypted_content
+    opaque = {"type": "reasoning", "id": thought.id, "summary": [], "encrypted_content": thought.encrypted_content}
+    given_back[1] = opaque
+    again = client.responses.create(model="thinking", input=given_back, temperature=0.0, max_output_tokens=4)
+    assert again.output_text == nxt.output_text
+    assert r.output[0].encrypted_content is None  # only when asked for
+    given_back[1] = {**opaque, "encrypted_content": "made up"}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="thinking", input=given_back, max_output_tokens=4)
+    assert e.value.body["param"] == "input[1].encrypted_content"
 
 
 def test_thinking_given_back_is_written_as_the_library_writes_it(served, thinking_ckpt):

@@ -25,6 +25,7 @@ message's events after them); `reasoning` input items give it back.
 
 from __future__ import annotations
 
+import base64
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -51,6 +52,10 @@ from .tools import NO_TOOLS, ToolUse, call_id, combined, join_call, tool_use
 MODALITIES = ["text"]
 REASONING, MESSAGE = "reasoning", "message"  # the text output items
 LOGPROBS = "message.output_text.logprobs"
+# A reasoning item's `encrypted_content`, for clients that keep no server state (store: false) and
+# give items back: here the thinking's text, opaque to them but not encrypted (it is theirs).
+ENCRYPTED = "reasoning.encrypted_content"
+_OPAQUE = "omnijax1."
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 # Responses' content parts -> chat's (messages.py checks them, and the media rules).
 _TEXT_PARTS = ("input_text", "output_text")
@@ -114,13 +119,29 @@ def input_messages(items: str | list, policy: MediaPolicy) -> list[dict]:
 
 
 def _reasoning_item(item: dict, where: str, out: list[dict]) -> None:
-    """A reply's thinking, given back: an assistant turn of its own, which the words and calls
-    after it join."""
+    """A reply's thinking, given back (its reasoning_text parts, or else its encrypted_content): an
+    assistant turn of its own, which the words and calls after it join."""
     parts = item.get("content") or []
     if not isinstance(parts, list) or not all(isinstance(p, dict) and p.get("type") == "reasoning_text"
                                               and isinstance(p.get("text"), str) for p in parts):
         raise bad_request(f"{where}.content must be a list of reasoning_text parts", f"{where}.content")
-    out.append({"role": "assistant", "content": "", "reasoning_content": "".join(p["text"] for p in parts)})
+    text = "".join(p["text"] for p in parts)
+    if not parts and item.get("encrypted_content") is not None:
+        text = _unsealed(item["encrypted_content"], f"{where}.encrypted_content")
+    out.append({"role": "assistant", "content": "", "reasoning_content": text})
+
+
+def _sealed(text: str) -> str:
+    return _OPAQUE + base64.urlsafe_b64encode(text.encode()).decode()
+
+
+def _unsealed(given, where: str) -> str:
+    try:
+        if isinstance(given, str) and given.startswith(_OPAQUE):
+            return base64.urlsafe_b64decode(given[len(_OPAQUE):].encode()).decode()
+    except (ValueError, UnicodeDecodeError):
+        pass
+    raise bad_request(f"{where} is not one this server gave (include {ENCRYPTED!r} gives it)", where)
 
 
 def _thought_alone(message: dict) -> bool:
@@ -149,9 +170,9 @@ def _validate(req: ResponseRequest) -> None:
     if req.truncation == "auto":
         raise bad_request("truncation 'auto' is not supported: a conversation past the context is refused",
                           "truncation", "unsupported_parameter")
-    unknown = sorted(set(req.include or ()) - {LOGPROBS})
+    unknown = sorted(set(req.include or ()) - {LOGPROBS, ENCRYPTED})
     if unknown:
-        raise bad_request(f"include {unknown[:4]} is not supported; only {LOGPROBS!r}", "include",
+        raise bad_request(f"include {unknown[:4]} is not supported; only {LOGPROBS!r} and {ENCRYPTED!r}", "include",
                           "unsupported_parameter")
 
 
@@ -160,8 +181,10 @@ class _Reply:
     came (its thinking, its message, its calls), and its reasoning, text and logprobs so far."""
 
     def __init__(self, req: ResponseRequest, rid: str, tokenizer, top_logprobs: int | None, tools: ToolUse = NO_TOOLS,
-                 tags: ThinkTags | None = None):
+                 tags: ThinkTags | None = None, sealed: bool = False):
+        """`sealed`: reasoning items carry their text as encrypted_content too (include ENCRYPTED)."""
         self.req, self.rid, self.tokenizer, self.top_logprobs = req, rid, tokenizer, top_logprobs
+        self.sealed = sealed
         self.tools, self.reader, self.thinking = tools, tools.reader(), ReplyReasoning(tags)
         self.item_id, self.reasoning_id = f"msg_{uuid.uuid4().hex}", f"rs_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
@@ -247,8 +270,9 @@ class _Reply:
     def reasoning_item(self, status: str) -> dict:
         """The reasoning item; its status the response's until its thinking is over."""
         content = [self.reasoning_part()] if status != "in_progress" else []
+        sealed = _sealed(self.reasoning) if self.sealed and status != "in_progress" else None
         return {"id": self.reasoning_id, "type": "reasoning", "summary": [], "content": content,
-                "encrypted_content": None, "status": "completed" if self.thinking.ended else status}
+                "encrypted_content": sealed, "status": "completed" if self.thinking.ended else status}
 
     def body(self, status: str, out=None, error: dict | None = None) -> dict:
         req = self.req
@@ -310,7 +334,8 @@ class ResponsesHandler:
         prompt = {"messages": [*system, *messages], **({"tools": tools.tools} if tools.tools is not None else {})}
         gen = await open_request(self.engine, prompt, params, MODALITIES, None, rid, request=request,
                                  prompt_param="input")
-        reply = _Reply(req, rid, self.engine.omni.tokenizer, logprobs, tools, self.engine.reasoning)
+        reply = _Reply(req, rid, self.engine.omni.tokenizer, logprobs, tools, self.engine.reasoning,
+                       sealed=ENCRYPTED in (req.include or ()))
         self.metrics.in_flight.inc()
         if req.stream:
             return event_stream(self._stream(reply, gen, messages))

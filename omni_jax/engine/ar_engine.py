@@ -84,8 +84,10 @@ class _StreamedRows:
 
     def extend(self, rows: np.ndarray) -> np.ndarray:
         """Append `rows`; the rows so far (a view)."""
+        if not len(rows):  # e.g. the last message, rows all sent: its empty array is unprojected
+            return self._buf[:self._n]
         end = self._n + len(rows)
-        if len(rows) and (end > len(self._buf) or self._buf.shape[1] != rows.shape[1]):
+        if end > len(self._buf) or self._buf.shape[1] != rows.shape[1]:
             grown = np.zeros((max(16, 2 * end), rows.shape[1]), np.float32)
             grown[:self._n] = self._buf[:self._n]
             self._buf = grown
@@ -324,7 +326,13 @@ class AREngine:
         rows = np.asarray(rows, np.float32)
         if len(rows) and streamed.proj >= 0:
             # In the previous stage's space, as the first rows were: project them the same way.
-            rows = self.project_inputs(StageInputs(extra_embeds=rows, extra_proj=streamed.proj)).extra_embeds
+            try:
+                rows = self.project_inputs(StageInputs(extra_embeds=rows, extra_proj=streamed.proj)).extra_embeds
+            except ValueError as e:
+                raise RequestError.of(request_id, e) from None
+        h = self.runner.hidden_size
+        if len(rows) and (rows.ndim != 2 or rows.shape[1] != h):
+            raise RequestError(f"request {request_id!r}: streamed rows must be [N, {h}], got {rows.shape}")
         req.data.extra_embeds = streamed.extend(rows)
         if complete:
             del self._streamed[request_id]

@@ -250,11 +250,12 @@ class StageServer:
         upstream = self.upstream[rid]
         try:
             more, complete = self.handoff.more_input(self.stage.model_stage, msg, upstream, have)
-        except Exception as e:
+            taken = not (len(more) or complete) or self.engine.extend_request(rid, more, complete)
+        except Exception as e:  # this request's input, not the stage: the others keep running
             self._abort(rid)
             self._fail(rid, f"building the {self.name!r} input failed: {type(e).__name__}: {e}")
             return
-        if (len(more) or complete) and not self.engine.extend_request(rid, more, complete):
+        if not taken:
             self._close(rid)  # it finished here already (e.g. the talker's end token)
             return
         self.streamed[rid][1] = have + len(more)

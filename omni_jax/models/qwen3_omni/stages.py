@@ -121,8 +121,12 @@ class TalkerInputProjector:
         if inputs.extra_proj >= 0:
             if inputs.extra_proj not in (0, 1):
                 raise ValueError("extra_proj must be 0 (text) or 1 (hidden) for the talker")
-            extra = [np.asarray(x, np.float32).reshape(-1, cfg.thinker_hidden_size)
-                     for x in (inputs.extra_embeds, inputs.extra_embeds_pad) if x is not None]
+            h = cfg.thinker_hidden_size
+            extra = [np.asarray(x, np.float32) for x in (inputs.extra_embeds, inputs.extra_embeds_pad) if x is not None]
+            if any(x.ndim not in (1, 2) or x.shape[-1] != h for x in extra):
+                raise ValueError(f"extra_embeds to project (extra_proj) must be rows of the thinker's width {h}, "
+                                 f"got {[x.shape for x in extra]}")
+            extra = [x.reshape(-1, h) for x in extra]
             for x in extra:
                 parts.append(x)
                 proj.append(np.full(len(x), inputs.extra_proj))

@@ -95,12 +95,19 @@ def test_bad_reasoning_content_is_named(qwen3, bad):
         qwen3.process({"messages": [bad]})
 
 
-def test_reasoning_tokens_are_checked():
-    with pytest.raises(ValueError, match="reasoning_tokens"):
-        StructuredOutputs(regex="a", reasoning_tokens=(5, 5))
-    with pytest.raises(ValueError, match="reasoning_tokens"):
-        StructuredOutputs(regex="a", reasoning_tokens=(5,))
-    assert StructuredOutputs(regex="a", reasoning_tokens=[3, 4]).reasoning_tokens == (3, 4)
+def test_reasoning_tokens_and_budget_are_checked():
+    for bad in ((5, 5), (5,), (1, -2), (1, True), "ab"):
+        with pytest.raises(ValueError, match="SamplingParams.reasoning_tokens must be None or two different"):
+            SamplingParams(reasoning_tokens=bad)
+    assert SamplingParams(reasoning_tokens=[3, 4]).reasoning_tokens == (3, 4)
+    assert SamplingParams(reasoning_tokens=np.array([3, 4]), thinking_token_budget=np.int64(0)).thinking_token_budget == 0
+    for bad in (-1, 2**31, 1.5, True):
+        with pytest.raises(ValueError, match="SamplingParams.thinking_token_budget must be None or an int"):
+            SamplingParams(reasoning_tokens=(3, 4), thinking_token_budget=bad)
+    with pytest.raises(ValueError, match="thinking_token_budget must be given with reasoning_tokens"):
+        SamplingParams(thinking_token_budget=8)
+    with pytest.raises(ValueError, match="reasoning_tokens must be token ids < vocab_size=100"):
+        SamplingParams(reasoning_tokens=(1, 105)).validate_for_vocab(100)
 
 
 def _allowed(bits: np.ndarray, row: int, token: int) -> bool:
@@ -116,11 +123,12 @@ def test_the_grammar_holds_the_answer_after_the_thinking(qwen3):
     tok = qwen3.tokenizer
     tags = ThinkTags.of(tok)
     grammars = Grammars(tok, len(tok), [tok.convert_tokens_to_ids("<|im_end|>")])
-    spec = StructuredOutputs(choice=["yes", "no"], reasoning_tokens=tags.ids)
+    choice = StructuredOutputs(choice=["yes", "no"])
+    spec = SamplingParams(structured_outputs=choice, reasoning_tokens=tags.ids)
     yes, word = tok.encode("yes")[0], tok.encode(" banana")[0]
     fresh = grammars.build(spec, [1, 2, 3]).result()
     opened = grammars.build(spec, [1, 2, tags.start]).result()
-    plain = grammars.build(StructuredOutputs(choice=["yes", "no"]), [1, 2, tags.start]).result()
+    plain = grammars.build(SamplingParams(structured_outputs=choice), [1, 2, tags.start]).result()
     assert (fresh.phase, opened.phase, plain.phase) == (Grammar.OPENING, Grammar.THINKING, Grammar.HOLDS)
     bits = grammars.bitmask([fresh, opened, plain], 3)
     assert _allowed(bits, 0, yes) and _allowed(bits, 0, tags.start) and not _allowed(bits, 0, word)
@@ -137,8 +145,45 @@ def test_the_grammar_holds_the_answer_after_the_thinking(qwen3):
     answered = grammars.build(spec, [1]).result()
     assert answered.accept([yes]) is None and answered.phase == Grammar.HOLDS
     assert not _allowed(grammars.bitmask([answered], 1), 0, tags.start)  # no thinking after the answer began
-    with pytest.raises(ValueError, match="vocabulary"):
-        grammars.build(StructuredOutputs(regex="a", reasoning_tokens=(1, len(tok) + 5)))
+
+
+def test_a_thinking_budget_forces_the_end_tag_once_spent(qwen3):
+    """A budget alone: no mask until the thinking has had its tokens (the tags not counted), then
+    only the end tag, then none and nothing to mask (the request samples on the device again); a
+    reply that does not open its thinking is never held. With a grammar, the grammar holds after."""
+    from omni_jax.engine.structured_output import Grammar, Grammars
+
+    tok = qwen3.tokenizer
+    tags = ThinkTags.of(tok)
+    grammars = Grammars(tok, len(tok), [tok.convert_tokens_to_ids("<|im_end|>")])
+    word, yes = tok.encode(" banana")[0], tok.encode("yes")[0]
+    budget = SamplingParams(reasoning_tokens=tags.ids, thinking_token_budget=2)
+
+    def only_end(g):
+        bits = grammars.bitmask([g], 1)
+        return _allowed(bits, 0, tags.end) and not _allowed(bits, 0, word) and int(np.count_nonzero(bits)) == 1
+
+    g = grammars.build(budget, [1, 2]).result()
+    assert g.matcher is None and g.phase == Grammar.OPENING and g.constrains
+    assert (grammars.bitmask([g], 1) == -1).all()  # not opened yet: anything, <think> or an answer
+    assert g.accept([tags.start, word]) is None and not g.forcing and (grammars.bitmask([g], 1) == -1).all()
+    assert g.accept([word]) is None and g.forcing and only_end(g)
+    assert g.accept([tags.end]) is None and g.phase == Grammar.HOLDS and not g.constrains
+    assert (grammars.bitmask([g], 1) == -1).all() and g.accept([word, tags.start]) is None
+
+    early = grammars.build(budget, [1, tags.start]).result()  # the prompt opened it; ended in time
+    assert early.accept([word, tags.end, word]) is None and not early.constrains
+    answered = grammars.build(budget, [1]).result()
+    assert answered.accept([word]) is None and not answered.constrains  # did not think: never held
+    spent = grammars.build(budget.updated(thinking_token_budget=0), [1, tags.start]).result()
+    assert spent.forcing and only_end(spent)
+
+    held = grammars.build(budget.updated(structured_outputs=StructuredOutputs(choice=["yes", "no"])),
+                          [1, tags.start]).result()
+    assert held.accept([word, word]) is None and held.forcing and only_end(held)
+    assert held.accept([tags.end]) is None and held.constrains
+    bits = grammars.bitmask([held], 1)
+    assert _allowed(bits, 0, yes) and not _allowed(bits, 0, word)
 
 
 @pytest.fixture(scope="module")
@@ -162,16 +207,16 @@ def test_the_engine_lets_the_thinking_end_before_the_grammar_holds(engine, qwen3
     choices = ["yes", "no"]
     bias = {tags.end: 100.0}
     prompt = [100, 200, 300, tags.start]
-    runs = {"reasoning": StructuredOutputs(choice=choices, reasoning_tokens=tags.ids),
-            "plain": StructuredOutputs(choice=choices)}
-    for rid, spec in runs.items():
+    runs = {"reasoning": tags.ids, "plain": None}
+    for rid, reasoning in runs.items():
         engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=8, logit_bias=bias,
-                                                       structured_outputs=spec))
+                                                       structured_outputs=StructuredOutputs(choice=choices),
+                                                       reasoning_tokens=reasoning))
     # not opened by the prompt: a bias toward <think> makes the reply open its thinking, where the
     # choice alone would not allow it
     engine.add_request("opens", [100, 200, 300], SamplingParams(
         temperature=0.0, max_tokens=8, logit_bias={tags.start: 100.0},
-        structured_outputs=StructuredOutputs(choice=choices, reasoning_tokens=tags.ids)))
+        structured_outputs=StructuredOutputs(choice=choices), reasoning_tokens=tags.ids))
     texts, ids, final = {}, {}, {}
     while engine.has_unfinished():
         for o in engine.step():
@@ -187,6 +232,40 @@ def test_the_engine_lets_the_thinking_end_before_the_grammar_holds(engine, qwen3
     # the bias keeps <think> the likeliest token while thinking: the reply thinks to its length
     assert ids["opens"][0] == tags.start and final["opens"].finish_reason == "length"
     assert split_reasoning(texts["opens"])[0] is not None
+
+
+def _run(engine, requests: dict) -> dict[str, list[int]]:
+    """Each request's tokens (`requests`: id -> (prompt, params)), and the batch's structured
+    flag after each step under "grammar steps"."""
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    ids, flags = {}, []
+    while engine.has_unfinished():
+        for o in engine.step():
+            assert o.error is None, o.error
+            ids.setdefault(o.request_id, []).extend(o.new_token_ids or [])
+        flags.append(engine._batch.grammars)
+    assert engine.scheduler.kv_cache_manager.is_idle_and_leak_free()
+    return ids | {"grammar steps": flags}
+
+
+def test_the_engine_ends_a_thinking_at_its_budget(engine, qwen3):
+    """A prompt that opened the thinking, a bias against its end tag (the random model would think
+    on): with a budget of 3 the reply's fourth token is the end tag (the bias does not stop it), the
+    tokens before it those of the reply without a budget; then the reply goes on freely and its
+    batch samples on the device again. A reply that does not open its thinking is not changed, nor
+    the requests beside it."""
+    tags = ThinkTags.of(qwen3.tokenizer)
+    opened, unopened = [100, 200, 300, tags.start], [100, 200, 300]
+    free = SamplingParams(temperature=0.0, max_tokens=8, logit_bias={tags.end: -100.0}, reasoning_tokens=tags.ids)
+    budget = free.updated(thinking_token_budget=3)
+    alone = _run(engine, {"thinks": (opened, free), "answers": (unopened, free)})
+    assert tags.end not in alone["thinks"] and tags.start not in alone["answers"]
+    got = _run(engine, {"budget": (opened, budget), "beside": (opened, free), "unopened": (unopened, budget)})
+    assert got["budget"][:4] == [*alone["thinks"][:3], tags.end] and len(got["budget"]) == 8
+    assert got["beside"] == alone["thinks"] and got["unopened"] == alone["answers"]
+    assert got["grammar steps"][0] and not got["grammar steps"][-1]
+    assert not any(alone["grammar steps"])
 
 
 class _Loaded:

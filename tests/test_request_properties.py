@@ -356,6 +356,8 @@ VALID_FIELDS = {  # in range (extremes included): SamplingParams takes them
     "extra_args": st.one_of(st.none(), st.dictionaries(
         st.text(max_size=6), st.one_of(st.integers(-(2**63), 2**63), VALID_TEXT, st.none(), st.floats()),
         max_size=2)),
+    "reasoning_tokens": st.one_of(st.none(), st.lists(st.integers(0, VOCAB - 1), min_size=2, max_size=2,
+                                                     unique=True)),  # with or without a budget (params)
 }
 HOSTILE_FIELDS = {  # SamplingParams raises ValueError for each (out of range, wrong type)...
     "temperature": st.one_of(st.sampled_from([-0.1, -1e-9, INF]), ODD),
@@ -376,9 +378,12 @@ HOSTILE_FIELDS = {  # SamplingParams raises ValueError for each (out of range, w
     "prompt_logprobs": st.one_of(st.sampled_from([-1, 21]), ODD),
     "include_stop_str_in_output": st.sampled_from([1, "no"]),
     "extra_args": st.sampled_from([{1: 2}, "x", [1]]),
+    "reasoning_tokens": st.sampled_from([[5, 5], [5], [-1, 2], [1.5, 2], "ab", 7]),
+    "thinking_token_budget": st.sampled_from([-1, 2**31, 1.5, True, "3"]),  # or without reasoning_tokens
     # ... or takes them, but a stage refuses them: ids past the vocabulary ...
     "stop_token_ids*": st.sampled_from([[VOCAB], [1, 2**31 - 1]]),
     "suppress_token_ids*": st.sampled_from([[VOCAB], [2**31 - 1, 5]]),
+    "reasoning_tokens*": st.sampled_from([[VOCAB, 5], [3, 2**31 - 1]]),
     # ... or they cannot travel: text that is not UTF-8, an object, an int past 2**64 (some can).
     "stop*": HOSTILE_TEXT.filter(bool).map(lambda t: [t]),
     "extra_args*": st.sampled_from([{"\ud800": 1}, {"k": "\udfff"}, {"k": object()}, {"k": {1, 2}}, {"k": 2**70},
@@ -390,6 +395,8 @@ HOSTILE_FIELDS = {  # SamplingParams raises ValueError for each (out of range, w
 def params(draw, hostile: bool) -> dict:
     """SamplingParams keyword arguments in range, or with one field out of it (`hostile`)."""
     kw = draw(st.fixed_dictionaries({}, optional=VALID_FIELDS))
+    if kw.get("reasoning_tokens") is not None and draw(st.booleans()):
+        kw["thinking_token_budget"] = draw(st.integers(0, 3))
     if hostile:
         name = draw(st.sampled_from(sorted(HOSTILE_FIELDS)))
         kw[name.rstrip("*")] = draw(HOSTILE_FIELDS[name])

@@ -648,6 +648,8 @@ def _big_tool(name: str) -> dict:
     ({"chat_template_kwargs": {"not a name": 1}}, "chat_template_kwargs"),
     ({"chat_template_kwargs": {"a": json.loads("[" * 200 + "]" * 200)}}, "chat_template_kwargs"),
     ({"messages": [{"role": "user", "content": "x", "reasoning_content": "y"}]}, "messages[0].reasoning_content"),
+    ({"thinking_token_budget": 8}, "thinking_token_budget"),  # this model does not think
+    ({"thinking_token_budget": -1}, "thinking_token_budget"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema.name"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
      "response_format.json_schema.schema"),

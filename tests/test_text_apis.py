@@ -408,6 +408,7 @@ def test_a_response_stream_on_the_wire(server):
     ({"previous_response_id": "resp_unknown"}, "previous_response_id", "previous_response_not_found"),
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "invalid_value"),
     ({"max_output_tokens": 0}, "max_output_tokens", "invalid_value"),
+    ({"thinking_token_budget": 8}, "thinking_token_budget", "invalid_value"),  # this model does not think
 ])
 def test_response_400_names_the_field(server, change, param, code):
     body = {"model": MODEL, "input": "Hello", "max_output_tokens": 4, **change}

@@ -252,6 +252,37 @@ def test_a_constraint_holds_the_answer_after_the_thinking(served):
     assert m.reasoning_content == "<think>" * 3 and r.usage.completion_tokens_details.reasoning_tokens == 4
 
 
+def test_a_thinking_budget_ends_the_thinking(served):
+    """vLLM's thinking_token_budget: the model, made to open its thinking and go on by a bias on
+    <think>, ends it after the budget's tokens (the tags not counted) and answers; streamed the
+    same; taken by the Responses API; refused with a grammar that holds the thinking itself."""
+    url, client = served
+    start = httpx.post(f"{url}/tokenize", json={"model": "thinking", "prompt": "<think>"}, timeout=30).json()["tokens"]
+    bias = {str(start[0]): 100}
+    kw = dict(model="thinking", messages=MESSAGES, temperature=0.0, max_tokens=8, logit_bias=bias)
+    r = client.chat.completions.create(**kw, extra_body={"thinking_token_budget": 2})
+    m = r.choices[0].message
+    # <think>, two thinking tokens, </think>; then the bias's token as the answer's text
+    assert (m.reasoning_content, m.content) == ("<think>" * 2, "<think>" * 4)
+    assert r.usage.completion_tokens_details.reasoning_tokens == 4 and r.choices[0].finish_reason == "length"
+    unbounded = client.chat.completions.create(**kw)
+    assert unbounded.choices[0].message.reasoning_content == "<think>" * 7
+    chunks = list(client.chat.completions.create(**kw, extra_body={"thinking_token_budget": 2}, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == m.reasoning_content
+    assert "".join(d.content or "" for d in deltas) == m.content
+
+    # the Responses API takes it too; a reply that does not open its thinking is not changed
+    kw = dict(model="thinking", input="Describe the sound, please.", temperature=0.0, max_output_tokens=8)
+    r = client.responses.create(**kw, extra_body={"thinking_token_budget": 0})
+    assert r.output_text == client.responses.create(**kw).output_text and r.usage.output_tokens == 8
+
+    for path, body in (("chat/completions", {"messages": MESSAGES}), ("responses", {"input": "Hello"})):
+        refused = httpx.post(f"{url}/v1/{path}", timeout=60, json={
+            "model": "thinking", **body, "thinking_token_budget": 4, **THINK})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "thinking_token_budget", refused.text
+
+
 def test_responses_give_a_reasoning_item(served, thinking_ckpt):
     """The Responses API: a `reasoning` item before the message, its events in OpenAI's order,
     the thinking's tokens in usage; the next turn by previous_response_id and statelessly with

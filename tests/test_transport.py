@@ -85,7 +85,8 @@ def assert_same(a, b, path="$"):
 def _requests():
     """One of every orchestrator -> stage message, arrays of every dtype and odd layouts."""
     sp = SamplingParams(temperature=0.7, top_k=40, top_p=0.8, seed=1234, stop=("</s>",),
-                        stop_token_ids=(7, 8), max_tokens=99, logprobs=5)
+                        stop_token_ids=(7, 8), max_tokens=99, logprobs=5, reasoning_tokens=(3, 4),
+                        thinking_token_budget=12)
     big = _array(np.float32, (64, 48))  # 12 KiB: its own frame under the default codec
     inputs = StageInputs(
         mrope_positions=_array(np.int64, (3, 40)),

@@ -108,7 +108,13 @@ def _samples_from_host(req: Request) -> bool:
     """Whether a request's next sampling needs its last token on the host: penalty histories
     are built there, and structured outputs' masks computed there. Its next step's model call
     may still go ahead; the sampler waits for the token (AREngine._launch_deferred)."""
-    return req.sampling_params.uses_penalties or req.grammar is not None
+    return req.sampling_params.uses_penalties or _constrained(req)
+
+
+def _constrained(req: Request) -> bool:
+    """Whether a request's tokens may be masked: structured outputs, or a thinking budget until
+    its thinking is over (then never again)."""
+    return req.grammar is not None and req.grammar.constrains
 
 
 def _prompt_embeds_salt(inputs: StageInputs | None, rich: bool) -> str | None:
@@ -136,7 +142,7 @@ class _Batch:
         self.samples_from_host = any(map(_samples_from_host, requests))  # ... or for the sampler
         self.capture_hidden = any(r.data is not None and r.data.capture_hidden for r in requests)
         self.prompt_logprobs = any(r.num_prompt_logprobs is not None for r in requests)
-        self.grammars = any(r.grammar is not None for r in requests)  # structured outputs
+        self.grammars = any(map(_constrained, requests))  # structured outputs, thinking budgets
         self.biased = any(r.sampling_params.logit_bias for r in requests)
         self.shaped = self.grammars or self.biased  # sampling.shape_logits runs before the sampler
         self._sampler_inputs = None
@@ -145,6 +151,11 @@ class _Batch:
         """Whether `chunks` are a step of these requests, in this order."""
         reqs = self.requests
         return len(reqs) == len(chunks) and all(c.request is r for c, r in zip(chunks, reqs))
+
+    @property
+    def stale(self) -> bool:
+        """Whether what the requests need changed: the last thinking budget among them is over."""
+        return self.grammars and not any(map(_constrained, self.requests))
 
     @property
     def sampler_inputs(self) -> tuple[list, list, list]:
@@ -242,11 +253,12 @@ class AREngine:
         if params.seed is None and not params.is_greedy:
             params = params.with_seed()
         grammar = None  # a Future of the request's structured_output.Grammar
-        if params.structured_outputs is not None:
+        if params.structured_outputs is not None or params.thinking_token_budget is not None:
             if self.grammars is None:
-                raise RequestError(f"request {request_id!r}: structured outputs need a stage with a tokenizer")
+                what = "structured outputs" if params.structured_outputs is not None else "a thinking budget"
+                raise RequestError(f"request {request_id!r}: {what} needs a stage with a tokenizer")
             try:
-                grammar = self.grammars.build(params.structured_outputs, ids)
+                grammar = self.grammars.build(params, ids)
             except ValueError as e:
                 raise RequestError(f"request {request_id!r}: structured_outputs: {e}") from None
         mm_hashes = []
@@ -401,7 +413,7 @@ class AREngine:
         t0 = time.perf_counter()
         chunks = sched.scheduled
         # A step fed in place has the batch of the step launched before it: this one's.
-        if not (sched.fed_in_place or self._batch.same(chunks)):
+        if self._batch.stale or not (sched.fed_in_place or self._batch.same(chunks)):
             self._batch = _Batch([c.request for c in chunks])
         batch = self._batch
         try:

@@ -65,12 +65,8 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, frozen=True, omit_defaults
     Each step masks the tokens that cannot continue a match (`engine/structured_output.py`);
     once the match is complete only an end-of-reply token is allowed. A reply cut by
     `max_tokens` may still be incomplete. Whether the grammar itself compiles is checked where
-    the request is served (`structured_output.grammar_of`).
-
-    `reasoning_tokens` (start, end): a reasoning model's token ids that enclose its thinking
-    (Qwen3's `<think>`, `</think>`). The thinking is free and the match holds what follows it: the
-    reply may open with `start` (or its prompt has opened it already), and then the grammar
-    starts after `end`.
+    the request is served (`structured_output.grammar_of`). With `SamplingParams.reasoning_tokens`
+    the match holds what follows the reply's thinking.
     """
 
     json: str | None = None
@@ -80,17 +76,9 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, frozen=True, omit_defaults
     grammar: str | None = None
     # JSON without whitespace between tokens (", " and ": " separate): a model cannot pad it.
     disable_any_whitespace: bool = False
-    reasoning_tokens: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         set_ = msgspec.structs.force_setattr
-        if self.reasoning_tokens is not None:
-            ids = tuple(self.reasoning_tokens) if isinstance(self.reasoning_tokens, (list, tuple)) else ()
-            if len(ids) != 2 or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids) \
-                    or ids[0] == ids[1]:
-                raise ValueError(f"StructuredOutputs.reasoning_tokens must be two different token ids (start, end), "
-                                 f"got {self.reasoning_tokens!r:.80}")
-            set_(self, "reasoning_tokens", ids)
         if isinstance(self.json, dict):  # kept as text: a frozen value, as the wire carries it
             set_(self, "json", msgspec.json.encode(self.json).decode())
         if isinstance(self.choice, list):
@@ -130,6 +118,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tr
     `prompt_logprobs=n` returns, per prompt position after the first, the prompt token's
     logprob plus the top `n` (computed in prefill; such a request reads no prefix cache).
     `structured_outputs` constrains the reply to a JSON schema, regex, choice or grammar.
+    `reasoning_tokens` (start, end): a reasoning model's token ids that enclose its thinking
+    (Qwen3's `<think>`, `</think>`); the reply may open with `start`, or its prompt has opened it.
+    With them, structured outputs leave the thinking free and hold what follows `end`, and
+    `thinking_token_budget` (vLLM's) ends a thinking that reaches that many tokens (the tags not
+    counted) with `end`. Other requests ignore them.
     `logit_bias` adds to a token's logit (OpenAI's: at most 300 ids, each bias in [-100, 100];
     -100 in effect bans a token, 100 all but forces it), before penalties and masks.
     `seed=None` draws fresh randomness every step; `with_seed()` / `assign_seed` fixes a
@@ -155,6 +148,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tr
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputs | None = None
     logit_bias: dict[int, float] | None = None
+    reasoning_tokens: tuple[int, int] | None = None
+    thinking_token_budget: int | None = None
     # Stage-specific options beyond sampling (vLLM's name), e.g. a vocoder stage's
     # "initial_codec_chunk_frames"; the stage that reads a key validates its value.
     extra_args: dict[str, Any] | None = None
@@ -173,7 +168,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tr
                 set_(self, "structured_outputs", StructuredOutputs(**self.structured_outputs))
             except (TypeError, ValueError) as e:
                 raise ValueError(f"SamplingParams.structured_outputs: {e}") from None
-        for name in ("stop", "stop_token_ids", "suppress_token_ids"):
+        for name in ("stop", "stop_token_ids", "suppress_token_ids", "reasoning_tokens"):
             value = getattr(self, name)
             if isinstance(value, (list, np.ndarray)):
                 value = tuple(value)
@@ -185,7 +180,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tr
             value = getattr(self, name)
             if _is_real(value) and type(value) is not float:
                 set_(self, name, float(value))
-        for name in ("top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
+        for name in ("top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+                     "thinking_token_budget"):
             value = getattr(self, name)
             if _is_int(value) and type(value) is not int:
                 set_(self, name, int(value))
@@ -250,13 +246,24 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tr
                 raise _bad("structured_outputs", self.structured_outputs, "None or a StructuredOutputs")
             if self.min_tokens:  # the grammar says where the reply ends; min_tokens could contradict it
                 raise _bad("min_tokens", self.min_tokens, "0 with structured_outputs")
+        ids = self.reasoning_tokens
+        if ids is not None and (not isinstance(ids, tuple) or len(ids) != 2 or ids[0] == ids[1]
+                                or not all(_is_int(t) and 0 <= t <= INT32_MAX for t in ids)):
+            raise _bad("reasoning_tokens", ids, "None or two different token ids (start, end)")
+        budget = self.thinking_token_budget
+        if budget is not None:
+            if not _is_int(budget) or not 0 <= budget <= INT32_MAX:
+                raise _bad("thinking_token_budget", budget, f"None or an int in [0, {INT32_MAX}]")
+            if ids is None:
+                raise _bad("thinking_token_budget", budget, "given with reasoning_tokens (the ids that enclose "
+                                                            "the thinking)")
         if self.extra_args is not None and (not isinstance(self.extra_args, dict)
                                             or not all(isinstance(k, str) for k in self.extra_args)):
             raise _bad("extra_args", self.extra_args, "None or a dict with string keys")
 
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Raise ValueError if a stop, suppressed or biased token id is outside the vocabulary."""
-        for name in ("stop_token_ids", "suppress_token_ids", "logit_bias"):
+        for name in ("stop_token_ids", "suppress_token_ids", "logit_bias", "reasoning_tokens"):
             bad = [i for i in getattr(self, name) or () if i >= vocab_size]
             if bad:
                 raise ValueError(

@@ -1,4 +1,5 @@
-"""Structured outputs on the host: a request's grammar, and the tokens it allows each step.
+"""Structured outputs on the host: a request's grammar, and the tokens it allows each step. A
+reasoning model's thinking budget is held the same way, with or without a grammar (`Grammar`).
 
 `grammar_of(spec)` turns a `StructuredOutputs` into an llguidance grammar, or a ValueError
 saying what is wrong with it (the server calls it to answer a bad schema with a 400 before the
@@ -26,7 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from .sampling_params import StructuredOutputs
+from .sampling_params import SamplingParams, StructuredOutputs
 
 
 # JSON's whitespace between two tokens: enough to pretty-print a deep reply, bounded so that a
@@ -76,19 +77,32 @@ def _kind(spec: StructuredOutputs) -> str:
 
 
 class Grammar:
-    """One request's position in its grammar, and, for a reasoning model, in its thinking: the
-    thinking is free and the grammar holds the reply after it (StructuredOutputs.reasoning_tokens)."""
+    """One request's position in its grammar, and, for a reasoning model, in its thinking
+    (SamplingParams.reasoning_tokens): the thinking is free, or held to `budget` tokens, and the
+    grammar, if any, holds the reply after it."""
 
     HOLDS, OPENING, THINKING = "holds", "opening", "thinking"
 
-    def __init__(self, matcher, lltokenizer=None, reasoning: tuple[int, int] | None = None,
-                 prompt_token_ids=()):
-        self.matcher = matcher  # llguidance's LLMatcher
+    def __init__(self, matcher=None, lltokenizer=None, reasoning: tuple[int, int] | None = None,
+                 prompt_token_ids=(), budget: int | None = None):
+        self.matcher = matcher  # llguidance's LLMatcher; None: a thinking budget alone
         self._lltokenizer = lltokenizer
-        self.reasoning = reasoning
+        self.reasoning, self.budget = reasoning, budget
+        self.thought = 0  # thinking tokens so far, the tags not counted
         self.phase = self.HOLDS
         if reasoning is not None:
             self.phase = self.THINKING if thinking_opened(prompt_token_ids, reasoning) else self.OPENING
+
+    @property
+    def constrains(self) -> bool:
+        """Whether the request's next tokens may be masked (a budget alone stops once its thinking
+        is over: its request samples on the device again)."""
+        return self.matcher is not None or self.phase != self.HOLDS
+
+    @property
+    def forcing(self) -> bool:
+        """Whether the thinking spent its budget: its next token is the end tag."""
+        return self.phase == self.THINKING and self.budget is not None and self.thought >= self.budget
 
     def accept(self, token_ids) -> tuple[str, str] | None:
         """Advance over the request's new tokens; when they do not fit, the reason and its error
@@ -99,9 +113,12 @@ class Grammar:
                 start, end = self.reasoning
                 opens = self.phase == self.OPENING and t == start
                 if self.phase == self.THINKING or opens:
+                    self.thought += not opens and t != end
                     self.phase = self.HOLDS if t == end else self.THINKING
                     continue
                 self.phase = self.HOLDS  # the reply did not open with its thinking: the grammar holds it all
+            if m is None:
+                continue
             if m.is_stopped():  # complete: only an end token was allowed, which ended the request
                 return None
             if m.consume_token(t):
@@ -147,39 +164,46 @@ class Grammars:
         # tokenizer's are never allowed.
         return LLTokenizer(fast.to_str(), n_vocab=self.vocab_size, eos_token=self._eos or None)
 
-    def build(self, spec: StructuredOutputs, prompt_token_ids=()) -> Future:
-        """Start building `spec`'s Grammar for a request of this prompt: a Future of it, or of the
-        ValueError saying why it does not compile. What needs no tokenizer is checked here and now
-        (ValueError)."""
+    def build(self, params: SamplingParams, prompt_token_ids=()) -> Future:
+        """Start building the Grammar of a request with these params (structured outputs, or a
+        thinking budget) and prompt: a Future of it, or of the ValueError saying why it does not
+        compile. What needs no tokenizer is checked here and now (ValueError)."""
+        spec, reasoning, budget = params.structured_outputs, params.reasoning_tokens, params.thinking_token_budget
+        if spec is None:  # a thinking budget alone: nothing to compile
+            done = Future()
+            done.set_result(Grammar(None, None, reasoning, prompt_token_ids, budget))
+            return done
         grammar = grammar_of(spec)
-        if spec.reasoning_tokens is not None and max(spec.reasoning_tokens) >= self.vocab_size:
-            raise ValueError(f"reasoning_tokens {list(spec.reasoning_tokens)} are not all below the vocabulary's "
-                             f"size {self.vocab_size}")
         if self._pool is None:  # llguidance releases the GIL while it builds
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammars")
-        return self._pool.submit(self._build, grammar, _kind(spec), spec.reasoning_tokens, prompt_token_ids)
+        return self._pool.submit(self._build, grammar, _kind(spec), reasoning, prompt_token_ids, budget)
 
-    def _build(self, grammar: str, kind: str, reasoning, prompt_token_ids) -> Grammar:
+    def _build(self, grammar: str, kind: str, reasoning, prompt_token_ids, budget) -> Grammar:
         from llguidance import LLMatcher
 
         matcher = LLMatcher(self._lltokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"{kind} is not valid: {_one_line(matcher.get_error())}")
-        return Grammar(matcher, self._lltokenizer, reasoning, prompt_token_ids)
+        return Grammar(matcher, self._lltokenizer, reasoning, prompt_token_ids, budget)
 
     def bitmask(self, grammars: list[Grammar | None], rows: int) -> np.ndarray:
         """[rows, words] int32: each grammar's allowed tokens in its row, every token elsewhere.
         Rows are filled in parallel on llguidance's own threads (a row takes 0.1 to 1 ms of CPU
         for JSON; a batch of them would otherwise add up on the step's path)."""
         bits = allow_all(rows, self.vocab_size)
-        jobs = [(g.matcher, j) for j, g in enumerate(grammars) if g is not None and g.phase != Grammar.THINKING]
+        jobs = [(g.matcher, j) for j, g in enumerate(grammars)
+                if g is not None and g.matcher is not None and g.phase != Grammar.THINKING]
         if jobs:
             self._executor.unsafe_compute_mask_ptr(jobs, bits.ctypes.data, bits.shape[1] * 4, rows)
         words = bits.view(np.uint32)
         for j, g in enumerate(grammars):
-            if g is not None and g.phase == Grammar.OPENING:  # the reply may also open its thinking
-                start = g.reasoning[0]
-                words[j, start // 32] |= np.uint32(1 << (start % 32))
+            if g is None:
+                continue
+            if g.phase == Grammar.OPENING and g.matcher is not None:  # the reply may also open its thinking
+                _allow(words[j], g.reasoning[0])
+            elif g.forcing:
+                words[j] = 0
+                _allow(words[j], g.reasoning[1])
         return bits
 
     @functools.cached_property
@@ -187,6 +211,10 @@ class Grammars:
         from llguidance import LLExecutor
 
         return LLExecutor()
+
+
+def _allow(row: np.ndarray, token: int) -> None:
+    row[token // 32] |= np.uint32(1 << (token % 32))
 
 
 def allow_all(rows: int, vocab_size: int) -> np.ndarray:

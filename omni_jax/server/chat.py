@@ -35,7 +35,7 @@ from .generation import (Generation, check_model, failure, finish_reason, finish
                          open_requests, prepare)
 from .logprobs import token_logprobs
 from .messages import MediaPolicy, to_prompt
-from .reasoning import ReplyReasoning, after_thinking, reasoning_fields, thinking_tokens, whole
+from .reasoning import ReplyReasoning, reasoning_fields, thinking_fields, thinking_tokens, whole
 from .reply_audio import ReplyAudio
 from .structured import structured_outputs
 from .spoken_calls import SpokenCalls
@@ -113,10 +113,9 @@ class ChatHandler:
         if tools.tools is not None:
             prompt["tools"] = tools.tools
         constraint = combined(tools, structured_outputs(req, req.response_format, "response_format"), "response_format")
-        constraint = after_thinking(constraint, self.engine)
         params = stage_params(self.engine.stage_defaults(self.engine.stage_names(mods)), req,
                               logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                              structured_outputs=constraint)
+                              **thinking_fields(self.engine, constraint, req.thinking_token_budget))
         spoken = (SpokenCalls(self.engine, tools, params, req.chat_template_kwargs)
                   if tools.reads_calls and "audio" in mods else None)
         if spoken is not None:

@@ -4,28 +4,41 @@ Where the served engine reads replies for reasoning (`ServedEngine.reasoning`, t
 reply's thinking comes apart from its answer: chat's `message.reasoning_content` (and
 `delta.reasoning_content` streamed; `reasoning` beside it, the newer name clients read), the
 Responses API's `reasoning` item; structured outputs and tool-call grammars hold only the answer
-(the engine lets the thinking run free, StructuredOutputs.reasoning_tokens), tool calls are read
+(the engine lets the thinking run free, SamplingParams.reasoning_tokens), a thinking budget
+(vLLM's `thinking_token_budget`) ends the thinking after that many tokens, tool calls are read
 from the answer, and usage counts the thinking's tokens as `reasoning_tokens`.
 """
 
 from __future__ import annotations
 
-import msgspec
-
 from ..engine.sampling_params import StructuredOutputs
 from ..inputs.reasoning import END, START, ReasoningReader, ThinkTags
 from .engine import ServedEngine
+from .errors import bad_request
+
+BUDGET = "thinking_token_budget"
 
 
-def after_thinking(constraint: StructuredOutputs | None, engine: ServedEngine) -> StructuredOutputs | None:
-    """The reply's constraint, holding only what follows its thinking on a reasoning model; a
-    grammar that names the tags (`<think>`, llguidance's token syntax) holds the whole reply,
-    its thinking included."""
-    if constraint is None or engine.reasoning is None:
-        return constraint
-    if constraint.grammar is not None and (START in constraint.grammar or END in constraint.grammar):
-        return constraint
-    return msgspec.structs.replace(constraint, reasoning_tokens=engine.reasoning.ids)
+def thinking_fields(engine: ServedEngine, constraint: StructuredOutputs | None, budget: int | None = None) -> dict:
+    """The thinker's sampling fields (those set) for a reply's constraint and thinking budget: on a
+    reasoning model, the tags' ids with them, so that the constraint holds only what follows the
+    thinking and the budget can end it. A grammar that names the tags (`<think>`, llguidance's
+    token syntax) holds the whole reply, its thinking included."""
+    fields = {k: v for k, v in (("structured_outputs", constraint), (BUDGET, budget)) if v is not None}
+    if engine.reasoning is None:
+        if budget is not None:
+            raise bad_request(f"{BUDGET} needs a reasoning model's thinking, and this server reads none "
+                              f"(--reasoning-parser)", BUDGET)
+        return fields
+    if constraint is not None and constraint.grammar is not None and (START in constraint.grammar
+                                                                      or END in constraint.grammar):
+        if budget is not None:
+            raise bad_request(f"{BUDGET} cannot go with a grammar that holds the thinking itself (it names "
+                              f"{START} or {END})", BUDGET)
+        return fields
+    if fields:
+        fields["reasoning_tokens"] = engine.reasoning.ids
+    return fields
 
 
 class ReplyReasoning:

@@ -42,7 +42,7 @@ from .kept import Kept
 from .logprobs import token_logprobs
 from .messages import MediaPolicy, message_part
 from .metrics import Metrics
-from .reasoning import ReplyReasoning, after_thinking
+from .reasoning import ReplyReasoning, thinking_fields
 from .schemas import ResponseRequest
 from .sse import event_stream
 from .stage_params import stage_params
@@ -327,9 +327,9 @@ class ResponsesHandler:
         logprobs = (req.top_logprobs or 0) if LOGPROBS in (req.include or ()) or req.top_logprobs is not None else None
         tools = tool_use(req.tools, req.tool_choice, req.parallel_tool_calls, flat=True)
         constraint = combined(tools, structured_outputs(req, _format(req), "text.format", nested=False), "text.format")
-        constraint = after_thinking(constraint, self.engine)
         params = stage_params(self.engine.stage_defaults(self.engine.stage_names(MODALITIES)), req,
-                              max_tokens=req.max_output_tokens, logprobs=logprobs, structured_outputs=constraint)
+                              max_tokens=req.max_output_tokens, logprobs=logprobs,
+                              **thinking_fields(self.engine, constraint, req.thinking_token_budget))
         rid = f"resp_{uuid.uuid4().hex}"
         prompt = {"messages": [*system, *messages], **({"tools": tools.tools} if tools.tools is not None else {})}
         gen = await open_request(self.engine, prompt, params, MODALITIES, None, rid, request=request,

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..engine.sampling_params import MAX_LOGPROBS
+from ..engine.sampling_params import INT32_MAX, MAX_LOGPROBS
 
 # Per-field bounds: fields with a natural size are refused (400 naming them) past it, so that no
 # value costs more than it can be worth. A message's text is bounded by the model's context (the
@@ -26,6 +26,8 @@ MAX_STAGES = 8          # entries of sampling_params_list
 MAX_DETOKENIZE = 1 << 17  # token ids one /detokenize may decode
 MAX_CHOICES = 64        # choices of one request: n, times the prompts of a completions batch
 Name = Annotated[str, Field(max_length=MAX_NAME)]
+# vLLM's: a reasoning model's thinking ends with its end tag after this many tokens (reasoning.py)
+ThinkingBudget = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 CHAT_AUDIO_FORMATS = ("wav", "mp3", "flac", "opus", "pcm16")
 SPEECH_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
@@ -125,6 +127,7 @@ class ChatCompletionRequest(_Stops):
     # vLLM's: more variables for the chat template; whether a reasoning model's thinking is shown
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True
+    thinking_token_budget: ThinkingBudget | None = None
     # OpenAI's, not served: a request that sets them is refused by name (chat.py), since
     # ignoring them would answer a different question than the one asked.
     functions: list[Any] | None = None
@@ -206,6 +209,7 @@ class ResponseRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     text: dict[str, Any] | None = None
     truncation: Literal["auto", "disabled"] | None = None
+    thinking_token_budget: ThinkingBudget | None = None
     # OpenAI's, not served: refused by name (responses.py) when set to anything but their off value.
     tools: list[Any] | None = None
     tool_choice: Any = None

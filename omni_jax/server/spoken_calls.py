@@ -31,7 +31,9 @@ class SpokenCalls:
                               f"ask for a text reply", "tools")
         thinker = params[0]
         self.params = [thinker.updated(stop_token_ids=(*thinker.stop_token_ids, self.tag)), *params[1:]]
-        self._calls = thinker.updated(structured_outputs=tools.call_constraint(), min_tokens=0)
+        # the calls follow the words, so any thinking is over: their grammar holds from the first token
+        self._calls = thinker.updated(structured_outputs=tools.call_constraint(), min_tokens=0, reasoning_tokens=None,
+                                      thinking_token_budget=None)
 
     def opened(self, out) -> bool:
         """Whether the spoken reply stopped where the model opened a call."""

@@ -27,7 +27,7 @@ from ..stage_params import stage_params
 from ..logprobs import token_logprobs
 from ..transcription import token_usage, transcription_params, transcription_prompt
 from ..generation import open_request
-from ..reasoning import ReplyReasoning, after_thinking
+from ..reasoning import ReplyReasoning, thinking_fields
 from ..spoken_calls import SpokenCalls
 from .audio_buffer import decode_pcm16
 from .conversation import Conversation, ConversationItem, Part, item_from_event
@@ -366,7 +366,7 @@ class RealtimeSession:
             params = stage_params(self.engine.stage_defaults(self.engine.stage_names(chain)), fields_of)
             spoken = None
             if tools.constraint is not None:
-                params[0] = params[0].updated(structured_outputs=after_thinking(tools.constraint, self.engine))
+                params[0] = params[0].updated(**thinking_fields(self.engine, tools.constraint))
             elif speaks and tools.reads_calls:
                 spoken = SpokenCalls(self.engine, tools, params)
                 params = spoken.params

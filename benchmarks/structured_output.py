@@ -12,7 +12,7 @@ xgrammar fills each row in turn, as a caller without its batch matcher does). Pr
 ratio xgrammar / llguidance. xgrammar is installed without its dependencies into
 ~/.cache/omni-jax/xgrammar (it needs torch, which the test venv has: run it from `.venv`).
 Then the engine itself: the tiny model's greedy decode tokens/s with every request under a JSON
-schema against the same requests unconstrained (`--no-engine` skips it).
+schema, or a thinking budget, against the same requests unconstrained (`--no-engine` skips it).
 """
 
 from __future__ import annotations
@@ -55,14 +55,16 @@ def _xgrammar_path() -> str:
     return target
 
 
-def _spec(kind, grammar):
-    from omni_jax import StructuredOutputs
+def _params(grammar):
+    from omni_jax import SamplingParams, StructuredOutputs
 
     if isinstance(grammar, dict):
-        return StructuredOutputs(json=grammar)
-    if isinstance(grammar, list):
-        return StructuredOutputs(choice=grammar)
-    return StructuredOutputs(regex=grammar)
+        spec = StructuredOutputs(json=grammar)
+    elif isinstance(grammar, list):
+        spec = StructuredOutputs(choice=grammar)
+    else:
+        spec = StructuredOutputs(regex=grammar)
+    return SamplingParams(structured_outputs=spec)
 
 
 class Llguidance:
@@ -72,10 +74,10 @@ class Llguidance:
         from omni_jax.engine.structured_output import Grammars
 
         self.grammars = Grammars(tokenizer, VOCAB, eos)
-        self.grammars.build(_spec(None, "a")).result()  # wraps the tokenizer
+        self.grammars.build(_params("a")).result()  # wraps the tokenizer
 
     def matcher(self, grammar):
-        return self.grammars.build(_spec(None, grammar)).result()
+        return self.grammars.build(_params(grammar)).result()
 
     def fill(self, matchers):
         return self.grammars.bitmask(matchers, len(matchers))
@@ -149,12 +151,16 @@ def engine_ratio(ckpt: str) -> None:
                                                      max_num_batched_tokens=256, max_model_len=512),
                                   media_buckets=MediaBuckets((1,), (64,)), progress=False)
     schema = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
-    for label, spec in (("plain", None), ("JSON schema", StructuredOutputs(json=schema))):
+    tags = (151646, 151647)  # stand-ins for <think> </think>, which Qwen2.5's vocabulary lacks
+    cases = {"plain": ({}, []), "JSON schema": ({"structured_outputs": StructuredOutputs(json=schema)}, []),
+             # the prompt opens the thinking: 32 tokens masked on the host, then the device's
+             "thinking budget 32": ({"reasoning_tokens": tags, "thinking_token_budget": 32}, [tags[0]])}
+    for label, (fields, opened) in cases.items():
         runs = []
         for rep in range(3):
             for i in range(16):
-                engine.add_request(f"{label}{rep}-{i}", [100 + i, 200, 300], SamplingParams(
-                    temperature=0.0, max_tokens=96, ignore_eos=True, structured_outputs=spec))
+                engine.add_request(f"{label}{rep}-{i}", [100 + i, 200, 300, *opened], SamplingParams(
+                    temperature=0.0, max_tokens=96, ignore_eos=True, **fields))
             n, t = 0, time.perf_counter()
             while engine.has_unfinished():
                 n += sum(len(o.new_token_ids) for o in engine.step())

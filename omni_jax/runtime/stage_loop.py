@@ -15,9 +15,10 @@ them without codes, and with hidden states only of the layers and rows the calle
 A stage over several JAX processes runs this loop in process 0, which sends each turn to
 the others (`follow`, runtime/spmd.py).
 
-A request the engine rejects, or whose input cannot be built, comes back as a
-`StageFailure` naming it; a malformed message is logged and dropped; an exception in a
-step fails that step's requests (inside the engine) and the loop goes on.
+A request the engine rejects, whose input cannot be built or taken, or whose adding meets an
+unexpected error, comes back as a `StageFailure` naming it; a malformed message is logged and
+dropped; an exception in a step fails that step's requests (inside the engine) and the loop
+goes on.
 """
 
 from __future__ import annotations
@@ -177,6 +178,10 @@ class StageServer:
             self.engine.add_request(**to_engine_request(msg, stream))
         except ValueError as e:
             self._fail(msg.request_id, str(e), error_code(e))
+            return False
+        except Exception as e:  # a bug met by this request's input: it fails, the stage and the others go on
+            log.exception("stage %r: adding request %r failed", self.name, msg.request_id)
+            self._fail(msg.request_id, f"adding the request to stage {self.name!r} failed: {type(e).__name__}: {e}")
             return False
         if msg.forward_to is not None:
             self.forward[msg.request_id] = msg.forward_to

@@ -136,6 +136,10 @@ def ar_engine_programs(family: str, stage: StageConfig, hf_config: dict, num_blo
         sample=lambda *a, **k: np.zeros(1))
     runner.jitted.record(_recorder(calls, stand_ins))
     engine.jitted.record(_recorder(calls, stand_ins))
+    if stage.model_stage == "thinker" and hasattr(engine, "grammars") and engine.grammars is None:
+        # Served, a thinker detokenizes, and its warm-up then compiles the pre-sampler program of
+        # structured outputs and logit_bias (sampling.shape_logits); this one has no tokenizer.
+        engine.grammars = True
     engine.warmup(progress=False)
 
     base = f"{family}/{stage.name}"

@@ -103,7 +103,8 @@ def select_tier(family: str, stage, hf_config: dict, num_blocks: int, target_nam
     Pallas kernels at every bucket (MoE stages: also their expert matmuls over 1 and 4
     layers) and the dense stages' (Qwen2.5's) largest decode steps (KV donation), the
     thinker's also at tensor parallel 2 over two GPUs (`stage_mesh`: Compiler.stage_mesh); on
-    A100 also the cheap sampler variants (greedy, random) and the dense thinker's smallest
+    A100 also the cheap sampler variants (greedy, random), the pre-sampler program of structured
+    outputs and logit_bias, and the dense thinker's smallest
     vision encoder call. The programs that take minutes to compile (the MoE stages' steps,
     prefill steps, the sorting sampler variants, encoders, whole-request vocoder calls) are
     in `select_full`. The vocoders' streamed calls,
@@ -120,8 +121,8 @@ def select_tier(family: str, stage, hf_config: dict, num_blocks: int, target_nam
         out.append(P.sharded_step(out[-1], stage_mesh(2)))
     if target_name == "a100" and stage.model_stage == "thinker":
         top = max(p.bucket for p in progs if p.kind == "sample")
-        out += [p for p in progs if p.kind == "sample" and p.bucket == top
-                and p.info["variant"] in ("greedy", "random")]
+        out += [p for p in progs if p.bucket == top and (p.kind == "shape" or p.kind == "sample"
+                                                         and p.info["variant"] in ("greedy", "random"))]
         # The vision encoder once failed only here (Triton GEMM tiling; models/thinker_media.py): keep it compiling.
         out += _ends(P.media_programs(family, stage, hf_config), "vision")[:1]
     return out
@@ -163,8 +164,8 @@ def _expert_layers(family: str, stage, hf_config: dict) -> list:
 def select_full(family: str, stage, hf_config: dict, num_blocks: int, target_name: str, stage_mesh) -> list:
     """Everything the issue lists, per target: kernels at every bucket; the smallest and
     largest decode and prefill steps of every AR stage, and the largest decode step over two
-    GPUs at tensor parallel 2 (MoE stages: also at expert parallel 2); the sampler variants
-    at the largest batch; the after-sample hook; the encoders and vocoders at their smallest
+    GPUs at tensor parallel 2 (MoE stages: also at expert parallel 2); the sampler variants and
+    the pre-sampler program at the largest batch; the after-sample hook; the encoders and vocoders at their smallest
     bucket. Tens of minutes on 2 cores (the MoE steps and the token2wav DiT take minutes
     each); run by `python -m omni_jax.gpu.client --full`."""
     if stage.runner != "ar":
@@ -181,7 +182,7 @@ def select_full(family: str, stage, hf_config: dict, num_blocks: int, target_nam
     if _is_moe(family, stage, hf_config):
         out.append(P.sharded_step(decode, stage_mesh(1, 2)))
     top = max(p.bucket for p in progs if p.kind == "sample")
-    out += [p for p in progs if p.kind in ("sample", "after_sample") and p.bucket == top]
+    out += [p for p in progs if p.kind in ("sample", "shape", "after_sample") and p.bucket == top]
     if stage.model_stage == "thinker":
         media = P.media_programs(family, stage, hf_config)
         out += _ends(media, "audio")[:1] + _ends(media, "vision")[:1]

@@ -14,7 +14,7 @@ from omni_jax.errors import RequestError, TooLongError, error_code
 from omni_jax.engine.runner import RunnerConfig
 from omni_jax.engine.sampling_params import SamplingParams
 from omni_jax.models.qwen2_5_omni.audio_encoder import audio_output_lengths
-from omni_jax.engine.protocol import MultiModalPayload
+from omni_jax.engine.protocol import MultiModalPayload, StageInputs
 from omni_jax.models.thinker_media import MediaBuckets
 from omni_jax.models.qwen2_5_omni.stages import build_thinker_engine
 
@@ -239,6 +239,28 @@ def test_bad_requests_fail_clearly_others_finish(engine, prompt, params, match, 
     with pytest.raises(RequestError, match=match) as refused:
         engine.add_request("bad", prompt, params)
     assert error_code(refused.value) == code  # what the stage sends with its refusal
+    toks, final = run_all(engine)
+    assert set(final) == {"good"} and len(toks["good"]) == 3
+    assert_pool_empty(engine)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda h: StageInputs(overlay_rows=np.zeros((3, h + 1), np.float32), overlay_index=np.arange(3, dtype=np.int32)),
+     r"overlay rows must be \[N, {h}\], got \(3, {h1}\)"),
+    (lambda h: StageInputs(overlay_rows=np.zeros((3, h), np.float32), overlay_index=np.array([0, 1, 3], np.int32)),
+     "overlay_index must give each of the 3 prompt tokens a row below 3"),
+    (lambda h: StageInputs(extra_embeds=np.zeros((2, h + 1), np.float32), extra_embeds_pad=np.zeros(h, np.float32)),
+     r"extra_embeds must be \[N, {h}\], got \(2, {h1}\)"),
+    (lambda h: StageInputs(extra_embeds=np.zeros((2, h), np.float32), extra_embeds_pad=np.zeros((1, h), np.float32)),
+     r"extra_embeds_pad must be \[{h}\], got \(1, {h}\)"),
+])
+def test_embedding_rows_that_do_not_fit_fail_only_that_request(engine, make, match):
+    """Rows of the wrong width would fail the whole step they land in (every request in it):
+    the request is refused at once, naming them."""
+    h = engine.runner.hidden_size
+    engine.add_request("good", [11, 12, 13], SamplingParams(temperature=0.0, max_tokens=3))
+    with pytest.raises(RequestError, match=match.format(h=h, h1=h + 1)):
+        engine.add_request("bad", [21, 22, 23], SamplingParams(max_tokens=2), inputs=make(h))
     toks, final = run_all(engine)
     assert set(final) == {"good"} and len(toks["good"]) == 3
     assert_pool_empty(engine)

@@ -284,8 +284,8 @@ class AREngine:
                 inputs = self.project_inputs(inputs)
             except ValueError as e:
                 raise RequestError.of(request_id, e) from None
-        if inputs is not None and inputs.overlay_rows is not None:
-            self._check_overlay(request_id, inputs, len(ids))
+        if inputs is not None:
+            self._check_rows(request_id, inputs, len(ids))
         # Token ids alone do not determine the KV of embedding inputs. (Returning hidden states
         # does not change the KV: a hit replays the rows, see engine/hidden_cache.py.)
         if self.runner.cfg.after_sample:
@@ -317,16 +317,22 @@ class AREngine:
         if req.detokenizer is not None:  # kept past the request's release, for its last text
             self._detok[request_id] = req.detokenizer
 
-    def _check_overlay(self, request_id: str, inputs: StageInputs, num_prompt: int) -> None:
-        """RequestError unless the overlay rows fit the model and the index fits the prompt
-        (a bad shape would fail the whole step it lands in, not just this request)."""
-        rows, index = inputs.overlay_rows, inputs.overlay_index
+    def _check_rows(self, request_id: str, inputs: StageInputs, num_prompt: int) -> None:
+        """RequestError unless the embedding rows fit the model and the overlay index fits the
+        prompt (a bad shape would fail the whole step it lands in, not just this request)."""
         h = self.runner.hidden_size
-        if rows.ndim != 2 or rows.shape[1] != h:
-            raise RequestError(f"request {request_id!r}: overlay rows must be [N, {h}], got {rows.shape}")
-        if index is None or np.shape(index) != (num_prompt,) or np.max(index) >= len(rows):
-            raise RequestError(f"request {request_id!r}: overlay_index must give each of the {num_prompt} "
-                               f"prompt tokens a row below {len(rows)} (or -1)")
+        rows, index = inputs.overlay_rows, inputs.overlay_index
+        if rows is not None:
+            if rows.ndim != 2 or rows.shape[1] != h:
+                raise RequestError(f"request {request_id!r}: overlay rows must be [N, {h}], got {rows.shape}")
+            if index is None or np.shape(index) != (num_prompt,) or np.max(index) >= len(rows):
+                raise RequestError(f"request {request_id!r}: overlay_index must give each of the {num_prompt} "
+                                   f"prompt tokens a row below {len(rows)} (or -1)")
+        extra, pad = inputs.extra_embeds, inputs.extra_embeds_pad
+        if extra is not None and (np.ndim(extra) != 2 or np.shape(extra)[1] != h):
+            raise RequestError(f"request {request_id!r}: extra_embeds must be [N, {h}], got {np.shape(extra)}")
+        if pad is not None and np.shape(pad) != (h,):
+            raise RequestError(f"request {request_id!r}: extra_embeds_pad must be [{h}], got {np.shape(pad)}")
 
     def extend_request(self, request_id: str, rows: np.ndarray, complete: bool) -> bool:
         """Append extra-embedding rows to a streamed request (async chunk); `complete`: no more

@@ -348,9 +348,8 @@ class AREngine:
                 rows = self.project_inputs(StageInputs(extra_embeds=rows, extra_proj=streamed.proj)).extra_embeds
             except ValueError as e:
                 raise RequestError.of(request_id, e) from None
-        h = self.runner.hidden_size
-        if len(rows) and (rows.ndim != 2 or rows.shape[1] != h):
-            raise RequestError(f"request {request_id!r}: streamed rows must be [N, {h}], got {rows.shape}")
+        if len(rows):
+            self._check_rows(request_id, StageInputs(extra_embeds=rows), req.num_prompt_tokens)
         req.data.extra_embeds = streamed.extend(rows)
         if complete:
             del self._streamed[request_id]

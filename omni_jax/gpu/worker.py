@@ -104,8 +104,7 @@ def select_tier(family: str, stage, hf_config: dict, num_blocks: int, target_nam
     layers) and the dense stages' (Qwen2.5's) largest decode steps (KV donation), the
     thinker's also at tensor parallel 2 over two GPUs (`stage_mesh`: Compiler.stage_mesh); on
     A100 also the cheap sampler variants (greedy, random), the pre-sampler program of structured
-    outputs and logit_bias, and the dense thinker's smallest
-    vision encoder call. The programs that take minutes to compile (the MoE stages' steps,
+    outputs and logit_bias, and the dense thinker's smallest vision encoder call. The programs that take minutes to compile (the MoE stages' steps,
     prefill steps, the sorting sampler variants, encoders, whole-request vocoder calls) are
     in `select_full`. The vocoders' streamed calls,
     what both presets serve with (async chunk), take seconds: their smallest shapes are here."""
@@ -165,9 +164,9 @@ def select_full(family: str, stage, hf_config: dict, num_blocks: int, target_nam
     """Everything the issue lists, per target: kernels at every bucket; the smallest and
     largest decode and prefill steps of every AR stage, and the largest decode step over two
     GPUs at tensor parallel 2 (MoE stages: also at expert parallel 2); the sampler variants and
-    the pre-sampler program at the largest batch; the after-sample hook; the encoders and vocoders at their smallest
-    bucket. Tens of minutes on 2 cores (the MoE steps and the token2wav DiT take minutes
-    each); run by `python -m omni_jax.gpu.client --full`."""
+    the pre-sampler program at the largest batch; the after-sample hook; the encoders and
+    vocoders at their smallest bucket. Tens of minutes on 2 cores (the MoE steps and the
+    token2wav DiT take minutes each); run by `python -m omni_jax.gpu.client --full`."""
     if stage.runner != "ar":
         voc = P.vocoder_programs(family, stage, hf_config)
         calls = {p.info["call"] for p in voc}  # the whole request, and the streamed calls

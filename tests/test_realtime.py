@@ -97,6 +97,22 @@ def test_vad_finds_one_spoken_turn_and_keeps_its_audio():
     assert ServerVAD().feed(np.zeros(SR, np.float32)) == []
 
 
+@pytest.mark.parametrize("eagerness, silence_ms", [("high", 500), ("auto", 1000), ("low", 2000)])
+def test_semantic_vad_ends_a_turn_after_the_silence_of_its_eagerness(eagerness, silence_ms):
+    # The Agents SDK's default turn detection: here silence-based, eagerness choosing the silence.
+    update = {"type": "session.update", "session": {"audio": {"input": {"turn_detection": {
+        "type": "semantic_vad", "eagerness": eagerness}}}}}
+    td = parse(json.dumps(update)).session.audio.input.turn_detection
+    audio = _speech("What is the weather like today?", lead_s=0.5, tail_s=2.5)
+    _, end = _voiced(audio)
+    turns = Turns(60, td)
+    events = []
+    for i in range(0, len(audio), 2400):
+        events += turns.append(audio[i:i + 2400])
+    assert [e.kind for e, _ in events] == ["speech_started", "speech_stopped"]
+    assert end + silence_ms - 60 <= events[1][0].ms <= end + silence_ms + 400
+
+
 def test_buffer_bounds_and_positions():
     buf = InputAudioBuffer(max_seconds=1.0)
     buf.append(np.zeros(SR // 2, np.float32))
@@ -115,8 +131,12 @@ def test_buffer_bounds_and_positions():
     ('{"type": "input_audio_buffer.append"}', "invalid_value", "audio"),
     ('{"type": "session.update", "session": {"output_modalities": ["text", "audio"]}}', "invalid_value",
      "session.output_modalities"),
-    ('{"type": "session.update", "session": {"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}}}',
+    ('{"type": "session.update", "session": {"audio": {"input": {"turn_detection": {"type": "vad"}}}}}',
      "invalid_value", "session.audio.input.turn_detection.type"),
+    ('{"type": "session.update", "session": {"audio": {"input": {"turn_detection": {"eagerness": "low"}}}}}',
+     "invalid_value", "session.audio.input.turn_detection.type"),
+    ('{"type": "session.update", "session": {"audio": {"input": {"turn_detection": {"type": "semantic_vad", '
+     '"eagerness": "eager"}}}}}', "invalid_value", "session.audio.input.turn_detection.eagerness"),
     ('{"type": "conversation.item.truncate", "item_id": "x", "content_index": 0, "audio_end_ms": -1}',
      "invalid_value", "audio_end_ms"),
     # other sample formats than PCM16 at 24 kHz
@@ -380,6 +400,23 @@ def test_spoken_turn_by_server_vad(client):
     assert {e.item_id for e in deltas} == {committed.item_id}
     assert "".join(e.delta for e in deltas) == transcribed.transcript  # streamed as the thinker writes it
     assert seen.index(deltas[-1]) < seen.index(transcribed)
+
+
+def test_semantic_vad_session_answers_a_spoken_turn(client):
+    """OpenAI's Agents SDK sets semantic_vad by default: taken, echoed, and a spoken turn answered."""
+    audio = _speech("Hello there. What is the weather like today?", tail_s=1.5)
+    with client.realtime.connect(model=MODEL) as conn:
+        _until(conn, "session.created")
+        conn.session.update(session={"type": "realtime", "max_output_tokens": 4, "audio": {"input": {
+            "turn_detection": {"type": "semantic_vad", "eagerness": "auto", "interrupt_response": True}}}})
+        td = _until(conn, "session.updated").session.audio.input.turn_detection
+        assert (td.type, td.eagerness, td.create_response) == ("semantic_vad", "auto", True)
+        seen = []
+        _speak(conn, audio, seen)
+        done = _until(conn, "response.done", seen).response
+    stopped = next(e for e in seen if e.type == "input_audio_buffer.speech_stopped")
+    assert stopped.audio_end_ms >= _voiced(audio)[1] + 1000 - 60  # auto: a second of silence ends the turn
+    assert done.status == "incomplete" and _audio_of(seen).size > 0
 
 
 def test_a_second_turn_computes_only_what_is_new(client, server):

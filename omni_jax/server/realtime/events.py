@@ -3,8 +3,8 @@
 Each client event type has a pydantic model; `parse` turns one WebSocket text message into
 one of them or raises `EventError`, which the connection sends back as an `error` event
 (OpenAI's shape: type, code, message, param, and the client's event_id) and goes on.
-Fields OpenAI has that this server does not serve (semantic VAD, other audio formats)
-are refused by name rather than ignored; unknown fields are ignored, as OpenAI does.
+Fields OpenAI has that this server does not serve (other audio formats) are refused by name
+rather than ignored; unknown fields are ignored, as OpenAI does.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -65,6 +65,32 @@ class ServerVADConfig(VADSettings):
     idle_timeout_ms: int | None = Field(default=None, ge=1000, le=600_000)
 
 
+class SemanticVADConfig(_Model):
+    """`turn_detection` of type semantic_vad. OpenAI ends such a turn when a model judges the
+    words complete; this server has no such model, so the same silence-based VAD as server_vad
+    ends it, `eagerness` picking how long a silence does (high: quicker, low: lets the user
+    pause). Accepted rather than refused because OpenAI's Agents SDK sends it by default."""
+
+    type: Literal["semantic_vad"]
+    eagerness: Literal["low", "medium", "high", "auto"] = "auto"
+    create_response: bool = True
+    interrupt_response: bool = True
+
+    # The silence (ms) that ends a turn at each eagerness; "auto" is "medium", as OpenAI's.
+    SILENCE_MS: ClassVar[dict[str, int]] = {"high": 500, "medium": 1000, "auto": 1000, "low": 2000}
+    # The rest of the VAD's rules are server_vad's defaults; semantic_vad has no idle timeout.
+    threshold: ClassVar[float] = 0.5
+    prefix_padding_ms: ClassVar[int] = 300
+    idle_timeout_ms: ClassVar[None] = None
+
+    @property
+    def silence_duration_ms(self) -> int:
+        return self.SILENCE_MS[self.eagerness]
+
+
+TurnDetection = Annotated[ServerVADConfig | SemanticVADConfig, Field(discriminator="type")]
+
+
 class TranscriptionConfig(_Model):
     model: Annotated[str, Field(max_length=256)] | None = None
     language: Annotated[str, Field(max_length=32)] | None = None
@@ -74,7 +100,7 @@ class TranscriptionConfig(_Model):
 class AudioInput(_Model):
     format: AudioFormat | None = None
     transcription: TranscriptionConfig | None = None
-    turn_detection: ServerVADConfig | None = None
+    turn_detection: TurnDetection | None = None
     noise_reduction: dict | None = None   # accepted; the VAD works on the audio as sent
 
 
@@ -221,10 +247,16 @@ CLIENT_EVENTS: dict[str, type[_Event]] = {
 }
 
 
-def _param(loc) -> str:
-    out = ""
+def _param(loc, data) -> str:
+    """A validation error's place in the event, as OpenAI names params ("session.audio.input...");
+    the tag pydantic adds for a union told apart by `type` is not a place in the event."""
+    out, at = "", data
     for p in loc:
+        if isinstance(at, dict) and p not in at and at.get("type") == p:
+            continue
         out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+        inside = isinstance(at, dict) and p in at or isinstance(at, list) and isinstance(p, int) and p < len(at)
+        at = at[p] if inside else None
     return out
 
 
@@ -247,5 +279,7 @@ def parse(text: str | bytes) -> _Event:
         return cls.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
-        param = _param(first["loc"])
+        param = _param(first["loc"], data)
+        if first["type"] in ("union_tag_invalid", "union_tag_not_found"):
+            param += ".type"  # the union's tag itself is what is wrong
         raise EventError(f"{kind}: {param}: {first['msg']}", "invalid_value", param, event_id) from None

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..errors import APIError
 from ..tools import ToolUse, tool_use
-from .events import EventError, ServerVADConfig, SessionFields, TranscriptionConfig, new_id
+from .events import EventError, ServerVADConfig, SessionFields, TranscriptionConfig, TurnDetection, new_id
 
 PCM = {"type": "audio/pcm", "rate": 24000}
 
@@ -34,7 +34,7 @@ class SessionConfig:
     output_modalities: list[str] = dataclasses.field(default_factory=lambda: ["audio"])
     voice: str | None = None
     speed: float = 1.0                      # the spoken answers' pace (server/tempo.py)
-    turn_detection: ServerVADConfig | None = dataclasses.field(
+    turn_detection: TurnDetection | None = dataclasses.field(
         default_factory=lambda: ServerVADConfig(type="server_vad"))
     transcription: TranscriptionConfig | None = None
     max_output_tokens: int | str = "inf"

@@ -11,18 +11,18 @@ from __future__ import annotations
 import numpy as np
 
 from .audio_buffer import InputAudioBuffer
-from .events import ServerVADConfig
+from .events import TurnDetection
 from ..vad import ServerVAD, VADEvent
 
 
 class Turns:
     """The input audio buffer of one session and its turn detection (None: manual commits)."""
 
-    def __init__(self, max_buffer_s: float, vad: ServerVADConfig | None):
+    def __init__(self, max_buffer_s: float, vad: TurnDetection | None):
         self.buffer = InputAudioBuffer(max_buffer_s)
         self.configure(vad)
 
-    def configure(self, vad: ServerVADConfig | None) -> None:
+    def configure(self, vad: TurnDetection | None) -> None:
         """New turn detection settings (a turn in progress starts over)."""
         self.vad = None if vad is None else ServerVAD(vad.threshold, vad.prefix_padding_ms, vad.silence_duration_ms)
         self.reset()

@@ -818,3 +818,22 @@ def test_a_response_with_words_and_calls_and_the_next_turn(client, library):
                for o in r.output[1:]), *outputs]
     again = client.responses.create(model=MODEL, input=given, tools=tools, max_output_tokens=4, **GREEDY)
     assert again.usage.input_tokens == len(want.prompt_token_ids) and again.output_text == want.text
+
+
+def test_a_response_whose_words_follow_its_calls(client):
+    """Words after the calls (or a call cut by max_output_tokens, which stays words): the message
+    item comes after the calls, whole as streamed."""
+    call = '\n{"name": "now", "arguments": {}}\n'
+    tools = [_flat(WEATHER), _flat(NOW)]
+    for words, limit, status in [("Then more.", 200, "completed"), ("Then a long word list " * 20, 30, "incomplete")]:
+        grammar = f'start: <tool_call> {json.dumps(call)} </tool_call> "\\n" {json.dumps(words)}'
+        ask = dict(model=MODEL, input=ASK[0]["content"], tools=tools, max_output_tokens=limit,
+                   extra_body={"structured_outputs": {"grammar": grammar}}, **GREEDY)
+        r = client.responses.create(**ask)
+        assert r.status == status and [o.type for o in r.output] == ["function_call", "message"]
+        assert r.output_text == words[:len(r.output_text)] and r.output_text
+        events = list(client.responses.create(**ask, stream=True))
+        added = [(e.output_index, e.item.type) for e in events if e.type == "response.output_item.added"]
+        assert added == [(0, "function_call"), (1, "message")]
+        done = events[-1].response
+        assert [o.type for o in done.output] == ["function_call", "message"] and done.output_text == r.output_text

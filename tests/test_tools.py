@@ -155,8 +155,12 @@ REPLY = ('I will check.\n<tool_call>\n{"name": "get_weather", "arguments": {"cit
     # a block the reply did not close (cut by max_tokens): a call if its JSON is whole
     ('<tool_call>\n{"name": "now", "arguments": "{}"}', "", [ToolCall("now", "{}")]),
     ('x\n<tool_call>\n{"name": "now", "argu', "x<tool_call>\n{\"name\": \"now\", \"argu", []),
-    # words after a call are content; whitespace that ends a reply with calls is not
-    ('<tool_call>{"name": "now"}</tool_call> then more \n', " then more", [ToolCall("now", "{}")]),
+    # words after a call are content; whitespace that ends a reply with calls is not, nor that
+    # after calls that no words came before
+    ('<tool_call>{"name": "now"}</tool_call> then more \n', "then more", [ToolCall("now", "{}")]),
+    ('<tool_call>{"name": "now"}</tool_call>\n<tool_call>{"name": "x"}</tool_call>\n\nThen.', "Then.",
+     [ToolCall("now", "{}"), ToolCall("x", "{}")]),
+    ('Sure.\n<tool_call>{"name": "now"}</tool_call>\n\nThen.', "Sure.\n\nThen.", [ToolCall("now", "{}")]),
 ])
 def test_calls_read_from_a_reply_whole_or_in_pieces(text, content, calls):
     assert read_tool_calls(text) == (content, calls)

@@ -92,16 +92,25 @@ class ToolCallReader:
     """A reply's content and calls, read from its text piece by piece (module docstring).
 
     Text is given out as content as soon as it cannot be the start of a block; whitespace right
-    before a block (Qwen writes a newline after its own words) is not content."""
+    before a block (Qwen writes a newline after its own words), or after the calls of a reply that
+    said nothing before them, is not content."""
 
     def __init__(self):
         self._held = ""
+        self._said = False  # content given out so far
         self.calls = 0  # calls read so far
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """The content and the calls that `text` completes."""
-        buf, content, calls = self._held + text, [], []
+        content, calls = self._read(self._held + text)
+        self._said = self._said or bool(content)
+        return content, calls
+
+    def _read(self, buf: str) -> tuple[str, list[ToolCall]]:
+        content, calls = [], []
         while True:
+            if self.calls and not (self._said or any(content)):
+                buf = buf.lstrip()
             start = buf.find(OPEN)
             if start < 0:
                 break

@@ -35,6 +35,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from ..inputs.reasoning import ThinkTags
+from ..inputs.tool_calls import CLOSE
 from .engine import ServedEngine
 from .errors import APIError, bad_request, error_body, short
 from .generation import Generation, check_model, failure, finished_outputs, open_request
@@ -215,7 +216,11 @@ class _Reply:
         """Take the finished request's reasoning, text, logprobs and calls at once."""
         thought, text = self.thinking.feed(out, out.text)
         self._thought(thought, out)
-        self.text, _ = self._read(text, True)
+        # Block by block, so that the items come in the order the streamed reply gives them (the
+        # message where its first words are: after the calls that come before them).
+        pieces = text.split(CLOSE) if self.reader is not None else [text]
+        said = [self._read(p + CLOSE * (i < len(pieces) - 1), i == len(pieces) - 1)[0] for i, p in enumerate(pieces)]
+        self.text = "".join(said)
         self.logprobs = self._logprobs(list(out.token_ids)[self.reasoning_tokens:], out.logprobs)  # the message's
 
     def _thought(self, thought: str, out) -> None:

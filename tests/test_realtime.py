@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 import wave
 from types import SimpleNamespace
 
@@ -33,10 +34,12 @@ import websockets.sync.client as ws_client
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from omni_jax import SamplingParams
+from omni_jax.server import g711
 from omni_jax.server.realtime.audio_buffer import InputAudioBuffer
 from omni_jax.server.realtime.conversation import Conversation, ConversationItem, Part, without_oldest_turn
 from omni_jax.server.realtime.events import EventError, ServerVADConfig, parse
-from omni_jax.server.realtime.session import PCM, SessionConfig
+from omni_jax.server.realtime import wire_audio
+from omni_jax.server.realtime.session import SessionConfig
 from omni_jax.server.realtime.turns import Turns
 from omni_jax.server.app import build_app
 from omni_jax.server.engine import ServedEngine
@@ -113,6 +116,42 @@ def test_semantic_vad_ends_a_turn_after_the_silence_of_its_eagerness(eagerness, 
     assert end + silence_ms - 60 <= events[1][0].ms <= end + silence_ms + 400
 
 
+def test_g711_equals_the_reference_codec():
+    """mu-law and A-law against Python's own codec (audioop, in the standard library up to 3.12)
+    for every 16-bit sample and every code."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import audioop
+    pcm = np.arange(-32768, 32768, dtype=np.int16)
+    codes = bytes(range(256))
+    for law, lin2, to_lin in [("ulaw", audioop.lin2ulaw, audioop.ulaw2lin),
+                              ("alaw", audioop.lin2alaw, audioop.alaw2lin)]:
+        assert g711.encode(pcm, law) == lin2(pcm.astype("<i2").tobytes(), 2)
+        assert np.array_equal(g711.decode(codes, law), np.frombuffer(to_lin(codes, 2), "<i2"))
+
+
+@pytest.mark.parametrize("fmt", [wire_audio.PCMU, wire_audio.PCMA])
+def test_g711_reply_audio_streams_as_one_piece(fmt):
+    """A reply's 24 kHz deltas, in pieces of any size, come out as the 8 kHz G.711 of the whole."""
+    t = np.arange(SR) / SR
+    audio = (0.4 * np.sin(2 * np.pi * 300 * t) * np.sin(2 * np.pi * 2 * t)).astype(np.float32)
+    rng = np.random.default_rng(0)
+    cuts = np.sort(rng.choice(np.arange(1, SR), 20, replace=False))
+    out = wire_audio.OutputAudio(fmt)
+    pieces = [p for chunk in np.split(audio, cuts) for p in out.pieces(chunk, 4800)] + out.flush()
+    assert sum(n for _, n in pieces) == SR and all(n <= 4800 for _, n in pieces)
+    got = np.concatenate([wire_audio.decode(p, fmt) for p, _ in pieces])
+    want = soxr.resample(audio, SR, 8000)
+    assert len(got) == len(want) == 8000
+    assert np.abs(got - want).max() < 0.02  # G.711's steps at this level: no clicks at the joins
+    # and the input side: 8 kHz G.711 in, the same 16 kHz samples the buffer would get from PCM
+    coded = base64.b64encode(g711.encode(np.round(want * 32767).astype(np.int16), wire_audio.FORMATS[fmt][1])).decode()
+    buf = InputAudioBuffer(60, rate=8000)
+    heard = buf.append(wire_audio.decode(coded, fmt))  # (the resampler holds the last ~70 ms back)
+    assert 14500 < len(heard) <= 16000 and buf.rate == 8000
+    assert np.abs(heard - soxr.resample(want, 8000, 16000)[:len(heard)]).max() < 0.02
+
+
 def test_buffer_bounds_and_positions():
     buf = InputAudioBuffer(max_seconds=1.0)
     buf.append(np.zeros(SR // 2, np.float32))
@@ -139,10 +178,12 @@ def test_buffer_bounds_and_positions():
      '"eagerness": "eager"}}}}}', "invalid_value", "session.audio.input.turn_detection.eagerness"),
     ('{"type": "conversation.item.truncate", "item_id": "x", "content_index": 0, "audio_end_ms": -1}',
      "invalid_value", "audio_end_ms"),
-    # other sample formats than PCM16 at 24 kHz
+    # formats other than PCM16 at 24 kHz and G.711 at 8 kHz
     ('{"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}}}',
      "invalid_value", "session.audio.input.format.rate"),
-    ('{"type": "session.update", "session": {"audio": {"output": {"format": {"type": "audio/pcmu"}}}}}',
+    ('{"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcmu", "rate": 16000}}}}}',
+     "invalid_value", "session.audio.input.format.rate"),
+    ('{"type": "session.update", "session": {"audio": {"output": {"format": {"type": "audio/opus"}}}}}',
      "invalid_value", "session.audio.output.format.type"),
 ])
 def test_bad_events_name_what_is_wrong(message, code, param):
@@ -160,7 +201,8 @@ def test_session_update_changes_only_what_it_sends_and_refuses_whole():
                      '{"turn_detection": null}, "output": {"voice": "ethan"}}}}').session)
     assert (cfg.instructions, cfg.voice, cfg.turn_detection) == ("Be brief.", "Ethan", None)
     cfg.update(parse('{"type": "session.update", "session": {"audio": {"output": {"speed": 1.25}}}}').session)
-    assert cfg.speed == 1.25 and cfg.as_json()["audio"]["output"] == {"format": PCM, "voice": "Ethan", "speed": 1.25}
+    assert cfg.speed == 1.25 and cfg.as_json()["audio"]["output"] == {"format": {"type": "audio/pcm", "rate": 24000},
+                                                                      "voice": "Ethan", "speed": 1.25}
     before = cfg.as_json()
     for session, param in [('{"output_modalities": ["text"], "audio": {"output": {"speed": 1.6}}}',
                             "session.audio.output.speed"),
@@ -400,6 +442,45 @@ def test_spoken_turn_by_server_vad(client):
     assert {e.item_id for e in deltas} == {committed.item_id}
     assert "".join(e.delta for e in deltas) == transcribed.transcript  # streamed as the thinker writes it
     assert seen.index(deltas[-1]) < seen.index(transcribed)
+
+
+def test_a_phone_session_in_g711(client, library):
+    """audio/pcmu in and out (Twilio's media streams): a spoken turn in mu-law at 8 kHz is heard as
+    its PCM16 twin is, the reply is the library's audio at 8 kHz in mu-law; a response may ask
+    for another format (A-law)."""
+    want = library.generate({"messages": HELLO}, sampling_params_list=_lib_params(library, 8),
+                            output_modalities=["text", "audio"], voice="Chelsie")[0]
+    speech = _speech("Hello there. What is the weather like today?")
+    ulaw = g711.encode(np.round(soxr.resample(speech, SR, 8000) * 32767).astype(np.int16), "ulaw")
+    with client.realtime.connect(model=MODEL) as conn:
+        _until(conn, "session.created")
+        conn.session.update(session={"type": "realtime", "audio": {"input": {"format": {"type": "audio/pcmu"}},
+                                                                   "output": {"format": {"type": "audio/pcmu"}}}})
+        audio = _until(conn, "session.updated").session.audio
+        assert (audio.input.format.type, audio.output.format.type) == ("audio/pcmu", "audio/pcmu")
+        _say_hello(conn, max_output_tokens=8, temperature=0.0)
+        seen = []
+        done = _until(conn, "response.done", seen).response
+        got = np.concatenate([wire_audio.decode(e.delta, wire_audio.PCMU) for e in seen
+                              if e.type == "response.output_audio.delta"])
+        assert done.audio.output.format.type == "audio/pcmu"
+        # (the random vocoder's full-scale noise overshoots [-1, 1] once resampled: the wire clips it)
+        reference = np.clip(soxr.resample(want.audio, SR, 8000), -1, 1)
+        assert len(got) == len(reference) and np.abs(got - reference).max() < 0.03
+        assert done.output[0].content[0].transcript == want.text
+        # the caller speaks: 100 ms appends of mu-law, as a phone line sends them
+        turn = []
+        for i in range(0, len(ulaw), 800):
+            conn.input_audio_buffer.append(audio=base64.b64encode(ulaw[i:i + 800]).decode())
+        started = _until(conn, "input_audio_buffer.speech_started", turn)
+        stopped = _until(conn, "input_audio_buffer.speech_stopped", turn)
+        start, end = _voiced(speech)
+        assert abs(started.audio_start_ms - (start - 300)) <= 60 and end < stopped.audio_end_ms < end + 900
+        conn.response.cancel()
+        _until(conn, "response.done", turn)
+        conn.response.create(response={"max_output_tokens": 2, "audio": {"output": {"format": {"type": "audio/pcma"}}}})
+        alaw = _until(conn, "response.done").response
+        assert alaw.audio.output.format.type == "audio/pcma"
 
 
 def test_semantic_vad_session_answers_a_spoken_turn(client):

@@ -5,7 +5,8 @@ connection.py    one session's event loop (turns, transcriptions, the idle timeo
 events.py        client events, validated; the `error` event
 session.py       the session's settings (`session.update`): a realtime or a transcription session
 conversation.py  the conversation's items and the chat prompt they make
-audio_buffer.py  input audio: PCM16 24 kHz in, 16 kHz out, bounded
+wire_audio.py    the audio formats on the wire (PCM16 24 kHz, G.711 8 kHz: ../g711.py), decoded and encoded
+audio_buffer.py  input audio: at the input format's rate in, 16 kHz out, bounded
 turns.py         the input buffer with its turn detection (the server VAD: ../vad.py)
 response.py      one response: an AsyncOmniJax request as response events
 """

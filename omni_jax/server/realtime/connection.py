@@ -29,7 +29,7 @@ from ..transcription import token_usage, transcription_params, transcription_pro
 from ..generation import open_request
 from ..reasoning import ReplyReasoning, thinking_fields
 from ..spoken_calls import SpokenCalls
-from .audio_buffer import decode_pcm16
+from . import wire_audio
 from .conversation import Conversation, ConversationItem, Part, item_from_event
 from .events import (ConversationItemCreate, ConversationItemDelete, ConversationItemRetrieve,
                      ConversationItemTruncate, EventError, InputAudioBufferAppend, InputAudioBufferClear,
@@ -140,6 +140,7 @@ class RealtimeSession:
             if self.config.turn_detection != had_vad:
                 self.turns.configure(self.config.turn_detection)
                 self._disarm_idle()  # the next reply's end arms the new setting
+            self.turns.buffer.set_rate(wire_audio.rate(self.config.input_format))
             await self.send({"type": "session.updated", "event_id": new_id("event"), "session": self.config.as_json()})
         elif isinstance(ev, InputAudioBufferCommit):
             held = self.turns.buffer.ms
@@ -153,7 +154,8 @@ class RealtimeSession:
             await self.send({"type": "input_audio_buffer.cleared", "event_id": new_id("event")})
         elif isinstance(ev, ConversationItemCreate):
             try:
-                item = await asyncio.to_thread(item_from_event, ev.item, self.policy, self.limits.max_buffer_s)
+                item = await asyncio.to_thread(item_from_event, ev.item, self.policy, self.limits.max_buffer_s,
+                                               self.config.input_format)
             except EventError as e:
                 e.event_id = ev.event_id
                 raise
@@ -186,8 +188,8 @@ class RealtimeSession:
 
     async def _append_locked(self, ev: InputAudioBufferAppend) -> None:
         try:
-            wave24 = decode_pcm16(ev.audio)
-            turn_events = await asyncio.to_thread(self.turns.append, wave24)
+            wave = wire_audio.decode(ev.audio, self.config.input_format)
+            turn_events = await asyncio.to_thread(self.turns.append, wave)
         except InputAudioError as e:
             raise EventError(str(e), "invalid_value", "audio", ev.event_id) from None
         for vev, audio in turn_events:
@@ -333,10 +335,12 @@ class RealtimeSession:
         if modalities == ["audio"] and not cfg.voices:
             raise EventError("this model has no speech output; ask for output_modalities ['text']", "invalid_value",
                              "response.output_modalities", event_id)
-        voice = cfg.voice
-        if fields is not None and fields.audio is not None and fields.audio.output is not None \
-                and fields.audio.output.voice is not None:
-            voice = cfg.check_voice(fields.audio.output.voice, "response.audio.output.voice", event_id)
+        voice, output_format = cfg.voice, cfg.output_format
+        asked = fields.audio.output if fields is not None and fields.audio is not None else None
+        if asked is not None and asked.voice is not None:
+            voice = cfg.check_voice(asked.voice, "response.audio.output.voice", event_id)
+        if asked is not None and asked.format is not None:
+            output_format = asked.format.type
         tools = cfg.tool_use("response", event_id, fields.tools if fields is not None else None,
                              fields.tool_choice if fields is not None else None)
         instructions = fields.instructions if "instructions" in sent and fields.instructions is not None \
@@ -349,7 +353,8 @@ class RealtimeSession:
         if fields is not None and fields.input is not None:
             context = Conversation(self.limits.max_items)
             for it in fields.input:
-                context.add(await asyncio.to_thread(item_from_event, it, self.policy, self.limits.max_buffer_s))
+                context.add(await asyncio.to_thread(item_from_event, it, self.policy, self.limits.max_buffer_s,
+                                                    cfg.input_format))
         else:
             context = self.conversation
         messages = context.messages(instructions)
@@ -386,7 +391,7 @@ class RealtimeSession:
                 self.metrics.aborted("realtime")
 
         self.response = Response(self.engine, self.send, messages, modalities=modalities, voice=voice,
-                                 speed=self.config.speed, params=params,
+                                 speed=self.config.speed, output_format=output_format, params=params,
                                  max_output_tokens=max_tokens, conversation_id=None if out_of_band else
                                  self.conversation_id, item=item,
                                  metadata=fields.metadata if fields is not None else None,

@@ -17,7 +17,7 @@ import soxr
 from ..errors import APIError, InputAudioError
 from ..messages import MediaPolicy
 from ..tools import join_call
-from .audio_buffer import decode_pcm16, INPUT_RATE
+from . import wire_audio
 from .events import EventError, Item, new_id
 from ..vad import RATE
 
@@ -80,8 +80,10 @@ def _call_item(item: Item) -> ConversationItem:
                             call={name: getattr(item, name) for name in fields})
 
 
-def item_from_event(item: Item, policy: MediaPolicy, max_audio_s: float) -> ConversationItem:
-    """A client's item (conversation.item.create, response.create's input) -> ours, checked."""
+def item_from_event(item: Item, policy: MediaPolicy, max_audio_s: float,
+                    input_format: str = wire_audio.PCM) -> ConversationItem:
+    """A client's item (conversation.item.create, response.create's input) -> ours, checked; its
+    audio in the session's input format."""
     if item.type != "message":
         return _call_item(item)
     if item.role is None or not item.content:
@@ -96,16 +98,18 @@ def item_from_event(item: Item, policy: MediaPolicy, max_audio_s: float) -> Conv
                              "invalid_value", f"{where}.type")
         if p.type == "input_audio":
             if p.audio is None:
-                raise EventError(f"{where}.audio is required (base64 PCM16, 24 kHz mono)", "invalid_value",
+                raise EventError(f"{where}.audio is required ({wire_audio.describe(input_format)})", "invalid_value",
                                  f"{where}.audio")
             try:
-                wave24 = decode_pcm16(p.audio)
+                wave = wire_audio.decode(p.audio, input_format)
             except InputAudioError as e:
                 raise EventError(f"{where}.audio: {e}", "invalid_value", f"{where}.audio") from None
-            if len(wave24) > max_audio_s * INPUT_RATE:
+            rate = wire_audio.rate(input_format)
+            if len(wave) > max_audio_s * rate:
                 raise EventError(f"{where}.audio is longer than the limit of {max_audio_s:g} s", "invalid_value",
                                  f"{where}.audio")
-            parts.append(Part("input_audio", transcript=p.transcript, audio=resample_to_16k(wave24)))
+            parts.append(Part("input_audio", transcript=p.transcript, audio=soxr.resample(wave, rate, RATE)
+                              .astype(np.float32)))
         elif p.type == "input_image":
             try:
                 url = policy.source(p.image_url, f"{where}.image_url")
@@ -117,10 +121,6 @@ def item_from_event(item: Item, policy: MediaPolicy, max_audio_s: float) -> Conv
         else:
             parts.append(Part(p.type, text=p.text or ""))
     return ConversationItem(item.id or new_id("item"), item.role, parts)
-
-
-def resample_to_16k(wave24: np.ndarray) -> np.ndarray:
-    return soxr.resample(wave24, INPUT_RATE, RATE).astype(np.float32)
 
 
 class Conversation:

@@ -3,8 +3,8 @@
 Each client event type has a pydantic model; `parse` turns one WebSocket text message into
 one of them or raises `EventError`, which the connection sends back as an `error` event
 (OpenAI's shape: type, code, message, param, and the client's event_id) and goes on.
-Fields OpenAI has that this server does not serve (other audio formats) are refused by name
-rather than ignored; unknown fields are ignored, as OpenAI does.
+Fields OpenAI has that this server does not serve are refused by name rather than ignored;
+unknown fields are ignored, as OpenAI does.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from ..vad import VADSettings
 
@@ -51,8 +51,18 @@ class _Model(BaseModel):
 
 
 class AudioFormat(_Model):
-    type: Literal["audio/pcm"] = "audio/pcm"
-    rate: Literal[24000] = 24000
+    """audio/pcm (PCM16 at 24 kHz), audio/pcmu or audio/pcma (G.711 at 8 kHz): wire_audio.py."""
+
+    type: Literal["audio/pcm", "audio/pcmu", "audio/pcma"] = "audio/pcm"
+    rate: int | None = None
+
+    @field_validator("rate")
+    @classmethod
+    def _rate(cls, rate: int | None, info: ValidationInfo) -> int | None:
+        want = 24000 if info.data.get("type", "audio/pcm") == "audio/pcm" else 8000
+        if rate is not None and rate != want:
+            raise ValueError(f"{info.data.get('type', 'audio/pcm')} is {want} Hz here, not {rate}")
+        return rate
 
 
 class ServerVADConfig(VADSettings):

@@ -19,7 +19,6 @@ from typing import Awaitable, Callable
 
 import numpy as np
 
-from .. import audio as audio_codec
 from ..errors import APIError
 from ..generation import failure, open_request
 from ..reasoning import ReplyReasoning
@@ -27,11 +26,11 @@ from ..tempo import Tempo
 from ..spoken_calls import SpokenCalls
 from ..tools import NO_TOOLS, ToolUse, call_id
 from .conversation import ConversationItem, Part, function_call_item, without_oldest_turn
+from . import wire_audio
 from .events import EventError, new_id
-from .session import PCM
 
 Send = Callable[[dict], Awaitable[None]]
-SR = 24000
+SR = wire_audio.OUTPUT_RATE
 # Audio deltas are cut to at most this many samples (OpenAI sends pieces of ~100 ms; a piece
 # this size keeps one event under 20 kB and a barge-in's waste small).
 MAX_DELTA_SAMPLES = 4800
@@ -41,8 +40,9 @@ class Response:
     """Runs one response (`run`), cancellable (`cancel`) from the session's receive loop."""
 
     def __init__(self, engine, send: Send, messages: list[dict], *, modalities: list[str], voice: str | None,
-                 speed: float = 1.0, params: list, max_output_tokens, conversation_id: str, item: ConversationItem,
-                 metadata: dict | None, previous_item_id: str | None, on_finished: Callable[[object], None],
+                 speed: float = 1.0, output_format: str = wire_audio.PCM, params: list, max_output_tokens,
+                 conversation_id: str, item: ConversationItem, metadata: dict | None, previous_item_id: str | None,
+                 on_finished: Callable[[object], None],
                  tools: ToolUse = NO_TOOLS, spoken_calls: SpokenCalls | None = None,
                  add_item: Callable[[ConversationItem, str | None], str | None] | None = None):
         self.engine, self.send, self.messages, self.params = engine, send, messages, params
@@ -59,6 +59,7 @@ class Response:
         self.speaks = self.audio and tools.constraint is None
         self.call_tokens = 0
         self.tempo = Tempo(speed) if self.audio and speed != 1.0 else None  # the session's pace
+        self.output_format, self.wire = output_format, wire_audio.OutputAudio(output_format)
         self.status, self.reason, self.error = "in_progress", None, None
         self.usage = None
         self.sent_samples = 0
@@ -87,7 +88,8 @@ class Response:
                 "output": [] if self.status == "in_progress" else [it.as_json() for it in (self.item, *self.calls)],
                 "conversation_id": self.conversation_id, "output_modalities": self.modalities,
                 "max_output_tokens": self.max_output_tokens, "metadata": self.metadata,
-                "audio": {"output": {"format": PCM, "voice": self.voice}}, "usage": self.usage}
+                "audio": {"output": {"format": wire_audio.as_json(self.output_format), "voice": self.voice}},
+                "usage": self.usage}
 
     def _at(self) -> dict:
         return {"response_id": self.id, "item_id": self.item.id, "output_index": 0, "content_index": 0}
@@ -124,6 +126,8 @@ class Response:
                     await self._audio(out.audio_delta if self.tempo is None else self.tempo.push(out.audio_delta), part)
             if self.tempo is not None and out.finished and not out.error:
                 await self._audio(self.tempo.flush(), part)
+            if self.speaks and out.finished and not out.error:
+                await self._send_audio(self.wire.flush(), part)
             ending = out
             if not out.error and self._call_opened(out):
                 try:
@@ -227,9 +231,13 @@ class Response:
                          "part": _content(part)})
 
     async def _audio(self, delta: np.ndarray, part: Part) -> None:
-        for piece, n in audio_codec.pcm16_pieces(delta, MAX_DELTA_SAMPLES):
-            await self.send({"type": "response.output_audio.delta", "event_id": new_id("event"), **self._at(),
-                             "delta": piece})
+        await self._send_audio(self.wire.pieces(delta, MAX_DELTA_SAMPLES), part)
+
+    async def _send_audio(self, pieces: list[tuple[str, int]], part: Part) -> None:
+        for piece, n in pieces:
+            if piece:  # (a G.711 piece of a few samples may be all in the resampler yet)
+                await self.send({"type": "response.output_audio.delta", "event_id": new_id("event"), **self._at(),
+                                 "delta": piece})
             self.sent_samples += n
             part.audio_ms = self.sent_samples * 1000 // SR
 

@@ -14,9 +14,8 @@ from typing import Any
 
 from ..errors import APIError
 from ..tools import ToolUse, tool_use
+from . import wire_audio
 from .events import EventError, ServerVADConfig, SessionFields, TranscriptionConfig, TurnDetection, new_id
-
-PCM = {"type": "audio/pcm", "rate": 24000}
 
 
 # The settings of a session's answers: session.update sets them; a transcription session (which
@@ -34,6 +33,8 @@ class SessionConfig:
     output_modalities: list[str] = dataclasses.field(default_factory=lambda: ["audio"])
     voice: str | None = None
     speed: float = 1.0                      # the spoken answers' pace (server/tempo.py)
+    input_format: str = wire_audio.PCM      # the audio on the wire (wire_audio.py)
+    output_format: str = wire_audio.PCM
     turn_detection: TurnDetection | None = dataclasses.field(
         default_factory=lambda: ServerVADConfig(type="server_vad"))
     transcription: TranscriptionConfig | None = None
@@ -81,10 +82,14 @@ class SessionConfig:
                 new.turn_detection = audio.input.turn_detection
             if "transcription" in fields:
                 new.transcription = audio.input.transcription
+            if audio.input.format is not None:
+                new.input_format = audio.input.format.type
         if out is not None and out.voice is not None:
             new.voice = self.check_voice(out.voice, "session.audio.output.voice", event_id)
         if out is not None and "speed" in out.model_fields_set:
             new.speed = out.speed
+        if out is not None and out.format is not None:
+            new.output_format = out.format.type
         self.__dict__.update(new.__dict__)
 
     def tool_use(self, where: str, event_id: str | None = None, tools: Any = None, choice: Any = None) -> ToolUse:
@@ -124,7 +129,7 @@ class SessionConfig:
 
     def as_json(self) -> dict[str, Any]:
         """The `session` object of session.created / session.updated."""
-        audio_in = {"format": PCM, "noise_reduction": None,
+        audio_in = {"format": wire_audio.as_json(self.input_format), "noise_reduction": None,
                     "transcription": None if self.transcription_settings is None else
                     self.transcription_settings.model_dump(),
                     "turn_detection": None if self.turn_detection is None else self.turn_detection.model_dump()}
@@ -137,5 +142,6 @@ class SessionConfig:
             "max_output_tokens": self.max_output_tokens, "tools": self.tools or [],
             "tool_choice": self.tool_choice or "auto",
             "include": self.include or None,
-            "audio": {"input": audio_in, "output": {"format": PCM, "voice": self.voice, "speed": self.speed}},
+            "audio": {"input": audio_in, "output": {"format": wire_audio.as_json(self.output_format),
+                                                    "voice": self.voice, "speed": self.speed}},
         }

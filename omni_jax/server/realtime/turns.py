@@ -33,10 +33,10 @@ class Turns:
         if self.vad is not None:
             self.vad.reset(self.buffer.end)
 
-    def append(self, wave24: np.ndarray) -> list[tuple[VADEvent, np.ndarray | None]]:
-        """Add audio (24 kHz); the VAD's events, a stop with its turn's 16 kHz audio (InputAudioError
+    def append(self, wave: np.ndarray) -> list[tuple[VADEvent, np.ndarray | None]]:
+        """Add audio (at the buffer's rate); the VAD's events, a stop with its turn's 16 kHz audio (InputAudioError
         when the buffer cannot hold it). Blocking work: call it off the event loop."""
-        new = self.buffer.append(wave24)
+        new = self.buffer.append(wave)
         if self.vad is None:
             return []
         out = []

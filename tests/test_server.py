@@ -577,6 +577,22 @@ def test_speech_wav_and_sse(server, library):
     _assert_same_audio(np.frombuffer(pcm, "<i2") / 32767.0, want.audio)
 
 
+def test_speech_takes_instructions(server, library):
+    """`instructions` (the Agents SDK's TTS always sends them) are a system message after the
+    speech system prompt: the reply is the library's on that prompt."""
+    text, instructions = "Good morning to you", "Speak slowly and warmly."
+    prompt = speech_prompt(library.processor, text, instructions)
+    assert instructions in library.tokenizer.decode(list(prompt["prompt_token_ids"]))
+    thinker = library.pipeline.stage("thinker").sampling_params().updated(max_tokens=1, min_tokens=0)
+    want = library.generate(prompt, sampling_params_list=[thinker, *_lib_params(library, 1)[1:]],
+                            output_modalities=["text", "audio"], voice="Ethan")[0]
+    r = httpx.post(f"{server.url}/v1/audio/speech", headers=_auth(), timeout=120,
+                   json={"model": MODEL, "input": text, "voice": "Ethan", "response_format": "wav",
+                         "instructions": instructions, **SPL})
+    assert r.status_code == 200, r.text
+    _assert_same_audio(_wav(r.content)[1], want.audio)
+
+
 def test_speech_at_another_speed(server, library):
     """`speed` paces the speech at the same pitch: the reply is the library's waveform through
     server/tempo.py, 1/speed as long, whole and streamed alike."""

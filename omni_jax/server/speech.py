@@ -34,10 +34,16 @@ from .tempo import Tempo, stretch
 MODALITIES = ["text", "audio"]
 
 
-def speech_prompt(processor, text: str) -> dict:
+def speech_prompt(processor, text: str, instructions: str | None = None) -> dict:
     """The prompt of a speech request: the chat template with the assistant turn begun with the
-    text, which the talker speaks as the reply (see the families' handoffs)."""
-    ids = processor.chat_token_ids([{"role": "user", "content": text}], speech_output=True, assistant_prefix=text)
+    text, which the talker speaks as the reply (see the families' handoffs). `instructions`
+    (OpenAI's directions for the voice) are a system message after the family's speech system
+    prompt: the talker hears the reply in their context. Qwen-Omni was not trained on voice
+    directions, so how far they change the delivery is the model's."""
+    messages = [{"role": "user", "content": text}]
+    if instructions:
+        messages = [*processor.speech_messages([]), {"role": "system", "content": instructions}, *messages]
+    ids = processor.chat_token_ids(messages, speech_output=True, assistant_prefix=text)
     return {"prompt_token_ids": ids}
 
 
@@ -49,9 +55,6 @@ class SpeechHandler:
 
     async def __call__(self, req: SpeechRequest, request: Request):
         check_model(self.engine, req.model)
-        if req.instructions:
-            raise bad_request("instructions are not supported by this model", "instructions",
-                              "unsupported_parameter")
         if "audio" not in self.engine.output_modalities:
             raise bad_request(self.engine.no_audio_reason, "model")
         params = stage_params(self.engine.stage_defaults(self.engine.stage_names(MODALITIES)), req)
@@ -59,7 +62,7 @@ class SpeechHandler:
         # thinker would add is not wanted (its one token ends the reply; the last token is never spoken).
         params[0] = params[0].updated(max_tokens=1, min_tokens=0)
         try:
-            prompt = speech_prompt(self.engine.omni.processor, req.input)
+            prompt = speech_prompt(self.engine.omni.processor, req.input, req.instructions)
         except ValueError as e:  # PromptError: text the tokenizer cannot take (a lone surrogate...)
             raise bad_request(str(e), "input") from None
         gen = await open_request(self.engine, prompt, params, MODALITIES, req.voice, f"speech-{uuid.uuid4().hex}",

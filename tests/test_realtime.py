@@ -38,7 +38,8 @@ from omni_jax.server import g711
 from omni_jax.server.realtime.audio_buffer import InputAudioBuffer
 from omni_jax.server.realtime.conversation import Conversation, ConversationItem, Part, without_oldest_turn
 from omni_jax.server.realtime.events import EventError, ServerVADConfig, parse
-from omni_jax.server.realtime import wire_audio
+from omni_jax.server.errors import APIError
+from omni_jax.server.realtime import ClientSecrets, wire_audio
 from omni_jax.server.realtime.session import SessionConfig
 from omni_jax.server.realtime.turns import Turns
 from omni_jax.server.app import build_app
@@ -46,7 +47,7 @@ from omni_jax.server.engine import ServedEngine
 from omni_jax.server.vad import ServerVAD
 from test_async_chunk_pipeline import pipeline_for
 from test_server import (API_KEY, HELLO, MAX_BODY_MB, MODEL, VOCODER_SEED, _assert_same_audio, _idle,  # noqa: F401
-                         _free_port, _lib_params, _metrics, client, env, library, media_dir, server,
+                         _auth, _free_port, _lib_params, _metrics, client, env, library, media_dir, server,
                          with_audio_buckets)
 from test_server import pipeline_yaml as server_pipeline_yaml
 
@@ -839,6 +840,53 @@ def test_a_bad_key_is_refused_at_the_handshake(server):
     with pytest.raises(InvalidStatus) as e:
         _raw(server, key="wrong")
     assert e.value.response.status_code == 401
+
+
+def test_a_client_secret_admits_sessions_with_its_settings(client, server):
+    """A backend's key buys a browser a short-lived one (the subprotocol a browser sends it in):
+    its sessions start with the secret's settings; it opens nothing but /v1/realtime."""
+    secret = client.realtime.client_secrets.create(
+        expires_after={"anchor": "created_at", "seconds": 60},
+        session={"type": "realtime", "instructions": "Be brief.",
+                 "audio": {"output": {"voice": "Ethan", "format": {"type": "audio/pcmu"}}}})
+    assert secret.value.startswith("ek_") and abs(secret.expires_at - (time.time() + 60)) < 5
+    assert secret.session.instructions == "Be brief." and secret.session.audio.output.voice == "Ethan"
+    url = server.url.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}"
+    ids = set()
+    for _ in range(2):  # a secret opens any number of sessions until it expires
+        with ws_client.connect(url, subprotocols=["realtime", f"openai-insecure-api-key.{secret.value}"],
+                               open_timeout=30) as ws:
+            session = _next(ws, "session.created")["session"]
+            assert session["instructions"] == "Be brief." and session["audio"]["output"]["voice"] == "Ethan"
+            assert session["audio"]["output"]["format"] == {"type": "audio/pcmu"}
+            ids.add(session["id"])
+    assert len(ids) == 2
+    with pytest.raises(openai.AuthenticationError):  # not the API key
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key=secret.value, max_retries=0).models.list()
+    for body, param in [({"expires_after": {"seconds": 5}}, "expires_after.seconds"),
+                        ({"session": {"audio": {"output": {"voice": "Nobody"}}}}, "session.audio.output.voice"),
+                        ({"session": {"type": "realtime", "model": "other"}}, "session.model")]:
+        r = httpx.post(f"{server.url}/v1/realtime/client_secrets", json=body, headers=_auth(), timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = httpx.post(f"{server.url}/v1/realtime/client_secrets", json={}, timeout=30)
+    assert r.status_code == 401  # buying one takes the API key
+
+
+def test_client_secrets_expire_and_are_bounded():
+    now = [1000.0]
+    engine = SimpleNamespace(check=lambda: (True, ""), served_name=MODEL, voices=["Chelsie", "Ethan"])
+    secrets = ClientSecrets(engine, max_live=2, clock=lambda: now[0])
+    first = secrets.create({"expires_after": {"seconds": 10}, "session": {"type": "transcription"}})
+    assert first["expires_at"] == 1010 and first["session"]["type"] == "transcription"
+    a, b = secrets.session(first["value"]), secrets.session(first["value"])
+    assert a.type == "transcription" and a.id != b.id and secrets.session("ek_unknown") is None
+    secrets.create({})
+    with pytest.raises(APIError) as e:  # two live: the most it keeps
+        secrets.create({})
+    assert e.value.status == 429
+    now[0] = 1010.0
+    assert secrets.session(first["value"]) is None  # expired
+    secrets.create({})  # and forgotten, making room
 
 
 def test_sessions_past_the_limit_are_refused_and_all_are_freed(server):

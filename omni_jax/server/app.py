@@ -21,7 +21,7 @@ from .messages import MediaPolicy
 from .metrics import Metrics
 from .schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponseRequest, SpeechRequest,
                       TokenizeRequest)
-from .realtime import RealtimeEndpoint, RealtimeLimits
+from .realtime import ClientSecrets, RealtimeEndpoint, RealtimeLimits
 from .reply_audio import ReplyAudio
 from .responses import ResponsesHandler
 from .speech import SpeechHandler
@@ -263,7 +263,18 @@ def build_app(engine: ServedEngine, *, api_key: str | None = None, max_body_byte
             raise APIError(503, why, None, "service_unavailable")
         return {"voices": engine.voices}
 
-    app.add_api_websocket_route("/v1/realtime", RealtimeEndpoint(engine, policy, metrics, api_key, realtime))
+    client_secrets = ClientSecrets(engine)
+
+    @app.post("/v1/realtime/client_secrets")
+    async def realtime_client_secrets(request: Request):
+        try:
+            body = json.loads(await request.body() or b"{}")
+        except ValueError as e:
+            raise APIError(400, f"the body is not valid JSON: {e}", None, "invalid_json") from None
+        return client_secrets.create(body)
+
+    app.add_api_websocket_route("/v1/realtime", RealtimeEndpoint(engine, policy, metrics, api_key, realtime,
+                                                                 client_secrets))
     if ui:
         page.mount(app)
 

@@ -57,12 +57,13 @@ class RealtimeSession:
     """One connection's session: settings, conversation, input audio, and its response."""
 
     def __init__(self, ws: WebSocket, engine, policy: MediaPolicy, metrics: Metrics, limits: RealtimeLimits,
-                 kind: str = "realtime"):
+                 kind: str = "realtime", config: SessionConfig | None = None):
+        """`config`: the settings it starts with (a client secret's), else the defaults of a `kind` session."""
         self.ws, self.engine, self.policy, self.metrics, self.limits = ws, engine, policy, metrics, limits
-        self.config = SessionConfig(engine.served_name, engine.voices, type=kind)
+        self.config = config or SessionConfig(engine.served_name, engine.voices, type=kind)
         self.conversation = Conversation(limits.max_items)
         self.conversation_id = new_id("conv")
-        self.turns = Turns(limits.max_buffer_s, self.config.turn_detection)
+        self.turns = Turns(limits.max_buffer_s, self.config.turn_detection, wire_audio.rate(self.config.input_format))
         self.speech_item: str | None = None       # the item id a detected turn will get
         self.response: Response | None = None
         self.tasks: set[asyncio.Task] = set()     # transcriptions

@@ -1,7 +1,8 @@
 """`/v1/realtime`: the WebSocket endpoint, which admits sessions (connection.py runs each).
 
-It checks the API key at the handshake (a wrong one is refused there, 401), then admits at
-most `max_sessions` sessions; past that a session gets an `error` event and close code 1008.
+It checks the API key at the handshake (a wrong one is refused there, 401), or a client secret
+(client_secrets.py: the session starts with its settings), then admits at most `max_sessions`
+sessions; past that a session gets an `error` event and close code 1008.
 `?intent=transcription` starts a transcription session (session.py).
 """
 
@@ -15,6 +16,7 @@ from starlette.websockets import WebSocket
 from ..errors import error_response
 from ..messages import MediaPolicy
 from ..metrics import Metrics
+from .client_secrets import ClientSecrets
 from .connection import POLICY_VIOLATION, RealtimeLimits, RealtimeSession
 from .events import EventError
 
@@ -25,8 +27,9 @@ class RealtimeEndpoint:
     """The `/v1/realtime` WebSocket route on one engine."""
 
     def __init__(self, engine, policy: MediaPolicy, metrics: Metrics, api_key: str | None,
-                 limits: RealtimeLimits = RealtimeLimits()):
+                 limits: RealtimeLimits = RealtimeLimits(), secrets: ClientSecrets | None = None):
         self.engine, self.policy, self.metrics, self.api_key, self.limits = engine, policy, metrics, api_key, limits
+        self.secrets = secrets or ClientSecrets(engine)
         self.active = 0
 
     def _key(self, ws: WebSocket) -> str | None:
@@ -40,12 +43,14 @@ class RealtimeEndpoint:
         return None
 
     async def __call__(self, ws: WebSocket) -> None:
-        if self.api_key is not None:
-            key = self._key(ws)
+        key = self._key(ws)
+        config = self.secrets.session(key) if key else None
+        if self.api_key is not None and config is None:
             if key is None or not hmac.compare_digest(key.encode(), self.api_key.encode()):
                 self.metrics.error(401)
                 await ws.send_denial_response(error_response(
-                    401, "Invalid or missing API key: send 'Authorization: Bearer KEY'", None, "invalid_api_key"))
+                    401, "Invalid or missing API key: send 'Authorization: Bearer KEY' (the API key, or a live client "
+                    "secret)", None, "invalid_api_key"))
                 return
         await ws.accept(subprotocol="realtime" if "realtime" in _protocols(ws) else None)
         intent = ws.query_params.get("intent")
@@ -57,7 +62,7 @@ class RealtimeEndpoint:
         self.metrics.realtime_sessions.inc()
         try:
             await RealtimeSession(ws, self.engine, self.policy, self.metrics, self.limits,
-                                  "transcription" if intent == "transcription" else "realtime").run()
+                                  "transcription" if intent == "transcription" else "realtime", config).run()
         finally:
             self.active -= 1
             self.metrics.realtime_sessions.dec()

@@ -257,16 +257,18 @@ CLIENT_EVENTS: dict[str, type[_Event]] = {
 }
 
 
-def _param(loc, data) -> str:
+def param_of(error: dict, data) -> str:
     """A validation error's place in the event, as OpenAI names params ("session.audio.input...");
     the tag pydantic adds for a union told apart by `type` is not a place in the event."""
     out, at = "", data
-    for p in loc:
+    for p in error["loc"]:
         if isinstance(at, dict) and p not in at and at.get("type") == p:
             continue
         out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
         inside = isinstance(at, dict) and p in at or isinstance(at, list) and isinstance(p, int) and p < len(at)
         at = at[p] if inside else None
+    if error["type"] in ("union_tag_invalid", "union_tag_not_found"):
+        out += ".type"  # the union's tag itself is what is wrong
     return out
 
 
@@ -289,7 +291,5 @@ def parse(text: str | bytes) -> _Event:
         return cls.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
-        param = _param(first["loc"], data)
-        if first["type"] in ("union_tag_invalid", "union_tag_not_found"):
-            param += ".type"  # the union's tag itself is what is wrong
+        param = param_of(first, data)
         raise EventError(f"{kind}: {param}: {first['msg']}", "invalid_value", param, event_id) from None

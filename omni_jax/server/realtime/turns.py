@@ -18,8 +18,8 @@ from ..vad import ServerVAD, VADEvent
 class Turns:
     """The input audio buffer of one session and its turn detection (None: manual commits)."""
 
-    def __init__(self, max_buffer_s: float, vad: TurnDetection | None):
-        self.buffer = InputAudioBuffer(max_buffer_s)
+    def __init__(self, max_buffer_s: float, vad: TurnDetection | None, rate: int = 24000):
+        self.buffer = InputAudioBuffer(max_buffer_s, rate)
         self.configure(vad)
 
     def configure(self, vad: TurnDetection | None) -> None:

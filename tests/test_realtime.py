@@ -816,6 +816,26 @@ def test_bad_events_get_errors_and_the_session_goes_on(server):
         assert _next(ws, "session.updated")["session"]["instructions"] == "Be brief."
 
 
+def test_appends_past_the_buffer_are_refused_unread_and_the_session_goes_on(server):
+    """The buffer holds 60 s (--realtime-max-buffer-s): an append past it is an error, read from
+    its length before it is decoded (a bad tail is never looked at), and a clear makes room."""
+    silence = base64.b64encode(bytes(2 * 15 * SR)).decode()  # 15 s of PCM16, under the 1 MB message limit
+    with _raw(server) as ws:
+        _next(ws, "session.created")
+        ws.send('{"type": "session.update", "session": {"audio": {"input": {"turn_detection": null}}}}')
+        _next(ws, "session.updated")  # (with VAD on, silence between turns is not held)
+        for _ in range(4):
+            ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": silence}))
+        ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": silence[:-8] + "!!!!!!!!"}))
+        err = _next(ws, "error")["error"]
+        assert (err["code"], err["param"]) == ("invalid_value", "audio") and "holds at most 60 s" in err["message"]
+        ws.send('{"type": "input_audio_buffer.clear"}')
+        _next(ws, "input_audio_buffer.cleared")
+        ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": silence}))
+        ws.send('{"type": "input_audio_buffer.commit"}')
+        assert _next(ws, "input_audio_buffer.committed")["item_id"]
+
+
 def test_an_idle_session_outlives_the_header_timeout(server):
     """The HTTP header deadline (--header-timeout-s, 10 s) ends at the WebSocket upgrade."""
     with _raw(server) as ws:

@@ -39,12 +39,17 @@ class InputAudioBuffer:
         if rate != self.rate:
             self.rate, self._stream = rate, soxr.ResampleStream(rate, RATE, 1, dtype="float32")
 
-    def append(self, audio: np.ndarray) -> np.ndarray:
-        """Add samples at `rate`; the new 16 kHz samples (InputAudioError past the bound, nothing added)."""
-        if len(self) + len(audio) * RATE // self.rate > self.max_samples:
+    def check(self, samples: int) -> None:
+        """InputAudioError if `samples` more (at `rate`) would pass the bound (said before an
+        append is decoded, so that one too big costs no memory)."""
+        if len(self) + samples * RATE // self.rate > self.max_samples:
             raise InputAudioError(f"the input audio buffer holds at most {self.max_samples / RATE:g} s; commit or "
                                   f"clear it (it holds {len(self) / RATE:.1f} s, the append adds "
-                                  f"{len(audio) / self.rate:.1f} s)")
+                                  f"{samples / self.rate:.1f} s)")
+
+    def append(self, audio: np.ndarray) -> np.ndarray:
+        """Add samples at `rate`; the new 16 kHz samples (InputAudioError past the bound, nothing added)."""
+        self.check(len(audio))
         new = self._stream.resample_chunk(audio)
         if len(new):
             self._chunks.append(new)

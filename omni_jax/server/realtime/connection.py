@@ -189,6 +189,7 @@ class RealtimeSession:
 
     async def _append_locked(self, ev: InputAudioBufferAppend) -> None:
         try:
+            self.turns.buffer.check(wire_audio.samples_in(ev.audio, self.config.input_format))
             wave = wire_audio.decode(ev.audio, self.config.input_format)
             turn_events = await asyncio.to_thread(self.turns.append, wave)
         except InputAudioError as e:

@@ -100,14 +100,14 @@ def item_from_event(item: Item, policy: MediaPolicy, max_audio_s: float,
             if p.audio is None:
                 raise EventError(f"{where}.audio is required ({wire_audio.describe(input_format)})", "invalid_value",
                                  f"{where}.audio")
+            rate = wire_audio.rate(input_format)
+            if wire_audio.samples_in(p.audio, input_format) > max_audio_s * rate:  # before it costs memory
+                raise EventError(f"{where}.audio is longer than the limit of {max_audio_s:g} s", "invalid_value",
+                                 f"{where}.audio")
             try:
                 wave = wire_audio.decode(p.audio, input_format)
             except InputAudioError as e:
                 raise EventError(f"{where}.audio: {e}", "invalid_value", f"{where}.audio") from None
-            rate = wire_audio.rate(input_format)
-            if len(wave) > max_audio_s * rate:
-                raise EventError(f"{where}.audio is longer than the limit of {max_audio_s:g} s", "invalid_value",
-                                 f"{where}.audio")
             parts.append(Part("input_audio", transcript=p.transcript, audio=soxr.resample(wave, rate, RATE)
                               .astype(np.float32)))
         elif p.type == "input_image":

@@ -39,6 +39,12 @@ def as_json(fmt: str) -> dict:
     return {"type": fmt, "rate": rate(fmt)} if fmt == PCM else {"type": fmt}
 
 
+def samples_in(data: str, fmt: str) -> int:
+    """How many samples base64 `data` in `fmt` holds, read from its length (before decoding it)."""
+    raw = len(data) * 3 // 4 - data[-2:].count("=")
+    return raw if FORMATS[fmt][1] is not None else raw // 2
+
+
 def decode(data: str, fmt: str) -> np.ndarray:
     """Base64 audio in `fmt` -> float32 samples in [-1, 1) at the format's rate."""
     try:

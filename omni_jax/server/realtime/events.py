@@ -17,6 +17,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from ..vad import VADSettings
+from . import wire_audio
 
 MAX_TEXT = 1 << 20          # characters of one text part or of the instructions
 MAX_ITEMS_PER_EVENT = 64
@@ -53,15 +54,15 @@ class _Model(BaseModel):
 class AudioFormat(_Model):
     """audio/pcm (PCM16 at 24 kHz), audio/pcmu or audio/pcma (G.711 at 8 kHz): wire_audio.py."""
 
-    type: Literal["audio/pcm", "audio/pcmu", "audio/pcma"] = "audio/pcm"
+    type: Literal[wire_audio.PCM, wire_audio.PCMU, wire_audio.PCMA] = wire_audio.PCM
     rate: int | None = None
 
     @field_validator("rate")
     @classmethod
     def _rate(cls, rate: int | None, info: ValidationInfo) -> int | None:
-        want = 24000 if info.data.get("type", "audio/pcm") == "audio/pcm" else 8000
-        if rate is not None and rate != want:
-            raise ValueError(f"{info.data.get('type', 'audio/pcm')} is {want} Hz here, not {rate}")
+        kind = info.data.get("type", wire_audio.PCM)
+        if rate is not None and rate != wire_audio.rate(kind):
+            raise ValueError(f"{kind} is {wire_audio.rate(kind)} Hz here, not {rate}")
         return rate
 
 

@@ -135,6 +135,13 @@ def test_script_help(name):
     assert "--model" in r.stdout and "omni-jax convert" in r.stdout
 
 
+def test_phone_call_script_help():
+    # The bridge itself runs against a server in test_realtime.py (test_the_phone_example_bridges_a_call).
+    r = _script("phone_call", "--help", timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "--server" in r.stdout and "Twilio" in r.stdout
+
+
 def test_speech_reply_script(example_env, tmp_path):
     """The script versions mirror the notebooks; this one exercises all three stages."""
     r = _script("speech_reply", "--model", "tiny", "--voice", "Chelsie", "--out", "out.wav", cwd=tmp_path)

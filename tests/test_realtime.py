@@ -22,6 +22,7 @@ import threading
 import time
 import warnings
 import wave
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -52,6 +53,7 @@ from test_server import (API_KEY, HELLO, MAX_BODY_MB, MODEL, VOCODER_SEED, _asse
 from test_server import pipeline_yaml as server_pipeline_yaml
 
 pytestmark = pytest.mark.server
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 SR = 24000
 SPL = [None, None, VOCODER_SEED]
@@ -482,6 +484,49 @@ def test_a_phone_session_in_g711(client, library):
         conn.response.create(response={"max_output_tokens": 2, "audio": {"output": {"format": {"type": "audio/pcma"}}}})
         alaw = _until(conn, "response.done").response
         assert alaw.audio.output.format.type == "audio/pcma"
+
+
+def test_the_phone_example_bridges_a_call(server):
+    """examples/phone_call.py between a fake Twilio media stream and the server: the TwiML points
+    the call at the bridge; a caller's mu-law turn (20 ms media frames, as Twilio sends) is answered
+    with mu-law media on the call's stream."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from phone_call import build_app as bridge_app
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    realtime = server.url.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}"
+    port = _free_port()
+    bridge = uvicorn.Server(uvicorn.Config(bridge_app(realtime, API_KEY, voice="Ethan"), host="127.0.0.1", port=port,
+                                           log_level="warning", ws="websockets-sansio"))
+    thread = threading.Thread(target=bridge.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not bridge.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        twiml = httpx.post(f"http://127.0.0.1:{port}/incoming-call", headers={"host": "calls.example.com"}).text
+        assert '<Stream url="wss://calls.example.com/media-stream"/>' in twiml
+        speech = _speech("Hello there. What is the weather like today?")
+        ulaw = g711.encode(np.round(soxr.resample(speech, SR, 8000) * 32767).astype(np.int16), "ulaw")
+        with ws_client.connect(f"ws://127.0.0.1:{port}/media-stream", open_timeout=30) as call:
+            call.send(json.dumps({"event": "connected", "protocol": "Call", "version": "1.0.0"}))
+            call.send(json.dumps({"event": "start", "streamSid": "MZ1", "start": {"streamSid": "MZ1"}}))
+            for i in range(0, len(ulaw), 160):
+                call.send(json.dumps({"event": "media", "streamSid": "MZ1",
+                                      "media": {"payload": base64.b64encode(ulaw[i:i + 160]).decode()}}))
+            heard = []
+            while sum(len(h) for h in heard) < 4000:  # half a second of the reply
+                msg = json.loads(call.recv(timeout=120))
+                assert msg["streamSid"] == "MZ1"
+                if msg["event"] == "media":
+                    heard.append(g711.decode(base64.b64decode(msg["media"]["payload"]), "ulaw"))
+            call.send(json.dumps({"event": "stop", "streamSid": "MZ1"}))
+        assert np.abs(np.concatenate(heard)).max() > 1000  # speech, not silence
+    finally:
+        bridge.should_exit = True
+        thread.join(30)
+    _idle(server)
 
 
 def test_semantic_vad_session_answers_a_spoken_turn(client):

@@ -14,12 +14,13 @@ import soxr
 
 from ..errors import InputAudioError
 from ..vad import RATE
+from . import wire_audio
 
 
 class InputAudioBuffer:
     """Audio appended since the last commit or clear, at 16 kHz."""
 
-    def __init__(self, max_seconds: float, rate: int = 24000):
+    def __init__(self, max_seconds: float, rate: int = wire_audio.rate(wire_audio.PCM)):
         self.max_samples = int(max_seconds * RATE)
         self.rate = 0
         self.set_rate(rate)

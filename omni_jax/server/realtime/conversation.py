@@ -108,8 +108,8 @@ def item_from_event(item: Item, policy: MediaPolicy, max_audio_s: float,
                 wave = wire_audio.decode(p.audio, input_format)
             except InputAudioError as e:
                 raise EventError(f"{where}.audio: {e}", "invalid_value", f"{where}.audio") from None
-            parts.append(Part("input_audio", transcript=p.transcript, audio=soxr.resample(wave, rate, RATE)
-                              .astype(np.float32)))
+            audio = soxr.resample(wave, rate, RATE).astype(np.float32)
+            parts.append(Part("input_audio", transcript=p.transcript, audio=audio))
         elif p.type == "input_image":
             try:
                 url = policy.source(p.image_url, f"{where}.image_url")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import wire_audio
 from .audio_buffer import InputAudioBuffer
 from .events import TurnDetection
 from ..vad import ServerVAD, VADEvent
@@ -18,7 +19,7 @@ from ..vad import ServerVAD, VADEvent
 class Turns:
     """The input audio buffer of one session and its turn detection (None: manual commits)."""
 
-    def __init__(self, max_buffer_s: float, vad: TurnDetection | None, rate: int = 24000):
+    def __init__(self, max_buffer_s: float, vad: TurnDetection | None, rate: int = wire_audio.rate(wire_audio.PCM)):
         self.buffer = InputAudioBuffer(max_buffer_s, rate)
         self.configure(vad)
 

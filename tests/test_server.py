@@ -782,6 +782,16 @@ def test_413_body_too_large(server):
     assert r.status_code == 413
 
 
+def test_an_empty_body_is_answered_at_once(server):
+    """A POST with no body is the app's to judge at once (the body gate once left the app waiting
+    on it until the client gave up)."""
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=b"", timeout=10,
+                   headers={**_auth(), "Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    r = httpx.post(f"{server.url}/v1/realtime/client_secrets", content=b"", headers=_auth(), timeout=10)
+    assert r.status_code == 200 and r.json()["value"].startswith("ek_")  # all defaults
+
+
 def test_api_key_off_and_not_ready_in_process():
     """The same app without an API key: every endpoint is open; an engine not ready gives 503."""
     engine = ServedEngine(MODEL, MODEL)  # never started: loading

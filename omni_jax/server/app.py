@@ -134,7 +134,7 @@ class Gate:
 
             async def replay():
                 nonlocal replayed, body
-                if not replayed and body:
+                if not replayed:  # (an empty body too: the app waits for its one message)
                     replayed = True
                     out, body = body, b""  # the app's copy is the only one kept
                     return {"type": "http.request", "body": out, "more_body": False}

@@ -21,7 +21,7 @@ from .messages import MediaPolicy
 from .metrics import Metrics
 from .schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponseRequest, SpeechRequest,
                       TokenizeRequest)
-from .realtime import ClientSecrets, RealtimeEndpoint, RealtimeLimits
+from .realtime import ClientSecrets, RealtimeCalls, RealtimeEndpoint, RealtimeLimits
 from .reply_audio import ReplyAudio
 from .responses import ResponsesHandler
 from .speech import SpeechHandler
@@ -33,6 +33,7 @@ log = logging.getLogger("omni_jax.server")
 # Paths anyone may call without the API key (load balancers probe it).
 OPEN_PATHS = ("/health", "/")
 UI_PATH = "/ui/"  # the voice chat page's files: the page asks for the key itself
+SECRET_PATH = "/v1/realtime/calls"  # where a client secret does for the API key (as on /v1/realtime)
 STORED_RESPONSE_TTL_S = 3600.0  # how long /v1/responses keeps a stored response
 
 
@@ -51,8 +52,9 @@ class Gate:
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int, metrics: Metrics,
                  max_inflight_body_bytes: int | None = None, body_timeout_s: float = 30.0,
-                 max_json_items: int = 1 << 18):
+                 max_json_items: int = 1 << 18, secrets: ClientSecrets | None = None):
         self.app, self.api_key, self.max_body, self.metrics = app, api_key, max_body_bytes, metrics
+        self.secrets = secrets
         self.budget = max_inflight_body_bytes if max_inflight_body_bytes is not None else 4 * max_body_bytes
         self.body_timeout_s, self.max_json_items = body_timeout_s, max_json_items
         self.inflight_bytes = 0
@@ -80,8 +82,12 @@ class Gate:
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
                 scheme, _, token = value.decode("latin-1").partition(" ")
-                return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
-                                                                          self.api_key.encode())
+                token = token.strip()
+                if scheme.lower() != "bearer":
+                    return False
+                if scope["path"] == SECRET_PATH and self.secrets is not None and self.secrets.session(token):
+                    return True
+                return hmac.compare_digest(token.encode(), self.api_key.encode())
         return False
 
     async def __call__(self, scope, receive, send):
@@ -154,12 +160,13 @@ def build_app(engine: ServedEngine, *, api_key: str | None = None, max_body_byte
               allowed_media_dir: str | None = None, max_inflight_body_bytes: int | None = None,
               body_timeout_s: float = 30.0, realtime: RealtimeLimits = RealtimeLimits(),
               reply_audio_ttl_s: float = 3600.0, stored_responses_bytes: int = 256 << 20,
-              ui: bool = True) -> FastAPI:
+              ui: bool = True, ice_servers: tuple[str, ...] = ()) -> FastAPI:
     """The server's app around an engine (started by the caller, shut down with the app).
     `max_inflight_body_bytes`: the budget of bytes all request bodies may hold at once (None:
     four times `max_body_bytes`). `realtime`: the limits of /v1/realtime sessions. `reply_audio_ttl_s`: how
     long a spoken chat reply can be referred to by its audio id. `stored_responses_bytes`: what
-    /v1/responses keeps of stored responses (each an hour at most). `ui`: serve the voice chat page at /."""
+    /v1/responses keeps of stored responses (each an hour at most). `ui`: serve the voice chat page at /.
+    `ice_servers`: STUN/TURN URLs for WebRTC calls (/v1/realtime/calls)."""
     metrics = Metrics()
 
     @contextlib.asynccontextmanager
@@ -273,9 +280,19 @@ def build_app(engine: ServedEngine, *, api_key: str | None = None, max_body_byte
             raise APIError(400, f"the body is not valid JSON: {e}", None, "invalid_json") from None
         return client_secrets.create(body)
 
-    app.add_api_websocket_route("/v1/realtime", RealtimeEndpoint(engine, policy, metrics, api_key, realtime,
-                                                                 client_secrets))
+    realtime_endpoint = RealtimeEndpoint(engine, policy, metrics, api_key, realtime, client_secrets)
+    app.add_api_websocket_route("/v1/realtime", realtime_endpoint)
+    calls = RealtimeCalls(realtime_endpoint, ice_servers)
+
+    @app.post("/v1/realtime/calls")
+    async def realtime_calls(request: Request):
+        return await calls.create(request)
+
+    @app.post("/v1/realtime/calls/{call_id}/hangup")
+    async def realtime_call_hangup(call_id: str):
+        return await calls.hangup(call_id)
     if ui:
         page.mount(app)
 
-    return Gate(app, api_key, max_body_bytes, metrics, max_inflight_body_bytes, body_timeout_s)
+    return Gate(app, api_key, max_body_bytes, metrics, max_inflight_body_bytes, body_timeout_s,
+                secrets=client_secrets)

@@ -62,11 +62,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "3600}' (keys: min_sample_rate, max_sample_rate, max_image_pixels, max_video_fps, "
                         "max_video_frames; default: MediaLimits())")
     p.add_argument("--max-realtime-sessions", type=int, default=16,
-                   help="open /v1/realtime sessions at most; one more gets an error event and close code 1008 (default 16)")
+                   help="realtime sessions at most, WebSocket and WebRTC together; one more gets an error event and close "
+                        "code 1008, or 429 for a call (default 16)")
     p.add_argument("--realtime-max-buffer-s", type=float, default=60.0,
                    help="seconds of input audio a realtime session holds before a commit (default 60)")
     p.add_argument("--realtime-max-session-s", type=float, default=1800.0,
                    help="a realtime session is closed after this many seconds (default 1800, OpenAI's 30 minutes)")
+    p.add_argument("--ice-server", action="append", default=[], metavar="URL",
+                   help="a STUN or TURN server for WebRTC calls (/v1/realtime/calls), e.g. stun:stun.example.org:3478; "
+                        "repeat for more (default: none, the host's own addresses only)")
     p.add_argument("--reply-audio-ttl-s", type=float, default=3600.0,
                    help="how long a chat reply's audio id can bring that reply into a later request (default 3600)")
     p.add_argument("--stored-responses-mb", type=float, default=256.0,
@@ -167,7 +171,8 @@ def run(args: argparse.Namespace) -> int:
                     allowed_media_dir=args.allowed_local_media_path, max_inflight_body_bytes=inflight,
                     body_timeout_s=args.body_timeout_s, realtime=realtime,
                     reply_audio_ttl_s=args.reply_audio_ttl_s,
-                    stored_responses_bytes=int(args.stored_responses_mb * (1 << 20)), ui=not args.no_ui)
+                    stored_responses_bytes=int(args.stored_responses_mb * (1 << 20)), ui=not args.no_ui,
+                    ice_servers=tuple(args.ice_server))
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"omni-jax serve: listening on http://{host}:{sock.getsockname()[1]} "
           f"(model {engine.served_name!r}; loading and compiling the stages, /health is 503 until ready"

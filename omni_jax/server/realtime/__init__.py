@@ -1,8 +1,11 @@
-"""OpenAI's Realtime API over WebSocket (`/v1/realtime`): spoken turns in, streamed speech out.
+"""OpenAI's Realtime API over WebSocket (`/v1/realtime`) and WebRTC (`/v1/realtime/calls`): spoken
+turns in, streamed speech out.
 
-endpoint.py        the endpoint: handshake, API key, session limit
+endpoint.py        the WebSocket endpoint: handshake, API key, session limit
+calls.py           WebRTC calls: the SDP offer answered, the call's session run, hangup
+rtc.py             a call's media and events: the reply's audio track, the caller's audio, the data channel
 client_secrets.py  short-lived keys for browsers (POST /v1/realtime/client_secrets), with their session settings
-connection.py      one session's event loop (turns, transcriptions, the idle timeout, its response)
+connection.py      one session's event loop (turns, transcriptions, the idle timeout, its response), on either
 events.py          client events, validated; the `error` event
 session.py         the session's settings (`session.update`): a realtime or a transcription session
 conversation.py    the conversation's items and the chat prompt they make
@@ -12,8 +15,9 @@ turns.py           the input buffer with its turn detection (the server VAD: ../
 response.py        one response: an AsyncOmniJax request as response events
 """
 
+from .calls import RealtimeCalls
 from .client_secrets import ClientSecrets
 from .connection import RealtimeLimits
 from .endpoint import RealtimeEndpoint
 
-__all__ = ["ClientSecrets", "RealtimeEndpoint", "RealtimeLimits"]
+__all__ = ["ClientSecrets", "RealtimeCalls", "RealtimeEndpoint", "RealtimeLimits"]

@@ -36,6 +36,27 @@ class ClientSecretRequest(BaseModel):
     session: SessionFields | None = None
 
 
+def validated(model: type[BaseModel], body: Any):
+    """`body` as `model`, or a 400 naming its first bad field."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = param_of(first, body)
+        raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param or None) from None
+
+
+def session_config(engine, fields: SessionFields | None) -> SessionConfig:
+    """The settings a session starts with, from a request's `session` object (400 naming a bad one)."""
+    config = SessionConfig(engine.served_name, engine.voices, type=fields.type if fields else "realtime")
+    if fields is not None:
+        try:
+            config.update(fields)
+        except EventError as e:
+            raise bad_request(e.message, e.param) from None
+    return config
+
+
 @dataclasses.dataclass(frozen=True)
 class _Secret:
     expires_at: float
@@ -55,19 +76,8 @@ class ClientSecrets:
         ok, why = self.engine.check()
         if not ok:
             raise APIError(503, why, None, "service_unavailable")
-        try:
-            req = ClientSecretRequest.model_validate(body)
-        except ValidationError as e:
-            first = e.errors()[0]
-            param = param_of(first, body)
-            raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param or None) from None
-        config = SessionConfig(self.engine.served_name, self.engine.voices,
-                               type=req.session.type if req.session else "realtime")
-        if req.session is not None:
-            try:
-                config.update(req.session)
-            except EventError as e:
-                raise bad_request(e.message, e.param) from None
+        req = validated(ClientSecretRequest, body)
+        config = session_config(self.engine, req.session)
         now = self.clock()
         self._live = {k: s for k, s in self._live.items() if s.expires_at > now}
         if len(self._live) >= self.max_live:

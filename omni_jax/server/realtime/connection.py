@@ -1,12 +1,13 @@
-"""One `/v1/realtime` connection's session: its event loop (endpoint.py admits it).
+"""One realtime session: its event loop, over a WebSocket (endpoint.py) or a WebRTC call (calls.py).
 
-A session reads client events one at a time, answers each (a bad one gets an `error` event;
-the socket stays open), and runs at most one response at a time as a task, so that it keeps
+A session reads client events one at a time from its `Channel`, answers each (a bad one gets an
+`error` event; the channel stays open), and runs at most one response at a time as a task, so that it keeps
 reading while the response streams: a cancel or the user's speech (barge-in) reaches the
 response at once. Sends share one lock; each waits for the socket's buffer to drain, so a slow
 reader slows its own response (backpressure) instead of growing memory, and one that stops
 reading for `send_timeout_s` is closed. When the session ends for any reason its response and
-transcriptions are aborted in every stage.
+transcriptions are aborted in every stage. On a WebRTC call the replies' audio goes to the call's
+`Speaker` track instead of `response.output_audio.delta` events, and a barge-in clears it.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import dataclasses
 import json
 import logging
 from types import SimpleNamespace
+from typing import Protocol
 
 import numpy as np
-from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from ..errors import APIError, InputAudioError
 from ..messages import MediaPolicy
@@ -33,7 +34,8 @@ from . import wire_audio
 from .conversation import Conversation, ConversationItem, Part, item_from_event
 from .events import (ConversationItemCreate, ConversationItemDelete, ConversationItemRetrieve,
                      ConversationItemTruncate, EventError, InputAudioBufferAppend, InputAudioBufferClear,
-                     InputAudioBufferCommit, ResponseCancel, ResponseCreate, SessionUpdate, new_id, parse)
+                     InputAudioBufferCommit, OutputAudioBufferClear, ResponseCancel, ResponseCreate, SessionUpdate,
+                     new_id, parse)
 from .response import Response
 from .session import SessionConfig
 from .turns import Turns
@@ -53,24 +55,36 @@ class RealtimeLimits:
     send_timeout_s: float = 30.0
 
 
+class Channel(Protocol):
+    """How a session's events travel: a WebSocket (endpoint.py) or a call's data channel (rtc.py)."""
+
+    async def receive(self) -> str | bytes | None: ...   # the next client event; None once the client is gone
+    async def send_text(self, text: str) -> None: ...
+    async def close(self, code: int, reason: str) -> None: ...
+
+
 class RealtimeSession:
     """One connection's session: settings, conversation, input audio, and its response."""
 
-    def __init__(self, ws: WebSocket, engine, policy: MediaPolicy, metrics: Metrics, limits: RealtimeLimits,
-                 kind: str = "realtime", config: SessionConfig | None = None):
-        """`config`: the settings it starts with (a client secret's), else the defaults of a `kind` session."""
-        self.ws, self.engine, self.policy, self.metrics, self.limits = ws, engine, policy, metrics, limits
+    def __init__(self, channel: Channel, engine, policy: MediaPolicy, metrics: Metrics, limits: RealtimeLimits,
+                 kind: str = "realtime", config: SessionConfig | None = None, speaker=None):
+        """`config`: the settings it starts with (a client secret's), else the defaults of a `kind` session.
+        `speaker`: a WebRTC call's audio track (rtc.Speaker), which plays the replies."""
+        self.channel, self.engine, self.policy, self.metrics, self.limits = channel, engine, policy, metrics, limits
+        self.speaker = speaker
         self.config = config or SessionConfig(engine.served_name, engine.voices, type=kind)
         self.conversation = Conversation(limits.max_items)
         self.conversation_id = new_id("conv")
         self.turns = Turns(limits.max_buffer_s, self.config.turn_detection, wire_audio.rate(self.config.input_format))
         self.speech_item: str | None = None       # the item id a detected turn will get
         self.response: Response | None = None
-        self.tasks: set[asyncio.Task] = set()     # transcriptions
+        self.tasks: set[asyncio.Task] = set()     # transcriptions, the idle timeout's turn, posted events
         self._lock = asyncio.Lock()
         self.closed = False
         self._idle: asyncio.TimerHandle | None = None   # turn_detection.idle_timeout_ms, once armed
         self._turn_lock = asyncio.Lock()  # appends (the VAD runs off the loop) and the idle timeout's commit
+        self._deaf = False                # a call's audio is dropped: the input buffer is full
+        self.spoken: dict[str, str] = {}  # a call's response id -> its item, while its audio may be playing
 
     async def send(self, event: dict) -> None:
         """Send one server event (dropped once the client is gone)."""
@@ -79,7 +93,7 @@ class RealtimeSession:
         text = json.dumps(event)
         async with self._lock:
             try:
-                await asyncio.wait_for(self.ws.send_text(text), self.limits.send_timeout_s)
+                await asyncio.wait_for(self.channel.send_text(text), self.limits.send_timeout_s)
             except asyncio.TimeoutError:
                 self.closed = True
                 log.warning("realtime session %s: the client read nothing for %gs; closing", self.config.id,
@@ -88,23 +102,22 @@ class RealtimeSession:
             except Exception:  # disconnected: the receive loop sees it and ends the session
                 self.closed = True
 
+    def post(self, event: dict) -> None:
+        """Send an event from a callback (the call's speaker), without waiting for it."""
+        self._spawn(self.send(event))
+
     async def _close(self, code: int, reason: str) -> None:
         self.closed = True
-        if self.ws.application_state == WebSocketState.CONNECTED:
-            try:
-                await self.ws.close(code, reason)
-            except Exception:
-                pass
+        await self.channel.close(code, reason)
 
     async def run(self) -> None:
         await self.send({"type": "session.created", "event_id": new_id("event"), "session": self.config.as_json()})
         try:
             async with asyncio.timeout(self.limits.max_session_s):
                 while not self.closed:
-                    msg = await self.ws.receive()
-                    if msg["type"] == "websocket.disconnect":
+                    data = await self.channel.receive()
+                    if data is None:
                         break
-                    data = msg.get("text") if msg.get("text") is not None else msg.get("bytes")
                     try:
                         await self.handle(parse(data))
                     except EventError as e:
@@ -117,8 +130,6 @@ class RealtimeSession:
             await self.send(EventError(f"the session reached its limit of {self.limits.max_session_s:g} s",
                                        "session_expired").event())
             await self._close(1000, "session expired")
-        except WebSocketDisconnect:
-            pass
         finally:
             self.closed = True
             self._disarm_idle()
@@ -182,6 +193,21 @@ class RealtimeSession:
                                  f"response {ev.response_id!r} is not the active one", "response_cancel_not_active",
                                  None, ev.event_id)
             await self.response.cancel("client_cancelled")
+        elif isinstance(ev, OutputAudioBufferClear):
+            self._clear_speaker()   # (over a WebSocket the client plays the audio: nothing to clear here)
+
+    def _clear_speaker(self) -> None:
+        """Stop a WebRTC call's reply audio where it is: the item keeps what was played of it, as a
+        client's conversation.item.truncate would leave it."""
+        cut = self.speaker.clear() if self.speaker is not None else None
+        if cut is None:
+            return
+        item_id = self.spoken.get(cut[0])
+        if item_id is not None:
+            try:
+                self.conversation.truncate(item_id, 0, cut[1])
+            except EventError:  # out of band, or deleted since
+                pass
 
     async def _append(self, ev: InputAudioBufferAppend) -> None:
         async with self._turn_lock:
@@ -194,6 +220,26 @@ class RealtimeSession:
             turn_events = await asyncio.to_thread(self.turns.append, wave)
         except InputAudioError as e:
             raise EventError(str(e), "invalid_value", "audio", ev.event_id) from None
+        await self._turn_events(turn_events)
+
+    async def hear(self, wave: np.ndarray) -> None:
+        """A WebRTC call's audio, at the input rate: into the buffer as an append's would go. Past
+        the buffer's bound (turn detection off and no commit) the caller is told once, and the
+        audio is dropped until a commit or clear makes room."""
+        async with self._turn_lock:
+            if self.closed:
+                return
+            try:
+                self.turns.buffer.check(len(wave))
+            except InputAudioError as e:
+                if not self._deaf:
+                    self._deaf = True
+                    await self.send(EventError(str(e), "input_audio_buffer_full", "audio").event())
+                return
+            self._deaf = False
+            await self._turn_events(await asyncio.to_thread(self.turns.append, wave))
+
+    async def _turn_events(self, turn_events) -> None:
         for vev, audio in turn_events:
             if vev.kind == "speech_started":
                 self._disarm_idle()
@@ -201,8 +247,10 @@ class RealtimeSession:
                 await self.send({"type": "input_audio_buffer.speech_started", "event_id": new_id("event"),
                                  "audio_start_ms": vev.ms, "item_id": self.speech_item})
                 td = self.config.turn_detection
-                if self.response is not None and td is not None and td.interrupt_response:
-                    await self.response.cancel("turn_detected")   # barge-in
+                if td is not None and td.interrupt_response:   # barge-in
+                    if self.response is not None:
+                        await self.response.cancel("turn_detected")
+                    self._clear_speaker()
             else:
                 await self.send({"type": "input_audio_buffer.speech_stopped", "event_id": new_id("event"),
                                  "audio_end_ms": vev.ms, "item_id": self.speech_item})
@@ -398,4 +446,9 @@ class RealtimeSession:
                                  self.conversation_id, item=item,
                                  metadata=fields.metadata if fields is not None else None,
                                  previous_item_id=previous, on_finished=finished, tools=tools, spoken_calls=spoken,
-                                 add_item=None if out_of_band else self.conversation.add).start()
+                                 add_item=None if out_of_band else self.conversation.add,
+                                 speaker=self.speaker).start()
+        if self.speaker is not None:
+            self.spoken[self.response.id] = item.id
+            while len(self.spoken) > 8:  # (only the replies still queued to play matter)
+                del self.spoken[next(iter(self.spoken))]

@@ -3,15 +3,19 @@
 It checks the API key at the handshake (a wrong one is refused there, 401), or a client secret
 (client_secrets.py: the session starts with its settings), then admits at most `max_sessions`
 sessions; past that a session gets an `error` event and close code 1008.
-`?intent=transcription` starts a transcription session (session.py).
+`?intent=transcription` starts a transcription session (session.py). `?call_id=...` joins a WebRTC
+call's session instead (calls.py), as OpenAI's server-side controls do: the socket gets every event
+of the call's session and may send it events (to set its instructions and tools, answer its
+function calls), with the API key.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 
-from starlette.websockets import WebSocket
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from ..errors import error_response
 from ..messages import MediaPolicy
@@ -31,6 +35,7 @@ class RealtimeEndpoint:
         self.engine, self.policy, self.metrics, self.api_key, self.limits = engine, policy, metrics, api_key, limits
         self.secrets = secrets or ClientSecrets(engine)
         self.active = 0
+        self.calls: dict = {}  # the WebRTC calls in progress: call id -> rtc.Call (calls.py keeps it)
 
     def _key(self, ws: WebSocket) -> str | None:
         auth = ws.headers.get("authorization", "")
@@ -53,21 +58,45 @@ class RealtimeEndpoint:
                     "secret)", None, "invalid_api_key"))
                 return
         await ws.accept(subprotocol="realtime" if "realtime" in _protocols(ws) else None)
+        if "call_id" in ws.query_params:
+            await self._join(ws, ws.query_params["call_id"], secret=config is not None)
+            return
         intent = ws.query_params.get("intent")
-        refusal = self._refusal(ws.query_params.get("model"), intent)
+        refusal = self.refusal(ws.query_params.get("model"), intent)
         if refusal is not None:
             await _send_and_close(ws, refusal)
             return
+        with self.seat():
+            await RealtimeSession(WebSocketChannel(ws), self.engine, self.policy, self.metrics, self.limits,
+                                  "transcription" if intent == "transcription" else "realtime", config).run()
+
+    async def _join(self, ws: WebSocket, call_id: str, secret: bool) -> None:
+        """The server-side controls of a call: this socket joins its session's events until it or
+        the call ends (it holds no place of its own)."""
+        call = self.calls.get(call_id)
+        if secret:
+            await _send_and_close(ws, EventError("a client secret cannot join a call; its server joins it with the "
+                                                 "API key", "invalid_api_key", "call_id"))
+        elif call is None:
+            await _send_and_close(ws, EventError(f"no call {call_id[:64]!r} is in progress", "call_not_found",
+                                                 "call_id"))
+        else:
+            await call.events.join(WebSocketChannel(ws))
+
+    @contextlib.contextmanager
+    def seat(self):
+        """One of the `max_sessions` held (by a WebSocket session or a WebRTC call) while it runs."""
         self.active += 1
         self.metrics.realtime_sessions.inc()
         try:
-            await RealtimeSession(ws, self.engine, self.policy, self.metrics, self.limits,
-                                  "transcription" if intent == "transcription" else "realtime", config).run()
+            yield
         finally:
             self.active -= 1
             self.metrics.realtime_sessions.dec()
 
-    def _refusal(self, model: str | None, intent: str | None) -> EventError | None:
+    def refusal(self, model: str | None, intent: str | None) -> EventError | None:
+        """Why a new session cannot start (a model not served, an unknown intent, the engine down,
+        the session limit held), or None."""
         if model is not None and model != self.engine.served_name:
             return EventError(f"The model {model[:64]!r} does not exist; this server serves "
                               f"{self.engine.served_name!r}", "model_not_found", "model")
@@ -83,6 +112,32 @@ class RealtimeEndpoint:
                               f"(--max-realtime-sessions); try again later", "session_limit_reached",
                               type="rate_limit_error")
         return None
+
+
+class WebSocketChannel:
+    """A WebSocket as a session's event channel (connection.Channel)."""
+
+    def __init__(self, ws: WebSocket):
+        self.ws = ws
+
+    async def receive(self) -> str | bytes | None:
+        try:
+            msg = await self.ws.receive()
+        except WebSocketDisconnect:
+            return None
+        if msg["type"] == "websocket.disconnect":
+            return None
+        return msg.get("text") if msg.get("text") is not None else msg.get("bytes")
+
+    async def send_text(self, text: str) -> None:
+        await self.ws.send_text(text)
+
+    async def close(self, code: int, reason: str) -> None:
+        if self.ws.application_state == WebSocketState.CONNECTED:
+            try:
+                await self.ws.close(code, reason)
+            except Exception:  # the client left first
+                pass
 
 
 def _protocols(ws: WebSocket) -> list[str]:

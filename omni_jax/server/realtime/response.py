@@ -9,7 +9,8 @@ the client gone) is aborted in every stage by closing its request, and still end
 
 With tools, the calls the model makes are function_call items after the message item (each
 added, its arguments, done, and added to the conversation); a spoken reply says its words and
-not its calls (server/spoken_calls.py).
+not its calls (server/spoken_calls.py). On a WebRTC call the audio goes to the call's track
+(rtc.Speaker) instead of `response.output_audio.delta` events.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ class Response:
                  conversation_id: str, item: ConversationItem, metadata: dict | None, previous_item_id: str | None,
                  on_finished: Callable[[object], None],
                  tools: ToolUse = NO_TOOLS, spoken_calls: SpokenCalls | None = None,
-                 add_item: Callable[[ConversationItem, str | None], str | None] | None = None):
+                 add_item: Callable[[ConversationItem, str | None], str | None] | None = None,
+                 speaker=None):
         self.engine, self.send, self.messages, self.params = engine, send, messages, params
         # tools; a spoken reply's calls (None: a reply with tools is written in one go); how a
         # function_call item joins the conversation (None: out of band)
@@ -60,6 +62,7 @@ class Response:
         self.call_tokens = 0
         self.tempo = Tempo(speed) if self.audio and speed != 1.0 else None  # the session's pace
         self.output_format, self.wire = output_format, wire_audio.OutputAudio(output_format)
+        self.speaker = speaker  # a WebRTC call's track (rtc.Speaker): the audio goes there, not in events
         self.status, self.reason, self.error = "in_progress", None, None
         self.usage = None
         self.sent_samples = 0
@@ -126,7 +129,7 @@ class Response:
                     await self._audio(out.audio_delta if self.tempo is None else self.tempo.push(out.audio_delta), part)
             if self.tempo is not None and out.finished and not out.error:
                 await self._audio(self.tempo.flush(), part)
-            if self.speaks and out.finished and not out.error:
+            if self.speaks and out.finished and not out.error and self.speaker is None:
                 await self._send_audio(self.wire.flush(), part)
             ending = out
             if not out.error and self._call_opened(out):
@@ -149,6 +152,8 @@ class Response:
         finally:
             if gen is not None:
                 await gen.close()  # aborts the request in every stage if it is still running
+            if self.speaker is not None:
+                self.speaker.finish(self.id)
             self.usage = _usage(out, self.call_tokens)
             self.item.status = "completed" if self.status == "completed" else "incomplete"
             try:
@@ -231,15 +236,22 @@ class Response:
                          "part": _content(part)})
 
     async def _audio(self, delta: np.ndarray, part: Part) -> None:
-        await self._send_audio(self.wire.pieces(delta, MAX_DELTA_SAMPLES), part)
+        if self.speaker is None:
+            await self._send_audio(self.wire.pieces(delta, MAX_DELTA_SAMPLES), part)
+        elif delta is not None:
+            self.speaker.play(self.id, delta)
+            self._sent(len(delta), part)
 
     async def _send_audio(self, pieces: list[tuple[str, int]], part: Part) -> None:
         for piece, n in pieces:
             if piece:  # (a G.711 piece of a few samples may be all in the resampler yet)
                 await self.send({"type": "response.output_audio.delta", "event_id": new_id("event"), **self._at(),
                                  "delta": piece})
-            self.sent_samples += n
-            part.audio_ms = self.sent_samples * 1000 // SR
+            self._sent(n, part)
+
+    def _sent(self, samples: int, part: Part) -> None:
+        self.sent_samples += samples
+        part.audio_ms = self.sent_samples * 1000 // SR
 
     async def _done(self, part: Part, items_added: bool) -> None:
         if items_added:

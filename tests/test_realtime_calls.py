@@ -512,3 +512,31 @@ def test_the_apps_server_joins_a_call_to_steer_it(server):
 
     _run(scenario)
     _until_free(server)
+
+
+def test_calls_past_the_session_limit_are_refused_and_all_are_freed(server):
+    async def scenario():
+        async def offer() -> str:
+            pc = RTCPeerConnection()
+            pc.addTransceiver("audio")
+            pc.createDataChannel("oai-events")
+            await pc.setLocalDescription(await pc.createOffer())
+            await pc.close()  # never connects: each call holds its place until hung up
+            return pc.localDescription.sdp
+
+        headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/sdp"}
+        async with httpx.AsyncClient(timeout=60) as http:
+            offers = await asyncio.gather(*(offer() for _ in range(20)))
+            replies = await asyncio.gather(*(http.post(f"{server.url}/v1/realtime/calls", content=o, headers=headers)
+                                             for o in offers))
+            codes = sorted(r.status_code for r in replies)
+            assert codes == [201] * 16 + [429] * 4, codes  # --max-realtime-sessions' default
+            refused = next(r for r in replies if r.status_code == 429).json()["error"]
+            assert refused["code"] == "session_limit_reached" and refused["type"] == "rate_limit_error"
+            for r in replies:
+                if r.status_code == 201:
+                    assert (await http.post(f"{server.url}{r.headers['location']}/hangup",
+                                            headers=headers)).status_code == 200
+
+    _run(scenario)
+    _until_free(server, 5)

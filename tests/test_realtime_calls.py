@@ -146,7 +146,10 @@ class Caller:
     """An aiortc peer calling the server as OpenAI's clients do: a microphone, the `oai-events`
     channel, and the reply's audio heard (at 24 kHz, the times it came)."""
 
+    made: list[Caller] = []  # closed by _run whatever the test's outcome
+
     def __init__(self):
+        Caller.made.append(self)
         self.pc = RTCPeerConnection()
         self.mic = Mic()
         self.pc.addTrack(self.mic)
@@ -209,7 +212,11 @@ class Caller:
 
 def _run(scenario, timeout_s: float = 240.0):
     async def go():
-        return await asyncio.wait_for(scenario(), timeout_s)
+        try:
+            return await asyncio.wait_for(scenario(), timeout_s)
+        finally:  # a failed test leaves no call holding a place for the next
+            while Caller.made:
+                await Caller.made.pop().close()
     return asyncio.run(go())
 
 
@@ -283,9 +290,10 @@ def test_a_spoken_turn_on_a_call_is_answered_and_a_barge_in_clears_the_reply(ser
         caller = Caller()
         await caller.call(server)
         await caller.until("session.created")
+        # slow speech: a reply still playing when it is spoken over (the test talker's is short)
         caller.send({"type": "session.update", "session": {
             "type": "realtime", "max_output_tokens": LONG_REPLY["max_output_tokens"],
-            "audio": {"input": {"transcription": {"model": MODEL}}}}})
+            "audio": {"input": {"transcription": {"model": MODEL}}, "output": {"speed": 0.25}}}})
         await caller.until("session.updated")
         caller.mic.say(_speech("Hello there. What is the weather like today?"))
         committed = await caller.until("input_audio_buffer.committed")

@@ -907,6 +907,21 @@ def test_a_bad_key_is_refused_at_the_handshake(server):
     assert e.value.response.status_code == 401
 
 
+def test_another_sites_page_may_not_open_a_session(server):
+    """Browsers apply no CORS to WebSockets: the handshake's Origin is checked instead. The
+    server's own page (the voice chat page) and clients that send no Origin get in."""
+    url = server.url.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}"
+    with pytest.raises(InvalidStatus) as e:
+        ws_client.connect(url, additional_headers={"Authorization": f"Bearer {API_KEY}"},
+                          origin="https://evil.example", open_timeout=30)
+    assert e.value.response.status_code == 403
+    assert json.loads(e.value.response.body)["error"]["code"] == "origin_not_allowed"
+    for origin in (server.url, None):
+        with ws_client.connect(url, additional_headers={"Authorization": f"Bearer {API_KEY}"}, origin=origin,
+                               open_timeout=30) as ws:
+            assert _next(ws, "session.created")
+
+
 def test_a_client_secret_admits_sessions_with_its_settings(client, server):
     """A backend's key buys a browser a short-lived one (the subprotocol a browser sends it in):
     its sessions start with the secret's settings; it opens nothing but /v1/realtime."""

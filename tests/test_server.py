@@ -737,6 +737,8 @@ def test_media_limits_flag_and_typed_special_tokens(client, library, media_dir):
     ("--prompt-workers", "0", "prompt_workers must be a positive integer"),
     ("--stored-responses-mb", "-1", "--stored-responses-mb must be 0 or more"),
     ("--stored-responses-mb", "nan", "--stored-responses-mb must be 0 or more"),
+    ("--allowed-origins", "https://app.example.org", "--allowed-origins must be a JSON list of origins"),
+    ("--allowed-origins", '["https://a.example", 3]', "--allowed-origins must be a JSON list of origins"),
 ])
 def test_bad_serving_flags_exit_2_naming_them(flag, value, message, capsys):
     from omni_jax.cli import main
@@ -808,6 +810,38 @@ def test_api_key_off_and_not_ready_in_process():
     assert models.status_code == 200 and models.json()["data"][0]["id"] == MODEL
     assert health.status_code == 503 and chat.status_code == 503
     assert chat.json()["error"]["code"] == "service_unavailable"
+
+
+def test_pages_of_allowed_origins_may_call_and_others_may_not_in_process():
+    """--allowed-origins: CORS for the pages it names (a preflight needs no key; the key still
+    does its work), none for others; without it, none at all."""
+    engine = ServedEngine(MODEL, MODEL)
+    allowed = build_app(engine, api_key=API_KEY, allowed_origins=("https://app.example.org",))
+    closed = build_app(engine, api_key=API_KEY)
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+
+    async def go():
+        out = {}
+        for name, app in (("allowed", allowed), ("closed", closed)):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                for origin in ("https://app.example.org", "https://evil.example"):
+                    out[name, origin, "options"] = await c.options("/v1/realtime/calls",
+                                                                   headers={"Origin": origin, **preflight})
+                    out[name, origin, "get"] = await c.get("/v1/models", headers={"Origin": origin, **_auth()})
+                out[name, "no key"] = await c.get("/v1/models", headers={"Origin": "https://app.example.org"})
+        return out
+
+    r = asyncio.run(go())
+    ok = r["allowed", "https://app.example.org", "options"]
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://app.example.org"
+    assert "POST" in ok.headers["access-control-allow-methods"]
+    get = r["allowed", "https://app.example.org", "get"]
+    assert get.status_code == 200 and get.headers["access-control-allow-origin"] == "https://app.example.org"
+    assert "location" in get.headers["access-control-expose-headers"].lower()  # a created call's address
+    assert r["allowed", "no key"].status_code == 401
+    for key in (("allowed", "https://evil.example", "options"), ("allowed", "https://evil.example", "get"),
+                ("closed", "https://app.example.org", "options"), ("closed", "https://app.example.org", "get")):
+        assert "access-control-allow-origin" not in r[key].headers, key
 
 
 # ---------------------------------------------------------------------------------------- load, abort

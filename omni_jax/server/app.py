@@ -10,6 +10,7 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.middleware.cors import CORSMiddleware
 
 from . import errors, page
 from .chat import ChatHandler
@@ -160,13 +161,15 @@ def build_app(engine: ServedEngine, *, api_key: str | None = None, max_body_byte
               allowed_media_dir: str | None = None, max_inflight_body_bytes: int | None = None,
               body_timeout_s: float = 30.0, realtime: RealtimeLimits = RealtimeLimits(),
               reply_audio_ttl_s: float = 3600.0, stored_responses_bytes: int = 256 << 20,
-              ui: bool = True, ice_servers: tuple[str, ...] = ()) -> FastAPI:
+              ui: bool = True, ice_servers: tuple[str, ...] = (), allowed_origins: tuple[str, ...] = ()):
     """The server's app around an engine (started by the caller, shut down with the app).
     `max_inflight_body_bytes`: the budget of bytes all request bodies may hold at once (None:
     four times `max_body_bytes`). `realtime`: the limits of /v1/realtime sessions. `reply_audio_ttl_s`: how
     long a spoken chat reply can be referred to by its audio id. `stored_responses_bytes`: what
     /v1/responses keeps of stored responses (each an hour at most). `ui`: serve the voice chat page at /.
-    `ice_servers`: STUN/TURN URLs for WebRTC calls (/v1/realtime/calls)."""
+    `ice_servers`: STUN/TURN URLs for WebRTC calls (/v1/realtime/calls). `allowed_origins`: the
+    web origins whose pages may call the API from a browser besides the server's own (CORS, and the
+    realtime WebSocket's Origin check; "*" for any)."""
     metrics = Metrics()
 
     @contextlib.asynccontextmanager
@@ -280,7 +283,8 @@ def build_app(engine: ServedEngine, *, api_key: str | None = None, max_body_byte
             raise APIError(400, f"the body is not valid JSON: {e}", None, "invalid_json") from None
         return client_secrets.create(body)
 
-    realtime_endpoint = RealtimeEndpoint(engine, policy, metrics, api_key, realtime, client_secrets)
+    realtime_endpoint = RealtimeEndpoint(engine, policy, metrics, api_key, realtime, client_secrets,
+                                         allowed_origins)
     app.add_api_websocket_route("/v1/realtime", realtime_endpoint)
     calls = RealtimeCalls(realtime_endpoint, ice_servers)
 
@@ -294,5 +298,11 @@ def build_app(engine: ServedEngine, *, api_key: str | None = None, max_body_byte
     if ui:
         page.mount(app)
 
-    return Gate(app, api_key, max_body_bytes, metrics, max_inflight_body_bytes, body_timeout_s,
-                secrets=client_secrets)
+    gated = Gate(app, api_key, max_body_bytes, metrics, max_inflight_body_bytes, body_timeout_s,
+                 secrets=client_secrets)
+    if not allowed_origins:
+        return gated
+    # Outside the gate: a browser's preflight carries no key. Keys travel in a header, not cookies,
+    # so credentials stay off; Location is a created call's address.
+    return CORSMiddleware(gated, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"],
+                          expose_headers=["Location"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -68,6 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds of input audio a realtime session holds before a commit (default 60)")
     p.add_argument("--realtime-max-session-s", type=float, default=1800.0,
                    help="a realtime session is closed after this many seconds (default 1800, OpenAI's 30 minutes)")
+    p.add_argument("--allowed-origins", default="[]", metavar="JSON",
+                   help="web origins whose pages may call the API from a browser besides the server's own, as "
+                        "vLLM's, e.g. '[\"https://app.example.org\"]' ('[\"*\"]': any; default: none)")
     p.add_argument("--ice-server", action="append", default=[], metavar="URL",
                    help="a STUN or TURN server for WebRTC calls (/v1/realtime/calls), e.g. stun:stun.example.org:3478; "
                         "repeat for more (default: none, the host's own addresses only)")
@@ -121,6 +125,14 @@ def _check_flags(args: argparse.Namespace) -> None:
         # An empty key would let `Authorization: Bearer` (an empty token) in: never what was meant.
         raise ValueError("the API key is empty (--api-key or $OMNI_JAX_API_KEY); give a key, or unset it to "
                          "serve without one")
+    try:
+        origins = json.loads(args.allowed_origins)
+    except ValueError:
+        origins = None
+    if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
+        raise ValueError(f"--allowed-origins must be a JSON list of origins, e.g. '[\"https://app.example.org\"]', "
+                         f"got {args.allowed_origins[:100]!r}")
+    args.allowed_origins = origins
     if args.max_realtime_sessions < 0:
         raise ValueError(f"--max-realtime-sessions must be 0 or more, got {args.max_realtime_sessions}")
     for flag in ("max_request_body_mb", "header_timeout_s", "body_timeout_s", "realtime_max_buffer_s",
@@ -172,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
                     body_timeout_s=args.body_timeout_s, realtime=realtime,
                     reply_audio_ttl_s=args.reply_audio_ttl_s,
                     stored_responses_bytes=int(args.stored_responses_mb * (1 << 20)), ui=not args.no_ui,
-                    ice_servers=tuple(args.ice_server))
+                    ice_servers=tuple(args.ice_server), allowed_origins=tuple(args.allowed_origins))
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"omni-jax serve: listening on http://{host}:{sock.getsockname()[1]} "
           f"(model {engine.served_name!r}; loading and compiling the stages, /health is 503 until ready"

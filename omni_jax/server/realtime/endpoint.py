@@ -1,7 +1,9 @@
 """`/v1/realtime`: the WebSocket endpoint, which admits sessions (connection.py runs each).
 
 It checks the API key at the handshake (a wrong one is refused there, 401), or a client secret
-(client_secrets.py: the session starts with its settings), then admits at most `max_sessions`
+(client_secrets.py: the session starts with its settings), and a browser's page's origin (403 for
+another site's page, unless `allowed_origins` has it: browsers apply no CORS to WebSockets, so
+without this any page a user opens could talk to a server that has no API key), then admits at most `max_sessions`
 sessions; past that a session gets an `error` event and close code 1008.
 `?intent=transcription` starts a transcription session (session.py). `?call_id=...` joins a WebRTC
 call's session instead (calls.py), as OpenAI's server-side controls do: the socket gets every event
@@ -14,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import json
+import urllib.parse
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
@@ -31,8 +34,10 @@ class RealtimeEndpoint:
     """The `/v1/realtime` WebSocket route on one engine."""
 
     def __init__(self, engine, policy: MediaPolicy, metrics: Metrics, api_key: str | None,
-                 limits: RealtimeLimits = RealtimeLimits(), secrets: ClientSecrets | None = None):
+                 limits: RealtimeLimits = RealtimeLimits(), secrets: ClientSecrets | None = None,
+                 allowed_origins: tuple[str, ...] = ()):
         self.engine, self.policy, self.metrics, self.api_key, self.limits = engine, policy, metrics, api_key, limits
+        self.allowed_origins = allowed_origins
         self.secrets = secrets or ClientSecrets(engine)
         self.active = 0
         self.calls: dict = {}  # the WebRTC calls in progress: call id -> rtc.Call (calls.py keeps it)
@@ -47,7 +52,22 @@ class RealtimeEndpoint:
                 return proto[len(KEY_PROTOCOL):]
         return None
 
+    def _foreign(self, ws: WebSocket) -> str | None:
+        """The origin of another site's page opening this socket (None: this server's page, or not a
+        browser, which sends no Origin), unless it is allowed."""
+        origin = ws.headers.get("origin")
+        if origin is None or "*" in self.allowed_origins or origin in self.allowed_origins:
+            return None
+        return None if urllib.parse.urlsplit(origin).netloc == ws.headers.get("host") else origin
+
     async def __call__(self, ws: WebSocket) -> None:
+        foreign = self._foreign(ws)
+        if foreign is not None:
+            self.metrics.error(403)
+            await ws.send_denial_response(error_response(
+                403, f"pages from {foreign[:100]} may not open realtime sessions here; the server allows its own "
+                     f"and those of --allowed-origins", None, "origin_not_allowed"))
+            return
         key = self._key(ws)
         config = self.secrets.session(key) if key else None
         if self.api_key is not None and config is None:

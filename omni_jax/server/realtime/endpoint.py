@@ -3,8 +3,9 @@
 It checks the API key at the handshake (a wrong one is refused there, 401), or a client secret
 (client_secrets.py: the session starts with its settings), and a browser's page's origin (403 for
 another site's page, unless `allowed_origins` has it: browsers apply no CORS to WebSockets, so
-without this any page a user opens could talk to a server that has no API key), then admits at most `max_sessions`
-sessions; past that a session gets an `error` event and close code 1008.
+without this any page a user opens could talk to a server that has no API key), then admits at
+most `max_sessions` sessions (WebRTC calls included); past that a session gets an `error` event
+and close code 1008.
 `?intent=transcription` starts a transcription session (session.py). `?call_id=...` joins a WebRTC
 call's session instead (calls.py), as OpenAI's server-side controls do: the socket gets every event
 of the call's session and may send it events (to set its instructions and tools, answer its

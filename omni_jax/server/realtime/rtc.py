@@ -74,10 +74,6 @@ class Speaker(MediaStreamTrack):
         self._event("output_audio_buffer.cleared", cut)
         return cut, played_ms
 
-    @property
-    def queued_s(self) -> float:
-        return sum(len(w) for _, w in self._queue) / OUTPUT_RATE
-
     async def recv(self) -> av.AudioFrame:
         if self.readyState != "live":
             raise MediaStreamError
@@ -152,6 +148,7 @@ class CallEvents:
         self.max_inbox, self.high_water = max_inbox, high_water
         self.channel = None
         self.joined: list = []
+        self.over = False
 
     def attach(self, channel) -> None:
         """A data channel the client opened: the first `oai-events` one carries the events."""
@@ -166,6 +163,8 @@ class CallEvents:
             channel.on("open", self._flush)
 
     def _received(self, message) -> None:
+        if self.over:
+            return
         if self._inbox.qsize() >= self.max_inbox:  # a client sending faster than events are handled
             self.end()
         else:
@@ -176,7 +175,9 @@ class CallEvents:
             self.channel.send(self._pending.popleft())
 
     def end(self) -> None:
-        self._inbox.put_nowait(None)
+        if not self.over:
+            self.over = True
+            self._inbox.put_nowait(None)
 
     async def receive(self) -> str | bytes | None:
         """The next client event, or None once the call is over."""
@@ -189,7 +190,8 @@ class CallEvents:
             while (message := await channel.receive()) is not None:
                 self._received(message)
         finally:
-            self.joined.remove(channel)
+            if channel in self.joined:
+                self.joined.remove(channel)
 
     async def send_text(self, text: str) -> None:
         for other in list(self.joined):

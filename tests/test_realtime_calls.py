@@ -12,6 +12,7 @@ import fractions
 import json
 import time
 import wave
+from types import SimpleNamespace
 
 import av
 import httpx
@@ -21,6 +22,8 @@ import websockets
 import pytest
 from aiortc import MediaStreamTrack, RTCPeerConnection, RTCSessionDescription
 
+from omni_jax.server.realtime.connection import RealtimeLimits, RealtimeSession
+from omni_jax.server.realtime.events import InputAudioBufferClear
 from omni_jax.server.realtime.rtc import FRAME, CallEvents, Speaker
 from test_realtime import LONG_REPLY, SPL, SR, _speech, pipeline_yaml  # noqa: F401
 from test_server import (API_KEY, HELLO, MODEL, _idle, _lib_params, _metrics, env, library, media_dir,  # noqa: F401
@@ -113,6 +116,37 @@ def test_events_wait_for_the_clients_channel_and_end_with_it():
         ch.handlers["message"]('{"type": "response.create"}')  # after the end: nothing more
         ch.handlers["close"]()
         assert events._inbox.empty()
+    asyncio.run(go())
+
+
+def test_a_calls_audio_past_a_full_buffer_is_refused_once_then_heard_again():
+    """Turn detection off and no commit: the caller's audio stops at the buffer's bound with one
+    error event (not one per 100 ms piece), and is heard again once a clear makes room."""
+    class Sent:
+        def __init__(self):
+            self.events = []
+
+        async def send_text(self, text):
+            self.events.append(json.loads(text))
+
+    async def go():
+        channel = Sent()
+        engine = SimpleNamespace(served_name=MODEL, voices=["Chelsie"])
+        session = RealtimeSession(channel, engine, None, None, RealtimeLimits(max_buffer_s=0.5))
+        session.config.turn_detection = None
+        session.turns.configure(None)
+        piece = np.zeros(SR // 5, np.float32)  # 0.2 s
+        for _ in range(5):
+            await session.hear(piece)
+        errors = [e for e in channel.events if e["type"] == "error"]
+        assert len(errors) == 1 and errors[0]["error"]["code"] == "input_audio_buffer_full"
+        assert 350 <= session.turns.buffer.ms <= 400  # two pieces (the resampler holds a few ms back)
+        await session.handle(InputAudioBufferClear(type="input_audio_buffer.clear"))
+        await session.hear(piece)
+        assert 150 <= session.turns.buffer.ms <= 250  # one piece (and what the resampler held)
+        await session.hear(piece)
+        await session.hear(piece)
+        assert len([e for e in channel.events if e["type"] == "error"]) == 2  # a new episode, told again
     asyncio.run(go())
 
 

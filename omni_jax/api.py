@@ -40,7 +40,8 @@ from .engine.sampling_params import SamplingParams, is_utf8
 from .errors import ConfigError, PromptError, error_code
 from .inputs.media import MediaLimits
 from .inputs.processor import ProcessedPrompt
-from .models.registry import get_family, resolve_model, tiny_family
+from .model_source import checkpoint_dir
+from .models.registry import get_family, tiny_family
 from .prompt_workers import PromptWorkers
 from .runtime.orchestrator import Orchestrator, OrchestratorRequest
 from .runtime.outputs import OmniRequestOutput, RequestMetrics
@@ -48,10 +49,11 @@ from .update_collector import UpdateCollector
 
 
 def resolve_checkpoint_and_pipeline(model: str, pipeline) -> tuple[str, PipelineConfig]:
-    """(checkpoint directory, pipeline config) of a model (a built-in tiny one or a converted checkpoint) and a
-    pipeline (preset name, YAML path, PipelineConfig; None: the family's default); a pipeline for
-    another family is a ConfigError."""
-    ckpt = resolve_model(model)
+    """(checkpoint directory, pipeline config) of a model (model_source.py: a built-in tiny one, a
+    converted checkpoint, a Hugging Face one or Hub id, converted once) and a pipeline (preset name,
+    YAML path, PipelineConfig; None: the family's default); a pipeline for another family is a
+    ConfigError."""
+    ckpt = checkpoint_dir(model)
     cfg = read_config(ckpt)
     family, held = cfg["family"], cfg["stages"]
     if pipeline is None:

@@ -1,8 +1,8 @@
 """`omni-jax` command line: convert checkpoints and run the model.
 
     omni-jax convert --hf-dir HF_DIR --out OUT_DIR [--dtype bfloat16|float32]
-    omni-jax generate --model OUT_DIR|tiny --prompt TEXT | --prompt-embeds FILE.npy
-    omni-jax serve --model OUT_DIR|tiny [--port 8000]     (OpenAI-compatible server)
+    omni-jax generate --model HUB_ID|DIR|tiny --prompt TEXT | --prompt-embeds FILE.npy
+    omni-jax serve --model HUB_ID|DIR|tiny [--port 8000] (OpenAI-compatible server)
     omni-jax bench --base-url URL [--concurrency N]      (load run against a server)
     omni-jax plan --model PRESET|OUT_DIR --gpu h100|a100|h200
     omni-jax stage-process --model OUT_DIR --pipeline PRESET|YAML --stage NAME --process-id N

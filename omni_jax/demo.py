@@ -16,10 +16,11 @@ import numpy as np
 from .api import OmniJax, add_async_chunk_argument
 from .errors import CheckpointError, ConfigError
 from .engine.sampling_params import SamplingParams
+from .model_source import MODEL_HELP
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="converted checkpoint directory, or a built-in tiny random model: 'tiny' (Qwen2.5-Omni, default) or 'tiny-qwen3_omni'")
+    p.add_argument("--model", default="tiny", help=MODEL_HELP)
     p.add_argument("--pipeline", default=None, help="pipeline preset name or YAML path (default: the model's)")
     p.add_argument("--prompt", default=None, help="the user message")
     p.add_argument("--prompt-embeds", default=None, metavar="FILE.npy",

@@ -1,6 +1,6 @@
 """`omni-jax serve`: the OpenAI-compatible server as a command.
 
-    omni-jax serve --model DIR|tiny [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+    omni-jax serve --model HUB_ID|DIR|tiny [--host 127.0.0.1] [--port 8000] [--api-key KEY]
 
 The port is bound first, then the stages load and compile in the background (GET /health
 answers 503 until they are ready, and the console shows their progress and "ready").
@@ -22,6 +22,8 @@ from uvicorn.config import WS_PROTOCOLS
 
 from ..api import add_async_chunk_argument
 from ..inputs.media import MediaLimits
+from ..errors import CheckpointError
+from ..model_source import MODEL_HELP, checkpoint_dir
 from ..prompt_workers import PromptWorkers
 from .app import build_app
 from .engine import REASONING_PARSERS, ServedEngine
@@ -30,7 +32,7 @@ from .timeouts import with_header_timeout
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="converted checkpoint directory, or a built-in tiny random model: 'tiny' (Qwen2.5-Omni, default) or 'tiny-qwen3_omni'")
+    p.add_argument("--model", default="tiny", help=MODEL_HELP)
     p.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
     p.add_argument("--pipeline", default=None, help="pipeline preset name or YAML path (default: the model's)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
@@ -159,6 +161,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"omni-jax serve: error: {e}", file=sys.stderr)
         return 2
+    try:  # a Hub model is fetched and converted first (minutes, with progress bars); then the port opens
+        model = checkpoint_dir(args.model)
+    except CheckpointError as e:
+        print(f"omni-jax serve: error: {e}", file=sys.stderr)
+        return 1
     try:
         sock = _bind(args.host, args.port)
     except OSError as e:
@@ -170,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    engine = ServedEngine(args.model, args.served_model_name or args.model, args.pipeline, mods,
+    engine = ServedEngine(model, args.served_model_name or args.model, args.pipeline, mods,
                           on_failed=stop_server, async_chunk=args.async_chunk,
                           engine_options=dict(prompt_workers=args.prompt_workers, prompt_timeout_s=args.prompt_timeout_s,
                                               media_limits=limits, max_queued_prompts=args.max_queued_prompts),

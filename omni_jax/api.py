@@ -48,12 +48,12 @@ from .runtime.outputs import OmniRequestOutput, RequestMetrics
 from .update_collector import UpdateCollector
 
 
-def resolve_checkpoint_and_pipeline(model: str, pipeline) -> tuple[str, PipelineConfig]:
+def resolve_checkpoint_and_pipeline(model: str, pipeline, revision: str | None = None) -> tuple[str, PipelineConfig]:
     """(checkpoint directory, pipeline config) of a model (model_source.py: a built-in tiny one, a
     converted checkpoint, a Hugging Face one or Hub id, converted once) and a pipeline (preset name,
     YAML path, PipelineConfig; None: the family's default); a pipeline for another family is a
-    ConfigError."""
-    ckpt = checkpoint_dir(model)
+    ConfigError. `revision`: a Hub model's branch, tag or commit."""
+    ckpt = checkpoint_dir(model, revision)
     cfg = read_config(ckpt)
     family, held = cfg["family"], cfg["stages"]
     if pipeline is None:
@@ -109,12 +109,13 @@ class _Frontend:
 
     def __init__(self, model: str = "tiny", pipeline: str | PipelineConfig | None = None,
                  output_modalities: Sequence[str] = ("text",), async_chunk: bool | None = None,
-                 media_limits: MediaLimits | None = None):
+                 media_limits: MediaLimits | None = None, revision: str | None = None):
         """`async_chunk`: stream between stages (None: as the pipeline config says).
-        `media_limits`: what media a prompt may hold, checked before decoding (None: the defaults)."""
+        `media_limits`: what media a prompt may hold, checked before decoding (None: the defaults).
+        `revision`: the branch, tag or commit of a Hugging Face Hub model (None: its main branch)."""
         if media_limits is not None and not isinstance(media_limits, MediaLimits):
             raise TypeError(f"media_limits must be a MediaLimits, got {type(media_limits).__name__}")
-        self.checkpoint, self.pipeline = resolve_checkpoint_and_pipeline(model, pipeline)
+        self.checkpoint, self.pipeline = resolve_checkpoint_and_pipeline(model, pipeline, revision)
         if async_chunk is not None:
             if not isinstance(async_chunk, bool):
                 raise ConfigError(f"async_chunk must be True, False or None, got {async_chunk!r}")
@@ -405,7 +406,7 @@ class AsyncOmniJax(_Frontend):
     def __init__(self, model: str = "tiny", pipeline: str | PipelineConfig | None = None,
                  output_modalities: Sequence[str] = ("text",), async_chunk: bool | None = None,
                  prompt_workers: int = 4, prompt_timeout_s: float = 30.0, media_limits: MediaLimits | None = None,
-                 max_queued_prompts: int | None = None):
+                 max_queued_prompts: int | None = None, revision: str | None = None):
         """`prompt_workers`: threads that process prompts (chat template, tokenizer, media) off the
         event loop. `prompt_timeout_s`: a prompt whose processing takes longer fails with a
         PromptError (and its processing stops). `max_queued_prompts`: how many prompts may wait for
@@ -415,7 +416,7 @@ class AsyncOmniJax(_Frontend):
         # Requests between generate() and their submission (weak: an iterator never run just goes).
         self._unsubmitted: weakref.WeakSet[_Unsubmitted] = weakref.WeakSet()
         try:
-            super().__init__(model, pipeline, output_modalities, async_chunk, media_limits)
+            super().__init__(model, pipeline, output_modalities, async_chunk, media_limits, revision)
         except BaseException:
             self._prompts.shutdown()
             raise

@@ -16,11 +16,11 @@ import numpy as np
 from .api import OmniJax, add_async_chunk_argument
 from .errors import CheckpointError, ConfigError
 from .engine.sampling_params import SamplingParams
-from .model_source import MODEL_HELP
+from .model_source import add_model_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help=MODEL_HELP)
+    add_model_arguments(p)
     p.add_argument("--pipeline", default=None, help="pipeline preset name or YAML path (default: the model's)")
     p.add_argument("--prompt", default=None, help="the user message")
     p.add_argument("--prompt-embeds", default=None, metavar="FILE.npy",
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         prompt = _prompt(args)
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-        with OmniJax(model=args.model, pipeline=args.pipeline, output_modalities=modalities,
+        with OmniJax(model=args.model, revision=args.revision, pipeline=args.pipeline, output_modalities=modalities,
                      async_chunk=args.async_chunk) as omni:
             out = omni.generate(prompt, sampling_params=params, voice=args.voice, use_tqdm=False)[0]
     except (CheckpointError, ConfigError, ValueError, FileNotFoundError, RuntimeError) as e:

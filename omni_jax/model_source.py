@@ -12,6 +12,7 @@ choice.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import fcntl
 import glob
@@ -36,18 +37,26 @@ from .paths import cache_root
 # index, the configs, the tokenizer's and processor's files, Qwen2.5-Omni's voices.
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 HUB_FILES = ("*.safetensors", "*.safetensors.index.json", "config.json", "spk_dict.pt", *TOKENIZER_FILES)
-# The `--model` of the commands that start an engine.
-MODEL_HELP = ("a Hugging Face Hub id (Qwen/Qwen2.5-Omni-7B) or checkpoint directory, converted once into the cache; "
-              "a converted checkpoint directory; or a built-in tiny random model: 'tiny' (Qwen2.5-Omni, default) or "
-              "'tiny-qwen3_omni'")
 # Weights keep the checkpoint's own dtype when it is float32 (tests, tiny models); released
 # checkpoints (bfloat16) stay bfloat16, as `omni-jax convert` writes by default.
 _KEPT_DTYPES = ("float32",)
 
 
-def checkpoint_dir(model: str, progress: bool = True) -> str:
-    """A converted checkpoint directory for `model` (module docstring): fetched and converted
-    first if need be; CheckpointError saying what `model` is not, or what failed."""
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """`--model` and `--revision`, for the commands that start an engine."""
+    p.add_argument("--model", default="tiny",
+                   help="a Hugging Face Hub id (Qwen/Qwen2.5-Omni-7B) or checkpoint directory, converted once into "
+                        "the cache; a converted checkpoint directory; or a built-in tiny random model: 'tiny' "
+                        "(Qwen2.5-Omni, default) or 'tiny-qwen3_omni'")
+    p.add_argument("--revision", default=None, help="a Hub model's branch, tag or commit (default: main)")
+
+
+def checkpoint_dir(model: str, revision: str | None = None, progress: bool = True) -> str:
+    """A converted checkpoint directory for `model` (module docstring), a Hub model at `revision`
+    (a branch, tag or commit; None: main): fetched and converted first if need be;
+    CheckpointError saying what `model` is not, or what failed."""
+    if revision is not None and (os.path.exists(model) or not HUB_ID.fullmatch(model)):
+        raise CheckpointError(f"a revision ({revision!r}) is for a Hugging Face Hub id, and {model} is not one")
     if tiny_family(model) is not None:
         return resolve_model(model)
     if os.path.isfile(os.path.join(model, CONFIG_FILE)):
@@ -58,28 +67,28 @@ def checkpoint_dir(model: str, progress: bool = True) -> str:
         raise CheckpointError(f"{model} is not an OmniJax checkpoint ({CONFIG_FILE} missing) nor a Hugging Face one "
                               f"(config.json missing)")
     if HUB_ID.fullmatch(model):
-        hf_dir = fetch(model)
+        hf_dir = fetch(model, revision)
         revision = os.path.basename(os.path.normpath(hf_dir))  # the snapshot's commit
         return converted(hf_dir, f"{model.replace('/', '--')}-{revision[:12]}", model, progress)
     raise CheckpointError(f"{model}: no such directory, and not a Hugging Face model id (owner/name) or a built-in "
                           f"tiny model")
 
 
-def fetch(repo_id: str) -> str:
-    """The local snapshot of a Hub model (downloaded if the cache lacks it), the files conversion
-    reads only."""
+def fetch(repo_id: str, revision: str | None = None) -> str:
+    """The local snapshot of a Hub model at `revision` (downloaded if the cache lacks it), the
+    files conversion reads only."""
     print(f"[omni-jax] {repo_id}: fetching from the Hugging Face Hub ({constants.ENDPOINT}) into its cache "
           f"({constants.HF_HUB_CACHE}), or taking it from there", file=sys.stderr)
     try:
-        return snapshot_download(repo_id, allow_patterns=list(HUB_FILES))
+        return snapshot_download(repo_id, revision=revision, allow_patterns=list(HUB_FILES))
     except GatedRepoError:
         raise CheckpointError(f"{repo_id} is gated on the Hugging Face Hub: accept its terms on its page, then log in "
                               f"(`hf auth login`, or set HF_TOKEN)") from None
     except RepositoryNotFoundError:
         raise CheckpointError(f"{repo_id}: no such directory, and no such model on the Hugging Face Hub (a private "
                               f"one needs `hf auth login` or HF_TOKEN)") from None
-    except RevisionNotFoundError as e:
-        raise CheckpointError(f"{repo_id}: {e}") from None
+    except RevisionNotFoundError:
+        raise CheckpointError(f"{repo_id} has no revision {revision!r} on the Hugging Face Hub") from None
     except LocalEntryNotFoundError as e:  # offline, or the Hub unreachable, and not in the cache
         why = str(e).splitlines()[0]
         raise CheckpointError(f"{repo_id} is not in the Hugging Face cache and the Hub cannot be reached ({why}); "

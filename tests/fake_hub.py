@@ -1,8 +1,9 @@
 """A Hugging Face Hub on loopback for the tests (the real one cannot be reached from CI): the
 few endpoints huggingface_hub's snapshot_download reads (a revision's commit, its file tree, each
 file's metadata and bytes), serving one directory as one model repo, and answering other repos
-as the Hub does (401 RepoNotFound; 403 GatedRepo for the ids in `gated`). Point
-huggingface_hub at it with HF_ENDPOINT=hub.url.
+as the Hub does (401 RepoNotFound; 403 GatedRepo for the ids in `gated`; 404 RevisionNotFound
+for a revision other than main and the commit). Point huggingface_hub at it with
+HF_ENDPOINT=hub.url.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class FakeHub:
         api = f"/api/models/{self.repo_id}/"
         resolve = f"/{self.repo_id}/resolve/"
         if path.startswith(api + "revision/"):
+            if path[len(api + "revision/"):] not in ("main", self.commit):
+                return _send(h, 404, b"{}", body, {"X-Error-Code": "RevisionNotFound", "X-Error-Message": "Invalid rev id"})
             info = {"id": self.repo_id, "sha": self.commit, "siblings": [{"rfilename": f} for f in self._files()]}
             return _send(h, 200, json.dumps(info).encode(), body)
         if path.startswith(api + "tree/"):

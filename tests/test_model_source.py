@@ -34,11 +34,12 @@ def caches(tmp_path, monkeypatch) -> Path:
     return tmp_path
 
 
-def _checkpoint_dir(model: str, **env: str) -> subprocess.CompletedProcess:
-    """`checkpoint_dir(model)` in a new process with these environment variables (huggingface_hub
-    reads its own, HF_ENDPOINT and HF_HUB_OFFLINE, once, when imported)."""
-    code = "import sys; from omni_jax.model_source import checkpoint_dir; print(checkpoint_dir(sys.argv[1], False))"
-    return subprocess.run([sys.executable, "-c", code, model], capture_output=True, text=True, timeout=300,
+def _checkpoint_dir(model: str, revision: str = "", **env: str) -> subprocess.CompletedProcess:
+    """`checkpoint_dir(model, revision)` in a new process with these environment variables
+    (huggingface_hub reads its own, HF_ENDPOINT and HF_HUB_OFFLINE, once, when imported)."""
+    code = ("import sys; from omni_jax.model_source import checkpoint_dir; "
+            "print(checkpoint_dir(sys.argv[1], sys.argv[2] or None, progress=False))")
+    return subprocess.run([sys.executable, "-c", code, model, revision], capture_output=True, text=True, timeout=300,
                           env={**os.environ, **env})
 
 
@@ -95,6 +96,13 @@ def test_a_hub_id_is_fetched_converted_and_served_then_started_offline(hf_checkp
                                    "spk_dict.pt", "tokenizer.json", "tokenizer_config.json"]
     assert out == str(caches / "omni-jax" / "converted" / f"Qwen--Tiny-Omni-{hub.commit[:12]}")
     assert "fetching from the Hugging Face Hub" in got.stderr and "converted Qwen/Tiny-Omni" in got.stderr
+    hub = FakeHub(REPO, hf_checkpoint)  # the same repo again (another port), asked for by its commit
+    try:
+        pinned = _checkpoint_dir(REPO, hub.commit, HF_ENDPOINT=hub.url)
+    finally:
+        hub.close()
+    assert pinned.returncode == 0 and pinned.stdout.strip() == out and "converting" not in pinned.stderr
+    assert hub.fetched == []  # all in the cache
 
     # The Hub gone and offline: the server starts from the caches, converting nothing, and serves
     # the model under its Hub id.
@@ -116,6 +124,7 @@ def test_hub_failures_are_said(caches, tmp_path):
     try:
         missing = _checkpoint_dir("Qwen/Nope", HF_ENDPOINT=hub.url)
         gated = _checkpoint_dir("Qwen/Gated", HF_ENDPOINT=hub.url)
+        no_revision = _checkpoint_dir(REPO, "v9", HF_ENDPOINT=hub.url)
         serve = subprocess.run([sys.executable, "-m", "omni_jax.cli", "serve", "--model", "Qwen/Nope"],
                                capture_output=True, text=True, timeout=300, env={**os.environ, "HF_ENDPOINT": hub.url})
     finally:
@@ -124,6 +133,7 @@ def test_hub_failures_are_said(caches, tmp_path):
     offline = _checkpoint_dir(REPO, HF_ENDPOINT=hub.url, HF_HUB_OFFLINE="1")
     for run, said in ((missing, "Qwen/Nope: no such directory, and no such model on the Hugging Face Hub"),
                       (gated, "Qwen/Gated is gated on the Hugging Face Hub: accept its terms"),
+                      (no_revision, "Qwen/Tiny-Omni has no revision 'v9'"),
                       (unreachable, "Qwen/Tiny-Omni is not in the Hugging Face cache and the Hub cannot be reached"),
                       (offline, "Qwen/Tiny-Omni is not in the Hugging Face cache")):
         assert run.returncode == 1 and f"CheckpointError: {said}" in run.stderr, run.stderr[-2000:]
@@ -138,6 +148,12 @@ def test_what_is_not_a_model_is_said(caches, tmp_path):
         model_source.checkpoint_dir(str(tmp_path / "nowhere"))
     with pytest.raises(CheckpointError, match=r"is not an OmniJax checkpoint \(omni_jax_config.json missing\) nor a Hugging Face one"):
         model_source.checkpoint_dir(str(tmp_path))
+    with pytest.raises(CheckpointError, match=r"a revision \('v1'\) is for a Hugging Face Hub id, and .* is not one"):
+        model_source.checkpoint_dir(str(tmp_path), "v1")
+    cli = subprocess.run([sys.executable, "-m", "omni_jax.cli", "generate", "--model", "tiny", "--revision", "v1",
+                          "--prompt", "Hello"],
+                         capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 1 and "error: a revision ('v1') is for a Hugging Face Hub id, and tiny" in cli.stderr
     other = tmp_path / "llama"
     other.mkdir()
     (other / "config.json").write_text('{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}')

@@ -23,7 +23,7 @@ from uvicorn.config import WS_PROTOCOLS
 from ..api import add_async_chunk_argument
 from ..inputs.media import MediaLimits
 from ..errors import CheckpointError
-from ..model_source import MODEL_HELP, checkpoint_dir
+from ..model_source import add_model_arguments, checkpoint_dir
 from ..prompt_workers import PromptWorkers
 from .app import build_app
 from .engine import REASONING_PARSERS, ServedEngine
@@ -32,7 +32,7 @@ from .timeouts import with_header_timeout
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help=MODEL_HELP)
+    add_model_arguments(p)
     p.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
     p.add_argument("--pipeline", default=None, help="pipeline preset name or YAML path (default: the model's)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"omni-jax serve: error: {e}", file=sys.stderr)
         return 2
     try:  # a Hub model is fetched and converted first (minutes, with progress bars); then the port opens
-        model = checkpoint_dir(args.model)
+        model = checkpoint_dir(args.model, args.revision)
     except CheckpointError as e:
         print(f"omni-jax serve: error: {e}", file=sys.stderr)
         return 1

@@ -44,7 +44,8 @@ class Browser:
         port = self._devtools_port()
         tabs = httpx.get(f"http://127.0.0.1:{port}/json/list", timeout=10).json()
         page = next(t for t in tabs if t["type"] == "page")
-        self.ws = ws_client.connect(page["webSocketDebuggerUrl"], max_size=None, open_timeout=10)
+        # entered as `with` would: websockets >= 17.1 warns about a connection used without
+        self.ws = ws_client.connect(page["webSocketDebuggerUrl"], max_size=None, open_timeout=10).__enter__()
         self.ids = itertools.count(1)
         self.replies: dict[int, dict] = {}
         self.cond = threading.Condition()

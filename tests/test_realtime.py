@@ -828,9 +828,11 @@ def test_qwen3_spoken_reply_with_a_call(qwen3_server):
 # ---------------------------------------------------------------------------------------- hostile clients
 
 def _raw(server, key: str = API_KEY, query: str = ""):
+    """A session's socket, entered as `with` would (websockets >= 17.1 warns about a connection
+    used without): the caller closes it, or uses it in a `with`."""
     url = server.url.replace("http://", "ws://") + f"/v1/realtime?model={MODEL}{query}"
     return ws_client.connect(url, additional_headers={"Authorization": f"Bearer {key}"}, open_timeout=30,
-                             max_size=None)
+                             max_size=None).__enter__()
 
 
 def _next(ws, kind: str, timeout_s: float = 60.0) -> dict:

@@ -321,7 +321,7 @@ def test_a_full_server_is_explained_and_retried(browser, server):
     held = []
     try:
         for _ in range(16):  # the server's limit (--max-realtime-sessions)
-            held.append(ws_client.connect(url, additional_headers={"Authorization": f"Bearer {API_KEY}"}))
+            held.append(ws_client.connect(url, additional_headers={"Authorization": f"Bearer {API_KEY}"}).__enter__())
             assert json.loads(held[-1].recv(timeout=30))["type"] == "session.created"
         b = browser()
         b.open(f"{server.url}/#key={API_KEY}")

@@ -395,10 +395,12 @@ def test_a_spoken_reply_says_its_words_and_not_its_calls(client, library):
         if delta.audio is not None:
             transcript += delta.audio.transcript or ""
             pcm += base64.b64decode(delta.audio.data) if delta.audio.data else b""
-        calls += [(c.function.name, c.function.arguments) for c in delta.tool_calls or []]
+        calls += [(c.index, c.function.name, c.function.arguments) for c in delta.tool_calls or []]
         reasons += [chunk.choices[0].finish_reason] if chunk.choices[0].finish_reason else []
     assert (text, transcript, reasons) == ("Sure.", "Sure.", ["tool_calls"])
-    assert calls == [(c.function.name, c.function.arguments) for c in msg.tool_calls]
+    # the call named, then its arguments (written after the spoken words, as chat streams any call)
+    assert calls == [(0, c.function.name, "") for c in msg.tool_calls] + [(0, None, c.function.arguments)
+                                                                          for c in msg.tool_calls]
     _assert_same_audio(np.frombuffer(pcm, "<i2") / 32767.0, want.audio)
     named = client.chat.completions.create(audio={"voice": "Chelsie", "format": "wav"}, tool_choice={
         "type": "function", "function": {"name": "get_weather"}}, **{**ask, "extra_body": {}})

@@ -633,7 +633,9 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 def _streamed_calls(stream) -> tuple[str, list, str]:
-    """A streamed chat reply's content, tool calls (OpenAI's deltas put together) and finish reason."""
+    """A streamed chat reply's content, tool calls (OpenAI's deltas put together) and finish reason.
+    Each call's deltas are as OpenAI streams them: the first names it (its id, type and name, no
+    arguments yet), the next carry only arguments."""
     content, calls, reason = "", {}, None
     for c in stream:
         if not c.choices:
@@ -641,6 +643,11 @@ def _streamed_calls(stream) -> tuple[str, list, str]:
         d = c.choices[0].delta
         content += d.content or ""
         for t in d.tool_calls or []:
+            if t.index not in calls:
+                assert t.id.startswith("call_") and t.type == "function" and t.function.name, t
+                assert t.function.arguments == "", t
+            else:
+                assert t.id is None and t.function.name is None and t.function.arguments, t
             got = calls.setdefault(t.index, {"id": t.id, "name": "", "arguments": ""})
             got["name"] += t.function.name or ""
             got["arguments"] += t.function.arguments or ""
@@ -771,12 +778,14 @@ def test_a_response_calls_a_function(client, library):
     assert [t.name for t in r.tools] == ["get_weather", "now"] and r.tool_choice.name == "get_weather"
     events = list(client.responses.create(model=MODEL, input=ASK[0]["content"], tools=tools, tool_choice=choice,
                                           max_output_tokens=60, stream=True, **GREEDY))
-    assert [e.type for e in events] == [
+    kinds = [e.type for e in events]  # the arguments in one delta or more, as they were written
+    assert [k for i, k in enumerate(kinds) if k != kinds[i - 1]] == [
         "response.created", "response.in_progress", "response.output_item.added",
         "response.function_call_arguments.delta", "response.function_call_arguments.done",
         "response.output_item.done", "response.completed"]
     assert events[2].item.type == "function_call" and events[2].item.arguments == ""
-    assert events[3].delta == events[4].arguments == calls[0].arguments
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert "".join(deltas) == events[-3].arguments == calls[0].arguments
     done = events[-1].response
     assert [(o.type, o.name, o.arguments) for o in done.output] == [("function_call", "get_weather", calls[0].arguments)]
 

@@ -12,7 +12,7 @@ import pytest
 from omni_jax import SamplingParams, StructuredOutputs, ToolCall, call_grammar, read_tool_calls
 from omni_jax.errors import PromptError
 from omni_jax.inputs.chat_template import TOOLS_INTRO, TOOLS_OUTRO
-from omni_jax.inputs.tool_calls import ToolCallReader
+from omni_jax.inputs.tool_calls import CallPiece, ToolCallReader, gather
 from omni_jax.models.registry import prompt_processor
 
 WEATHER = {"type": "function", "function": {
@@ -166,13 +166,40 @@ def test_calls_read_from_a_reply_whole_or_in_pieces(text, content, calls):
     assert read_tool_calls(text) == (content, calls)
     rng = random.Random(len(text))
     for _ in range(20):  # streamed in random pieces: the same content and calls
-        reader, got, found, pos = ToolCallReader(), "", [], 0
+        reader, got, pieces, pos = ToolCallReader(), "", [], 0
         while pos < len(text):
             step = rng.randint(1, 6)
             more, new = reader.feed(text[pos:pos + step])
-            got, found, pos = got + more, found + new, pos + step
+            got, pieces, pos = got + more, pieces + new, pos + step
         more, new = reader.finish()
-        assert (got + more, found + new) == (content, calls)
+        pieces += new
+        assert (got + more, gather(pieces)) == (content, calls)
+        # each call: its name first, then its arguments, then done, numbered in order
+        for i in range(len(calls)):
+            mine = [p for p in pieces if p.index == i]
+            assert mine[0].name == calls[i].name and all(p.name is None for p in mine[1:])
+            assert [p.done for p in mine] == [False] * (len(mine) - 1) + [True]
+        assert [p.index for p in pieces] == sorted(p.index for p in pieces)
+
+
+def test_a_calls_arguments_come_as_they_are_written():
+    """Qwen's head read, the call is given out by name, then its arguments piece by piece before
+    its block ends; the call object's own closing brace is held until it cannot be an argument's."""
+    reader = ToolCallReader()
+    assert reader.feed('Let me look.\n<tool_call>\n{"name": "get_weather", "argu') == ("Let me look.", [])
+    assert reader.feed('ments": {"city": "Pa') == ("", [CallPiece(0, "get_weather", "", False),
+                                                       CallPiece(0, None, '{"city": "Pa', False)])
+    assert reader.feed('ris"}') == ("", [CallPiece(0, None, 'ris"', False)])  # the } may close the call
+    assert reader.feed('}\n</tool') == ("", [CallPiece(0, None, "}", False)])  # ... it closed the arguments
+    assert reader.feed('_call>\nDone.') == ("\nDone.", [CallPiece(0, None, "", True)])
+    assert reader.calls == [ToolCall("get_weather", '{"city": "Paris"}')]
+    # a reply cut in a call's arguments (max_tokens): a call with what was written
+    reader = ToolCallReader()
+    _, pieces = reader.feed('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par')
+    assert reader.finish() == ("", [CallPiece(0, None, "", True, cut=True)])
+    assert gather(pieces + [CallPiece(0, None, "", True, cut=True)]) == [ToolCall("get_weather", '{"city": "Par', cut=True)]
+    # a name that is not a JSON string waits for the block's end, as any other block
+    assert read_tool_calls('<tool_call>{"name": "a\\u00", "arguments": {}}</tool_call>')[1] == []
 
 
 @pytest.fixture(scope="module")

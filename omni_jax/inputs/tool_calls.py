@@ -4,8 +4,9 @@ read back out of a reply's text, and the grammar that makes a reply call a tool.
 A Qwen model told of tools (inputs/chat_template.py) calls one by writing
 `<tool_call>\\n{"name": "get_weather", "arguments": {"city": "Paris"}}\\n</tool_call>`, one block
 per call, after any text of its own. `ToolCallReader` takes the reply's text as it comes and
-gives back its content (the text outside the blocks) and each call once its block closes, so a
-streamed reply and a whole one read the same. A block whose JSON is not a call stays content.
+gives back its content (the text outside the blocks) and its calls, each as it is written (its
+name, then its arguments' text as it comes), so a streamed reply and a whole one read the same.
+A call's arguments are the text the model wrote. A block that is not a call stays content.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ MAX_TOOLS = 128
 
 @dataclasses.dataclass(frozen=True)
 class ToolCall:
-    """One call a reply made: the function's name and its arguments as JSON text (OpenAI's shape)."""
+    """One call a reply made: the function's name and its arguments as JSON text (OpenAI's shape);
+    `cut`: the reply ended (its length) before the call did, its arguments are what was written."""
 
     name: str
     arguments: str
+    cut: bool = False
 
 
 def check_tools(tools: Any, where: str = "tools") -> list[dict]:
@@ -76,6 +79,25 @@ def call_grammar(tools: list[dict], parallel: bool = True, opened: bool = False)
     return "\n".join([start, f"call: {OPEN} body", "body: " + " | ".join(names), *rules])
 
 
+# The start of a call's block as Qwen writes it, up to the first character of its arguments
+# object: from there on the arguments can be given out as they are written. (Arguments written as
+# a JSON string, or keys in another order, are read when the block closes.)
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=[^\s"])')
+
+
+@dataclasses.dataclass(frozen=True)
+class CallPiece:
+    """A piece of a call as the reply writes it: the call's number in the reply, its name (on its
+    first piece only), more of its arguments' text, whether it is the call's last piece, and
+    whether the reply ended before the call did (`ToolCall.cut`)."""
+
+    index: int
+    name: str | None
+    arguments: str
+    done: bool
+    cut: bool = False
+
+
 def _call(body: str) -> ToolCall | None:
     """The call a block's text holds, or None if it holds none."""
     try:
@@ -88,75 +110,170 @@ def _call(body: str) -> ToolCall | None:
     return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
 
 
+def _head(block: str) -> tuple[str, int] | None:
+    """The name a block's head gives and where its arguments start, if it is Qwen's head."""
+    m = _HEAD.match(block)
+    if m is None:
+        return None
+    try:
+        return json.loads(f'"{m.group(1)}"'), m.end()
+    except ValueError:  # not a JSON string after all: the block is read when it closes
+        return None
+
+
+def _final_arguments(body: str) -> str:
+    """A call's arguments from the text after its head: without the call object's closing brace,
+    or whole when there is none (a reply cut before it)."""
+    text = body[:len(body) - _tag_prefix(body, CLOSE)].strip()
+    try:
+        json.loads(text)
+        return text
+    except ValueError:
+        return text[:-1].rstrip() if text.endswith("}") else text
+
+
+def _sure_arguments(args: str) -> int:
+    """How much of an open call's arguments text is surely arguments: not the last "}" (it may
+    close the call object), trailing whitespace, or the start of a closing tag."""
+    text = args[:len(args) - _tag_prefix(args, CLOSE)].rstrip()
+    return len(text[:-1].rstrip() if text.endswith("}") else text)
+
+
 class ToolCallReader:
     """A reply's content and calls, read from its text piece by piece (module docstring).
 
     Text is given out as content as soon as it cannot be the start of a block; whitespace right
     before a block (Qwen writes a newline after its own words), or after the calls of a reply that
-    said nothing before them, is not content."""
+    said nothing before them, is not content. A call is given out as it is written: its name once
+    its block's head is read, then its arguments as they come (`CallPiece`s); a block whose
+    head is not Qwen's is read when it closes. `calls` holds the calls whose blocks ended."""
 
     def __init__(self):
         self._held = ""
         self._said = False  # content given out so far
-        self.calls = 0  # calls read so far
+        self.calls: list[ToolCall] = []
+        self._name: str | None = None  # the open call's name (None: no call open)
+        self._args = ""  # the open call's text after its head
+        self._sent = 0  # how much of it was given out
 
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
-        """The content and the calls that `text` completes."""
-        content, calls = self._read(self._held + text)
+    @property
+    def count(self) -> int:
+        """Calls begun so far."""
+        return len(self.calls) + (self._name is not None)
+
+    def feed(self, text: str) -> tuple[str, list[CallPiece]]:
+        """The content and the pieces of calls that `text` completes."""
+        content, pieces = self._read(self._held + text)
         self._said = self._said or bool(content)
-        return content, calls
+        return content, pieces
 
-    def _read(self, buf: str) -> tuple[str, list[ToolCall]]:
-        content, calls = [], []
+    def _read(self, buf: str) -> tuple[str, list[CallPiece]]:
+        self._held = ""
+        content, pieces = [], []
         while True:
-            if self.calls and not (self._said or any(content)):
+            if self._name is not None:
+                buf = self._in_call(buf, pieces)
+                if self._name is not None:  # still open: everything went to it
+                    return "".join(content), pieces
+            if self.count and not (self._said or any(content)):
                 buf = buf.lstrip()
             start = buf.find(OPEN)
             if start < 0:
                 break
-            end = buf.find(CLOSE, start + len(OPEN))
-            if end < 0:  # an open block: wait for its end
-                content.append(buf[:start].rstrip() if buf[:start].strip() else "")
-                self._held = buf[start:]
-                return "".join(content), calls
             content.append(buf[:start].rstrip() if buf[:start].strip() else "")
-            call = _call(buf[start + len(OPEN):end])
+            block = buf[start + len(OPEN):]
+            head = _head(block)
+            if head is not None:
+                self._name, self._args, self._sent = head[0], "", 0
+                pieces.append(CallPiece(len(self.calls), self._name, "", False))
+                buf = block[head[1]:]
+                continue
+            end = block.find(CLOSE)
+            if end < 0:  # an open block: wait for its head or its end
+                self._held = buf[start:]
+                return "".join(content), pieces
+            call = _call(block[:end])
             if call is None:
-                content.append(buf[start:end + len(CLOSE)])
+                content.append(buf[start:start + len(OPEN) + end + len(CLOSE)])
             else:
-                calls.append(call)
-                self.calls += 1
-            buf = buf[end + len(CLOSE):]
+                pieces += whole_pieces([call], len(self.calls))
+                self.calls.append(call)
+            buf = block[end + len(CLOSE):]
         keep = _tag_prefix(buf)
         body = buf[:len(buf) - keep]
         cut = len(body.rstrip())
         content.append(body[:cut])
         self._held = buf[cut:]
-        return "".join(content), calls
+        return "".join(content), pieces
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """What the held text ends as when the reply ends: a call whose block the reply did not
-        close (cut by its length), else content (whitespace after a call is none)."""
+    def _in_call(self, text: str, pieces: list[CallPiece]) -> str:
+        """Take `text` into the open call: its arguments so far, or its end; the text after it."""
+        self._args += text
+        end = self._args.find(CLOSE)
+        if end < 0:
+            sure = _sure_arguments(self._args)
+            if sure > self._sent:
+                pieces.append(CallPiece(len(self.calls), None, self._args[self._sent:sure], False))
+                self._sent = sure
+            return ""
+        rest = self._args[end + len(CLOSE):]
+        self._end_call(self._args[:end], pieces)
+        return rest
+
+    def _end_call(self, body: str, pieces: list[CallPiece], cut: bool = False) -> None:
+        args = _final_arguments(body)
+        pieces.append(CallPiece(len(self.calls), None, args[self._sent:], True, cut))
+        self.calls.append(ToolCall(self._name, args, cut))
+        self._name, self._args, self._sent = None, "", 0
+
+    def finish(self) -> tuple[str, list[CallPiece]]:
+        """What the held text ends as when the reply ends: the end of a call begun (its block cut
+        by the reply's length: the arguments written so far), a block whose JSON is a call, else
+        content (whitespace after a call is none)."""
+        pieces = []
+        if self._name is not None:
+            self._end_call(self._args, pieces, cut=True)
+            return "", pieces
         held, self._held = self._held, ""
         if held.startswith(OPEN):
             call = _call(held[len(OPEN):])
             if call is not None:
-                self.calls += 1
-                return "", [call]
-        return ("" if self.calls and not held.strip() else held), []
+                pieces += whole_pieces([call], len(self.calls))
+                self.calls.append(call)
+                return "", pieces
+        return ("" if self.calls and not held.strip() else held), pieces
 
 
-def _tag_prefix(text: str) -> int:
-    """The length of the longest end of `text` that begins `OPEN`."""
-    for n in range(min(len(text), len(OPEN) - 1), 0, -1):
-        if OPEN.startswith(text[-n:]):
+def _tag_prefix(text: str, tag: str = OPEN) -> int:
+    """The length of the longest end of `text` that begins `tag`."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
             return n
     return 0
+
+
+def whole_pieces(calls: list[ToolCall], first: int) -> list[CallPiece]:
+    """Calls read whole (a block read when it closed, a spoken reply's calls written after it) as
+    the pieces of calls read as they are written, numbered from `first`: the name, the rest."""
+    return [p for i, c in enumerate(calls)
+            for p in (CallPiece(first + i, c.name, "", False), CallPiece(first + i, None, c.arguments, True, c.cut))]
+
+
+def gather(pieces: list[CallPiece]) -> list[ToolCall]:
+    """The calls that pieces of calls make, in order."""
+    names, args, cut = {}, {}, set()
+    for p in pieces:
+        if p.name is not None:
+            names[p.index] = p.name
+        args[p.index] = args.get(p.index, "") + p.arguments
+        if p.cut:
+            cut.add(p.index)
+    return [ToolCall(names[i], args[i], i in cut) for i in sorted(names)]
 
 
 def read_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
     """A whole reply's content and calls."""
     reader = ToolCallReader()
-    content, calls = reader.feed(text)
-    rest, last = reader.finish()
-    return content + rest, calls + last
+    content, _ = reader.feed(text)
+    rest, _ = reader.finish()
+    return content + rest, reader.calls

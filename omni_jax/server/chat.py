@@ -9,10 +9,10 @@ a last chunk with `finish_reason` (each chunk names its choice's `index`), `usag
 `stream_options.include_usage`, `[DONE]`.
 
 With `tools`, calls the model makes are read out of its reply (server/tools.py) into
-`message.tool_calls` (finish_reason "tool_calls"); streamed, each call is one `delta.tool_calls`
-entry, sent whole when the model has written it, and the text before it `delta.content`. A spoken
-reply says its words and not its calls (server/spoken_calls.py); one held to calls (a required
-or named tool) is not spoken. A reasoning model's thinking is `message.reasoning_content`
+`message.tool_calls` (finish_reason "tool_calls"); streamed, a call's first `delta.tool_calls`
+entry names it once the model has written its name, the next ones carry its arguments as they
+are written, and the text before it is `delta.content`. A spoken reply says its words and not
+its calls (server/spoken_calls.py); one held to calls (a required or named tool) is not spoken. A reasoning model's thinking is `message.reasoning_content`
 (`delta.reasoning_content` streamed, before the answer's deltas; server/reasoning.py).
 """
 
@@ -27,7 +27,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from ..inputs.reasoning import ThinkTags
-from ..inputs.tool_calls import ToolCallReader
+from ..inputs.tool_calls import CallPiece, ToolCall, ToolCallReader, gather, whole_pieces
 from . import audio as audio_codec
 from .engine import ServedEngine
 from .errors import APIError, bad_request, error_body
@@ -156,11 +156,11 @@ class ChatHandler:
             reason = finish_reason(out.finish_reason)
             if calls.tools.reads_calls:
                 reader = ToolCallReader()
-                said, made = reader.feed(said)
+                said, pieces = reader.feed(said)
                 reason, rest, more, failed = await calls.finish(out, reader)
                 if failed is not None:
                     raise failure(self.engine, failed)
-                said, made = said + rest, made + more
+                said, made = said + rest, gather(pieces + more)
                 message["content"] = said or None
                 if made:
                     message["tool_calls"] = [chat_tool_call(c, call_id()) for c in made]
@@ -198,13 +198,20 @@ class ChatHandler:
         thinking = [ReplyReasoning(self.engine.reasoning) for _ in gens]
         readers = [calls.tools.reader() for _ in gens]
         said = [""] * len(gens)  # each choice's words (its calls left out)
-        calls_sent = [0] * len(gens)
+        called = [False] * len(gens)
 
-        def call_chunks(j: int, made: list) -> list[bytes]:
+        def call_chunks(j: int, pieces: list[CallPiece]) -> list[bytes]:
+            """A call's first chunk names it (with its id); the next ones carry its arguments as
+            they are written (vLLM's and OpenAI's stream)."""
             chunks = []
-            for call in made:
-                entry = {"index": calls_sent[j], **chat_tool_call(call, call_id())}
-                calls_sent[j] += 1
+            for p in pieces:
+                if p.name is not None:
+                    entry = {"index": p.index, **chat_tool_call(ToolCall(p.name, p.arguments), call_id())}
+                elif p.arguments:
+                    entry = {"index": p.index, "function": {"arguments": p.arguments}}
+                else:
+                    continue
+                called[j] = True
                 chunks.append(chunk(j, {"tool_calls": [entry]}))
             return chunks
 
@@ -216,9 +223,9 @@ class ChatHandler:
                 new = out.new_token_ids
                 lp = self._logprobs(req, new, out.logprobs[-len(new):]) if new and out.logprobs else None
                 reasoning, text = thinking[j].feed(out)
-                made = []
+                pieces = []
                 if readers[j] is not None:
-                    text, made = readers[j].feed(text)
+                    text, pieces = readers[j].feed(text)
                 said[j] += text
                 if reasoning and req.include_reasoning:
                     yield chunk(j, reasoning_fields(reasoning), logprobs=lp)
@@ -228,7 +235,7 @@ class ChatHandler:
                     if with_audio:
                         delta["audio"] = {"id": audio_id, "transcript": text}
                     yield chunk(j, delta, logprobs=lp)
-                for c in call_chunks(j, made):
+                for c in call_chunks(j, pieces):
                     yield c
                 for piece, _ in audio_codec.pcm16_pieces(out.audio_delta, MAX_AUDIO_CHUNK_SAMPLES):
                     yield chunk(j, {"audio": {"id": audio_id, "data": piece}})
@@ -238,7 +245,7 @@ class ChatHandler:
                 reason = finish_reason(out.finish_reason)
                 if not out.error and readers[j] is not None:
                     try:
-                        reason, rest, made, failed = await calls.finish(out, readers[j])
+                        reason, rest, pieces, failed = await calls.finish(out, readers[j])
                     except APIError as e:  # a spoken reply's calls could not start
                         self.metrics.error(e.status)
                         yield event(e.body())
@@ -248,7 +255,7 @@ class ChatHandler:
                         said[j] += rest
                         yield chunk(j, {"content": rest, **({"audio": {"id": audio_id, "transcript": rest}}
                                                              if with_audio else {})})
-                    for c in call_chunks(j, made):
+                    for c in call_chunks(j, pieces):
                         yield c
                     out = failed or out
                 if out.error:
@@ -258,7 +265,7 @@ class ChatHandler:
                     yield DONE
                     return
                 last = {"audio": {"id": audio_id, "expires_at": self.replies.put(audio_id, said[j])}} if with_audio else {}
-                yield chunk(j, last, _with_calls(reason) if calls_sent[j] else reason)
+                yield chunk(j, last, _with_calls(reason) if called[j] else reason)
             if include_usage:
                 yield event({**head, "choices": [], "usage": _usage(outs, calls.extra_tokens, self.engine.reasoning)})
             yield DONE
@@ -288,12 +295,13 @@ class _Calls:
         self.tools, self.spoken, self.messages, self.rid, self.request = tools, spoken, messages, rid, request
         self.extra_tokens = 0
 
-    async def finish(self, out, reader: ToolCallReader) -> tuple[str, str, list, object | None]:
+    async def finish(self, out, reader: ToolCallReader) -> tuple[str, str, list[CallPiece], object | None]:
         """A finished choice's finish reason (before its calls make it "tool_calls"), last words and
-        calls, and the output of its spoken calls if they failed (else None)."""
+        pieces of calls, and the output of its spoken calls if they failed (else None)."""
         if self.spoken is None or not self.spoken.opened(out):
-            rest, made = reader.finish()
-            return finish_reason(out.finish_reason), rest, made, None
+            rest, pieces = reader.finish()
+            return finish_reason(out.finish_reason), rest, pieces, None
         written, made = await self.spoken.write(self.messages, out, f"{self.rid}-call", self.request)
         self.extra_tokens += len(written.token_ids)
-        return finish_reason(written.finish_reason), "", made, written if written.error else None
+        return (finish_reason(written.finish_reason), "", whole_pieces(made, reader.count),
+                written if written.error else None)

@@ -13,8 +13,8 @@ when max_output_tokens ended it, .failed when the request failed).
 
 Function tools (`tools`, `tool_choice`: server/tools.py) work as in chat completions: a call the
 model makes is a `function_call` output item (after the message item when the reply has words,
-which is then only added once they come), streamed as output_item.added,
-function_call_arguments.delta and .done, output_item.done; `function_call` and
+which is then only added once they come), streamed as output_item.added once its name is
+written, function_call_arguments.delta as its arguments are, then .done and output_item.done; `function_call` and
 `function_call_output` input items give earlier calls and their results back.
 
 A reasoning model's thinking (server/reasoning.py) is a `reasoning` output item before the
@@ -35,7 +35,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from ..inputs.reasoning import ThinkTags
-from ..inputs.tool_calls import CLOSE
+from ..inputs.tool_calls import CLOSE, CallPiece
 from .engine import ServedEngine
 from .errors import APIError, bad_request, error_body, short
 from .generation import Generation, check_model, failure, finished_outputs, open_request
@@ -201,16 +201,16 @@ class _Reply:
             return []
         return token_logprobs(self.tokenizer, token_ids, logprobs[-len(token_ids):], self.top_logprobs)
 
-    def add(self, out) -> tuple[str, str, list, list[dict]]:
-        """The reasoning, text, logprobs and function_call items this update adds (the logprobs
-        are the message's: none for an update that is all thinking)."""
+    def add(self, out) -> tuple[str, str, list, list[CallPiece]]:
+        """The reasoning, text, logprobs and pieces of calls this update adds (the logprobs are the
+        message's: none for an update that is all thinking)."""
         thought, text = self.thinking.feed(out)
         self._thought(thought, out)
         lps = self._logprobs(out.new_token_ids, out.logprobs) if text or not self.thinking.thought else []
-        text, calls = self._read(text, out.finished)
+        text, pieces = self._read(text, out.finished)
         self.text += text
         self.logprobs += lps
-        return thought, text, lps, calls
+        return thought, text, lps, pieces
 
     def whole(self, out) -> None:
         """Take the finished request's reasoning, text, logprobs and calls at once."""
@@ -230,20 +230,26 @@ class _Reply:
         if out.finished:
             self.reasoning_tokens = self.thinking.tokens(out)
 
-    def _read(self, text: str, finished: bool) -> tuple[str, list[dict]]:
-        calls = []
+    def _read(self, text: str, finished: bool) -> tuple[str, list[CallPiece]]:
+        pieces = []
         if self.reader is not None:
-            text, calls = self.reader.feed(text)
+            text, pieces = self.reader.feed(text)
             if finished:
                 rest, closing = self.reader.finish()
-                text, calls = text + rest, calls + closing
-        if MESSAGE not in self.order and (text or (finished and not calls and not self.calls)):
+                text, pieces = text + rest, pieces + closing
+        if MESSAGE not in self.order and (text or (finished and not pieces and not self.calls)):
             self.order.append(MESSAGE)  # with its first words, or empty for a reply of neither words nor calls
-        items = [{"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "completed", "call_id": call_id(),
-                  "name": c.name, "arguments": c.arguments} for c in calls]
-        self.calls += items
-        self.order += items
-        return text, items
+        for p in pieces:  # a call's item is added with its name and filled in as its arguments come
+            if p.name is not None:
+                item = {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "in_progress",
+                        "call_id": call_id(), "name": p.name, "arguments": ""}
+                self.calls.append(item)
+                self.order.append(item)
+            item = self.calls[p.index]
+            item["arguments"] += p.arguments
+            if p.done:
+                item["status"] = "incomplete" if p.cut else "completed"
+        return text, pieces
 
     def output(self, status: str) -> list[dict]:
         """The output items, in the order they came."""
@@ -374,15 +380,23 @@ class ResponsesHandler:
         return {"id": response_id, "object": "response", "deleted": True}
 
     @staticmethod
-    def _call_events(emit, index: int, item: dict) -> list[bytes]:
-        """A function call's events: its item added, its arguments (whole: the call is read once
-        its block closes), the item done."""
+    def _call_events(emit, reply: _Reply, piece: CallPiece) -> list[bytes]:
+        """A piece of a function call's events: its item added (with its name), its arguments as
+        they come, the arguments and the item done."""
+        item = reply.calls[piece.index]
+        index = reply.index(item)
         where = {"item_id": item["id"], "output_index": index}
-        return [emit("response.output_item.added", output_index=index,
-                     item={**item, "status": "in_progress", "arguments": ""}),
-                emit("response.function_call_arguments.delta", delta=item["arguments"], **where),
-                emit("response.function_call_arguments.done", name=item["name"], arguments=item["arguments"], **where),
-                emit("response.output_item.done", output_index=index, item=item)]
+        events = []
+        if piece.name is not None:
+            events.append(emit("response.output_item.added", output_index=index,
+                               item={**item, "status": "in_progress", "arguments": ""}))
+        if piece.arguments:
+            events.append(emit("response.function_call_arguments.delta", delta=piece.arguments, **where))
+        if piece.done:
+            events += [emit("response.function_call_arguments.done", name=item["name"], arguments=item["arguments"],
+                            **where),
+                       emit("response.output_item.done", output_index=index, item=item)]
+        return events
 
     async def _stream(self, reply: _Reply, gen: Generation, messages: list[dict]) -> AsyncIterator[bytes]:
         seq = 0
@@ -425,14 +439,14 @@ class ResponsesHandler:
                 opened.append(MESSAGE)
                 yield e
             async for out in gen.updates():
-                thought, text, lps, calls = reply.add(out)
+                thought, text, lps, pieces = reply.add(out)
                 if REASONING in reply.order and REASONING not in opened:
                     opened.append(REASONING)
                     for e in opening(REASONING):
                         yield e
                 if thought:
                     yield emit("response.reasoning_text.delta", delta=thought, **where(REASONING))
-                if (text or calls or MESSAGE in reply.order) and opened == [REASONING]:
+                if (text or pieces or MESSAGE in reply.order) and opened == [REASONING]:
                     opened.append(None)  # the thinking is over (or the reply ended in it): its item is done
                     for e in closing(REASONING, _status(out) if out.finished else "completed"):
                         yield e
@@ -442,8 +456,8 @@ class ResponsesHandler:
                         yield e
                 if MESSAGE in opened and (text or lps):
                     yield emit("response.output_text.delta", delta=text, logprobs=lps, **where(MESSAGE))
-                for item in calls:
-                    for e in self._call_events(emit, reply.index(item), item):
+                for piece in pieces:
+                    for e in self._call_events(emit, reply, piece):
                         yield e
             self.metrics.finished("responses", out)
             if out.error:

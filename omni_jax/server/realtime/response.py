@@ -8,9 +8,10 @@ the client gone) is aborted in every stage by closing its request, and still end
 `.done` events, status `cancelled`; its item keeps the audio sent and is marked incomplete.
 
 With tools, the calls the model makes are function_call items after the message item (each
-added, its arguments, done, and added to the conversation); a spoken reply says its words and
-not its calls (server/spoken_calls.py). On a WebRTC call the audio goes to the call's track
-(rtc.Speaker) instead of `response.output_audio.delta` events.
+added with its name, its arguments as they are written, done; in the conversation from its
+name on); a spoken reply says its words and not its calls (server/spoken_calls.py). On a WebRTC
+call the audio goes to the call's track (rtc.Speaker) instead of `response.output_audio.delta`
+events.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Awaitable, Callable
 
 import numpy as np
 
+from ...inputs.tool_calls import CallPiece, whole_pieces
 from ..errors import APIError
 from ..generation import failure, open_request
 from ..reasoning import ReplyReasoning
@@ -52,6 +54,7 @@ class Response:
         # function_call item joins the conversation (None: out of band)
         self.tools, self.spoken_calls, self.add_item = tools, spoken_calls, add_item
         self.calls: list[ConversationItem] = []
+        self._after: dict[str, str | None] = {}  # a call item's previous_item_id in the conversation
         self.id = new_id("resp")
         self.modalities, self.voice, self.max_output_tokens = modalities, voice, max_output_tokens
         self.conversation_id, self.item, self.metadata = conversation_id, item, metadata
@@ -115,16 +118,16 @@ class Response:
             thinking = ReplyReasoning(self.engine.reasoning)
             async for out in gen.updates():
                 _, text = thinking.feed(out)
-                calls = []
+                pieces = []
                 if reader is not None:
-                    text, calls = reader.feed(text)
+                    text, pieces = reader.feed(text)
                     if out.finished and not self._call_opened(out):  # an opened call's tag stays held
                         rest, closing = reader.finish()
-                        text, calls = text + rest, calls + closing
+                        text, pieces = text + rest, pieces + closing
                 if text:
                     await self._text(text, part)
-                for call in calls:
-                    await self._call(call)
+                for piece in pieces:
+                    await self._call(piece)
                 if self.speaks and out.audio_delta is not None:
                     await self._audio(out.audio_delta if self.tempo is None else self.tempo.push(out.audio_delta), part)
             if self.tempo is not None and out.finished and not out.error:
@@ -139,8 +142,8 @@ class Response:
                     self._failed(e)
                     return
                 self.call_tokens = len(ending.token_ids)
-                for call in calls:
-                    await self._call(call)
+                for piece in whole_pieces(calls, reader.count):
+                    await self._call(piece)
             if ending.error:
                 self._failed(failure(self.engine, ending))
             elif ending.finish_reason == "length":
@@ -156,6 +159,9 @@ class Response:
                 self.speaker.finish(self.id)
             self.usage = _usage(out, self.call_tokens)
             self.item.status = "completed" if self.status == "completed" else "incomplete"
+            for call in self.calls:  # a call cut off as it was written (cancelled, failed)
+                if call.status == "in_progress":
+                    call.status = "incomplete"
             try:
                 await self._done(part, items_added=gen is not None)
             finally:
@@ -178,27 +184,40 @@ class Response:
             await self.send({"type": "response.output_text.delta", "event_id": new_id("event"), **self._at(),
                              "delta": text})
 
-    async def _call(self, call) -> None:
-        """A function call the reply made: its item's events, and the item in the conversation."""
-        item = function_call_item(call_id(), call.name, call.arguments)
-        self.calls.append(item)
-        index = len(self.calls)
-        previous = None
-        if self.add_item is not None:
-            try:
-                previous = self.add_item(item, (self.calls[-2] if len(self.calls) > 1 else self.item).id)
-            except EventError:  # a full conversation, or its message deleted meanwhile:
-                pass            # the client still gets the call
-        added = {**item.as_json(), "status": "in_progress", "arguments": ""}
+    async def _call(self, piece: CallPiece) -> None:
+        """A piece of a function call the reply makes: with its name, its item added to the
+        response and the conversation; its arguments as they are written; at its end, the item done."""
+        if piece.name is not None:
+            item = function_call_item(call_id(), piece.name, "")
+            item.status = "in_progress"
+            self.calls.append(item)
+            self._after[item.id] = None
+            if self.add_item is not None:
+                try:
+                    self._after[item.id] = self.add_item(item, (self.calls[-2] if len(self.calls) > 1 else self.item).id)
+                except EventError:  # a full conversation, or its message deleted meanwhile:
+                    pass            # the client still gets the call
+            added = item.as_json()
+            await self._send_all([
+                {"type": "response.output_item.added", "response_id": self.id, "output_index": len(self.calls),
+                 "item": added},
+                {"type": "conversation.item.added", "item": added, "previous_item_id": self._after[item.id]}])
+        item = self.calls[piece.index]
+        index = piece.index + 1  # the message is output 0
         at = {"response_id": self.id, "item_id": item.id, "output_index": index}
-        events = [{"type": "response.output_item.added", "response_id": self.id, "output_index": index, "item": added},
-                  {"type": "conversation.item.added", "item": added, "previous_item_id": previous},
-                  {"type": "response.function_call_arguments.delta", **at, "call_id": item.call["call_id"],
-                   "delta": call.arguments},
-                  {"type": "response.function_call_arguments.done", **at, **item.call},
-                  {"type": "response.output_item.done", "response_id": self.id, "output_index": index,
-                   "item": item.as_json()},
-                  {"type": "conversation.item.done", "item": item.as_json(), "previous_item_id": previous}]
+        if piece.arguments:
+            item.call["arguments"] += piece.arguments
+            await self._send_all([{"type": "response.function_call_arguments.delta", **at,
+                                   "call_id": item.call["call_id"], "delta": piece.arguments}])
+        if piece.done:
+            item.status = "incomplete" if piece.cut else "completed"
+            await self._send_all([
+                {"type": "response.function_call_arguments.done", **at, **item.call},
+                {"type": "response.output_item.done", "response_id": self.id, "output_index": index,
+                 "item": item.as_json()},
+                {"type": "conversation.item.done", "item": item.as_json(), "previous_item_id": self._after[item.id]}])
+
+    async def _send_all(self, events: list[dict]) -> None:
         for e in events:
             await self.send({"event_id": new_id("event"), **e})
 

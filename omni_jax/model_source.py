@@ -117,7 +117,10 @@ def converted(hf_dir: str, key: str, name: str, progress: bool = True) -> str:
         dtype = _dtype_of(hf_config)
         print(f"[omni-jax] {name}: converting it to OmniJax's format ({dtype}) into {out}, once (later starts "
               f"load it from there)", file=sys.stderr)
-        convert(hf_dir, out, dtype, overwrite=True, progress=progress)
+        try:
+            convert(hf_dir, out, dtype, overwrite=True, progress=progress)
+        except OSError as e:  # a disk that filled up, a file unreadable: nothing half-written is kept
+            raise CheckpointError(f"converting {name} into {out} failed: {e}") from e
         print(f"[omni-jax] converted {name}:\n{describe(out)}", file=sys.stderr)
     return out
 

@@ -175,6 +175,15 @@ def test_a_disk_too_small_is_said_before_writing(caches, tmp_path, monkeypatch):
     monkeypatch.setattr(model_source.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**6, 10**6 - 100, 100))
     with pytest.raises(CheckpointError, match=r"needs about 0.0 GB in .*converted, which has 0.0 GB free.*OMNI_JAX_CACHE"):
         model_source.checkpoint_dir(hf)
+    monkeypatch.undo()  # room enough, but the disk fills up as it writes
+    monkeypatch.setenv("OMNI_JAX_CACHE", str(caches / "omni-jax"))
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(model_source, "convert", full)
+    with pytest.raises(CheckpointError, match=r"converting .*big into .* failed: \[Errno 28\] No space left"):
+        model_source.checkpoint_dir(hf)
 
 
 def test_processes_starting_together_convert_once(caches, tmp_path, monkeypatch):

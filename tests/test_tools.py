@@ -161,6 +161,11 @@ REPLY = ('I will check.\n<tool_call>\n{"name": "get_weather", "arguments": {"cit
     ('<tool_call>{"name": "now"}</tool_call>\n<tool_call>{"name": "x"}</tool_call>\n\nThen.', "Then.",
      [ToolCall("now", "{}"), ToolCall("x", "{}")]),
     ('Sure.\n<tool_call>{"name": "now"}</tool_call>\n\nThen.', "Sure.\n\nThen.", [ToolCall("now", "{}")]),
+    # arguments with braces, "<" and whitespace of their own: given out as written
+    ('<tool_call>\n{"name": "f", "arguments": {"a": {"b": "}</x"}, "c": [1, {"d": 2}] }\n}\n</tool_call>', "",
+     [ToolCall("f", '{"a": {"b": "}</x"}, "c": [1, {"d": 2}] }')]),
+    # cut in a call's arguments: the call with what was written, cut
+    ('<tool_call>\n{"name": "f", "arguments": {"a": [1, 2}', "", [ToolCall("f", '{"a": [1, 2', cut=True)]),
 ])
 def test_calls_read_from_a_reply_whole_or_in_pieces(text, content, calls):
     assert read_tool_calls(text) == (content, calls)

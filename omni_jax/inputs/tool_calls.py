@@ -208,10 +208,11 @@ class ToolCallReader:
 
     def _in_call(self, text: str, pieces: list[CallPiece]) -> str:
         """Take `text` into the open call: its arguments so far, or its end; the text after it."""
+        seen = max(len(self._args) - len(CLOSE) + 1, 0)  # the text before was searched already
         self._args += text
-        end = self._args.find(CLOSE)
+        end = self._args.find(CLOSE, seen)
         if end < 0:
-            sure = _sure_arguments(self._args)
+            sure = self._sent + _sure_arguments(self._args[self._sent:])  # only the unsent end can be held
             if sure > self._sent:
                 pieces.append(CallPiece(len(self.calls), None, self._args[self._sent:sure], False))
                 self._sent = sure

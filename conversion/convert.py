@@ -120,7 +120,8 @@ def describe(ckpt_dir: str) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--hf-dir", required=True, help="Hugging Face model directory (config.json + safetensors)")
+    p.add_argument("--hf-dir", required=True, help="Hugging Face model directory (config.json + safetensors), or "
+                                                   "a Hub id (Qwen/Qwen2.5-Omni-7B) to fetch it from")
     p.add_argument("--out", required=True, help="output directory for the OmniJax checkpoint")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(NP_DTYPES), help="stored parameter dtype")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")

@@ -1,6 +1,6 @@
 """`omni-jax` command line: convert checkpoints and run the model.
 
-    omni-jax convert --hf-dir HF_DIR --out OUT_DIR [--dtype bfloat16|float32]
+    omni-jax convert --hf-dir HF_DIR|HUB_ID --out OUT_DIR [--dtype bfloat16|float32]
     omni-jax generate --model HUB_ID|DIR|tiny --prompt TEXT | --prompt-embeds FILE.npy
     omni-jax serve --model HUB_ID|DIR|tiny [--port 8000] (OpenAI-compatible server)
     omni-jax bench --base-url URL [--concurrency N]      (load run against a server)
@@ -22,6 +22,7 @@ from . import demo
 from .api import add_async_chunk_argument, resolve_checkpoint_and_pipeline
 from .errors import CheckpointError, ConfigError
 from .gpu import plan
+from .model_source import HUB_ID, fetch
 from .runtime import spmd, stage_worker
 from .server import bench, serve
 
@@ -32,7 +33,8 @@ def main(argv=None) -> int:
 
     p_convert = sub.add_parser("convert", help="convert a Hugging Face checkpoint")
     convert_mod.add_arguments(p_convert)
-    p_convert.set_defaults(func=convert_mod.run)
+    p_convert.add_argument("--revision", default=None, help="a Hub model's branch, tag or commit (default: main)")
+    p_convert.set_defaults(func=convert)
 
     p_gen = sub.add_parser("generate", help="generate a reply to a prompt")
     demo.add_arguments(p_gen)
@@ -58,6 +60,17 @@ def main(argv=None) -> int:
 
     args = parser.parse_args(argv)
     return args.func(args)
+
+
+def convert(args) -> int:
+    """`omni-jax convert`, whose --hf-dir may also be a Hugging Face Hub id (fetched first)."""
+    if not os.path.exists(args.hf_dir) and HUB_ID.fullmatch(args.hf_dir):
+        try:
+            args.hf_dir = fetch(args.hf_dir, args.revision)
+        except CheckpointError as e:
+            print(f"omni-jax convert: error: {e}", file=sys.stderr)
+            return 1
+    return convert_mod.run(args)
 
 
 def stage_process(args) -> int:

@@ -103,6 +103,12 @@ def test_a_hub_id_is_fetched_converted_and_served_then_started_offline(hf_checkp
         hub.close()
     assert pinned.returncode == 0 and pinned.stdout.strip() == out and "converting" not in pinned.stderr
     assert hub.fetched == []  # all in the cache
+    # `omni-jax convert` takes the Hub id too, into a directory of one's choice
+    mine = caches / "mine"
+    conv = subprocess.run([sys.executable, "-m", "omni_jax.cli", "convert", "--hf-dir", REPO, "--out", str(mine),
+                           "--dtype", "float32", "--no-progress"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert conv.returncode == 0 and read_config(str(mine))["stages"] == ["thinker", "talker", "token2wav"], conv.stderr
 
     # The Hub gone and offline: the server starts from the caches, converting nothing, and serves
     # the model under its Hub id.
@@ -127,6 +133,9 @@ def test_hub_failures_are_said(caches, tmp_path):
         no_revision = _checkpoint_dir(REPO, "v9", HF_ENDPOINT=hub.url)
         serve = subprocess.run([sys.executable, "-m", "omni_jax.cli", "serve", "--model", "Qwen/Nope"],
                                capture_output=True, text=True, timeout=300, env={**os.environ, "HF_ENDPOINT": hub.url})
+        conv = subprocess.run([sys.executable, "-m", "omni_jax.cli", "convert", "--hf-dir", "Qwen/Gated", "--out",
+                               str(tmp_path / "out")], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "HF_ENDPOINT": hub.url})
     finally:
         hub.close()
     unreachable = _checkpoint_dir(REPO, HF_ENDPOINT=hub.url)
@@ -140,6 +149,7 @@ def test_hub_failures_are_said(caches, tmp_path):
     assert "hf download Qwen/Tiny-Omni" in unreachable.stderr
     assert serve.returncode == 1 and "omni-jax serve: error: Qwen/Nope: no such directory, and no such model" in serve.stderr, serve.stderr[-2000:]
     assert "listening" not in serve.stdout  # it stopped before opening its port
+    assert conv.returncode == 1 and "omni-jax convert: error: Qwen/Gated is gated" in conv.stderr, conv.stderr[-2000:]
     assert not os.path.exists(caches / "omni-jax" / "converted")
 
 

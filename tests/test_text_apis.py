@@ -829,6 +829,32 @@ def test_a_response_with_words_and_calls_and_the_next_turn(client, library):
     assert again.usage.input_tokens == len(want.prompt_token_ids) and again.output_text == want.text
 
 
+def test_a_reply_cut_inside_a_call_keeps_the_call_written_so_far(client):
+    """max_output_tokens ending a reply in the middle of a call's arguments: the call is kept, with
+    the arguments written (as OpenAI keeps a cut call): chat's finish_reason "length", the Responses
+    API's item "incomplete"; streamed, the same call and arguments."""
+    args = '{"note": "' + "word " * 60 + '"}'
+    block = '\n{"name": "now", "arguments": ' + args + '}\n'
+    grammar = f"start: <tool_call> {json.dumps(block)} </tool_call>"
+    extra = {"structured_outputs": {"grammar": grammar}}
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, NOW], max_tokens=30,
+                                       extra_body=extra, **GREEDY)
+    call = r.choices[0].message.tool_calls[0].function
+    assert r.choices[0].finish_reason == "length" and call.name == "now"
+    assert args.startswith(call.arguments) and len(call.arguments) > len('{"note": "word')
+    content, calls, reason = _streamed_calls(client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER, NOW], max_tokens=30, extra_body=extra, stream=True, **GREEDY))
+    assert (content, reason, [(c["name"], c["arguments"]) for c in calls]) == ("", "length", [("now", call.arguments)])
+    ask = dict(model=MODEL, input=ASK[0]["content"], tools=[_flat(WEATHER), _flat(NOW)], max_output_tokens=30,
+               extra_body=extra, **GREEDY)
+    resp = client.responses.create(**ask)
+    assert resp.status == "incomplete" and [(o.type, o.status, o.arguments) for o in resp.output] == [
+        ("function_call", "incomplete", call.arguments)]
+    events = list(client.responses.create(**ask, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta") == call.arguments
+    assert events[-1].type == "response.incomplete" and events[-1].response.output[0].status == "incomplete"
+
+
 def test_a_response_whose_words_follow_its_calls(client):
     """Words after the calls (or a call cut by max_output_tokens, which stays words): the message
     item comes after the calls, whole as streamed."""

@@ -56,16 +56,16 @@ def speak(model: str, voice: str | None, max_tokens: int, out_path: str):
 
 
 def _checkpoint(model: str) -> str:
-    from omni_jax.models.registry import resolve_model
+    from omni_jax.model_source import checkpoint_dir
 
-    return resolve_model(model)
+    return checkpoint_dir(model)
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="tiny",
-                   help="'tiny' (the built-in random model) or the path of a checkpoint converted with "
-                        "`omni-jax convert`")
+                   help="'tiny' (the built-in random model), a Hugging Face Hub id (Qwen/Qwen2.5-Omni-7B) or "
+                        "checkpoint directory, or a checkpoint converted with `omni-jax convert`")
     p.add_argument("--voice", default=None, help="speaker (default: the checkpoint's first, e.g. Chelsie)")
     p.add_argument("--max-tokens", type=int, default=8, help="text tokens of the reply")
     p.add_argument("--out", default="reply.wav", help="WAV file to write")

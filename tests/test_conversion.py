@@ -97,9 +97,12 @@ def test_cli_says_what_it_converted(qwen2_5_omni_hf_dir, tmp_path, capsys):
     assert f"weights:  {count / 1e9:.2f} B parameters, float32, {4 * count / 1e9:.2f} GB" in said
 
 
-def test_missing_voices_are_told_at_conversion(qwen2_5_omni_hf_dir, tmp_path, capsys, monkeypatch):
+def test_missing_voices_are_told_at_conversion(qwen2_5_omni_hf_dir, converted_fp32, tmp_path, capsys, monkeypatch):
     """Without spk_dict.pt the checkpoint converts (text serves) and the conversion says that speech
-    will not; with it but without torch, the conversion stops, saying what to install."""
+    will not. Without torch the voices convert the same (read torch-free); a voices file in torch's
+    old format, which only torch reads, then stops the conversion, saying what to install."""
+    import torch
+
     src = str(tmp_path / "hf")
     shutil.copytree(qwen2_5_omni_hf_dir, src)
     os.remove(os.path.join(src, "spk_dict.pt"))
@@ -107,10 +110,17 @@ def test_missing_voices_are_told_at_conversion(qwen2_5_omni_hf_dir, tmp_path, ca
     assert f"{src} has no spk_dict.pt: converted without voices, so its speech stages cannot start" in \
         capsys.readouterr().err
     assert not os.path.exists(os.path.join(out, "voices.safetensors"))
+    spk = torch.load(os.path.join(qwen2_5_omni_hf_dir, "spk_dict.pt"), weights_only=True)
+    torch.save(spk, os.path.join(src, "spk_dict.pt"), _use_new_zipfile_serialization=False)
     monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
+    out = convert(qwen2_5_omni_hf_dir, str(tmp_path / "no_torch"), dtype="float32", progress=False)
+    want = stnp.load_file(os.path.join(converted_fp32, "voices.safetensors"))
+    got = stnp.load_file(os.path.join(out, "voices.safetensors"))
+    assert want.keys() == got.keys() and all(np.array_equal(want[k], got[k]) for k in want)
     out = str(tmp_path / "out2")
-    with pytest.raises(CheckpointError, match=r"spk_dict\.pt holds the voices \(a torch file\): install torch"):
-        convert(qwen2_5_omni_hf_dir, out, dtype="float32", progress=False)
+    with pytest.raises(CheckpointError, match=r"spk_dict\.pt holds the voices in a torch file that cannot be read "
+                                              r"without torch \(it is not in torch's zip format.*install torch"):
+        convert(src, out, dtype="float32", progress=False)
     _assert_nothing_written(out)
 
 

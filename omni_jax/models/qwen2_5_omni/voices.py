@@ -1,9 +1,9 @@
 """Voices and the fixed embeddings of the thinker -> talker handoff, torch-free.
 
 The HF checkpoint keeps voices in `spk_dict.pt` (a torch pickle: per voice a text
-bos token, a `cond` speaker vector and a reference mel). Conversion reads it once
-with `torch.load(weights_only=True)` and writes `voices.safetensors`, so serving
-never needs torch. The same file carries the few embedding rows the handoff needs
+bos token, a `cond` speaker vector and a reference mel). Conversion reads it once,
+without torch (models/torch_file.py), and writes `voices.safetensors`, so neither
+conversion nor serving needs torch. The same file carries the few embedding rows the handoff needs
 outside the stage that owns them (the thinker's embeddings of each voice's bos
 token, of tts_text_end and tts_text_pad; the talker's codec pad/bos embeddings),
 so the orchestrator can build talker inputs without either model's weights.
@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 
 import numpy as np
 
 from ...errors import CheckpointError
+from .. import torch_file
+from ..torch_file import TorchFileError
 
 VOICES_FILE = "voices.safetensors"
 
@@ -93,18 +96,30 @@ def write_voices(out_dir: str, speakers: dict, thinker_embed, talker_embed, talk
 
 
 def read_spk_dict(hf_dir: str) -> dict | None:
-    """spk_dict.pt as plain numpy, or None if absent. Needs torch (weights_only load, no code runs)."""
+    """spk_dict.pt as plain numpy, or None if absent. Read without torch (models/torch_file.py:
+    tensors only, no code runs); a file that reader cannot read needs torch (weights_only load)."""
     path = os.path.join(hf_dir, "spk_dict.pt")
     if not os.path.isfile(path):
         return None
     try:
+        raw = torch_file.load(path)
+    except (TorchFileError, OSError, EOFError, pickle.UnpicklingError) as e:
+        raw = _torch_load(path, f"{e}")
+    try:
+        return {name: {"bos_token": int(spk["bos_token"]), "cond": np.asarray(spk["cond"], np.float32),
+                       "ref_mel": np.asarray(spk["ref_mel"], np.float32)} for name, spk in raw.items()}
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path} is not a voices file: each voice needs bos_token, cond and ref_mel ({e!r})") \
+            from None
+
+
+def _torch_load(path: str, why: str) -> dict:
+    try:
         import torch
     except ImportError:
-        raise CheckpointError(f"{path} holds the voices (a torch file): install torch (CPU is enough) to convert "
-                              "them; the converted checkpoint needs no torch") from None
+        raise CheckpointError(f"{path} holds the voices in a torch file that cannot be read without torch ({why}): "
+                              "install torch (CPU is enough) to convert them; the converted checkpoint needs no "
+                              "torch") from None
     raw = torch.load(path, weights_only=True, map_location="cpu")
-    out = {}
-    for name, spk in raw.items():
-        out[name] = {"bos_token": int(spk["bos_token"]),
-                     "cond": spk["cond"].float().numpy(), "ref_mel": spk["ref_mel"].float().numpy()}
-    return out
+    return {name: {k: v.float().numpy() if hasattr(v, "numpy") else v for k, v in spk.items()}
+            for name, spk in raw.items()}

@@ -67,20 +67,38 @@ def checkpoint_dir(model: str, revision: str | None = None, progress: bool = Tru
         raise CheckpointError(f"{model} is not an OmniJax checkpoint ({CONFIG_FILE} missing) nor a Hugging Face one "
                               f"(config.json missing)")
     if HUB_ID.fullmatch(model):
-        hf_dir = fetch(model, revision)
-        revision = os.path.basename(os.path.normpath(hf_dir))  # the snapshot's commit
-        return converted(hf_dir, f"{model.replace('/', '--')}-{revision[:12]}", model, progress)
+        return _from_hub(model, revision, progress)
     raise CheckpointError(f"{model}: no such directory, and not a Hugging Face model id (owner/name) or a built-in "
                           f"tiny model")
 
 
-def fetch(repo_id: str, revision: str | None = None) -> str:
-    """The local snapshot of a Hub model at `revision` (downloaded if the cache lacks it), the
-    files conversion reads only."""
-    print(f"[omni-jax] {repo_id}: fetching from the Hugging Face Hub ({constants.ENDPOINT}) into its cache "
-          f"({constants.HF_HUB_CACHE}), or taking it from there", file=sys.stderr)
+def _from_hub(repo_id: str, revision: str | None, progress: bool) -> str:
+    """A Hub model's conversion. Its config is fetched first (one small file, whose snapshot names
+    the commit): a commit converted before loads without its weights fetched again (their
+    download may have been deleted since)."""
+    prefix = repo_id.replace("/", "--")
     try:
-        return snapshot_download(repo_id, revision=revision, allow_patterns=list(HUB_FILES))
+        commit = os.path.basename(os.path.normpath(fetch(repo_id, revision, ("config.json",))))
+    except CheckpointError as e:
+        kept = sorted(glob.glob(os.path.join(cache_root(), "converted", f"{prefix}-*", CONFIG_FILE)))
+        if kept:
+            raise CheckpointError(f"{e}. Converted before, and loadable as the model: "
+                                  f"{', '.join(os.path.dirname(k) for k in kept)}") from None
+        raise
+    key = f"{prefix}-{commit[:12]}"
+    done = os.path.join(cache_root(), "converted", key)
+    if os.path.isfile(os.path.join(done, CONFIG_FILE)):
+        return done
+    print(f"[omni-jax] {repo_id}: fetching its weights from the Hugging Face Hub ({constants.ENDPOINT}) into its "
+          f"cache ({constants.HF_HUB_CACHE}), or taking them from there", file=sys.stderr)
+    return converted(fetch(repo_id, commit), key, repo_id, progress)
+
+
+def fetch(repo_id: str, revision: str | None = None, patterns: tuple[str, ...] = HUB_FILES) -> str:
+    """The local snapshot of a Hub model at `revision` (downloaded if the cache lacks it): the
+    files conversion reads (`patterns`)."""
+    try:
+        return snapshot_download(repo_id, revision=revision, allow_patterns=list(patterns))
     except GatedRepoError:
         raise CheckpointError(f"{repo_id} is gated on the Hugging Face Hub: accept its terms on its page, then log in "
                               f"(`hf auth login`, or set HF_TOKEN)") from None

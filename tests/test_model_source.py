@@ -95,7 +95,7 @@ def test_a_hub_id_is_fetched_converted_and_served_then_started_offline(hf_checkp
     assert sorted(hub.fetched) == ["chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
                                    "spk_dict.pt", "tokenizer.json", "tokenizer_config.json"]
     assert out == str(caches / "omni-jax" / "converted" / f"Qwen--Tiny-Omni-{hub.commit[:12]}")
-    assert "fetching from the Hugging Face Hub" in got.stderr and "converted Qwen/Tiny-Omni" in got.stderr
+    assert "fetching its weights from the Hugging Face Hub" in got.stderr and "converted Qwen/Tiny-Omni" in got.stderr
     hub = FakeHub(REPO, hf_checkpoint)  # the same repo again (another port), asked for by its commit
     try:
         pinned = _checkpoint_dir(REPO, hub.commit, HF_ENDPOINT=hub.url)
@@ -109,7 +109,15 @@ def test_a_hub_id_is_fetched_converted_and_served_then_started_offline(hf_checkp
                            "--dtype", "float32", "--no-progress"], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert conv.returncode == 0 and read_config(str(mine))["stages"] == ["thinker", "talker", "token2wav"], conv.stderr
-
+    # the download deleted once converted (22 GB for the 7B): the next start fetches the config alone
+    shutil.rmtree(caches / "hf")
+    hub = FakeHub(REPO, hf_checkpoint)
+    try:
+        again = _checkpoint_dir(REPO, HF_ENDPOINT=hub.url)
+    finally:
+        hub.close()
+    assert again.returncode == 0 and again.stdout.strip() == out, again.stderr[-2000:]
+    assert hub.fetched == ["config.json"] and "fetching its weights" not in again.stderr
     # The Hub gone and offline: the server starts from the caches, converting nothing, and serves
     # the model under its Hub id.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": hub.url}
@@ -140,6 +148,11 @@ def test_hub_failures_are_said(caches, tmp_path):
         hub.close()
     unreachable = _checkpoint_dir(REPO, HF_ENDPOINT=hub.url)
     offline = _checkpoint_dir(REPO, HF_ENDPOINT=hub.url, HF_HUB_OFFLINE="1")
+    kept = caches / "omni-jax" / "converted" / "Qwen--Tiny-Omni-0123456789ab"  # an earlier conversion
+    kept.mkdir(parents=True)
+    (kept / CONFIG_FILE).write_text("{}")
+    hinted = _checkpoint_dir(REPO, HF_ENDPOINT=hub.url, HF_HUB_OFFLINE="1")
+    shutil.rmtree(caches / "omni-jax" / "converted")
     for run, said in ((missing, "Qwen/Nope: no such directory, and no such model on the Hugging Face Hub"),
                       (gated, "Qwen/Gated is gated on the Hugging Face Hub: accept its terms"),
                       (no_revision, "Qwen/Tiny-Omni has no revision 'v9'"),
@@ -147,6 +160,7 @@ def test_hub_failures_are_said(caches, tmp_path):
                       (offline, "Qwen/Tiny-Omni is not in the Hugging Face cache")):
         assert run.returncode == 1 and f"CheckpointError: {said}" in run.stderr, run.stderr[-2000:]
     assert "hf download Qwen/Tiny-Omni" in unreachable.stderr
+    assert hinted.returncode == 1 and f"Converted before, and loadable as the model: {kept}" in hinted.stderr
     assert serve.returncode == 1 and "omni-jax serve: error: Qwen/Nope: no such directory, and no such model" in serve.stderr, serve.stderr[-2000:]
     assert "listening" not in serve.stdout  # it stopped before opening its port
     assert conv.returncode == 1 and "omni-jax convert: error: Qwen/Gated is gated" in conv.stderr, conv.stderr[-2000:]

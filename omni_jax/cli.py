@@ -22,7 +22,7 @@ from . import demo
 from .api import add_async_chunk_argument, resolve_checkpoint_and_pipeline
 from .errors import CheckpointError, ConfigError
 from .gpu import plan
-from .model_source import HUB_ID, fetch
+from .model_source import HUB_ID, add_revision_argument, fetch
 from .runtime import spmd, stage_worker
 from .server import bench, serve
 
@@ -33,7 +33,7 @@ def main(argv=None) -> int:
 
     p_convert = sub.add_parser("convert", help="convert a Hugging Face checkpoint")
     convert_mod.add_arguments(p_convert)
-    p_convert.add_argument("--revision", default=None, help="a Hub model's branch, tag or commit (default: main)")
+    add_revision_argument(p_convert)
     p_convert.set_defaults(func=convert)
 
     p_gen = sub.add_parser("generate", help="generate a reply to a prompt")

@@ -48,6 +48,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="a Hugging Face Hub id (Qwen/Qwen2.5-Omni-7B) or checkpoint directory, converted once into "
                         "the cache; a converted checkpoint directory; or a built-in tiny random model: 'tiny' "
                         "(Qwen2.5-Omni, default) or 'tiny-qwen3_omni'")
+    add_revision_argument(p)
+
+
+def add_revision_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revision", default=None, help="a Hub model's branch, tag or commit (default: main)")
 
 

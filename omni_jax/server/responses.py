@@ -14,8 +14,8 @@ when max_output_tokens ended it, .failed when the request failed).
 Function tools (`tools`, `tool_choice`: server/tools.py) work as in chat completions: a call the
 model makes is a `function_call` output item (after the message item when the reply has words,
 which is then only added once they come), streamed as output_item.added once its name is
-written, function_call_arguments.delta as its arguments are, then .done and output_item.done; `function_call` and
-`function_call_output` input items give earlier calls and their results back.
+written, function_call_arguments.delta as its arguments are, then .done and output_item.done;
+`function_call` and `function_call_output` input items give earlier calls and their results back.
 
 A reasoning model's thinking (server/reasoning.py) is a `reasoning` output item before the
 message, its text a `reasoning_text` content part (streamed as its output_item.added and

@@ -2,8 +2,10 @@
 
     omni-jax serve --model HUB_ID|DIR|tiny [--host 127.0.0.1] [--port 8000] [--api-key KEY]
 
-The port is bound first, then the stages load and compile in the background (GET /health
-answers 503 until they are ready, and the console shows their progress and "ready").
+A Hub model or a Hugging Face directory is fetched and converted first, once (model_source.py;
+progress bars on the console). Then the port is bound, and the stages load and compile in the
+background (GET /health answers 503 until they are ready, and the console shows their progress
+and "ready").
 SIGINT / SIGTERM stop the HTTP server and every stage process.
 """
 

@@ -3,10 +3,10 @@
 The HF checkpoint keeps voices in `spk_dict.pt` (a torch pickle: per voice a text
 bos token, a `cond` speaker vector and a reference mel). Conversion reads it once,
 without torch (models/torch_file.py), and writes `voices.safetensors`, so neither
-conversion nor serving needs torch. The same file carries the few embedding rows the handoff needs
-outside the stage that owns them (the thinker's embeddings of each voice's bos
-token, of tts_text_end and tts_text_pad; the talker's codec pad/bos embeddings),
-so the orchestrator can build talker inputs without either model's weights.
+conversion nor serving needs torch. The same file carries the few embedding rows the
+handoff needs outside the stage that owns them (the thinker's embeddings of each voice's
+bos token, of tts_text_end and tts_text_pad; the talker's codec pad/bos embeddings), so
+the orchestrator can build talker inputs without either model's weights.
 """
 
 from __future__ import annotations

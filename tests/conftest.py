@@ -65,7 +65,7 @@ def pytest_ignore_collect(collection_path, config):
 # GPU programs) start the two workers, as they share no compiled program with the rest.
 SLOW_MODULES = ("test_parallel.py", "test_gpu_compile.py", "test_async_chunk_pipeline.py",
                 "test_server_hostile.py", "test_server.py", "test_token2wav_streaming.py",
-                "test_examples.py")
+                "test_examples.py", "test_model_source.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -17,6 +17,7 @@ import os
 import shutil
 import sys
 
+import jax
 import ml_dtypes
 import numpy as np
 from tqdm import tqdm
@@ -79,7 +80,8 @@ def convert(hf_dir: str, out_dir: str, dtype: str = "bfloat16", overwrite: bool 
             source = spec.tensor_view(weights) if spec.tensor_view else weights
             plan = map_hf_tensors(source.keys(), shapes, spec.hf_prefix, spec.renames, spec.ignore)
             bar = tqdm(total=len(plan), desc=f"converting {name}", unit="tensor", disable=not progress)
-            arrays = convert_tensors(source.get, plan, shapes, NP_DTYPES[dtype], on_tensor=bar.update)
+            arrays = convert_tensors(source.get, plan, shapes, NP_DTYPES[dtype], on_tensor=bar.update,
+                                     place=_on_host())
             bar.close()
             parameters[name] = sum(int(a.size) for a in arrays.values())
             save_stage(os.path.join(tmp, name), arrays)
@@ -94,6 +96,18 @@ def convert(hf_dir: str, out_dir: str, dtype: str = "bfloat16", overwrite: bool 
         with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
             json.dump(config, f, indent=1)
     return out_dir
+
+
+def _on_host():
+    """Each converted tensor as a JAX array in host memory: orbax copies the numpy arrays it is
+    given into JAX arrays before writing, which held a stage twice (a 61 GB Qwen3-Omni thinker
+    needed 122 GB of RAM); given JAX arrays it writes them as they are. None where JAX has no
+    CPU backend (JAX_PLATFORMS without cpu): numpy as before."""
+    try:
+        host = jax.devices("cpu")[0]
+    except RuntimeError:
+        return None
+    return lambda a: jax.device_put(a, host)
 
 
 def describe(ckpt_dir: str) -> str:

@@ -19,7 +19,7 @@ Flax leaf           HF leaf                      transform
 from __future__ import annotations
 
 import re
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -112,9 +112,11 @@ def convert_tensors(
     target_shapes: Mapping[Path, tuple],
     dtype=None,
     on_tensor: Callable[[], None] | None = None,
-) -> dict[Path, np.ndarray]:
-    """Read, transform, check the shape of and cast every planned tensor."""
-    out: dict[Path, np.ndarray] = {}
+    place: Callable[[np.ndarray], Any] | None = None,
+) -> dict[Path, Any]:
+    """Read, transform, check the shape of and cast every planned tensor; `place` (e.g. onto a
+    device) each as it is made, so that only the placed copy stays."""
+    out: dict[Path, Any] = {}
     for path, (key, leaf) in plan.items():
         arr = transform_for(leaf, get_tensor(key))
         want = tuple(target_shapes[path])
@@ -125,7 +127,8 @@ def convert_tensors(
                 f"(parameter {'.'.join(map(str, path))} of shape {want})")
         if dtype is not None:
             arr = arr.astype(dtype)
-        out[path] = np.ascontiguousarray(arr)
+        arr = np.ascontiguousarray(arr)
+        out[path] = arr if place is None else place(arr)
         if on_tensor is not None:
             on_tensor()
     return out

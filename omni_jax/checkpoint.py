@@ -257,12 +257,11 @@ def load_checkpoint(path: str, stage: str = "thinker", dtype: str | None = None,
     extra = sorted(set(meta) - {path_key(p) for p in flat})
     if extra:
         raise CheckpointError(f"{stage_dir}: unexpected parameter {extra[0]!r} (checkpoint and model differ)")
-    where = _placement(mesh, stage_cfg, stage)
-    target = {path_key(p): jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype,
-                                                 sharding=where("/".join(map(str, p)), v.get_value().shape))
-              for p, v in flat.items()}
-    restored = ckptr.restore(stage_dir, target)
     ckptr.close()
+    how = _restore_args(mesh, stage_cfg, stage)
+    restore_args = {path_key(p): how("/".join(map(str, p)), v.get_value()) for p, v in flat.items()}
+    with ocp.PyTreeCheckpointer() as reader:
+        restored = reader.restore(stage_dir, args=ocp.args.PyTreeRestore(restore_args=restore_args))
     for p, var in flat.items():  # the cast keeps each array's sharding
         var.set_value(jnp.asarray(restored[path_key(p)], dtype=want))
     module = nnx.merge(graphdef, nnx.from_flat_state(flat), rest)
@@ -273,16 +272,23 @@ def load_checkpoint(path: str, stage: str = "thinker", dtype: str | None = None,
     return module, stage_cfg
 
 
-def _placement(mesh: Mesh | None, stage_cfg, stage: str):
-    """(parameter path, shape) -> the Sharding it is restored into: the mesh's by PARAM_RULES,
-    or None (orbax's default: the default device, as before meshes)."""
+def _restore_args(mesh: Mesh | None, stage_cfg, stage: str):
+    """(parameter path, abstract value) -> how orbax restores it: into the mesh's sharding by
+    PARAM_RULES, or without a mesh as a numpy array that the caller moves to the default device.
+    Never as the checkpoint recorded it: a stage converted from JAX host arrays records their
+    CPU placement, and a parameter restored onto it (committed there) would be off the GPU and
+    make the engine's steps compile again after warm-up."""
+    import orbax.checkpoint as ocp
+
     if mesh is None:
-        return lambda path, shape: None
+        return lambda path, value: ocp.RestoreArgs(restore_type=np.ndarray)
     text = getattr(stage_cfg, "text", None)
     if text is None or not hasattr(text, "num_kv_heads"):
         raise CheckpointError(f"stage {stage!r} runs on one device (no decoder to split over a mesh)")
     sharding.check_kv_heads(mesh, text.num_kv_heads)
-    return sharding.param_sharding(mesh, text.num_kv_heads)
+    where = sharding.param_sharding(mesh, text.num_kv_heads)
+    return lambda path, value: ocp.ArrayRestoreArgs(
+        sharding=where(path, value.shape), global_shape=value.shape, dtype=value.dtype)
 
 
 def _with_compute_dtype(spec, stage_cfg, module, dtype):

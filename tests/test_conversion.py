@@ -154,6 +154,7 @@ def test_a_stage_is_held_once_in_host_memory_while_written(qwen2_5_omni_hf_dir, 
     of numpy arrays peaked at 4.3 GiB of RSS, as JAX arrays 2.5 GiB): conversion hands it each
     tensor as a JAX array on the host CPU (never a GPU), made as the tensor is read."""
     import jax
+    from flax import nnx
 
     import conversion.convert as convert_mod
 
@@ -166,8 +167,13 @@ def test_a_stage_is_held_once_in_host_memory_while_written(qwen2_5_omni_hf_dir, 
         save(stage_dir, arrays)
 
     monkeypatch.setattr(convert_mod, "save_stage", recording)
-    convert(qwen2_5_omni_hf_dir, str(tmp_path / "c"), dtype="float32", progress=False)
+    out = convert(qwen2_5_omni_hf_dir, str(tmp_path / "c"), dtype="float32", progress=False)
     assert seen == {name: (True, {"cpu"}) for name in ("thinker", "talker", "token2wav")}
+    # orbax records those arrays' CPU placement; loading must not restore onto it (off the GPU,
+    # and committed there: the engine's steps compiled again after warm-up).
+    module, _ = load_checkpoint(out, stage="talker")
+    params = jax.tree.leaves(nnx.state(module, nnx.Param))
+    assert params and all(not a.committed and a.devices() == {jax.devices()[0]} for a in params)
 
 
 def test_no_weights(qwen2_5_omni_hf_dir, tmp_path):

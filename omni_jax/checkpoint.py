@@ -25,7 +25,6 @@ import tempfile
 import time
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -40,6 +39,9 @@ GENERATION_CONFIG_FILE = "generation_config.json"  # copied from the HF checkpoi
 END_OF_TURN = "<|im_end|>"  # the token every Qwen chat template (both families) closes a turn with
 FORMAT_VERSION = 1
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# A stage is restored this many bytes at a time, each run moved to the device before the next is
+# read: host memory holds one run, not the stage (61 GB for the Qwen3-Omni-30B-A3B thinker).
+RESTORE_GROUP_BYTES = 1 << 30
 
 # Config fields that size a tensor or a loop: 0 builds an empty model or divides by zero. Other
 # integers may be 0 (a MoE model's dense intermediate_size) but never negative once parsed.
@@ -259,17 +261,33 @@ def load_checkpoint(path: str, stage: str = "thinker", dtype: str | None = None,
         raise CheckpointError(f"{stage_dir}: unexpected parameter {extra[0]!r} (checkpoint and model differ)")
     ckptr.close()
     how = _restore_args(mesh, stage_cfg, stage)
-    restore_args = {path_key(p): how("/".join(map(str, p)), v.get_value()) for p, v in flat.items()}
     with ocp.PyTreeCheckpointer() as reader:
-        restored = reader.restore(stage_dir, args=ocp.args.PyTreeRestore(restore_args=restore_args))
-    for p, var in flat.items():  # the cast keeps each array's sharding
-        var.set_value(jnp.asarray(restored[path_key(p)], dtype=want))
+        for group in _groups(flat, RESTORE_GROUP_BYTES):
+            item = {path_key(p): flat[p].get_value() for p in group}
+            args = {path_key(p): how("/".join(map(str, p)), flat[p].get_value()) for p in group}
+            restored = reader.restore(stage_dir, args=ocp.args.PyTreeRestore(
+                item=item, restore_args=args, partial_restore=True))
+            for p in group:  # the cast keeps each array's sharding
+                flat[p].set_value(jnp.asarray(restored.pop(path_key(p)), dtype=want))
     module = nnx.merge(graphdef, nnx.from_flat_state(flat), rest)
     if want != stored:
         module = _with_compute_dtype(spec, stage_cfg, module, want)
     print(f"[omni-jax] loaded stage {stage!r} from {path} ({len(flat)} tensors, {time.perf_counter() - t0:.1f}s)",
           file=sys.stderr, flush=True)
     return module, stage_cfg
+
+
+def _groups(flat: dict, limit: int) -> list[list[tuple]]:
+    """The parameters in order, in runs of at most `limit` bytes (a larger one alone)."""
+    groups, size = [[]], 0
+    for p, var in flat.items():
+        nbytes = math.prod(var.get_value().shape) * np.dtype(var.get_value().dtype).itemsize
+        if groups[-1] and size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(p)
+        size += nbytes
+    return groups
 
 
 def _restore_args(mesh: Mesh | None, stage_cfg, stage: str):

@@ -149,6 +149,29 @@ def test_bf16_conversion_loads_and_runs(qwen2_5_omni_hf_dir, converted_fp32, tmp
     assert np.abs(lo16 - lo32).max() < 0.05 * max(1.0, np.abs(lo32).max())
 
 
+def test_a_stage_loads_a_run_of_parameters_at_a_time(converted_fp32, monkeypatch):
+    """Host memory holds one run of RESTORE_GROUP_BYTES while a stage loads, not the stage: the
+    parameters restored in runs (here each alone) equal those restored at once, on the default
+    device."""
+    import jax
+    from flax import nnx
+
+    import omni_jax.checkpoint as checkpoint
+
+    def params(module):
+        return jax.tree.leaves(nnx.state(module, nnx.Param))
+
+    whole = params(load_checkpoint(converted_fp32, stage="thinker")[0])
+    runs = []
+    groups = checkpoint._groups
+    monkeypatch.setattr(checkpoint, "_groups", lambda flat, limit: runs.extend(groups(flat, limit)) or runs)
+    monkeypatch.setattr(checkpoint, "RESTORE_GROUP_BYTES", 1)
+    alone = params(load_checkpoint(converted_fp32, stage="thinker")[0])
+    assert len(runs) == len(alone) == len(whole) > 100
+    assert all(np.array_equal(a, w) and a.dtype == w.dtype for a, w in zip(alone, whole))
+    assert all(not a.committed for a in alone)
+
+
 def test_a_stage_is_held_once_in_host_memory_while_written(qwen2_5_omni_hf_dir, tmp_path, monkeypatch):
     """Orbax copies numpy arrays into JAX arrays before it writes them, holding a stage twice (2 GiB
     of numpy arrays peaked at 4.3 GiB of RSS, as JAX arrays 2.5 GiB): conversion hands it each

@@ -4,7 +4,7 @@
     omni-jax generate --model HUB_ID|DIR|tiny --prompt TEXT | --prompt-embeds FILE.npy
     omni-jax serve --model HUB_ID|DIR|tiny [--port 8000] (OpenAI-compatible server)
     omni-jax bench --base-url URL [--concurrency N]      (load run against a server)
-    omni-jax plan --model PRESET|OUT_DIR --gpu h100|a100|h200
+    omni-jax plan --model PRESET|HUB_ID|DIR --gpu h100|a100|h200
     omni-jax stage-process --model OUT_DIR --pipeline PRESET|YAML --stage NAME --process-id N
                                                          (a stage's process on another host)
 """

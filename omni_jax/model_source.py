@@ -28,9 +28,9 @@ from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNo
 
 from conversion.convert import TOKENIZER_FILES, convert, describe, read_hf_config
 
-from .checkpoint import CONFIG_FILE
+from .checkpoint import CONFIG_FILE, read_config
 from .errors import CheckpointError, UnknownModelError
-from .models.registry import family_of, resolve_model, tiny_family
+from .models.registry import family_of, resolve_model, stages_of, tiny_family
 from .paths import cache_root
 
 # A Hub repo id (owner/name), and the files of one that conversion reads: the weights and their
@@ -59,8 +59,7 @@ def checkpoint_dir(model: str, revision: str | None = None, progress: bool = Tru
     """A converted checkpoint directory for `model` (module docstring), a Hub model at `revision`
     (a branch, tag or commit; None: main): fetched and converted first if need be;
     CheckpointError saying what `model` is not, or what failed."""
-    if revision is not None and (os.path.exists(model) or not HUB_ID.fullmatch(model)):
-        raise CheckpointError(f"a revision ({revision!r}) is for a Hugging Face Hub id, and {model} is not one")
+    _check_revision(model, revision)
     if tiny_family(model) is not None:
         return resolve_model(model)
     if os.path.isfile(os.path.join(model, CONFIG_FILE)):
@@ -74,6 +73,33 @@ def checkpoint_dir(model: str, revision: str | None = None, progress: bool = Tru
         return _from_hub(model, revision, progress)
     raise CheckpointError(f"{model}: no such directory, and not a Hugging Face model id (owner/name) or a built-in "
                           f"tiny model")
+
+
+def _check_revision(model: str, revision: str | None) -> None:
+    if revision is not None and (os.path.exists(model) or not HUB_ID.fullmatch(model)):
+        raise CheckpointError(f"a revision ({revision!r}) is for a Hugging Face Hub id, and {model} is not one")
+
+
+def model_config(model: str, revision: str | None = None) -> tuple[str, dict, list[str]]:
+    """(family, HF config, stages) of `model` (as checkpoint_dir takes it) without converting it or
+    fetching its weights: a Hub model's config.json alone is fetched. The stages of a checkpoint
+    not converted yet are those its config sets up, the speech ones only with audio output on
+    (Qwen3-Omni's Thinking and Captioner checkpoints have none)."""
+    _check_revision(model, revision)
+    if os.path.isfile(os.path.join(model, "config.json")):
+        hf_config = read_hf_config(model)
+    elif HUB_ID.fullmatch(model) and not os.path.exists(model):
+        hf_config = read_hf_config(fetch(model, revision, ("config.json",)))
+    else:  # a converted or tiny model, or an error saying what `model` is not
+        cfg = read_config(checkpoint_dir(model, revision, progress=False))
+        return cfg["family"], cfg["hf_config"], list(cfg["stages"])
+    try:
+        family = family_of(hf_config)
+    except UnknownModelError as e:
+        raise CheckpointError(f"{model}: {e}") from None
+    text, *speech = stages_of(family).items()
+    speaks = hf_config.get("enable_audio_output", True) is not False
+    return family, hf_config, [n for n, spec in (text, *(speech if speaks else ())) if spec.config_key in hf_config]
 
 
 def _from_hub(repo_id: str, revision: str | None, progress: bool) -> str:

@@ -10,7 +10,9 @@ are derived from the presets, so a program the worker skips fails a test.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import subprocess
 import sys
 import time
 
@@ -323,6 +325,21 @@ def test_plan_from_compiled_steps(tier):
     assert q3["params"] > 60e9 and q3["device"] == 0       # the 30B-A3B thinker alone: ~63 GB bf16
     text = format_plan(plan, "both presets")
     assert "roofline ms" in text and "launch ms" in text and "per layer" in text and "thinker" in text
+
+
+def test_plan_command_on_a_checkpoint_plans_its_own_sizes(tmp_path):
+    """`omni-jax plan --model DIR`: the worker plans the sizes of the model given (here the tiny
+    one, seconds to compile), not its family's real model."""
+    from omni_jax.models.registry import resolve_model
+
+    out = tmp_path / "plan.json"
+    run = subprocess.run([sys.executable, "-m", "omni_jax.cli", "plan", "--model", resolve_model("tiny"), "--gpu",
+                          TARGETS[0], "--ends", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    plan = json.loads(out.read_text())
+    thinker = next(s for s in plan["stages"] if s["stage"] == "thinker")
+    assert thinker["preset"] == "qwen2_5_omni" and thinker["params"] < 1e8  # bytes: the 7B's ~18e9
+    assert "plan of preset 'qwen2_5_omni'" in run.stdout and "fits" in run.stdout
 
 
 def test_thunk_parse_tells_graphed_from_host_launches():

@@ -4,6 +4,7 @@ each way it can go wrong, said."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -232,3 +233,40 @@ def test_processes_starting_together_convert_once(caches, tmp_path, monkeypatch)
     for t in threads:
         t.join()
     assert made == ["bfloat16"] and len(set(got)) == 1 and len(got) == 3
+
+
+def _plan_resolve(model: str, **env: str) -> subprocess.CompletedProcess:
+    """`omni-jax plan`'s reading of `model` (preset, HF config), in a new process (as _checkpoint_dir)."""
+    code = ("import json, sys; from omni_jax.gpu.plan import _resolve; "
+            "preset, hf = _resolve(sys.argv[1], None); print(json.dumps([preset, hf]))")
+    return subprocess.run([sys.executable, "-c", code, model], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env})
+
+
+def test_plan_takes_a_model_as_serve_does_reading_its_config_alone(caches, tmp_path):
+    """`omni-jax plan --model` takes a Hub id (its config.json alone fetched: the 30B weights are
+    61 GB) or a Hugging Face directory as well as a preset or converted checkpoint; a config
+    without audio output plans the thinker alone."""
+    from omni_jax.gpu.programs import real_hf_config
+
+    real = real_hf_config("qwen3_omni")
+    hub_dir, thinking = tmp_path / "hub", tmp_path / "Thinking"
+    for d, cfg in ((hub_dir, real), (thinking, {**real, "enable_audio_output": False})):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(cfg))
+    (hub_dir / "model-00001-of-00016.safetensors").write_bytes(b"\0" * 1024)
+    hub = FakeHub("Qwen/Qwen3-Omni-30B-A3B-Instruct", str(hub_dir))
+    try:
+        fetched = _plan_resolve("Qwen/Qwen3-Omni-30B-A3B-Instruct", HF_ENDPOINT=hub.url)
+    finally:
+        hub.close()
+    assert fetched.returncode == 0, fetched.stderr[-2000:]
+    assert json.loads(fetched.stdout) == ["qwen3_omni", real] and hub.fetched == ["config.json"]
+    assert json.loads(_plan_resolve(str(thinking)).stdout) == ["qwen3_omni_thinker", {**real, "enable_audio_output": False}]
+    assert json.loads(_plan_resolve("qwen3_omni").stdout) == ["qwen3_omni", None]  # a preset: its real model
+    tiny = json.loads(_plan_resolve(resolve_model("tiny")).stdout)
+    assert tiny == ["qwen2_5_omni", read_config(resolve_model("tiny"))["hf_config"]]
+    nowhere = _plan_resolve(str(tmp_path / "nowhere"))
+    assert nowhere.returncode == 1 and "ConfigError: --model" in nowhere.stderr and "is not a preset" in nowhere.stderr
+    assert "no such directory, and not a Hugging Face model id" in nowhere.stderr
+    assert not os.path.exists(caches / "omni-jax" / "converted")  # nothing converted

@@ -1,6 +1,6 @@
 """`omni-jax plan`: memory and roofline plan of a pipeline preset on one GPU model.
 
-    omni-jax plan --model qwen2_5_omni|qwen3_omni|CKPT_DIR --gpu h100|a100|h200 [--context 2048] [--ends]
+    omni-jax plan --model qwen2_5_omni|qwen3_omni|HUB_ID|DIR --gpu h100|a100|h200 [--context 2048] [--ends]
 
 Compiles every decode and prefill step of the preset's AR stages for the target (in the
 GPU compile environment, see `omni_jax.gpu`) and prints, per stage: parameter bytes,
@@ -22,13 +22,13 @@ routed to, expected under uniform routing: E * (1 - (1 - k/E)^B) of E.
 from __future__ import annotations
 
 import json
-import os
 import sys
+import tempfile
 from collections import defaultdict
 
-from ..checkpoint import read_config
 from ..config import default_pipeline_for, list_presets
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
+from ..model_source import add_revision_argument, model_config
 from . import client
 from .targets import FILES, load_target
 
@@ -41,22 +41,26 @@ HOST_LAUNCH_S = 5e-6
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", required=True, help="a preset name or a converted checkpoint directory")
+    p.add_argument("--model", required=True, help="a preset name (the real model of its family), or a model as "
+                   "`serve` takes it: a Hugging Face Hub id (its config.json alone is fetched), a Hugging Face or "
+                   "converted checkpoint directory")
+    add_revision_argument(p)
     p.add_argument("--gpu", default="h100", choices=sorted(FILES))
     p.add_argument("--context", type=int, default=2048, help="KV tokens each sequence reads per decode step")
     p.add_argument("--ends", action="store_true", help="compile only the smallest and largest bucket")
     p.add_argument("--json", default=None, help="also write the plan as JSON to this file")
 
 
-def _resolve(model: str) -> tuple[str, list[str]]:
-    """(preset name, extra worker args) for a preset or a checkpoint directory."""
-    if os.path.isdir(model):
-        cfg = read_config(model)
-        return default_pipeline_for(cfg["family"], checkpoint_stages=cfg["stages"]).name, \
-            ["--model-dir", os.path.abspath(model)]
-    if model not in list_presets():
-        raise ConfigError(f"--model {model!r} is neither a checkpoint directory nor a preset {list_presets()}")
-    return model, []
+def _resolve(model: str, revision: str | None) -> tuple[str, dict | None]:
+    """(preset name, the model's HF config) for `model`; a preset's config is None: the worker
+    plans its family's real model."""
+    if revision is None and model in list_presets():
+        return model, None
+    try:
+        family, hf_config, stages = model_config(model, revision)
+    except CheckpointError as e:
+        raise ConfigError(f"--model {model!r} is not a preset {list_presets()}, and as a model: {e}") from None
+    return default_pipeline_for(family, checkpoint_stages=stages).name, hf_config
 
 
 def expected_experts(num_experts: int, top_k: int, batch: int) -> float:
@@ -261,9 +265,12 @@ def format_plan(plan: dict, preset: str) -> str:
 
 
 def run(args) -> int:
-    preset, extra = _resolve(args.model)
-    extra = ["--presets", preset, *extra, *(["--ends"] if args.ends else [])]
-    result = client.run_workers([args.gpu], "plan", extra)[args.gpu]
+    preset, hf_config = _resolve(args.model, args.revision)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="omni-jax-plan-") as f:
+        json.dump(hf_config, f)
+        f.flush()
+        extra = ["--presets", preset, *(["--hf-config", f.name] if hf_config else []), *(["--ends"] if args.ends else [])]
+        result = client.run_workers([args.gpu], "plan", extra)[args.gpu]
     if args.json:  # the compile reports too, so the table can be rebuilt without compiling
         with open(args.json + ".reports", "w") as f:
             json.dump(result, f)

@@ -27,7 +27,6 @@ import numpy as np
 
 import kernels_pallas
 
-from ..checkpoint import read_config
 from ..config import PipelineConfig, StageConfig, load_pipeline_config
 from ..engine import sharding
 from ..models.layers.parallel import EP, TP
@@ -56,9 +55,9 @@ def real_hf_config(family: str) -> dict:
     return json.loads((REAL_CONFIGS / f"{family}.json").read_text())
 
 
-def checkpoint_hf_config(ckpt_dir: str) -> dict:
-    """The HF config stored in a converted checkpoint."""
-    return read_config(ckpt_dir)["hf_config"]
+def file_hf_config(path: str) -> dict:
+    """The HF config in a JSON file (plan writes the one of the model it was given)."""
+    return json.loads(Path(path).read_text())
 
 
 def with_layers(family: str, model_stage: str, hf_config: dict, layers: int) -> dict:

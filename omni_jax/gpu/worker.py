@@ -216,7 +216,7 @@ def main(argv=None) -> int:
     ap.add_argument("--families", default=",".join(family_names()))
     ap.add_argument("--presets", default=None, help="comma-separated presets (default: the families' own)")
     ap.add_argument("--ends", action="store_true", help="plan: only the smallest and largest bucket")
-    ap.add_argument("--model-dir", default=None, help="a converted checkpoint: its HF config, not the real one")
+    ap.add_argument("--hf-config", default=None, help="a JSON file of the model's HF config, not the real one")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
 
@@ -227,7 +227,7 @@ def main(argv=None) -> int:
     stages, reports = [], []
     for name in presets:
         pipeline = P.preset(name)
-        hf = P.checkpoint_hf_config(args.model_dir) if args.model_dir else P.real_hf_config(pipeline.family)
+        hf = P.file_hf_config(args.hf_config) if args.hf_config else P.real_hf_config(pipeline.family)
         for stage in pipeline.stages:
             facts = stage_facts(pipeline.family, stage, hf, target)
             facts["preset"] = pipeline.name

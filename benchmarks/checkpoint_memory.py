@@ -3,13 +3,14 @@ held the stage twice (the peer, measured in the same run).
 
     python benchmarks/checkpoint_memory.py [--tensors 16] [--mib 128] [--layers 8]
 
-write: 16 tensors of 128 MiB (bfloat16) written by `omni_jax.checkpoint.save_stage` as conversion
+write: `--tensors` tensors of `--mib` MiB (bfloat16) written by `omni_jax.checkpoint.save_stage` as conversion
 hands them over (JAX arrays on the host CPU) and as numpy arrays (orbax copies those first).
-load: a random Qwen2.5-Omni thinker of about 2 GB (float32: the real vocabulary, hidden size
-1024, `--layers` layers) loaded by `load_checkpoint` in runs of RESTORE_GROUP_BYTES and in one
-run (the whole stage restored to host memory, then moved; `--group-mib` sets the runs' size). Each way runs in its own process and
-reports its peak RSS (VmHWM: ru_maxrss would count the parent's, which it inherits). On CPU the loaded parameters live in host memory too, so a
-load's peak is the stage plus what the load holds beside it; on a GPU host it is the latter.
+load: a random Qwen2.5-Omni thinker of about 1.7 GB (float32: the real vocabulary, hidden size
+1024, `--layers` layers) loaded by `load_checkpoint` in runs of RESTORE_GROUP_BYTES (`--group-mib`
+sets another size) and in one run (the whole stage restored to host memory, then moved). Each way
+runs in its own process and reports its peak RSS (VmHWM: ru_maxrss would count the parent's,
+which a child inherits). On CPU the loaded parameters live in host memory too, so a load peaks at
+the stage plus what the load holds beside it; on a GPU host, at the latter.
 """
 
 from __future__ import annotations

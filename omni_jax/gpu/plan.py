@@ -269,7 +269,8 @@ def run(args) -> int:
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="omni-jax-plan-") as f:
         json.dump(hf_config, f)
         f.flush()
-        extra = ["--presets", preset, *(["--hf-config", f.name] if hf_config else []), *(["--ends"] if args.ends else [])]
+        extra = ["--presets", preset, *(["--hf-config", f.name] if hf_config else []),
+                 *(["--ends"] if args.ends else [])]
         result = client.run_workers([args.gpu], "plan", extra)[args.gpu]
     if args.json:  # the compile reports too, so the table can be rebuilt without compiling
         with open(args.json + ".reports", "w") as f:

@@ -266,7 +266,13 @@ def test_plan_takes_a_model_as_serve_does_reading_its_config_alone(caches, tmp_p
     assert json.loads(_plan_resolve("qwen3_omni").stdout) == ["qwen3_omni", None]  # a preset: its real model
     tiny = json.loads(_plan_resolve(resolve_model("tiny")).stdout)
     assert tiny == ["qwen2_5_omni", read_config(resolve_model("tiny"))["hf_config"]]
-    nowhere = _plan_resolve(str(tmp_path / "nowhere"))
-    assert nowhere.returncode == 1 and "ConfigError: --model" in nowhere.stderr and "is not a preset" in nowhere.stderr
-    assert "no such directory, and not a Hugging Face model id" in nowhere.stderr
+    nowhere = str(tmp_path / "nowhere")
+    for argv, said in (([nowhere], (f"error: --model {nowhere!r} is not a preset ['qwen2_5_omni', ",
+                                    f"as a model: {nowhere}: no such directory, and not a Hugging Face model id")),
+                       (["qwen3_omni", "--revision", "v1"],
+                        ("error: a revision ('v1') is for a Hugging Face Hub id, and qwen3_omni is a preset",))):
+        run = subprocess.run([sys.executable, "-m", "omni_jax.cli", "plan", "--model", *argv], capture_output=True,
+                             text=True, timeout=300)
+        assert run.returncode == 1 and "omni-jax plan: error: " in run.stderr, run.stderr
+        assert all(part in run.stderr for part in said), run.stderr
     assert not os.path.exists(caches / "omni-jax" / "converted")  # nothing converted

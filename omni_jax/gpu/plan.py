@@ -54,7 +54,9 @@ def add_arguments(p) -> None:
 def _resolve(model: str, revision: str | None) -> tuple[str, dict | None]:
     """(preset name, the model's HF config) for `model`; a preset's config is None: the worker
     plans its family's real model."""
-    if revision is None and model in list_presets():
+    if model in list_presets():
+        if revision is not None:
+            raise ConfigError(f"a revision ({revision!r}) is for a Hugging Face Hub id, and {model} is a preset")
         return model, None
     try:
         family, hf_config, stages = model_config(model, revision)
@@ -265,7 +267,11 @@ def format_plan(plan: dict, preset: str) -> str:
 
 
 def run(args) -> int:
-    preset, hf_config = _resolve(args.model, args.revision)
+    try:
+        preset, hf_config = _resolve(args.model, args.revision)
+    except ConfigError as e:
+        print(f"omni-jax plan: error: {e}", file=sys.stderr)
+        return 1
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="omni-jax-plan-") as f:
         json.dump(hf_config, f)
         f.flush()

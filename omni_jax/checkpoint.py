@@ -216,7 +216,8 @@ def load_checkpoint(path: str, stage: str = "thinker", dtype: str | None = None,
     """Load one stage of a converted checkpoint: returns (module, stage config).
 
     `dtype` casts the stored parameters ("float32" or "bfloat16"); by default they
-    are used as stored. Every parameter is validated for presence, shape and dtype.
+    are used as stored. Every parameter is validated for presence, shape and dtype, then the
+    stage is restored in runs of RESTORE_GROUP_BYTES, each moved before the next is read.
     `mesh` (a stage spanning devices, engine/runner.stage_mesh): each parameter is restored
     straight into its place on the mesh (engine/sharding.PARAM_RULES, by the stage config's
     text.num_kv_heads), each device reading only its shard: the whole model is never on one

@@ -84,7 +84,7 @@ def model_config(model: str, revision: str | None = None) -> tuple[str, dict, li
     """(family, HF config, stages) of `model` (as checkpoint_dir takes it) without converting it or
     fetching its weights: a Hub model's config.json alone is fetched. The stages of a checkpoint
     not converted yet are those its config sets up, the speech ones only with audio output on
-    (Qwen3-Omni's Thinking and Captioner checkpoints have none)."""
+    (`enable_audio_output`); conversion goes by the weights present."""
     _check_revision(model, revision)
     if os.path.isfile(os.path.join(model, "config.json")):
         hf_config = read_hf_config(model)

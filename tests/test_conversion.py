@@ -162,9 +162,13 @@ def test_a_stage_loads_a_run_of_parameters_at_a_time(converted_fp32, monkeypatch
         return jax.tree.leaves(nnx.state(module, nnx.Param))
 
     whole = params(load_checkpoint(converted_fp32, stage="thinker")[0])
-    runs = []
-    groups = checkpoint._groups
-    monkeypatch.setattr(checkpoint, "_groups", lambda flat, limit: runs.extend(groups(flat, limit)) or runs)
+    runs, groups = [], checkpoint._groups
+
+    def recorded(flat, limit):
+        runs.extend(groups(flat, limit))
+        return runs
+
+    monkeypatch.setattr(checkpoint, "_groups", recorded)
     monkeypatch.setattr(checkpoint, "RESTORE_GROUP_BYTES", 1)
     alone = params(load_checkpoint(converted_fp32, stage="thinker")[0])
     assert len(runs) == len(alone) == len(whole) > 100

@@ -199,13 +199,13 @@ def test_a_request_returning_hidden_states_takes_prefix_cache_hits(family_engine
 # ---------------------------------------------------------------- front end (Qwen2.5, three stages)
 def _speech_pipeline():
     """The tiny preset with few buckets, so three stages warm up quickly: the thinker's and
-    talker's are test_e2e_speech's, so their programs come from the suite's compile cache."""
+    talker's are test_e2e_speech's, the vocoder's test_server's (streamed), so their programs
+    come from the suite's compile cache."""
     return load_pipeline_config("qwen2_5_omni_tiny").with_overrides(
         thinker=dict(token_buckets=[16, 64], decode_buckets=[1, 4], max_num_seqs=4),
         talker=dict(token_buckets=[16, 64], decode_buckets=[1, 4], max_num_seqs=4,
                     default_sampling=dict(temperature=0.0, repetition_penalty=1.05, max_tokens=20)),
-        token2wav=dict(token_buckets=[48], decode_buckets=[1, 4], max_num_seqs=4, max_num_batched_tokens=48,
-                       codec_chunk_frames=8, initial_codec_chunk_frames=4))  # test_async_chunk_pipeline's
+        token2wav=dict(token_buckets=[48], decode_buckets=[1, 4], max_num_seqs=4, max_num_batched_tokens=48))
 
 
 @pytest.fixture(scope="module")

@@ -55,13 +55,14 @@ def _png() -> bytes:
 
 @pytest.fixture(scope="module")
 def pipeline_yaml(tmp_path_factory) -> str:
-    """The tiny preset with the fewest buckets (quick warm-up), patient with a loaded machine."""
+    """The tiny preset with the fewest buckets (quick warm-up), patient with a loaded machine; the
+    vocoder's are test_server's, so its programs come from the suite's compile cache."""
     cfg = yaml.safe_load(resources.files("omni_jax").joinpath("configs/qwen2_5_omni_tiny.yaml").read_text())
     cfg["name"] = "qwen2_5_omni_tiny_hostile_test"
     for st in cfg["stages"]:
         st.update(decode_buckets=[1, 2], max_num_seqs=2, ready_timeout_s=1200)
         if st["name"] == "token2wav":
-            st.update(token_buckets=[48], max_num_batched_tokens=48)
+            st.update(token_buckets=[48], decode_buckets=[1, 4], max_num_seqs=4, max_num_batched_tokens=48)
         else:
             st.update(token_buckets=[64])
     path = tmp_path_factory.mktemp("pipeline") / "hostile_test.yaml"

@@ -8,7 +8,6 @@ so stages that compile the same shapes (the thinker of every example) compile th
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import wave

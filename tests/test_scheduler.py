@@ -108,7 +108,7 @@ class FakeRunner:
 
 def expected_output(req_seed, prompt_len, sp: SP, max_len, eos_every=0, eos=(EOS,)):
     """Reference generation loop with the finish rules, independent of the scheduler."""
-    toks, reason, stop_reason = [], None, None
+    toks = []
     while True:
         t = next_token(req_seed, prompt_len + len(toks), eos_every)
         toks.append(t)

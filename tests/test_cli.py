@@ -34,3 +34,13 @@ def test_convert_reports_missing_dir(tmp_path):
     r = _cli("convert", "--hf-dir", str(tmp_path / "nope"), "--out", str(tmp_path / "out"))
     assert r.returncode == 1
     assert "does not exist" in r.stderr and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("model, preset", [("tiny", "qwen2_5_omni_tiny"), ("tiny-qwen3_omni", "qwen3_omni_tiny")])
+def test_serve_loads_a_built_in_tiny_model_with_its_tiny_preset(model, preset):
+    """`omni-jax serve --model tiny` (README): the engine is given the name, not the directory the
+    name was built into, whose full-size preset the tiny weights cannot run."""
+    from omni_jax.server.engine import ServedEngine
+    from omni_jax.server.serve import engine_model
+
+    assert ServedEngine(engine_model(model), model).pipeline.name == preset

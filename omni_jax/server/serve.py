@@ -26,6 +26,7 @@ from ..api import add_async_chunk_argument
 from ..inputs.media import MediaLimits
 from ..errors import CheckpointError
 from ..model_source import add_model_arguments, checkpoint_dir
+from ..models.registry import tiny_family
 from ..prompt_workers import PromptWorkers
 from .app import build_app
 from .engine import REASONING_PARSERS, ServedEngine
@@ -151,6 +152,14 @@ def _check_flags(args: argparse.Namespace) -> None:
                          f"--max-request-body-mb ({args.max_request_body_mb:g}), or no body could be taken")
 
 
+def engine_model(model: str, revision: str | None = None) -> str:
+    """What the served engine loads for `--model`: the converted directory (a Hub model or HF
+    directory converted now, so that loading needs no network); a built-in tiny model by its
+    name, which is what picks its tiny preset (its directory would pick the full-size one)."""
+    ckpt = checkpoint_dir(model, revision)
+    return model if tiny_family(model) is not None else ckpt
+
+
 def run(args: argparse.Namespace) -> int:
     mods = None if args.modalities is None else [m.strip() for m in args.modalities.split(",") if m.strip()]
     if mods not in (None, ["text"], ["text", "audio"]):
@@ -164,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"omni-jax serve: error: {e}", file=sys.stderr)
         return 2
     try:  # a Hub model is fetched and converted first (minutes, with progress bars); then the port opens
-        model = checkpoint_dir(args.model, args.revision)
+        model = engine_model(args.model, args.revision)
     except CheckpointError as e:
         print(f"omni-jax serve: error: {e}", file=sys.stderr)
         return 1

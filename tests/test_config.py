@@ -25,7 +25,7 @@ from omni_jax.config import (
 )
 from omni_jax.errors import CheckpointError
 from omni_jax.models.qwen2_5_omni.tiny import tiny_config
-from omni_jax.models.registry import get_family
+from omni_jax.models.registry import get_family, prompt_processor, resolve_model
 
 pytestmark = pytest.mark.pipeline
 
@@ -103,10 +103,19 @@ def test_tiny_preset():
     th = cfg.stage("thinker")
     assert (th.max_num_seqs, th.max_num_batched_tokens, th.max_model_len, th.num_blocks) == (8, 64, 512, 128)
     assert th.token_buckets == (16, 32, 64) and th.decode_buckets == (1, 2, 4, 8)
-    assert th.audio_chunk_buckets == (1, 4) and th.vision_patch_buckets == (64, 256)
+    assert th.audio_chunk_buckets == (1, 4, 32) and th.vision_patch_buckets == (64, 256)
     assert th.hidden_layers == (0, 3) and (th.backend, th.dtype) == (None, "float32")
     assert th.runner_config().resolved().backend == "cpu"  # the platform's: the C++ kernels here
     assert cfg.stage("token2wav").runner == "oneshot"
+
+
+
+@pytest.mark.parametrize("family, seconds", [("qwen2_5_omni", 6.4), ("qwen3_omni", 8.0)])
+def test_a_tiny_preset_takes_a_spoken_turn_of_seconds(family, seconds):
+    """`omni-jax serve --model tiny` and its voice page: the thinker's largest audio bucket holds a
+    spoken turn of several seconds (it held 0.8 s, less than most turns, on Qwen2.5's)."""
+    buckets = default_pipeline_for(family, tiny=True).stage("thinker").audio_chunk_buckets
+    assert prompt_processor(resolve_model(f"tiny-{family}")).audio_seconds(buckets[-1]) == pytest.approx(seconds)
 
 
 def test_qwen3_omni_preset():

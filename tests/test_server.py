@@ -116,7 +116,7 @@ def pipeline_yaml(tmp_path_factory) -> str:
 
 def with_audio_buckets(server_yaml: str, buckets: list[int], tag: str) -> str:
     """A copy of the server's pipeline (its compiles are cached) whose thinker has these audio
-    encoder buckets (the tiny encoder's chunks are 0.2 s; the preset's largest bucket is 4)."""
+    encoder buckets (the tiny encoder's chunks are 0.2 s; the preset's largest bucket is 32)."""
     with open(server_yaml) as f:
         cfg = yaml.safe_load(f)
     next(s for s in cfg["stages"] if s["name"] == "thinker")["audio_chunk_buckets"] = buckets

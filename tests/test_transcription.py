@@ -112,7 +112,7 @@ def test_one_request_takes_the_thinkers_largest_audio_bucket():
     encoder chunks of 2 * n_window mel frames at 100 a second."""
     assert Qwen2_5InputProcessor(None, 1000).audio_seconds(64) == 128.0  # the presets' [.., 64]
     assert Qwen3InputProcessor(None, 1000).audio_seconds(64) == 64.0
-    assert prompt_processor(tiny_checkpoint()).audio_seconds(4) == SHORT_S  # the tiny preset's [1, 4]
+    assert prompt_processor(tiny_checkpoint()).audio_seconds(4) == SHORT_S  # 4 chunks of the tiny encoder
 
 
 def _update(text: str, delta: str, finished: bool = False, ids=(), new=()):

@@ -313,6 +313,40 @@ def test_function_calls_and_outputs_join_the_conversation_prompt():
     assert e.value.param == "item.content"
 
 
+
+def test_a_response_cancelled_as_it_starts_still_opens_with_response_created(monkeypatch):
+    """A barge-in just as a response starts, while another event holds the socket: the client
+    gets response.created, then response.done cancelled (it got response.done alone)."""
+    from omni_jax.server.realtime import response as response_module
+
+    async def slow_open(*args):  # the request still being opened when the cancel comes
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(response_module, "open_request", slow_open)
+
+    async def go():
+        socket, sent = asyncio.Lock(), []
+
+        async def send(event):
+            async with socket:
+                sent.append(event["type"])
+
+        item = ConversationItem("item_1", "assistant", [Part("output_audio")], status="in_progress")
+        async with socket:  # speech_started on its way out
+            response = response_module.Response(
+                None, send, [], modalities=["audio"], voice="Chelsie", params=[], max_output_tokens="inf",
+                conversation_id="conv_1", item=item, metadata=None, previous_item_id=None,
+                on_finished=lambda out: None).start()
+            await asyncio.sleep(0)
+            barge_in = asyncio.ensure_future(response.cancel("turn_detected"))
+            await asyncio.sleep(0)
+        await asyncio.wait_for(barge_in, 10)
+        return sent, response
+
+    sent, response = asyncio.run(go())
+    assert sent == ["response.created", "response.done"]
+    assert (response.status, response.reason) == ("cancelled", "turn_detected")
+
 # ---------------------------------------------------------------------------------------- helpers
 
 @pytest.fixture(scope="module")

@@ -81,7 +81,7 @@ class Response:
         """Stop the response (its request is aborted in every stage) and wait for response.done."""
         if self.task is not None and not self.task.done():
             self._cancel_reason = reason
-            while not self._begun:  # a task cancelled before its first step never runs its finally
+            while not self._begun:  # response.created first (a task cancelled before its first step sends nothing)
                 await asyncio.sleep(0)
             self.task.cancel()
             await asyncio.wait({self.task})
@@ -101,11 +101,14 @@ class Response:
         return {"response_id": self.id, "item_id": self.item.id, "output_index": 0, "content_index": 0}
 
     async def run(self) -> None:
-        self._begun = True
+        try:  # response.created goes out before a cancel can land (cancel waits for _begun): a
+            # barge-in as the response starts, while another event holds the socket, still opens with it
+            await self.send({"type": "response.created", "event_id": new_id("event"), "response": self._object()})
+        finally:
+            self._begun = True
         part = self.item.parts[0]
         out, gen = None, None
-        try:  # from the first await on: a cancel anywhere still ends with response.done
-            await self.send({"type": "response.created", "event_id": new_id("event"), "response": self._object()})
+        try:  # from here on: a cancel anywhere still ends with response.done
             try:
                 gen = await self._open(["text", "audio"] if self.speaks else ["text"])
             except APIError as e:

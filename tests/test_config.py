@@ -109,7 +109,6 @@ def test_tiny_preset():
     assert cfg.stage("token2wav").runner == "oneshot"
 
 
-
 @pytest.mark.parametrize("family, seconds", [("qwen2_5_omni", 6.4), ("qwen3_omni", 8.0)])
 def test_a_tiny_preset_takes_a_spoken_turn_of_seconds(family, seconds):
     """`omni-jax serve --model tiny` and its voice page: the thinker's largest audio bucket holds a

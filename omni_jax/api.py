@@ -292,9 +292,9 @@ class _Frontend:
         return [v.default, *(n for n in v.names if n != v.default)]
 
     @property
-    def audio_seconds_per_request(self) -> float:
-        """The most audio one prompt may hold: the thinker's largest audio bucket (longer is refused
-        as too long; a transcription can cut longer audio into pieces of at most this)."""
+    def audio_seconds_per_call(self) -> float:
+        """The audio one call of the thinker's audio encoder takes (its largest audio bucket): longer
+        audio in a prompt takes several calls, and a transcription is cut into pieces of at most this."""
         return self.processor.audio_seconds(self._stages[0].audio_chunk_buckets[-1])
 
     def shutdown(self) -> None:

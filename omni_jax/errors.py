@@ -87,7 +87,8 @@ class RequestError(ValueError):
 
 class TooLongError(RequestError):
     """A request is larger than the stage was sized for: its tokens past max_model_len or the
-    KV pool, its media past the encoders' largest buckets (OpenAI's `context_length_exceeded`)."""
+    KV pool, an image or video past the vision encoder's largest bucket (OpenAI's
+    `context_length_exceeded`)."""
 
 
 # -- why a request failed: OmniRequestOutput.error_code, carried from the stages as a word so that

@@ -35,6 +35,7 @@ import websockets.sync.client as ws_client
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from omni_jax import SamplingParams
+from omni_jax.config import load_pipeline_config
 from omni_jax.server import g711
 from omni_jax.server.realtime.audio_buffer import InputAudioBuffer
 from omni_jax.server.realtime.conversation import Conversation, ConversationItem, Part, without_oldest_turn
@@ -351,7 +352,7 @@ def test_a_response_cancelled_as_it_starts_still_opens_with_response_created(mon
 
 @pytest.fixture(scope="module")
 def pipeline_yaml(server_pipeline_yaml) -> str:
-    """test_server's pipeline with an audio encoder bucket for spoken turns of up to 6.4 s."""
+    """test_server's pipeline with an audio encoder bucket of 6.4 s: a spoken turn in one call."""
     return with_audio_buckets(server_pipeline_yaml, [1, 4, 32], "realtime")
 
 
@@ -723,25 +724,31 @@ def test_text_only_session_and_an_image_item(client, library, media_dir):
     assert done.response.output[0].content[0].text == want.text
 
 
-def test_a_conversation_longer_than_the_model_loses_its_oldest_turns(client):
-    """Spoken turns that fit one by one but not together (this thinker's audio encoder takes 6.4 s
-    in one request, a turn lasts about 5 s): the reply is made from the newest turn (OpenAI's
-    truncation "auto"), not failed as audio too long. (Too many tokens: test_inputs.py.)"""
+def test_a_conversation_longer_than_the_model_loses_its_oldest_turns(client, pipeline_yaml):
+    """Spoken turns that fit one by one but not together (the thinker's 512 tokens of context hold
+    about 20 s of speech, a turn lasts about 5 s): the reply is made from the newest turns that fit
+    (OpenAI's truncation "auto"), their audio more than the largest audio bucket (6.4 s) takes in
+    one encoder call."""
     turn = {"type": "message", "role": "user", "content": [
         {"type": "input_audio", "audio": _b64(_speech("Tell me about the weather by the sea tomorrow.", tail_s=2.5))}]}
+    context = load_pipeline_config(pipeline_yaml).stage("thinker").max_model_len
     with client.realtime.connect(model=MODEL) as conn:
         _until(conn, "session.created")
         conn.session.update(session={"type": "realtime", "output_modalities": ["text"]})
         _until(conn, "session.updated")
-        conn.response.create(response={"max_output_tokens": 1, "conversation": "none", "input": [turn]})
-        one = _until(conn, "response.done").response.usage.input_tokens  # one turn with the instructions
+        used = []  # input tokens of the instructions with one turn, and with two
+        for n in (1, 2):
+            conn.response.create(response={"max_output_tokens": 1, "conversation": "none", "input": [turn] * n})
+            used.append(_until(conn, "response.done").response.usage.input_tokens)
         for _ in range(4):
             conn.conversation.item.create(item=turn)
             _until(conn, "conversation.item.added")
         conn.response.create(response={"max_output_tokens": 2})
         done = _until(conn, "response.done").response
     assert done.status == "incomplete" and done.status_details.reason == "max_output_tokens", done.status_details
-    assert done.usage.input_tokens == one, (one, done.usage)  # the instructions and the newest turn
+    # the newest turns whose prompt leaves room for a token: fewer than the four
+    fit = [k for k in range(1, 5) if used[0] + (k - 1) * (used[1] - used[0]) < context]
+    assert 1 < fit[-1] < 4 and done.usage.input_tokens == used[0] + (fit[-1] - 1) * (used[1] - used[0]), (used, done.usage)
 
 
 def test_cancel_and_conversation_edits(client, server):

@@ -31,8 +31,8 @@ SHOTS = Path(__file__).parent / ".screenshots"
 
 @pytest.fixture(scope="module")
 def pipeline_yaml(server_pipeline_yaml) -> str:  # noqa: F811
-    """test_server's pipeline (its compiles are cached) with test_realtime's audio bucket for 6.4 s
-    spoken turns, and replies that take a while: the
+    """test_server's pipeline (its compiles are cached) with test_realtime's audio bucket (a 6.4 s
+    spoken turn in one encoder call), and replies that take a while: the
     thinker writes 300 tokens whatever it says (the server's reply is still running when the
     user speaks over it) and the talker speaks at least 30 codes (0.6 s)."""
     with open(server_pipeline_yaml) as f:
@@ -62,7 +62,7 @@ def mic_wavs(tmp_path_factory) -> dict[str, str]:
     return {
         # one turn, then silence for longer than a reply takes
         "turn": _wav(d / "turn.wav", _speech("Hello, what can you hear?", lead_s=0.5, tail_s=20.0)),
-        # a file to attach (the tiny audio encoder hears at most 6.4 s)
+        # a file to attach
         "short": _wav(d / "short.wav", _speech("Good morning.", lead_s=0.1, tail_s=0.1)),
         # speech over and over: push to talk decides what is sent
         "chatter": _wav(d / "chatter.wav", _speech("Please tell me a story.", lead_s=0.1, tail_s=0.2)),

@@ -265,6 +265,8 @@ class AREngine:
         if multi_modal_data is not None:
             if self.prepare_inputs is None:
                 raise RequestError(f"request {request_id!r}: this stage takes no multimodal data")
+            # Before its media are encoded (long audio takes several encoder calls).
+            self.scheduler.check_prompt_length(request_id, len(ids))
             capture = inputs is not None and inputs.capture_hidden
             try:
                 inputs, mm_hashes = self.prepare_inputs(ids, multi_modal_data)

@@ -299,11 +299,8 @@ class ARScheduler(_QueueScheduler):
         self.max_len = min(self.max_model_len, self.kv_cache_manager.max_num_tokens + 1)
 
     # -- intake --------------------------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
-        """Queue a request; ValueError naming the problem if it can never run (TooLongError
-        if it is too long for this stage)."""
-        self._validate_common(request)
-        rid, n = request.request_id, request.num_prompt_tokens
+    def check_prompt_length(self, rid: str, n: int) -> None:
+        """TooLongError if a prompt of `n` tokens can never run here."""
         if n + 1 > self.max_model_len:
             raise TooLongError(
                 f"request {rid!r}: prompt of {n} tokens leaves no room to generate: "
@@ -315,6 +312,13 @@ class ARScheduler(_QueueScheduler):
                 f"request {rid!r}: prompt of {n} tokens needs {num_blocks} KV blocks of {self.block_size} "
                 f"tokens, more than the whole pool ({self.kv_cache_manager.num_usable_blocks} usable blocks)"
             )
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; ValueError naming the problem if it can never run (TooLongError
+        if it is too long for this stage)."""
+        self._validate_common(request)
+        rid, n = request.request_id, request.num_prompt_tokens
+        self.check_prompt_length(rid, n)
         if request.max_tokens is not None and request.max_tokens < 1:
             raise ValueError(f"request {rid!r}: max_tokens must be >= 1, got {request.max_tokens}")
         request.admit(self.eos_token_ids, self.max_len)

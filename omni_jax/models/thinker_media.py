@@ -6,7 +6,7 @@ runner's `StageInputs`: the encoder features (audio, image, video, each in promp
 become overlay rows placed at their placeholder tokens (`media_index`), and the 3-row M-RoPE
 positions come from the family's rope index. The encoders are jitted over their own shape
 buckets (audio chunks, vision patches), padded on the host with numpy, so serving never
-compiles after warm-up. A family's subclass runs its encoders (`encode_audio`,
+compiles after warm-up. A family's subclass runs its encoders (`_encode_audio_call`,
 `encode_vision`, `_encode`), computes its positions (`_rope_index`) and adds its own rows
 (`_extra_inputs`: Qwen3's DeepStack features).
 """
@@ -74,9 +74,16 @@ class ThinkerMediaEncoder:
         self.dtype = jax.tree_util.tree_leaves(self._audio[1])[0].dtype
 
     # ------------------------------------------------------------------ a family's part
-    def encode_audio(self, features: Sequence[np.ndarray]) -> np.ndarray:
-        """Audio embeddings [tokens, hidden] of all audios of one request, in order."""
+    def _encode_audio_call(self, features: list[np.ndarray], request_lens: np.ndarray) -> np.ndarray:
+        """Audio embeddings [tokens, hidden] of these audios (or pieces of them) in one encoder
+        call of at most the largest chunk bucket; `request_lens`: the mel frames of every audio
+        of the request, as one transformers call over them all sees them."""
         raise NotImplementedError
+
+    def _audio_window_chunks(self) -> int:
+        """Chunks of one attention window of the audio encoder: a long audio may be cut between
+        windows and give the same rows (Qwen2.5's encoder attends within each chunk)."""
+        return 1
 
     def encode_vision(self, pixel_values: np.ndarray, grid_thw: np.ndarray, what: str):
         """Image or video features of all items of `grid_thw` (and what else the family's encoder gives)."""
@@ -99,21 +106,49 @@ class ThinkerMediaEncoder:
         return {}
 
     # ------------------------------------------------------------------ host-side planning
-    def _audio_input(self, features: Sequence[np.ndarray]) -> tuple[np.ndarray, int, np.ndarray]:
-        """Checked audio lengths, their chunk bucket, and the features padded to it [mel, chunks*W]."""
+    def encode_audio(self, features: Sequence[np.ndarray]) -> np.ndarray:
+        """Audio embeddings [tokens, hidden] of all audios of one request, in order. Audio of more
+        encoder chunks than the largest bucket takes several calls (`_audio_calls`): a prompt's
+        audio is bounded by the thinker's context, not by a bucket."""
         acfg = self.cfg.audio
+        features = [np.asarray(f) for f in features]
         for i, f in enumerate(features):
-            f = np.asarray(f)
             if f.ndim != 2 or f.shape[0] != acfg.num_mel_bins or f.shape[1] < 1:
                 raise ValueError(f"audio {i}: expected log-mel features [{acfg.num_mel_bins}, frames], "
                                  f"got shape {f.shape}")
-        lens = np.array([np.asarray(f).shape[1] for f in features], np.int64)
-        need = self._num_chunks(lens)
-        try:
-            chunks = pick_bucket(need, self.buckets.audio_chunks)
-        except ValueError:
-            raise TooLongError(f"audio too long: {int(lens.sum())} mel frames need {need} encoder chunks, "
-                             f"more than the largest bucket {self.buckets.audio_chunks[-1]}") from None
+        lens = np.array([f.shape[1] for f in features], np.int64)
+        return np.concatenate([self._encode_audio_call(call, lens) for call in self._audio_calls(features)])
+
+    def _audio_calls(self, features: list[np.ndarray]) -> list[list[np.ndarray]]:
+        """The audios of one request as encoder calls of at most the largest chunk bucket: one call
+        when they fit; else each audio cut into pieces of whole attention windows (the encoders
+        attend within those, so the rows are the same as one call's), packed in order."""
+        largest = self.buckets.audio_chunks[-1]
+        if self._num_chunks(np.array([f.shape[1] for f in features])) <= largest:
+            return [features]
+        cut = largest // self._audio_window_chunks() * self._audio_window_chunks() * self.cfg.audio.chunk_frames
+        if cut == 0:  # a bucket smaller than one attention window: no piece can be cut exactly
+            raise TooLongError(f"audio too long: {sum(f.shape[1] for f in features)} mel frames need "
+                               f"{self._num_chunks(np.array([f.shape[1] for f in features]))} encoder chunks, more "
+                               f"than the largest bucket {largest}, which is less than one attention window of "
+                               f"{self._audio_window_chunks()} chunks")
+        calls, call, used = [], [], 0
+        for f in features:
+            for start in range(0, f.shape[1], cut):
+                piece = f[:, start:start + cut]
+                n = self._num_chunks(np.array([piece.shape[1]]))
+                if call and used + n > largest:
+                    calls.append(call)
+                    call, used = [], 0
+                call.append(piece)
+                used += n
+        return calls + [call]
+
+    def _audio_input(self, features: list[np.ndarray]) -> tuple[np.ndarray, int, np.ndarray]:
+        """Audio lengths of one encoder call, their chunk bucket, and the features padded to it [mel, chunks*W]."""
+        acfg = self.cfg.audio
+        lens = np.array([f.shape[1] for f in features], np.int64)
+        chunks = pick_bucket(self._num_chunks(lens), self.buckets.audio_chunks)
         feats = np.zeros((acfg.num_mel_bins, chunks * acfg.chunk_frames), self.dtype)
         feats[:, :lens.sum()] = np.concatenate([np.asarray(f, np.float32) for f in features], axis=1)
         return lens, chunks, feats

@@ -3,7 +3,8 @@ and the prompt that asks the model for it (the realtime API's input transcriptio
 
 Qwen-Omni models recognise speech when asked in their chat format; there is no separate ASR
 head, so a transcription is a thinker-only request (text out) and never touches the speech
-stages. One request takes at most the thinker's audio (`audio_seconds_per_request`); with
+stages. One request takes at most one call of the thinker's audio encoder
+(`audio_seconds_per_call`, which leaves the context room for its transcript); with
 `chunking_strategy` the audio is cut at its pauses into pieces of at most that (and 30 s), each
 transcribed as its own request (a few at once, their text streamed in order), and the pieces are
 the segments of `verbose_json`, `srt` and `vtt` (without it: one segment spanning the audio).
@@ -217,11 +218,11 @@ class TranscriptionHandler:
         except MediaError as e:
             raise bad_request(str(e), "file") from None
         rate, duration = TARGET_SAMPLE_RATE, len(wave) / TARGET_SAMPLE_RATE
-        most = self.engine.omni.audio_seconds_per_request
+        most = self.engine.omni.audio_seconds_per_call
         if form.chunking is None:
             if duration > most:
-                raise bad_request(f"the audio lasts {duration:.1f} s; this model takes at most {most:.1f} s in one "
-                                  "request: send chunking_strategy=auto to transcribe it in pieces", "file",
+                raise bad_request(f"the audio lasts {duration:.1f} s; this model transcribes at most {most:.1f} s in "
+                                  "one request: send chunking_strategy=auto to transcribe it in pieces", "file",
                                   "context_length_exceeded")
             spans = [(0, len(wave))]
         else:

@@ -4,7 +4,6 @@ chunks through its audio tower, patches through its vision tower, M-RoPE positio
 
 from __future__ import annotations
 
-from typing import Sequence
 
 import numpy as np
 
@@ -27,8 +26,7 @@ class Qwen2_5ThinkerMediaEncoder(ThinkerMediaEncoder):
     def _num_chunks(self, lens: np.ndarray) -> int:
         return num_chunks_for(lens, self.cfg.audio.n_window)
 
-    def encode_audio(self, features: Sequence[np.ndarray]) -> np.ndarray:
-        """Audio embeddings [tokens, hidden] of all audios, in order."""
+    def _encode_audio_call(self, features: list[np.ndarray], request_lens: np.ndarray) -> np.ndarray:
         lens, chunks, feats = self._audio_input(features)
         s = self.cfg.audio.chunk_tokens
         batch = prepare_audio_batch(lens, self.cfg.audio.n_window, num_chunks=chunks, num_tokens=chunks * (s // 2 + 1))

@@ -170,13 +170,14 @@ class AudioBatch:
 
 def prepare_audio_batch(feature_lens, n_window: int, n_window_infer: int, *,
                         num_chunks: int | None = None, num_windows: int | None = None,
-                        num_tokens: int | None = None, extent_groups=None) -> AudioBatch:
+                        num_tokens: int | None = None, extent_groups=None, extent: int | None = None) -> AudioBatch:
     """Plan the padded chunk / window / output layout for audios of ``feature_lens`` frames.
 
     ``num_chunks`` / ``num_windows`` / ``num_tokens`` pad ``C`` / ``G`` / ``P`` up to a
     bucket (default: exact). ``extent_groups`` (one int per audio) makes the conv padding
     length per group (audios of one transformers call share a group); default: one group,
-    i.e. exactly what one transformers call over all these audios computes.
+    i.e. exactly what one transformers call over all these audios computes. ``extent`` sets
+    every chunk's (audios or pieces of them encoded apart from the rest of their call).
     """
     lens = np.asarray(feature_lens, dtype=np.int64).reshape(-1)
     if lens.size == 0 or (lens < 1).any():
@@ -203,7 +204,11 @@ def prepare_audio_batch(feature_lens, n_window: int, n_window_infer: int, *,
     _, group_of = np.unique(groups, return_inverse=True)
     group_extent = np.zeros(group_of.max() + 1, np.int64)
     np.maximum.at(group_extent, group_of[chunk_audio], chunk_len)
-    extent = group_extent[group_of[chunk_audio]]
+    extent_of = group_extent[group_of[chunk_audio]]
+    if extent is not None:
+        if extent < chunk_len.max() or extent > W:
+            raise ValueError(f"extent={extent} must be between the longest chunk ({chunk_len.max()}) and {W} frames")
+        extent_of = np.full_like(extent_of, extent)
 
     C = n_chunks if num_chunks is None else int(num_chunks)
     if C < n_chunks:
@@ -213,7 +218,7 @@ def prepare_audio_batch(feature_lens, n_window: int, n_window_infer: int, *,
     frame_index = np.zeros((C, W), dtype=np.int32)
     frame_index[:n_chunks] = np.where(frame_mask[:n_chunks], chunk_start[:, None] + np.arange(W), 0)
     chunk_extent = np.zeros((C,), np.int32)
-    chunk_extent[:n_chunks] = extent
+    chunk_extent[:n_chunks] = extent_of
 
     # Attention windows: R consecutive chunks of one audio. Every chunk but an audio's last
     # is full, so a window's tokens are its chunks' valid conv slots in order, which is

@@ -24,7 +24,6 @@ Both encoders are jitted over their own shape buckets, padded on the host:
 
 from __future__ import annotations
 
-from typing import Sequence
 
 import numpy as np
 
@@ -47,13 +46,17 @@ class Qwen3ThinkerMediaEncoder(ThinkerMediaEncoder):
     def _num_chunks(self, lens: np.ndarray) -> int:
         return num_chunks_for(lens, self.cfg.audio.n_window)
 
-    def encode_audio(self, features: Sequence[np.ndarray]) -> np.ndarray:
-        """Audio embeddings [tokens, hidden] of all audios of one request, in order."""
+    def _audio_window_chunks(self) -> int:
+        return self.cfg.audio.window_chunks
+
+    def _encode_audio_call(self, features: list[np.ndarray], request_lens: np.ndarray) -> np.ndarray:
         acfg = self.cfg.audio
         lens, chunks, feats = self._audio_input(features)
-        # One extent group: transformers encodes all audios of a request in one call.
+        # transformers encodes all audios of a request in one call, padding every chunk to the
+        # longest of them: a call over some of them (or pieces) pads to the same.
         batch = prepare_audio_batch(lens, acfg.n_window, acfg.n_window_infer, num_chunks=chunks,
-                                    num_windows=chunks, num_tokens=chunks * acfg.chunk_tokens)
+                                    num_windows=chunks, num_tokens=chunks * acfg.chunk_tokens,
+                                    extent=min(int(request_lens.max()), acfg.chunk_frames))
         out = self.jitted.audio(self._audio[0], self._audio[1], feats, *batch.arrays())
         return np.asarray(out)[:batch.num_tokens]
 

@@ -123,15 +123,14 @@ class ThinkerMediaEncoder:
         """The audios of one request as encoder calls of at most the largest chunk bucket: one call
         when they fit; else each audio cut into pieces of whole attention windows (the encoders
         attend within those, so the rows are the same as one call's), packed in order."""
-        largest = self.buckets.audio_chunks[-1]
-        if self._num_chunks(np.array([f.shape[1] for f in features])) <= largest:
+        largest, window = self.buckets.audio_chunks[-1], self._audio_window_chunks()
+        need = self._num_chunks(np.array([f.shape[1] for f in features]))
+        if need <= largest:
             return [features]
-        cut = largest // self._audio_window_chunks() * self._audio_window_chunks() * self.cfg.audio.chunk_frames
-        if cut == 0:  # a bucket smaller than one attention window: no piece can be cut exactly
-            raise TooLongError(f"audio too long: {sum(f.shape[1] for f in features)} mel frames need "
-                               f"{self._num_chunks(np.array([f.shape[1] for f in features]))} encoder chunks, more "
-                               f"than the largest bucket {largest}, which is less than one attention window of "
-                               f"{self._audio_window_chunks()} chunks")
+        cut = largest // window * window * self.cfg.audio.chunk_frames  # the frames of a piece, at most
+        if cut == 0:
+            raise TooLongError(f"audio too long: {need} encoder chunks, more than the largest bucket {largest}, "
+                               f"which is less than one attention window ({window} chunks) to cut the audio at")
         calls, call, used = [], [], 0
         for f in features:
             for start in range(0, f.shape[1], cut):

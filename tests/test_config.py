@@ -112,7 +112,8 @@ def test_tiny_preset():
 @pytest.mark.parametrize("family, seconds", [("qwen2_5_omni", 6.4), ("qwen3_omni", 8.0)])
 def test_a_tiny_preset_takes_a_spoken_turn_of_seconds(family, seconds):
     """`omni-jax serve --model tiny` and its voice page: the thinker's largest audio bucket holds a
-    spoken turn of several seconds (it held 0.8 s, less than most turns, on Qwen2.5's)."""
+    spoken turn of several seconds in one encoder call (it held 0.8 s on Qwen2.5's, and a longer
+    turn was refused before audio took several calls)."""
     buckets = default_pipeline_for(family, tiny=True).stage("thinker").audio_chunk_buckets
     assert prompt_processor(resolve_model(f"tiny-{family}")).audio_seconds(buckets[-1]) == pytest.approx(seconds)
 

@@ -67,9 +67,10 @@ CASES = {
 
 @pytest.mark.parity
 @pytest.mark.parametrize("family", ["qwen2_5_omni", "qwen3_omni"])
-def test_audio_longer_than_the_largest_bucket_equals_transformers(family, request):
-    ckpt = request.getfixturevalue("converted_thinker_fp32" if family == "qwen2_5_omni" else "converted_qwen3_fp32")
-    hf_model = request.getfixturevalue(f"{family}_hf_model")
+def test_audio_longer_than_the_largest_bucket_equals_transformers(family, converted_thinker_fp32, converted_qwen3_fp32,
+                                                                  qwen2_5_omni_hf_model, qwen3_omni_hf_model):
+    ckpt, hf_model = (converted_thinker_fp32, qwen2_5_omni_hf_model) if family == "qwen2_5_omni" else \
+        (converted_qwen3_fp32, qwen3_omni_hf_model)
     largest, cases = CASES[family]
     enc = media_encoder(family, ckpt, (1, largest))
     for i, lens in enumerate(cases):

@@ -15,6 +15,7 @@ from omni_jax.models.qwen2_5_omni.media_encoder import Qwen2_5ThinkerMediaEncode
 from omni_jax.models.qwen3_omni import tiny as qwen3_tiny
 from omni_jax.models.qwen3_omni.media_encoder import Qwen3ThinkerMediaEncoder
 from omni_jax.models.thinker_media import MediaBuckets
+from test_audio_encoder import hf_audio_features  # transformers' thinker: one call over a request's audios
 
 ATOL = 1e-4
 
@@ -25,22 +26,6 @@ def media_encoder(family: str, ckpt: str, audio_buckets: tuple[int, ...]):
     if family == "qwen2_5_omni":
         return Qwen2_5ThinkerMediaEncoder(model, cfg, RopeIndexConfig.from_hf(read_config(ckpt)["hf_config"]), buckets)
     return Qwen3ThinkerMediaEncoder(model, cfg, buckets)
-
-
-def hf_audio_rows(hf_model, mels: list[np.ndarray]) -> np.ndarray:
-    """transformers' thinker on one request's audios: one audio tower call over all of them."""
-    import torch
-
-    lens = [m.shape[1] for m in mels]
-    feats = np.zeros((len(mels), mels[0].shape[0], max(lens)), np.float32)
-    mask = np.zeros((len(mels), max(lens)), np.int64)
-    for i, m in enumerate(mels):
-        feats[i, :, :m.shape[1]] = m
-        mask[i, :m.shape[1]] = 1
-    with torch.no_grad():
-        out = hf_model.thinker.get_audio_features(input_features=torch.from_numpy(feats),
-                                                  feature_attention_mask=torch.from_numpy(mask))
-    return out.last_hidden_state.numpy()
 
 
 def _tol(ref: np.ndarray) -> float:
@@ -78,7 +63,7 @@ def test_audio_longer_than_the_largest_bucket_equals_transformers(family, conver
         calls = enc._audio_calls(mels)
         assert len(calls) > 1, lens  # the case takes several calls, none over the largest bucket
         assert all(enc._num_chunks(np.array([m.shape[1] for m in call])) <= largest for call in calls)
-        ours, ref = enc.encode_audio(mels), hf_audio_rows(hf_model, mels)
+        ours, ref = enc.encode_audio(mels), hf_audio_features(hf_model, mels)
         assert ours.shape == ref.shape, lens
         np.testing.assert_allclose(ours, ref, atol=_tol(ref), rtol=0, err_msg=str(lens))
 

@@ -4,7 +4,6 @@ chunks through its audio tower, patches through its vision tower, M-RoPE positio
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from ...engine.protocol import MultiModalPayload

@@ -18,12 +18,12 @@ Both encoders are jitted over their own shape buckets, padded on the host:
   C * 13. With one long audio only ceil(C / R) windows are real (R = n_window_infer /
   chunk frames, 8 for the real model), so the encoder layers do up to R times the
   needed work on padding windows; a second (chunks, windows) bucket axis would remove
-  it at the price of more compiled shapes.
+  it at the price of more compiled shapes. Audio of more chunks than the largest bucket
+  takes several calls, cut at whole windows (`ThinkerMediaEncoder._audio_calls`).
 * vision: patches (the bucket); attention is the dense per-frame segment mask.
 """
 
 from __future__ import annotations
-
 
 import numpy as np
 

@@ -626,14 +626,14 @@ class AREngine:
         return reqs, self.jitted.sample(logits, md, flags=flags)
 
     def _shaping(self, batch: _Batch | None, reqs, params, rows: int, vocab: int) -> tuple:
-        """`shape_logits`' inputs on the stage's mesh: the rows' logit biases and allowed tokens
+        """`shape_logits`' inputs where the stage runs: the rows' logit biases and allowed tokens
         (what no row of the batch sets: kept on the device, not sent every step; batch None: none)."""
         if batch is not None and batch.biased:
-            bias = self.runner.on_mesh(logit_bias_arrays(params, rows))
+            bias = self.runner.on_stage(logit_bias_arrays(params, rows))
         else:
             bias = self._unshaped_input("bias", rows, lambda: logit_bias_arrays([], rows))
         if batch is not None and batch.grammars:
-            bits = self.runner.on_mesh(self.grammars.bitmask([r.grammar for r in reqs], rows))
+            bits = self.runner.on_stage(self.grammars.bitmask([r.grammar for r in reqs], rows))
         else:
             bits = self._unshaped_input("bits", rows, lambda: allow_all(rows, vocab))
         return (*bias, bits)
@@ -641,7 +641,7 @@ class AREngine:
     def _unshaped_input(self, what: str, rows: int, make):
         key = (what, rows)
         if key not in self._unshaped:
-            self._unshaped[key] = self.runner.on_mesh(jax.device_put(make()))
+            self._unshaped[key] = self.runner.on_stage(jax.device_put(make()))
         return self._unshaped[key]
 
     def _launch_prompt_logprobs(self, result, chunks):
@@ -775,7 +775,7 @@ class AREngine:
                                                     eos_token_ids=self.cfg.eos_token_ids)
                 if flags.any_penalties and md.history_ids is None:
                     md = md.replace(history_ids=self._empty_history(b))
-                logits = self.runner.on_mesh(jax.numpy.zeros((b, vocab), jax.numpy.float32))  # as a step's
+                logits = self.runner.on_stage(jax.numpy.zeros((b, vocab), jax.numpy.float32))  # as a step's
                 jax.block_until_ready(self.jitted.sample(logits, md, flags=flags))
             if self.grammars is not None:  # a text stage; the others compile it if a logit_bias comes
                 jax.block_until_ready(self.jitted.shape(logits, *self._shaping(None, [], [], b, vocab)))

@@ -247,6 +247,10 @@ class ModelRunner:
             sharding.check_kv_heads(self.mesh, num_kv_heads)
             self.state = sharding.shard_params(self.state, self.mesh, num_kv_heads)
             tp = int(self.mesh.shape[TP])
+        # Where step inputs are committed (on_stage): replicated over the mesh, or the one device
+        # the caller committed the parameters to; None: uncommitted, on the default device.
+        self.placement = (sharding.replicated(self.mesh) if self.mesh is not None
+                          else sharding.committed_device(self.state))
         # The step takes the parameters as a flat list of arrays: flattening the NNX state
         # (one Variable node per parameter) on every call costs milliseconds of host time.
         self._param_leaves, self._param_def = jax.tree.flatten(self.state)
@@ -256,11 +260,13 @@ class ModelRunner:
         kv_heads = kv_heads_stored(num_kv_heads, tp)
         if self.cfg.num_blocks is None:
             per_block = 2 * num_layers * self.cfg.block_size * (kv_heads // tp) * head_dim * jnp.dtype(stored_dtype).itemsize
-            first = None if self.mesh is None else self.mesh.local_devices[0]
+            first = (self.mesh.local_devices[0] if self.mesh is not None
+                     else None if self.placement is None else next(iter(self.placement.device_set)))
             self.cfg = dataclasses.replace(self.cfg, num_blocks=resolve_num_blocks(self.cfg, per_block, first))
         shape = (self.cfg.num_blocks, self.cfg.block_size, kv_heads, head_dim)
         if self.mesh is None:
-            self.kv_caches = [(jnp.zeros(shape, stored_dtype), jnp.zeros(shape, stored_dtype)) for _ in range(num_layers)]
+            self.kv_caches = [(jnp.zeros(shape, stored_dtype, device=self.placement),
+                               jnp.zeros(shape, stored_dtype, device=self.placement)) for _ in range(num_layers)]
         else:
             # Made in place, shard by shard: never a whole cache on one device.
             zeros = jax.jit(lambda: jnp.zeros(shape, stored_dtype), out_shardings=sharding.kv_cache_sharding(self.mesh))
@@ -315,11 +321,11 @@ class ModelRunner:
         the device: a text token's layer-0 hidden state, known before the token is fed back."""
         return np.asarray(self.jitted.embed(self._param_leaves, token_ids))
 
-    def on_mesh(self, tree):
-        """`tree` replicated over the stage's mesh (as is without one). Step outputs that feed
-        other programs (logits, sampled tokens, hidden rows) are replicated there, and host
-        arrays are not: inputs committed alike make warm-up compile the programs serving runs."""
-        return tree if self.mesh is None else jax.device_put(tree, sharding.replicated(self.mesh))
+    def on_stage(self, tree):
+        """`tree` committed where the stage runs (`placement`; as is when uncommitted). Step outputs
+        that feed other programs (logits, sampled tokens, hidden rows) are committed there, and
+        host arrays are not: inputs committed alike make warm-up compile the programs serving runs."""
+        return tree if self.placement is None else jax.device_put(tree, self.placement)
 
     def _after_sample(self, param_leaves, sample_hidden, token_ids, greedy, seeds, steps):
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._param_def, param_leaves))
@@ -332,7 +338,7 @@ class ModelRunner:
         on the host. `greedy` [S_pad] bool, `seeds` / `steps` [S_pad] int: a sampled row's
         randomness is a function of its request's seed and output index alone.
         """
-        args = self.on_mesh((sample_hidden, token_ids, greedy, seeds, steps))
+        args = self.on_stage((sample_hidden, token_ids, greedy, seeds, steps))
         codes, embeds = self.jitted.after_sample(self._param_leaves, *args)
         return np.asarray(codes), np.asarray(embeds)
 
@@ -565,9 +571,8 @@ class ModelRunner:
         inputs = (b.token_ids, b.positions, b.meta, b.logits_indices,
                   *((b.overlay, b.overlay_mask, b.extra) if b.rich else (None, None, None)),
                   b.deepstack_feats if b.deepstack else None)
-        if self.mesh is not None:
-            # Every call's inputs committed alike (host arrays and the fed tokens): one program per bucket.
-            inputs = self.on_mesh(inputs)
+        # Every call's inputs committed alike (host arrays and the fed tokens): one program per bucket.
+        inputs = self.on_stage(inputs)
         logits, self.kv_caches, captured, final_hidden = self.jitted.step(
             self._param_leaves, self.kv_caches, *inputs, rich=b.rich, deepstack=b.deepstack)
         return logits, captured, final_hidden
@@ -591,10 +596,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         for kind, size, rich, ds in tqdm(jobs, desc="compiling buckets", unit="bucket", disable=not progress):
             if kind == "feed":
-                self.jitted.feed(self.on_mesh(jnp.zeros(size[0], jnp.int32)), np.zeros(size[1], np.int32))
+                self.jitted.feed(self.on_stage(jnp.zeros(size[0], jnp.int32)), np.zeros(size[1], np.int32))
                 continue
             if kind == "embed":
-                self.embed_tokens(self.on_mesh(jnp.zeros(size, jnp.int32)))
+                self.embed_tokens(self.on_stage(jnp.zeros(size, jnp.int32)))
                 continue
             _, _, final_hidden = self._run(self._dummy_batch(kind, size, rich, ds))
             if not rich:  # prompt logprobs of a step of this bucket (any variant: same shapes)

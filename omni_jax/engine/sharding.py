@@ -168,3 +168,20 @@ def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
 def replicated(mesh: Mesh) -> NamedSharding:
     """The same whole array on every device of the stage."""
     return NamedSharding(mesh, P())
+
+
+def committed_device(state) -> jax.sharding.SingleDeviceSharding | None:
+    """The one device a one-device stage's parameters were committed to by its caller
+    (`jax.device_put(params, device)`), or None when they are uncommitted (on the default device).
+
+    JAX compiles a program again for the same shapes when an input's committedness changes, and a
+    step's outputs are committed wherever one input was: the runner commits every step input there
+    too, so warm-up compiles the programs serving runs."""
+    devices = set().union(*(leaf.sharding.device_set for leaf in jax.tree.leaves(state)
+                            if isinstance(leaf, jax.Array) and leaf.committed))
+    if not devices:
+        return None
+    if len(devices) > 1:
+        raise ValueError(f"the stage's parameters are committed to {len(devices)} devices, but the stage runs on "
+                         "one: put them on one device, or give the stage its devices and a parallel size")
+    return jax.sharding.SingleDeviceSharding(devices.pop())

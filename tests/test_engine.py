@@ -284,7 +284,7 @@ def test_bad_media_fails_only_that_request(engine, monkeypatch):
                            multi_modal_data=MultiModalPayload(pixel_values=np.zeros((16, 1176), np.float32),
                                                            image_grid_thw=np.array([[1, 4, 4]])))
     # Audio past the context is refused before it is encoded (longer audio than the largest
-    # bucket would take several encoder calls: test_long_audio.py).
+    # bucket would take several encoder calls: test_long_media.py).
     calls = []
     monkeypatch.setattr(engine.media_encoder, "_encode_audio_call", lambda *a: calls.append(a))
     with pytest.raises(TooLongError, match="prompt of 1008 tokens leaves no room to generate"):

@@ -225,7 +225,7 @@ def _pixels(grids, config: VisionEncoderConfig, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((n, config.patch_dim)).astype(np.float32)
 
 
-def _hf_vision(hf_vision, pixels, grids):
+def hf_vision_rows(hf_vision, pixels, grids):
     """(pooler_output, stacked deepstack_features) of one transformers call."""
     import torch
 
@@ -258,7 +258,7 @@ def test_vision_interpolation_matches_transformers(grids):
 def test_vision_single_image(vision_encoder, hf_vision):
     pixels = _pixels([IMAGE_A], vision_encoder.config, 0)
     feats, deep = vision_encoder.encode(pixels, [IMAGE_A])
-    ref_feats, ref_deep = _hf_vision(hf_vision, pixels, [IMAGE_A])
+    ref_feats, ref_deep = hf_vision_rows(hf_vision, pixels, [IMAGE_A])
     assert deep.shape == (2, IMAGE_A[1] * IMAGE_A[2] // 4, 64)
     _check(feats, ref_feats)
     _check(deep, ref_deep)
@@ -268,7 +268,7 @@ def test_vision_two_images(vision_encoder, hf_vision):
     grids = [IMAGE_A, IMAGE_B]
     pixels = _pixels(grids, vision_encoder.config, 1)
     feats, deep = vision_encoder.encode(pixels, grids)
-    ref_feats, ref_deep = _hf_vision(hf_vision, pixels, grids)
+    ref_feats, ref_deep = hf_vision_rows(hf_vision, pixels, grids)
     assert feats.shape[0] == int(num_merged_tokens(grids, 2).sum())
     _check(feats, ref_feats)
     _check(deep, ref_deep)
@@ -278,7 +278,7 @@ def test_vision_video(vision_encoder, hf_vision):
     grids = [VIDEO, (2, 4, 4)]
     pixels = _pixels(grids, vision_encoder.config, 2)
     feats, deep = vision_encoder.encode(pixels, grids)
-    ref_feats, ref_deep = _hf_vision(hf_vision, pixels, grids)
+    ref_feats, ref_deep = hf_vision_rows(hf_vision, pixels, grids)
     _check(feats, ref_feats)
     _check(deep, ref_deep)
 

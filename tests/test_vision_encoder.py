@@ -60,7 +60,7 @@ def _pixels(grids, config: VisionEncoderConfig, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((n, config.patch_dim)).astype(np.float32)
 
 
-def _hf_features(hf_model, pixels: np.ndarray, grids, video: bool = False) -> np.ndarray:
+def hf_vision_features(hf_model, pixels: np.ndarray, grids, video: bool = False) -> np.ndarray:
     import torch
 
     thinker = hf_model.thinker
@@ -131,21 +131,21 @@ def test_banded_segment_attention_equals_dense():
 
 def test_single_image(encoder, qwen2_5_omni_hf_model, vision_config):
     pixels = _pixels([IMAGE_A], vision_config, 0)
-    _check(encoder.encode(pixels, [IMAGE_A]), _hf_features(qwen2_5_omni_hf_model, pixels, [IMAGE_A]))
+    _check(encoder.encode(pixels, [IMAGE_A]), hf_vision_features(qwen2_5_omni_hf_model, pixels, [IMAGE_A]))
 
 
 def test_several_images(encoder, qwen2_5_omni_hf_model, vision_config):
     grids = [IMAGE_A, IMAGE_B, (1, 4, 4)]
     pixels = _pixels(grids, vision_config, 1)
     out = encoder.encode(pixels, grids)
-    _check(out, _hf_features(qwen2_5_omni_hf_model, pixels, grids))
+    _check(out, hf_vision_features(qwen2_5_omni_hf_model, pixels, grids))
     assert out.shape[0] == int(num_merged_tokens(grids, vision_config.spatial_merge_size).sum())
 
 
 def test_video(encoder, qwen2_5_omni_hf_model, vision_config):
     grids = [VIDEO, (2, 6, 10)]
     pixels = _pixels(grids, vision_config, 2)
-    _check(encoder.encode(pixels, grids), _hf_features(qwen2_5_omni_hf_model, pixels, grids, video=True))
+    _check(encoder.encode(pixels, grids), hf_vision_features(qwen2_5_omni_hf_model, pixels, grids, video=True))
 
 
 def test_padded_equals_unpadded(encoder, vision_config):

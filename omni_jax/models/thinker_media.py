@@ -7,7 +7,7 @@ become overlay rows placed at their placeholder tokens (`media_index`), and the 
 positions come from the family's rope index. The encoders are jitted over their own shape
 buckets (audio chunks, vision patches), padded on the host with numpy, so serving never
 compiles after warm-up. A family's subclass runs its encoders (`_encode_audio_call`,
-`encode_vision`, `_encode`), computes its positions (`_rope_index`) and adds its own rows
+`_encode_vision_call`, `_encode`), computes its positions (`_rope_index`) and adds its own rows
 (`_extra_inputs`: Qwen3's DeepStack features).
 """
 
@@ -85,8 +85,10 @@ class ThinkerMediaEncoder:
         windows and give the same rows (Qwen2.5's encoder attends within each chunk)."""
         return 1
 
-    def encode_vision(self, pixel_values: np.ndarray, grid_thw: np.ndarray, what: str):
-        """Image or video features of all items of `grid_thw` (and what else the family's encoder gives)."""
+    def _encode_vision_call(self, pixel_values: np.ndarray, grid_thw: np.ndarray
+                            ) -> tuple[np.ndarray, np.ndarray | None]:
+        """(features [merged tokens, hidden], the family's extra rows [K, tokens, hidden] or None) of
+        these items (or runs of their frames) in one encoder call of at most the largest patch bucket."""
         raise NotImplementedError
 
     def _encode(self, kind: str, mm: MultiModalPayload):
@@ -152,8 +154,11 @@ class ThinkerMediaEncoder:
         feats[:, :lens.sum()] = np.concatenate([np.asarray(f, np.float32) for f in features], axis=1)
         return lens, chunks, feats
 
-    def _vision_input(self, pixel_values, grid_thw, what: str):
-        """Checked grids, patch count, its bucket, and the patches padded to it."""
+    def encode_vision(self, pixel_values: np.ndarray, grid_thw: np.ndarray, what: str
+                      ) -> tuple[np.ndarray, np.ndarray | None]:
+        """(features, the family's extra rows or None) of all items of `grid_thw` (images, or
+        videos), in order. Items of more patches than the largest bucket take several calls
+        (`_vision_calls`): a prompt's images and video are bounded by the context, not by a bucket."""
         vcfg = self.cfg.vision
         pixel_values = np.asarray(pixel_values)
         grid_thw = np.asarray(grid_thw, np.int64).reshape(-1, 3)
@@ -161,14 +166,43 @@ class ThinkerMediaEncoder:
         if pixel_values.ndim != 2 or pixel_values.shape != (n, vcfg.patch_dim):
             raise ValueError(f"{what}: pixel values of shape {pixel_values.shape} do not match grids "
                              f"{grid_thw.tolist()} (expected ({n}, {vcfg.patch_dim}))")
-        try:
-            patches = pick_bucket(n, self.buckets.vision_patches)
-        except ValueError:
-            raise TooLongError(f"{what} too large: {n} patches, more than the largest bucket "
-                             f"{self.buckets.vision_patches[-1]}") from None
-        padded = np.zeros((patches, vcfg.patch_dim), self.dtype)
-        padded[:n] = pixel_values
-        return grid_thw, n, patches, padded
+        outs = [self._encode_vision_call(pixel_values[rows], grid) for rows, grid in self._vision_calls(grid_thw, what)]
+        extra = None if outs[0][1] is None else np.concatenate([e for _, e in outs], axis=1)
+        return np.concatenate([f for f, _ in outs]), extra
+
+    def _vision_calls(self, grid_thw: np.ndarray, what: str) -> list[tuple[np.ndarray | slice, np.ndarray]]:
+        """(pixel rows, grids) of each encoder call over these items: one call when they fit the
+        largest bucket; else runs of whole frames (t of a [t, h, w] grid; the patches are frame-major),
+        packed in order. Both encoders attend within each frame (item, t) and embed positions by
+        (h, w) alone, so the rows are the same as one call's."""
+        largest = self.buckets.vision_patches[-1]
+        if int(np.prod(grid_thw, axis=1).sum()) <= largest:
+            return [(slice(None), grid_thw)]
+        calls, rows, grids, used, start = [], [], [], 0, 0
+        for t, h, w in grid_thw.tolist():
+            frame = h * w
+            if frame > largest:
+                one = "frame" if what == "video" else "image"
+                raise TooLongError(f"{what} too large: {frame} patches in one {one}, more than the largest "
+                                   f"bucket {largest}")
+            left = t
+            while left:
+                take = min(left, (largest - used) // frame)
+                if take == 0:  # this call is full
+                    calls.append((np.concatenate(rows), np.array(grids)))
+                    rows, grids, used = [], [], 0
+                    continue
+                rows.append(np.arange(start, start + take * frame))
+                grids.append((take, h, w))
+                used, start, left = used + take * frame, start + take * frame, left - take
+        return calls + [(np.concatenate(rows), np.array(grids))]
+
+    def _vision_input(self, pixel_values: np.ndarray) -> tuple[int, np.ndarray]:
+        """The patch bucket of one encoder call and its patches padded to it."""
+        patches = pick_bucket(len(pixel_values), self.buckets.vision_patches)
+        padded = np.zeros((patches, self.cfg.vision.patch_dim), self.dtype)
+        padded[:len(pixel_values)] = pixel_values
+        return patches, padded
 
     def _encode_media(self, ids: np.ndarray, mm: MultiModalPayload) -> list[tuple[str, np.ndarray, object]]:
         """(kind, features, extra) per media kind present, in (audio, image, video) order,

@@ -32,19 +32,18 @@ class Qwen2_5ThinkerMediaEncoder(ThinkerMediaEncoder):
         out = self.jitted.audio(self._audio[0], self._audio[1], feats, *batch.arrays())
         return np.asarray(out)[:batch.num_tokens]
 
-    def encode_vision(self, pixel_values: np.ndarray, grid_thw: np.ndarray, what: str) -> np.ndarray:
-        """Image or video features [merged tokens, hidden] of all items of `grid_thw`."""
-        grid_thw, n, patches, padded = self._vision_input(pixel_values, grid_thw, what)
+    def _encode_vision_call(self, pixel_values: np.ndarray, grid_thw: np.ndarray) -> tuple[np.ndarray, None]:
+        patches, padded = self._vision_input(pixel_values)
         meta = vision_metadata(grid_thw, self.cfg.vision, patches)
         out = self.jitted.vision(self._vision[0], self._vision[1], padded, meta)
-        return np.asarray(out)[:n // self.cfg.vision.merge_unit]
+        return np.asarray(out)[:len(pixel_values) // self.cfg.vision.merge_unit], None
 
     def _encode(self, kind: str, mm: MultiModalPayload):
         if kind == "audio":
             return (self.encode_audio(mm.audio_features) if mm.audio_features else None), None
         pix, grid = (mm.pixel_values, mm.image_grid_thw) if kind == "image" else \
             (mm.pixel_values_videos, mm.video_grid_thw)
-        return (None if pix is None else self.encode_vision(pix, grid, kind)), None
+        return (None, None) if pix is None else self.encode_vision(pix, grid, kind)
 
     def _rope_index(self, ids: np.ndarray, mm: MultiModalPayload, audio_lens) -> tuple[np.ndarray, int]:
         return get_rope_index(ids, self.rope_cfg, image_grid_thw=mm.image_grid_thw, video_grid_thw=mm.video_grid_thw,

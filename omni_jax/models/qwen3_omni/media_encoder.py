@@ -20,7 +20,9 @@ Both encoders are jitted over their own shape buckets, padded on the host:
   needed work on padding windows; a second (chunks, windows) bucket axis would remove
   it at the price of more compiled shapes. Audio of more chunks than the largest bucket
   takes several calls, cut at whole windows (`ThinkerMediaEncoder._audio_calls`).
-* vision: patches (the bucket); attention is the dense per-frame segment mask.
+* vision: patches (the bucket); attention is the dense per-frame segment mask. Images and video
+  of more patches than the largest bucket take several calls, cut between frames
+  (`ThinkerMediaEncoder._vision_calls`).
 """
 
 from __future__ import annotations
@@ -60,13 +62,12 @@ class Qwen3ThinkerMediaEncoder(ThinkerMediaEncoder):
         out = self.jitted.audio(self._audio[0], self._audio[1], feats, *batch.arrays())
         return np.asarray(out)[:batch.num_tokens]
 
-    def encode_vision(self, pixel_values: np.ndarray, grid_thw: np.ndarray, what: str
-                      ) -> tuple[np.ndarray, np.ndarray]:
-        """(features [M, hidden], DeepStack features [K, M, hidden]) of all items of `grid_thw`."""
-        grid_thw, n, patches, padded = self._vision_input(pixel_values, grid_thw, what)
+    def _encode_vision_call(self, pixel_values: np.ndarray, grid_thw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(features [M, hidden], DeepStack features [K, M, hidden])."""
+        patches, padded = self._vision_input(pixel_values)
         meta = vision_metadata(grid_thw, self.cfg.vision, patches)
         feats, deepstack = self.jitted.vision(self._vision[0], self._vision[1], padded, meta)
-        m = n // self.cfg.vision.merge_unit
+        m = len(pixel_values) // self.cfg.vision.merge_unit
         return np.asarray(feats)[:m], np.asarray(deepstack)[:, :m]
 
     def _encode(self, kind: str, mm: MultiModalPayload):

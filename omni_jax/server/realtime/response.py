@@ -226,8 +226,7 @@ class Response:
 
     async def _open(self, chain_mods: list[str]):
         """The request, on as much of the conversation as the model takes: while the prompt is
-        too long (its tokens, or its images for the thinker's vision encoder), the oldest turn is left
-        out (the conversation itself keeps it)."""
+        too long, the oldest turn is left out (the conversation itself keeps it)."""
         messages = self.messages
         while True:
             try:

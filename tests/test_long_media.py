@@ -1,6 +1,7 @@
-"""A request's audio longer than the thinker's largest audio bucket: encoded in several calls, cut
-at whole attention windows, its rows equal transformers' one call over all the request's audios
-(both families). The bucket bounds one encoder call, not a prompt: the context does."""
+"""A request's media larger than the thinker's largest encoder bucket, encoded in several calls
+(both families): audio cut at whole attention windows, images and video between frames; the rows
+equal transformers' one call over all the request's audios, images or videos. A bucket bounds one
+encoder call, not a prompt: the context does."""
 
 from __future__ import annotations
 
@@ -16,13 +17,15 @@ from omni_jax.models.qwen3_omni import tiny as qwen3_tiny
 from omni_jax.models.qwen3_omni.media_encoder import Qwen3ThinkerMediaEncoder
 from omni_jax.models.thinker_media import MediaBuckets
 from test_audio_encoder import hf_audio_features  # transformers' thinker: one call over a request's audios
+from test_qwen3_encoders import hf_vision_rows
+from test_vision_encoder import hf_vision_features
 
 ATOL = 1e-4
 
 
-def media_encoder(family: str, ckpt: str, audio_buckets: tuple[int, ...]):
+def media_encoder(family: str, ckpt: str, audio_buckets: tuple[int, ...] = (1,), vision_buckets=(64,)):
     model, cfg = load_checkpoint(ckpt, stage="thinker")
-    buckets = MediaBuckets(audio_buckets, vision_patches=(64,))
+    buckets = MediaBuckets(audio_buckets, vision_buckets)
     if family == "qwen2_5_omni":
         return Qwen2_5ThinkerMediaEncoder(model, cfg, RopeIndexConfig.from_hf(read_config(ckpt)["hf_config"]), buckets)
     return Qwen3ThinkerMediaEncoder(model, cfg, buckets)
@@ -105,3 +108,65 @@ def test_a_bucket_smaller_than_an_attention_window_cannot_be_cut(converted_qwen3
     assert enc.encode_audio(_mels(enc.cfg.audio.num_mel_bins, [100], 0)).shape[0] == 13  # one chunk fits
     with pytest.raises(TooLongError, match=r"less than one attention window \(2 chunks\)"):
         enc.encode_audio(_mels(enc.cfg.audio.num_mel_bins, [150], 0))
+
+
+# Images and videos (grids [t, h, w] of patches) with more patches together than the largest bucket
+# (128): a video cut into runs of frames, images packed in order, a video of non-square frames
+# whose last frame takes a call of its own. Both encoders attend within a frame.
+VISION_CASES = [("video", [(5, 8, 8)]), ("image", [(1, 8, 12), (1, 8, 8), (1, 4, 6), (1, 10, 8)]),
+                ("video", [(3, 6, 10), (2, 4, 4)])]
+
+
+def _pixels(enc, grids, seed: int) -> np.ndarray:
+    n = int(np.prod(np.asarray(grids), axis=-1).sum())
+    return np.random.default_rng(seed).standard_normal((n, enc.cfg.vision.patch_dim)).astype(np.float32)
+
+
+def _check_vision(ours, ref, what):
+    for o, r in zip(ours, ref):
+        if r is not None:
+            assert o.shape == r.shape, what
+            np.testing.assert_allclose(o, r, atol=_tol(r), rtol=0, err_msg=what)
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("family", ["qwen2_5_omni", "qwen3_omni"])
+def test_images_and_video_larger_than_the_largest_bucket_equal_transformers(
+        family, converted_thinker_fp32, converted_qwen3_fp32, qwen2_5_omni_hf_model, qwen3_omni_hf_model):
+    ckpt = converted_thinker_fp32 if family == "qwen2_5_omni" else converted_qwen3_fp32
+    enc = media_encoder(family, ckpt, vision_buckets=(64, 128))
+    for i, (what, grids) in enumerate(VISION_CASES):
+        pixels = _pixels(enc, grids, seed=i)
+        calls = enc._vision_calls(np.array(grids), what)
+        assert len(calls) > 1 and all(int(np.prod(g, axis=1).sum()) <= 128 for _, g in calls), grids
+        if family == "qwen2_5_omni":  # features only
+            ref = hf_vision_features(qwen2_5_omni_hf_model, pixels, grids, video=what == "video"), None
+        else:  # features and DeepStack features
+            ref = hf_vision_rows(qwen3_omni_hf_model.thinker.model.visual, pixels, grids)
+        _check_vision(enc.encode_vision(pixels, np.array(grids), what), ref, str(grids))
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_omni", "qwen3_omni"])
+def test_images_and_video_in_several_calls_equal_one_call(family, tmp_path):
+    """On the package's tiny models (loud encoders): the calls give one call's rows, and the
+    control, a frame cut into two halves (attention no longer spans the frame), does not."""
+    tiny = qwen2_5_tiny if family == "qwen2_5_omni" else qwen3_tiny
+    ckpt = tiny.build_tiny_checkpoint(str(tmp_path / "tiny"))
+    split, whole = media_encoder(family, ckpt, vision_buckets=(128,)), media_encoder(family, ckpt, vision_buckets=(512,))
+    for i, (what, grids) in enumerate(VISION_CASES):
+        pixels = _pixels(split, grids, seed=i)
+        assert len(split._vision_calls(np.array(grids), what)) > 1
+        _check_vision(split.encode_vision(pixels, np.array(grids), what),
+                      whole.encode_vision(pixels, np.array(grids), what), str(grids))
+    pixels = _pixels(split, [(1, 8, 12)], seed=0)
+    ref = whole.encode_vision(pixels, np.array([(1, 8, 12)]), "image")[0]
+    halves = whole.encode_vision(pixels, np.array([(1, 4, 12), (1, 4, 12)]), "image")[0]
+    assert halves.shape == ref.shape and np.abs(halves - ref).max() > 10 * _tol(ref)
+
+
+def test_a_frame_larger_than_the_largest_bucket_is_refused(converted_thinker_fp32):
+    enc = media_encoder("qwen2_5_omni", converted_thinker_fp32, vision_buckets=(64, 128))
+    grids = np.array([(2, 8, 8), (1, 12, 12)])
+    with pytest.raises(TooLongError, match="video too large: 144 patches in one frame, more than the largest "
+                                           "bucket 128"):
+        enc.encode_vision(_pixels(enc, grids, 0), grids, "video")

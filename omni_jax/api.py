@@ -124,7 +124,9 @@ class _Frontend:
         self.output_modalities = tuple(output_modalities)
         self._stages = self._stages_for(self.output_modalities)
         family = get_family(self.pipeline.family)
-        self.processor = family.prompt_processor(self.checkpoint)
+        # An image is one call of the first stage's vision encoder: resized to what its largest bucket holds.
+        self.processor = family.prompt_processor(self.checkpoint,
+                                                 max_image_patches=self._stages[0].vision_patch_buckets[-1])
         if media_limits is not None:
             self.processor.media_limits = media_limits
         self.tokenizer = self.processor.tokenizer

@@ -530,6 +530,31 @@ def test_image_sources_agree(family, proc, media_dir):
     np.testing.assert_array_equal(outs[0].multi_modal.image_grid_thw, family.img_png_grid)
 
 
+def test_an_image_is_resized_to_one_vision_encoder_call(family, ref):
+    """`max_image_patches` (OmniJax: the thinker's largest vision bucket) lowers the image
+    processor's max_pixels: a large photo is resized as transformers resizes it at that max_pixels,
+    not refused; smaller images are untouched."""
+    from PIL import Image
+    from transformers import Qwen2VLImageProcessorPil
+
+    photo = Image.fromarray(np.random.default_rng(0).integers(0, 256, (300, 400, 3), dtype=np.uint8))
+    small = Image.fromarray(np.random.default_rng(1).integers(0, 256, (45, 70, 3), dtype=np.uint8))
+    capped = family.processor(family.build_tokenizer(), VOCAB, max_image_patches=64)
+    whole = family.processor(family.build_tokenizer(), VOCAB)
+    got = capped.process(_user({"type": "image", "image": photo})).multi_modal
+    assert int(np.prod(got.image_grid_thw)) <= 64 < int(np.prod(
+        whole.process(_user({"type": "image", "image": photo})).multi_modal.image_grid_thw))
+    ip = Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=64 * family.patch ** 2, patch_size=family.patch,
+                                  temporal_patch_size=2, merge_size=MERGE, image_mean=ref.ip.image_mean,
+                                  image_std=ref.ip.image_std)
+    want = ip(images=[photo], return_tensors="np")
+    np.testing.assert_array_equal(got.image_grid_thw, want["image_grid_thw"])
+    np.testing.assert_allclose(got.pixel_values, want["pixel_values"], atol=1e-6, rtol=0)
+    for p in (capped, whole):
+        np.testing.assert_array_equal(p.process(_user({"type": "image", "image": small})).multi_modal.image_grid_thw,
+                                      family.img_png_grid)
+
+
 def test_audio_sources_agree(family, proc, media_dir):
     """A 44.1 kHz wav as a path, OpenAI input_audio and a data URL give the same features."""
     path = str(media_dir / "tone44k.wav")
@@ -730,7 +755,7 @@ def test_qwen3_image_audio_chat_matches_transformers(qwen3_omni_hf_dir, qwen3_om
     pipeline = load_pipeline_config("qwen3_omni_tiny").with_overrides(thinker=dict(
         token_buckets=[64], decode_buckets=[1], max_num_seqs=1, audio_chunk_buckets=[2], vision_patch_buckets=[64]))
     with OmniJax(model=ckpt, pipeline=pipeline) as omni:
-        assert isinstance(omni.processor, Qwen3InputProcessor)
+        assert isinstance(omni.processor, Qwen3InputProcessor) and omni.processor.max_image_patches == 64
         out = omni.generate({"messages": messages}, SamplingParams(temperature=0.0, max_tokens=6))[0]
         p = omni.processor.process({"messages": messages})
     assert out.error is None, out.error

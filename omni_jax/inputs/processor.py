@@ -133,6 +133,9 @@ class InputProcessor:
     2 * n_window mel frames (None: the family's released value).
     media_limits: sample rates, pixel counts, frame rates and frame counts media may have, checked
     before decoding (None: `MediaLimits()`'s defaults).
+    max_image_patches: images are resized to at most this many patches (the thinker's largest
+    vision bucket: the vision encoder attends over a whole image, so one image is one encoder call),
+    below the preprocessor config's max_pixels where that allows more (None: max_pixels alone).
     """
 
     # A family's processor sets these (models/<family>/processor.py).
@@ -157,7 +160,8 @@ class InputProcessor:
                  max_video_seconds: float = 300.0, video_fps: float | None = None,
                  video_min_frames: int | None = None, video_max_frames: int | None = None,
                  chat_template: str | None = None, hidden_size: int | None = None,
-                 media_limits: MediaLimits | None = None, n_window: int | None = None):
+                 media_limits: MediaLimits | None = None, n_window: int | None = None,
+                 max_image_patches: int | None = None):
         self.tokenizer = tokenizer
         self._chat_text = ChatText(tokenizer) if tokenizer is not None else None
         self._floor = TokenFloor(tokenizer) if tokenizer is not None else None
@@ -170,6 +174,7 @@ class InputProcessor:
         self.max_video_seconds = max_video_seconds
         self.n_window = int(n_window if n_window is not None else self.DEFAULT_N_WINDOW)
         self.chat_template = chat_template
+        self.max_image_patches = max_image_patches
         pre = _merged(self.DEFAULT_PREPROCESSOR_CONFIG, preprocessor_config)
         self.preprocessor_config = pre
         vid = _merged(self.DEFAULT_VIDEO_CONFIG, video_preprocessor_config)
@@ -250,6 +255,8 @@ class InputProcessor:
 
             p = self.preprocessor_config
             lo, hi = _size_range(p, 3136, 12845056)
+            if self.max_image_patches is not None:
+                hi = max(lo, min(hi, self.max_image_patches * int(p["patch_size"]) ** 2))
             self._image_processor = Qwen2VLImageProcessorPil(
                 min_pixels=lo, max_pixels=hi, patch_size=int(p["patch_size"]),
                 temporal_patch_size=int(p["temporal_patch_size"]), merge_size=int(p["merge_size"]),

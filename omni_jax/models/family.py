@@ -53,7 +53,7 @@ class ModelFamily:
         speaker; `handoff.check_pipeline(pipeline)` checks the thinker returns the hidden layers
         the talker needs; `handoff.check_prompt(prompt_token_ids)` refuses, before anything is
         sent, a speech prompt the talker could not be built on.
-    prompt_processor: `ckpt_dir -> InputProcessor` (chat template, media, token ids).
+    prompt_processor: `(ckpt_dir, **options) -> InputProcessor` (chat template, media, token ids).
     side_files: `(hf_dir, get_tensor, hf_config, out_dir, **kw)` writes the files a family keeps
         beside the stage checkpoints (voices, embedding rows).
     tiny_checkpoint: builds (once) and returns the built-in tiny checkpoint, if the family has one.
@@ -64,7 +64,7 @@ class ModelFamily:
     engines: dict[str, Callable[[Any, str, bool], Any]]
     module_engines: dict[str, Callable[..., Any]]
     handoff: Callable[[str], Any]
-    prompt_processor: Callable[[str], Any]
+    prompt_processor: Callable[..., Any]
     side_files: Callable[..., None] | None = None
     tiny_checkpoint: Callable[[], str] | None = None
 

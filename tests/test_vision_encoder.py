@@ -129,6 +129,22 @@ def test_banded_segment_attention_equals_dense():
     np.testing.assert_allclose(np.asarray(banded), np.asarray(dense), atol=1e-6)
 
 
+def test_queries_in_blocks_equal_all_at_once(monkeypatch):
+    """Unbanded segment attention takes QUERY_BLOCK queries at a time (bounded temporaries on a
+    GPU): with blocks of 32 over 200 queries (the last one padded) it equals all of them at once."""
+    from omni_jax.models.layers import vision_blocks
+
+    rng = np.random.default_rng(1)
+    n, h, d = 200, 2, 8
+    q, k, v = (jnp.asarray(rng.standard_normal((n, h, d)), jnp.float32) for _ in range(3))
+    seg = jnp.asarray(np.concatenate([np.repeat(np.arange(3), [70, 90, 30]), -np.ones(10, int)]), jnp.int32)
+    whole = jax.jit(segment_attention)(q, k, v, seg, 0.3)
+    monkeypatch.setattr(vision_blocks, "QUERY_BLOCK", 32)
+    blocks = jax.jit(segment_attention)(q, k, v, seg, 0.3)
+    np.testing.assert_allclose(np.asarray(blocks), np.asarray(whole), atol=1e-6)
+    assert "while" in jax.jit(segment_attention).lower(q, k, v, seg, 0.3).as_text()  # one block after another
+
+
 def test_single_image(encoder, qwen2_5_omni_hf_model, vision_config):
     pixels = _pixels([IMAGE_A], vision_config, 0)
     _check(encoder.encode(pixels, [IMAGE_A]), hf_vision_features(qwen2_5_omni_hf_model, pixels, [IMAGE_A]))

@@ -3,8 +3,9 @@
     omni-jax plan --model qwen2_5_omni|qwen3_omni|HUB_ID|DIR --gpu h100|a100|h200 [--context 2048] [--ends]
 
 Compiles every decode and prefill step of the preset's AR stages for the target (in the
-GPU compile environment, see `omni_jax.gpu`) and prints, per stage: parameter bytes,
-temporaries per bucket (from the compiled programs), the KV blocks that fit the configured
+GPU compile environment, see `omni_jax.gpu`), and the thinker's largest audio and vision
+encoder calls, and prints, per stage: parameter bytes, temporaries per bucket (from the
+compiled programs; the encoders' count too), the KV blocks that fit the configured
 memory fractions, whether the stage fits and what to change if not; per decode bucket the
 HBM bytes a step must move (weights + KV read at `--context` tokens per sequence), the
 roofline time at the target's bandwidth, the bytes the compiled step moves over that
@@ -158,7 +159,12 @@ def build_plan(result: dict, context: int) -> dict:
                 d["bytes_accessed"] = moved + kv + weights - s.get("decode_dense_bytes", 0)
                 d["bytes_ratio"] = d["bytes_accessed"] / (weights + kv)
             row["decode"].append(d)
-        temps = [x["temp_bytes"] for x in row["prefill"] + row["decode"] if x["temp_bytes"] is not None]
+        # A thinker's encoders run between its steps, in the same headroom.
+        media = [r for r in steps.get((s["preset"], s["stage"]), []) if r["info"].get("kind") in ("audio", "vision")]
+        row["failed"] += [f"{r['name']}: {r['error']}" for r in media if not r["ok"]]
+        row["media"] = [dict(kind=r["info"]["kind"], bucket=r["info"]["bucket"], temp_bytes=r["temp_bytes"])
+                        for r in media if r["ok"]]
+        temps = [x["temp_bytes"] for x in row["prefill"] + row["decode"] + row["media"] if x["temp_bytes"] is not None]
         row["max_temp_bytes"] = max(temps, default=0)
         row["problems"] = _problems(row)
         stages.append(row)
@@ -190,8 +196,14 @@ def _problems(s: dict) -> list[str]:
     if s["max_temp_bytes"] > s["headroom"]:
         out.append(f"step temporaries ({s['max_temp_bytes'] / GB:.2f} GB) exceed what KV leaves "
                    f"({s['headroom'] / GB:.2f} GB): lower kv_memory_fraction or the largest token bucket"
-                   + _largest_prefill_that_fits(s))
+                   + _largest_prefill_that_fits(s) + _media_over(s))
     return out
+
+
+def _media_over(s: dict) -> str:
+    """The encoder calls (largest bucket) whose temporaries exceed the headroom, if any."""
+    over = [f"{m['kind']} {m['bucket']}" for m in s["media"] if m["temp_bytes"] > s["headroom"]]
+    return f"; the encoder calls {', '.join(over)} alone do: lower that bucket" if over else ""
 
 
 def _largest_prefill_that_fits(s: dict) -> str:

@@ -104,7 +104,9 @@ def select_tier(family: str, stage, hf_config: dict, num_blocks: int, target_nam
     layers) and the dense stages' (Qwen2.5's) largest decode steps (KV donation), the
     thinker's also at tensor parallel 2 over two GPUs (`stage_mesh`: Compiler.stage_mesh); on
     A100 also the cheap sampler variants (greedy, random), the pre-sampler program of structured
-    outputs and logit_bias, and the dense thinker's smallest vision encoder call. The programs that take minutes to compile (the MoE stages' steps,
+    outputs and logit_bias, and the dense thinker's smallest vision encoder call; on both, each
+    thinker's largest vision encoder call (the plan holds its temporaries against what the KV
+    pages leave). The programs that take minutes to compile (the MoE stages' steps,
     prefill steps, the sorting sampler variants, encoders, whole-request vocoder calls) are
     in `select_full`. The vocoders' streamed calls,
     what both presets serve with (async chunk), take seconds: their smallest shapes are here."""
@@ -112,6 +114,8 @@ def select_tier(family: str, stage, hf_config: dict, num_blocks: int, target_nam
         return [p for p in select_full(family, stage, hf_config, num_blocks, target_name, stage_mesh)
                 if p.info["call"] != "whole"]
     out = P.kernel_programs(family, stage, hf_config, num_blocks)
+    vision = _ends(P.media_programs(family, stage, hf_config), "vision") if stage.model_stage == "thinker" else []
+    out += vision[-1:]
     if _is_moe(family, stage, hf_config):
         return out + _expert_layers(family, stage, hf_config)
     progs = P.ar_engine_programs(family, stage, hf_config, num_blocks)
@@ -123,7 +127,7 @@ def select_tier(family: str, stage, hf_config: dict, num_blocks: int, target_nam
         out += [p for p in progs if p.bucket == top and (p.kind == "shape" or p.kind == "sample"
                                                          and p.info["variant"] in ("greedy", "random"))]
         # The vision encoder once failed only here (Triton GEMM tiling; models/thinker_media.py): keep it compiling.
-        out += _ends(P.media_programs(family, stage, hf_config), "vision")[:1]
+        out += vision[:1]
     return out
 
 
@@ -189,14 +193,19 @@ def select_full(family: str, stage, hf_config: dict, num_blocks: int, target_nam
 
 
 def select_plan(family: str, stage, hf_config: dict, num_blocks: int, ends: bool) -> list:
-    """Every decode and prefill step of an AR stage (or only the smallest and largest)."""
+    """Every decode and prefill step of an AR stage (or only the smallest and largest), and a
+    thinker's largest audio and vision encoder calls (their temporaries count as the steps')."""
     if stage.runner != "ar":
         return []
     progs = P.ar_engine_programs(family, stage, hf_config, num_blocks)
     v = _step_variant(stage)
+    media = []
+    if stage.model_stage == "thinker":
+        encoders = P.media_programs(family, stage, hf_config)
+        media = _ends(encoders, "audio")[-1:] + _ends(encoders, "vision")[-1:]
     if ends:
-        return _ends(progs, "decode", v) + _ends(progs, "prefill", v)
-    return [p for p in progs if p.kind in ("decode", "prefill") and p.info.get("variant") == v]
+        return _ends(progs, "decode", v) + _ends(progs, "prefill", v) + media
+    return [p for p in progs if p.kind in ("decode", "prefill") and p.info.get("variant") == v] + media
 
 
 def negative_control(compiler: aot.Compiler, family: str, stage, hf_config: dict, num_blocks: int):

@@ -87,7 +87,7 @@ class RequestError(ValueError):
 
 class TooLongError(RequestError):
     """A request is larger than the stage was sized for: its tokens past max_model_len or the
-    KV pool, a video frame past the vision encoder's largest bucket (OpenAI's
+    KV pool, one image or video frame past the vision encoder's largest bucket (OpenAI's
     `context_length_exceeded`)."""
 
 

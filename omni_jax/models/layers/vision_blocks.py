@@ -87,8 +87,8 @@ QUERY_BLOCK = 512
 
 
 def _blockwise_attention(q, k, v, segment_ids, scale):
-    """Segment attention of every query against all N keys, QUERY_BLOCK queries at a time (one
-    after the other, so the scores of one block are live at once); each row's softmax is the same."""
+    """Segment attention of every query against all N keys, QUERY_BLOCK queries at a time, one
+    block after the other (only one block's scores live at once); each row's softmax is unchanged."""
     n, h, d = q.shape
     if n <= QUERY_BLOCK:
         return _masked_softmax_attention(q, k, v, segment_ids[:, None] == segment_ids[None, :], scale)

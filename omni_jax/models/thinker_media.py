@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from ..engine.buckets import pick_bucket
-from ..engine.jitted import Jitted
+from ..engine.jitted import NO_TRITON_GEMM, Jitted
 from ..engine.protocol import MultiModalPayload, StageInputs
 from ..errors import TooLongError
 
@@ -65,15 +65,10 @@ class ThinkerMediaEncoder:
         self.cfg, self.rope_cfg, self.buckets = cfg, rope_cfg, buckets
         self._audio = nnx.split(thinker.audio_tower)
         self._vision = nnx.split(thinker.visual)
-        # XLA's Triton GEMM finds no tile for some encoder matmuls ("Couldn't find output tile
-        # sizes", deviceless compiles): a bf16 [patches, 1280] one of Qwen2.5's vision encoder on
-        # A100, an f32 [640, 32] one of the tiny Qwen2.5's audio encoder on H100. cuBLAS does
-        # them. Other backends ignore the option.
-        no_triton = {"xla_gpu_enable_triton_gemm": False}
         self.jitted = Jitted(audio=jax.jit(lambda g, s, *a: nnx.merge(g, s)(*a), static_argnums=0,
-                                           compiler_options=no_triton),
+                                           compiler_options=NO_TRITON_GEMM),
                              vision=jax.jit(lambda g, s, *a: nnx.merge(g, s)(*a), static_argnums=0,
-                                            compiler_options=no_triton))
+                                            compiler_options=NO_TRITON_GEMM))
         self.dtype = jax.tree_util.tree_leaves(self._audio[1])[0].dtype
 
     # ------------------------------------------------------------------ a family's part

@@ -38,7 +38,7 @@ import numpy as np
 from flax import nnx
 
 from ...engine.buckets import pick_bucket
-from ...engine.jitted import Jitted
+from ...engine.jitted import NO_TRITON_GEMM, Jitted
 from ...checkpoint import load_checkpoint
 from ...engine.oneshot_engine import CHUNK_FRAMES, INITIAL_CHUNK_FRAMES, CallPool, ChunkJob, OneShotEngine, chunk_sizes
 from .code2wav import Qwen3OmniCode2Wav
@@ -140,10 +140,12 @@ class Code2WavSynthesizer:
         # A whole window in one call; streamed chunks run the pre-transformer per window and
         # the convolutions per chunk, with their history.
         self.jitted = Jitted(
-            whole=jax.jit(self._decode),
-            frame_states=jax.jit(lambda state, codes: nnx.merge(self.graphdef, state).frame_states(codes)),
+            whole=jax.jit(self._decode, compiler_options=NO_TRITON_GEMM),
+            frame_states=jax.jit(lambda state, codes: nnx.merge(self.graphdef, state).frame_states(codes),
+                                 compiler_options=NO_TRITON_GEMM),
             convolve_stream=jax.jit(lambda state, x, frames, fresh, history: nnx.merge(
-                self.graphdef, state).convolve_stream(x, frames, fresh, history, clip=clip)))
+                self.graphdef, state).convolve_stream(x, frames, fresh, history, clip=clip),
+                compiler_options=NO_TRITON_GEMM))
         self._trailing = self._trailing_samples()
         # Streamed chunks convolve only their new frames: one bucket per chunk size the engine
         # asks for (`stream_chunk_frames`), and the window buckets for chunks that piled up

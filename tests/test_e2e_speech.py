@@ -57,7 +57,7 @@ class Qwen2_5:
             thinker=dict(token_buckets=[16, 64], decode_buckets=[1, 4], max_num_seqs=4),
             talker=dict(token_buckets=[16, 64], decode_buckets=[1, 4], max_num_seqs=4,
                         default_sampling=dict(temperature=0.0, repetition_penalty=1.05, max_tokens=cls.talker_tokens)),
-            token2wav=dict(token_buckets=[48], decode_buckets=[1, 4], max_num_seqs=4, max_num_batched_tokens=48))
+            token2wav=dict(token_buckets=[48], decode_buckets=[1, 4], max_num_seqs=4))
 
     @staticmethod
     def prompt(rng, n: int) -> list[int]:

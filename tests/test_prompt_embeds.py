@@ -205,7 +205,7 @@ def _speech_pipeline():
         thinker=dict(token_buckets=[16, 64], decode_buckets=[1, 4], max_num_seqs=4),
         talker=dict(token_buckets=[16, 64], decode_buckets=[1, 4], max_num_seqs=4,
                     default_sampling=dict(temperature=0.0, repetition_penalty=1.05, max_tokens=20)),
-        token2wav=dict(token_buckets=[48], decode_buckets=[1, 4], max_num_seqs=4, max_num_batched_tokens=48))
+        token2wav=dict(token_buckets=[48], decode_buckets=[1, 4], max_num_seqs=4))
 
 
 @pytest.fixture(scope="module")

@@ -108,7 +108,7 @@ def pipeline_yaml(tmp_path_factory) -> str:
     st["thinker"].update(token_buckets=[64], decode_buckets=[1, 8], max_num_seqs=8)
     st["talker"].update(token_buckets=[64], decode_buckets=[1, 4], max_num_seqs=4,
                         default_sampling=dict(temperature=0.0, repetition_penalty=1.05, max_tokens=40))
-    st["token2wav"].update(token_buckets=[48], decode_buckets=[1, 4], max_num_seqs=4, max_num_batched_tokens=48)
+    st["token2wav"].update(token_buckets=[48], decode_buckets=[1, 4], max_num_seqs=4)
     path = tmp_path_factory.mktemp("pipeline") / "server_test.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return str(path)

@@ -62,7 +62,7 @@ def pipeline_yaml(tmp_path_factory) -> str:
     for st in cfg["stages"]:
         st.update(decode_buckets=[1, 2], max_num_seqs=2, ready_timeout_s=1200)
         if st["name"] == "token2wav":
-            st.update(token_buckets=[48], decode_buckets=[1, 4], max_num_seqs=4, max_num_batched_tokens=48)
+            st.update(token_buckets=[48], decode_buckets=[1, 4], max_num_seqs=4)
         else:
             st.update(token_buckets=[64])
     path = tmp_path_factory.mktemp("pipeline") / "hostile_test.yaml"

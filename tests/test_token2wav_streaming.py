@@ -269,6 +269,51 @@ def test_rows_of_very_different_sizes_go_in_separate_runs(synth):
     assert small.size_split([], lengths) == []
 
 
+def test_no_call_pads_past_max_batch_codes(synth):
+    """A call's memory grows with its padded codes (BigVGAN's: 2.8 GB for 4096 codes on H100), so
+    no call of several rows pads past max_batch_codes: warm-up compiles only such shapes, and rows
+    that would take one call take more; longer buckets than the longest request go unused
+    (shapes recorded from stand-in calls: nothing compiles)."""
+    small = Token2WavSynthesizer(nnx.merge(synth.graphdef, synth.state), synth.voices,
+                                 length_buckets=(16, 64, 256), batch_buckets=(1, 2, 4), max_codes=62,
+                                 max_batch_codes=128, stream_chunk_codes=(10, 25))
+    assert small.length_buckets == (16, 64) and small.max_codes == 62
+    with pytest.raises(ValueError, match="63 codec tokens exceed this stage's longest request"):
+        small.validate(_request("long", 63, "Ethan", 1))
+    whole, rep = [], small.cfg.dit.repeats
+
+    def whole_fn(state, codes, *rest):
+        whole.append(codes.shape)
+        return np.zeros((codes.shape[0], small.cfg.bigvgan.num_samples(rep * codes.shape[1])), np.float32)
+
+    small.jitted.whole = whole_fn
+    small.warmup()
+    assert whole == [(1, 16), (1, 64), (2, 16), (2, 64), (4, 16)]
+    whole.clear()
+    # Four rows of 50-60 codes: one call of 4 x 64 costs less padding, but holds 256 codes.
+    waves = small([_request(f"r{n}", n, "Chelsie", n) for n in (60, 50, 55, 62)])
+    assert sorted(whole) == [(2, 64), (2, 64)] and [len(w) for w in waves] == [
+        small.cfg.bigvgan.num_samples(rep * n) for n in (60, 50, 55, 62)]
+    shapes = _record_shapes(small)
+    _stream(small, [_request(f"s{i}", 120, "Ethan", i) for i in range(4)], [[10, 110]] * 4)
+    assert all(b * t <= 128 or b == 1 for b, t in shapes["dit"])
+    assert all(b * f <= rep * 128 or b == 1 for b, f, _ in shapes["vocoder"])
+    with pytest.raises(ValueError, match="exceeds the largest length bucket"):
+        Token2WavSynthesizer(nnx.merge(synth.graphdef, synth.state), synth.voices, length_buckets=(16, 64),
+                             batch_buckets=(1,), max_codes=65)
+
+
+def test_calls_split_by_max_batch_codes_keep_each_requests_audio(synth):
+    """Two requests in two calls of one (max_batch_codes 64) give each the audio of the call of
+    two the fixture's synthesizer makes, in the order asked."""
+    one_by_one = Token2WavSynthesizer(nnx.merge(synth.graphdef, synth.state), synth.voices, length_buckets=(64,),
+                                      batch_buckets=(1, 2), max_batch_codes=64)
+    reqs = [_request("long", 60, "Chelsie", 11), _request("short", 23, "Ethan", 12)]
+    for got, want in zip(one_by_one(reqs), synth(reqs)):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
 def test_each_chunk_size_has_its_own_window(synth):
     """Windows are compiled per chunk size (and for the first chunk): a small chunk runs a small
     window, and chunks that piled up run windows of the largest (shapes recorded from stand-in

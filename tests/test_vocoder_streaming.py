@@ -331,10 +331,12 @@ def test_token2wav_stage_compiles_its_pipelines_path(monkeypatch, async_chunk):
     seen = {}
     monkeypatch.setattr(qwen2_5_family, "build_token2wav_engine", lambda ckpt, **kw: seen.update(kw))
     stage = types.SimpleNamespace(token_buckets=None, decode_buckets=None, max_num_seqs=None,
+                                  max_num_batched_tokens=2048, max_model_len=512,
                                   codec_chunk_frames=12, initial_codec_chunk_frames=4,
                                   codec_left_context_frames=None, codec_right_context_frames=24, clip_audio=True)
     qwen2_5_family.FAMILY.engines["token2wav"](stage, "ckpt", async_chunk)
     assert seen["streamed"] is async_chunk and seen["chunk_frames"] == 12
+    assert seen["max_num_batched_tokens"] == 2048 and seen["max_model_len"] == 512
     assert seen["left_context"] is None and seen["right_context"] == 24 and seen["clip"] is True
 
 

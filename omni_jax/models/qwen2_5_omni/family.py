@@ -15,8 +15,10 @@ from .voices import Voices
 
 
 def _token2wav_args(stage, async_chunk: bool) -> dict:
-    # For a vocoder, token_buckets are code-length buckets and decode_buckets batch sizes.
+    # For a vocoder, token_buckets are code-length buckets and decode_buckets batch sizes;
+    # max_num_batched_tokens / max_model_len are codes per step (and call) / of a request.
     return dict(length_buckets=stage.token_buckets or (64, 256, 1024), batch_buckets=stage.decode_buckets or (1, 2, 4),
+                max_num_batched_tokens=stage.max_num_batched_tokens, max_model_len=stage.max_model_len,
                 max_num_seqs=stage.max_num_seqs, chunk_frames=stage.codec_chunk_frames,
                 initial_chunk_frames=stage.initial_codec_chunk_frames, streamed=async_chunk,
                 left_context=stage.codec_left_context_frames, right_context=stage.codec_right_context_frames,

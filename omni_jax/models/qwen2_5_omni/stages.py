@@ -74,15 +74,18 @@ def build_thinker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | No
 
 
 def token2wav_engine(model, voices: Voices, *, length_buckets=(64, 256, 1024), batch_buckets=(1, 2, 4),
-                     max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
-                     chunk_frames: int = 25, initial_chunk_frames: int = 10, streamed: bool = False,
-                     left_context: int | None = None, right_context: int | None = None,
+                     max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
+                     max_num_seqs: int | None = None, chunk_frames: int = 25, initial_chunk_frames: int = 10,
+                     streamed: bool = False, left_context: int | None = None, right_context: int | None = None,
                      clip: bool = True) -> OneShotEngine:
     """The vocoder's engine: requests batched through DiT + BigVGAN (fp32, no KV cache), whole or
     streamed; its synthesizer is `engine.synthesizer`.
 
     `max_num_seqs` requests per step (default batch_buckets[-1]); more than the largest
-    batch take several calls, run side by side. With async chunk the engine streams a request
+    batch take several calls, run side by side. `max_num_batched_tokens`: codes per step and
+    padded codes per call, bounding a call's memory (default max_num_seqs * the largest
+    length bucket); `max_model_len`: codes of the longest request, at most the largest length
+    bucket (larger buckets go unused). With async chunk the engine streams a request
     once `initial_chunk_frames`, then chunks growing to `chunk_frames` new codes arrived; the
     streamed calls are compiled for windows of each chunk size plus its context (`left_context`
     and `right_context` codes of DiT context, None: `StreamContext`'s). `streamed`: requests
@@ -91,13 +94,17 @@ def token2wav_engine(model, voices: Voices, *, length_buckets=(64, 256, 1024), b
     `clip`: clamp the waveform to [-1, 1] (the stage's clip_audio).
     """
     max_num_seqs = max_num_seqs or batch_buckets[-1]
-    synth = Token2WavSynthesizer(model, voices, length_buckets=length_buckets,
-                                 batch_buckets=batch_buckets, max_num_seqs=max_num_seqs,
+    max_codes = min(max_model_len or length_buckets[-1], length_buckets[-1])
+    per_step = max_num_batched_tokens or max_num_seqs * length_buckets[-1]
+    if max_codes > per_step:
+        raise ValueError(f"max_model_len ({max_codes} codes) exceeds max_num_batched_tokens ({per_step}): "
+                         f"such a request could never be scheduled")
+    synth = Token2WavSynthesizer(model, voices, length_buckets=length_buckets, batch_buckets=batch_buckets,
+                                 max_num_seqs=max_num_seqs, max_codes=max_codes, max_batch_codes=per_step,
                                  stream_chunk_codes=chunk_sizes(initial_chunk_frames, chunk_frames),
                                  stream_context=StreamContext.given(left_context, right_context), clip=clip)
-    engine = OneShotEngine(synth, max_num_seqs=max_num_seqs,
-                           max_num_batched_tokens=max_num_batched_tokens or max_num_seqs * length_buckets[-1],
-                           max_model_len=length_buckets[-1] + 1, vocab_size=model.cfg.dit.num_embeds,
+    engine = OneShotEngine(synth, max_num_seqs=max_num_seqs, max_num_batched_tokens=per_step,
+                           max_model_len=max_codes + 1, vocab_size=model.cfg.dit.num_embeds,
                            validate=synth.validate, warmup_fn=synth.warmup_stream if streamed else synth.warmup,
                            chunk_frames=chunk_frames, initial_chunk_frames=initial_chunk_frames)
     engine.synthesizer = synth

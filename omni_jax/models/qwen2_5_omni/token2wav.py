@@ -5,9 +5,12 @@
 `Token2WavSynthesizer` serves batches of whole requests for the `OneShotEngine`:
 requests are padded to a (batch, code length) bucket and run through one jitted
 function; padded frames are masked in the DiT's attention and BigVGAN's borders,
-so every request's waveform equals its unpadded result. Each request's initial
-noise is drawn from its own seed for its own length (or passed in explicitly),
-so batching never changes its audio. Speaker embeddings are computed once per voice.
+so every request's waveform equals its unpadded result. A call holds at most
+`max_batch_codes` padded codes (one request alone excepted): its temporaries grow with
+them, BigVGAN's above all (about 0.7 MB per code: 2.8 GB for one 4096-code request on
+H100). Each request's initial noise is drawn from its own seed for its own length (or
+passed in explicitly), so batching never changes its audio. Speaker embeddings are
+computed once per voice.
 
 Streaming (async chunk): `Token2WavSynthesizer.stream` turns the codes received so far
 into the part of the waveform that no later code can change.
@@ -65,7 +68,7 @@ import numpy as np
 from flax import nnx
 
 from ...engine.buckets import pick_bucket
-from ...engine.jitted import Jitted
+from ...engine.jitted import NO_TRITON_GEMM, Jitted
 from ...engine.oneshot_engine import CallPool
 from .token2wav_bigvgan import BigVGANConfig, Qwen2_5OmniBigVGAN
 from .token2wav_dit import DiTConfig, Qwen2_5OmniDiT
@@ -120,8 +123,6 @@ class Qwen2_5OmniToken2Wav(nnx.Module):
         return self.code2wav_bigvgan_model(mel, frames, channels_last=True, clip=clip)
 
 
-# See Token2WavSynthesizer.batch_split.
-MIN_BUCKET_FILL = 0.75
 # What a device call costs beyond its padded cells, in cells (codes of a DiT row, frames of a
 # vocoder row): about 10 ms on CPU, the time of 30-45 cells (benchmarks/e2e_speech.py's model).
 CALL_CELLS = 32
@@ -195,12 +196,24 @@ class Token2WavSynthesizer:
 
     def __init__(self, model: Qwen2_5OmniToken2Wav, voices: Voices, *, length_buckets, batch_buckets,
                  num_steps: int = 10, guidance_scale: float = 0.5, sway_coefficient: float = -1.0,
-                 max_num_seqs: int | None = None, stream_context: StreamContext = StreamContext(),
-                 stream_chunk_codes: Sequence[int] = (25,), clip: bool = True):
+                 max_num_seqs: int | None = None, max_codes: int | None = None, max_batch_codes: int | None = None,
+                 stream_context: StreamContext = StreamContext(), stream_chunk_codes: Sequence[int] = (25,),
+                 clip: bool = True):
+        """`max_codes`: the longest request (default the largest length bucket; larger buckets are
+        dropped); `max_batch_codes`: padded codes per call, a call of one row excepted (None: as
+        many as the buckets allow)."""
         self.cfg = model.cfg
         self.voices = voices
-        self.length_buckets = tuple(length_buckets)
+        length_buckets = tuple(length_buckets)
+        self.max_codes = max_codes or length_buckets[-1]
+        if self.max_codes > length_buckets[-1]:
+            raise ValueError(f"the longest request ({self.max_codes} codes) exceeds the largest length bucket "
+                             f"({length_buckets[-1]})")
+        self.length_buckets = length_buckets[:length_buckets.index(pick_bucket(self.max_codes, length_buckets)) + 1]
         self.batch_buckets = tuple(batch_buckets)
+        self.max_batch_codes = max_batch_codes
+        # The streamed vocoder's rows are mel frames: `repeats` per code.
+        self._max_batch_frames = None if max_batch_codes is None else self.cfg.dit.repeats * max_batch_codes
         # Requests per call: one call per batch run of a step, side by side when there are several.
         self.calls = CallPool(max_num_seqs or self.batch_buckets[-1], self.batch_buckets[-1])
         self.kw = dict(num_steps=num_steps, guidance_scale=guidance_scale, sway_coefficient=sway_coefficient)
@@ -208,9 +221,11 @@ class Token2WavSynthesizer:
         # A whole request in one call; streaming runs the two halves apart (its vocoder
         # windows are not its DiT windows).
         self.jitted = Jitted(
-            whole=jax.jit(lambda s, *a: nnx.merge(self.graphdef, s)(*a, clip=clip, **self.kw)),
-            mel=jax.jit(lambda s, *a: nnx.merge(self.graphdef, s).mel(*a, **self.kw)),
-            wave=jax.jit(lambda s, mel, frames: nnx.merge(self.graphdef, s).waveform(mel, frames, clip=clip)))
+            whole=jax.jit(lambda s, *a: nnx.merge(self.graphdef, s)(*a, clip=clip, **self.kw),
+                          compiler_options=NO_TRITON_GEMM),
+            mel=jax.jit(lambda s, *a: nnx.merge(self.graphdef, s).mel(*a, **self.kw), compiler_options=NO_TRITON_GEMM),
+            wave=jax.jit(lambda s, mel, frames: nnx.merge(self.graphdef, s).waveform(mel, frames, clip=clip),
+                         compiler_options=NO_TRITON_GEMM))
         self.context = stream_context
         reach = self.cfg.bigvgan.context_frames()
         self.vocoder_context = tuple(min(stream_context.vocoder_frames, r) for r in reach)
@@ -241,7 +256,8 @@ class Token2WavSynthesizer:
                                                  | {rep * t for t in windows if t >= top} | {self.first_window[1]}))
         self._streams: dict[str, _StreamState] = {}
         dit = model.code2wav_dit_model
-        spk_fn = jax.jit(lambda s, m: nnx.merge(*nnx.split(dit)[:1], s).speaker_embedding(m))
+        spk_fn = jax.jit(lambda s, m: nnx.merge(*nnx.split(dit)[:1], s).speaker_embedding(m),
+                         compiler_options=NO_TRITON_GEMM)
         dit_state = nnx.split(dit)[1]
         self._speakers = {}
         for name in voices.names:
@@ -255,14 +271,10 @@ class Token2WavSynthesizer:
         plus the vocoder's right reach (the engine counts chunks of audio from there)."""
         return self.context.right_codes + -(-self.vocoder_context[1] // self.cfg.dit.repeats)
 
-    @property
-    def max_codes(self) -> int:
-        return self.length_buckets[-1]
-
     def validate(self, req) -> None:
         if req.num_prompt_tokens > self.max_codes:
-            raise ValueError(f"{req.num_prompt_tokens} codec tokens exceed the largest vocoder bucket "
-                             f"({self.max_codes})")
+            raise ValueError(f"{req.num_prompt_tokens} codec tokens exceed this stage's longest request "
+                             f"({self.max_codes} codes)")
         self.voices.get(req.data.voice)  # unknown voice -> ValueError listing the voices
         if req.data.noise is not None and req.data.noise.shape != (req.num_prompt_tokens * self.cfg.dit.repeats,
                                                                     self.cfg.dit.mel_dim):
@@ -272,37 +284,24 @@ class Token2WavSynthesizer:
     def __call__(self, reqs) -> list[np.ndarray]:
         """Waveforms of whole requests, batched by bucket."""
         rows = [_CodeRow(r.prompt_token_ids, self._noise(r, r.num_prompt_tokens), r.data.voice) for r in reqs]
-        return self._map(rows, self._waveforms)
+        return self._map(rows, self._waveforms, lambda r: len(r.codes), self.length_buckets, self.max_batch_codes)
 
-    def batch_split(self, n: int) -> list[tuple[int, int]]:
-        """(start, end) of the runs that serve n rows (requests, or streamed windows).
-
-        A padding row costs as much as a real one (on CPU the vocoder's time grows linearly
-        with the batch), so a run pads up to a bucket only when it fills at least
-        MIN_BUCKET_FILL of it, and otherwise takes the largest bucket that fits.
-        """
-        runs, i = [], 0
-        while i < n:
-            left = n - i
-            up = pick_bucket(min(left, self.batch_buckets[-1]), self.batch_buckets)
-            down = max([b for b in self.batch_buckets if b <= left], default=None)
-            take = min(left, up) if down is None or min(left, up) >= MIN_BUCKET_FILL * up else down
-            runs.append((i, i + take))
-            i += take
-        return runs
-
-    def size_split(self, sizes: Sequence[int], buckets: Sequence[int]) -> list[tuple[int, int]]:
+    def size_split(self, sizes: Sequence[int], buckets: Sequence[int], max_cells: int | None = None
+                   ) -> list[tuple[int, int]]:
         """(start, end) of the runs that serve rows of ascending `sizes` at the least padded cost.
 
         A run of n rows, the longest m, costs its padded cells (batch bucket x m's bucket among
         `buckets`) plus CALL_CELLS: on CPU a padded cell costs as much as a real one (a batch of
         8 windows of 130 codes padded to one of 318 took twice its due), so rows of very
-        different sizes go in separate runs.
+        different sizes go in separate runs. No run of several rows pads to more than
+        `max_cells` (a call's memory grows with them).
         """
         best, cut = [0.0] + [math.inf] * len(sizes), [0] * (len(sizes) + 1)
         for i in range(1, len(sizes) + 1):
             length = pick_bucket(sizes[i - 1], buckets)  # of every run ending at row i
             for j in range(max(0, i - self.batch_buckets[-1]), i):
+                if not self._fits(pick_bucket(i - j, self.batch_buckets), length, max_cells):
+                    continue
                 cost = best[j] + CALL_CELLS + pick_bucket(i - j, self.batch_buckets) * length
                 if cost < best[i]:
                     best[i], cut[i] = cost, j
@@ -312,13 +311,16 @@ class Token2WavSynthesizer:
             i = cut[i]
         return runs[::-1]
 
-    def _map(self, rows: list, run, size=None, buckets=None) -> list:
-        """`run` over the runs of `rows` (side by side); one result per row, in order. Without
-        `size`, bucket-sized runs in order; with it, runs of rows of similar size (`size_split`
-        over the length `buckets` the rows are padded to)."""
-        order = list(range(len(rows))) if size is None else sorted(range(len(rows)), key=lambda i: size(rows[i]))
-        split = (self.batch_split(len(rows)) if size is None
-                 else self.size_split([size(rows[i]) for i in order], buckets))
+    def _fits(self, batch: int, length: int, max_cells: int | None) -> bool:
+        """Whether a call of `batch` rows padded to `length` stays within `max_cells` (one row always does)."""
+        return max_cells is None or batch == self.batch_buckets[0] or batch * length <= max_cells
+
+    def _map(self, rows: list, run, size, buckets, max_cells: int | None) -> list:
+        """`run` over runs of `rows` of similar size (`size_split` over the length `buckets` the
+        rows are padded to, at most `max_cells` padded a call), side by side; one result per
+        row, in order."""
+        order = sorted(range(len(rows)), key=lambda i: size(rows[i]))
+        split = self.size_split([size(rows[i]) for i in order], buckets, max_cells)
         runs = self.calls.map(lambda r: run([rows[i] for i in order[r[0]:r[1]]]), split)
         out = [None] * len(rows)
         for i, res in zip(order, (res for run_out in runs for res in run_out)):
@@ -431,7 +433,7 @@ class Token2WavSynthesizer:
                 rows.append(_CodeRow(np.asarray(job.codes[start:end], np.int32), noise[rep * start:rep * end],
                                      job.request.data.voice))
                 keep.append((st, rep * (a - start), rep * (b - start), b))
-        mels = self._map(rows, self._mels, lambda r: len(r.codes), self.stream_code_buckets)
+        mels = self._map(rows, self._mels, lambda r: len(r.codes), self.stream_code_buckets, self.max_batch_codes)
         for mel, (st, k0, k1, code_end) in zip(mels, keep):
             st.mel = np.concatenate([st.mel, mel[k0:k1]])
             st.code_end = code_end
@@ -449,7 +451,7 @@ class Token2WavSynthesizer:
                 rows.append(st.mel[start - st.mel_start:end - st.mel_start])
                 keep.append((i, hop * (a - start), hop * (b - start)))
         pieces = [[np.zeros(0, np.float32)] for _ in jobs]
-        wavs = self._map(rows, self._vocode, len, self.stream_frame_buckets)
+        wavs = self._map(rows, self._vocode, len, self.stream_frame_buckets, self._max_batch_frames)
         for wav, (i, s0, s1) in zip(wavs, keep):
             pieces[i].append(wav[s0:s1])
         out = []
@@ -466,19 +468,22 @@ class Token2WavSynthesizer:
 
     # -- warm-up -------------------------------------------------------------------------
     def warmup(self) -> None:
-        """Compile the whole-request call at every (batch, length) bucket."""
-        for b in self.batch_buckets:
-            for t in self.length_buckets:
-                jax.block_until_ready(self.jitted.whole(self.state, *self._zeros(b, t)))
+        """Compile the whole-request call at every (batch, length) bucket a call can take."""
+        for b, t in self._shapes(self.length_buckets, self.max_batch_codes):
+            jax.block_until_ready(self.jitted.whole(self.state, *self._zeros(b, t)))
 
     def warmup_stream(self) -> None:
         """Compile the streamed DiT and vocoder calls (the first window, a length per chunk size
-        and the lengths above) at every batch bucket."""
-        for b, t in [(b, t) for b in self.batch_buckets for t in self.stream_code_buckets]:
+        and the lengths above) at every batch bucket a call can take."""
+        for b, t in self._shapes(self.stream_code_buckets, self.max_batch_codes):
             jax.block_until_ready(self.jitted.mel(self.state, *self._zeros(b, t)))
-        for b, f in [(b, f) for b in self.batch_buckets for f in self.stream_frame_buckets]:
+        for b, f in self._shapes(self.stream_frame_buckets, self._max_batch_frames):
             jax.block_until_ready(self.jitted.wave(self.state, np.zeros((b, f, self.cfg.dit.mel_dim), np.float32),
                                                 np.ones(b, np.int32)))
+
+    def _shapes(self, lengths: Sequence[int], max_cells: int | None) -> list[tuple[int, int]]:
+        """The (batch, length) buckets of the calls `_map` makes over `lengths` within `max_cells`."""
+        return [(b, t) for b in self.batch_buckets for t in lengths if self._fits(b, t, max_cells)]
 
     def _zeros(self, b: int, t: int) -> tuple[np.ndarray, ...]:
         """Zero DiT inputs of a (batch, length) bucket."""

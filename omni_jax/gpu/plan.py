@@ -3,9 +3,10 @@
     omni-jax plan --model qwen2_5_omni|qwen3_omni|HUB_ID|DIR --gpu h100|a100|h200 [--context 2048] [--ends]
 
 Compiles every decode and prefill step of the preset's AR stages for the target (in the
-GPU compile environment, see `omni_jax.gpu`), and the thinker's largest audio and vision
-encoder calls, and prints, per stage: parameter bytes, temporaries per bucket (from the
-compiled programs; the encoders' count too), the KV blocks that fit the configured
+GPU compile environment, see `omni_jax.gpu`), the thinker's largest audio and vision
+encoder calls and the vocoder's calls of the most padded codes, and prints, per stage:
+parameter bytes, temporaries per bucket (from the compiled programs; the encoders' and the
+vocoder's count too, times the vocoder calls a step runs side by side), the KV blocks that fit the configured
 memory fractions, whether the stage fits and what to change if not; per decode bucket the
 HBM bytes a step must move (weights + KV read at `--context` tokens per sequence), the
 roofline time at the target's bandwidth, the bytes the compiled step moves over that
@@ -164,7 +165,14 @@ def build_plan(result: dict, context: int) -> dict:
         row["failed"] += [f"{r['name']}: {r['error']}" for r in media if not r["ok"]]
         row["media"] = [dict(kind=r["info"]["kind"], bucket=r["info"]["bucket"], temp_bytes=r["temp_bytes"])
                         for r in media if r["ok"]]
-        temps = [x["temp_bytes"] for x in row["prefill"] + row["decode"] + row["media"] if x["temp_bytes"] is not None]
+        # A vocoder step may run `parallel` calls side by side, each with its temporaries.
+        vocoder = [r for r in steps.get((s["preset"], s["stage"]), []) if r["info"].get("kind") == "vocoder"]
+        row["failed"] += [f"{r['name']}: {r['error']}" for r in vocoder if not r["ok"]]
+        row["vocoder"] = [dict(call=r["info"]["call"], batch=r["info"]["batch"], bucket=r["info"]["bucket"],
+                               temp_bytes=r["temp_bytes"] * r["info"]["parallel"], parallel=r["info"]["parallel"])
+                          for r in vocoder if r["ok"]]
+        temps = [x["temp_bytes"] for x in row["prefill"] + row["decode"] + row["media"] + row["vocoder"]
+                 if x["temp_bytes"] is not None]
         row["max_temp_bytes"] = max(temps, default=0)
         row["problems"] = _problems(row)
         stages.append(row)
@@ -195,9 +203,18 @@ def _problems(s: dict) -> list[str]:
                    f"({s['blocks_per_seq'] + 1} blocks): lower max_model_len or raise memory_fraction")
     if s["max_temp_bytes"] > s["headroom"]:
         out.append(f"step temporaries ({s['max_temp_bytes'] / GB:.2f} GB) exceed what KV leaves "
-                   f"({s['headroom'] / GB:.2f} GB): lower kv_memory_fraction or the largest token bucket"
-                   + _largest_prefill_that_fits(s) + _media_over(s))
+                   f"({s['headroom'] / GB:.2f} GB): " + (_vocoder_over(s) if s["vocoder"] else
+                   "lower kv_memory_fraction or the largest token bucket" + _largest_prefill_that_fits(s)
+                   + _media_over(s)))
     return out
+
+
+def _vocoder_over(s: dict) -> str:
+    """What to lower where a vocoder's largest calls do not fit beside its weights."""
+    over = [f"{v['call']} {v['batch']} x {v['bucket']}" + (f" ({v['parallel']} side by side)" if v["parallel"] > 1 else "")
+            for v in s["vocoder"] if v["temp_bytes"] > s["headroom"]]
+    return (f"the calls {', '.join(over)} do: lower max_num_batched_tokens (padded codes per call), the "
+            f"largest batch (decode_buckets) or length bucket (token_buckets), or raise memory_fraction")
 
 
 def _media_over(s: dict) -> str:
@@ -266,6 +283,12 @@ def format_plan(plan: dict, preset: str) -> str:
                      f"was not compiled whole)")
         lines.append(f"{s['stage']}: prefill temporaries per token bucket: " + ", ".join(
             f"{p['bucket']}: {p['temp_bytes'] / 2**20:.0f} MiB" for p in s["prefill"]))
+    for s in plan["stages"]:
+        if s["vocoder"]:
+            lines += ["", f"{s['stage']}: temporaries of its largest calls (batch x length)" + (
+                f", {s['vocoder'][0]['parallel']} side by side" if s["vocoder"][0]["parallel"] > 1 else "") + ": "
+                + ", ".join(f"{v['call']} {v['batch']} x {v['bucket']}: {v['temp_bytes'] / GB:.2f} GB"
+                            for v in s["vocoder"])]
     lines.append("")
     for d in plan["devices"]:
         lines.append(f"device {d['device']}: {', '.join(d['stages'])}; memory fractions sum to "

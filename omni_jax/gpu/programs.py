@@ -218,8 +218,9 @@ def vocoder_programs(family: str, stage: StageConfig, hf_config: dict) -> list[P
     for call, fn, args, kwargs in calls:
         x = args[1]  # codes [B, T] or [B, Q, T] (integers), or frames [B, T, D]
         b, t = x.shape[0], x.shape[-1] if x.dtype.kind == "i" else x.shape[1]
+        # `parallel`: calls a step may run side by side, each with its own temporaries (CallPool).
         out.append(Program(f"{family}/{stage.name}/{call}/b{b}/t{t}", "vocoder", fn, args, kwargs, t,
-                           info=dict(batch=b, call=call)))
+                           info=dict(batch=b, call=call, parallel=synth.calls.workers)))
     return out
 
 

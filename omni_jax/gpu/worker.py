@@ -9,7 +9,7 @@ many programs share one process's start-up. Selections:
 * ``tier``: what the gpu_compile tests check (see `select_tier`);
 * ``full``: every kind of program the issue lists, at its extreme buckets (`select_full`);
 * ``plan``: the steps `omni-jax plan` reads (every decode and prefill bucket of each
-  AR stage, or only the smallest and largest with ``--ends``);
+  AR stage, or only the smallest and largest with ``--ends``; each vocoder's largest calls);
 * ``layers``: only what every selection adds, each AR stage's launch profile
   (`select_layers`).
 """
@@ -109,10 +109,15 @@ def select_tier(family: str, stage, hf_config: dict, num_blocks: int, target_nam
     pages leave). The programs that take minutes to compile (the MoE stages' steps,
     prefill steps, the sorting sampler variants, encoders, whole-request vocoder calls) are
     in `select_full`. The vocoders' streamed calls,
-    what both presets serve with (async chunk), take seconds: their smallest shapes are here."""
+    what both presets serve with (async chunk), take seconds: their smallest shapes are here, and
+    off the A100 (whose worker compiles the sampler variants) every vocoder call of the most
+    padded cells (the plan holds their temporaries against what the weights leave)."""
     if stage.runner != "ar":
-        return [p for p in select_full(family, stage, hf_config, num_blocks, target_name, stage_mesh)
-                if p.info["call"] != "whole"]
+        smallest = [p for p in select_full(family, stage, hf_config, num_blocks, target_name, stage_mesh)
+                    if p.info["call"] != "whole"]
+        if target_name == "a100":
+            return smallest
+        return smallest + largest_vocoder_calls(P.vocoder_programs(family, stage, hf_config))
     out = P.kernel_programs(family, stage, hf_config, num_blocks)
     vision = _ends(P.media_programs(family, stage, hf_config), "vision") if stage.model_stage == "thinker" else []
     out += vision[-1:]
@@ -194,9 +199,10 @@ def select_full(family: str, stage, hf_config: dict, num_blocks: int, target_nam
 
 def select_plan(family: str, stage, hf_config: dict, num_blocks: int, ends: bool) -> list:
     """Every decode and prefill step of an AR stage (or only the smallest and largest), and a
-    thinker's largest audio and vision encoder calls (their temporaries count as the steps')."""
+    thinker's largest audio and vision encoder calls (their temporaries count as the steps');
+    a vocoder's largest calls (`largest_vocoder_calls`)."""
     if stage.runner != "ar":
-        return []
+        return largest_vocoder_calls(P.vocoder_programs(family, stage, hf_config))
     progs = P.ar_engine_programs(family, stage, hf_config, num_blocks)
     v = _step_variant(stage)
     media = []
@@ -206,6 +212,17 @@ def select_plan(family: str, stage, hf_config: dict, num_blocks: int, ends: bool
     if ends:
         return _ends(progs, "decode", v) + _ends(progs, "prefill", v) + media
     return [p for p in progs if p.kind in ("decode", "prefill") and p.info.get("variant") == v] + media
+
+
+def largest_vocoder_calls(programs) -> list:
+    """Per kind of vocoder call (whole request, streamed halves) those of the most padded cells
+    (batch x length): a call's temporaries grow with them."""
+    out = []
+    for call in sorted({p.info["call"] for p in programs}):
+        mine = [p for p in programs if p.info["call"] == call]
+        top = max(p.info["batch"] * p.bucket for p in mine)
+        out += [p for p in mine if p.info["batch"] * p.bucket == top]
+    return out
 
 
 def negative_control(compiler: aot.Compiler, family: str, stage, hf_config: dict, num_blocks: int):

@@ -340,6 +340,15 @@ def test_token2wav_stage_compiles_its_pipelines_path(monkeypatch, async_chunk):
     assert seen["left_context"] is None and seen["right_context"] == 24 and seen["clip"] is True
 
 
+def test_token2wav_longest_request_must_fit_a_step():
+    """A request longer than a step's codes could never be scheduled: the stage refuses to start
+    (checked before the model is touched)."""
+    from omni_jax.models.qwen2_5_omni.stages import token2wav_engine
+
+    with pytest.raises(ValueError, match=r"requests of up to 512 codes .* exceed max_num_batched_tokens \(256\)"):
+        token2wav_engine(None, None, length_buckets=(64, 512), max_model_len=4096, max_num_batched_tokens=256)
+
+
 class _DelayedSynth:
     """A synthesizer whose audio trails its codes by 5 frames (as Qwen2.5's token2wav, by 22):
     one sample per frame that no later code can change."""

@@ -97,8 +97,8 @@ def token2wav_engine(model, voices: Voices, *, length_buckets=(64, 256, 1024), b
     max_codes = min(max_model_len or length_buckets[-1], length_buckets[-1])
     per_step = max_num_batched_tokens or max_num_seqs * length_buckets[-1]
     if max_codes > per_step:
-        raise ValueError(f"max_model_len ({max_codes} codes) exceeds max_num_batched_tokens ({per_step}): "
-                         f"such a request could never be scheduled")
+        raise ValueError(f"requests of up to {max_codes} codes (max_model_len, within the largest length bucket) "
+                         f"exceed max_num_batched_tokens ({per_step}): they could never be scheduled")
     synth = Token2WavSynthesizer(model, voices, length_buckets=length_buckets, batch_buckets=batch_buckets,
                                  max_num_seqs=max_num_seqs, max_codes=max_codes, max_batch_codes=per_step,
                                  stream_chunk_codes=chunk_sizes(initial_chunk_frames, chunk_frames),

@@ -6,8 +6,8 @@ Compiles every decode and prefill step of the preset's AR stages for the target 
 GPU compile environment, see `omni_jax.gpu`), the thinker's largest audio and vision
 encoder calls and the vocoder's calls of the most padded codes, and prints, per stage:
 parameter bytes, temporaries per bucket (from the compiled programs; the encoders' and the
-vocoder's count too, times the vocoder calls a step runs side by side), the KV blocks that fit the configured
-memory fractions, whether the stage fits and what to change if not; per decode bucket the
+vocoder's count too, the latter times the calls a step runs side by side), the KV blocks
+that fit the configured memory fractions, whether the stage fits and what to change if not; per decode bucket the
 HBM bytes a step must move (weights + KV read at `--context` tokens per sequence), the
 roofline time at the target's bandwidth, the bytes the compiled step moves over that
 minimum, its kernel launches (those outside command buffers apart, and per layer) and the

@@ -300,9 +300,10 @@ class Token2WavSynthesizer:
         for i in range(1, len(sizes) + 1):
             length = pick_bucket(sizes[i - 1], buckets)  # of every run ending at row i
             for j in range(max(0, i - self.batch_buckets[-1]), i):
-                if not self._fits(pick_bucket(i - j, self.batch_buckets), length, max_cells):
+                batch = pick_bucket(i - j, self.batch_buckets)
+                if not self._fits(batch, length, max_cells):
                     continue
-                cost = best[j] + CALL_CELLS + pick_bucket(i - j, self.batch_buckets) * length
+                cost = best[j] + CALL_CELLS + batch * length
                 if cost < best[i]:
                     best[i], cut[i] = cost, j
         runs, i = [], len(sizes)

@@ -17,8 +17,8 @@ import kernels_pallas
 from kernels_pallas.grouped_matmul import max_blocks
 from omni_jax.gpu.targets import load_target
 from omni_jax.models.layers.moe import (
-    MoEConfig, SparseMoeBlock, blocked_grouped_matmul, dense_moe_reference, grouped_matmul, moe_experts,
-    ragged_dot_grouped_matmul, route)
+    COMPARE_ALL_MAX_PAIRS, MoEConfig, SparseMoeBlock, blocked_grouped_matmul, dense_moe_reference, grouped_matmul,
+    moe_experts, ragged_dot_grouped_matmul, route)
 
 pytestmark = pytest.mark.parity
 
@@ -138,10 +138,12 @@ def test_route_kernel_matches_route_and_sort(tokens, experts, top_k, renorm, dty
                   interpret=True)
 
 
-def test_moe_experts_impls_match_dense_reference():
+# A decode step's pairs (ranked, scattered into expert order) and a prefill's (sorted, gathered).
+@pytest.mark.parametrize("tokens", [29, COMPARE_ALL_MAX_PAIRS // 3 + 11])
+def test_moe_experts_impls_match_dense_reference(tokens):
     cfg = MoEConfig(hidden_size=32, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=3)
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((29, cfg.hidden_size)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((tokens, cfg.hidden_size)), jnp.float32)
     gate_w = jnp.asarray(rng.standard_normal((cfg.num_experts, cfg.hidden_size)), jnp.float32)
     gate_up = jnp.asarray(rng.standard_normal((8, 32, 32)) * 0.3, jnp.float32)
     down = jnp.asarray(rng.standard_normal((8, 32, 16)) * 0.3, jnp.float32)
@@ -156,11 +158,12 @@ def test_moe_experts_impls_match_dense_reference():
     np.testing.assert_allclose(outs["blocked"], outs["ragged_dot"], atol=1e-5, rtol=1e-5)
     # All tokens on one expert (the pathological load) and padding tokens.
     one = jnp.zeros_like(experts).at[:, 0].set(5).at[:, 1].set(6).at[:, 2].set(7)
-    valid = jnp.arange(29) < 20
+    real = tokens * 2 // 3
+    valid = jnp.arange(tokens) < real
     a = moe_experts(x, weights, one, gate_up, down, valid=valid, impl="blocked")
     b = moe_experts(x, weights, one, gate_up, down, valid=valid, impl="ragged_dot")
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
-    assert np.all(np.asarray(a[20:]) == 0)
+    assert np.all(np.asarray(a[real:]) == 0)
 
 
 def test_block_default_path_equals_dense_reference():

@@ -273,25 +273,6 @@ def expert_kernel_programs(base: str, text, token_counts) -> list[Program]:
     return out
 
 
-def expert_layers_programs(base: str, text, tokens: int, layer_counts=(1, 4)) -> list[Program]:
-    """The expert matmuls of 1 and of 4 MoE layers in a row at one step size: what they hold in
-    temporaries must not grow with the layers (XLA once merged a per-call zero-filled output
-    of every layer into buffers live at once: 9.5 GiB in the thinker's 4096-token step)."""
-    e, h, i, k = text.num_experts, text.hidden_size, text.moe_intermediate_size, text.num_experts_per_tok
-
-    def layers(x, gate_ups, downs, sizes):
-        for gate_up, down in zip(gate_ups, downs):
-            y = _expert_matmuls(jnp.repeat(x, k, axis=0), gate_up, down, sizes)
-            x = (x + y.reshape(tokens, k, h).sum(1)).astype(DTYPE)
-        return x
-
-    s = jax.ShapeDtypeStruct
-    return [Program(f"{base}/experts_layers/{tokens}/{n}", "experts_layers", jax.jit(layers),
-                    (s((tokens, h), DTYPE), [s((e, 2 * i, h), DTYPE)] * n, [s((e, h, i), DTYPE)] * n,
-                     s((e,), jnp.int32)), {}, tokens, info=dict(layers=n))
-            for n in layer_counts]
-
-
 def preset(name_or_path: str) -> PipelineConfig:
     """A pipeline preset by name (or YAML path)."""
     return load_pipeline_config(name_or_path)

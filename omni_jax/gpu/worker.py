@@ -100,8 +100,8 @@ def _step_variant(stage) -> str:
 
 def select_tier(family: str, stage, hf_config: dict, num_blocks: int, target_name: str, stage_mesh) -> list:
     """What the gpu_compile tier checks (a few minutes on 2 cores): on both targets the
-    Pallas kernels at every bucket (MoE stages: also their expert matmuls over 1 and 4
-    layers) and the dense stages' (Qwen2.5's) largest decode steps (KV donation), the
+    Pallas kernels at every bucket (MoE stages: also their largest prefill step with 2 and
+    4 layers) and the dense stages' (Qwen2.5's) largest decode steps (KV donation), the
     thinker's also at tensor parallel 2 over two GPUs (`stage_mesh`: Compiler.stage_mesh); on
     A100 also the cheap sampler variants (greedy, random), the pre-sampler program of structured
     outputs and logit_bias, and the dense thinker's smallest vision encoder call; on both, each
@@ -122,7 +122,7 @@ def select_tier(family: str, stage, hf_config: dict, num_blocks: int, target_nam
     vision = _ends(P.media_programs(family, stage, hf_config), "vision") if stage.model_stage == "thinker" else []
     out += vision[-1:]
     if _is_moe(family, stage, hf_config):
-        return out + _expert_layers(family, stage, hf_config)
+        return out + select_prefill_layers(family, stage, hf_config, num_blocks)
     progs = P.ar_engine_programs(family, stage, hf_config, num_blocks)
     out.append(max(_ends(progs, "decode", _step_variant(stage)), key=lambda p: p.bucket))
     if stage.model_stage == "thinker":
@@ -163,10 +163,25 @@ def _is_moe(family: str, stage, hf_config: dict) -> bool:
     return bool(getattr(P.text_config(family, stage.model_stage, hf_config), "num_experts", 0))
 
 
-def _expert_layers(family: str, stage, hf_config: dict) -> list:
-    """A MoE stage's expert matmuls over 1 and 4 layers at its largest step (temporaries)."""
-    text = P.text_config(family, stage.model_stage, hf_config)
-    return P.expert_layers_programs(f"{family}/{stage.name}", text, max(stage.resolved_token_buckets))
+# 2 and 4, not 1 and 2: XLA packs a 1-layer step's temporaries tighter (Qwen3's talker: 122 MiB,
+# then 161 MiB at every depth from 2 to 20).
+PREFILL_LAYER_DEPTHS = (2, 4)
+
+
+def select_prefill_layers(family: str, stage, hf_config: dict, num_blocks: int) -> list:
+    """An AR stage's largest prefill step with a 2- and a 4-layer decoder of the real widths:
+    its temporaries must not grow with the layers. XLA:GPU has twice kept one buffer per MoE
+    layer alive at once: a kernel's aliased zero-filled output (9.5 GiB in Qwen3-Omni's
+    4096-token prefill), then the zeros the rows were scattered into, which it fused into one
+    kernel at the step's start (5.4 GB)."""
+    out = []
+    for n in PREFILL_LAYER_DEPTHS:
+        progs = P.ar_engine_programs(family, stage, P.with_layers(family, stage.model_stage, hf_config, n),
+                                     num_blocks)
+        top = max(_ends(progs, "prefill", _step_variant(stage)), key=lambda p: p.bucket)
+        out.append(dataclasses.replace(top, name=f"{top.name}/layers{n}", kind="prefill_layers",
+                                       info=dict(top.info, layers=n)))
+    return out
 
 
 def select_full(family: str, stage, hf_config: dict, num_blocks: int, target_name: str, stage_mesh) -> list:

@@ -24,7 +24,8 @@ token-expert pairs:
 
 1. sort the P pairs by expert (``sort_pairs``: a decode step's few pairs ranked by
    comparing every pair with every other, one reduction; a prefill's many by ``argsort``),
-   scatter the token rows into expert order ``[P, H]`` (at least a kernel block of rows),
+   put the token rows in expert order ``[P, H]`` (at least a kernel block of rows; a decode
+   step scatters them, a prefill gathers them: `sorted_experts`),
    count the pairs per expert;
 2. two grouped matmuls over the sorted rows (:func:`grouped_matmul` with the
    per-expert group sizes): ``[P, H] x [E, 2I, H] -> [P, 2I]``, SiLU-gate,
@@ -273,8 +274,18 @@ def sorted_experts(x, routing_weights, position, group_sizes, gate_up_proj, down
     # Pair p = token * k + slot goes to row position[p] of the expert-ordered rows; at least
     # a kernel block's worth of them (the rows past the pairs belong to no group), so that
     # the grouped matmuls take them as they are (a pad before each is one launch more).
-    rows = jnp.zeros((max(t * k, MIN_BLOCK_ROWS), x.shape[1]), x.dtype).at[position].set(
-        jnp.repeat(x, k, axis=0), unique_indices=True)
+    n_rows = max(t * k, MIN_BLOCK_ROWS)
+    if t * k <= COMPARE_ALL_MAX_PAIRS:
+        # A decode step's few rows: one scatter launch into zeros.
+        rows = jnp.zeros((n_rows, x.shape[1]), x.dtype).at[position].set(
+            jnp.repeat(x, k, axis=0), unique_indices=True)
+    else:
+        # A prefill gathers each row's token instead: the zeros a scatter fills depend on
+        # nothing, and XLA:GPU fuses every layer's into one kernel at the start of the step,
+        # all alive at once ([P, H] per layer: 5.4 GB of Qwen3-Omni's 4096-token prefill).
+        token = jnp.zeros(n_rows, jnp.int32).at[position].set(
+            jnp.arange(t * k, dtype=jnp.int32) // k, unique_indices=True)
+        rows = jnp.take(x, token, axis=0)
 
     # Intermediate in the compute dtype (as transformers); the down projection in fp32
     # so the k-way weighted sum below adds unrounded expert outputs.

@@ -290,7 +290,7 @@ def test_no_call_pads_past_max_batch_codes(synth):
     small.warmup()
     assert whole == [(1, 16), (1, 64), (2, 16), (2, 64), (4, 16)]
     whole.clear()
-    # Four rows of 50-60 codes: one call of 4 x 64 costs less padding, but holds 256 codes.
+    # Four rows of 50-62 codes: one call of 4 x 64 costs less padding, but holds 256 codes.
     waves = small([_request(f"r{n}", n, "Chelsie", n) for n in (60, 50, 55, 62)])
     assert sorted(whole) == [(2, 64), (2, 64)] and [len(w) for w in waves] == [
         small.cfg.bigvgan.num_samples(rep * n) for n in (60, 50, 55, 62)]

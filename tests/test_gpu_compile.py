@@ -363,18 +363,27 @@ def test_plan_from_compiled_steps(tier):
 
 
 def test_plan_command_on_a_checkpoint_plans_its_own_sizes(tmp_path):
-    """`omni-jax plan --model DIR`: the worker plans the sizes of the model given (here the tiny
-    one, seconds to compile), not its family's real model."""
-    from omni_jax.models.registry import resolve_model
+    """`omni-jax plan --model DIR`: the worker plans the sizes of the model given, not its family's
+    real model, and only the stages it has. DIR holds the tiny model's config.json as a
+    thinker-only checkpoint has it (as Qwen3-Omni's Thinking and Captioner: no speech stages, no
+    audio output), so the plan is its thinker's (seconds to compile; the speech stages' plan from
+    their configs is test_plan_from_compiled_steps')."""
+    from omni_jax.checkpoint import read_config
+    from omni_jax.models.registry import resolve_model, stages_of
 
+    hf = read_config(resolve_model("tiny"))["hf_config"]
+    _, *speech = stages_of("qwen2_5_omni").values()
+    (tmp_path / "config.json").write_text(json.dumps(
+        {k: v for k, v in hf.items() if k not in {s.config_key for s in speech}} | {"enable_audio_output": False}))
     out = tmp_path / "plan.json"
-    run = subprocess.run([sys.executable, "-m", "omni_jax.cli", "plan", "--model", resolve_model("tiny"), "--gpu",
+    run = subprocess.run([sys.executable, "-m", "omni_jax.cli", "plan", "--model", str(tmp_path), "--gpu",
                           TARGETS[0], "--ends", "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     plan = json.loads(out.read_text())
-    thinker = next(s for s in plan["stages"] if s["stage"] == "thinker")
-    assert thinker["preset"] == "qwen2_5_omni" and thinker["params"] < 1e8  # bytes: the 7B's ~18e9
-    assert "plan of preset 'qwen2_5_omni'" in run.stdout and "fits" in run.stdout
+    assert [s["stage"] for s in plan["stages"]] == ["thinker"]
+    thinker = plan["stages"][0]
+    assert thinker["preset"] == "qwen2_5_omni_thinker" and thinker["params"] < 1e8  # bytes: the 7B's ~18e9
+    assert "plan of preset 'qwen2_5_omni_thinker'" in run.stdout and "fits" in run.stdout
 
 
 def test_thunk_parse_tells_graphed_from_host_launches():

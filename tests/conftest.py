@@ -11,6 +11,7 @@ and the modules that import torch at the top are not collected: the summary name
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib.util
 import os
 import re
@@ -68,14 +69,40 @@ SLOW_MODULES = ("test_parallel.py", "test_gpu_compile.py", "test_async_chunk_pip
                 "test_examples.py", "test_model_source.py")
 
 
+# Modules that serve the same pipeline (test_server's `server` and `library`, kept by `kept`),
+# in the order they run: one unit of xdist's work, so one worker runs them one after the other
+# and starts the server and its library once. test_server last: its last tests stop the server.
+RUN_TOGETHER = ("test_realtime.py", "test_realtime_calls.py", "test_server.py")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` with the RUN_TOGETHER modules in one unit, handed out in collection
+    order (slow modules first: see SLOW_MODULES) rather than by their number of tests, which
+    xdist 3.8 does by default."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            head, _, name = path.rpartition("/")
+            return f"{head}/{RUN_TOGETHER[0]}" if name in RUN_TOGETHER else path
+
+    config.option.loadscopereorder = False
+    return Scheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests that use a transformers-built model need torch: mark them `torch`. The slow
     modules run first (a stable sort: each module's tests keep their order)."""
     for item in items:
         if REFERENCE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.torch)
-    rank = {name: i for i, name in enumerate(SLOW_MODULES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_MODULES)))
+    rank = {name: (i, 0) for i, name in enumerate(SLOW_MODULES)}
+    together = min(rank.get(name, (len(SLOW_MODULES), 0)) for name in RUN_TOGETHER)[0]
+    rank.update({name: (together, i) for i, name in enumerate(RUN_TOGETHER)})
+    items.sort(key=lambda item: rank.get(item.path.name, (len(SLOW_MODULES), 0)))
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -84,6 +111,48 @@ def pytest_terminal_summary(terminalreporter):
         left = sorted(p.name for p in Path(__file__).parent.glob("test_*.py") if _imports_torch(p))
         terminalreporter.write_line(f"torch is not installed: {len(left)} modules that import it were not "
                                     f"collected: {', '.join(left)}")
+
+
+class Kept:
+    """Resources the RUN_TOGETHER modules use alike (a served pipeline): each made by the first
+    module that asks for it and kept for the others, until a module that is not one of its
+    users starts (or the session ends). Another module's are its own for its duration."""
+
+    def __init__(self):
+        self.entries: dict = {}  # key -> (value, users, ExitStack)
+
+    def get(self, key, start, module: str):
+        """The resource `key` (equal keys: the same resource) for `module`; `start(stack)` makes
+        it, entering what stops it into `stack`."""
+        if key not in self.entries:
+            together = [name.removesuffix(".py") for name in RUN_TOGETHER]
+            users = together if module in together else [module]
+            stack = contextlib.ExitStack()
+            with contextlib.ExitStack() as on_error:
+                on_error.push(stack)
+                value = start(stack)
+                on_error.pop_all()
+            self.entries[key] = (value, users, stack)
+        return self.entries[key][0]
+
+    def release(self, module: str | None = None):
+        """Stop what `module` does not use (None: everything)."""
+        for key, (_, users, stack) in list(self.entries.items()):
+            if module not in users:
+                del self.entries[key]
+                stack.close()
+
+
+@pytest.fixture(scope="session")
+def kept():
+    k = Kept()
+    yield k
+    k.release()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_what_this_module_does_not_share(request, kept):
+    kept.release(request.module.__name__)
 
 
 @pytest.fixture(scope="session")

@@ -128,11 +128,15 @@ def with_audio_buckets(server_yaml: str, buckets: list[int], tag: str) -> str:
 
 @pytest.fixture(scope="module")
 def media_dir(tmp_path_factory):
+    """One folder of media for the session's modules (a kept server allows its path)."""
     from PIL import Image
 
     import av
 
-    d = tmp_path_factory.mktemp("media")
+    d = tmp_path_factory.getbasetemp() / "server_media"
+    if d.is_dir():
+        return d
+    d.mkdir()
     rng = np.random.default_rng(0)
     Image.fromarray(rng.integers(0, 255, (56, 56, 3), np.uint8)).save(d / "cat.png")
     with av.open(str(d / "clip.mp4"), "w") as out:
@@ -196,23 +200,41 @@ def serving(args, env, log_path):
             proc.wait(30)
 
 
-@pytest.fixture(scope="module")
-def server(env, pipeline_yaml, media_dir, tmp_path_factory):
-    log_path = str(tmp_path_factory.mktemp("server") / "serve.log")
-    with serving(["--model", MODEL, "--pipeline", pipeline_yaml, "--api-key", API_KEY,
-                  "--allowed-local-media-path", str(media_dir), "--max-request-body-mb", str(MAX_BODY_MB),
-                  # the fixtures' media are at most 64 x 64 (a video's frames count too)
-                  "--media-limits", '{"max_image_pixels": 4096}', "--prompt-timeout-s", "60"],
-                 env, log_path) as srv:
-        yield srv
+def _serve_args(pipeline_yaml, media_dir) -> list[str]:
+    """The test server's command line on `pipeline_yaml`."""
+    return ["--model", MODEL, "--pipeline", pipeline_yaml, "--api-key", API_KEY,
+            "--allowed-local-media-path", str(media_dir), "--max-request-body-mb", str(MAX_BODY_MB),
+            # the fixtures' media are at most 64 x 64 (a video's frames count too)
+            "--media-limits", '{"max_image_pixels": 4096}', "--prompt-timeout-s", "60"]
+
+
+def _pipeline_text(pipeline_yaml) -> str:
+    with open(pipeline_yaml) as f:
+        return f.read()
 
 
 @pytest.fixture(scope="module")
-def library(server, pipeline_yaml):
-    """OmniJax with the server's pipeline (started after the server: its compiles are cached)."""
-    omni = OmniJax(model=MODEL, pipeline=pipeline_yaml, output_modalities=["text", "audio"])
-    yield omni
-    omni.shutdown()
+def server(request, kept, env, pipeline_yaml, media_dir, tmp_path_factory):
+    """`omni-jax serve` on `pipeline_yaml`, kept for the modules that serve the same pipeline
+    after this one (conftest's RUN_TOGETHER)."""
+    def start(stack):
+        log_path = str(tmp_path_factory.mktemp("server") / "serve.log")
+        return stack.enter_context(serving(_serve_args(pipeline_yaml, media_dir), env, log_path))
+
+    args = _serve_args(_pipeline_text(pipeline_yaml), media_dir)
+    return kept.get(("server", *args), start, request.module.__name__)
+
+
+@pytest.fixture(scope="module")
+def library(request, kept, server, pipeline_yaml):
+    """OmniJax with the server's pipeline (started after the server: its compiles are cached), kept
+    as the server is."""
+    def start(stack):
+        omni = OmniJax(model=MODEL, pipeline=pipeline_yaml, output_modalities=["text", "audio"])
+        stack.callback(omni.shutdown)
+        return omni
+
+    return kept.get(("library", _pipeline_text(pipeline_yaml)), start, request.module.__name__)
 
 
 @pytest.fixture(scope="module")

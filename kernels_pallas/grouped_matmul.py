@@ -168,6 +168,8 @@ def grouped_matmul(rows, weights, group_sizes, out_dtype=jnp.float32, *, block_r
         raise ValueError(f"rows have {k_dim} columns, the weights contract {k_w}")
     if group_sizes.shape != (g,):
         raise ValueError(f"group_sizes {group_sizes.shape} != ({g},)")
+    if rows.dtype != weights.dtype:  # Triton's dot takes one element type (interpret mode would promote)
+        raise ValueError(f"rows are {rows.dtype}, the weights {weights.dtype}: give both one dtype")
     if p == 0:
         return jnp.zeros((0, n_dim), out_dtype)
     tune = grouped_tuning()

@@ -343,7 +343,7 @@ def experts_point(tokens, experts=EXPERTS, interpret=False, iters=20):
     from omni_jax.models.layers.moe import blocked_grouped_matmul
 
     e, k, h, i = experts
-    w = (jax.random.normal(jax.random.key(6), (e, 2 * i, h), DTYPE) / np.sqrt(h)).astype(DTYPE)  # f32 without
+    w = jax.random.normal(jax.random.key(6), (e, 2 * i, h), DTYPE) / h ** 0.5  # a Python float keeps bf16
     sizes = routed(jax.random.key(tokens), tokens, e, k)
     rows = jax.random.normal(jax.random.key(7 + tokens), (tokens * k, h), DTYPE)
     kern = jax.jit(lambda r, w_, s: grouped_matmul(r, w_, s, out_dtype=DTYPE, interpret=interpret))

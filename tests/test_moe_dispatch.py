@@ -104,6 +104,9 @@ def test_pallas_kernel_matches_blocked_over_random_routings(p, g, k_in, n_out, b
         assert np.all(got[total:] == 0), name  # rows of no group come out zero
     with pytest.raises(ValueError, match="block_rows=8 must be a power of two >= 16"):
         kernels_pallas.grouped_matmul(rows, w, s, block_rows=8, interpret=True)
+    # Interpret mode would promote; Triton's dot refuses two element types (found on an H200).
+    with pytest.raises(ValueError, match="rows are bfloat16, the weights float32: give both one dtype"):
+        kernels_pallas.grouped_matmul(rows.astype(jnp.bfloat16), w.astype(jnp.float32), s, interpret=True)
     assert kernels_pallas.grouped_matmul(rows[:0], w, s, interpret=True).shape == (0, n_out)
 
 

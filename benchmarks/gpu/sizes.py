@@ -54,7 +54,7 @@ GPU = Size(
     prefill_tokens=2048,
     speech_concurrency=(1, 8), speech_thinker_tokens=32, speech_talker_tokens=200,
     peer_batches=(1, 16), peer_prompt=512, peer_new_tokens=64,
-    budgets=dict(environment=20, kernels=75, thinker_7b=80, thinker_30b_moe=100, speech=140, peer=45),
+    budgets=dict(environment=15, kernels=75, thinker_7b=70, thinker_30b_moe=110, speech=165, peer=45),
 )
 
 CPU = Size(

@@ -64,9 +64,13 @@ def pytest_ignore_collect(collection_path, config):
 # worker in turn, then one to whichever is free): started last, one of these would run on one
 # worker while the other idles. The two that build no tiny-preset pipeline (their own buckets,
 # GPU programs) start the two workers, as they share no compiled program with the rest.
-SLOW_MODULES = ("test_parallel.py", "test_gpu_compile.py", "test_async_chunk_pipeline.py",
-                "test_server_hostile.py", "test_server.py", "test_token2wav_streaming.py",
-                "test_examples.py", "test_model_source.py")
+# Every module over about 90 s is listed: the rest, alphabetical, are short enough to even out
+# the two workers' ends (in a run where the list stopped at 8, test_voice_page's 115 s came near
+# the end and ran alone for a minute and a half).
+SLOW_MODULES = ("test_parallel.py", "test_gpu_compile.py", "test_async_chunk_pipeline.py", "test_server.py",
+                "test_e2e_speech.py", "test_transcription.py", "test_text_apis.py", "test_kernels.py",
+                "test_voice_page.py", "test_examples.py", "test_engine.py", "test_pipeline.py",
+                "test_token2wav_streaming.py", "test_model_source.py", "test_server_hostile.py")
 
 
 # Modules that serve the same pipeline (test_server's `server` and `library`, kept by `kept`),

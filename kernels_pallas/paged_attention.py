@@ -59,7 +59,8 @@ M_INIT = -1e30
 # tokens per step with 4 warps spill on both GPUs (255 registers), with 8 warps they
 # do not; 512 tokens with 3 stages needs 282752 B of shared memory (H100 allows 232448).
 # ``tokens_per_step`` is pages_per_compute_block * block_size; ``programs`` is what the
-# split heuristic aims for (4 waves over the SMs; it was 512 for every GPU).
+# split heuristic aims for (4 waves over the SMs; it was 512 for every GPU). ``heads_first``
+# (the grid's order, `grid_ids`) is off where a row does not set it: no GPU has timed it yet.
 DECODE_TUNING = {
     # A100 (108 SMs, 166912 B shared memory per block): 38.9 KB, 128 registers, so
     # four programs fit per SM.

@@ -30,24 +30,36 @@ from kernels_pallas.paged_attention import dot_precision, next_pow2
 from kernels_pallas.tuning import pick, target_capability
 
 __all__ = ["grouped_matmul", "blocked_plan", "plan_block", "max_blocks", "MIN_BLOCK_ROWS", "default_block_rows",
-           "GROUPED_TUNING", "grouped_tuning"]
+           "GROUPED_TUNING", "grouped_tuning", "block_settings"]
 
 # Launch settings per compute capability (most conservative row first), from compiling
 # at the real Qwen3-Omni MoE shapes for each target; tests/test_gpu_compile.py checks
-# every row block size the engine can pick. ``warps`` maps the largest row block a
-# setting serves to its warp count (the fp32 accumulator is block_rows x block_n). Seen:
-# 16-row blocks (decode) with 4 warps, 36 KB of shared memory, 64-72 registers; 128-row
-# blocks (prefill) with 8 warps, 64 KB (A100) / 96 KB (H100), 100-132 registers, where
-# 4 warps sit at ptxas's 255-register cap on A100 (202 on H100); no spills.
+# every row block size the engine can pick. ``by_rows`` maps the largest row block a
+# setting serves to its K step, warps and stages (the fp32 accumulator is block_rows x
+# block_n). Seen: 16-row blocks (decode) with 4 warps, 36 KB of shared memory, 64-72
+# registers; 128-row blocks (prefill) with 8 warps, 64 KB (A100) / 96 KB (H100), 100-132
+# registers, where 4 warps sit at ptxas's 255-register cap on A100 (202 on H100); no spills.
+# Hopper's 16-row blocks (a decode step of a few tokens) take K steps of 128 over 5 stages:
+# timed on an H200 (2026-12-04) at one token (8 of 128 experts, [1536, 2048] each), 16.0 us,
+# 78% of the copy bandwidth, against 26.0 us (48%) with 64 over 3; the sweep's other points
+# are in the README. Larger blocks keep the settings compiled for both targets (untimed).
 GROUPED_TUNING = {
-    80: dict(block_n=128, block_k=64, warps=((32, 4), (128, 8)), num_stages=3),
-    90: dict(block_n=128, block_k=64, warps=((32, 4), (128, 8)), num_stages=3),
+    80: dict(block_n=128, by_rows=((32, dict(block_k=64, num_warps=4, num_stages=3)),
+                                   (128, dict(block_k=64, num_warps=8, num_stages=3)))),
+    90: dict(block_n=128, by_rows=((16, dict(block_k=128, num_warps=4, num_stages=5)),
+                                   (32, dict(block_k=64, num_warps=4, num_stages=3)),
+                                   (128, dict(block_k=64, num_warps=8, num_stages=3)))),
 }
 
 
 def grouped_tuning(capability: int | None = None) -> dict:
     """The kernel's launch settings for a GPU (default: the one being compiled for)."""
     return pick(GROUPED_TUNING, target_capability() if capability is None else capability)
+
+
+def block_settings(tune: dict, block_rows: int) -> dict:
+    """block_k, num_warps and num_stages of a tuning row for blocks of `block_rows` rows."""
+    return next((s for top, s in tune["by_rows"] if block_rows <= top), tune["by_rows"][-1][1])
 
 
 def max_blocks(num_rows: int, num_groups: int, block_rows: int) -> int:
@@ -176,8 +188,9 @@ def grouped_matmul(rows, weights, group_sizes, out_dtype=jnp.float32, *, block_r
     bm = block_rows or default_block_rows(p, g)
     if bm != next_pow2(bm) or bm < MIN_BLOCK_ROWS:
         raise ValueError(f"block_rows={bm} must be a power of two >= {MIN_BLOCK_ROWS}")
-    bn, bk = block_n or tune["block_n"], block_k or tune["block_k"]
-    warps = num_warps or next((w for top, w in tune["warps"] if bm <= top), tune["warps"][-1][1])
+    at = block_settings(tune, bm)
+    bn, bk = block_n or tune["block_n"], block_k or at["block_k"]
+    warps = num_warps or at["num_warps"]
     # Grid: the plan's blocks, then enough for the rows of no group (at most all of them).
     nb = max_blocks(p, g, bm) + pl.cdiv(p, bm)
     rows_in = rows if p >= bm else jnp.pad(rows, ((0, bm - p), (0, 0)))  # a block's worth of rows at least
@@ -191,7 +204,7 @@ def grouped_matmul(rows, weights, group_sizes, out_dtype=jnp.float32, *, block_r
         in_specs=[whole((g,)), whole(rows_in.shape), whole(weights.shape)],
         out_specs=whole((p_in, n_dim)),
         out_shape=jax.ShapeDtypeStruct((p_in, n_dim), out_dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=num_stages or tune["num_stages"]),
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=num_stages or at["num_stages"]),
         interpret=interpret,
         name=f"grouped_matmul_bm{bm}_bn{bn}_bk{bk}",
     )(group_sizes.astype(jnp.int32), rows_in, weights)

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from kernels_pallas.grouped_matmul import GROUPED_TUNING, default_block_rows, grouped_tuning
+from kernels_pallas.grouped_matmul import GROUPED_TUNING, block_settings, default_block_rows, grouped_tuning
 from kernels_pallas.paged_attention import DECODE_TUNING, decode_tuning
 from kernels_pallas.ragged_paged_attention import PREFILL_TUNING
 from kernels_pallas.tuning import capability_of_kind, target_capability
@@ -94,9 +94,9 @@ def test_kernels_take_the_targets_tuning_row(tier, target):
             if k["name"].startswith("grouped_matmul"):
                 rows = int(k["name"].split("_bm")[1].split("_")[0])
                 assert rows == default_block_rows(r["info"]["rows"], r["info"]["experts"])
-                assert f"_bn{experts['block_n']}_bk{experts['block_k']}" in k["name"], (target, k["name"])
-                warps = next(w for top, w in experts["warps"] if rows <= top)
-                assert k["threads"][0] == 32 * warps, (target, k)
+                at = block_settings(experts, rows)
+                assert f"_bn{experts['block_n']}_bk{at['block_k']}" in k["name"], (target, k["name"])
+                assert k["threads"][0] == 32 * at["num_warps"], (target, k)
                 seen.add(rows)
     assert seen == {16, 32, 64, 128}, seen  # every row block the preset buckets give, decode to prefill
 

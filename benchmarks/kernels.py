@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import itertools
 import os
 import statistics
 import sys
@@ -141,22 +140,20 @@ def sweep_decode(peak):
     q = jax.random.normal(jax.random.key(1), (64, HQ, D), DTYPE)
     lens = jnp.full((64,), 4096, jnp.int32)
     nbytes = kv_bytes(64 * 4096) + 2 * q.size * ITEM
-    rows = []
-    # heads_first: the grid's order (paged_attention.grid_ids), KV heads of a page side by side.
-    for ppb, warps, stages, splits, heads_first in itertools.product((2, 4, 8, 16), (4, 8), (2, 3, 4), (None, 4),
-                                                                    (False, True)):
-        cfg = dict(pages_per_compute_block=ppb, num_warps=warps, num_stages=stages, k_splits=splits,
-                   heads_first=heads_first)
-        fn = jax.jit(lambda *a, c=cfg: paged_attention(*a, **c))
-        try:
-            t = time_call(fn, q, k, v, tables, lens, iters=10)
-        except Exception as e:  # a config may not fit smem
-            print(f"  {cfg}: failed ({type(e).__name__})")
-            continue
-        rows.append((t, cfg))
-        print(f"  {cfg}: {t * 1e3:.3f} ms {fmt_bw(nbytes, t, peak)}", flush=True)
-    for t, cfg in sorted(rows, key=lambda r: r[0])[:5]:
-        print(f"  fastest: {t * 1e3:.3f} ms {fmt_bw(nbytes, t, peak)} {cfg}")
+    for ppb in (2, 4, 8, 16):
+        for warps in (4, 8):
+            for stages in (2, 3, 4):
+                for splits in (None, 1, 4):
+                    cfg = dict(pages_per_compute_block=ppb, num_warps=warps,
+                               num_stages=stages, k_splits=splits)
+                    fn = jax.jit(lambda *a, c=cfg: paged_attention(*a, **c))
+                    try:
+                        t = time_call(fn, q, k, v, tables, lens, iters=10)
+                    except Exception as e:  # a config may not fit smem
+                        print(f"  {cfg}: failed ({type(e).__name__})")
+                        continue
+                    print(f"  {cfg}: {t * 1e3:.3f} ms "
+                          f"{fmt_bw(nbytes, t, peak)}")
 
 
 def bench_prefill(peak):

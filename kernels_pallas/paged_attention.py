@@ -59,8 +59,7 @@ M_INIT = -1e30
 # tokens per step with 4 warps spill on both GPUs (255 registers), with 8 warps they
 # do not; 512 tokens with 3 stages needs 282752 B of shared memory (H100 allows 232448).
 # ``tokens_per_step`` is pages_per_compute_block * block_size; ``programs`` is what the
-# split heuristic aims for (4 waves over the SMs; it was 512 for every GPU). ``heads_first``
-# (the grid's order, `grid_ids`) is off where a row does not set it: no GPU has timed it yet.
+# split heuristic aims for (4 waves over the SMs; it was 512 for every GPU).
 DECODE_TUNING = {
     # A100 (108 SMs, 166912 B shared memory per block): 38.9 KB, 128 registers, so
     # four programs fit per SM.
@@ -162,31 +161,22 @@ def load_pages(pages_ref, page_ids, valid):
     return x.reshape(p * bs, d)
 
 
-def grid_ids(heads_first: bool):
-    """(sequence, KV head, split) of this program. The grid is (B, Hkv, splits), or
-    (Hkv, B, splits) with `heads_first`: the first axis varies fastest from one program to the
-    next, so heads first runs the KV heads of one sequence's pages side by side (a page holds
-    every head's rows of its tokens, interleaved)."""
-    first, second = pl.program_id(0), pl.program_id(1)
-    return (second, first, pl.program_id(2)) if heads_first else (first, second, pl.program_id(2))
-
-
-def head_rows(rows, group, head):
-    """[R] query head of each row of KV head `head`'s GQA group in [B, Hq, D]: rows
-    0..group-1 are its query heads head * group..; the rows padding the group to a Triton tile
+def head_rows(rows, group):
+    """[R] query head of each row of this program's GQA group in [B, Hq, D]: rows 0..group-1
+    are KV head h's query heads h * group..; the rows padding the group to a Triton tile
     repeat the last one (same address, same value: no mask, see `store_heads`)."""
     r = jnp.arange(rows, dtype=jnp.int32)
-    return head * group + jnp.minimum(r, group - 1)
+    return pl.program_id(1) * group + jnp.minimum(r, group - 1)
 
 
-def load_rows(ref, seq, heads, *, rope=None, norm=None, eps=0.0):
-    """Rows `heads` [R] of sequence `seq` in ref [B, H, D] -> [R, D]. `norm`: a
+def load_rows(ref, heads, *, rope=None, norm=None, eps=0.0):
+    """Rows `heads` [R] of this program's sequence in ref [B, H, D] -> [R, D]. `norm`: a
     ref [D] of RMSNorm weights (Qwen3's q/k norm), `rope`: (cos, sin) [D] of the sequence's
     position; when given, the rows are normalised then rotated (rotate-half) as the layer
     would before attending, in fp32, so that no fusion of them precedes the kernel."""
     d = ref.shape[-1]
     col = jnp.arange(d, dtype=jnp.int32)
-    at = lambda c: (jnp.full((heads.shape[0], 1), seq, jnp.int32),  # noqa: E731
+    at = lambda c: (jnp.full((heads.shape[0], 1), pl.program_id(0), jnp.int32),  # noqa: E731
                     heads[:, None], c[None, :])
     x = plgpu.load(ref.at[at(col)])
     if rope is None and norm is None:
@@ -204,9 +194,9 @@ def load_rows(ref, seq, heads, *, rope=None, norm=None, eps=0.0):
     return x.astype(dtype)
 
 
-def store_heads(o_ref, o, group, seq, head):
-    """Rows 0..group-1 of this program's o [R, D] (KV head `head`'s query heads; the rest pad the
-    GQA group to a Triton tile) to query heads head * group.. of sequence `seq` in o_ref [B, Hq, D], so
+def store_heads(o_ref, o, group):
+    """Rows 0..group-1 of this program's o [R, D] (its KV head's query heads; the rest pad the
+    GQA group to a Triton tile) to query heads h * group.. of sequence b in o_ref [B, Hq, D], so
     that no slice of a padded output follows (a launch per layer). The pad rows store row
     group-1 again, its address and its value: no mask, as interpret mode stores a masked row
     back as it read it, which would race with the real write of that row."""
@@ -214,14 +204,14 @@ def store_heads(o_ref, o, group, seq, head):
     r = jnp.arange(rows, dtype=jnp.int32)
     last = jnp.sum(jnp.where(r[:, None] == group - 1, o, jnp.zeros_like(o)), axis=0)
     o = jnp.where(r[:, None] < group, o, last[None, :].astype(o.dtype))
-    idx = (jnp.full((rows, 1), seq, jnp.int32), head_rows(rows, group, head)[:, None],
+    idx = (jnp.full((rows, 1), pl.program_id(0), jnp.int32), head_rows(rows, group)[:, None],
            jnp.arange(d, dtype=jnp.int32)[None, :])
     plgpu.store(o_ref.at[idx], o)
 
 
 def _decode_kernel(seq_len_ref, table_ref, q_ref, *refs,
                    scale_log2, pages_per_block, pages_per_split,
-                   sliding_window, precision, group, rows, write, rope, qk_norm, eps, heads_first):
+                   sliding_window, precision, group, rows, write, rope, qk_norm, eps):
     # With the write: where this step's K/V go, and what q and k take before attending (the
     # pools stay the last operands: hlo_bytes).
     if write:
@@ -233,15 +223,15 @@ def _decode_kernel(seq_len_ref, table_ref, q_ref, *refs,
         q_norm, k_norm, *refs = refs
     k_ref, v_ref, *out_refs = refs
     block_size, d = k_ref.shape[1], k_ref.shape[2]
-    seq, head, split = grid_ids(heads_first)
+    split = pl.program_id(2)
     seq_len = seq_len_ref[()]
     angle = (cos_ref[...], sin_ref[...]) if rope else None
-    q = load_rows(q_ref, seq, head_rows(rows, group, head), rope=angle, norm=q_norm, eps=eps)    # [R, D]
+    q = load_rows(q_ref, head_rows(rows, group), rope=angle, norm=q_norm, eps=eps)    # [R, D]
     if write:   # this step's K/V of (sequence, KV head) follow the query heads
         hkv = q_ref.shape[1] // (group + 2)                   # q_ref: [B, Hq + 2 * Hkv, D]
-        kv_head = jnp.full((1,), head, jnp.int32)
-        k_new = load_rows(q_ref, seq, group * hkv + kv_head, rope=angle, norm=k_norm, eps=eps)   # [1, D]
-        v_new = load_rows(q_ref, seq, (group + 1) * hkv + kv_head)
+        kv_head = jnp.full((1,), pl.program_id(1), jnp.int32)
+        k_new = load_rows(q_ref, group * hkv + kv_head, rope=angle, norm=k_norm, eps=eps)   # [1, D]
+        v_new = load_rows(q_ref, (group + 1) * hkv + kv_head)
 
     lo_tok = 0 if sliding_window is None else jnp.maximum(
         seq_len - sliding_window, 0)
@@ -298,7 +288,7 @@ def _decode_kernel(seq_len_ref, table_ref, q_ref, *refs,
 
     if len(out_refs) == 1:           # single split: final output directly
         (o_ref,) = out_refs
-        store_heads(o_ref, normalize(acc, l).astype(o_ref.dtype), group, seq, head)
+        store_heads(o_ref, normalize(acc, l).astype(o_ref.dtype), group)
     else:                            # partial results for the LSE merge
         o_ref, m_ref, l_ref = out_refs
         o_ref[...] = acc
@@ -332,7 +322,7 @@ def _merge_kernel(acc_ref, m_ref, l_ref, o_ref, *, chunk, group):
     carry = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), M_INIT, jnp.float32),
              jnp.zeros((rows,), jnp.float32))
     acc, _, l = lax.fori_loop(0, splits // chunk, body, carry)
-    store_heads(o_ref, normalize(acc, l).astype(o_ref.dtype), group, pl.program_id(0), pl.program_id(1))
+    store_heads(o_ref, normalize(acc, l).astype(o_ref.dtype), group)
 
 
 def merge_splits_kernel(acc, m, l, group, out_dtype, *, interpret=False, num_warps=4):
@@ -371,11 +361,11 @@ def merge_splits(acc, m, l):
     jax.jit,
     static_argnames=("sm_scale", "sliding_window", "interpret",
                      "pages_per_compute_block", "k_splits", "num_warps",
-                     "num_stages", "heads_first"))
+                     "num_stages"))
 def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, *,
                     sm_scale=None, sliding_window=None, interpret=False,
                     pages_per_compute_block=None, k_splits=None,
-                    num_warps=None, num_stages=None, heads_first=None):
+                    num_warps=None, num_stages=None):
     """Decode attention: one query token per sequence over paged K/V.
 
     q: [B, Hq, D] (the token at position seq_lens[b] - 1); k_pages/v_pages:
@@ -384,24 +374,24 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, *,
     (output zeros). ``sliding_window=w`` attends to the last w positions.
     Tuning: ``pages_per_compute_block`` (default: the table's tokens per step),
     ``k_splits`` (default: see ``default_k_splits``), Triton ``num_warps``
-    and ``num_stages``, the grid's order (``heads_first``, see ``grid_ids``); unset ones
-    come from ``DECODE_TUNING`` for the GPU being compiled for. Returns [B, Hq, D] in q's dtype.
+    and ``num_stages``; unset ones come from ``DECODE_TUNING`` for the GPU being
+    compiled for. Returns [B, Hq, D] in q's dtype.
     """
     return _decode(q, k_pages, v_pages, block_tables, seq_lens, None, sm_scale=sm_scale,
                    sliding_window=sliding_window, interpret=interpret,
                    pages_per_compute_block=pages_per_compute_block, k_splits=k_splits,
-                   num_warps=num_warps, num_stages=num_stages, heads_first=heads_first)
+                   num_warps=num_warps, num_stages=num_stages)
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "sliding_window", "norm_eps", "interpret",
                      "pages_per_compute_block", "k_splits", "num_warps",
-                     "num_stages", "heads_first"))
+                     "num_stages"))
 def paged_attention_with_write(q, k_new, v_new, k_pages, v_pages, slot_mapping, block_tables,
                                seq_lens, *, rope=None, qk_norm=None, norm_eps=1e-6, sm_scale=None,
                                sliding_window=None, interpret=False, pages_per_compute_block=None,
-                               k_splits=None, num_warps=None, num_stages=None, heads_first=None):
+                               k_splits=None, num_warps=None, num_stages=None):
     """``write_kv_pages`` of this step's K/V, then ``paged_attention``, in one launch (the KV
     write is two to four launches per layer otherwise). k_new/v_new: [B, Hkv, D], stored at
     slot_mapping[b], which must be the slot of position seq_lens[b] - 1 through
@@ -415,15 +405,14 @@ def paged_attention_with_write(q, k_new, v_new, k_pages, v_pages, slot_mapping, 
     return _decode(q, k_pages, v_pages, block_tables, seq_lens, (slot_mapping, k_new, v_new, rope, qk_norm),
                    sm_scale=sm_scale, sliding_window=sliding_window, interpret=interpret, eps=norm_eps,
                    pages_per_compute_block=pages_per_compute_block, k_splits=k_splits,
-                   num_warps=num_warps, num_stages=num_stages, heads_first=heads_first)
+                   num_warps=num_warps, num_stages=num_stages)
 
 
 def _decode(q, k_pages, v_pages, block_tables, seq_lens, new_kv, *, sm_scale, sliding_window,
-            interpret, pages_per_compute_block, k_splits, num_warps, num_stages, heads_first, eps=0.0):
+            interpret, pages_per_compute_block, k_splits, num_warps, num_stages, eps=0.0):
     tune = decode_tuning()
     num_warps = num_warps or tune["num_warps"]
     num_stages = num_stages or tune["num_stages"]
-    heads_first = tune.get("heads_first", False) if heads_first is None else heads_first
     batch, hq, head_dim = q.shape
     block_size, hkv, d = check_paged_shapes(hq, head_dim, k_pages, v_pages)
     num_blocks = k_pages.shape[0]
@@ -450,43 +439,44 @@ def _decode(q, k_pages, v_pages, block_tables, seq_lens, new_kv, *, sm_scale, sl
         _decode_kernel, scale_log2=softmax_scale_log2(sm_scale, d),
         pages_per_block=ppb, pages_per_split=pages_per_split,
         sliding_window=sliding_window, precision=dot_precision(q.dtype), group=group, rows=rows,
-        write=write, rope=rope is not None, qk_norm=qk_norm is not None, eps=eps, heads_first=heads_first)
-    # Index maps are written over (b, h, s); with heads first the grid hands them (h, b, s).
-    spec = ((lambda shape, f: pl.BlockSpec(shape, lambda h, b, s: f(b, h, s))) if heads_first
-            else pl.BlockSpec)
-    page_spec = spec((num_blocks, block_size, None, d), lambda b, h, s: (0, 0, h, 0))
-    per_seq = spec((None,), lambda b, h, s: (b,))
+        write=write, rope=rope is not None, qk_norm=qk_norm is not None, eps=eps)
+    page_spec = pl.BlockSpec((num_blocks, block_size, None, d),
+                             lambda b, h, s: (0, 0, h, 0))
+    per_seq = pl.BlockSpec((None,), lambda b, h, s: (b,))
     heads = q
     if write:   # one array, so that the projections' epilogue before the kernel is one fusion
         heads = jnp.concatenate([q, k_new, v_new], axis=1)
     in_specs = [
         per_seq,                                                      # seq_len
-        spec((None, tables.shape[1]), lambda b, h, s: (b, 0)),       # table
-        spec(heads.shape, lambda b, h, s: (0, 0, 0)),                # q (k, v), rows gathered
+        pl.BlockSpec((None, tables.shape[1]), lambda b, h, s: (b, 0)),  # table
+        pl.BlockSpec(heads.shape, lambda b, h, s: (0, 0, 0)),         # q (k, v), rows gathered
     ]
     args = [seq_lens.astype(jnp.int32), tables, heads]
     if write:
         in_specs.append(per_seq)                                      # slot
         args.append(slot_mapping.astype(jnp.int32))
     if rope is not None:                                              # cos, sin [B, D]
-        in_specs += [spec((None, d), lambda b, h, s: (b, 0))] * 2
+        in_specs += [pl.BlockSpec((None, d), lambda b, h, s: (b, 0))] * 2
         args += list(rope)
     if qk_norm is not None:                                           # weights [D]
-        in_specs += [spec((d,), lambda b, h, s: (0,))] * 2
+        in_specs += [pl.BlockSpec((d,), lambda b, h, s: (0,))] * 2
         args += list(qk_norm)
     in_specs += [page_spec, page_spec]
     args += [k_pages, v_pages]
     if splits == 1:
         out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
-        out_specs = [spec(q.shape, lambda b, h, s: (0, 0, 0))]
+        out_specs = [pl.BlockSpec(q.shape, lambda b, h, s: (0, 0, 0))]
     else:
         part = (splits, batch, hkv, rows)
         out_shape = [jax.ShapeDtypeStruct(part + (d,), jnp.float32),
                      jax.ShapeDtypeStruct(part, jnp.float32),
                      jax.ShapeDtypeStruct(part, jnp.float32)]
-        out_specs = [spec((None, None, None, rows, d), lambda b, h, s: (s, b, h, 0, 0)),
-                     spec((None, None, None, rows), lambda b, h, s: (s, b, h, 0)),
-                     spec((None, None, None, rows), lambda b, h, s: (s, b, h, 0))]
+        out_specs = [pl.BlockSpec((None, None, None, rows, d),
+                                  lambda b, h, s: (s, b, h, 0, 0)),
+                     pl.BlockSpec((None, None, None, rows),
+                                  lambda b, h, s: (s, b, h, 0)),
+                     pl.BlockSpec((None, None, None, rows),
+                                  lambda b, h, s: (s, b, h, 0))]
     aliases = {}
     if write:
         aliases = {len(args) - 2: len(out_shape), len(args) - 1: len(out_shape) + 1}
@@ -495,7 +485,7 @@ def _decode(q, k_pages, v_pages, block_tables, seq_lens, new_kv, *, sm_scale, sl
         out_specs += [page_spec, page_spec]
     out = pl.pallas_call(
         kernel,
-        grid=(hkv, batch, splits) if heads_first else (batch, hkv, splits),
+        grid=(batch, hkv, splits),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
@@ -503,8 +493,7 @@ def _decode(q, k_pages, v_pages, block_tables, seq_lens, new_kv, *, sm_scale, sl
         compiler_params=plgpu.CompilerParams(num_warps=num_warps,
                                              num_stages=num_stages),
         interpret=interpret,
-        name=f"paged_decode_bs{block_size}_ppb{ppb}_k{splits}" + ("_write" if write else "")
-             + ("_hf" if heads_first else ""),
+        name=f"paged_decode_bs{block_size}_ppb{ppb}_k{splits}" + ("_write" if write else ""),
     )(*args)
 
     attn = out[0] if splits == 1 else merge_splits_kernel(*out[:3], group, q.dtype, interpret=interpret)

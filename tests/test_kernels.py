@@ -162,16 +162,15 @@ def test_decode_matches_reference(hq, hkv, d, bs, dtype):
     assert not np.asarray(out[4].astype(F32)).any()    # padded row: zeros
 
 
-@pytest.mark.parametrize("k_splits,ppb,heads_first", [(1, 1, False), (2, 2, False), (3, 1, False), (1, 1, True),
-                                                      (3, 1, True)])
-def test_decode_explicit_splits(k_splits, ppb, heads_first):
-    """Uneven and single splits, one page per step, the grid in either order: same answer."""
+@pytest.mark.parametrize("k_splits,ppb", [(1, 1), (2, 2), (3, 1)])
+def test_decode_explicit_splits(k_splits, ppb):
+    """Uneven and single splits, one page per step: same answer."""
     lens = [1, 17, 0, 50, 64, 33]
     k, v, tables = make_cache(1, lens, 2, 64, 16, F32, width=5)
     q = make_q(1, len(lens), 6, 64, F32)     # group 3 (padded to 16 rows)
     seq_lens = jnp.asarray(lens, jnp.int32)
     out = paged_attention(q, k, v, tables, seq_lens, interpret=True,
-                          k_splits=k_splits, pages_per_compute_block=ppb, heads_first=heads_first)
+                          k_splits=k_splits, pages_per_compute_block=ppb)
     assert_close(out, reference.paged_attention(q, k, v, tables, seq_lens), F32)
 
 
@@ -223,21 +222,19 @@ def _with_new_kv(seed, lens, hkv, d, bs, dtype):
     return k, v, tables, jnp.asarray(slots), k_new, v_new
 
 
-@pytest.mark.parametrize("hq,hkv,d,bs,dtype,k_splits,window,prepare,heads_first", [
-    pytest.param(28, 4, 128, 16, F32, None, None, "", False, id="g7-f32-split"),
-    pytest.param(28, 4, 128, 16, BF16, 1, None, "rope", False, id="g7-bf16-one-split-rope"),
-    pytest.param(16, 4, 64, 32, F32, 3, 13, "rope+norm", False, id="g4-f32-window-rope-norm"),
-    pytest.param(16, 4, 64, 32, F32, 3, 13, "rope+norm", True, id="g4-f32-window-rope-norm-heads-first"),
-    pytest.param(16, 2, 128, 64, BF16, None, None, "rope+norm", False, id="g8-bf16-bs64-rope-norm"),
+@pytest.mark.parametrize("hq,hkv,d,bs,dtype,k_splits,window,prepare", [
+    pytest.param(28, 4, 128, 16, F32, None, None, "", id="g7-f32-split"),
+    pytest.param(28, 4, 128, 16, BF16, 1, None, "rope", id="g7-bf16-one-split-rope"),
+    pytest.param(16, 4, 64, 32, F32, 3, 13, "rope+norm", id="g4-f32-window-rope-norm"),
+    pytest.param(16, 2, 128, 64, BF16, None, None, "rope+norm", id="g8-bf16-bs64-rope-norm"),
 ])
-def test_decode_with_write_matches_write_then_decode(hq, hkv, d, bs, dtype, k_splits, window, prepare,
-                                                     heads_first):
+def test_decode_with_write_matches_write_then_decode(hq, hkv, d, bs, dtype, k_splits, window, prepare):
     """The decode kernel that also stores the step's K/V (one launch where the write took two
     to four per layer), and rotates and normalises q and k first when asked (Qwen2.5's RoPE,
     Qwen3's q/k norm: the fusions before it), against the XLA path (``prepare_qk``, the
     write, the reference decode): the same output and the same pages outside the dummy block
-    (padded rows store nothing), with the grid in either order. The slots written hold NaN
-    before, so attending to a page's stale row instead of the new K/V shows."""
+    (padded rows store nothing). The slots written hold NaN before, so attending to a page's
+    stale row instead of the new K/V shows."""
     from kernels_pallas.paged_attention import paged_attention_with_write
 
     lens = [1, bs - 1, bs, bs + 1, 0, 3 * bs + 7]
@@ -253,8 +250,7 @@ def test_decode_with_write_matches_write_then_decode(hq, hkv, d, bs, dtype, k_sp
         kw["qk_norm"] = tuple(jnp.asarray(rng.uniform(0.5, 1.5, d), dtype) for _ in "qk")
         kw["norm_eps"] = 1e-6
     out, k2, v2 = paged_attention_with_write(q, k_new, v_new, k, v, slots, tables, seq_lens, interpret=True,
-                                             k_splits=k_splits, pages_per_compute_block=1 if k_splits else None,
-                                             heads_first=heads_first, **kw)
+                                             k_splits=k_splits, pages_per_compute_block=1 if k_splits else None, **kw)
     want, k_want, v_want = reference.paged_attention_with_write(q, k_new, v_new, k, v, slots, tables, seq_lens, **kw)
     assert_close(out, want, dtype)
     assert not np.asarray(out[4].astype(F32)).any()    # padded row: zeros

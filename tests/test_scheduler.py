@@ -682,7 +682,7 @@ def test_schedule_ahead_conditions_and_order():
 
 
 def test_a_step_ahead_is_fed_in_place_only_with_every_request_in_its_row():
-    """`fed_in_place` (the engine and runner then skip their per-request checks) holds only
+    """`fed_in_place` (the engine then skips its per-request checks) holds only
     while the step ahead keeps every request of the step before it, each in its own row."""
     sched = make_sched(num_blocks=64)
     runner = FakeRunner(sched)

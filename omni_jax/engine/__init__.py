@@ -13,8 +13,9 @@ It imports only the building blocks (`models/layers`) and the kernels below it, 
   through a family's synthesizer, whole requests or streamed chunks.
 * `protocol.py`: the engine's request (`Request`) and the msgspec messages between processes.
 * `jitted.py`: each compiling object's named programs (`Jitted`); `buckets.py`: the shapes
-  they are compiled for; `sharding.py`: a stage over several devices; `hidden_cache.py`:
-  captured hidden rows of cached prefixes.
+  they are compiled for; `stable_buffers.py`: the step buffers that keep their addresses (a
+  CUDA graph is recorded again when one moves); `sharding.py`: a stage over several devices;
+  `hidden_cache.py`: captured hidden rows of cached prefixes.
 
 A request's bad input is a `RequestError` naming it; the other requests go on and its KV
 blocks return to the pool.

@@ -426,8 +426,7 @@ class AREngine:
         try:
             tables = sched.block_table_array(self.runner.cfg.max_blocks_per_seq, like=self._last_tables)
             self._last_tables = (sched, tables)
-            result = self.runner.execute(chunks, tables, want_hidden=batch.capture_hidden, fed=fed,
-                                         fed_in_place=sched.fed_in_place)
+            result = self.runner.execute(chunks, tables, want_hidden=batch.capture_hidden, fed=fed)
             draw = None if defer else self._launch_sampler(result, chunks, batch, output_offset)
             prompt_draw = self._launch_prompt_logprobs(result, chunks) if batch.prompt_logprobs else None
             replayed = self._replayed_rows(chunks) if batch.capture_hidden else {}
@@ -474,6 +473,9 @@ class AREngine:
         nxt = self.scheduler.schedule_ahead(current.sched)
         if nxt is None:
             return None
+        # Its sampler and prompt logprobs are launched (this needs `draw`), and a stage that reads
+        # its sampled rows' hidden states (after_sample) never goes ahead: its outputs are free.
+        self.runner.release(result)
         launched = self._launch(nxt, fed=draw[1].token_ids, output_offset=1,
                                 defer=current.batch.samples_from_host)
         if not isinstance(launched, list):
@@ -502,6 +504,7 @@ class AREngine:
             self._collect_prompt(launched.prompt_draw)
         except Exception as e:
             return self._fail(sched, e)
+        self.runner.release(result)
         step_outputs = self.scheduler.update_from_output(sched, sampled)
         if launched.batch.grammars:
             self._advance_grammars(step_outputs)

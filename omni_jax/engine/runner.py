@@ -3,8 +3,8 @@
 Per step the scheduler hands over a list of `ScheduledChunk`s (request, first position,
 token count, whether a token is sampled; its `ScheduledRequest`s are ones). The runner packs
 them into flat numpy arrays (token ids, 3-row M-RoPE positions, slot mapping, block tables,
-query start offsets, logits indices: `StepInputs`), pads them to a shape bucket and calls one
-of two jitted functions:
+query start offsets, logits indices: `StepInputs`, packed into one integer array), pads them
+to a shape bucket and calls one of two jitted functions:
 
 * prefill: a packed batch of chunks (T tokens, up to `max_num_seqs` sequences) through
   the ragged paged-attention path, compiled per token bucket;
@@ -20,11 +20,14 @@ which never leave the device. Stages whose model defines `after_sample` (Qwen3-O
 talker: its code predictor) also get the hidden state of every sampled row back and a
 fourth jitted function, run on the sampled tokens, whose per-row embedding is fed
 into that token's input at the next step. Warm-up compiles every variant before serving.
+The step's integer inputs and a decode step's outputs keep their device addresses from step
+to step (`stable_buffers.py`: a CUDA graph whose buffers move is recorded again).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Sequence
 
@@ -44,6 +47,7 @@ from .jitted import Jitted
 from .protocol import Request
 from .sampling import LogprobsOutput, token_logprobs
 from .sampling_params import MAX_LOGPROBS
+from .stable_buffers import IntLayout, into, upload_fed
 
 
 # Block 0 of the KV pages is the dummy block: padding slots write into it, so the KV cache
@@ -200,6 +204,7 @@ class StepResult:
     bucket: int
     chunk_indices: list[int]        # the scheduled chunks in packed order (token_offsets follow them)
     rows_in_order: bool = False     # sample_rows == range(len(chunks)): each chunk has a row, in order
+    outputs: Any = None             # the step's device outputs, until released (`ModelRunner.release`)
 
 
 @dataclasses.dataclass(slots=True)
@@ -209,10 +214,9 @@ class StepInputs:
 
     kind: str                      # "prefill" | "decode": the program that runs it
     bucket: int                    # padded tokens (prefill) or sequences (decode)
-    token_ids: Any                 # [T_pad] int32; for a step scheduled ahead, filled by `execute` from the device
-    positions: np.ndarray          # [3, T_pad] M-RoPE positions
-    meta: AttentionMetadata
-    logits_indices: np.ndarray     # [S_pad] the packed token whose logits each sampled chunk needs
+    layout: IntLayout              # where each integer input lies in `ints`
+    ints: np.ndarray               # the integer inputs, packed (`views`); a step scheduled ahead
+                                   # has rows of the tokens it is fed where its token ids go
     sample_rows: list[int]         # the chunk of each real logits row
     offsets: np.ndarray            # [num_chunks + 1] start of each chunk in the packed tokens
     total: int                     # real (unpadded) tokens
@@ -222,6 +226,11 @@ class StepInputs:
     extra: np.ndarray | None = None         # [T_pad, H] rows added to the embeddings (a previous stage's)
     deepstack: bool = False        # the variant that adds DeepStack features
     deepstack_feats: np.ndarray | None = None  # [levels, T_pad, H]
+
+    @property
+    def views(self):
+        """The integer inputs by name (`stable_buffers.StepInts`)."""
+        return self.layout.views(self.ints)
 
 
 def stage_mesh(cfg: RunnerConfig):
@@ -273,24 +282,40 @@ class ModelRunner:
             self.kv_caches = [(zeros(), zeros()) for _ in range(num_layers)]
         self.kv_bytes = 2 * num_layers * int(np.prod(shape)) * jnp.dtype(stored_dtype).itemsize  # all devices
         self.jitted = Jitted(
-            step=jax.jit(self._forward, static_argnames=("rich", "deepstack"), donate_argnums=(1,)),
+            step=self.step_program(),
+            upload=jax.jit(into, donate_argnums=0),
+            upload_fed=jax.jit(upload_fed, donate_argnums=0, static_argnames=("tokens",)),
             after_sample=jax.jit(self._after_sample),
-            feed=jax.jit(lambda fed, rows: jnp.take(fed, rows, axis=0)),
             embed=jax.jit(self._embed),
             prompt_logprobs=jax.jit(self._prompt_logprobs))
         self._decode_rows = None  # (requests, prompt lengths, position offsets) of the last decode step
+        # stable_buffers.py: the integer input buffer of each step shape, the released outputs
+        # of the last decode step of each bucket, and the decode outputs' shapes at bucket 1.
+        self._int_buffers: dict[IntLayout, jax.Array] = {}
+        self._released: dict[int, Any] = {}
+        self._decode_outputs = None
+
+    def step_program(self):
+        """The jitted step (also compiled by the GPU tier over a mesh: omni_jax/gpu/programs.py).
+        The KV cache and the outputs of the step before are donated."""
+        return jax.jit(self._forward, static_argnames=("layout", "rich", "deepstack"), donate_argnums=(1, 2))
 
     # -------------------------------------------------------------- jitted body
-    def _forward(self, param_leaves, kv_caches, token_ids, positions, meta, logits_indices,
-                 overlay, overlay_mask, extra, deepstack_feats, *, rich: bool, deepstack: bool = False):
+    def _forward(self, param_leaves, kv_caches, released, ints, overlay, overlay_mask, extra, deepstack_feats,
+                 *, layout: IntLayout, rich: bool, deepstack: bool = False):
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._param_def, param_leaves))
-        x = model.embed(token_ids)
+        v = layout.views(ints)
+        meta = AttentionMetadata(mode="paged", backend=self.cfg.backend, decode_only=layout.decode,
+                                 slot_mapping=v.slot_mapping, block_tables=v.block_tables, kv_lens=v.kv_lens,
+                                 cu_q_lens=v.cu_q_lens, num_decodes=None if layout.decode else v.num_decodes)
+        positions = v.positions
+        x = model.embed(v.token_ids)
         if rich:
             x = jnp.where(overlay_mask[:, None], overlay.astype(x.dtype), x) + extra.astype(x.dtype)
         kw = {"deepstack": (overlay_mask, deepstack_feats)} if deepstack else {}
         with use_mesh(self.mesh):  # attention and MoE run per shard (models/layers/parallel.py)
             hidden, kv_caches, captured = model(x, positions, meta, kv_caches, self.cfg.capture_layers, **kw)
-        sample_hidden = jnp.take(hidden, logits_indices, axis=0)
+        sample_hidden = jnp.take(hidden, v.logits_indices, axis=0)
         logits = model.compute_logits(sample_hidden)
         if self.mesh is not None:
             # Vocab-split logits are gathered, so the sampler sees whole rows; the pages keep
@@ -299,6 +324,11 @@ class ModelRunner:
             kv_caches = jax.lax.with_sharding_constraint(kv_caches, sharding.kv_cache_sharding(self.mesh))
         if self.cfg.after_sample:
             captured = dict(captured, sample_hidden=sample_hidden)
+        if released is not None:  # a decode step: its outputs over those of the step before
+            if self.mesh is not None:  # laid out as the buffers they go into were made (on_stage)
+                logits, captured, hidden = jax.lax.with_sharding_constraint(
+                    (logits, captured, hidden), sharding.replicated(self.mesh))
+            logits, captured, hidden = jax.tree.map(into, released, (logits, captured, hidden))
         # The final hidden states are returned, not copied to the host: only prompt logprobs read them.
         return logits, kv_caches, captured, hidden
 
@@ -421,38 +451,40 @@ class ModelRunner:
             prompt_lens = np.fromiter([r.num_prompt_tokens for r in reqs], np.int64, n)
             deltas = np.fromiter([0 if r.data is None else r.data.mrope_delta for r in reqs], np.int64, n)
             rows = self._decode_rows = (reqs, prompt_lens, deltas)
-        positions = np.zeros((3, bucket), np.int32)
-        positions[:, :n] = starts + rows[2]
+        layout = self._layout(True, bucket)
+        ints, v = layout.new()
+        v.positions[:, :n] = starts + rows[2]
         for i in np.flatnonzero(starts < rows[1]).tolist():  # a one-token prompt chunk
-            positions[:, i] = self._positions(chunks[i])[:, 0]
-        token_ids = None  # a step scheduled ahead: its tokens are still on the device (`execute`)
-        if not fed:
-            token_ids = np.zeros(bucket, np.int32)
-            token_ids[:n] = [r.token_id(c.start) for r, c in zip(reqs, chunks)]
-        tables = np.zeros((bucket, cfg.max_blocks_per_seq), np.int32)
+            v.positions[:, i] = self._positions(chunks[i])[:, 0]
+        if fed:  # a step scheduled ahead: its tokens are still on the device (`execute`); their rows
+            v.token_ids[:n] = [c.fed_by_row for c in chunks]
+        else:
+            v.token_ids[:n] = [r.token_id(c.start) for r, c in zip(reqs, chunks)]
+        tables = v.block_tables
         tables[:n, :block_tables.shape[1]] = block_tables[:, :cfg.max_blocks_per_seq]
         bs = cfg.block_size
-        slot_mapping = np.full(bucket, DUMMY_BLOCK_ID * bs, np.int32)
-        slot_mapping[n:] += np.arange(n, bucket, dtype=np.int32) % bs
-        slot_mapping[:n] = tables[np.arange(n), starts // bs] * bs + starts % bs
-        kv_lens = np.zeros(bucket, np.int32)
-        kv_lens[:n] = starts + 1
-        cu_q_lens = np.full(bucket + 1, n, np.int32)
-        cu_q_lens[:n + 1] = np.arange(n + 1)
+        v.slot_mapping[n:] = DUMMY_BLOCK_ID * bs + np.arange(n, bucket, dtype=np.int32) % bs
+        v.slot_mapping[:n] = tables[np.arange(n), starts // bs] * bs + starts % bs
+        v.kv_lens[:n] = starts + 1
+        v.cu_q_lens[:] = n
+        v.cu_q_lens[:n + 1] = np.arange(n + 1)
         sample_rows = list(range(n)) if fed else [i for i, c in enumerate(chunks) if c.needs_logits]
-        logits_indices = np.zeros(bucket, np.int32)
-        logits_indices[:len(sample_rows)] = sample_rows
-        meta = AttentionMetadata(mode="paged", backend=cfg.backend, decode_only=True, slot_mapping=slot_mapping,
-                                 block_tables=tables, kv_lens=kv_lens, cu_q_lens=cu_q_lens, num_decodes=None)
-        return StepInputs(kind="decode", bucket=bucket, token_ids=token_ids, positions=positions, meta=meta,
-                          logits_indices=logits_indices, sample_rows=sample_rows, offsets=np.arange(n + 1), total=n)
+        v.logits_indices[:len(sample_rows)] = sample_rows
+        return StepInputs(kind="decode", bucket=bucket, layout=layout, ints=ints, sample_rows=sample_rows,
+                          offsets=np.arange(n + 1), total=n)
+
+    def _layout(self, decode: bool, bucket: int) -> IntLayout:
+        """The integer inputs' layout of a decode step of `bucket` sequences or a prefill step of
+        `bucket` tokens."""
+        return IntLayout(decode=decode, tokens=bucket, seqs=bucket if decode else self.cfg.max_num_seqs,
+                         width=self.cfg.max_blocks_per_seq)
 
     def prepare(self, chunks: Sequence[ScheduledChunk], block_tables: np.ndarray, num_decodes: int = 0,
                 fed: bool = False) -> StepInputs:
         """Pack and pad one step's chunks. `block_tables[i]` belongs to chunks[i]; the first
         `num_decodes` chunks are one-token chunks for the decode kernel (see `execute`).
         `fed`: a step scheduled ahead, whose tokens `execute` takes from the device (then
-        token_ids is None here)."""
+        the token ids' place holds the rows they are taken from: each chunk's `fed_by_row`)."""
         cfg = self.cfg
         n_chunks = len(chunks)
         decode = num_decodes == n_chunks
@@ -473,8 +505,9 @@ class ModelRunner:
         offsets = np.zeros(n_chunks + 1, np.int64)
         np.cumsum(lens, out=offsets[1:])
 
-        token_ids = np.zeros(t_pad, np.int32)
-        positions = np.zeros((3, t_pad), np.int32)
+        layout = self._layout(decode, bucket)
+        ints, v = layout.new()
+        token_ids, positions = v.token_ids, v.positions
         req_index = np.full(t_pad, -1, np.int64)
         abs_pos = np.zeros(t_pad, np.int64)
         overlay = np.zeros((t_pad, self.hidden_size), np.float32) if rich else None
@@ -484,7 +517,7 @@ class ModelRunner:
         ds = np.zeros((cfg.deepstack_layers, t_pad, self.hidden_size), np.float32) if deepstack else None
         for i, c in enumerate(chunks):
             a, b = offsets[i], offsets[i + 1]
-            token_ids[a:b] = c.request.all_token_ids[c.start:c.start + c.num_tokens]
+            token_ids[a:b] = c.fed_by_row if fed else c.request.all_token_ids[c.start:c.start + c.num_tokens]
             positions[:, a:b] = self._positions(c)
             req_index[a:b] = i
             abs_pos[a:b] = np.arange(c.start, c.start + c.num_tokens)
@@ -492,29 +525,23 @@ class ModelRunner:
                 self._rich_rows(c, overlay, overlay_mask, extra, a, ds)
 
         width = cfg.max_blocks_per_seq
-        tables = np.zeros((s_pad, width), np.int32)
-        tables[:n_chunks, :block_tables.shape[1]] = block_tables[:, :width]
-        slot_mapping = compute_slot_mapping(tables, req_index, abs_pos, cfg.block_size)
-        kv_lens = np.zeros(s_pad, np.int32)
-        kv_lens[:n_chunks] = [c.start + c.num_tokens for c in chunks]
-        cu_q_lens = np.full(s_pad + 1, total, np.int32)
-        cu_q_lens[:n_chunks + 1] = offsets
+        v.block_tables[:n_chunks, :block_tables.shape[1]] = block_tables[:, :width]
+        v.slot_mapping[:] = compute_slot_mapping(v.block_tables, req_index, abs_pos, cfg.block_size)
+        v.kv_lens[:n_chunks] = [c.start + c.num_tokens for c in chunks]
+        v.cu_q_lens[:] = total
+        v.cu_q_lens[:n_chunks + 1] = offsets
+        v.num_decodes[...] = num_decodes
 
         sample_rows = [i for i, c in enumerate(chunks) if c.needs_logits]
-        logits_indices = np.zeros(s_pad, np.int32)
-        logits_indices[:len(sample_rows)] = offsets[np.asarray(sample_rows, np.int64) + 1] - 1 if sample_rows else []
-
-        meta = AttentionMetadata(mode="paged", backend=cfg.backend, decode_only=decode,
-                                 slot_mapping=slot_mapping, block_tables=tables, kv_lens=kv_lens,
-                                 cu_q_lens=cu_q_lens, num_decodes=None if decode else np.int32(num_decodes))
-        return StepInputs(kind="decode" if decode else "prefill", bucket=bucket, token_ids=token_ids,
-                          positions=positions, meta=meta, logits_indices=logits_indices, sample_rows=sample_rows,
-                          offsets=offsets, total=total, rich=rich, overlay=overlay, overlay_mask=overlay_mask,
-                          extra=extra, deepstack=deepstack, deepstack_feats=ds)
+        if sample_rows:
+            v.logits_indices[:len(sample_rows)] = offsets[np.asarray(sample_rows, np.int64) + 1] - 1
+        return StepInputs(kind="decode" if decode else "prefill", bucket=bucket, layout=layout, ints=ints,
+                          sample_rows=sample_rows, offsets=offsets, total=total, rich=rich, overlay=overlay,
+                          overlay_mask=overlay_mask, extra=extra, deepstack=deepstack, deepstack_feats=ds)
 
     # -------------------------------------------------------------- execution
     def execute(self, chunks: Sequence[ScheduledChunk], block_tables: np.ndarray,
-                want_hidden: bool = False, fed: jax.Array | None = None, fed_in_place: bool = False) -> StepResult:
+                want_hidden: bool = False, fed: jax.Array | None = None) -> StepResult:
         """Run one step on the device, as one call; the KV cache is updated in place.
 
         One-token chunks (decodes) are packed first and attend through the decode kernel,
@@ -524,7 +551,10 @@ class ModelRunner:
 
         `fed`: the previous step's sampled tokens, still on the device, for a step
         scheduled ahead (async scheduling): chunk i's token is `fed[chunks[i].fed_by_row]`
-        (then every chunk is such a decode); `fed_in_place`: chunk i's row is i for every i.
+        (then every chunk is such a decode).
+
+        The result's device outputs are written over by a later decode step of its bucket once
+        the caller `release`s it.
         """
         n = len(chunks)
         if fed is not None:  # scheduled ahead: one-token decodes only, already in packed order
@@ -543,16 +573,9 @@ class ModelRunner:
                 packed = [chunks[i] for i in order]
                 block_tables = block_tables[order]
         b = self.prepare(packed, block_tables, num_decodes=num_decodes, fed=fed is not None)
-        if fed is not None:
-            if fed.shape[0] == b.bucket and fed_in_place:
-                # Every request in its previous row (none left): the tokens as they are, one
-                # device call less per step (the steady state of async scheduling).
-                b.token_ids = fed
-            else:
-                padded = np.zeros(b.bucket, np.int32)  # padding rows read row 0: any valid id
-                padded[:n] = [c.fed_by_row for c in packed]
-                b.token_ids = self.jitted.feed(fed, padded)
-        logits, captured, final_hidden = self._run(b)
+        outputs = self._run(b, fed)
+        logits, captured, final_hidden = outputs
+        captured = dict(captured)
         sample_hidden = captured.pop("sample_hidden", None)
         hidden = {}
         if want_hidden and captured:
@@ -565,17 +588,57 @@ class ModelRunner:
         in_order = len(sample_rows) == n and (fed is not None or sample_rows == list(range(n)))
         return StepResult(logits=logits, sample_hidden=sample_hidden, final_hidden=final_hidden,
                           sample_rows=sample_rows, hidden=hidden, token_offsets=b.offsets, kind=b.kind,
-                          bucket=b.bucket, chunk_indices=order, rows_in_order=in_order)
+                          bucket=b.bucket, chunk_indices=order, rows_in_order=in_order, outputs=outputs)
 
-    def _run(self, b: StepInputs):
-        inputs = (b.token_ids, b.positions, b.meta, b.logits_indices,
-                  *((b.overlay, b.overlay_mask, b.extra) if b.rich else (None, None, None)),
-                  b.deepstack_feats if b.deepstack else None)
+    def release(self, result: StepResult) -> None:
+        """The caller is done with `result`'s device outputs (the sampler and prompt logprobs
+        that read them are launched): the next decode step of its bucket writes over them
+        (stable_buffers.py). Once is enough; later calls do nothing."""
+        if result.kind == "decode" and result.outputs is not None:
+            self._released[result.bucket] = result.outputs
+        result.outputs = None
+
+    def _upload(self, b: StepInputs, fed: jax.Array | None = None) -> jax.Array:
+        """`b`'s integer inputs in the device buffer of its layout (the fed tokens taken in)."""
         # Every call's inputs committed alike (host arrays and the fed tokens): one program per bucket.
-        inputs = self.on_stage(inputs)
+        ints = self.on_stage(b.ints)
+        buf = self._int_buffers.pop(b.layout, None)
+        if buf is None:
+            buf = self.on_stage(jnp.zeros(b.layout.size, jnp.int32))
+        if fed is None:
+            buf = self.jitted.upload(buf, ints)
+        else:
+            buf = self.jitted.upload_fed(buf, ints, self.on_stage(fed), tokens=b.layout.tokens)
+        self._int_buffers[b.layout] = buf
+        return buf
+
+    def _run(self, b: StepInputs, fed: jax.Array | None = None):
+        """One call of the step program on packed inputs; (logits, captured, final hidden)."""
+        buf = self._upload(b, fed)
+        released = None
+        if b.kind == "decode":
+            released = self._released.pop(b.bucket, None)
+            if released is None:
+                released = self._blank_decode_outputs(b.bucket)
+        rest = self.on_stage(((b.overlay, b.overlay_mask, b.extra) if b.rich else (None, None, None),
+                              b.deepstack_feats if b.deepstack else None))
         logits, self.kv_caches, captured, final_hidden = self.jitted.step(
-            self._param_leaves, self.kv_caches, *inputs, rich=b.rich, deepstack=b.deepstack)
+            self._param_leaves, self.kv_caches, released, buf, *rest[0], rest[1],
+            layout=b.layout, rich=b.rich, deepstack=b.deepstack)
         return logits, captured, final_hidden
+
+    def _blank_decode_outputs(self, bucket: int):
+        """Buffers for a decode step's outputs where no released ones are at hand (its bucket's
+        first step, or a step whose outputs were not released): laid out as its outputs, whose
+        rows are all the bucket's (shapes from one trace of bucket 1, the same for every variant)."""
+        if self._decode_outputs is None:
+            b = self._dummy_batch("decode", 1, False)
+            shapes = jax.eval_shape(
+                functools.partial(self._forward, layout=b.layout, rich=False), self._param_leaves,
+                self.kv_caches, None, jax.ShapeDtypeStruct(b.ints.shape, b.ints.dtype), None, None, None, None)
+            self._decode_outputs = (shapes[0], shapes[2], shapes[3])
+        return self.on_stage(jax.tree.map(lambda x: jnp.zeros((bucket, *x.shape[1:]), x.dtype),
+                                          self._decode_outputs))
 
     # -------------------------------------------------------------- warm-up
     def warmup(self, progress: bool = True) -> float:
@@ -590,13 +653,13 @@ class ModelRunner:
         jobs += [("decode", b, r, False) for b in cfg.decode_buckets for r in variants]
         # Async scheduling feeds a decode step of bucket b from the sampled tokens of one of
         # bucket >= b: requests only leave between the two.
-        jobs += [("feed", (p, b), False, False) for p in cfg.decode_buckets for b in cfg.decode_buckets if b <= p]
+        jobs += [("fed", (p, b), False, False) for p in cfg.decode_buckets for b in cfg.decode_buckets if b <= p]
         if cfg.sampled_embeddings:  # embeddings of sampled tokens, per sampler batch (decode or prefill step)
             jobs += [("embed", b, False, False) for b in sorted({*cfg.decode_buckets, cfg.max_num_seqs})]
         t0 = time.perf_counter()
         for kind, size, rich, ds in tqdm(jobs, desc="compiling buckets", unit="bucket", disable=not progress):
-            if kind == "feed":
-                self.jitted.feed(self.on_stage(jnp.zeros(size[0], jnp.int32)), np.zeros(size[1], np.int32))
+            if kind == "fed":
+                self._upload(self._dummy_batch("decode", size[1], False), jnp.zeros(size[0], jnp.int32))
                 continue
             if kind == "embed":
                 self.embed_tokens(self.on_stage(jnp.zeros(size, jnp.int32)))
@@ -611,17 +674,11 @@ class ModelRunner:
         """All-padding inputs of one bucket: every write lands in the dummy block."""
         cfg = self.cfg
         decode = kind == "decode"
-        s_pad = size if decode else cfg.max_num_seqs
-        meta = AttentionMetadata(
-            mode="paged", backend=cfg.backend, decode_only=decode,
-            slot_mapping=(np.arange(size) % cfg.block_size).astype(np.int32),
-            block_tables=np.zeros((s_pad, cfg.max_blocks_per_seq), np.int32),
-            kv_lens=np.zeros(s_pad, np.int32), cu_q_lens=np.zeros(s_pad + 1, np.int32),
-            num_decodes=None if decode else np.int32(0))
+        layout = self._layout(decode, size)
+        ints, v = layout.new()
+        v.slot_mapping[:] = np.arange(size) % cfg.block_size
         h = self.hidden_size
-        return StepInputs(kind=kind, bucket=size, token_ids=np.zeros(size, np.int32),
-                          positions=np.zeros((3, size), np.int32), meta=meta,
-                          logits_indices=np.zeros(s_pad, np.int32), sample_rows=[], offsets=np.zeros(1, np.int64),
+        return StepInputs(kind=kind, bucket=size, layout=layout, ints=ints, sample_rows=[], offsets=np.zeros(1, np.int64),
                           total=0, rich=rich, overlay=np.zeros((size, h), np.float32) if rich else None,
                           overlay_mask=np.zeros(size, bool) if rich else None,
                           extra=np.zeros((size, h), np.float32) if rich else None, deepstack=deepstack,

@@ -128,8 +128,9 @@ def ar_engine_programs(family: str, stage: StageConfig, hf_config: dict, num_blo
     calls: list = []
     tiny_kv = runner.kv_caches
     stand_ins = dict(
-        step=lambda *a, **k: (None, tiny_kv, {}, np.zeros((a[2].shape[0], hidden), DTYPE)),
-        feed=lambda *a, **k: np.zeros(1, np.int32),
+        step=lambda *a, **k: (None, tiny_kv, {}, np.zeros((k["layout"].tokens, hidden), DTYPE)),
+        upload=lambda buf, ints: ints,
+        upload_fed=lambda buf, ints, fed, **k: ints,
         after_sample=lambda *a, **k: (np.zeros(1), np.zeros(1)),
         embed=lambda *a, **k: np.zeros((a[1].shape[0], hidden)),
         sample=lambda *a, **k: np.zeros(1))
@@ -145,9 +146,8 @@ def ar_engine_programs(family: str, stage: StageConfig, hf_config: dict, num_blo
     out = []
     for name, fn, args, kwargs in calls:
         if name == "step":
-            meta = args[4]
-            kind = "decode" if meta.decode_only else "prefill"
-            bucket = int(args[2].shape[0])
+            kind = "decode" if kwargs["layout"].decode else "prefill"
+            bucket = kwargs["layout"].tokens
             variant = "deepstack" if kwargs.get("deepstack") else ("rich" if kwargs.get("rich") else "plain")
             args = (args[0], real_kv) + tuple(args[2:])
             out.append(Program(f"{base}/{kind}/{variant}/{bucket}", kind, fn, args, kwargs, bucket,
@@ -160,10 +160,12 @@ def ar_engine_programs(family: str, stage: StageConfig, hf_config: dict, num_blo
                 "+logprobs" if flags.need_logprobs else "")
             out.append(Program(f"{base}/sample/{variant}/{b}", "sample", fn, args, kwargs, b,
                                info=dict(variant=variant)))
-        else:
-            b = int(np.shape(args[-1])[0]) if name == "feed" else int(np.shape(args[1])[0])
-            out.append(Program(f"{base}/{name}/{b}" + (f"x{np.shape(args[0])[0]}" if name == "feed" else ""),
-                               name, fn, args, kwargs, b))
+        elif name == "upload_fed":  # a decode step's inputs, fed by a step of `fed` rows
+            b, fed = kwargs["tokens"], int(np.shape(args[2])[0])
+            out.append(Program(f"{base}/{name}/{b}x{fed}", name, fn, args, kwargs, b))
+        else:  # upload: by its packed size
+            b = int(np.shape(args[1])[0])
+            out.append(Program(f"{base}/{name}/{b}", name, fn, args, kwargs, b))
     return out
 
 
@@ -174,7 +176,7 @@ def sharded_step(step: Program, mesh) -> Program:
     replicated."""
     runner = copy.copy(step.fn.__wrapped__.__self__)  # the one-device runner the step was recorded on
     runner.mesh = mesh
-    fn = jax.jit(runner._forward, static_argnames=("rich", "deepstack"), donate_argnums=(1,))
+    fn = runner.step_program()
     where = sharding.param_sharding(mesh, step.info["num_kv_heads"])
     paths = [sharding.state_path(k) for k, _ in jax.tree_util.tree_flatten_with_path(runner.state)[0]]
     params = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where(p, x.shape)) for p, x in zip(paths, step.args[0])]

@@ -404,6 +404,22 @@ def test_decode_steps_keep_their_buffers_in_place(engine, qwen2_5_omni_hf_model)
     assert_pool_empty(engine)
 
 
+def test_the_step_is_handed_only_the_parameters_it_reads(engine):
+    """The thinker's module holds its media encoders too, which its own programs run: the step
+    is handed the decoder's and the LM head's leaves only (each array handed to a jitted call
+    costs host time, read or not)."""
+    import jax
+
+    from omni_jax.engine.sharding import state_path
+
+    runner = engine.runner
+    paths = [state_path(k) for k, _ in jax.tree_util.tree_flatten_with_path(runner.state)[0]]
+    step = [paths[i] for i in runner._step_params]
+    assert step == [p for p in paths if p.split("/")[0] in ("model", "lm_head")]
+    assert any(p.startswith("audio_tower/") for p in paths) and any(p.startswith("visual/") for p in paths)
+    assert all(a is runner._param_leaves[i] for a, i in zip(runner._step_leaves, runner._step_params))
+
+
 def test_streamed_text_and_stop_strings(tmp_path_factory):
     """With a real tokenizer (the built-in tiny model): the text deltas add up to the decoded
     tokens, the last token's text included; a stop string cuts the text and finishes the

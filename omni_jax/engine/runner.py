@@ -294,6 +294,11 @@ class ModelRunner:
         self._int_buffers: dict[IntLayout, jax.Array] = {}
         self._released: dict[int, Any] = {}
         self._decode_outputs = None
+        # The parameter leaves the step reads (indices into _param_leaves) and those arrays: a
+        # stage module may hold more (a thinker's media encoders, a talker's code predictor),
+        # and every array handed to a jitted call costs host time (~0.8 us), read or not.
+        self._step_params: list[int] | None = None
+        self._step_leaves: list[jax.Array] | None = None
 
     def step_program(self):
         """The jitted step (also compiled by the GPU tier over a mesh: omni_jax/gpu/programs.py).
@@ -301,9 +306,14 @@ class ModelRunner:
         return jax.jit(self._forward, static_argnames=("layout", "rich", "deepstack"), donate_argnums=(1, 2))
 
     # -------------------------------------------------------------- jitted body
-    def _forward(self, param_leaves, kv_caches, released, ints, overlay, overlay_mask, extra, deepstack_feats,
+    def _forward(self, step_leaves, kv_caches, released, ints, overlay, overlay_mask, extra, deepstack_feats,
                  *, layout: IntLayout, rich: bool, deepstack: bool = False):
-        model = nnx.merge(self.graphdef, jax.tree.unflatten(self._param_def, param_leaves))
+        leaves = step_leaves
+        if self._step_params is not None:  # the leaves it does not read stand in as shapes only
+            leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in self._param_leaves]
+            for i, x in zip(self._step_params, step_leaves):
+                leaves[i] = x
+        model = nnx.merge(self.graphdef, jax.tree.unflatten(self._param_def, leaves))
         v = layout.views(ints)
         meta = AttentionMetadata(mode="paged", backend=self.cfg.backend, decode_only=layout.decode,
                                  slot_mapping=v.slot_mapping, block_tables=v.block_tables, kv_lens=v.kv_lens,
@@ -622,21 +632,34 @@ class ModelRunner:
                 released = self._blank_decode_outputs(b.bucket)
         rest = self.on_stage(((b.overlay, b.overlay_mask, b.extra) if b.rich else (None, None, None),
                               b.deepstack_feats if b.deepstack else None))
+        if self._step_leaves is None:
+            self._probe_step()
         logits, self.kv_caches, captured, final_hidden = self.jitted.step(
-            self._param_leaves, self.kv_caches, released, buf, *rest[0], rest[1],
+            self._step_leaves, self.kv_caches, released, buf, *rest[0], rest[1],
             layout=b.layout, rich=b.rich, deepstack=b.deepstack)
         return logits, captured, final_hidden
+
+    def _probe_step(self) -> None:
+        """One trace (no compile) of a plain decode step of bucket 1 with every parameter leaf:
+        the leaves it reads (every variant reads the same: a leaf left out would fail its
+        warm-up trace as a bare shape), and its outputs' shapes (`_blank_decode_outputs`)."""
+        b = self._dummy_batch("decode", 1, False)
+        closed, shapes = jax.make_jaxpr(functools.partial(self._forward, layout=b.layout, rich=False),
+                                        return_shape=True)(
+            self._param_leaves, self.kv_caches, None, jax.ShapeDtypeStruct(b.ints.shape, b.ints.dtype),
+            None, None, None, None)
+        jaxpr = closed.jaxpr
+        read = {id(v) for eqn in jaxpr.eqns for v in eqn.invars} | {id(v) for v in jaxpr.outvars}
+        self._step_params = [i for i, v in enumerate(jaxpr.invars[:len(self._param_leaves)]) if id(v) in read]
+        self._step_leaves = [self._param_leaves[i] for i in self._step_params]
+        self._decode_outputs = (shapes[0], shapes[2], shapes[3])
 
     def _blank_decode_outputs(self, bucket: int):
         """Buffers for a decode step's outputs where no released ones are at hand (its bucket's
         first step, or a step whose outputs were not released): laid out as its outputs, whose
-        rows are all the bucket's (shapes from one trace of bucket 1, the same for every variant)."""
+        rows are all the bucket's (shapes from `_probe_step`, the same for every variant)."""
         if self._decode_outputs is None:
-            b = self._dummy_batch("decode", 1, False)
-            shapes = jax.eval_shape(
-                functools.partial(self._forward, layout=b.layout, rich=False), self._param_leaves,
-                self.kv_caches, None, jax.ShapeDtypeStruct(b.ints.shape, b.ints.dtype), None, None, None, None)
-            self._decode_outputs = (shapes[0], shapes[2], shapes[3])
+            self._probe_step()
         return self.on_stage(jax.tree.map(lambda x: jnp.zeros((bucket, *x.shape[1:]), x.dtype),
                                           self._decode_outputs))
 

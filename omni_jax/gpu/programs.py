@@ -179,6 +179,7 @@ def sharded_step(step: Program, mesh) -> Program:
     fn = runner.step_program()
     where = sharding.param_sharding(mesh, step.info["num_kv_heads"])
     paths = [sharding.state_path(k) for k, _ in jax.tree_util.tree_flatten_with_path(runner.state)[0]]
+    paths = [paths[i] for i in runner._step_params]  # the leaves the step reads, as it was called
     params = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where(p, x.shape)) for p, x in zip(paths, step.args[0])]
     pages = sharding.kv_cache_sharding(mesh)
     kv = [tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=pages) for x in layer) for layer in step.args[1]]

@@ -22,6 +22,7 @@ so a sampler launched on the last step's logits still reads them first.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -52,22 +53,24 @@ class IntLayout:
     seqs: int    # S: sequence slots
     width: int   # W: block table width
 
-    def _shapes(self) -> tuple[tuple[int, ...], ...]:
+    @functools.cached_property
+    def _segments(self) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
+        """(start, end, shape) of each input, worked out once per layout (not every step)."""
         t, s = self.tokens, self.seqs
-        return (t,), (3, t), (t,), (s, self.width), (s,), (s + 1,), (s,), ()
+        out, start = [], 0
+        for shape in ((t,), (3, t), (t,), (s, self.width), (s,), (s + 1,), (s,), ()):
+            n = int(np.prod(shape))
+            out.append((start, start + n, shape))
+            start += n
+        return tuple(out)
 
     @property
     def size(self) -> int:
-        return sum(int(np.prod(shape)) for shape in self._shapes())
+        return self._segments[-1][1]
 
     def views(self, flat) -> StepInts:
         """The inputs as views of `flat` [size] (writable ones of a numpy array)."""
-        out, start = [], 0
-        for shape in self._shapes():
-            n = int(np.prod(shape))
-            out.append(flat[start:start + n].reshape(shape))
-            start += n
-        return StepInts(*out)
+        return StepInts(*(flat[a:b].reshape(shape) for a, b, shape in self._segments))
 
     def new(self) -> tuple[np.ndarray, StepInts]:
         """A zeroed packed array and its views, to fill."""

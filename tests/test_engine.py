@@ -404,6 +404,31 @@ def test_decode_steps_keep_their_buffers_in_place(engine, qwen2_5_omni_hf_model)
     assert_pool_empty(engine)
 
 
+def test_the_step_keeps_its_temporaries_in_place_where_xla_can(engine, monkeypatch):
+    """Under async scheduling other programs run between two steps and the step's temporaries
+    moved, so on a GPU XLA re-recorded its CUDA graph each step: the step is compiled with
+    XLA's SKIP_TEMP command-buffer mode where the jaxlib has it (not 0.10.2; 0.11.2, the GPU
+    image's, and 0.12 have it), unless the user's XLA_FLAGS choose a mode."""
+    import jax
+
+    from omni_jax.engine.jitted import stable_temporaries
+
+    version = tuple(int(p) for p in jax.__version__.split(".")[:3])
+    options = stable_temporaries()
+    if version < (0, 11):
+        assert options == {}
+    elif version >= (0, 11, 2):
+        assert options == {"xla_gpu_command_buffer_update_mode": "SKIP_TEMP"}
+    runner = engine.runner
+    b = runner._dummy_batch("decode", runner.cfg.decode_buckets[0], False)
+    lowered = runner.jitted.step.lower(runner._step_leaves, runner.kv_caches, runner._blank_decode_outputs(b.bucket),
+                                       jax.numpy.asarray(b.ints), None, None, None, None,
+                                       layout=b.layout, rich=False, deepstack=False)
+    assert dict(lowered._lowering._compiler_options_kvs) == options
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_command_buffer_update_mode=ALWAYS_UPDATE")
+    assert stable_temporaries.__wrapped__() == {}
+
+
 def test_the_step_is_handed_only_the_parameters_it_reads(engine):
     """The thinker's module holds its media encoders too, which its own programs run: the step
     is handed the decoder's and the LM head's leaves only (each array handed to a jitted call

@@ -43,7 +43,7 @@ from ..models.layers.attention import BACKENDS, AttentionMetadata, default_backe
 from ..models.layers.parallel import TP, kv_heads_stored, use_mesh
 from . import sharding
 from .buckets import pick_bucket, pow2_buckets
-from .jitted import Jitted
+from .jitted import Jitted, stable_temporaries
 from .protocol import Request
 from .sampling import LogprobsOutput, token_logprobs
 from .sampling_params import MAX_LOGPROBS
@@ -302,8 +302,10 @@ class ModelRunner:
 
     def step_program(self):
         """The jitted step (also compiled by the GPU tier over a mesh: omni_jax/gpu/programs.py).
-        The KV cache and the outputs of the step before are donated."""
-        return jax.jit(self._forward, static_argnames=("layout", "rich", "deepstack"), donate_argnums=(1, 2))
+        The KV cache and the outputs of the step before are donated; its temporaries keep their
+        addresses where XLA can (jitted.stable_temporaries)."""
+        return jax.jit(self._forward, static_argnames=("layout", "rich", "deepstack"), donate_argnums=(1, 2),
+                       compiler_options=stable_temporaries() or None)
 
     # -------------------------------------------------------------- jitted body
     def _forward(self, step_leaves, kv_caches, released, ints, overlay, overlay_mask, extra, deepstack_feats,

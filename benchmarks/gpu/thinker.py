@@ -158,6 +158,39 @@ def run_thinker(family: str, batches, size, rep) -> None:
             f"{secs * 1e3:.1f} ms to the first token")
     extra = engine.num_compilations - compiled
     rep.add("compilations after warm-up", extra, "", "" if extra == 0 else "FAIL: a step compiled while serving")
+    same, n = same_tokens_without_stable_temporaries(engine, size, rng)
+    rep.add("greedy tokens equal without SKIP_TEMP", int(same), "", f"{n} tokens" + ("" if same else ": FAIL"))
+
+
+def same_tokens_without_stable_temporaries(engine, size, rng) -> tuple[bool, int]:
+    """Whether one prompt's greedy tokens from the step as served (compiled with XLA's SKIP_TEMP
+    mode where the jaxlib has it: engine/jitted.py) equal those of the same step compiled
+    without it (the mode moves where temporaries live, never what is computed), and how many.
+    Compiles the step's programs once more: after every timing."""
+    from omni_jax import SamplingParams
+
+    prompt = _prompt(rng, size.decode_prompt, engine.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=size.decode_steps, ignore_eos=True)
+
+    def generate() -> list[int]:
+        rid = f"t-{time.monotonic_ns()}"
+        engine.add_request(rid, prompt, params)
+        tokens = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.error:
+                    raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+                tokens += out.new_token_ids
+        return tokens
+
+    runner = engine.runner
+    served, step = generate(), runner.jitted.step
+    runner.jitted.step = runner.step_program(temporaries_in_place=False)
+    try:
+        plain = generate()
+    finally:
+        runner.jitted.step = step
+    return served == plain, len(served)
 
 
 def nnx_params(model):

@@ -300,12 +300,12 @@ class ModelRunner:
         self._step_params: list[int] | None = None
         self._step_leaves: list[jax.Array] | None = None
 
-    def step_program(self):
+    def step_program(self, temporaries_in_place: bool = True):
         """The jitted step (also compiled by the GPU tier over a mesh: omni_jax/gpu/programs.py).
         The KV cache and the outputs of the step before are donated; its temporaries keep their
-        addresses where XLA can (jitted.stable_temporaries)."""
+        addresses where XLA can (jitted.stable_temporaries; False: the GPU check's comparison)."""
         return jax.jit(self._forward, static_argnames=("layout", "rich", "deepstack"), donate_argnums=(1, 2),
-                       compiler_options=stable_temporaries() or None)
+                       compiler_options=(stable_temporaries() or None) if temporaries_in_place else None)
 
     # -------------------------------------------------------------- jitted body
     def _forward(self, step_leaves, kv_caches, released, ints, overlay, overlay_mask, extra, deepstack_feats,

@@ -380,7 +380,7 @@ def test_decode_steps_keep_their_buffers_in_place(engine, qwen2_5_omni_hf_model)
         out = run(*a, **k)
         if k["layout"].decode:
             written = [x.unsafe_buffer_pointer() for x in jax.tree.leaves((out[0], out[2], out[3]))]
-            seen.append((k["layout"].tokens, a[3].unsafe_buffer_pointer(), released, written))
+            seen.append((k["layout"].tokens, a[3].unsafe_buffer_pointer(), released, written, k["layout"]))
         return out
 
     rng = np.random.default_rng(12)
@@ -399,6 +399,7 @@ def test_decode_steps_keep_their_buffers_in_place(engine, qwen2_5_omni_hf_model)
     for before, after in pairs:
         assert after[1] == before[1], "the integer inputs moved"
         assert after[2] == before[3] == after[3], "the outputs moved"
+        assert after[4] is before[4], "the layout (its offsets worked out once) was made again"
     for rid, ids in prompts.items():
         assert tokens[rid] == hf_greedy(qwen2_5_omni_hf_model, ids), rid
     assert_pool_empty(engine)

@@ -289,8 +289,9 @@ class ModelRunner:
             embed=jax.jit(self._embed),
             prompt_logprobs=jax.jit(self._prompt_logprobs))
         self._decode_rows = None  # (requests, prompt lengths, position offsets) of the last decode step
-        # stable_buffers.py: the integer input buffer of each step shape, the released outputs
+        # stable_buffers.py: the integer inputs' layout and buffer of each step shape, the released outputs
         # of the last decode step of each bucket, and the decode outputs' shapes at bucket 1.
+        self._layouts: dict[tuple[bool, int], IntLayout] = {}
         self._int_buffers: dict[IntLayout, jax.Array] = {}
         self._released: dict[int, Any] = {}
         self._decode_outputs = None
@@ -487,9 +488,13 @@ class ModelRunner:
 
     def _layout(self, decode: bool, bucket: int) -> IntLayout:
         """The integer inputs' layout of a decode step of `bucket` sequences or a prefill step of
-        `bucket` tokens."""
-        return IntLayout(decode=decode, tokens=bucket, seqs=bucket if decode else self.cfg.max_num_seqs,
-                         width=self.cfg.max_blocks_per_seq)
+        `bucket` tokens: one object per step shape, whose offsets are worked out once."""
+        layout = self._layouts.get((decode, bucket))
+        if layout is None:
+            layout = self._layouts[decode, bucket] = IntLayout(
+                decode=decode, tokens=bucket, seqs=bucket if decode else self.cfg.max_num_seqs,
+                width=self.cfg.max_blocks_per_seq)
+        return layout
 
     def prepare(self, chunks: Sequence[ScheduledChunk], block_tables: np.ndarray, num_decodes: int = 0,
                 fed: bool = False) -> StepInputs:

@@ -16,7 +16,9 @@ step is launched, so without care every one of them moves every step. Hence:
   (`ModelRunner.release`).
 
 A donated buffer is only written after the work already queued that reads it (one stream),
-so a sampler launched on the last step's logits still reads them first.
+so a sampler launched on the last step's logits still reads them first. The step's
+temporaries, which XLA allocates per call, are kept in place by XLA itself where it can
+(`jitted.stable_temporaries`).
 """
 
 from __future__ import annotations

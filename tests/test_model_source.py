@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -130,6 +131,9 @@ def test_a_hub_id_is_fetched_converted_and_served_then_started_offline(hf_checkp
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4, reply.text
         log = server.log()
     assert f"loaded stage 'thinker' from {out}" in log and "converting" not in log
+    # start-up says what the stage is doing and when it is done (text only: the thinker alone)
+    starting = log.find("[omni-jax] stage 'thinker': loading and compiling")
+    assert starting >= 0 and re.search(r"\[omni-jax\] stage 'thinker' ready in [0-9.]+ s", log[starting:]), log[-3000:]
 
 
 def test_hub_failures_are_said(caches, tmp_path):

@@ -373,10 +373,14 @@ def serve_stage(stage: dict, ckpt_dir: str, family: str, ipc_dir: str, async_chu
             spmd.initialize(config, 0, coordinator)
             spmd.check_same_stage(config, family, async_chunk)
         _use_stage_device(config)
+        # Start-up is the longest silence a user meets (a real model's compiles take minutes):
+        # say what is happening and when it is done.
+        print(f"[omni-jax] stage {name!r}: loading and compiling its programs", file=sys.stderr, flush=True)
         engine = build_stage_engine(family, config, ckpt_dir, async_chunk)
         server = StageServer(config, engine, family, ckpt_dir, ipc_dir, ctx, inbox, outbox, leader)
-        outbox.send(Ready(stage=name, pid=os.getpid(), warmup_seconds=time.perf_counter() - t0,
-                          num_compilations=engine.num_compilations))
+        seconds = time.perf_counter() - t0
+        print(f"[omni-jax] stage {name!r} ready in {seconds:.1f} s", file=sys.stderr, flush=True)
+        outbox.send(Ready(stage=name, pid=os.getpid(), warmup_seconds=seconds, num_compilations=engine.num_compilations))
     except BaseException as e:  # report why the stage could not start, then exit
         outbox.send(StageFailure(stage=name, message=f"stage {name!r} failed to start: "
                                                      f"{type(e).__name__}: {e}"))

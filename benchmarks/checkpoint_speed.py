@@ -1,6 +1,6 @@
 """Seconds to write and to load a stage: OmniJax's checkpoint (orbax; uncompressed as
-`save_stage` writes it, and with zstd as it wrote before), against safetensors (the format of Hugging Face checkpoints, what transformers and vLLM load:
-the peer, measured in the same run).
+`save_stage` writes it, and with zstd as it wrote before), against safetensors (the format of
+Hugging Face checkpoints, what transformers and vLLM load: the peer, measured in the same run).
 
     python benchmarks/checkpoint_speed.py [--layers 8] [--dir /dev/shm] [--repeat 2]
 
@@ -47,40 +47,38 @@ print(time.perf_counter() - t0)
 """
 
 
-def thinker_arrays(layers: int) -> tuple[dict, dict]:
-    """(hf config, {parameter path: host bf16 array}) of the random thinker."""
-    import jax.numpy as jnp
-    import numpy as np
+def random_checkpoint(out: str, layers: int) -> dict:
+    """A random bf16 checkpoint with the benchmark's thinker, written as the project writes one;
+    returns the thinker's arrays (host JAX arrays, as conversion hands them over) by path."""
+    import jax
+    from flax import nnx
 
-    from omni_jax.models.qwen2_5_omni.tiny import tiny_config
-    from omni_jax.models.random_weights import random_params
-    from omni_jax.models.registry import get_family
+    from omni_jax.checkpoint import load_checkpoint
+    from omni_jax.models.qwen2_5_omni.tiny import build_random_checkpoint, tiny_config
 
     hf = tiny_config()
     hf["thinker_config"]["text_config"].update(hidden_size=1024, intermediate_size=4096, num_hidden_layers=layers,
                                                num_attention_heads=8, num_key_value_heads=4)
-    spec = get_family("qwen2_5_omni").stages["thinker"]
-    cfg = spec.parse_config(hf[spec.config_key])
-    return hf, random_params(spec.build, cfg, np.random.default_rng(0), jnp.bfloat16)
+    build_random_checkpoint(out, hf, dtype="bfloat16", tokenizer=False)
+    module, _ = load_checkpoint(out, "thinker")
+    host = jax.devices("cpu")[0]
+    return {p: jax.device_put(v.get_value(), host) for p, v in nnx.to_flat_state(nnx.state(module, nnx.Param))}
 
 
-def write(way: str, out: str, hf: dict, arrays: dict) -> float:
-    """Write the stage `way`'s way into `out`; seconds."""
-    import json
-
+def write(way: str, out: str, base: str, arrays: dict) -> float:
+    """Write the thinker `way`'s way into `out` (a checkpoint: `base`'s config and other stages
+    beside it; a file for safetensors); seconds."""
     from omni_jax import checkpoint as ck
 
-    t0 = time.perf_counter()
     if way == "safetensors":
+        t0 = time.perf_counter()
         from safetensors.flax import save_file
 
         save_file({ck.path_key(p): a for p, a in arrays.items()}, out)
-    else:
-        os.makedirs(out)
-        ck.save_stage(os.path.join(out, "thinker"), arrays, compress=way == "orbax zstd")
-        with open(os.path.join(out, ck.CONFIG_FILE), "w") as f:
-            json.dump({"format_version": ck.FORMAT_VERSION, "family": "qwen2_5_omni", "dtype": "bfloat16",
-                       "stages": ["thinker"], "hf_config": hf}, f)
+        return time.perf_counter() - t0
+    shutil.copytree(base, out, ignore=lambda d, names: ["thinker"] if d == base else [])
+    t0 = time.perf_counter()
+    ck.save_stage(os.path.join(out, "thinker"), arrays, compress=way == "orbax zstd")
     return time.perf_counter() - t0
 
 
@@ -106,19 +104,19 @@ def main() -> None:
 
     jax.config.update("jax_platforms", "cpu")
     print(f"CPU {cpu_model()} ({os.cpu_count()} cores); load average {os.getloadavg()[0]:.2f}")
-    hf, arrays = thinker_arrays(args.layers)
-    host = jax.devices("cpu")[0]
-    arrays = {k: jax.device_put(v, host) for k, v in arrays.items()}
-    mib = sum(a.nbytes for a in arrays.values()) / 2**20
     ways = ("orbax zstd", "orbax", "safetensors")
     best = {w: [float("inf")] * 3 for w in ways}  # write s, load s, MiB
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        base = os.path.join(tmp, "base")
+        arrays = random_checkpoint(base, args.layers)
+        mib = sum(a.nbytes for a in arrays.values()) / 2**20
         for _ in range(args.repeat):
             for w in ways:
                 out = os.path.join(tmp, w.replace(" ", "_") + (".safetensors" if w == "safetensors" else ""))
-                wt = write(w, out, hf, arrays)
+                wt = write(w, out, base, arrays)
                 lt = load(w, out)
-                best[w] = [min(best[w][0], wt), min(best[w][1], lt), size_mib(out)]
+                best[w] = [min(best[w][0], wt), min(best[w][1], lt),
+                           size_mib(os.path.join(out, "thinker") if os.path.isdir(out) else out)]
                 shutil.rmtree(out) if os.path.isdir(out) else os.remove(out)
     print(f"a bfloat16 thinker of {mib:.0f} MiB ({len(arrays)} tensors), best of {args.repeat}:")
     print("| way | write s | load s | on disk MiB | write / safetensors | load / safetensors |")

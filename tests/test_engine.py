@@ -23,12 +23,27 @@ pytestmark = pytest.mark.engine
 MAX_TOKENS = 8
 
 
-@pytest.fixture(scope="module")
-def engine(converted_thinker_fp32):
+def _build_engine(ckpt):
     runner = RunnerConfig(num_blocks=16, block_size=16, max_num_seqs=8, max_num_batched_tokens=32,
                           max_model_len=192)
-    return build_thinker_engine(converted_thinker_fp32, runner, media_buckets=MediaBuckets((1, 4), (64, 256)),
-                                progress=False)
+    return build_thinker_engine(ckpt, runner, media_buckets=MediaBuckets((1, 4), (64, 256)), progress=False)
+
+
+@pytest.fixture(scope="module")
+def engine(converted_thinker_fp32):
+    return _build_engine(converted_thinker_fp32)
+
+
+@pytest.fixture(scope="module")
+def engine_with_program_cache(converted_thinker_fp32, tmp_path_factory):
+    """The same engine with its step programs from a program cache (as in a stage process)."""
+    from omni_jax.engine import program_cache
+
+    program_cache.activate(str(tmp_path_factory.mktemp("programs")), {"test": "engine"})
+    try:
+        return _build_engine(converted_thinker_fp32)
+    finally:
+        program_cache._active = None
 
 
 def run_all(engine, max_steps=500):
@@ -73,9 +88,13 @@ def image_prompt(grid):
     return np.array([t.IM_START, 872, 198, t.VISION_START] + [t.IMAGE_TOKEN] * n + [t.VISION_END, 1207, t.IM_END])
 
 
-def test_concurrent_greedy_matches_transformers(engine, qwen2_5_omni_hf_model):
+@pytest.mark.parametrize("which", ["engine", "engine_with_program_cache"])
+def test_concurrent_greedy_matches_transformers(which, request, qwen2_5_omni_hf_model):
+    """Also with the step programs read from a program cache: the same tokens, and no program
+    compiled after warm-up (an exported program's outputs are committed: so are its inputs)."""
     import torch
 
+    engine = request.getfixturevalue(which)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 151000, n) for n in (5, 17, 33, 40, 64, 9, 70, 3)]
     mel = hf_tiny.random_mel(75, seed=4)
@@ -365,13 +384,16 @@ def test_async_scheduling_same_outputs_as_sync(engine):
     assert {k: v for k, v in tokens.items() if k != "as5"} == {k: v for k, v in ref.items() if k != "as5"}
 
 
-def test_decode_steps_keep_their_buffers_in_place(engine, qwen2_5_omni_hf_model):
+@pytest.mark.parametrize("which", ["engine", "engine_with_program_cache"])
+def test_decode_steps_keep_their_buffers_in_place(which, request, qwen2_5_omni_hf_model):
     """Under async scheduling, a decode step reads its integer inputs from the buffer the step
     before of its bucket read, and writes its logits and hidden rows where that step wrote
     its own (stable_buffers.py: on a GPU, a CUDA graph whose buffers move is recorded again
-    before every launch). The tokens are transformers' still."""
+    before every launch). The tokens are transformers' still. So with the step programs read
+    from a program cache (their donation is the cache's jit's)."""
     import jax
 
+    engine = request.getfixturevalue(which)
     runner = engine.runner
     seen, run = [], runner.jitted.step
 

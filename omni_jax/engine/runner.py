@@ -41,7 +41,7 @@ from kernels_pallas import page_dtype
 
 from ..models.layers.attention import BACKENDS, AttentionMetadata, default_backend
 from ..models.layers.parallel import TP, kv_heads_stored, use_mesh
-from . import sharding
+from . import program_cache, sharding
 from .buckets import pick_bucket, pow2_buckets
 from .jitted import Jitted, stable_temporaries
 from .protocol import Request
@@ -260,6 +260,10 @@ class ModelRunner:
         # the caller committed the parameters to; None: uncommitted, on the default device.
         self.placement = (sharding.replicated(self.mesh) if self.mesh is not None
                           else sharding.committed_device(self.state))
+        if self.placement is None and program_cache.active() is not None:
+            # A step read from the program cache returns committed outputs (as any exported
+            # program's): commit every step input to the default device alike (on_stage).
+            self.placement = jax.sharding.SingleDeviceSharding(jnp.zeros(()).devices().pop())
         # The step takes the parameters as a flat list of arrays: flattening the NNX state
         # (one Variable node per parameter) on every call costs milliseconds of host time.
         self._param_leaves, self._param_def = jax.tree.flatten(self.state)
@@ -305,8 +309,13 @@ class ModelRunner:
         """The jitted step (also compiled by the GPU tier over a mesh: omni_jax/gpu/programs.py).
         The KV cache and the outputs of the step before are donated; its temporaries keep their
         addresses where XLA can (jitted.stable_temporaries; False: the GPU check's comparison)."""
-        return jax.jit(self._forward, static_argnames=("layout", "rich", "deepstack"), donate_argnums=(1, 2),
-                       compiler_options=(stable_temporaries() or None) if temporaries_in_place else None)
+        options = (stable_temporaries() or None) if temporaries_in_place else None
+        static = ("layout", "rich", "deepstack")
+        cache = program_cache.active()
+        if cache is not None and self.mesh is None and temporaries_in_place:  # a restart skips its traces
+            return cache.jit("step", self._forward, static_argnames=static, donate_argnums=(1, 2),
+                             compiler_options=options)
+        return jax.jit(self._forward, static_argnames=static, donate_argnums=(1, 2), compiler_options=options)
 
     # -------------------------------------------------------------- jitted body
     def _forward(self, step_leaves, kv_caches, released, ints, overlay, overlay_mask, extra, deepstack_feats,
@@ -650,6 +659,19 @@ class ModelRunner:
         """One trace (no compile) of a plain decode step of bucket 1 with every parameter leaf:
         the leaves it reads (every variant reads the same: a leaf left out would fail its
         warm-up trace as a bare shape), and its outputs' shapes (`_blank_decode_outputs`)."""
+        cache = program_cache.active()
+        if cache is not None and self.mesh is None:  # what the trace found, kept beside the step programs
+            found = cache.fact("step-probe", self._probed, params=[(x.shape, str(x.dtype)) for x in self._param_leaves],
+                               kv=[(x.shape, str(x.dtype)) for x in jax.tree.leaves(self.kv_caches)])
+        else:
+            found = self._probed()
+        self._step_params = found["step_params"]
+        self._step_leaves = [self._param_leaves[i] for i in self._step_params]
+        shapes = [jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype)) for shape, dtype in found["decode_outputs"]]
+        self._decode_outputs = jax.tree.unflatten(program_cache.decode_tree(found["decode_tree"]), shapes)
+
+    def _probed(self) -> dict:
+        """`_probe_step`'s trace: the leaves read, and the decode outputs' tree and shapes (JSON)."""
         b = self._dummy_batch("decode", 1, False)
         closed, shapes = jax.make_jaxpr(functools.partial(self._forward, layout=b.layout, rich=False),
                                         return_shape=True)(
@@ -657,9 +679,10 @@ class ModelRunner:
             None, None, None, None)
         jaxpr = closed.jaxpr
         read = {id(v) for eqn in jaxpr.eqns for v in eqn.invars} | {id(v) for v in jaxpr.outvars}
-        self._step_params = [i for i, v in enumerate(jaxpr.invars[:len(self._param_leaves)]) if id(v) in read]
-        self._step_leaves = [self._param_leaves[i] for i in self._step_params]
-        self._decode_outputs = (shapes[0], shapes[2], shapes[3])
+        outputs, tree = jax.tree.flatten((shapes[0], shapes[2], shapes[3]))
+        return {"step_params": [i for i, v in enumerate(jaxpr.invars[:len(self._param_leaves)]) if id(v) in read],
+                "decode_tree": program_cache.encode_tree(tree),
+                "decode_outputs": [(x.shape, str(x.dtype)) for x in outputs]}
 
     def _blank_decode_outputs(self, bucket: int):
         """Buffers for a decode step's outputs where no released ones are at hand (its bucket's

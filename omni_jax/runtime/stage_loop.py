@@ -36,13 +36,16 @@ import msgspec.structs
 import numpy as np
 import zmq
 
+from ..checkpoint import read_config
 from ..config import StageConfig
 from ..engine.protocol import (AbortRequests, AddRequest, HealthCheck, HealthReply, Ready, Shutdown, StageData,
                                StageFailure, StageOutputs, StageRequest)
+from ..engine import program_cache
 from ..engine.sharding import stage_devices
 from ..engine.stage_engine import StageEngine
 from ..models.handoff import UpstreamOutputs
 from ..models.registry import get_family
+from ..paths import cache_root
 from . import spmd
 from .transport import Channel, stage_addresses
 from ..errors import ErrorCode, OutOfStep, ProtocolError, error_code
@@ -373,13 +376,15 @@ def serve_stage(stage: dict, ckpt_dir: str, family: str, ipc_dir: str, async_chu
             spmd.initialize(config, 0, coordinator)
             spmd.check_same_stage(config, family, async_chunk)
         _use_stage_device(config)
+        if config.num_processes == 1:
+            activate_program_cache(stage, ckpt_dir, family, async_chunk)
         # Start-up is the longest silence a user meets (a real model's compiles take minutes):
         # say what is happening and when it is done.
         print(f"[omni-jax] stage {name!r}: loading and compiling its programs", file=sys.stderr, flush=True)
         engine = build_stage_engine(family, config, ckpt_dir, async_chunk)
         server = StageServer(config, engine, family, ckpt_dir, ipc_dir, ctx, inbox, outbox, leader)
         seconds = time.perf_counter() - t0
-        print(f"[omni-jax] stage {name!r} ready in {seconds:.1f} s", file=sys.stderr, flush=True)
+        print(f"[omni-jax] stage {name!r} ready in {seconds:.1f} s{_programs_read_back()}", file=sys.stderr, flush=True)
         outbox.send(Ready(stage=name, pid=os.getpid(), warmup_seconds=seconds, num_compilations=engine.num_compilations))
     except BaseException as e:  # report why the stage could not start, then exit
         outbox.send(StageFailure(stage=name, message=f"stage {name!r} failed to start: "
@@ -412,6 +417,24 @@ def follow_stage(stage: dict, ckpt_dir: str, family: str, ipc_dir: str | None, a
     server.close()
     ticks.close()
     ctx.term()
+
+
+def activate_program_cache(stage: dict, ckpt_dir: str, family: str, async_chunk: bool) -> None:
+    """Keep the stage's traced step programs under the OmniJax cache (engine/program_cache.py),
+    scoped by what the stage is built from: a restart reads them back instead of tracing.
+    `OMNI_JAX_PROGRAM_CACHE_DIR` chooses another place ("" turns it off)."""
+    directory = os.environ.get("OMNI_JAX_PROGRAM_CACHE_DIR", os.path.join(cache_root(), "program-cache"))
+    if directory:
+        program_cache.activate(directory, dict(family=family, stage=stage, checkpoint=read_config(ckpt_dir),
+                                               async_chunk=async_chunk))
+
+
+def _programs_read_back() -> str:
+    """What the program cache saved this start, for the stage's ready line ("" without one)."""
+    cache = program_cache.active()
+    if cache is None or not sum(cache.stats.values()):
+        return ""
+    return f" ({cache.stats['loaded']} of {sum(cache.stats.values())} step programs read back from the program cache)"
 
 
 def _use_stage_device(config: StageConfig) -> None:

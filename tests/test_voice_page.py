@@ -33,13 +33,15 @@ SHOTS = Path(__file__).parent / ".screenshots"
 def pipeline_yaml(server_pipeline_yaml) -> str:  # noqa: F811
     """test_server's pipeline (its compiles are cached) with test_realtime's audio bucket (a 6.4 s
     spoken turn in one encoder call), and replies that take a while: the
-    thinker writes 300 tokens whatever it says (the server's reply is still running when the
-    user speaks over it) and the talker speaks at least 30 codes (0.6 s)."""
+    thinker writes 600 tokens whatever it says (the server's reply is still running when the
+    user speaks over it: with 300, one CI run on a loaded 2-core machine saw the first reply end
+    before the key press that cancels it reached the server) and the talker speaks at least 30
+    codes (0.6 s)."""
     with open(server_pipeline_yaml) as f:
         cfg = yaml.safe_load(f)
     st = {s["name"]: s for s in cfg["stages"]}
     st["thinker"]["audio_chunk_buckets"] = [1, 4, 32]
-    st["thinker"]["default_sampling"] = {"temperature": 0.0, "max_tokens": 300, "ignore_eos": True}
+    st["thinker"]["default_sampling"] = {"temperature": 0.0, "max_tokens": 600, "ignore_eos": True}
     st["talker"]["default_sampling"] = {**st["talker"]["default_sampling"], "min_tokens": 30}
     path = server_pipeline_yaml.replace(".yaml", "_page.yaml")
     with open(path, "w") as f:

@@ -5,6 +5,7 @@ Layout of a converted directory::
     omni_jax_config.json   {"format_version", "family", "dtype", "stages": [...],
                             "parameters": {stage: count}, "hf_config": {...}}
     thinker/               orbax checkpoint: flat {"model.layers.0.self_attn.q_proj.kernel": array, ...}
+                           (or only random_weights.json: weights drawn at load, see RANDOM_WEIGHTS_FILE)
     tokenizer.json ...     tokenizer / processor files copied from the HF directory
 
 Loading rebuilds the stage module from the stored HF config, then checks that every
@@ -25,6 +26,7 @@ import tempfile
 import time
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -32,6 +34,7 @@ from jax.sharding import Mesh
 
 from .engine import sharding
 from .errors import CheckpointError, ConfigKeyError
+from .models.random_weights import device_params
 from .models.registry import abstract_stage, get_family
 
 CONFIG_FILE = "omni_jax_config.json"
@@ -42,6 +45,9 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # A stage is restored this many bytes at a time, each run moved to the device before the next is
 # read: host memory holds one run, not the stage (61 GB for the Qwen3-Omni-30B-A3B thinker).
 RESTORE_GROUP_BYTES = 1 << 30
+# In a stage directory in place of its orbax checkpoint: the stage's weights are random, drawn
+# when it loads from the seed this JSON gives (benchmarks at real size: nothing written or read).
+RANDOM_WEIGHTS_FILE = "random_weights.json"
 
 # Config fields that size a tensor or a loop: 0 builds an empty model or divides by zero. Other
 # integers may be 0 (a MoE model's dense intermediate_size) but never negative once parsed.
@@ -221,10 +227,10 @@ def load_checkpoint(path: str, stage: str = "thinker", dtype: str | None = None,
     `mesh` (a stage spanning devices, engine/runner.stage_mesh): each parameter is restored
     straight into its place on the mesh (engine/sharding.PARAM_RULES, by the stage config's
     text.num_kv_heads), each device reading only its shard: the whole model is never on one
-    device. Without it, everything goes to the default device.
+    device. Without it, everything goes to the default device. A stage directory holding
+    RANDOM_WEIGHTS_FILE instead of an orbax checkpoint has its weights drawn here (on the default
+    device, then placed on the mesh), by `models/random_weights`' rules.
     """
-    import orbax.checkpoint as ocp
-
     cfg = read_config(path)
     specs = get_family(cfg["family"]).stages
     if stage not in specs or stage not in cfg["stages"]:
@@ -241,6 +247,29 @@ def load_checkpoint(path: str, stage: str = "thinker", dtype: str | None = None,
     stage_dir = os.path.abspath(os.path.join(path, stage))
     if not os.path.isdir(stage_dir):
         raise CheckpointError(f"checkpoint {path} lacks the directory of stage {stage!r}")
+    seed = random_weights_seed(stage_dir)
+    if seed is None:
+        _restore(stage_dir, flat, _restore_args(mesh, stage_cfg, stage), want)
+        how = "loaded"
+    else:  # a stage of random weights (write_random_checkpoint(store_weights=False)): drawn here
+        where = None if mesh is None else _mesh_placement(mesh, stage_cfg, stage)
+        for p, array in device_params(spec.build, stage_cfg, stored, seed).items():
+            array = jnp.asarray(array, dtype=want)
+            flat[p].set_value(array if where is None else jax.device_put(array, where("/".join(map(str, p)), array.shape)))
+        how = f"drew random weights (seed {seed}) for"
+    module = nnx.merge(graphdef, nnx.from_flat_state(flat), rest)
+    if want != stored:
+        module = _with_compute_dtype(spec, stage_cfg, module, want)
+    print(f"[omni-jax] {how} stage {stage!r} from {path} ({len(flat)} tensors, {time.perf_counter() - t0:.1f}s)",
+          file=sys.stderr, flush=True)
+    return module, stage_cfg
+
+
+def _restore(stage_dir: str, flat: dict, how, want) -> None:
+    """Check every parameter of `flat` is stored in `stage_dir` with its shape and dtype (naming
+    the first that is not), then restore them into `flat` in runs of RESTORE_GROUP_BYTES."""
+    import orbax.checkpoint as ocp
+
     ckptr = ocp.StandardCheckpointer()
     try:
         meta = ckptr.metadata(stage_dir).item_metadata.tree
@@ -261,7 +290,6 @@ def load_checkpoint(path: str, stage: str = "thinker", dtype: str | None = None,
     if extra:
         raise CheckpointError(f"{stage_dir}: unexpected parameter {extra[0]!r} (checkpoint and model differ)")
     ckptr.close()
-    how = _restore_args(mesh, stage_cfg, stage)
     with ocp.PyTreeCheckpointer() as reader:
         for group in _groups(flat, RESTORE_GROUP_BYTES):
             item = {path_key(p): flat[p].get_value() for p in group}
@@ -270,12 +298,6 @@ def load_checkpoint(path: str, stage: str = "thinker", dtype: str | None = None,
                 item=item, restore_args=args, partial_restore=True))
             for p in group:  # the cast keeps each array's sharding
                 flat[p].set_value(jnp.asarray(restored.pop(path_key(p)), dtype=want))
-    module = nnx.merge(graphdef, nnx.from_flat_state(flat), rest)
-    if want != stored:
-        module = _with_compute_dtype(spec, stage_cfg, module, want)
-    print(f"[omni-jax] loaded stage {stage!r} from {path} ({len(flat)} tensors, {time.perf_counter() - t0:.1f}s)",
-          file=sys.stderr, flush=True)
-    return module, stage_cfg
 
 
 def _groups(flat: dict, limit: int) -> list[list[tuple]]:
@@ -301,13 +323,42 @@ def _restore_args(mesh: Mesh | None, stage_cfg, stage: str):
 
     if mesh is None:
         return lambda path, value: ocp.RestoreArgs(restore_type=np.ndarray)
+    where = _mesh_placement(mesh, stage_cfg, stage)
+    return lambda path, value: ocp.ArrayRestoreArgs(
+        sharding=where(path, value.shape), global_shape=value.shape, dtype=value.dtype)
+
+
+def _mesh_placement(mesh: Mesh, stage_cfg, stage: str):
+    """(parameter path, shape) -> its sharding on `mesh` (engine/sharding.PARAM_RULES)."""
     text = getattr(stage_cfg, "text", None)
     if text is None or not hasattr(text, "num_kv_heads"):
         raise CheckpointError(f"stage {stage!r} runs on one device (no decoder to split over a mesh)")
     sharding.check_kv_heads(mesh, text.num_kv_heads)
-    where = sharding.param_sharding(mesh, text.num_kv_heads)
-    return lambda path, value: ocp.ArrayRestoreArgs(
-        sharding=where(path, value.shape), global_shape=value.shape, dtype=value.dtype)
+    return sharding.param_sharding(mesh, text.num_kv_heads)
+
+
+def random_weights_seed(stage_dir: str) -> int | None:
+    """The seed of a stage whose weights are drawn at load (its RANDOM_WEIGHTS_FILE), or None
+    for a stage of stored weights; CheckpointError for a file that does not give one."""
+    marker = os.path.join(stage_dir, RANDOM_WEIGHTS_FILE)
+    if not os.path.isfile(marker):
+        return None
+    try:
+        with open(marker) as f:
+            seed = json.load(f)["seed"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{marker}: cannot read the seed of the stage's random weights "
+                              f"({type(e).__name__}: {e})") from None
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise CheckpointError(f"{marker}: seed {seed!r} is not a non-negative integer")
+    return seed
+
+
+def write_random_weights_marker(stage_dir: str, seed: int) -> None:
+    """Make `stage_dir` a stage whose weights `load_checkpoint` draws (no weights stored)."""
+    os.makedirs(stage_dir, exist_ok=True)
+    with open(os.path.join(stage_dir, RANDOM_WEIGHTS_FILE), "w") as f:
+        json.dump({"seed": seed}, f)
 
 
 def _with_compute_dtype(spec, stage_cfg, module, dtype):

@@ -2,47 +2,27 @@
 processes) through `AsyncOmniJax` with async chunk, at the real size (GPU) or the tiny one
 (CPU), random weights: time to first audio and real-time factor at each concurrency.
 
-The stages load a checkpoint, so a random one is written first (`build_random_checkpoint`,
-weights drawn on the device) by a process of its own: its device memory is free again before
-the stages start.
+The stages load a checkpoint, so a random one is written first (`build_random_checkpoint`)
+without weights: each stage draws its own on the device as it loads. The real size's 14.2 GiB
+took 95-98 s of the part's budget to write (2026-12-04), to disk or to /dev/shm alike, and the
+part never reached its figures.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
 
-from sizes import ROOT, SIZES, hf_config
+from sizes import ROOT, hf_config
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 VOICE = "Chelsie"  # one of the random checkpoint's voices (tiny.tiny_speakers)
-
-
-def write_checkpoint(out_dir: str, size) -> None:
-    from omni_jax.models.qwen2_5_omni.tiny import build_random_checkpoint
-
-    # Drawn on the GPU (seconds for 9B parameters); with numpy on a CPU, where one program drawing
-    # the 528 vocoder tensors took longer to compile than numpy takes to draw them.
-    build_random_checkpoint(out_dir, hf_config("qwen2_5_omni", size), dtype=size.dtype,
-                            on_device=size.name == "gpu")
-
-
-def checkpoint_base(size) -> str | None:
-    """Where the random checkpoint goes: memory (/dev/shm) on a GPU machine that has room for it,
-    else the default temporary folder. The real-size one (14.2 GiB in bf16) took 95 s of the
-    part's budget to write to the GPU machine's disk and 98 s to /dev/shm (2026-12-04), which
-    the figures do not measure."""
-    shm = "/dev/shm"
-    if size.name == "gpu" and os.path.isdir(shm) and shutil.disk_usage(shm).free > 32 * 2**30:
-        return shm
-    return None
 
 
 def pipeline_for(size, n: int):
@@ -76,21 +56,20 @@ def run(size, rep, results_dir) -> None:
     from omni_jax import AsyncOmniJax, SamplingParams
     from speech_serving import serve_speech
 
+    from omni_jax.models.qwen2_5_omni.tiny import build_random_checkpoint
+
     n = max(size.speech_concurrency)
-    base = checkpoint_base(size)
-    tmp = tempfile.mkdtemp(prefix="omni-jax-speech-", dir=base)
+    tmp = tempfile.mkdtemp(prefix="omni-jax-speech-")
     omni = None
     try:
         ckpt = os.path.join(tmp, "qwen2_5_omni_random")
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, os.path.abspath(__file__), ckpt, size.name], check=True, cwd=ROOT)
-        gib = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(ckpt) for f in fs) / 2**30
-        rep.add("random checkpoint written", time.perf_counter() - t0, "s",
-                f"{gib:.1f} GiB, {size.dtype}, in {base or 'the temporary folder'}")
+        build_random_checkpoint(ckpt, hf_config("qwen2_5_omni", size), dtype=size.dtype, store_weights=False)
+        rep.add("random checkpoint written (weights drawn by the stages)", time.perf_counter() - t0, "s")
         t0 = time.perf_counter()
         omni = AsyncOmniJax(model=ckpt, pipeline=pipeline_for(size, n), output_modalities=["text", "audio"],
                             async_chunk=True)
-        rep.add("pipeline start (load + compile, 3 stages)", time.perf_counter() - t0, "s")
+        rep.add("pipeline start (draw weights + compile, 3 stages)", time.perf_counter() - t0, "s")
         params = [SamplingParams(temperature=0.0, max_tokens=size.speech_thinker_tokens, ignore_eos=True),
                   SamplingParams(temperature=0.0, repetition_penalty=1.05, max_tokens=size.speech_talker_tokens,
                                  ignore_eos=True), None]
@@ -112,6 +91,3 @@ def run(size, rep, results_dir) -> None:
             omni.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
 
-
-if __name__ == "__main__":  # the checkpoint writer's own process
-    write_checkpoint(sys.argv[1], SIZES[sys.argv[2]])

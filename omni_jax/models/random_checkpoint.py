@@ -9,27 +9,32 @@ checkpoint like one `omni-jax convert` writes.
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Callable
 
 import numpy as np
 
-from ..checkpoint import CONFIG_FILE, DTYPES, FORMAT_VERSION, GENERATION_CONFIG_FILE, building_dir, save_stage
-from .random_weights import device_params, random_params
-from .registry import family_of, get_family
+from ..checkpoint import (CONFIG_FILE, DTYPES, FORMAT_VERSION, GENERATION_CONFIG_FILE, building_dir, save_stage,
+                          write_random_weights_marker)
+from .random_weights import RandomRows, random_params
+from .registry import abstract_stage, family_of, get_family, param_shapes
 
 
 def write_random_checkpoint(out_dir: str, hf_config: dict, *, seed: int = 0, dtype: str = "float32",
-                            on_device: bool = False, generation_config: dict | None = None,
+                            generation_config: dict | None = None,
                             speakers: dict | None = None,
-                            write_tokenizer: Callable[[str], object] | None = None) -> str:
+                            write_tokenizer: Callable[[str], object] | None = None,
+                            store_weights: bool = True) -> str:
     """Write an OmniJax checkpoint of random weights for `hf_config` into `out_dir`.
 
     Every stage of the config's family whose config is present is written, drawn with numpy
-    (fixed values for a seed) or, `on_device`, with JAX on the default device (minutes faster
-    at real size); `speakers` are the voices of a family that keeps them in a file
-    (Qwen2.5-Omni's spk_dict.pt), and `write_tokenizer(dir)` writes the tokenizer files. Built
-    beside `out_dir` and renamed at the end, so an interrupted build leaves nothing half-written.
+    (fixed values for a seed); `speakers` are the voices of a family that keeps them in a file
+    (Qwen2.5-Omni's spk_dict.pt), and `write_tokenizer(dir)` writes the tokenizer files.
+    `store_weights=False` writes no weights: each stage's directory says its weights are drawn,
+    with JAX on the device, when it loads, so a model of any size costs no disk and no write
+    (the GPU check's real-size speech pipeline: 14 GiB took 95 s to write there). Built beside
+    `out_dir` and renamed at the end, so an interrupted build leaves nothing half-written.
     """
     family = family_of(hf_config)
     specs = get_family(family).stages
@@ -40,15 +45,23 @@ def write_random_checkpoint(out_dir: str, hf_config: dict, *, seed: int = 0, dty
             if spec.config_key not in hf_config:
                 continue
             cfg = spec.parse_config(hf_config[spec.config_key])
-            arrays = (device_params(spec.build, cfg, DTYPES[dtype], seed + i) if on_device
-                      else random_params(spec.build, cfg, rng, DTYPES[dtype]))
-            save_stage(os.path.join(tmp, name), arrays)
-            if ("model", "embed_tokens", "embedding") in arrays:
-                # on the host: the side files read rows of it by id lists (jax arrays take no lists)
-                tables[f"{name}.model.embed_tokens.weight"] = np.asarray(arrays[("model", "embed_tokens", "embedding")])
+            stage_dir = os.path.join(tmp, name)
+            embed = ("model", "embed_tokens", "embedding")
+            if store_weights:
+                arrays = random_params(spec.build, cfg, rng, DTYPES[dtype])
+                save_stage(stage_dir, arrays)
+                shapes = {p: a.shape for p, a in arrays.items()}
+                if embed in arrays:
+                    # on the host: the side files read rows of it by id lists (jax arrays take no lists)
+                    tables[f"{name}.model.embed_tokens.weight"] = np.asarray(arrays[embed])
+                del arrays
+            else:
+                write_random_weights_marker(stage_dir, seed + i)
+                shapes = param_shapes(abstract_stage(spec, cfg, DTYPES[dtype]))
+                if embed in shapes:
+                    tables[f"{name}.model.embed_tokens.weight"] = RandomRows(shapes[embed], seed + i)
             stages.append(name)
-            parameters[name] = sum(int(a.size) for a in arrays.values())
-            del arrays
+            parameters[name] = sum(math.prod(s) for s in shapes.values())
         side_files = get_family(family).side_files
         if side_files is not None:
             side_files(None, tables.__getitem__, hf_config, tmp, speakers=speakers)

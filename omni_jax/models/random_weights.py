@@ -100,3 +100,19 @@ def random_module(build: Callable, cfg, dtype, seed: int = 0) -> nnx.Module:
     for path, array in _draw_on_device(params, seed):
         flat[path].set_value(array)
     return nnx.merge(graphdef, nnx.from_flat_state(flat), rest)
+
+
+class RandomRows:
+    """An embedding table of `shape` that is never held: indexing it (an id or a list of ids)
+    draws those rows, each seeded by (`seed`, id), by the embedding rule above. What a family's
+    side files read of a stage whose weights are drawn at load (checkpoint.RANDOM_WEIGHTS_FILE):
+    a few rows, of a table that can be gigabytes."""
+
+    def __init__(self, shape: tuple, seed: int):
+        self.shape, self.seed = tuple(shape), seed
+
+    def __getitem__(self, ids):
+        one = np.ndim(ids) == 0
+        rows = np.stack([np.random.default_rng([self.seed, int(i)]).standard_normal(self.shape[1:])
+                         for i in np.atleast_1d(ids)]) / np.sqrt(self.shape[-1])
+        return rows[0] if one else rows

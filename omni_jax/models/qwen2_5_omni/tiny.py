@@ -78,12 +78,12 @@ def build_tiny_checkpoint(out_dir: str, seed: int = 0) -> str:
 
 
 def build_random_checkpoint(out_dir: str, hf_config: dict, *, seed: int = 0, dtype: str = "float32",
-                            on_device: bool = False, tokenizer: bool = True) -> str:
+                            store_weights: bool = True, tokenizer: bool = True) -> str:
     """Write a random Qwen2.5-Omni checkpoint of the sizes in `hf_config` (the tiny one, or the
     real 7B for the GPU check) with two random voices and the real Qwen tokenizer (`tokenizer`:
     False leaves it out, as a conversion of a directory without one does;
     `write_random_checkpoint` says how the weights are drawn)."""
-    return write_random_checkpoint(out_dir, hf_config, seed=seed, dtype=dtype, on_device=on_device,
+    return write_random_checkpoint(out_dir, hf_config, seed=seed, dtype=dtype, store_weights=store_weights,
                                    generation_config=TINY_GENERATION_CONFIG,
                                    speakers=tiny_speakers(hf_config, seed),
                                    write_tokenizer=build_qwen2_5_omni_tokenizer if tokenizer else None)

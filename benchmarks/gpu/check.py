@@ -39,7 +39,11 @@ PARTS = {
     "thinker_30b_moe": "thinker:run_qwen3",
     "speech": "speech:run",
     "peer": "peer:run",
+    "tuning": "tuning:run",
 }
+# Parts a GPU run takes only when `--only` names them (the rest fill the device tool's 10
+# minutes a command); a CPU run takes every part.
+ASKED_ONLY_ON_GPU = ("tuning",)
 
 
 def run_part(name: str, size_name: str, results_dir: str) -> int:
@@ -94,7 +98,7 @@ def orchestrate(args) -> int:
     header = dict(size=size.name, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                   host=platform.node(), python=platform.python_version(),
                   wheels=os.environ.get("OMNI_JAX_CHECK_SITE") or "none installed")
-    names = args.only or list(PARTS)
+    names = args.only or [p for p in PARTS if size.name == "cpu" or p not in ASKED_ONLY_ON_GPU]
     budgets = dict(size.budgets)
     for item in args.budget:
         part, _, secs = item.partition("=")

@@ -55,7 +55,8 @@ GPU = Size(
     prefill_tokens=2048,
     speech_concurrency=(1, 8), speech_thinker_tokens=32, speech_talker_tokens=200,
     peer_batches=(1, 16), peer_prompt=512, peer_new_tokens=64,
-    budgets=dict(environment=15, kernels=75, thinker_7b=95, thinker_30b_moe=140, speech=165, peer=45),
+    budgets=dict(environment=15, kernels=75, thinker_7b=95, thinker_30b_moe=140, speech=165, peer=45,
+                 tuning=180),
 )
 
 CPU = Size(
@@ -65,7 +66,8 @@ CPU = Size(
     decode_batches=(1, 4), moe_decode_batches=(1, 4), decode_prompt=16, decode_steps=4, prefill_tokens=64,
     speech_concurrency=(1, 2), speech_thinker_tokens=4, speech_talker_tokens=24,
     peer_batches=(1, 4), peer_prompt=16, peer_new_tokens=8,
-    budgets=dict(environment=60, kernels=240, thinker_7b=240, thinker_30b_moe=240, speech=600, peer=120),
+    budgets=dict(environment=60, kernels=240, thinker_7b=240, thinker_30b_moe=240, speech=600, peer=120,
+                 tuning=240),
 )
 
 SIZES = {"gpu": GPU, "cpu": CPU}

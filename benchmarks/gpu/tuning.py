@@ -1,0 +1,197 @@
+"""Part `tuning` (on a GPU only when asked: `--only tuning`): the launch settings and XLA
+options of the kernels a Qwen3-Omni-30B-A3B thinker's batch-1 decode step spends its time in,
+swept at the real shapes, so that a few minutes of a GPU say which table row to change.
+
+The step was 2.98 ms against a 1.49 ms roofline on an H200 (README, "Measured on a GPU"), its
+kernels per layer: the MoE grouped matmuls 26.7 us (gate/up at 78% of the copy bandwidth,
+down at 56%), the attention projections 17.5 us (XLA's GEMMs; q/k/v at 48%), paged decode
+8.8 us, routing 5.8 us. Each point here is one kernel at one setting, timed alone, with its
+share of the copy bandwidth measured in the same run; each sweep ends with its fastest point
+and the setting the tables give today:
+
+* the grouped matmul's block_n, block_k, warps and stages, for the gate/up and the down
+  projection of one token's 8 experts;
+* the attention projections of one token (q/k/v side by side, as `parallel_linears` runs them,
+  then o_proj): XLA as compiled today, XLA without its Triton GEMMs (cuBLAS), and the grouped
+  matmul as a dense one (one group, the weight stored [out, in]) at a few settings;
+* paged decode of one 530-token sequence with the 30B's heads: tokens per step, warps,
+  stages and splits of the context.
+
+On a CPU (`check.sh --cpu`) the kernels run in interpret mode at the tiny model's shapes, one
+point per sweep: the code runs, the times mean nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+
+from sizes import ROOT, hf_config
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+
+
+def _fits(point) -> bool:
+    """A grouped matmul setting within Hopper's 232448 B of shared memory: Triton keeps
+    stages - 1 tiles of the 16-row block and of the weights (what compiling for an H200 asked
+    for: bn128 bk256 s5, 294912 B, fails; every other point here compiles)."""
+    bn, bk, _, stages = point
+    return (16 + bn) * bk * 2 * (stages - 1) <= 232448
+
+
+# (block_n, block_k, num_warps, num_stages) of the grouped matmul at one token (16-row blocks)
+GROUPED_GRID = list(filter(_fits, itertools.product((32, 64, 128), (128, 256), (4,), (3, 5))))
+# the grouped matmul as a dense projection: (block_n, block_k, num_warps, num_stages)
+DENSE_GRID = list(filter(_fits, itertools.product((32, 64, 128), (128, 256), (4,), (4, 5))))
+# paged decode: (tokens per step, num_warps, num_stages, k_splits; None: the kernel's heuristic)
+DECODE_GRID = list(itertools.product((16, 32, 64), (4,), (2, 3), (None, 4, 8, 16)))
+DECODE_CONTEXT = 530  # the thinker parts' decode context (a 512-token prompt, a few steps)
+NO_TRITON_GEMM = {"xla_gpu_enable_triton_gemm": False}
+REL_TOL = 2e-2  # bf16 operands, as the kernels part
+
+
+def run(size, rep, results_dir) -> None:
+    import jax
+
+    import kernels as kb
+    from omni_jax.gpu.programs import text_config
+
+    text = text_config("qwen3_omni", "thinker", hf_config("qwen3_omni", size))
+    on_gpu = jax.devices()[0].platform == "gpu"
+    if size.name == "gpu" and not on_gpu:
+        rep.add("device", jax.devices()[0].device_kind, note="FAIL: no GPU visible to JAX")
+        return
+    interp, iters = size.interpret, size.kernel_iters
+    peak = kb.copy_bandwidth(size.copy_bytes, iters=iters, reps=1 if interp else 5)
+    rep.add("device copy bandwidth (read + write)", peak / 1e9, "GB/s", f"{size.copy_bytes >> 20} MiB bf16")
+    grid = (lambda points: points[:1]) if interp else (lambda points: points)
+    sweep = Sweep(rep, peak, kb, interp, iters)
+    _experts(sweep, text, grid, kb)
+    _projections(sweep, text, grid, kb)
+    _decode(sweep, text, grid, kb)
+
+
+class Sweep:
+    """Times points of one sweep, records each (microseconds, share of the copy bandwidth,
+    error against the sweep's reference), then the fastest of the right ones and the current
+    setting's."""
+
+    def __init__(self, rep, peak, kb, interpret, iters):
+        self.rep, self.peak, self.kb, self.interpret, self.iters = rep, peak, kb, interpret, iters
+
+    def run(self, name: str, nbytes: int, points: dict, want, current: str | None = None) -> None:
+        """`points`: label -> (function, args); `want`: the reference output every point must
+        give (within REL_TOL); `current`: the label of today's setting."""
+        times = {}
+        for label, (fn, args) in points.items():
+            try:
+                secs = self.kb.time_call(fn, *args, iters=self.iters, reps=1 if self.interpret else 5)
+                _, rel = self.kb._errors(fn(*args), want)
+            except Exception as e:  # noqa: BLE001 - a setting past the GPU's limits fails to compile
+                self.rep.add(f"{name} {label}", "failed", note=f"{type(e).__name__}: {str(e)[:160]}")
+                continue
+            wrong = not rel <= REL_TOL  # NaN is wrong
+            self.rep.add(f"{name} {label}", secs * 1e6, "us", self._share(nbytes, secs) + f", rel err {rel:.2g}"
+                         + (f" FAIL: over {REL_TOL}" if wrong else ""))
+            if not wrong:
+                times[label] = secs
+        if not times:
+            return
+        best = min(times, key=times.get)
+        note = self._share(nbytes, times[best])
+        if current in times:
+            note += f"; today's setting ({current}): {times[current] * 1e6:.3g} us, {times[current] / times[best]:.2f}x"
+        self.rep.add(f"{name} fastest: {best}", times[best] * 1e6, "us", note)
+
+    def _share(self, nbytes: int, secs: float) -> str:
+        return f"{nbytes / secs / 1e9:.4g} GB/s = {100 * nbytes / secs / self.peak:.3g}% of copy"
+
+
+def _experts(sweep, text, grid, kb) -> None:
+    """The MoE layer's two grouped matmuls for one token's experts."""
+    import jax
+
+    from kernels_pallas.grouped_matmul import block_settings, grouped_matmul, grouped_tuning
+    from omni_jax.models.layers.moe import blocked_grouped_matmul
+
+    e, per_token, h, width = text.num_experts, text.num_experts_per_tok, text.hidden_size, text.moe_intermediate_size
+    sizes = kb.routed(jax.random.key(1), 1, e, per_token)
+    tune = grouped_tuning()
+    now = block_settings(tune, 16)
+    current = f"bn{tune['block_n']} bk{now['block_k']} w{now['num_warps']} s{now['num_stages']}"
+    for name, (n, k) in (("gate/up", (2 * width, h)), ("down", (h, width))):
+        w = jax.random.normal(jax.random.key(2), (e, n, k), kb.DTYPE)
+        rows = jax.random.normal(jax.random.key(3), (per_token, k), kb.DTYPE)
+        points = {}
+        for bn, bk, warps, stages in grid(GROUPED_GRID):
+            fn = jax.jit(lambda r, w_, s, c=(bn, bk, warps, stages): grouped_matmul(
+                r, w_, s, out_dtype=kb.DTYPE, block_n=c[0], block_k=c[1], num_warps=c[2], num_stages=c[3],
+                interpret=sweep.interpret))
+            points[f"bn{bn} bk{bk} w{warps} s{stages}"] = (fn, (rows, w, sizes))
+        nbytes = per_token * n * k * kb.ITEM + rows.size * kb.ITEM + per_token * n * kb.ITEM
+        want = blocked_grouped_matmul(rows, w, sizes, out_dtype=kb.DTYPE)
+        sweep.run(f"moe {name} 1 token {n}x{k}", nbytes, points, want, current)
+        del w
+
+
+def _projections(sweep, text, grid, kb) -> None:
+    """One token through the attention's projections: XLA as compiled today and without its
+    Triton GEMMs, and the grouped matmul with one group."""
+    import jax
+    import jax.numpy as jnp
+
+    from kernels_pallas.grouped_matmul import grouped_matmul
+    from omni_jax.models.layers.linear import fp32_accumulating_dot_general
+
+    h, d = text.hidden_size, text.head_dim
+    widths = (text.num_heads * d, text.num_kv_heads * d, text.num_kv_heads * d)
+    for name, (k, outs) in (("q/k/v", (h, widths)), ("o_proj", (text.num_heads * d, (h,)))):
+        n = sum(outs)
+        x = jax.random.normal(jax.random.key(4), (1, k), kb.DTYPE)
+        kernels = [jax.random.normal(jax.random.key(5 + i), (k, o), kb.DTYPE) for i, o in enumerate(outs)]
+
+        def side_by_side(x, *ws):  # parallel_linears' GPU path: the concatenation fused into the GEMM
+            w = jnp.concatenate(ws, axis=1) if len(ws) > 1 else ws[0]
+            return fp32_accumulating_dot_general(x, w, (((1,), (0,)), ((), ())))
+
+        xla = jax.jit(side_by_side)
+        args = (x, *kernels)
+        points = {"XLA": (xla, args),
+                  "XLA, no Triton GEMM": (xla.lower(*args).compile(compiler_options=NO_TRITON_GEMM), args)}
+        stored = jnp.concatenate(kernels, axis=1).T[None]  # [1, out, in]: the layout the kernel reads
+        one = jnp.array([1], jnp.int32)
+        for bn, bk, warps, stages in grid(DENSE_GRID):
+            fn = jax.jit(lambda r, w_, s, c=(bn, bk, warps, stages): grouped_matmul(
+                r, w_, s, out_dtype=kb.DTYPE, block_n=c[0], block_k=c[1], num_warps=c[2], num_stages=c[3],
+                interpret=sweep.interpret))
+            points[f"Pallas bn{bn} bk{bk} w{warps} s{stages}"] = (fn, (x, stored, one))
+        sweep.run(f"{name} 1 token {k}x{n}", (k * n + k + n) * kb.ITEM, points, xla(*args), "XLA")
+        del kernels, stored
+
+
+def _decode(sweep, text, grid, kb) -> None:
+    """Paged decode of one sequence with the thinker's heads."""
+    import jax
+    import jax.numpy as jnp
+
+    from kernels_pallas import reference
+    from kernels_pallas.paged_attention import decode_tuning, paged_attention
+
+    hq, hkv, d, bs = text.num_heads, text.num_kv_heads, text.head_dim, 16
+    ctx = min(DECODE_CONTEXT, 4 * bs) if sweep.interpret else DECODE_CONTEXT
+    k, v, tables = kb.make_pool(jax.random.key(9), 1, ctx, bs, hkv, d)
+    q = jax.random.normal(jax.random.key(10), (1, hq, d), kb.DTYPE)
+    lens = jnp.full((1,), ctx, jnp.int32)
+    tune = decode_tuning()
+    current = f"t{tune['tokens_per_step']} w{tune['num_warps']} s{tune['num_stages']} splits auto"
+    points = {}
+    for tokens, warps, stages, splits in grid(DECODE_GRID):
+        fn = jax.jit(lambda *a, c=(tokens // bs, warps, stages, splits): paged_attention(
+            *a, pages_per_compute_block=c[0], num_warps=c[1], num_stages=c[2], k_splits=c[3],
+            interpret=sweep.interpret))
+        points[f"t{tokens} w{warps} s{stages} splits {splits or 'auto'}"] = (fn, (q, k, v, tables, lens))
+    nbytes = ctx * hkv * d * 2 * kb.ITEM + 2 * q.size * kb.ITEM
+    want = reference.paged_attention(q, k, v, tables, lens)
+    sweep.run(f"paged decode 1 x {ctx}", nbytes, points, want, current)

@@ -43,7 +43,7 @@ def engine_with_program_cache(converted_thinker_fp32, tmp_path_factory):
     try:
         return _build_engine(converted_thinker_fp32)
     finally:
-        program_cache._active = None
+        program_cache.use(None)
 
 
 def run_all(engine, max_steps=500):

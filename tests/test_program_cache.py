@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -116,11 +117,11 @@ def test_a_stage_engine_restarted_reads_its_step_programs_and_decodes_the_same(t
     stage = load_pipeline_config("qwen2_5_omni_tiny").stages[0]
 
     def run(cache):
-        program_cache._active = cache
+        program_cache.use(cache)
         try:
             engine = build_stage_engine("qwen2_5_omni", stage, converted_thinker_fp32)
         finally:
-            program_cache._active = None
+            program_cache.use(None)
         for i, n in enumerate((5, 40, 9)):
             engine.add_request(request_id=f"r{i}", prompt_token_ids=np.arange(100, 100 + n),
                                sampling_params=SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
@@ -148,3 +149,31 @@ def test_a_cache_that_cannot_be_written_costs_a_trace_not_the_program(tmp_path, 
         assert cache.fact("probe", lambda: {"read": [1, 2]}, shapes=[1]) == {"read": [1, 2]}
     np.testing.assert_array_equal(out[0][0], _fn(*_args(), scale=2.0)[0][0])
     assert "traced without the program cache" in caplog.text and "not written" in caplog.text
+
+
+def test_scopes_unused_for_weeks_are_removed_when_a_stage_starts(tmp_path):
+    """Every code version leaves a scope directory: a start removes those no start has used in
+    PRUNE_AFTER_DAYS, renews its own, and leaves what the cache did not name alone."""
+    days = 86400.0
+
+    def scope(name, age_days):
+        path = tmp_path / name
+        path.mkdir()
+        (path / "step-0.exported").write_bytes(b"x")
+        os.utime(path, (time.time() - age_days * days,) * 2)
+        return path
+
+    current = ProgramCache(str(tmp_path), {"stage": "a"})
+    mine = scope(os.path.basename(current.dir), program_cache.PRUNE_AFTER_DAYS + 5)  # the scope this start uses
+    stale = scope("0123456789abcdef0123456789abcdef", program_cache.PRUNE_AFTER_DAYS + 1)
+    recent = scope("fedcba9876543210fedcba9876543210", program_cache.PRUNE_AFTER_DAYS - 1)
+    foreign = scope("my-notes", 400)
+    try:
+        cache = program_cache.activate(str(tmp_path), {"stage": "a"})
+        assert cache.dir == str(mine) and program_cache.active() is cache
+    finally:
+        program_cache.use(None)
+    assert not stale.exists()
+    assert mine.exists() and time.time() - mine.stat().st_mtime < days  # renewed: a start used it
+    assert recent.exists() and foreign.exists()
+    assert program_cache.prune(str(tmp_path / "absent")) == []

@@ -9,8 +9,9 @@ JAX's numeric flags and the variables JAX and XLA read, and what the caller name
 family, configuration and checkpoint config) plus the program's name, its arguments' tree,
 shapes and dtypes and its static values. A later start reads it back (milliseconds) instead of
 tracing; a miss traces and writes it. Every call, the first run's included, goes through the
-exported program, so both runs run the same one. Unbounded, as JAX's cache: a scope directory
-per code version and stage (delete the directory to reclaim it).
+exported program, so both runs run the same one. A scope directory per code version and stage;
+one that no stage has started from in PRUNE_AFTER_DAYS is removed when a stage starts (every
+upgrade, every edit of the code, leaves one behind).
 
 Single-device programs only (the caller checks): an exported program keeps the shardings it
 was traced with, which a mesh's arguments would have to match.
@@ -23,7 +24,10 @@ import hashlib
 import json
 import logging
 import os
+import re
+import shutil
 import struct
+import time
 import tempfile
 from pathlib import Path
 from typing import Callable
@@ -41,6 +45,11 @@ _CODE_SUFFIXES = (".py", ".cc")
 # code and jaxlib that wrote it (both in the scope). A target missing here fails the export:
 # that program is then traced as usual (`_program`).
 _CUSTOM_CALLS = ("omni_jax_paged_attention", "omni_jax_ragged_paged_attention", "__gpu$xla.gpu.triton")
+
+
+# A scope directory no stage started from for this long is removed (`prune`).
+PRUNE_AFTER_DAYS = 14
+_SCOPE_NAME = re.compile(r"[0-9a-f]{32}")  # what `ProgramCache` names its scope directories
 
 
 class Unsupported(Exception):
@@ -232,10 +241,44 @@ _active: ProgramCache | None = None
 
 
 def activate(directory: str, scope: dict) -> ProgramCache:
-    """Keep this process's cacheable programs under `directory` (a stage process, at start-up)."""
+    """Keep this process's cacheable programs under `directory` (a stage process, at start-up),
+    marking its scope directory used and removing the scopes left unused (`prune`)."""
+    cache = ProgramCache(directory, scope)
+    try:
+        os.utime(cache.dir)
+    except OSError:  # not written yet (its first start), or not writable: nothing to mark
+        pass
+    prune(directory)
+    use(cache)
+    return cache
+
+
+def prune(directory: str, max_age_s: float = PRUNE_AFTER_DAYS * 86400.0) -> list[str]:
+    """Remove the scope directories under `directory` unused for `max_age_s` (by their time
+    stamp, which `activate` renews); anything not named as a scope is left alone. Returns
+    what was removed. A stage still running from a removed scope traces what it misses."""
+    removed, now = [], time.time()
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return removed
+    for entry in entries:
+        try:
+            old = entry.is_dir(follow_symlinks=False) and now - entry.stat(follow_symlinks=False).st_mtime > max_age_s
+        except OSError:
+            continue
+        if old and _SCOPE_NAME.fullmatch(entry.name):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    if removed:
+        log.info("program cache: removed %d scope(s) unused for %.0f days", len(removed), max_age_s / 86400)
+    return removed
+
+
+def use(cache: ProgramCache | None) -> None:
+    """Make `cache` this process's program cache (None: none)."""
     global _active
-    _active = ProgramCache(directory, scope)
-    return _active
+    _active = cache
 
 
 def active() -> ProgramCache | None:

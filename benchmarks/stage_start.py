@@ -1,15 +1,16 @@
-"""Seconds a restarted stage takes to be ready: its step programs read back from OmniJax's
-program cache (engine/program_cache.py), against tracing them again with only JAX's
-compilation cache warm (the peer: how every stage started before, measured in the same run).
+"""Seconds a restarted stage takes to be ready: its programs read back from OmniJax's program
+cache (engine/program_cache.py), against tracing them again with only JAX's compilation cache
+warm (the peer: how every stage started before, measured in the same run).
 
-    python benchmarks/stage_start.py [--layers 28] [--repeat 3]
+    python benchmarks/stage_start.py [--stage thinker|token2wav] [--layers 28] [--repeat 3]
 
-The stage: a random Qwen2.5-Omni thinker as deep as the 7B's (`--layers`, 28) and as narrow as
+The thinker: a random Qwen2.5-Omni thinker as deep as the 7B's (`--layers`, 28) and as narrow as
 the tiny model (tracing costs per layer and per operation, not per weight: the restart's
 tracing is a real model's, its weights and compiles are not), with the 7B preset's 13 token
-and decode buckets. Each start is a fresh process doing what a stage process does before it
-says it is ready (`build_stage_engine`: load, trace or read back, compile or load from JAX's
-cache, warm up). First one start of each way fills the caches; then the ways alternate
+and decode buckets. The vocoder (`--stage token2wav`): the tiny model's, as its preset serves it
+(streamed: async chunk), whose restart was the longest of the demo's three stages. Each start
+is a fresh process doing what a stage process does before it says it is ready
+(`build_stage_engine`: load, trace or read back, compile or load from JAX's cache, warm up). First one start of each way fills the caches; then the ways alternate
 `--repeat` times and the best and median of each are printed.
 """
 
@@ -37,10 +38,10 @@ configure_compile_cache()
 from omni_jax.engine import program_cache
 from omni_jax.runtime.stage_loop import activate_program_cache, build_stage_engine
 from omni_jax.config import StageConfig
-stage, ckpt, family = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+stage, ckpt, family, streamed = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4] == "1"
 t0 = time.perf_counter()
-activate_program_cache(stage, ckpt, family, False)
-build_stage_engine(family, StageConfig.from_dict(stage), ckpt)
+activate_program_cache(stage, ckpt, family, streamed)
+build_stage_engine(family, StageConfig.from_dict(stage), ckpt, streamed)
 cache = program_cache.active()
 print(json.dumps({"seconds": time.perf_counter() - t0, "stats": cache.stats if cache else None}))
 """
@@ -57,6 +58,12 @@ def thinker_stage() -> dict:
     return {s.name: s for s in tiny.stages}["thinker"].to_dict()
 
 
+def vocoder_stage() -> dict:
+    from omni_jax.config import load_pipeline_config
+
+    return {s.name: s for s in load_pipeline_config("qwen2_5_omni_tiny").stages}["token2wav"].to_dict()
+
+
 def start(stage: dict, ckpt: str, caches: str, cached: bool) -> dict:
     # Both caches where a stage keeps them by default (under $OMNI_JAX_CACHE, every program kept)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE",
@@ -64,7 +71,8 @@ def start(stage: dict, ckpt: str, caches: str, cached: bool) -> dict:
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, OMNI_JAX_CACHE=caches)
     if not cached:
         env["OMNI_JAX_PROGRAM_CACHE_DIR"] = ""
-    out = subprocess.run([sys.executable, "-c", START, json.dumps(stage), ckpt, FAMILY], capture_output=True,
+    streamed = "1" if stage["runner"] == "oneshot" else "0"  # the vocoder as the presets serve it
+    out = subprocess.run([sys.executable, "-c", START, json.dumps(stage), ckpt, FAMILY, streamed], capture_output=True,
                          text=True, env=env)
     if out.returncode:
         raise SystemExit(f"a stage start failed:\n{out.stderr[-3000:]}")
@@ -73,13 +81,14 @@ def start(stage: dict, ckpt: str, caches: str, cached: bool) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--stage", choices=("thinker", "token2wav"), default="thinker")
     p.add_argument("--layers", type=int, default=28, help="decoder layers of the thinker (the 7B's: 28)")
     p.add_argument("--repeat", type=int, default=3)
     args = p.parse_args()
     from omni_jax.models.qwen2_5_omni.tiny import build_random_checkpoint, tiny_config
 
     print(f"CPU {cpu_model()} ({os.cpu_count()} cores); load average {os.getloadavg()[0]:.2f}", flush=True)
-    stage = thinker_stage()
+    stage = thinker_stage() if args.stage == "thinker" else vocoder_stage()
     with tempfile.TemporaryDirectory() as tmp:
         hf = tiny_config()
         hf["thinker_config"]["text_config"]["num_hidden_layers"] = args.layers
@@ -96,8 +105,9 @@ def main() -> None:
                 run = start(stage, ckpt, caches, cached)
                 times[name].append(run["seconds"])
                 stats = run["stats"] or stats
-    print(f"a {args.layers}-layer thinker, {len(stage['token_buckets'])} token and {len(stage['decode_buckets'])} "
-          f"decode buckets; {stats['loaded']} step programs read back; {args.repeat} restarts of each way:")
+    what = f"a {args.layers}-layer thinker" if args.stage == "thinker" else "the tiny model's vocoder, streamed,"
+    print(f"{what} {len(stage['token_buckets'])} token and {len(stage['decode_buckets'])} "
+          f"decode buckets; {stats['loaded']} programs read back; {args.repeat} restarts of each way:")
     print("| restart | best s | median s | / read back |")
     print("|---|---|---|---|")
     ours = min(times["read back (program cache)"])

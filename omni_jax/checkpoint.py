@@ -255,7 +255,9 @@ def load_checkpoint(path: str, stage: str = "thinker", dtype: str | None = None,
         where = None if mesh is None else _mesh_placement(mesh, stage_cfg, stage)
         for p, array in device_params(spec.build, stage_cfg, stored, seed).items():
             array = jnp.asarray(array, dtype=want)
-            flat[p].set_value(array if where is None else jax.device_put(array, where("/".join(map(str, p)), array.shape)))
+            if where is not None:
+                array = jax.device_put(array, where("/".join(map(str, p)), array.shape))
+            flat[p].set_value(array)
         how = f"drew random weights (seed {seed}) for"
     module = nnx.merge(graphdef, nnx.from_flat_state(flat), rest)
     if want != stored:

@@ -30,7 +30,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     # Tiny programs compile in well under the default 1 s threshold; cache them all.
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
-# Likewise one cache of traced step programs (engine/program_cache.py) for every stage process.
+# Likewise one cache of traced programs (engine/program_cache.py) for every stage process.
 if "OMNI_JAX_PROGRAM_CACHE_DIR" not in os.environ:
     os.environ["OMNI_JAX_PROGRAM_CACHE_DIR"] = tempfile.mkdtemp(prefix="omni-jax-test-programs-")
     atexit.register(shutil.rmtree, os.environ["OMNI_JAX_PROGRAM_CACHE_DIR"], True)

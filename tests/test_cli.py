@@ -18,18 +18,18 @@ def _cli(*args, env=None, timeout=300):
 
 
 def test_generate_tiny_demo(tmp_path):
-    """The README's demo, then again: the second start reads the thinker's step programs back
+    """The README's demo, then again: the second start reads the thinker's programs back
     from the program cache (engine/program_cache.py) instead of tracing them, and says so."""
     env = {"OMNI_JAX_CACHE": str(tmp_path), "OMNI_JAX_PROGRAM_CACHE_DIR": str(tmp_path / "programs")}
     r = _cli("generate", "--model", "tiny", "--prompt", "Hello", "--max-tokens", "5", env=env)
     assert r.returncode == 0, r.stderr
     assert "[5 tokens, finish_reason=length" in r.stdout
     assert list(tmp_path.glob("tiny-qwen2_5_omni-v*/omni_jax_config.json"))
-    first = re.search(r"stage 'thinker' ready in [0-9.]+ s \(0 of (\d+) step programs read back", r.stderr)
+    first = re.search(r"stage 'thinker' ready in [0-9.]+ s \(0 of (\d+) programs read back", r.stderr)
     assert first and int(first[1]) > 0, r.stderr[-2000:]
     again = _cli("generate", "--model", "tiny", "--prompt", "Hello", "--max-tokens", "5", env=env)
     assert again.returncode == 0 and again.stdout.splitlines()[:-1] == r.stdout.splitlines()[:-1], again.stderr  # the reply
-    assert f"({first[1]} of {first[1]} step programs read back" in again.stderr, again.stderr[-2000:]
+    assert f"({first[1]} of {first[1]} programs read back" in again.stderr, again.stderr[-2000:]
 
 
 def test_generate_reports_bad_checkpoint(tmp_path):

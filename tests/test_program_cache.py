@@ -109,7 +109,8 @@ def test_a_program_the_cache_cannot_keep_is_traced_as_usual(tmp_path, caplog):
 
 def test_a_stage_engine_restarted_reads_its_step_programs_and_decodes_the_same(tmp_path, converted_thinker_fp32):
     """The tiny thinker built three times: without the cache, with it empty, with it filled
-    (a restart): the same greedy tokens, and the restart traces none of its step programs."""
+    (a restart): the same greedy tokens and media features, and the restart traces none of its
+    step or media encoder programs."""
     from omni_jax import SamplingParams
     from omni_jax.config import load_pipeline_config
     from omni_jax.runtime.stage_loop import build_stage_engine
@@ -129,15 +130,69 @@ def test_a_stage_engine_restarted_reads_its_step_programs_and_decodes_the_same(t
         while engine.has_unfinished():
             for o in engine.step():
                 tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
-        return tokens
+        # and its media encoders' programs (one audio, one image of 4 x 8 patches)
+        media, rng = engine.media_encoder, np.random.default_rng(0)
+        audio = media.encode_audio([rng.standard_normal((media.cfg.audio.num_mel_bins, 200)).astype(np.float32)])
+        image = media.encode_vision(rng.standard_normal((32, media.cfg.vision.patch_dim)).astype(np.float32),
+                                    np.array([[1, 4, 8]]), "image")
+        return tokens, audio, image
 
     want = run(None)
     first = ProgramCache(str(tmp_path), {"stage": "thinker"})
-    assert run(first) == want
     restart = ProgramCache(str(tmp_path), {"stage": "thinker"})
-    assert run(restart) == want
+    for got in (run(first), run(restart)):
+        assert got[0] == want[0]
+        for a, b in zip(jax.tree.leaves(got[1:]), jax.tree.leaves(want[1:])):
+            np.testing.assert_array_equal(a, b)
     assert first.stats["exported"] > 0 and first.stats["loaded"] == 0
     assert restart.stats == {"loaded": first.stats["exported"], "exported": 0}
+    kept = {f.split("-")[0] for f in os.listdir(first.dir)}
+    assert {"step", "media.audio", "media.vision"} <= kept, kept
+
+
+def _restarts_agree(tmp_path, build, run) -> None:
+    """`run(build())` without the cache, with it empty and with it filled (a restart) gives the
+    same result, and the restart traces none of what the first start wrote."""
+    def built(cache):
+        program_cache.use(cache)
+        try:
+            return build()
+        finally:
+            program_cache.use(None)
+
+    want = run(built(None))
+    first = ProgramCache(str(tmp_path), {"test": "restart"})
+    np.testing.assert_array_equal(run(built(first)), want)
+    restart = ProgramCache(str(tmp_path), {"test": "restart"})
+    np.testing.assert_array_equal(run(built(restart)), want)
+    assert first.stats["exported"] > 0 and first.stats["loaded"] == 0
+    assert restart.stats == {"loaded": first.stats["exported"], "exported": 0}
+
+
+@pytest.mark.parametrize("family, stage", [("qwen2_5_omni", "token2wav"), ("qwen3_omni", "code2wav")])
+def test_a_vocoder_restarted_reads_its_programs_and_speaks_the_same(tmp_path, request, family, stage):
+    """A vocoder stage's programs come from the cache: the same waveform from each start (the
+    streamed ones are the same kind of program, the async chunk pipelines' starts read them)."""
+    from omni_jax import SamplingParams
+    from omni_jax.config import load_pipeline_config
+    from omni_jax.engine.oneshot_engine import OneShotRequestData
+    from omni_jax.engine.protocol import Request
+    from omni_jax.runtime.stage_loop import build_stage_engine
+
+    ckpt = request.getfixturevalue("converted_thinker_fp32" if family == "qwen2_5_omni" else "converted_qwen3_fp32")
+    # One bucket of each kind (whole requests only): three starts' compiles stay short.
+    small = dict(max_num_seqs=1, decode_buckets=[1], token_buckets=[64], max_num_batched_tokens=64, max_model_len=64)
+    pipeline = load_pipeline_config(f"{family}_tiny")
+    name = next(s.name for s in pipeline.stages if s.model_stage == stage)
+    config = next(s for s in pipeline.with_overrides(**{name: small}).stages if s.name == name)
+
+    def speak(engine):
+        synth = engine.synthesizer
+        groups = getattr(synth, "num_quantizers", 1)  # Qwen3's code groups per frame, frame-major
+        codes = np.random.default_rng(0).integers(0, 8, 30 * groups).tolist()
+        return synth([Request("r", codes, SamplingParams(seed=0), data=OneShotRequestData())])[0]
+
+    _restarts_agree(tmp_path, lambda: build_stage_engine(family, config, ckpt, async_chunk=False), speak)
 
 
 def test_a_cache_that_cannot_be_written_costs_a_trace_not_the_program(tmp_path, caplog):

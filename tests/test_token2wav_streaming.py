@@ -135,7 +135,7 @@ def test_vocoder_context_is_exact_to_rounding(synth):
     assert synth.vocoder_context == (20, 20)
     hop, (left, right) = synth.cfg.bigvgan.hop_length, synth.vocoder_context
     mel = (2 * np.random.default_rng(1).standard_normal((118, 80)) - 5).astype(np.float32)
-    whole = np.asarray(synth.jitted.wave(synth.state, mel[None], np.array([len(mel)], np.int32)))[0]
+    whole = np.asarray(synth.jitted.wave(synth.params, mel[None], np.array([len(mel)], np.int32)))[0]
     windows = plan_windows(0, len(mel), len(mel), left, right, 1, 80)
     assert len(windows) > 1
     wav = np.concatenate([w[hop * (a - s):hop * (b - s)] for w, (s, a, b, _) in

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import json
 import logging
 import os
@@ -88,7 +89,8 @@ def _digest(obj) -> str:
 
 # ------------------------------------------------------------------ trees without pickle
 def encode_tree(treedef) -> object:
-    """A JSON form of a tree of tuples, lists, dicts (str or int keys) and None."""
+    """A JSON form of a tree of tuples, lists, dicts (str or int keys), None and OmniJax's
+    NamedTuples (a media encoder's metadata)."""
     data = treedef.node_data()
     if data is None:
         return "*"
@@ -100,6 +102,8 @@ def encode_tree(treedef) -> object:
         return {kind.__name__: kids}
     if kind is dict and all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in aux):
         return {"dict": [[k, c] for k, c in zip(aux, kids)]}
+    if issubclass(kind, tuple) and hasattr(kind, "_fields") and kind.__module__.startswith("omni_jax."):
+        return {"namedtuple": [kind.__module__, kind.__qualname__, kids]}
     raise Unsupported(f"a {kind.__name__} node in the tree")
 
 
@@ -111,6 +115,11 @@ def _placeholder(e):
     ((kind, kids),) = e.items()
     if kind == "dict":
         return {k: _placeholder(c) for k, c in kids}
+    if kind == "namedtuple":
+        module, name, kids = kids
+        if not module.startswith("omni_jax."):  # only OmniJax's own (what encode_tree writes)
+            raise Unsupported(f"a NamedTuple of {module}")
+        return getattr(importlib.import_module(module), name)(*(_placeholder(c) for c in kids))
     return {"tuple": tuple, "list": list}[kind](_placeholder(c) for c in kids)
 
 
@@ -283,3 +292,9 @@ def use(cache: ProgramCache | None) -> None:
 
 def active() -> ProgramCache | None:
     return _active
+
+
+def jit(name: str, fn: Callable, **kwargs):
+    """`jax.jit(fn, **kwargs)` whose body comes from the process's program cache when one is
+    active (`ProgramCache.jit`: a single-device stage process), else plain."""
+    return jax.jit(fn, **kwargs) if _active is None else _active.jit(name, fn, **kwargs)

@@ -199,12 +199,12 @@ def media_programs(family: str, stage: StageConfig, hf_config: dict) -> list[Pro
     # The encoders' outputs are sliced by the caller: stand-ins of their shapes (the vision
     # encoder's, which differ by family, from its abstract evaluation).
     enc.jitted.record(_recorder(calls, dict(
-        audio=lambda g, s, x, *a: np.zeros((1 << 16, 1), np.float32),
+        audio=lambda p, x, *a: np.zeros((1 << 16, 1), np.float32),
         vision=lambda *a: jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), jax.eval_shape(vision, *a)))))
     enc.warmup()
     out = []
     for name, fn, args, kwargs in calls:
-        size = int(args[2].shape[-1] if name == "audio" else args[2].shape[0])
+        size = int(args[1].shape[-1] if name == "audio" else args[1].shape[0])
         out.append(Program(f"{family}/{stage.name}/{name}/{size}", name, fn, args, kwargs, size))
     return out
 

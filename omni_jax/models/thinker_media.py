@@ -20,6 +20,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from ..engine import program_cache
 from ..engine.buckets import pick_bucket
 from ..engine.jitted import NO_TRITON_GEMM, Jitted
 from ..engine.protocol import MultiModalPayload, StageInputs
@@ -58,18 +59,27 @@ def media_index(token_ids: np.ndarray, cfg, media_order: Sequence[str]) -> np.nd
     return index
 
 
+def _flat(module: nnx.Module):
+    """(params -> the module, its parameters as a flat list)."""
+    graphdef, state = nnx.split(module)
+    params, tree = jax.tree.flatten(state)
+    return (lambda p: nnx.merge(graphdef, jax.tree.unflatten(tree, p))), params
+
+
 class ThinkerMediaEncoder:
     """Jitted, bucketed audio and vision encoders of a thinker (a family subclasses it)."""
 
     def __init__(self, thinker, cfg, rope_cfg, buckets: MediaBuckets = MediaBuckets()):
         self.cfg, self.rope_cfg, self.buckets = cfg, rope_cfg, buckets
-        self._audio = nnx.split(thinker.audio_tower)
-        self._vision = nnx.split(thinker.visual)
-        self.jitted = Jitted(audio=jax.jit(lambda g, s, *a: nnx.merge(g, s)(*a), static_argnums=0,
-                                           compiler_options=NO_TRITON_GEMM),
-                             vision=jax.jit(lambda g, s, *a: nnx.merge(g, s)(*a), static_argnums=0,
-                                            compiler_options=NO_TRITON_GEMM))
-        self.dtype = jax.tree_util.tree_leaves(self._audio[1])[0].dtype
+        # Each encoder's parameters as a flat list (a tree the program cache can key): a
+        # restarted stage reads its encoder programs back instead of tracing them.
+        audio, self.audio_params = _flat(thinker.audio_tower)
+        vision, self.vision_params = _flat(thinker.visual)
+        self.jitted = Jitted(audio=program_cache.jit("media.audio", lambda p, *a: audio(p)(*a),
+                                                     compiler_options=NO_TRITON_GEMM),
+                             vision=program_cache.jit("media.vision", lambda p, *a: vision(p)(*a),
+                                                      compiler_options=NO_TRITON_GEMM))
+        self.dtype = self.audio_params[0].dtype
 
     # ------------------------------------------------------------------ a family's part
     def _encode_audio_call(self, features: list[np.ndarray], request_lens: np.ndarray) -> np.ndarray:

@@ -420,8 +420,9 @@ def follow_stage(stage: dict, ckpt_dir: str, family: str, ipc_dir: str | None, a
 
 
 def activate_program_cache(stage: dict, ckpt_dir: str, family: str, async_chunk: bool) -> None:
-    """Keep the stage's traced step programs under the OmniJax cache (engine/program_cache.py),
-    scoped by what the stage is built from: a restart reads them back instead of tracing.
+    """Keep the stage's traced programs (steps, media encoders, vocoders) under the OmniJax cache
+    (engine/program_cache.py), scoped by what the stage is built from: a restart reads them back
+    instead of tracing.
     `OMNI_JAX_PROGRAM_CACHE_DIR` chooses another place ("" turns it off)."""
     directory = os.environ.get("OMNI_JAX_PROGRAM_CACHE_DIR", os.path.join(cache_root(), "program-cache"))
     if directory:
@@ -434,7 +435,7 @@ def _programs_read_back() -> str:
     cache = program_cache.active()
     if cache is None or not sum(cache.stats.values()):
         return ""
-    return f" ({cache.stats['loaded']} of {sum(cache.stats.values())} step programs read back from the program cache)"
+    return f" ({cache.stats['loaded']} of {sum(cache.stats.values())} programs read back from the program cache)"
 
 
 def _use_stage_device(config: StageConfig) -> None:

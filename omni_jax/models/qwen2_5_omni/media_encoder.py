@@ -29,13 +29,13 @@ class Qwen2_5ThinkerMediaEncoder(ThinkerMediaEncoder):
         lens, chunks, feats = self._audio_input(features)
         s = self.cfg.audio.chunk_tokens
         batch = prepare_audio_batch(lens, self.cfg.audio.n_window, num_chunks=chunks, num_tokens=chunks * (s // 2 + 1))
-        out = self.jitted.audio(self._audio[0], self._audio[1], feats, *batch.arrays())
+        out = self.jitted.audio(self.audio_params, feats, *batch.arrays())
         return np.asarray(out)[:batch.num_tokens]
 
     def _encode_vision_call(self, pixel_values: np.ndarray, grid_thw: np.ndarray) -> tuple[np.ndarray, None]:
         patches, padded = self._vision_input(pixel_values)
         meta = vision_metadata(grid_thw, self.cfg.vision, patches)
-        out = self.jitted.vision(self._vision[0], self._vision[1], padded, meta)
+        out = self.jitted.vision(self.vision_params, padded, meta)
         return np.asarray(out)[:len(pixel_values) // self.cfg.vision.merge_unit], None
 
     def _encode(self, kind: str, mm: MultiModalPayload):

@@ -67,6 +67,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ...engine import program_cache
 from ...engine.buckets import pick_bucket
 from ...engine.jitted import NO_TRITON_GEMM, Jitted
 from ...engine.oneshot_engine import CallPool
@@ -218,14 +219,18 @@ class Token2WavSynthesizer:
         self.calls = CallPool(max_num_seqs or self.batch_buckets[-1], self.batch_buckets[-1])
         self.kw = dict(num_steps=num_steps, guidance_scale=guidance_scale, sway_coefficient=sway_coefficient)
         self.graphdef, self.state = nnx.split(model)
+        # The programs take the parameters as a flat list (a tree the program cache can key).
+        self.params, self._params_def = jax.tree.flatten(self.state)
         # A whole request in one call; streaming runs the two halves apart (its vocoder
-        # windows are not its DiT windows).
+        # windows are not its DiT windows). A restarted stage reads them back from the program
+        # cache instead of tracing them (half of the tiny vocoder's warm start).
         self.jitted = Jitted(
-            whole=jax.jit(lambda s, *a: nnx.merge(self.graphdef, s)(*a, clip=clip, **self.kw),
-                          compiler_options=NO_TRITON_GEMM),
-            mel=jax.jit(lambda s, *a: nnx.merge(self.graphdef, s).mel(*a, **self.kw), compiler_options=NO_TRITON_GEMM),
-            wave=jax.jit(lambda s, mel, frames: nnx.merge(self.graphdef, s).waveform(mel, frames, clip=clip),
-                         compiler_options=NO_TRITON_GEMM))
+            whole=program_cache.jit("token2wav.whole", lambda p, *a: self._model(p)(*a, clip=clip, **self.kw),
+                                    compiler_options=NO_TRITON_GEMM),
+            mel=program_cache.jit("token2wav.mel", lambda p, *a: self._model(p).mel(*a, **self.kw),
+                                  compiler_options=NO_TRITON_GEMM),
+            wave=program_cache.jit("token2wav.wave", lambda p, mel, frames: self._model(p).waveform(
+                mel, frames, clip=clip), compiler_options=NO_TRITON_GEMM))
         self.context = stream_context
         reach = self.cfg.bigvgan.context_frames()
         self.vocoder_context = tuple(min(stream_context.vocoder_frames, r) for r in reach)
@@ -264,6 +269,9 @@ class Token2WavSynthesizer:
             v = voices.get(name)
             self._speakers[name] = (v.cond[0], np.asarray(spk_fn(dit_state, v.ref_mel))[0],
                                     np.asarray(spk_fn(dit_state, np.zeros_like(v.ref_mel)))[0])
+
+    def _model(self, params: list) -> Qwen2_5OmniToken2Wav:
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self._params_def, params))
 
     @property
     def stream_delay_frames(self) -> int:
@@ -351,13 +359,13 @@ class Token2WavSynthesizer:
     def _waveforms(self, rows: list[_CodeRow]) -> list[np.ndarray]:
         """DiT and vocoder in one call: each row's whole waveform."""
         args = self._pack(rows)
-        wav = np.asarray(self.jitted.whole(self.state, *args))
+        wav = np.asarray(self.jitted.whole(self.params, *args))
         return [wav[j, :self.cfg.bigvgan.num_samples(args[1][j] * self.cfg.dit.repeats)] for j in range(len(rows))]
 
     def _mels(self, rows: list[_CodeRow]) -> list[np.ndarray]:
         """The streamed DiT call: each row's mel [repeats * n, mel_dim]."""
         t = pick_bucket(max(len(r.codes) for r in rows), self.stream_code_buckets)
-        mel = np.asarray(self.jitted.mel(self.state, *self._pack(rows, t)))
+        mel = np.asarray(self.jitted.mel(self.params, *self._pack(rows, t)))
         return [mel[j, :len(r.codes) * self.cfg.dit.repeats] for j, r in enumerate(rows)]
 
     def _vocode(self, mels: list[np.ndarray]) -> list[np.ndarray]:
@@ -369,7 +377,7 @@ class Token2WavSynthesizer:
         for j, m in enumerate(mels):
             x[j, :len(m)] = m
             frames[j] = len(m)
-        wav = np.asarray(self.jitted.wave(self.state, x, frames))
+        wav = np.asarray(self.jitted.wave(self.params, x, frames))
         return [wav[j, :self.cfg.bigvgan.num_samples(frames[j])] for j in range(len(mels))]
 
     def _noise(self, req, num_codes: int) -> np.ndarray:
@@ -471,15 +479,15 @@ class Token2WavSynthesizer:
     def warmup(self) -> None:
         """Compile the whole-request call at every (batch, length) bucket a call can take."""
         for b, t in self._shapes(self.length_buckets, self.max_batch_codes):
-            jax.block_until_ready(self.jitted.whole(self.state, *self._zeros(b, t)))
+            jax.block_until_ready(self.jitted.whole(self.params, *self._zeros(b, t)))
 
     def warmup_stream(self) -> None:
         """Compile the streamed DiT and vocoder calls (the first window, a length per chunk size
         and the lengths above) at every batch bucket a call can take."""
         for b, t in self._shapes(self.stream_code_buckets, self.max_batch_codes):
-            jax.block_until_ready(self.jitted.mel(self.state, *self._zeros(b, t)))
+            jax.block_until_ready(self.jitted.mel(self.params, *self._zeros(b, t)))
         for b, f in self._shapes(self.stream_frame_buckets, self._max_batch_frames):
-            jax.block_until_ready(self.jitted.wave(self.state, np.zeros((b, f, self.cfg.dit.mel_dim), np.float32),
+            jax.block_until_ready(self.jitted.wave(self.params, np.zeros((b, f, self.cfg.dit.mel_dim), np.float32),
                                                 np.ones(b, np.int32)))
 
     def _shapes(self, lengths: Sequence[int], max_cells: int | None) -> list[tuple[int, int]]:

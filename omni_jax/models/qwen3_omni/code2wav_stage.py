@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ...engine import program_cache
 from ...engine.buckets import pick_bucket
 from ...engine.jitted import NO_TRITON_GEMM, Jitted
 from ...checkpoint import load_checkpoint
@@ -137,15 +138,18 @@ class Code2WavSynthesizer:
         self.chunk_size, self.left_context = chunk_size, left_context
         self.max_frames = max_frames
         self.graphdef, self.state = nnx.split(model)
+        # The programs take the parameters as a flat list (a tree the program cache can key).
+        self.params, self._params_def = jax.tree.flatten(self.state)
         # A whole window in one call; streamed chunks run the pre-transformer per window and
-        # the convolutions per chunk, with their history.
+        # the convolutions per chunk, with their history. A restarted stage reads them back
+        # from the program cache instead of tracing them.
         self.jitted = Jitted(
-            whole=jax.jit(self._decode, compiler_options=NO_TRITON_GEMM),
-            frame_states=jax.jit(lambda state, codes: nnx.merge(self.graphdef, state).frame_states(codes),
-                                 compiler_options=NO_TRITON_GEMM),
-            convolve_stream=jax.jit(lambda state, x, frames, fresh, history: nnx.merge(
-                self.graphdef, state).convolve_stream(x, frames, fresh, history, clip=clip),
-                compiler_options=NO_TRITON_GEMM))
+            whole=program_cache.jit("code2wav.whole", self._decode, compiler_options=NO_TRITON_GEMM),
+            frame_states=program_cache.jit("code2wav.frame_states", lambda p, codes: self._model(p).frame_states(codes),
+                                           compiler_options=NO_TRITON_GEMM),
+            convolve_stream=program_cache.jit(
+                "code2wav.convolve_stream", lambda p, x, frames, fresh, history: self._model(p).convolve_stream(
+                    x, frames, fresh, history, clip=clip), compiler_options=NO_TRITON_GEMM))
         self._trailing = self._trailing_samples()
         # Streamed chunks convolve only their new frames: one bucket per chunk size the engine
         # asks for (`stream_chunk_frames`), and the window buckets for chunks that piled up
@@ -155,8 +159,11 @@ class Code2WavSynthesizer:
         self._no_history = tuple(np.zeros(shape, np.float32) for shape in model.conv_state_shapes())
         self._histories: dict[str, _ConvHistory] = {}  # request id -> its convolutions' history
 
-    def _decode(self, state, codes):
-        return nnx.merge(self.graphdef, state)(codes, clip=self.clip)
+    def _model(self, params: list):
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self._params_def, params))
+
+    def _decode(self, params, codes):
+        return self._model(params)(codes, clip=self.clip)
 
     def _trailing_samples(self) -> int:
         """Samples a decode of T frames falls short of T * total_upsample, from the model's output shapes.
@@ -164,7 +171,7 @@ class Code2WavSynthesizer:
         Every stage maps a length L to a*L or a*(L - 1), so the output length is affine in T;
         the slope is checked, and every padded call checks the result again.
         """
-        lens = [jax.eval_shape(self.jitted.whole, self.state,
+        lens = [jax.eval_shape(self._decode, self.params,
                                jax.ShapeDtypeStruct((1, self.num_quantizers, t), jnp.int32)).shape[-1]
                 for t in (1, 2)]
         if lens[1] - lens[0] != self.total_upsample:
@@ -254,11 +261,11 @@ class Code2WavSynthesizer:
         self._histories.pop(request_id, None)
 
     def _frame_states(self, codes: np.ndarray) -> np.ndarray:
-        return np.asarray(self.jitted.frame_states(self.state, codes))
+        return np.asarray(self.jitted.frame_states(self.params, codes))
 
     def _convolve_stream(self, x: np.ndarray, extras) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
         frames, fresh, history = extras
-        wav, history = jax.device_get(self.jitted.convolve_stream(self.state, x, frames, fresh, history))
+        wav, history = jax.device_get(self.jitted.convolve_stream(self.params, x, frames, fresh, history))
         if wav.shape[-1] != x.shape[1] * self.total_upsample:
             raise RuntimeError(f"code2wav gave {wav.shape[-1]} samples for a streamed chunk of {x.shape[1]} frames, "
                                f"expected {x.shape[1] * self.total_upsample}")
@@ -288,7 +295,7 @@ class Code2WavSynthesizer:
 
     def _run(self, batch: np.ndarray) -> np.ndarray:
         """The whole decode of a padded batch, checked: padded calls rely on its sample count."""
-        wav, frames = np.asarray(self.jitted.whole(self.state, batch)), batch.shape[-1]
+        wav, frames = np.asarray(self.jitted.whole(self.params, batch)), batch.shape[-1]
         if wav.shape[-1] != self.num_samples(frames):
             raise RuntimeError(f"code2wav gave {wav.shape[-1]} samples for {frames} frames, "
                                f"expected {self.num_samples(frames)}")
@@ -301,16 +308,17 @@ class Code2WavSynthesizer:
         """Compile every (batch, length) bucket."""
         for b in self.batch_buckets:
             for t in self.length_buckets:
-                jax.block_until_ready(self.jitted.whole(self.state, np.zeros((b, self.num_quantizers, t), np.int32)))
+                jax.block_until_ready(self.jitted.whole(self.params, np.zeros((b, self.num_quantizers, t), np.int32)))
 
     def warmup_stream(self) -> None:
         """Compile the streamed calls: pre-transformer per window bucket, convolutions per chunk bucket."""
         for b in self.batch_buckets:
             for t in self.length_buckets:
-                jax.block_until_ready(self.jitted.frame_states(self.state, np.zeros((b, self.num_quantizers, t), np.int32)))
+                codes = np.zeros((b, self.num_quantizers, t), np.int32)
+                jax.block_until_ready(self.jitted.frame_states(self.params, codes))
             for t in self.conv_buckets:
                 x, (frames, fresh, history) = self.stream_call_args(b, t)
-                jax.block_until_ready(self.jitted.convolve_stream(self.state, x, frames, fresh, history))
+                jax.block_until_ready(self.jitted.convolve_stream(self.params, x, frames, fresh, history))
 
     def stream_call_args(self, batch: int, frames: int) -> tuple:
         """Zero arguments (x, (frames, fresh, history)) of a streamed convolution call."""

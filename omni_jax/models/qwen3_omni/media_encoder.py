@@ -59,14 +59,14 @@ class Qwen3ThinkerMediaEncoder(ThinkerMediaEncoder):
         batch = prepare_audio_batch(lens, acfg.n_window, acfg.n_window_infer, num_chunks=chunks,
                                     num_windows=chunks, num_tokens=chunks * acfg.chunk_tokens,
                                     extent=min(int(request_lens.max()), acfg.chunk_frames))
-        out = self.jitted.audio(self._audio[0], self._audio[1], feats, *batch.arrays())
+        out = self.jitted.audio(self.audio_params, feats, *batch.arrays())
         return np.asarray(out)[:batch.num_tokens]
 
     def _encode_vision_call(self, pixel_values: np.ndarray, grid_thw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(features [M, hidden], DeepStack features [K, M, hidden])."""
         patches, padded = self._vision_input(pixel_values)
         meta = vision_metadata(grid_thw, self.cfg.vision, patches)
-        feats, deepstack = self.jitted.vision(self._vision[0], self._vision[1], padded, meta)
+        feats, deepstack = self.jitted.vision(self.vision_params, padded, meta)
         m = len(pixel_values) // self.cfg.vision.merge_unit
         return np.asarray(feats)[:m], np.asarray(deepstack)[:, :m]
 

@@ -19,6 +19,23 @@ def _heads(text):
     return text.num_heads, text.num_kv_heads, text.head_dim
 
 
+def copy_peak(size, rep) -> float | None:
+    """The device's copy bandwidth (read + write), recorded as the ceiling a kernel part holds its
+    kernels against; None, recorded as a failure, where a GPU run sees no GPU."""
+    import jax
+
+    import kernels as kb
+
+    device = jax.devices()[0]
+    if size.name == "gpu" and device.platform != "gpu":
+        rep.add("device", device.device_kind, note="FAIL: no GPU visible to JAX")
+        return None
+    peak = kb.copy_bandwidth(size.copy_bytes, iters=size.kernel_iters, reps=1 if size.interpret else 5)
+    rep.add("device copy bandwidth (read + write)", peak / 1e9, "GB/s", f"{size.copy_bytes >> 20} MiB bf16, the "
+            "ceiling below" + ("; datasheet H200: 4800" if device.platform == "gpu" else ""))
+    return peak
+
+
 def run(size, rep, results_dir) -> None:
     import jax
 
@@ -29,13 +46,10 @@ def run(size, rep, results_dir) -> None:
     qwen2_5 = text_config("qwen2_5_omni", "thinker", hf_config("qwen2_5_omni", size))
     qwen3 = text_config("qwen3_omni", "thinker", hf_config("qwen3_omni", size))
     on_gpu = jax.devices()[0].platform == "gpu"
-    if size.name == "gpu" and not on_gpu:
-        rep.add("device", jax.devices()[0].device_kind, note="FAIL: no GPU visible to JAX")
+    peak = copy_peak(size, rep)
+    if peak is None:
         return
     iters, interp = size.kernel_iters, size.interpret
-    peak = kb.copy_bandwidth(size.copy_bytes, iters=iters, reps=1 if interp else 5)
-    rep.add("device copy bandwidth (read + write)", peak / 1e9, "GB/s",
-            f"{size.copy_bytes >> 20} MiB bf16, the ceiling below" + ("; datasheet H200: 4800" if on_gpu else ""))
     if not on_gpu:
         rep.add("timing", "not meaningful", note="Pallas interpret mode on a CPU: numerics only")
     if on_gpu:

@@ -27,6 +27,7 @@ import itertools
 import os
 import sys
 
+from kernel_check import copy_peak
 from sizes import ROOT, hf_config
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -53,19 +54,14 @@ REL_TOL = 2e-2  # bf16 operands, as the kernels part
 
 
 def run(size, rep, results_dir) -> None:
-    import jax
-
     import kernels as kb
     from omni_jax.gpu.programs import text_config
 
     text = text_config("qwen3_omni", "thinker", hf_config("qwen3_omni", size))
-    on_gpu = jax.devices()[0].platform == "gpu"
-    if size.name == "gpu" and not on_gpu:
-        rep.add("device", jax.devices()[0].device_kind, note="FAIL: no GPU visible to JAX")
+    peak = copy_peak(size, rep)
+    if peak is None:
         return
     interp, iters = size.interpret, size.kernel_iters
-    peak = kb.copy_bandwidth(size.copy_bytes, iters=iters, reps=1 if interp else 5)
-    rep.add("device copy bandwidth (read + write)", peak / 1e9, "GB/s", f"{size.copy_bytes >> 20} MiB bf16")
     grid = (lambda points: points[:1]) if interp else (lambda points: points)
     sweep = Sweep(rep, peak, kb, interp, iters)
     _experts(sweep, text, grid, kb)

@@ -12,16 +12,16 @@ Backend: Pallas' Triton lowering (``plgpu.CompilerParams``), not Mosaic GPU.
 * Interpret mode of Triton-style kernels runs in seconds on CPU, Mosaic GPU
   interpret needs minutes and an abstract H100 mesh, which would blow the
   test budget. CUDA lowering of both is checked on CPU.
-* The Triton backend is deprecated from JAX 0.11 on; this project pins
-  JAX 0.10, and the XLA reference (``kernels_pallas.reference``) remains the
-  fallback.
+* The Triton backend is deprecated from JAX 0.11 on (it still works in 0.12);
+  the XLA reference (``kernels_pallas.reference``) remains the fallback.
 
 Algorithm (flash-decoding): one program per (sequence, KV head, split). The
 query heads sharing a KV head (GQA group, padded to a power of two and to at
 least 16 rows, the smallest Triton ``dot`` tile) form the rows of a small
 matmul against ``pages_per_compute_block`` pages of K at a time, with an
 online softmax in fp32. Long contexts are split over ``k_splits`` programs
-per head, whose partial results a second kernel merges by log-sum-exp. The page
+per head, whose partial results a second kernel merges by log-sum-exp. A program
+reads its split's page ids before the page loop (``preload_table``). The page
 loop runs only over the pages a sequence uses (its bounds come from
 ``seq_len`` and the sliding window), and loads past ``seq_len`` are masked,
 so padded rows (``seq_len == 0``) read nothing and return zeros.
@@ -60,17 +60,33 @@ M_INIT = -1e30
 # do not; 512 tokens with 3 stages needs 282752 B of shared memory (H100 allows 232448).
 # ``tokens_per_step`` is pages_per_compute_block * block_size; ``programs`` is what the
 # split heuristic aims for (4 waves over the SMs; it was 512 for every GPU).
+# ``preload_table``: a program reads its split's block-table entries before the page loop
+# (a window of MAX_TABLE_WINDOW at a time) and takes each step's page ids from those
+# registers. Read inside the loop (False), the ids are a load that the K/V loads' addresses
+# depend on, and Triton's pipeliner then waits for every copy in flight at the top of each
+# step and issues the next step's loads after computing (``cp.async.wait_group 0`` in the
+# PTX for an H200, at 2, 3 and 4 stages): a program never loads its next pages while it
+# computes on these. Read before the loop, at 3 stages the next step's pages are in flight
+# while it computes (``wait_group 2``), for 71.7 KB of shared memory at 64 tokens a step
+# instead of 38.9.
 DECODE_TUNING = {
-    # A100 (108 SMs, 166912 B shared memory per block): 38.9 KB, 128 registers, so
-    # four programs fit per SM.
-    80: dict(tokens_per_step=64, num_warps=4, num_stages=3, programs=432),
+    # A100 (108 SMs, 166912 B shared memory per block): two programs per SM with the table
+    # preloaded (71.7 KB, 128 registers); four with the ids read in the loop (38.9 KB).
+    80: dict(tokens_per_step=64, num_warps=4, num_stages=3, programs=432, preload_table=True),
     # H100 / H200 (132 SMs, 232448 B): timed on an H200 (2026-12-04; the sweep is in the README):
     # 64 tokens per step with 4 warps, and enough programs (1024) that a batch of 64 at a 4k
     # context splits evenly in four (528 gave three splits and an empty fourth). One sequence
     # of 530 tokens (the 30B's heads): 12.2 us against 17.8 with 128 tokens, 8 warps and 528;
-    # batch 64 x 4096: 0.244 ms against 0.265. 128 tokens with 8 warps was 73.8 KB, 128 registers.
-    90: dict(tokens_per_step=64, num_warps=4, num_stages=3, programs=1024),
+    # batch 64 x 4096: 0.244 ms against 0.265 (53% of the copy bandwidth). 128 tokens with 8
+    # warps was 73.8 KB, 128 registers. Those timings had the table read in the loop; the
+    # preloaded table is compiled here (no spills) but not yet timed: `--only tuning` sweeps both.
+    90: dict(tokens_per_step=64, num_warps=4, num_stages=3, programs=1024, preload_table=True),
 }
+# The most table entries a program holds at a time (one register each, spread over its
+# threads): a longer split walks its pages a window at a time, the pipeline refilled at
+# each (128 pages of 16 tokens are 32 steps of 64). Splitting more finely instead would
+# write a partial result per split, empty ones included (the width is the model's length).
+MAX_TABLE_WINDOW = 128
 
 
 def decode_tuning(capability: int | None = None) -> dict:
@@ -210,7 +226,7 @@ def store_heads(o_ref, o, group):
 
 
 def _decode_kernel(seq_len_ref, table_ref, q_ref, *refs,
-                   scale_log2, pages_per_block, pages_per_split,
+                   scale_log2, pages_per_block, pages_per_split, table_window,
                    sliding_window, precision, group, rows, write, rope, qk_norm, eps):
     # With the write: where this step's K/V go, and what q and k take before attending (the
     # pools stay the last operands: hlo_bytes).
@@ -251,9 +267,7 @@ def _decode_kernel(seq_len_ref, table_ref, q_ref, *refs,
     # not land before the load): it joins the softmax after the loop, from the inputs.
     last = seq_len - 1 if write else seq_len
 
-    def body(i, carry):
-        page0 = start + i * pages_per_block
-        page_ids = table_ref[pl.ds(page0, pages_per_block)]
+    def step(page0, page_ids, carry):
         tok = (page0 + offs)[:, None] * block_size + in_page[None, :]
         valid = (tok < split_end * block_size) & (tok >= lo_tok)
         valid &= tok < last
@@ -265,7 +279,31 @@ def _decode_kernel(seq_len_ref, table_ref, q_ref, *refs,
     carry = (jnp.zeros((rows, d), jnp.float32),
              jnp.full((rows,), M_INIT, jnp.float32),
              jnp.zeros((rows,), jnp.float32))
-    acc, m, l = lax.fori_loop(0, n_iter, body, carry)
+    if not table_window:   # each step's page ids read in the loop
+        def body(i, carry):
+            page0 = start + i * pages_per_block
+            return step(page0, table_ref[pl.ds(page0, pages_per_block)], carry)
+
+        acc, m, l = lax.fori_loop(0, n_iter, body, carry)
+    else:                  # read a window of them at a time (see DECODE_TUNING's preload_table)
+        window = jnp.arange(table_window, dtype=jnp.int32)
+        steps = table_window // pages_per_block
+
+        def run_window(w, carry):
+            base = start + w * table_window
+            ids = table_ref[pl.ds(base, table_window)]
+
+            def body(i, carry):
+                # Triton has no gather from registers: a select and a sum pick the step's ids.
+                at = (i * pages_per_block + offs)[:, None] == window[None, :]
+                return step(base + i * pages_per_block, jnp.sum(jnp.where(at, ids[None, :], 0), axis=1), carry)
+
+            return lax.fori_loop(0, jnp.minimum(steps, n_iter - w * steps), body, carry)
+
+        if pages_per_split <= table_window:   # one window holds the split
+            acc, m, l = run_window(0, carry)
+        else:
+            acc, m, l = lax.fori_loop(0, pl.cdiv(n_iter, steps), run_window, carry)
 
     if write:
         *out_refs, ko_ref, vo_ref = out_refs
@@ -361,11 +399,11 @@ def merge_splits(acc, m, l):
     jax.jit,
     static_argnames=("sm_scale", "sliding_window", "interpret",
                      "pages_per_compute_block", "k_splits", "num_warps",
-                     "num_stages"))
+                     "num_stages", "preload_table"))
 def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, *,
                     sm_scale=None, sliding_window=None, interpret=False,
                     pages_per_compute_block=None, k_splits=None,
-                    num_warps=None, num_stages=None):
+                    num_warps=None, num_stages=None, preload_table=None):
     """Decode attention: one query token per sequence over paged K/V.
 
     q: [B, Hq, D] (the token at position seq_lens[b] - 1); k_pages/v_pages:
@@ -374,24 +412,24 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, *,
     (output zeros). ``sliding_window=w`` attends to the last w positions.
     Tuning: ``pages_per_compute_block`` (default: the table's tokens per step),
     ``k_splits`` (default: see ``default_k_splits``), Triton ``num_warps``
-    and ``num_stages``; unset ones come from ``DECODE_TUNING`` for the GPU being
-    compiled for. Returns [B, Hq, D] in q's dtype.
+    and ``num_stages``, ``preload_table``; unset ones come from ``DECODE_TUNING``
+    for the GPU being compiled for. Returns [B, Hq, D] in q's dtype.
     """
     return _decode(q, k_pages, v_pages, block_tables, seq_lens, None, sm_scale=sm_scale,
                    sliding_window=sliding_window, interpret=interpret,
                    pages_per_compute_block=pages_per_compute_block, k_splits=k_splits,
-                   num_warps=num_warps, num_stages=num_stages)
+                   num_warps=num_warps, num_stages=num_stages, preload_table=preload_table)
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "sliding_window", "norm_eps", "interpret",
                      "pages_per_compute_block", "k_splits", "num_warps",
-                     "num_stages"))
+                     "num_stages", "preload_table"))
 def paged_attention_with_write(q, k_new, v_new, k_pages, v_pages, slot_mapping, block_tables,
                                seq_lens, *, rope=None, qk_norm=None, norm_eps=1e-6, sm_scale=None,
                                sliding_window=None, interpret=False, pages_per_compute_block=None,
-                               k_splits=None, num_warps=None, num_stages=None):
+                               k_splits=None, num_warps=None, num_stages=None, preload_table=None):
     """``write_kv_pages`` of this step's K/V, then ``paged_attention``, in one launch (the KV
     write is two to four launches per layer otherwise). k_new/v_new: [B, Hkv, D], stored at
     slot_mapping[b], which must be the slot of position seq_lens[b] - 1 through
@@ -405,14 +443,15 @@ def paged_attention_with_write(q, k_new, v_new, k_pages, v_pages, slot_mapping, 
     return _decode(q, k_pages, v_pages, block_tables, seq_lens, (slot_mapping, k_new, v_new, rope, qk_norm),
                    sm_scale=sm_scale, sliding_window=sliding_window, interpret=interpret, eps=norm_eps,
                    pages_per_compute_block=pages_per_compute_block, k_splits=k_splits,
-                   num_warps=num_warps, num_stages=num_stages)
+                   num_warps=num_warps, num_stages=num_stages, preload_table=preload_table)
 
 
 def _decode(q, k_pages, v_pages, block_tables, seq_lens, new_kv, *, sm_scale, sliding_window,
-            interpret, pages_per_compute_block, k_splits, num_warps, num_stages, eps=0.0):
+            interpret, pages_per_compute_block, k_splits, num_warps, num_stages, preload_table, eps=0.0):
     tune = decode_tuning()
     num_warps = num_warps or tune["num_warps"]
     num_stages = num_stages or tune["num_stages"]
+    preload = tune["preload_table"] if preload_table is None else preload_table
     batch, hq, head_dim = q.shape
     block_size, hkv, d = check_paged_shapes(hq, head_dim, k_pages, v_pages)
     num_blocks = k_pages.shape[0]
@@ -429,15 +468,18 @@ def _decode(q, k_pages, v_pages, block_tables, seq_lens, new_kv, *, sm_scale, sl
     splits = pl.cdiv(width, pages_per_split)     # drop splits with no pages
     if splits > 1:   # a power of two for the merge kernel's tiles; the extra splits read nothing
         splits = next_pow2(splits)
-    # Pad the table so every compute block reads in range (entries -> dummy).
-    tables = jnp.pad(block_tables.astype(jnp.int32),
-                     ((0, 0), (0, splits * pages_per_split - width)))
+    # A power of two (a Triton tile), at least a compute block.
+    table_window = max(ppb, min(next_pow2(pages_per_split), MAX_TABLE_WINDOW)) if preload else 0
+    # Pad the table so every compute block (and the last window of the last split) reads in
+    # range (entries -> dummy).
+    pad = splits * pages_per_split + table_window - width
+    tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pad)))
 
     write = new_kv is not None
     slot_mapping, k_new, v_new, rope, qk_norm = new_kv if write else (None,) * 5
     kernel = functools.partial(
         _decode_kernel, scale_log2=softmax_scale_log2(sm_scale, d),
-        pages_per_block=ppb, pages_per_split=pages_per_split,
+        pages_per_block=ppb, pages_per_split=pages_per_split, table_window=table_window,
         sliding_window=sliding_window, precision=dot_precision(q.dtype), group=group, rows=rows,
         write=write, rope=rope is not None, qk_norm=qk_norm is not None, eps=eps)
     page_spec = pl.BlockSpec((num_blocks, block_size, None, d),

@@ -8,6 +8,7 @@ a sequence's length produces NaN and fails.
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import re
 
@@ -162,16 +163,36 @@ def test_decode_matches_reference(hq, hkv, d, bs, dtype):
     assert not np.asarray(out[4].astype(F32)).any()    # padded row: zeros
 
 
+@pytest.mark.parametrize("preload", [True, False], ids=["table-preloaded", "table-in-loop"])
 @pytest.mark.parametrize("k_splits,ppb", [(1, 1), (2, 2), (3, 1)])
-def test_decode_explicit_splits(k_splits, ppb):
-    """Uneven and single splits, one page per step: same answer."""
+def test_decode_explicit_splits(k_splits, ppb, preload):
+    """Uneven and single splits, one page per step, the split's page ids read before the page
+    loop or in it (`preload_table`): same answer."""
     lens = [1, 17, 0, 50, 64, 33]
     k, v, tables = make_cache(1, lens, 2, 64, 16, F32, width=5)
     q = make_q(1, len(lens), 6, 64, F32)     # group 3 (padded to 16 rows)
     seq_lens = jnp.asarray(lens, jnp.int32)
     out = paged_attention(q, k, v, tables, seq_lens, interpret=True,
-                          k_splits=k_splits, pages_per_compute_block=ppb)
+                          k_splits=k_splits, pages_per_compute_block=ppb, preload_table=preload)
     assert_close(out, reference.paged_attention(q, k, v, tables, seq_lens), F32)
+
+
+def test_decode_walks_a_long_split_a_table_window_at_a_time(monkeypatch):
+    """With the table preloaded, a split longer than MAX_TABLE_WINDOW pages reads its page ids
+    a window at a time: one split over 13 pages in windows of 4, a sliding window starting
+    mid-table: the same answers."""
+    pa = importlib.import_module("kernels_pallas.paged_attention")   # the package exports the function
+    monkeypatch.setattr(pa, "MAX_TABLE_WINDOW", 4)
+    lens = [200, 9, 0]
+    k, v, tables = make_cache(5, lens, 2, 32, 16, F32, width=13)
+    q = make_q(5, len(lens), 6, 32, F32)
+    seq_lens = jnp.asarray(lens, jnp.int32)
+    for window in (None, 100):
+        call = functools.partial(paged_attention, interpret=True, pages_per_compute_block=1, k_splits=1,
+                                 preload_table=True, sliding_window=window)
+        assert "paged_decode_bs16_ppb1_k1" in str(jax.make_jaxpr(call)(q, k, v, tables, seq_lens))
+        want = reference.paged_attention(q, k, v, tables, seq_lens, sliding_window=window)
+        assert_close(call(q, k, v, tables, seq_lens), want, F32)
 
 
 @pytest.mark.parametrize("dtype,window,bs", [
@@ -194,15 +215,16 @@ def test_decode_long_context_split_k(dtype, window, bs):
     assert_close(out, want, dtype)
 
 
+@pytest.mark.parametrize("preload", [True, False], ids=["table-preloaded", "table-in-loop"])
 @pytest.mark.parametrize("window", [1, 13, 40])
-def test_decode_sliding_window(window):
+def test_decode_sliding_window(window, preload):
     lens = [1, 12, 16, 17, 0, 70]
     k, v, tables = make_cache(3, lens, 4, 64, 16, F32, width=6)
     q = make_q(3, len(lens), 16, 64, F32)
     seq_lens = jnp.asarray(lens, jnp.int32)
     out = paged_attention(q, k, v, tables, seq_lens, interpret=True,
                           sliding_window=window, k_splits=2,
-                          pages_per_compute_block=1)
+                          pages_per_compute_block=1, preload_table=preload)
     want = reference.paged_attention(q, k, v, tables, seq_lens,
                                      sliding_window=window)
     assert_close(out, want, F32)

@@ -74,6 +74,11 @@ def run(size, rep, results_dir) -> None:
             if on_gpu and family == "qwen2.5" and batch >= 64:
                 rep.add(f"decode b{batch} share of copy bandwidth", round(100 * share, 1), "%",
                         "target >= 70%" + ("" if share >= 0.7 else " (NOT MET)"))
+            if family == "qwen2.5" and batch == max(b for b, _ in size.decode_points):
+                # The kernel as it was before 2026-12-05 (page ids read in the loop): the A/B.
+                record(f"decode {family} b{batch} ctx{ctx}, table read in the loop",
+                       kb.decode_point(batch, ctx, _heads(text), interpret=interp, iters=iters,
+                                       tuning=dict(preload_table=False)))
             # As the engine's decode steps call it: the step's KV write and RoPE inside (and
             # Qwen3's q/k norm), against the XLA ops it replaces.
             record(f"decode+write {family} b{batch} ctx{ctx}",

@@ -56,7 +56,7 @@ GPU = Size(
     speech_concurrency=(1, 8), speech_thinker_tokens=32, speech_talker_tokens=200,
     peer_batches=(1, 16), peer_prompt=512, peer_new_tokens=64,
     budgets=dict(environment=15, kernels=75, thinker_7b=95, thinker_30b_moe=140, speech=165, peer=45,
-                 tuning=180),
+                 tuning=240),
 )
 
 CPU = Size(

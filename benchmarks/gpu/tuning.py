@@ -14,8 +14,13 @@ and the setting the tables give today:
 * the attention projections of one token (q/k/v side by side, as `parallel_linears` runs them,
   then o_proj): XLA as compiled today, XLA without its Triton GEMMs (cuBLAS), and the grouped
   matmul as a dense one (one group, the weight stored [out, in]) at a few settings;
-* paged decode of one 530-token sequence with the 30B's heads: tokens per step, warps,
-  stages and splits of the context.
+* paged decode: where each step's page ids come from (the split's table entries preloaded, or
+  read in the page loop as before 2026-12-05: then Triton's pipeliner waits for every copy at
+  the top of each step below 5 stages) with the stages each needs to keep pages in flight, and
+  tokens per step; at batch 64 x 4096 (the 7B's heads: the kernel target's point) and for one
+  530-token sequence with the 30B's heads (splits of the context too).
+
+The decode sweeps run first: they bear on the unmet targets most.
 
 On a CPU (`check.sh --cpu`) the kernels run in interpret mode at the tiny model's shapes, one
 point per sweep: the code runs, the times mean nothing.
@@ -46,9 +51,12 @@ def _fits(point) -> bool:
 GROUPED_GRID = list(filter(_fits, itertools.product((32, 64, 128), (128, 256), (4,), (3, 5))))
 # the grouped matmul as a dense projection: (block_n, block_k, num_warps, num_stages)
 DENSE_GRID = list(filter(_fits, itertools.product((32, 64, 128), (128, 256), (4,), (4, 5))))
-# paged decode: (tokens per step, num_warps, num_stages, k_splits; None: the kernel's heuristic)
-DECODE_GRID = list(itertools.product((16, 32, 64), (4,), (2, 3), (None, 4, 8, 16)))
-DECODE_CONTEXT = 530  # the thinker parts' decode context (a 512-token prompt, a few steps)
+# paged decode: (preload_table, num_stages) pairs: with the table preloaded 2 stages hold one
+# step of pages, 3 two, 4 three; read in the loop, 5 stages are the first to hold two (PTX)
+DECODE_PIPELINES = ((True, 2), (True, 3), (True, 4), (False, 3), (False, 5))
+# (batch, context, family, tokens per step, k_splits; None: the kernel's heuristic)
+DECODE_SHAPES = ((64, 4096, "qwen2_5_omni", (32, 64), (None,)),
+                 (1, 530, "qwen3_omni", (16, 32, 64), (None, 8, 16)))
 NO_TRITON_GEMM = {"xla_gpu_enable_triton_gemm": False}
 REL_TOL = 2e-2  # bf16 operands, as the kernels part
 
@@ -57,16 +65,17 @@ def run(size, rep, results_dir) -> None:
     import kernels as kb
     from omni_jax.gpu.programs import text_config
 
-    text = text_config("qwen3_omni", "thinker", hf_config("qwen3_omni", size))
+    texts = {f: text_config(f, "thinker", hf_config(f, size)) for f in ("qwen2_5_omni", "qwen3_omni")}
     peak = copy_peak(size, rep)
     if peak is None:
         return
     interp, iters = size.interpret, size.kernel_iters
     grid = (lambda points: points[:1]) if interp else (lambda points: points)
     sweep = Sweep(rep, peak, kb, interp, iters)
-    _experts(sweep, text, grid, kb)
-    _projections(sweep, text, grid, kb)
-    _decode(sweep, text, grid, kb)
+    for shape in DECODE_SHAPES:
+        _decode(sweep, texts, shape, grid, kb)
+    _experts(sweep, texts["qwen3_omni"], grid, kb)
+    _projections(sweep, texts["qwen3_omni"], grid, kb)
 
 
 class Sweep:
@@ -167,27 +176,31 @@ def _projections(sweep, text, grid, kb) -> None:
         del kernels, stored
 
 
-def _decode(sweep, text, grid, kb) -> None:
-    """Paged decode of one sequence with the thinker's heads."""
+def _decode(sweep, texts, shape, grid, kb) -> None:
+    """Paged decode of `batch` sequences of `context` tokens with a thinker's heads."""
     import jax
     import jax.numpy as jnp
 
     from kernels_pallas import reference
     from kernels_pallas.paged_attention import decode_tuning, paged_attention
 
-    hq, hkv, d, bs = text.num_heads, text.num_kv_heads, text.head_dim, 16
-    ctx = min(DECODE_CONTEXT, 4 * bs) if sweep.interpret else DECODE_CONTEXT
-    k, v, tables = kb.make_pool(jax.random.key(9), 1, ctx, bs, hkv, d)
-    q = jax.random.normal(jax.random.key(10), (1, hq, d), kb.DTYPE)
-    lens = jnp.full((1,), ctx, jnp.int32)
+    batch, ctx, family, tokens, splits = shape
+    text, bs = texts[family], 16
+    hq, hkv, d = text.num_heads, text.num_kv_heads, text.head_dim
+    if sweep.interpret:
+        batch, ctx = min(batch, 2), min(ctx, 4 * bs)
+    k, v, tables = kb.make_pool(jax.random.key(9), batch, ctx, bs, hkv, d)
+    q = jax.random.normal(jax.random.key(10), (batch, hq, d), kb.DTYPE)
+    lens = jnp.full((batch,), ctx, jnp.int32)
+    label = lambda t, pre, st, sp: f"t{t} {'preloaded' if pre else 'in-loop'} s{st} splits {sp or 'auto'}"  # noqa: E731
     tune = decode_tuning()
-    current = f"t{tune['tokens_per_step']} w{tune['num_warps']} s{tune['num_stages']} splits auto"
+    current = label(tune["tokens_per_step"], tune["preload_table"], tune["num_stages"], None)
     points = {}
-    for tokens, warps, stages, splits in grid(DECODE_GRID):
-        fn = jax.jit(lambda *a, c=(tokens // bs, warps, stages, splits): paged_attention(
-            *a, pages_per_compute_block=c[0], num_warps=c[1], num_stages=c[2], k_splits=c[3],
+    for t, (pre, stages), sp in grid(list(itertools.product(tokens, DECODE_PIPELINES, splits))):
+        fn = jax.jit(lambda *a, c=(t // bs, stages, sp, pre): paged_attention(
+            *a, pages_per_compute_block=c[0], num_warps=4, num_stages=c[1], k_splits=c[2], preload_table=c[3],
             interpret=sweep.interpret))
-        points[f"t{tokens} w{warps} s{stages} splits {splits or 'auto'}"] = (fn, (q, k, v, tables, lens))
-    nbytes = ctx * hkv * d * 2 * kb.ITEM + 2 * q.size * kb.ITEM
+        points[label(t, pre, stages, sp)] = (fn, (q, k, v, tables, lens))
+    nbytes = batch * ctx * hkv * d * 2 * kb.ITEM + 2 * q.size * kb.ITEM
     want = reference.paged_attention(q, k, v, tables, lens)
-    sweep.run(f"paged decode 1 x {ctx}", nbytes, points, want, current)
+    sweep.run(f"paged decode {batch} x {ctx} ({family} heads, 4 warps)", nbytes, points, want, current)

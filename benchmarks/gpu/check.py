@@ -40,10 +40,11 @@ PARTS = {
     "speech": "speech:run",
     "peer": "peer:run",
     "tuning": "tuning:run",
+    "profile": "step_profile:run",
 }
 # Parts a GPU run takes only when `--only` names them (the rest fill the device tool's 10
 # minutes a command); a CPU run takes every part.
-ASKED_ONLY_ON_GPU = ("tuning",)
+ASKED_ONLY_ON_GPU = ("tuning", "profile")
 
 
 def run_part(name: str, size_name: str, results_dir: str) -> int:
@@ -116,7 +117,8 @@ def orchestrate(args) -> int:
             t0 = time.perf_counter()
             proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--run-part", name, "--size",
                                      size.name, "--results", parts_dir], cwd=ROOT, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+                                    stderr=subprocess.STDOUT, start_new_session=True,
+                                    env=dict(os.environ, OMNI_JAX_CHECK_OUT=out))  # a part's files to keep
             try:
                 rc = proc.wait(budget)
                 timed_out = False

@@ -56,7 +56,7 @@ GPU = Size(
     speech_concurrency=(1, 8), speech_thinker_tokens=32, speech_talker_tokens=200,
     peer_batches=(1, 16), peer_prompt=512, peer_new_tokens=64,
     budgets=dict(environment=15, kernels=75, thinker_7b=95, thinker_30b_moe=140, speech=165, peer=45,
-                 tuning=240),
+                 tuning=240, profile=150),
 )
 
 CPU = Size(
@@ -67,7 +67,7 @@ CPU = Size(
     speech_concurrency=(1, 2), speech_thinker_tokens=4, speech_talker_tokens=24,
     peer_batches=(1, 4), peer_prompt=16, peer_new_tokens=8,
     budgets=dict(environment=60, kernels=240, thinker_7b=240, thinker_30b_moe=240, speech=600, peer=120,
-                 tuning=240),
+                 tuning=240, profile=240),
 )
 
 SIZES = {"gpu": GPU, "cpu": CPU}

@@ -177,6 +177,47 @@ def load_pages(pages_ref, page_ids, valid):
     return x.reshape(p * bs, d)
 
 
+def page_loop(read_ids, start, n_iter, pages_per_block, table_window, max_pages, step, carry):
+    """``carry = step(page0, page_ids, carry)`` over `n_iter` compute blocks of `pages_per_block`
+    pages from page `start` (`page_ids` [pages_per_block]: the block table's entries from
+    page0); ``read_ids(first, n)`` reads n entries of the program's table row from page `first`.
+
+    With `table_window` 0 each step reads its own entries, in the loop; else the entries are
+    read `table_window` at a time ahead of the steps that use them (see DECODE_TUNING's
+    preload_table; the table must hold `table_window` entries past the last page walked).
+    `max_pages`: the most pages a program walks (static), so that one window is not a loop."""
+    if not table_window:
+        def body(i, carry):
+            page0 = start + i * pages_per_block
+            return step(page0, read_ids(page0, pages_per_block), carry)
+
+        return lax.fori_loop(0, n_iter, body, carry)
+    offs = jnp.arange(pages_per_block, dtype=jnp.int32)
+    window = jnp.arange(table_window, dtype=jnp.int32)
+    steps = table_window // pages_per_block
+
+    def run_window(w, carry):
+        base = start + w * table_window
+        ids = read_ids(base, table_window)
+
+        def body(i, carry):
+            # Triton has no gather from registers: a select and a sum pick the step's ids.
+            at = (i * pages_per_block + offs)[:, None] == window[None, :]
+            return step(base + i * pages_per_block, jnp.sum(jnp.where(at, ids[None, :], 0), axis=1), carry)
+
+        return lax.fori_loop(0, jnp.minimum(steps, n_iter - w * steps), body, carry)
+
+    if max_pages <= table_window:   # one window holds every page
+        return run_window(0, carry)
+    return lax.fori_loop(0, pl.cdiv(n_iter, steps), run_window, carry)
+
+
+def table_window_of(preload: bool, pages_per_block: int, max_pages: int) -> int:
+    """`page_loop`'s window: 0 (ids read in the loop) unless `preload`; else a power of two (a
+    Triton tile), at least a compute block, at most MAX_TABLE_WINDOW unless a block is more."""
+    return max(pages_per_block, min(next_pow2(max_pages), MAX_TABLE_WINDOW)) if preload else 0
+
+
 def head_rows(rows, group):
     """[R] query head of each row of this program's GQA group in [B, Hq, D]: rows 0..group-1
     are KV head h's query heads h * group..; the rows padding the group to a Triton tile
@@ -279,31 +320,8 @@ def _decode_kernel(seq_len_ref, table_ref, q_ref, *refs,
     carry = (jnp.zeros((rows, d), jnp.float32),
              jnp.full((rows,), M_INIT, jnp.float32),
              jnp.zeros((rows,), jnp.float32))
-    if not table_window:   # each step's page ids read in the loop
-        def body(i, carry):
-            page0 = start + i * pages_per_block
-            return step(page0, table_ref[pl.ds(page0, pages_per_block)], carry)
-
-        acc, m, l = lax.fori_loop(0, n_iter, body, carry)
-    else:                  # read a window of them at a time (see DECODE_TUNING's preload_table)
-        window = jnp.arange(table_window, dtype=jnp.int32)
-        steps = table_window // pages_per_block
-
-        def run_window(w, carry):
-            base = start + w * table_window
-            ids = table_ref[pl.ds(base, table_window)]
-
-            def body(i, carry):
-                # Triton has no gather from registers: a select and a sum pick the step's ids.
-                at = (i * pages_per_block + offs)[:, None] == window[None, :]
-                return step(base + i * pages_per_block, jnp.sum(jnp.where(at, ids[None, :], 0), axis=1), carry)
-
-            return lax.fori_loop(0, jnp.minimum(steps, n_iter - w * steps), body, carry)
-
-        if pages_per_split <= table_window:   # one window holds the split
-            acc, m, l = run_window(0, carry)
-        else:
-            acc, m, l = lax.fori_loop(0, pl.cdiv(n_iter, steps), run_window, carry)
+    acc, m, l = page_loop(lambda first, n: table_ref[pl.ds(first, n)], start, n_iter, pages_per_block,
+                          table_window, pages_per_split, step, carry)
 
     if write:
         *out_refs, ko_ref, vo_ref = out_refs
@@ -468,8 +486,7 @@ def _decode(q, k_pages, v_pages, block_tables, seq_lens, new_kv, *, sm_scale, sl
     splits = pl.cdiv(width, pages_per_split)     # drop splits with no pages
     if splits > 1:   # a power of two for the merge kernel's tiles; the extra splits read nothing
         splits = next_pow2(splits)
-    # A power of two (a Triton tile), at least a compute block.
-    table_window = max(ppb, min(next_pow2(pages_per_split), MAX_TABLE_WINDOW)) if preload else 0
+    table_window = table_window_of(preload, ppb, pages_per_split)
     # Pad the table so every compute block (and the last window of the last split) reads in
     # range (entries -> dummy).
     pad = splits * pages_per_split + table_window - width

@@ -12,7 +12,8 @@ head are read once per tile for all the query heads that share them.
 
 The KV loop covers only the positions the tile's rows can see (from the
 sliding-window start of its first row to its last row's position), with a
-causal mask per row; chunks may start mid-block. No split-K here: prefill
+causal mask per row; chunks may start mid-block. Its page ids come as the decode
+kernel's do (``paged_attention.page_loop``). No split-K here: prefill
 tiles already fill the GPU, and decode has its own kernel. A single-token
 chunk works too (one valid row in its tile).
 """
@@ -22,13 +23,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas.paged_attention import (
-    M_INIT, check_paged_shapes, dot_precision, load_pages, next_pow2,
-    normalize, online_softmax_step, pages_per_step, softmax_scale_log2)
+    M_INIT, check_paged_shapes, dot_precision, load_pages, next_pow2, normalize, online_softmax_step,
+    page_loop, pages_per_step, softmax_scale_log2, table_window_of)
 from kernels_pallas.tuning import pick, target_capability
 
 __all__ = ["ragged_paged_attention", "PREFILL_TUNING", "prefill_tuning"]
@@ -37,13 +37,18 @@ __all__ = ["ragged_paged_attention", "PREFILL_TUNING", "prefill_tuning"]
 # at the real models' shapes for each target (tests/test_gpu_compile.py checks every row
 # the engine can pick). ``rows`` is the tile's matmul height (block_q tokens x the GQA
 # group padded to a power of two); ``tokens_per_step`` the KV tokens per loop step.
+# ``preload_table`` as the decode kernel's (paged_attention.DECODE_TUNING): with the page ids
+# read in the loop, the PTX for an H200 waits for every copy at the top of each step at 2, 3
+# and 4 stages alike, so 2 stages (no prefetch) cost the least shared memory. Preloaded ids
+# need 3 stages to prefetch, and the H100 tile's shared memory then allows one program per
+# SM instead of two: off until an H200 times it (`check.sh --only tuning`).
 PREFILL_TUNING = {
     # A100: with 4 warps the 64-row tile sits at ptxas's 255-register cap (128 rows
     # spill); 8 warps keep it at 159 registers, 57 KB of shared memory.
-    80: dict(rows=64, tokens_per_step=64, num_warps=8, num_stages=2),
+    80: dict(rows=64, tokens_per_step=64, num_warps=8, num_stages=2, preload_table=False),
     # H100: 64 rows x 64 KV tokens, 4 warps: 211 registers, 82 KB (128 rows with
     # 4 warps spill here too).
-    90: dict(rows=64, tokens_per_step=64, num_warps=4, num_stages=2),
+    90: dict(rows=64, tokens_per_step=64, num_warps=4, num_stages=2, preload_table=False),
 }
 
 
@@ -54,7 +59,7 @@ def prefill_tuning(capability: int | None = None) -> dict:
 
 def _ragged_kernel(seq_ref, q_start_ref, q_end_ref, pos_off_ref, kv_lo_ref,
                    kv_hi_ref, table_ref, q_ref, k_ref, v_ref, o_ref, *,
-                   block_q, scale_log2, pages_per_block, sliding_window,
+                   block_q, scale_log2, pages_per_block, table_window, max_pages, sliding_window,
                    precision):
     block_size = k_ref.shape[1]
     seq = seq_ref[()]
@@ -79,9 +84,7 @@ def _ragged_kernel(seq_ref, q_start_ref, q_end_ref, pos_off_ref, kv_lo_ref,
     in_page = jnp.arange(block_size, dtype=jnp.int32)
     flat = jnp.arange(block_k, dtype=jnp.int32)
 
-    def body(i, carry):
-        page0 = start + i * pages_per_block
-        page_ids = table_ref[seq, pl.ds(page0, pages_per_block)]
+    def step(page0, page_ids, carry):
         tok = (page0 + offs)[:, None] * block_size + in_page[None, :]
         valid = (tok >= kv_lo) & (tok < kv_hi)
         k = load_pages(k_ref, page_ids, valid)
@@ -95,7 +98,8 @@ def _ragged_kernel(seq_ref, q_start_ref, q_end_ref, pos_off_ref, kv_lo_ref,
     carry = (jnp.zeros((rows, d), jnp.float32),
              jnp.full((rows,), M_INIT, jnp.float32),
              jnp.zeros((rows,), jnp.float32))
-    acc, _, l = lax.fori_loop(0, n_iter, body, carry)
+    acc, _, l = page_loop(lambda first, n: table_ref[seq, pl.ds(first, n)], start, n_iter, pages_per_block,
+                          table_window, max_pages, step, carry)
 
     out = normalize(acc, l).astype(o_ref.dtype).reshape(block_q, group_rows, d)
     tok_ok = q_start + jnp.arange(block_q, dtype=jnp.int32) < q_end_ref[()]
@@ -128,12 +132,12 @@ def _tile_schedule(cu_q_lens, kv_lens, num_tiles, block_q, sliding_window):
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "sliding_window", "interpret", "block_q",
-                     "pages_per_compute_block", "num_warps", "num_stages"))
+                     "pages_per_compute_block", "num_warps", "num_stages", "preload_table"))
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens,
                            cu_q_lens, *, sm_scale=None, sliding_window=None,
                            interpret=False, block_q=None,
                            pages_per_compute_block=None, num_warps=None,
-                           num_stages=None):
+                           num_stages=None, preload_table=None):
     """Causal attention of packed prefill chunks against paged K/V.
 
     q: [T, Hq, D]; sequence s owns rows cu_q_lens[s]:cu_q_lens[s+1]
@@ -143,13 +147,14 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens,
     positions <= its own (the last ``sliding_window`` of them if set). Rows
     before cu_q_lens[0] or past cu_q_lens[S] return zeros. Tuning: ``block_q``
     query tokens per tile (default: the table's rows / padded group), ``pages_per_compute_block``
-    (default: the table's KV tokens per step), Triton ``num_warps``/``num_stages``; unset
-    ones come from ``PREFILL_TUNING`` for the GPU being compiled for.
+    (default: the table's KV tokens per step), Triton ``num_warps``/``num_stages``,
+    ``preload_table``; unset ones come from ``PREFILL_TUNING`` for the GPU being compiled for.
     Returns [T, Hq, D] in q's dtype.
     """
     tune = prefill_tuning()
     num_warps = num_warps or tune["num_warps"]
     num_stages = num_stages or tune["num_stages"]
+    preload = tune["preload_table"] if preload_table is None else preload_table
     t, hq, head_dim = q.shape
     block_size, hkv, d = check_paged_shapes(hq, head_dim, k_pages, v_pages)
     num_blocks = k_pages.shape[0]
@@ -166,8 +171,9 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens,
     num_tiles = t // bq + num_seqs
     sched = _tile_schedule(cu, kv_lens, num_tiles, bq, sliding_window)
     width = block_tables.shape[1]
-    tables = jnp.pad(block_tables.astype(jnp.int32),
-                     ((0, 0), (0, -width % ppb)))
+    max_pages = width + -width % ppb
+    table_window = table_window_of(preload, ppb, max_pages)
+    tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, max_pages - width + table_window)))
     # Pad rows by one tile so a tile starting near T never reads or writes
     # out of bounds, and the group to a power of two.
     qg = jnp.pad(q.reshape(t, hkv, group, d),
@@ -175,8 +181,8 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens,
 
     kernel = functools.partial(
         _ragged_kernel, block_q=bq,
-        scale_log2=softmax_scale_log2(sm_scale, d), pages_per_block=ppb,
-        sliding_window=sliding_window, precision=dot_precision(q.dtype))
+        scale_log2=softmax_scale_log2(sm_scale, d), pages_per_block=ppb, table_window=table_window,
+        max_pages=max_pages, sliding_window=sliding_window, precision=dot_precision(q.dtype))
     scalar = pl.BlockSpec((None,), lambda p, h: (p,))
     page_spec = pl.BlockSpec((num_blocks, block_size, None, d),
                              lambda p, h: (0, 0, h, 0))

@@ -299,18 +299,34 @@ def test_ragged_matches_reference(hq, hkv, d, bs, dtype):
     assert not np.asarray(out[sum(q_lens):].astype(F32)).any()
 
 
+@pytest.mark.parametrize("preload", [True, False], ids=["table-preloaded", "table-in-loop"])
 @pytest.mark.parametrize("window,block_q,ppb", [
     (None, 1, 1), (7, None, None), (40, 4, 2)])
-def test_ragged_tuning_and_window(window, block_q, ppb):
+def test_ragged_tuning_and_window(window, block_q, ppb, preload):
     q_lens, kv_lens, rows = ragged_batch(16)
     k, v, tables = make_cache(5, kv_lens, 2, 64, 16, F32, width=5)
     q = make_q(5, rows, 6, 64, F32)                    # group 3 -> 4 rows
     args = (q, k, v, tables, jnp.asarray(kv_lens, jnp.int32), cu_of(q_lens))
     out = ragged_paged_attention(*args, interpret=True, block_q=block_q,
                                  pages_per_compute_block=ppb,
-                                 sliding_window=window)
+                                 sliding_window=window, preload_table=preload)
     want = reference.ragged_paged_attention(*args, sliding_window=window)
     assert_close(out, want, F32)
+
+
+def test_ragged_walks_the_table_a_window_at_a_time(monkeypatch):
+    """Prefill tiles with their page ids preloaded, read in windows of 2 (patched): a tile's
+    KV range spans several, and sliding windows start mid-table."""
+    pa = importlib.import_module("kernels_pallas.paged_attention")
+    monkeypatch.setattr(pa, "MAX_TABLE_WINDOW", 2)
+    q_lens, kv_lens, rows = ragged_batch(16)
+    k, v, tables = make_cache(7, kv_lens, 2, 32, 16, F32, width=5)
+    q = make_q(7, rows, 4, 32, F32)
+    args = (q, k, v, tables, jnp.asarray(kv_lens, jnp.int32), cu_of(q_lens))
+    for window in (None, 30):
+        out = ragged_paged_attention(*args, interpret=True, pages_per_compute_block=1, preload_table=True,
+                                     sliding_window=window)
+        assert_close(out, reference.ragged_paged_attention(*args, sliding_window=window), F32)
 
 
 def test_ragged_long_context():

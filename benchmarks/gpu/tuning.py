@@ -20,6 +20,9 @@ and the setting the tables give today:
   tokens per step; at batch 64 x 4096 (the 7B's heads: the kernel target's point) and for one
   530-token sequence with the 30B's heads (splits of the context too).
 
+* ragged prefill of one 2048-token prompt (the 7B's heads): its page ids read in the loop at 2
+  stages (today's row: no prefetch) against preloaded at 3 and 4 stages, 4 and 8 warps.
+
 The decode sweeps run first: they bear on the unmet targets most.
 
 On a CPU (`check.sh --cpu`) the kernels run in interpret mode at the tiny model's shapes, one
@@ -54,9 +57,12 @@ DENSE_GRID = list(filter(_fits, itertools.product((32, 64, 128), (128, 256), (4,
 # paged decode: (preload_table, num_stages) pairs: with the table preloaded 2 stages hold one
 # step of pages, 3 two, 4 three; read in the loop, 5 stages are the first to hold two (PTX)
 DECODE_PIPELINES = ((True, 2), (True, 3), (True, 4), (False, 3), (False, 5))
+# ragged prefill: (preload_table, num_stages, num_warps)
+PREFILL_GRID = ((False, 2, 4), (False, 2, 8), (True, 3, 4), (True, 3, 8), (True, 4, 8))
+PREFILL_TOKENS = 2048
 # (batch, context, family, tokens per step, k_splits; None: the kernel's heuristic)
 DECODE_SHAPES = ((64, 4096, "qwen2_5_omni", (32, 64), (None,)),
-                 (1, 530, "qwen3_omni", (16, 32, 64), (None, 8, 16)))
+                 (1, 530, "qwen3_omni", (16, 32, 64), (None, 16)))
 NO_TRITON_GEMM = {"xla_gpu_enable_triton_gemm": False}
 REL_TOL = 2e-2  # bf16 operands, as the kernels part
 
@@ -74,6 +80,7 @@ def run(size, rep, results_dir) -> None:
     sweep = Sweep(rep, peak, kb, interp, iters)
     for shape in DECODE_SHAPES:
         _decode(sweep, texts, shape, grid, kb)
+    _prefill(sweep, texts["qwen2_5_omni"], grid, kb)
     _experts(sweep, texts["qwen3_omni"], grid, kb)
     _projections(sweep, texts["qwen3_omni"], grid, kb)
 
@@ -204,3 +211,29 @@ def _decode(sweep, texts, shape, grid, kb) -> None:
     nbytes = batch * ctx * hkv * d * 2 * kb.ITEM + 2 * q.size * kb.ITEM
     want = reference.paged_attention(q, k, v, tables, lens)
     sweep.run(f"paged decode {batch} x {ctx} ({family} heads, 4 warps)", nbytes, points, want, current)
+
+
+def _prefill(sweep, text, grid, kb) -> None:
+    """Ragged prefill of one fresh prompt with the 7B's heads."""
+    import jax
+    import jax.numpy as jnp
+
+    from kernels_pallas import reference
+    from kernels_pallas.ragged_paged_attention import prefill_tuning, ragged_paged_attention
+
+    hq, hkv, d, bs = text.num_heads, text.num_kv_heads, text.head_dim, 16
+    tokens = 32 if sweep.interpret else PREFILL_TOKENS
+    k, v, tables = kb.make_pool(jax.random.key(11), 1, tokens, bs, hkv, d)
+    q = jax.random.normal(jax.random.key(12), (tokens, hq, d), kb.DTYPE)
+    args = (q, k, v, tables, jnp.full((1,), tokens, jnp.int32), jnp.asarray([0, tokens], jnp.int32))
+    label = lambda pre, st, w: f"{'preloaded' if pre else 'in-loop'} s{st} w{w}"  # noqa: E731
+    tune = prefill_tuning()
+    points = {}
+    for pre, stages, warps in grid(list(PREFILL_GRID)):
+        fn = jax.jit(lambda *a, c=(pre, stages, warps): ragged_paged_attention(
+            *a, preload_table=c[0], num_stages=c[1], num_warps=c[2], interpret=sweep.interpret))
+        points[label(pre, stages, warps)] = (fn, args)
+    nbytes = tokens * hkv * d * 2 * kb.ITEM + 2 * q.size * kb.ITEM
+    want = reference.ragged_paged_attention(*args)
+    sweep.run(f"ragged prefill 1 x {tokens} (qwen2_5_omni heads)", nbytes, points, want,
+              label(tune["preload_table"], tune["num_stages"], tune["num_warps"]))

@@ -18,8 +18,7 @@ and the setting the tables give today:
   read in the page loop as before 2026-12-05: then Triton's pipeliner waits for every copy at
   the top of each step below 5 stages) with the stages each needs to keep pages in flight, and
   tokens per step; at batch 64 x 4096 (the 7B's heads: the kernel target's point) and for one
-  530-token sequence with the 30B's heads (splits of the context too).
-
+  530-token sequence with the 30B's heads (splits of the context too);
 * ragged prefill of one 2048-token prompt (the 7B's heads): its page ids read in the loop at 2
   stages (today's row: no prefetch) against preloaded at 3 and 4 stages, 4 and 8 warps.
 

@@ -35,14 +35,17 @@ def pipeline_yaml(server_pipeline_yaml) -> str:  # noqa: F811
     spoken turn in one encoder call), and replies that take a while: the
     thinker writes 600 tokens whatever it says (the server's reply is still running when the
     user speaks over it: with 300, one CI run on a loaded 2-core machine saw the first reply end
-    before the key press that cancels it reached the server) and the talker speaks at least 30
-    codes (0.6 s)."""
+    before the key press that cancels it reached the server) and the talker speaks 60 to 80
+    codes (1.2-1.6 s, the vocoder taking up to 96: a reply still plays when the key press that
+    speaks over it lands; with 30 to 40, two CI runs on a loaded 2-core machine saw a 0.8 s
+    reply end first)."""
     with open(server_pipeline_yaml) as f:
         cfg = yaml.safe_load(f)
     st = {s["name"]: s for s in cfg["stages"]}
     st["thinker"]["audio_chunk_buckets"] = [1, 4, 32]
     st["thinker"]["default_sampling"] = {"temperature": 0.0, "max_tokens": 600, "ignore_eos": True}
-    st["talker"]["default_sampling"] = {**st["talker"]["default_sampling"], "min_tokens": 30}
+    st["talker"]["default_sampling"] = {**st["talker"]["default_sampling"], "min_tokens": 60, "max_tokens": 80}
+    st["token2wav"]["token_buckets"] = [96]
     path = server_pipeline_yaml.replace(".yaml", "_page.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(cfg, f)

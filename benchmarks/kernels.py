@@ -2,7 +2,6 @@
 
     python benchmarks/kernels.py            # GPU: timing tables
     python benchmarks/kernels.py --quick    # GPU: a few shapes only
-    python benchmarks/kernels.py --sweep    # GPU: also sweep decode tuning
 
 On a GPU it times, at Qwen2.5-Omni-7B thinker shapes (28 q heads, 4 KV heads,
 head dim 128, bf16), the decode kernel, the ragged prefill kernel, the KV
@@ -132,29 +131,6 @@ def bench_decode(shapes, block_sizes, peak, tuning=None):
                   f"{'' if r['rel_err'] < 2e-2 else '  MISMATCH %.3g' % r['rel_err']}")
             rows.append((batch, ctx, bs, tk, tr, nbytes))
     return rows
-
-def sweep_decode(peak):
-    """Tuning sweep at the target point (batch 64, 4k context, block 16)."""
-    print("\nDecode tuning sweep at batch 64, context 4096, block size 16")
-    k, v, tables = make_pool(jax.random.key(0), 64, 4096, 16)
-    q = jax.random.normal(jax.random.key(1), (64, HQ, D), DTYPE)
-    lens = jnp.full((64,), 4096, jnp.int32)
-    nbytes = kv_bytes(64 * 4096) + 2 * q.size * ITEM
-    for ppb in (2, 4, 8, 16):
-        for warps in (4, 8):
-            for stages in (2, 3, 4):
-                for splits in (None, 1, 4):
-                    cfg = dict(pages_per_compute_block=ppb, num_warps=warps,
-                               num_stages=stages, k_splits=splits)
-                    fn = jax.jit(lambda *a, c=cfg: paged_attention(*a, **c))
-                    try:
-                        t = time_call(fn, q, k, v, tables, lens, iters=10)
-                    except Exception as e:  # a config may not fit smem
-                        print(f"  {cfg}: failed ({type(e).__name__})")
-                        continue
-                    print(f"  {cfg}: {t * 1e3:.3f} ms "
-                          f"{fmt_bw(nbytes, t, peak)}")
-
 
 def bench_prefill(peak):
     print("\nRagged prefill (causal, TFLOP/s counts only unmasked products)")
@@ -437,8 +413,6 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
                         help="a few decode shapes, block size 16 only")
-    parser.add_argument("--sweep", action="store_true",
-                        help="also sweep decode tuning at batch 64 / 4k")
     args = parser.parse_args(argv)
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
     if not gpus:
@@ -448,7 +422,8 @@ def main(argv=None):
           f"{f'{peak / 1e12:.2f} TB/s ({name})' if peak else name}; "
           f"a 2 GiB device-to-device copy measures {copy_bandwidth(2 << 30) / 1e12:.2f} TB/s")
     # The launch settings the engine uses on this GPU (the kernels' per-target tables,
-    # checked by the gpu_compile tests); --sweep times the alternatives.
+    # checked by the gpu_compile tests); the GPU check's tuning part
+    # (benchmarks/gpu/tuning.py) times the alternatives.
     print(f"Tuning: decode {decode_tuning()}, prefill {prefill_tuning()}, experts {grouped_tuning()}")
     rows = bench_decode(QUICK_DECODE if args.quick else DECODE_SHAPES, [16],
                         peak)
@@ -458,8 +433,6 @@ def main(argv=None):
         bench_prefill(peak)
         bench_kv_write(peak)
         bench_experts(peak)
-    if args.sweep:
-        sweep_decode(peak)
     report_target(rows, peak)
     return 0
 

@@ -40,7 +40,7 @@ from .hlo_bytes import program_bytes
 from .targets import Target
 
 # Pallas kernels are named after these prefixes (pallas_call name=...).
-PALLAS_PREFIXES = ("paged_decode", "decode_merge", "ragged_paged_prefill", "grouped_matmul", "rms_norm", "add_rms_norm")
+PALLAS_PREFIXES = ("paged_decode", "decode_merge", "ragged_paged_prefill", "grouped_matmul", "skinny_matmul", "rms_norm", "add_rms_norm")
 # Thunks that only order or wrap others; every other thunk line is one launch.
 _CONTROL_THUNKS = {"kSequential", "kWhile", "kConditional", "kWaitForStreams", "kCommandBuffer"}
 _THUNK_RE = re.compile(r"^(\s*)\d+:\s+(k\w+)\s[^\]]*\]\s*(\S*)(.*)$")

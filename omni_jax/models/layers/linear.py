@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kernels_pallas.skinny_matmul import skinny_matmul, skinny_tuning
+
 from . import parallel
 
 
@@ -37,11 +39,40 @@ def fp32_accumulating_dot_general(lhs, rhs, dimension_numbers, precision=None,
 
 
 class Linear(nnx.Linear):
-    """nnx.Linear with `fp32_accumulating_dot_general` (same parameters, same checkpoint keys)."""
+    """nnx.Linear with `fp32_accumulating_dot_general` (same parameters, same checkpoint keys);
+    on a GPU whose launch settings say so, a few rows take the skinny kernel (`few_rows`)."""
 
     def __init__(self, in_features: int, out_features: int, **kwargs):
         kwargs.setdefault("dot_general", fp32_accumulating_dot_general)
         super().__init__(in_features, out_features, **kwargs)
+
+    def __call__(self, x):
+        if not takes_skinny_kernel(x, self):
+            return super().__call__(x)
+        return jax.lax.platform_dependent(x, cpu=super().__call__, default=lambda x: few_rows(x, self)[0])
+
+
+def takes_skinny_kernel(x: jnp.ndarray, *layers: Linear) -> bool:
+    """Whether `layers` applied to `x` take the skinny kernel where the lowering is for a GPU:
+    the target's row (``SKINNY_TUNING``) takes this many rows and outputs this wide (a narrow
+    one, a router's, would be a few programs on a GPU of a hundred SMs), and no tensor
+    parallelism splits the weights."""
+    tune = skinny_tuning()
+    rows = math.prod(x.shape[:-1])
+    return (0 < rows <= tune["max_rows"] and sum(layer.out_features for layer in layers) >= tune["min_width"]
+            and parallel.axis_size(parallel.TP) == 1)
+
+
+def few_rows(x: jnp.ndarray, *layers: Linear, interpret: bool = False) -> list[jnp.ndarray]:
+    """[layer(x) for layer in layers] as one launch of the skinny kernel over their weights."""
+    dtype = layers[0].dtype or x.dtype
+    flat = x.reshape(-1, x.shape[-1]).astype(dtype)
+    biases = [None if layer.bias is None else layer.bias[...] for layer in layers]
+    y = skinny_matmul(flat, [layer.kernel[...].astype(dtype) for layer in layers], biases, out_dtype=dtype,
+                      interpret=interpret)
+    widths = [layer.out_features for layer in layers]
+    return [part.reshape(x.shape[:-1] + (w,)) for part, w in zip(jnp.split(y, np.cumsum(widths)[:-1], axis=-1),
+                                                                  widths)]
 
 
 def parallel_linears(x: jnp.ndarray, *layers: Linear) -> list[jnp.ndarray]:
@@ -49,7 +80,11 @@ def parallel_linears(x: jnp.ndarray, *layers: Linear) -> list[jnp.ndarray]:
     XLA:GPU fuses the concatenation into the GEMM, so the layers cost one launch and no weight
     copy (its own dot merging leaves weights this large apart: the MLP's gate and up). Apart
     on CPU, where the concatenation would copy the weights on every call, and under tensor
-    parallelism, where each layer's columns are split over the shards."""
+    parallelism, where each layer's columns are split over the shards. Where a GPU's few rows
+    take the skinny kernel (`takes_skinny_kernel`), one launch of it over all the weights."""
+    if takes_skinny_kernel(x, *layers):
+        return jax.lax.platform_dependent(x, cpu=lambda x: [layer(x) for layer in layers],
+                                          default=lambda x: few_rows(x, *layers))
     if len(layers) == 1 or parallel.axis_size(parallel.TP) > 1:
         return [layer(x) for layer in layers]
     widths = [layer.out_features for layer in layers]

@@ -9,20 +9,21 @@ down at 56%), the attention projections 17.5 us (XLA's GEMMs; q/k/v at 48%), pag
 share of the copy bandwidth measured in the same run; each sweep ends with its fastest point
 and the setting the tables give today:
 
-* the grouped matmul's block_n, block_k, warps and stages, for the gate/up and the down
-  projection of one token's 8 experts;
-* the attention projections of one token (q/k/v side by side, as `parallel_linears` runs them,
-  then o_proj): XLA as compiled today, XLA without its Triton GEMMs (cuBLAS), and the grouped
-  matmul as a dense one (one group, the weight stored [out, in]) at a few settings;
 * paged decode: where each step's page ids come from (the split's table entries preloaded, or
   read in the page loop as before 2026-12-05: then Triton's pipeliner waits for every copy at
   the top of each step below 5 stages) with the stages each needs to keep pages in flight, and
   tokens per step; at batch 64 x 4096 (the 7B's heads: the kernel target's point) and for one
   530-token sequence with the 30B's heads (splits of the context too);
+* the attention projections of one token (q/k/v side by side, as `parallel_linears` runs them,
+  then o_proj): XLA as compiled today, XLA without its Triton GEMMs (cuBLAS), and the skinny
+  matmul kernel (`kernels_pallas/skinny_matmul.py`, the weights as stored) at a few settings:
+  where it wins, its row's `max_rows` sends a decode step's projections to it;
+* the grouped matmul's block_n, block_k, warps and stages, for the gate/up and the down
+  projection of one token's 8 experts;
 * ragged prefill of one 2048-token prompt (the 7B's heads): its page ids read in the loop at 2
   stages (today's row: no prefetch) against preloaded at 3 and 4 stages, 4 and 8 warps.
 
-The decode sweeps run first: they bear on the unmet targets most.
+In that order: what bears on the unmet targets most first.
 
 On a CPU (`check.sh --cpu`) the kernels run in interpret mode at the tiny model's shapes, one
 point per sweep: the code runs, the times mean nothing.
@@ -42,17 +43,17 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 
 def _fits(point) -> bool:
-    """A grouped matmul setting within Hopper's 232448 B of shared memory: Triton keeps
-    stages - 1 tiles of the 16-row block and of the weights (what compiling for an H200 asked
-    for: bn128 bk256 s5, 294912 B, fails; every other point here compiles)."""
+    """A grouped (or skinny) matmul setting within Hopper's 232448 B of shared memory: Triton
+    keeps stages - 1 tiles of the 16-row block and of the weights (what compiling for an H200
+    asked for: bn128 bk256 s5, 294912 B, fails; every other point here compiles)."""
     bn, bk, _, stages = point
     return (16 + bn) * bk * 2 * (stages - 1) <= 232448
 
 
 # (block_n, block_k, num_warps, num_stages) of the grouped matmul at one token (16-row blocks)
 GROUPED_GRID = list(filter(_fits, itertools.product((32, 64, 128), (128, 256), (4,), (3, 5))))
-# the grouped matmul as a dense projection: (block_n, block_k, num_warps, num_stages)
-DENSE_GRID = list(filter(_fits, itertools.product((32, 64, 128), (128, 256), (4,), (4, 5))))
+# the skinny matmul (a projection's few rows): (block_n, block_k, num_warps, num_stages)
+SKINNY_GRID = list(filter(_fits, itertools.product((16, 32, 64), (128, 256), (4,), (4, 5))))
 # paged decode: (preload_table, num_stages) pairs: with the table preloaded 2 stages hold one
 # step of pages, 3 two, 4 three; read in the loop, 5 stages are the first to hold two (PTX)
 DECODE_PIPELINES = ((True, 2), (True, 3), (True, 4), (False, 3), (False, 5))
@@ -79,9 +80,9 @@ def run(size, rep, results_dir) -> None:
     sweep = Sweep(rep, peak, kb, interp, iters)
     for shape in DECODE_SHAPES:
         _decode(sweep, texts, shape, grid, kb)
-    _prefill(sweep, texts["qwen2_5_omni"], grid, kb)
-    _experts(sweep, texts["qwen3_omni"], grid, kb)
     _projections(sweep, texts["qwen3_omni"], grid, kb)
+    _experts(sweep, texts["qwen3_omni"], grid, kb)
+    _prefill(sweep, texts["qwen2_5_omni"], grid, kb)
 
 
 class Sweep:
@@ -149,11 +150,11 @@ def _experts(sweep, text, grid, kb) -> None:
 
 def _projections(sweep, text, grid, kb) -> None:
     """One token through the attention's projections: XLA as compiled today and without its
-    Triton GEMMs, and the grouped matmul with one group."""
+    Triton GEMMs, and the skinny kernel (the weights as stored, [in, out], q/k/v side by side)."""
     import jax
     import jax.numpy as jnp
 
-    from kernels_pallas.grouped_matmul import grouped_matmul
+    from kernels_pallas.skinny_matmul import skinny_matmul
     from omni_jax.models.layers.linear import fp32_accumulating_dot_general
 
     h, d = text.hidden_size, text.head_dim
@@ -171,15 +172,12 @@ def _projections(sweep, text, grid, kb) -> None:
         args = (x, *kernels)
         points = {"XLA": (xla, args),
                   "XLA, no Triton GEMM": (xla.lower(*args).compile(compiler_options=NO_TRITON_GEMM), args)}
-        stored = jnp.concatenate(kernels, axis=1).T[None]  # [1, out, in]: the layout the kernel reads
-        one = jnp.array([1], jnp.int32)
-        for bn, bk, warps, stages in grid(DENSE_GRID):
-            fn = jax.jit(lambda r, w_, s, c=(bn, bk, warps, stages): grouped_matmul(
-                r, w_, s, out_dtype=kb.DTYPE, block_n=c[0], block_k=c[1], num_warps=c[2], num_stages=c[3],
-                interpret=sweep.interpret))
-            points[f"Pallas bn{bn} bk{bk} w{warps} s{stages}"] = (fn, (x, stored, one))
+        for bn, bk, warps, stages in grid(SKINNY_GRID):
+            fn = jax.jit(lambda x, *ws, c=(bn, bk, warps, stages): skinny_matmul(
+                x, ws, block_n=c[0], block_k=c[1], num_warps=c[2], num_stages=c[3], interpret=sweep.interpret))
+            points[f"skinny bn{bn} bk{bk} w{warps} s{stages}"] = (fn, args)
         sweep.run(f"{name} 1 token {k}x{n}", (k * n + k + n) * kb.ITEM, points, xla(*args), "XLA")
-        del kernels, stored
+        del kernels
 
 
 def _decode(sweep, texts, shape, grid, kb) -> None:

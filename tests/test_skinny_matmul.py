@@ -89,14 +89,14 @@ def _linears(*widths, bias=True, k=64):
 
 @pytest.mark.parametrize("shape", [(3, 64), (2, 1, 64)])
 def test_few_rows_equals_the_layers(shape):
-    """The models' GPU path (`few_rows`) gives what each Linear gives, for [T, in] and [B, T, in]."""
+    """The models' GPU path (`few_rows`) gives each Linear's output, side by side, for [T, in] and
+    [B, T, in]."""
     layers = _linears(48, 16, 16)
     x = jax.random.normal(jax.random.key(1), shape)
     got = few_rows(x, *layers, interpret=True)
-    for g, layer in zip(got, layers):
-        want = layer(x)
-        assert g.shape == want.shape
-        assert float(jnp.max(jnp.abs(g - want))) <= 1e-4
+    want = jnp.concatenate([layer(x) for layer in layers], axis=-1)
+    assert got.shape == want.shape == shape[:-1] + (80,)
+    assert float(jnp.max(jnp.abs(got - want))) <= 1e-4
 
 
 @pytest.fixture
@@ -140,6 +140,23 @@ def test_a_gated_mlp_lowers_to_two_kernels_for_few_rows(skinny_on, rows, kernels
     assert text.count(f"@{TRITON_CALL}(") == kernels
     xv = jax.random.normal(jax.random.key(2), (rows, 64), jnp.bfloat16)
     assert TRITON_CALL not in jax.jit(lambda s, x: nnx.merge(graph, s)(x)).lower(state, xv).as_text()
+
+
+def test_attention_takes_its_projections_as_heads(skinny_on):
+    """With the row on, attention slices q, k and v as heads of the projections' one output (the
+    CPU lowers that output as each layer's, concatenated): the same result as with it off."""
+    from omni_jax.models.layers.attention import Attention, AttentionConfig, AttentionMetadata
+
+    cfg = AttentionConfig(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True)
+    attn = Attention(cfg, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(3), (5, 64))
+    cos, sin = jnp.ones((5, 16)), jnp.zeros((5, 16))
+    meta = AttentionMetadata.dense(5)
+    assert takes_skinny_kernel(x, attn.q_proj, attn.k_proj, attn.v_proj)
+    got, _ = attn(x, cos, sin, meta)
+    SKINNY_TUNING[80] = dict(SKINNY_TUNING[80], max_rows=0)   # the fixture restores it
+    want, _ = attn(x, cos, sin, meta)
+    assert float(jnp.max(jnp.abs(got - want))) <= 1e-5
 
 
 def test_parallel_linears_lower_to_one_kernel(skinny_on):

@@ -33,7 +33,7 @@ import kernels_pallas
 from kernels_pallas import reference
 
 from . import parallel
-from .linear import Linear, parallel_linears, takes_skinny_kernel
+from .linear import Linear, skinny_linears, takes_skinny_kernel
 from .norms import RMSNorm
 
 log = logging.getLogger("omni_jax.attention")
@@ -200,13 +200,15 @@ class Attention(nnx.Module):
         cfg = self.cfg
         t = x.shape[0]
         projections = (self.q_proj, self.k_proj, self.v_proj)
-        if takes_skinny_kernel(x, *projections):   # one launch over the three weights
-            q, k, v = parallel_linears(x, *projections)
+        if takes_skinny_kernel(x, *projections):
+            # One launch over the three weights; sliced as heads, so that the decode kernel's
+            # concatenation of q, k and v is the kernel's output again (no copy, no launch).
+            heads = skinny_linears(x, *projections).reshape(t, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
+            q, k, v = jnp.split(heads, (cfg.num_heads, cfg.num_heads + cfg.num_kv_heads), axis=1)
         else:   # XLA merges the three dots itself
-            q, k, v = (p(x) for p in projections)
-        q = q.reshape(t, cfg.num_heads, cfg.head_dim)
-        k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+            q = self.q_proj(x).reshape(t, cfg.num_heads, cfg.head_dim)
+            k = self.k_proj(x).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+            v = self.v_proj(x).reshape(t, cfg.num_kv_heads, cfg.head_dim)
         norms = (self.q_norm.weight[...], self.k_norm.weight[...]) if cfg.qk_norm else None
         qk = dict(rope=(cos, sin), qk_norm=norms)
         scale = cfg.head_dim ** -0.5

@@ -47,9 +47,13 @@ class Linear(nnx.Linear):
         super().__init__(in_features, out_features, **kwargs)
 
     def __call__(self, x):
-        if not takes_skinny_kernel(x, self):
-            return super().__call__(x)
-        return jax.lax.platform_dependent(x, cpu=super().__call__, default=lambda x: few_rows(x, self)[0])
+        if takes_skinny_kernel(x, self):
+            return skinny_linears(x, self)
+        return self.xla(x)
+
+    def xla(self, x):
+        """The layer as XLA's matmul, whatever the GPU's launch settings."""
+        return super().__call__(x)
 
 
 def takes_skinny_kernel(x: jnp.ndarray, *layers: Linear) -> bool:
@@ -63,16 +67,22 @@ def takes_skinny_kernel(x: jnp.ndarray, *layers: Linear) -> bool:
             and parallel.axis_size(parallel.TP) == 1)
 
 
-def few_rows(x: jnp.ndarray, *layers: Linear, interpret: bool = False) -> list[jnp.ndarray]:
-    """[layer(x) for layer in layers] as one launch of the skinny kernel over their weights."""
+def skinny_linears(x: jnp.ndarray, *layers: Linear) -> jnp.ndarray:
+    """The layers' outputs side by side, [..., sum of their widths]: on a GPU one launch of the
+    skinny kernel (`few_rows`); on CPU each layer as XLA's matmul, concatenated."""
+    return jax.lax.platform_dependent(
+        x, cpu=lambda x: jnp.concatenate([layer.xla(x) for layer in layers], axis=-1),
+        default=lambda x: few_rows(x, *layers))
+
+
+def few_rows(x: jnp.ndarray, *layers: Linear, interpret: bool = False) -> jnp.ndarray:
+    """The layers' outputs side by side as one launch of the skinny kernel over their weights."""
     dtype = layers[0].dtype or x.dtype
     flat = x.reshape(-1, x.shape[-1]).astype(dtype)
     biases = [None if layer.bias is None else layer.bias[...] for layer in layers]
     y = skinny_matmul(flat, [layer.kernel[...].astype(dtype) for layer in layers], biases, out_dtype=dtype,
                       interpret=interpret)
-    widths = [layer.out_features for layer in layers]
-    return [part.reshape(x.shape[:-1] + (w,)) for part, w in zip(jnp.split(y, np.cumsum(widths)[:-1], axis=-1),
-                                                                  widths)]
+    return y.reshape(x.shape[:-1] + (y.shape[-1],))
 
 
 def parallel_linears(x: jnp.ndarray, *layers: Linear) -> list[jnp.ndarray]:
@@ -82,12 +92,11 @@ def parallel_linears(x: jnp.ndarray, *layers: Linear) -> list[jnp.ndarray]:
     on CPU, where the concatenation would copy the weights on every call, and under tensor
     parallelism, where each layer's columns are split over the shards. Where a GPU's few rows
     take the skinny kernel (`takes_skinny_kernel`), one launch of it over all the weights."""
+    widths = [layer.out_features for layer in layers]
     if takes_skinny_kernel(x, *layers):
-        return jax.lax.platform_dependent(x, cpu=lambda x: [layer(x) for layer in layers],
-                                          default=lambda x: few_rows(x, *layers))
+        return jnp.split(skinny_linears(x, *layers), np.cumsum(widths)[:-1], axis=-1)
     if len(layers) == 1 or parallel.axis_size(parallel.TP) > 1:
         return [layer(x) for layer in layers]
-    widths = [layer.out_features for layer in layers]
 
     def side_by_side(x):
         first = layers[0]

@@ -3,15 +3,16 @@
 A decode step multiplies a few rows (one per sequence) by each projection's whole weight,
 so its time is the weight's bytes over the bandwidth it streams them at. XLA's GEMMs for one
 row reached 48% of the copy bandwidth on an H200 (the 30B-A3B's q/k/v, README "Measured on a
-GPU"), split over K with a sum kernel after them. Here one program per (row block, tile of
-``block_n`` output columns) streams its columns' ``[block_k, block_n]`` weight tiles in a K
-loop whose addresses depend on the loop index alone, so Triton keeps ``num_stages - 1`` tiles
-in flight while it computes; no split, no sum, no copy of the weights.
+GPU"), split over K with a sum kernel after them. Here one program per tile of ``block_n``
+output columns (all rows in one block, the rows past M masked) streams its columns'
+``[block_k, block_n]`` weight tiles in a K loop whose addresses depend on the loop index alone,
+so Triton keeps ``num_stages - 1`` tiles in flight while it computes; no split, no sum, no copy
+of the weights.
 
 ``weights`` may be several matrices of one K (q/k/v, gate/up): the output is their columns
 side by side, as one GEMM over the concatenation would give, without the concatenation
-(each program's column tile lies in one of them).
-A bias per matrix, if given, is added in fp32 before the one rounding.
+(each program's column tile lies in one of them). A bias per matrix, if given, is added in
+fp32 before the one rounding.
 
 Whether a model's projections take this kernel is a launch setting (``SKINNY_TUNING``):
 off until a GPU times it against XLA (the GPU check's tuning part).
@@ -113,7 +114,7 @@ def skinny_matmul(x, weights, biases=None, out_dtype=None, *, block_n=None, bloc
     widths = [w.shape[1] for w in weights]
     if min(bn, bk) < MIN_BLOCK or bn != next_pow2(bn) or bk != next_pow2(bk):
         raise ValueError(f"block_n={bn} and block_k={bk} must be powers of two >= {MIN_BLOCK}")
-    bm = max(MIN_BLOCK, next_pow2(m))   # one block of rows: the kernel is for a step's few
+    bm = max(MIN_BLOCK, next_pow2(m))   # one block of rows: the kernel is for a step's few rows
     first, offset = [0], [0]
     for width in widths:
         first.append(first[-1] + pl.cdiv(width, bn))

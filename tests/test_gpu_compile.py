@@ -21,6 +21,7 @@ import pytest
 from kernels_pallas.grouped_matmul import GROUPED_TUNING, block_settings, default_block_rows, grouped_tuning
 from kernels_pallas.paged_attention import DECODE_TUNING, decode_tuning
 from kernels_pallas.ragged_paged_attention import PREFILL_TUNING
+from kernels_pallas.skinny_matmul import skinny_tuning
 from kernels_pallas.tuning import capability_of_kind, target_capability
 from omni_jax.config import load_pipeline_config
 from omni_jax.gpu import client
@@ -70,6 +71,9 @@ def test_kernels_compile_at_every_bucket_within_limits(tier, target):
         if preset == "qwen3_omni":  # MoE decoders: the expert matmuls at every step size
             expected += [f"{preset}/{stage.name}/kernel/experts/{t}"
                          for t in sorted({*stage.resolved_decode_buckets, *stage.resolved_token_buckets})]
+        # the dense projections in the skinny kernel, at its smallest and largest row block
+        buckets = stage.resolved_decode_buckets
+        expected += [f"{preset}/{stage.name}/kernel/projections/{b}" for b in sorted({buckets[0], buckets[-1]})]
         for name in expected:
             r = reports.get(name)
             assert r is not None, f"{target}: {name} was not compiled"
@@ -84,8 +88,8 @@ def test_kernels_compile_at_every_bucket_within_limits(tier, target):
 @pytest.mark.parametrize("target", TARGETS)
 def test_kernels_take_the_targets_tuning_row(tier, target):
     cc = load_target(target).compute_capability
-    row, experts = decode_tuning(cc), grouped_tuning(cc)
-    seen = set()
+    row, experts, skinny = decode_tuning(cc), grouped_tuning(cc), skinny_tuning(cc)
+    seen, skinny_rows = set(), set()
     for r in _reports(tier, target, "kernel"):
         for k in r["kernels"]:
             if k["name"].startswith("paged_decode"):
@@ -98,7 +102,12 @@ def test_kernels_take_the_targets_tuning_row(tier, target):
                 assert f"_bn{experts['block_n']}_bk{at['block_k']}" in k["name"], (target, k["name"])
                 assert k["threads"][0] == 32 * at["num_warps"], (target, k)
                 seen.add(rows)
+            if k["name"].startswith("skinny_matmul"):
+                assert f"_bn{skinny['block_n']}_bk{skinny['block_k']}" in k["name"], (target, k["name"])
+                assert k["threads"][0] == 32 * skinny["num_warps"], (target, k)
+                skinny_rows.add(int(k["name"].split("_bm")[1].split("_")[0]))
     assert seen == {16, 32, 64, 128}, seen  # every row block the preset buckets give, decode to prefill
+    assert skinny_rows == {16, 64}, skinny_rows
 
 
 @pytest.mark.parametrize("target", TARGETS)

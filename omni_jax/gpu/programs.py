@@ -252,6 +252,34 @@ def kernel_programs(family: str, stage: StageConfig, hf_config: dict, num_blocks
                            info=dict(kernel="ragged_paged_attention")))
     if getattr(text, "num_experts", 0):
         out += expert_kernel_programs(base, text, sorted({*stage.resolved_decode_buckets, *stage.resolved_token_buckets}))
+    buckets = stage.resolved_decode_buckets
+    out += projection_kernel_programs(base, text, sorted({buckets[0], buckets[-1]}))
+    return out
+
+
+def _projections(*parts):
+    """A decoder layer's projections through the skinny kernel, as the models call it where a
+    GPU's row turns it on (layers/linear.py): per (x, weights) pair, one launch."""
+    return [kernels_pallas.skinny_matmul(x, ws) for x, ws in parts]
+
+
+def projection_kernel_programs(base: str, text, batches) -> list[Program]:
+    """A decoder layer's dense projections (q/k/v side by side, o_proj; the MLP's gate/up and
+    down, or a MoE layer's shared expert's) in the skinny kernel, at the smallest and largest
+    decode batch (its smallest and largest row block)."""
+    h, d = text.hidden_size, text.head_dim
+    mlp = text.intermediate_size if not getattr(text, "num_experts", 0) else \
+        getattr(text, "shared_expert_intermediate_size", 0)
+    s = jax.ShapeDtypeStruct
+    out = []
+    for b in batches:
+        parts = [(s((b, h), DTYPE), [s((h, n * d), DTYPE) for n in (text.num_heads, text.num_kv_heads,
+                                                                       text.num_kv_heads)]),
+                 (s((b, text.num_heads * d), DTYPE), [s((text.num_heads * d, h), DTYPE)])]
+        if mlp:
+            parts += [(s((b, h), DTYPE), [s((h, mlp), DTYPE)] * 2), (s((b, mlp), DTYPE), [s((mlp, h), DTYPE)])]
+        out.append(Program(f"{base}/kernel/projections/{b}", "kernel", jax.jit(_projections), tuple(parts), {}, b,
+                           info=dict(kernel="skinny_matmul", rows=b)))
     return out
 
 

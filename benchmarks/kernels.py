@@ -163,12 +163,6 @@ def bench_kv_write(peak):
         print(f"  {tokens:5d} tokens: {r['kernel_s'] * 1e6:8.1f} us "
               f"{fmt_bw(r['bytes'], r['kernel_s'], peak)}{'' if r['max_err'] == 0 else '  WRONG PAGES'}")
 
-def routed(key, tokens, experts, per_token):
-    """Group sizes of `tokens` tokens routed to `per_token` distinct random experts each."""
-    choice = jax.vmap(lambda k: jax.random.choice(k, experts, (per_token,), replace=False))(
-        jax.random.split(key, tokens))
-    return jnp.zeros((experts,), jnp.int32).at[choice.reshape(-1)].add(1)
-
 
 def bench_experts(peak):
     """The gate/up grouped matmul of one MoE layer: Pallas kernel vs the blocked XLA loop."""
@@ -315,18 +309,27 @@ def kv_write_point(tokens, heads, bs=16, pool_tokens=64 * 1024, iters=20, interp
 
 def experts_point(tokens, experts=EXPERTS, interpret=False, iters=20):
     """A MoE layer's gate/up grouped matmul for `tokens` tokens routed to `per_token` random
-    experts each: the Pallas kernel against the blocked XLA loop (models/layers/moe.py)."""
-    from omni_jax.models.layers.moe import blocked_grouped_matmul
+    experts each, as the layer runs it: a decode step's kernel reads the tokens through the
+    pairs' positions, a prefill's the rows put in expert order. The Pallas kernel against the
+    blocked XLA loop on the rows in expert order (models/layers/moe.py)."""
+    from omni_jax.models.layers.moe import COMPARE_ALL_MAX_PAIRS, blocked_grouped_matmul, sort_pairs
 
     e, k, h, i = experts
     w = jax.random.normal(jax.random.key(6), (e, 2 * i, h), DTYPE) / h ** 0.5  # a Python float keeps bf16
-    sizes = routed(jax.random.key(tokens), tokens, e, k)
-    rows = jax.random.normal(jax.random.key(7 + tokens), (tokens * k, h), DTYPE)
-    kern = jax.jit(lambda r, w_, s: grouped_matmul(r, w_, s, out_dtype=DTYPE, interpret=interpret))
-    ref = jax.jit(lambda r, w_, s: blocked_grouped_matmul(r, w_, s, out_dtype=DTYPE))
-    tk, tr, (err, rel) = _timed_pair(kern, ref, (rows, w, sizes), iters, interpret)
+    chosen = jax.vmap(lambda key: jax.random.choice(key, e, (k,), replace=False))(
+        jax.random.split(jax.random.key(tokens), tokens))
+    position, sizes = sort_pairs(chosen.reshape(-1).astype(jnp.int32), e)
+    x = jax.random.normal(jax.random.key(7 + tokens), (tokens, h), DTYPE)
+    rows = jnp.zeros((max(tokens * k, 16), h), DTYPE).at[position].set(jnp.repeat(x, k, axis=0))
+    ref = jax.jit(lambda r, w_, s, *_: blocked_grouped_matmul(r, w_, s, out_dtype=DTYPE))
+    if tokens * k <= COMPARE_ALL_MAX_PAIRS:
+        kern = jax.jit(lambda r, w_, s, x_, p: grouped_matmul(x_, w_, s, out_dtype=DTYPE, position=p,
+                                                              interpret=interpret))
+    else:
+        kern = jax.jit(lambda r, w_, s, *_: grouped_matmul(r, w_, s, out_dtype=DTYPE, interpret=interpret))
+    tk, tr, (err, rel) = _timed_pair(kern, ref, (rows, w, sizes, x, position), iters, interpret)
     hit = int(jnp.count_nonzero(sizes))
-    nbytes = hit * 2 * i * h * ITEM + rows.size * ITEM + tokens * k * 2 * i * ITEM
+    nbytes = hit * 2 * i * h * ITEM + x.size * ITEM + tokens * k * 2 * i * ITEM
     return dict(kernel_s=tk, xla_s=tr, max_err=err, rel_err=rel, bytes=nbytes, experts_hit=hit,
                 flops=2 * tokens * k * 2 * i * h)
 

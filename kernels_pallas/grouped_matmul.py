@@ -116,9 +116,30 @@ def default_block_rows(num_rows: int, num_groups: int, smallest: int = MIN_BLOCK
     return min(128, max(smallest, next_pow2(mean)))
 
 
-def _kernel(sizes_ref, rows_ref, w_ref, out_ref, *, block_rows, block_n, block_k, num_real_rows, precision):
+def _silu_gated(gate, up):
+    """SiLU(gate) * up in fp32 (Triton has no lowering of ``lax.logistic``, jax.nn.silu's)."""
+    g = gate.astype(jnp.float32)
+    return g / (1.0 + jnp.exp(-g)) * up.astype(jnp.float32)
+
+
+def _tokens_of_rows(pos_ref, r, num_pairs: int, top_k: int, chunk: int = 64):
+    """The token of each sorted row in r: row r holds pair p with position[p] == r (the
+    positions are a permutation of the pairs), and pair p is token p // top_k's. The pairs
+    compared with the block's rows `chunk` at a time ([block_rows, chunk] in registers: all
+    of a decode step's 512 at once spilled)."""
+    chunk = min(chunk, next_pow2(num_pairs))
+
+    def body(i, tok):
+        pairs = i * chunk + jnp.arange(chunk, dtype=jnp.int32)
+        pos = plgpu.load(pos_ref.at[pairs], mask=pairs < num_pairs, other=-1)
+        return tok + jnp.sum(jnp.where(pos[None, :] == r[:, None], pairs[None, :] // top_k, 0), axis=1)
+
+    return lax.fori_loop(0, pl.cdiv(num_pairs, chunk), body, jnp.zeros(r.shape, jnp.int32))
+
+
+def _kernel(sizes_ref, *refs, block_rows, block_n, block_k, num_rows, k_dim, top_k, gathered, glu, precision):
+    pos_ref, rows_ref, w_ref, out_ref = refs if gathered else (None, *refs)
     j, n = pl.program_id(0), pl.program_id(1)
-    num_rows, k_dim = rows_ref.shape
     n_dim = w_ref.shape[1]
     group, start, end, used, total = plan_block(sizes_ref[...], j, block_rows)
     c = n * block_n + jnp.arange(block_n, dtype=jnp.int32)
@@ -136,6 +157,8 @@ def _kernel(sizes_ref, rows_ref, w_ref, out_ref, *, block_rows, block_n, block_k
     @pl.when(j < used)
     def _():
         r, row_ok = block(start, end)
+        # The rows this block reads: its sorted rows, or the tokens they hold (gathered).
+        src = _tokens_of_rows(pos_ref, r, pos_ref.shape[0], top_k) if gathered else r
         # Index every axis with an array: interpret mode discharges only all-array (or
         # all-slice) indexers; Triton takes both.
         gi = jnp.full((1, 1), group, jnp.int32)
@@ -143,8 +166,11 @@ def _kernel(sizes_ref, rows_ref, w_ref, out_ref, *, block_rows, block_n, block_k
         def body(i, acc):
             kk = i * block_k + jnp.arange(block_k, dtype=jnp.int32)
             k_ok = kk < k_dim
-            a = plgpu.load(rows_ref.at[r[:, None], kk[None, :]],
-                           mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            mask = row_ok[:, None] & k_ok[None, :]
+            a = plgpu.load(rows_ref.at[src[:, None], kk[None, :]], mask=mask, other=0.0)
+            if glu:  # the rows' second half is the up projection of the first's gate
+                up = plgpu.load(rows_ref.at[src[:, None], k_dim + kk[None, :]], mask=mask, other=0.0)
+                a = _silu_gated(a, up).astype(rows_ref.dtype)
             b = plgpu.load(w_ref.at[gi, c[:, None], kk[None, :]],
                            mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             return acc + plgpu.dot(a, b, trans_b=True, precision=precision)
@@ -158,30 +184,42 @@ def _kernel(sizes_ref, rows_ref, w_ref, out_ref, *, block_rows, block_n, block_k
     # materialises for every layer of a step at once).
     @pl.when(j >= used)
     def _():
-        r, row_ok = block(total + (j - used) * block_rows, num_real_rows)
+        r, row_ok = block(total + (j - used) * block_rows, num_rows)
         plgpu.store(out_ref.at[r[:, None], c[None, :]], jnp.zeros((block_rows, block_n), out_ref.dtype),
                     mask=row_ok[:, None] & col_ok[None, :])
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "block_rows", "block_n", "block_k", "num_warps",
+@functools.partial(jax.jit, static_argnames=("out_dtype", "glu", "block_rows", "block_n", "block_k", "num_warps",
                                              "num_stages", "interpret"))
-def grouped_matmul(rows, weights, group_sizes, out_dtype=jnp.float32, *, block_rows=None, block_n=None,
-                   block_k=None, num_warps=None, num_stages=None, interpret=False):
+def grouped_matmul(rows, weights, group_sizes, out_dtype=jnp.float32, *, position=None, glu=False, block_rows=None,
+                   block_n=None, block_k=None, num_warps=None, num_stages=None, interpret=False):
     """rows [P, K] sorted by group; weights [G, N, K]; group_sizes [G] int -> [P, N] in out_dtype.
 
     Rows past sum(group_sizes) belong to no group and come out zero. Products accumulate
-    in fp32 (IEEE fp32 dots for fp32 inputs). Tuning: ``block_rows`` (a power of two >= 16;
-    default ~ the mean group size), ``block_n``, ``block_k``, Triton ``num_warps`` and
-    ``num_stages``; unset ones come from ``GROUPED_TUNING`` for the GPU being compiled for.
+    in fp32 (IEEE fp32 dots for fp32 inputs). Two inputs a MoE decode step takes as they are,
+    each saving XLA a launch or two before the kernel:
+
+    * ``position`` [P] (or [T, k]) int: rows are the tokens [T, K] instead, and sorted row
+      position[p] holds token p // k (k = P / T pairs a token; the positions a permutation of
+      the P pairs, as the MoE routing gives them). The output has max(P, block_rows) rows.
+    * ``glu``: rows are [., 2K], a gate and an up projection side by side; the kernel
+      contracts SiLU(gate) * up (fp32, rounded to the rows' dtype).
+
+    Tuning: ``block_rows`` (a power of two >= 16; default ~ the mean group size), ``block_n``,
+    ``block_k``, Triton ``num_warps`` and ``num_stages``; unset ones come from
+    ``GROUPED_TUNING`` for the GPU being compiled for.
     """
-    p, k_dim = rows.shape
-    g, n_dim, k_w = weights.shape
-    if k_w != k_dim:
-        raise ValueError(f"rows have {k_dim} columns, the weights contract {k_w}")
+    t, width = rows.shape
+    g, n_dim, k_dim = weights.shape
+    if width != (2 if glu else 1) * k_dim:
+        raise ValueError(f"rows have {width} columns, the weights contract {k_dim}" + (" (glu: twice that)" if glu else ""))
     if group_sizes.shape != (g,):
         raise ValueError(f"group_sizes {group_sizes.shape} != ({g},)")
     if rows.dtype != weights.dtype:  # Triton's dot takes one element type (interpret mode would promote)
         raise ValueError(f"rows are {rows.dtype}, the weights {weights.dtype}: give both one dtype")
+    p = t if position is None else position.size
+    if position is not None and (t == 0 or p % t):
+        raise ValueError(f"position has {p} pairs, not a whole number per token of {t}")
     if p == 0:
         return jnp.zeros((0, n_dim), out_dtype)
     tune = grouped_tuning()
@@ -191,21 +229,29 @@ def grouped_matmul(rows, weights, group_sizes, out_dtype=jnp.float32, *, block_r
     at = block_settings(tune, bm)
     bn, bk = block_n or tune["block_n"], block_k or at["block_k"]
     warps = num_warps or at["num_warps"]
+    # At least a block's worth of sorted rows: gathered rows are that many, plain ones padded.
+    p_in = max(p, bm)
+    if position is None and p < bm:
+        rows = jnp.pad(rows, ((0, bm - p), (0, 0)))
+    operands = [group_sizes.astype(jnp.int32)]
+    if position is not None:
+        operands.append(position.reshape(-1).astype(jnp.int32))
+    operands += [rows, weights]
     # Grid: the plan's blocks, then enough for the rows of no group (at most all of them).
-    nb = max_blocks(p, g, bm) + pl.cdiv(p, bm)
-    rows_in = rows if p >= bm else jnp.pad(rows, ((0, bm - p), (0, 0)))  # a block's worth of rows at least
-    p_in = rows_in.shape[0]
-    kernel = functools.partial(_kernel, block_rows=bm, block_n=bn, block_k=bk, num_real_rows=p,
+    nb = max_blocks(p, g, bm) + pl.cdiv(p_in, bm)
+    kernel = functools.partial(_kernel, block_rows=bm, block_n=bn, block_k=bk, num_rows=p_in, k_dim=k_dim,
+                               top_k=max(p // t, 1), gathered=position is not None, glu=glu,
                                precision=dot_precision(rows.dtype))
     whole = lambda shape: pl.BlockSpec(shape, lambda j, n: (0,) * len(shape))  # noqa: E731
     out = pl.pallas_call(
         kernel,
         grid=(nb, pl.cdiv(n_dim, bn)),
-        in_specs=[whole((g,)), whole(rows_in.shape), whole(weights.shape)],
+        in_specs=[whole(x.shape) for x in operands],
         out_specs=whole((p_in, n_dim)),
         out_shape=jax.ShapeDtypeStruct((p_in, n_dim), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=num_stages or at["num_stages"]),
         interpret=interpret,
-        name=f"grouped_matmul_bm{bm}_bn{bn}_bk{bk}",
-    )(group_sizes.astype(jnp.int32), rows_in, weights)
-    return out if p_in == p else out[:p]
+        name=f"grouped_matmul_bm{bm}_bn{bn}_bk{bk}" + ("_gather" if position is not None else "")
+        + ("_glu" if glu else ""),
+    )(*operands)
+    return out if position is not None or p_in == p else out[:p]

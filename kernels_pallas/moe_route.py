@@ -30,13 +30,19 @@ __all__ = ["moe_route", "MAX_TOKENS"]
 MAX_TOKENS = 64
 
 
-def _kernel(logits_ref, valid_ref, w_ref, pos_ref, sizes_ref, *, tokens, experts, top_k, renorm):
+def _kernel(logits_ref, valid_ref, w_ref, pos_ref, sizes_ref, *, tokens, experts, top_k, renorm, logits_dtype):
     tp, ep = max(16, next_pow2(tokens)), max(16, next_pow2(experts))  # Triton tiles, dots >= 16
     t = jnp.arange(tp, dtype=jnp.int32)
     e = jnp.arange(ep, dtype=jnp.int32)
     row_ok, col_ok = t < tokens, e < experts
-    x = plgpu.load(logits_ref.at[t[:, None], e[None, :]], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-    x = jnp.where(col_ok[None, :], x.astype(jnp.float32), -jnp.inf)
+    at, mask = (t[:, None], e[None, :]), row_ok[:, None] & col_ok[None, :]
+    if logits_ref.ndim == 2:
+        x = plgpu.load(logits_ref.at[at], mask=mask, other=0.0).astype(jnp.float32)
+    else:  # split-K partials: their sum, rounded as the router's own output would be
+        x = sum(plgpu.load(logits_ref.at[(jnp.full((1, 1), i, jnp.int32), *at)], mask=mask, other=0.0)
+                for i in range(logits_ref.shape[0]))
+        x = x.astype(logits_dtype).astype(jnp.float32)
+    x = jnp.where(col_ok[None, :], x, -jnp.inf)
     p = jnp.exp(x - jnp.max(x, axis=1)[:, None])
     p = p / jnp.sum(p, axis=1)[:, None]                       # softmax over the experts, fp32
     live = row_ok & (plgpu.load(valid_ref.at[t], mask=row_ok, other=0) != 0)
@@ -74,21 +80,26 @@ def _kernel(logits_ref, valid_ref, w_ref, pos_ref, sizes_ref, *, tokens, experts
     plgpu.store(sizes_ref.at[e], jnp.sum(sel, axis=0).astype(jnp.int32), mask=col_ok)
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "norm_topk_prob", "interpret", "num_warps"))
-def moe_route(router_logits, valid, *, top_k: int, norm_topk_prob: bool, interpret: bool = False,
-              num_warps: int = 4):
+@functools.partial(jax.jit, static_argnames=("top_k", "norm_topk_prob", "logits_dtype", "interpret", "num_warps"))
+def moe_route(router_logits, valid, *, top_k: int, norm_topk_prob: bool, logits_dtype=jnp.float32,
+              interpret: bool = False, num_warps: int = 4):
     """router_logits [T, E] (T <= MAX_TOKENS), valid [T] bool -> (weights [T, k] fp32, position
-    [T, k] int32: the row of each token-expert pair in expert order, group_sizes [E] int32)."""
-    tokens, experts = router_logits.shape
+    [T, k] int32: the row of each token-expert pair in expert order, group_sizes [E] int32).
+
+    router_logits may also be the router's split-K partial products [S, T, E] fp32
+    (`skinny_matmul` with k_splits): the kernel sums them and rounds the sum to
+    `logits_dtype` (the router's compute dtype), so that XLA's sum of them is no launch."""
+    tokens, experts = router_logits.shape[-2:]
     if tokens > MAX_TOKENS or not 0 < top_k <= experts:
         raise ValueError(f"moe_route: {tokens} tokens (at most {MAX_TOKENS}), top_k {top_k} of {experts} experts")
     whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))  # noqa: E731
     out_shape = (jax.ShapeDtypeStruct((tokens, top_k), jnp.float32), jax.ShapeDtypeStruct((tokens, top_k), jnp.int32),
                  jax.ShapeDtypeStruct((experts,), jnp.int32))
     return pl.pallas_call(
-        functools.partial(_kernel, tokens=tokens, experts=experts, top_k=top_k, renorm=norm_topk_prob),
+        functools.partial(_kernel, tokens=tokens, experts=experts, top_k=top_k, renorm=norm_topk_prob,
+                          logits_dtype=logits_dtype),
         grid=(1,),
-        in_specs=[whole((tokens, experts)), whole((tokens,))],
+        in_specs=[whole(router_logits.shape), whole((tokens,))],
         out_specs=tuple(whole(s.shape) for s in out_shape),
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),

@@ -15,7 +15,10 @@ side by side, as one GEMM over the concatenation would give, without the concate
 fp32 before the one rounding.
 
 Whether a model's projections take this kernel is a launch setting (``SKINNY_TUNING``):
-off until a GPU times it against XLA (the GPU check's tuning part).
+off until a GPU times it against XLA (the GPU check's tuning part). A MoE router's few rows
+take it split over K (``k_splits``) whatever the row says: its partial products go straight
+into the routing kernel, which sums them (``omni_jax.models.layers.moe.router_partials``),
+where XLA's GEMM split K too and then needed two launches to sum and slice.
 """
 from __future__ import annotations
 
@@ -52,14 +55,16 @@ def skinny_tuning(capability: int | None = None) -> dict:
     return pick(SKINNY_TUNING, target_capability() if capability is None else capability)
 
 
-def _kernel(x_ref, *refs, tiles, has_bias, block_rows, block_n, block_k, precision):
+def _kernel(x_ref, *refs, tiles, has_bias, block_rows, block_n, block_k, split_k, precision):
     """refs: the weights, their biases (where given), the output. `tiles`: each weight's
-    first column tile, first output column and width."""
+    first column tile, first output column and width; `split_k`: the K rows of each split
+    (the output's leading axis), or None."""
     nw = len(tiles)
     weights, biases = refs[:nw], list(refs[nw:-1])
     out_ref = refs[-1]
-    n = pl.program_id(0)
+    n, split = pl.program_id(0), pl.program_id(1)
     num_rows, k_dim = x_ref.shape
+    k_first, k_end = (0, k_dim) if split_k is None else (split * split_k, jnp.minimum((split + 1) * split_k, k_dim))
     # One block of rows past the last real one, masked: a masked load or store touches no memory
     # (and interpret mode drops a store out of bounds), so x needs no padding, the output no slice.
     r = jnp.arange(block_rows, dtype=jnp.int32)
@@ -73,29 +78,37 @@ def _kernel(x_ref, *refs, tiles, has_bias, block_rows, block_n, block_k, precisi
             col_ok = c < width
 
             def body(s, acc):
-                kk = s * block_k + jnp.arange(block_k, dtype=jnp.int32)
-                k_ok = kk < k_dim
+                kk = k_first + s * block_k + jnp.arange(block_k, dtype=jnp.int32)
+                k_ok = kk < k_end
                 a = plgpu.load(x_ref.at[r[:, None], kk[None, :]], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 b = plgpu.load(w_ref.at[kk[:, None], c[None, :]], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
                 return acc + plgpu.dot(a, b, precision=precision)
 
-            acc = lax.fori_loop(0, pl.cdiv(k_dim, block_k), body, jnp.zeros((block_rows, block_n), jnp.float32))
-            if bias_ref is not None:
-                acc = acc + plgpu.load(bias_ref.at[c], mask=col_ok, other=0.0).astype(jnp.float32)[None, :]
+            steps = pl.cdiv(k_dim if split_k is None else split_k, block_k)
+            acc = lax.fori_loop(0, steps, body, jnp.zeros((block_rows, block_n), jnp.float32))
+            if bias_ref is not None:  # once: in the first split's partial
+                bias = plgpu.load(bias_ref.at[c], mask=col_ok, other=0.0).astype(jnp.float32)[None, :]
+                acc = acc + jnp.where(split == 0, bias, 0.0)
             # Index every axis with an array (interpret mode discharges only all-array indexers).
-            plgpu.store(out_ref.at[r[:, None], (offset + c)[None, :]], acc.astype(out_ref.dtype),
-                        mask=row_ok[:, None] & col_ok[None, :])
+            at = (r[:, None], (offset + c)[None, :])
+            if split_k is not None:
+                at = (jnp.full((1, 1), split, jnp.int32), *at)
+            plgpu.store(out_ref.at[at], acc.astype(out_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "block_n", "block_k", "num_warps", "num_stages",
-                                             "interpret"))
-def skinny_matmul(x, weights, biases=None, out_dtype=None, *, block_n=None, block_k=None, num_warps=None,
-                  num_stages=None, interpret=False):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "k_splits", "block_n", "block_k", "num_warps",
+                                             "num_stages", "interpret"))
+def skinny_matmul(x, weights, biases=None, out_dtype=None, *, k_splits=1, block_n=None, block_k=None,
+                  num_warps=None, num_stages=None, interpret=False):
     """x [M, K] times each of `weights` ([K, N_i], one dtype with x), side by side -> [M, sum N_i].
 
     `biases`: None, or one [N_i] array (or None) per weight. Products accumulate in fp32
     (IEEE fp32 dots for fp32 inputs) and round once to `out_dtype` (default x's dtype).
-    Unset launch settings come from ``SKINNY_TUNING`` for the GPU being compiled for.
+    ``k_splits`` > 1 (a narrow output: a router's, too few column tiles to keep a GPU busy):
+    K is cut into that many runs of whole ``block_k`` tiles, a program each, and the result
+    is their fp32 partial products [k_splits, M, sum N_i] (the biases in the first), for the
+    kernel that reads them to sum. Unset launch settings come from ``SKINNY_TUNING`` for the
+    GPU being compiled for.
     """
     weights = tuple(weights)
     biases = (None,) * len(weights) if biases is None else tuple(biases)
@@ -119,21 +132,24 @@ def skinny_matmul(x, weights, biases=None, out_dtype=None, *, block_n=None, bloc
     for width in widths:
         first.append(first[-1] + pl.cdiv(width, bn))
         offset.append(offset[-1] + width)
-    out_dtype = out_dtype or x.dtype
+    if k_splits < 1 or (k_splits > 1 and out_dtype not in (None, jnp.float32)):
+        raise ValueError(f"k_splits={k_splits}: give a count >= 1; the partials of more than one are fp32")
+    split_k = bk * pl.cdiv(pl.cdiv(k_dim, k_splits), bk) if k_splits > 1 else None
+    out_dtype = jnp.float32 if split_k else out_dtype or x.dtype
+    out = ((k_splits,) if split_k else ()) + (m, offset[-1])
     given = [b for b in biases if b is not None]
-    whole = lambda shape: pl.BlockSpec(shape, lambda n: (0,) * len(shape))  # noqa: E731
+    whole = lambda shape: pl.BlockSpec(shape, lambda n, s: (0,) * len(shape))  # noqa: E731
     kernel = functools.partial(
         _kernel, tiles=tuple(zip(first, offset, widths)), has_bias=tuple(b is not None for b in biases),
-        block_rows=bm, block_n=bn, block_k=bk, precision=dot_precision(x.dtype))
-    n_out = offset[-1]
+        block_rows=bm, block_n=bn, block_k=bk, split_k=split_k, precision=dot_precision(x.dtype))
     return pl.pallas_call(
         kernel,
-        grid=(first[-1],),
+        grid=(first[-1], k_splits),
         in_specs=[whole(x.shape)] + [whole(w.shape) for w in weights] + [whole(b.shape) for b in given],
-        out_specs=whole((m, n_out)),
-        out_shape=jax.ShapeDtypeStruct((m, n_out), out_dtype),
+        out_specs=whole(out),
+        out_shape=jax.ShapeDtypeStruct(out, out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps or tune["num_warps"],
                                              num_stages=num_stages or tune["num_stages"]),
         interpret=interpret,
-        name=f"skinny_matmul_bm{bm}_bn{bn}_bk{bk}",
+        name=f"skinny_matmul_bm{bm}_bn{bn}_bk{bk}" + (f"_split{k_splits}" if split_k else ""),
     )(x, *weights, *given)

@@ -16,6 +16,7 @@ from flax import nnx
 import kernels_pallas
 from kernels_pallas.grouped_matmul import max_blocks
 from omni_jax.gpu.targets import load_target
+from omni_jax.models.layers.linear import Linear
 from omni_jax.models.layers.moe import (
     COMPARE_ALL_MAX_PAIRS, MoEConfig, SparseMoeBlock, blocked_grouped_matmul, dense_moe_reference, grouped_matmul,
     moe_experts, ragged_dot_grouped_matmul, route)
@@ -110,6 +111,48 @@ def test_pallas_kernel_matches_blocked_over_random_routings(p, g, k_in, n_out, b
     assert kernels_pallas.grouped_matmul(rows[:0], w, s, interpret=True).shape == (0, n_out)
 
 
+@pytest.mark.kernels
+@pytest.mark.parametrize("tokens,experts,top_k,hidden,inter,dtype", [
+    (1, 128, 8, 48, 40, jnp.float32),      # one token's 8 of 128 experts: 8 rows, one block
+    (5, 8, 3, 40, 24, jnp.float32),        # K, N and I no tile divides; experts shared
+    (40, 6, 2, 32, 16, jnp.float32),       # 80 pairs: several blocks of an expert, 2 chunks of pairs
+    (3, 1, 1, 16, 16, jnp.float32),        # one expert
+    (16, 16, 4, 32, 32, jnp.bfloat16),
+])
+def test_fused_decode_kernels_match_scatter_and_activation(tokens, experts, top_k, hidden, inter, dtype):
+    """A decode step's experts on a GPU (`fused_expert_outputs`: the gate/up kernel reads the
+    tokens through the pairs' positions, the down kernel applies SiLU(gate) * up as it loads)
+    in interpret mode (16 x 16 tiles: every program loops over K) against XLA's scatter, the
+    blocked grouped matmuls and jax.nn.silu; padding tokens (pairs in no group) give zeros."""
+    from omni_jax.models.layers.moe import expert_outputs, fused_expert_outputs, sort_pairs
+
+    rng = np.random.default_rng(tokens * 10 + experts)
+    x = jnp.asarray(rng.standard_normal((tokens, hidden)), dtype)
+    gate_up = jnp.asarray(rng.standard_normal((experts, 2 * inter, hidden)) * 0.3, dtype)
+    down = jnp.asarray(rng.standard_normal((experts, hidden, inter)) * 0.3, dtype)
+    chosen = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)])
+    tol = 1e-4 if dtype == jnp.float32 else 3e-2
+    for valid in (np.ones(tokens, bool), np.arange(tokens) < max(tokens - 2, 1)):
+        flat = jnp.asarray(np.where(valid[:, None], chosen, experts).reshape(-1), jnp.int32)
+        position, sizes = sort_pairs(flat, experts)
+        want = np.asarray(expert_outputs(x, position, sizes, gate_up, down, k=top_k, act=jax.nn.silu,
+                                          impl="blocked", block_rows=None), np.float32)
+        got = np.asarray(fused_expert_outputs(x, position, sizes, gate_up, down, interpret=True,
+                                               block_rows=None), np.float32)
+        assert got.shape[0] >= tokens * top_k and got.shape[1] == hidden
+        live = int(sizes.sum())
+        assert np.abs(want[:live]).max() > 1.0  # outputs large enough that the tolerance means something
+        np.testing.assert_allclose(got[:live], want[:live], atol=tol * 10, rtol=tol)
+        assert np.all(got[live:] == 0)  # the padding tokens' pairs (and rows past the pairs)
+    # The rows' widths and the pairs per token are checked.
+    with pytest.raises(ValueError, match="rows have 24 columns, the weights contract 24 \\(glu: twice that\\)"):
+        kernels_pallas.grouped_matmul(jnp.zeros((16, 24), dtype), jnp.zeros((2, 8, 24), dtype),
+                                      jnp.zeros(2, jnp.int32), glu=True, interpret=True)
+    with pytest.raises(ValueError, match="position has 7 pairs, not a whole number per token of 2"):
+        kernels_pallas.grouped_matmul(jnp.zeros((2, 8), dtype), jnp.zeros((2, 8, 8), dtype),
+                                      jnp.zeros(2, jnp.int32), position=jnp.arange(7), interpret=True)
+
+
 @pytest.mark.parametrize("tokens,experts,top_k,renorm,dtype", [
     (1, 128, 8, True, jnp.float32),        # Qwen3-Omni thinker, batch 1
     (64, 128, 8, True, jnp.bfloat16),      # ... the largest decode bucket
@@ -139,6 +182,37 @@ def test_route_kernel_matches_route_and_sort(tokens, experts, top_k, renorm, dty
     with pytest.raises(ValueError, match="at most 64"):
         moe_route(jnp.zeros((65, experts), dtype), jnp.ones(65, bool), top_k=top_k, norm_topk_prob=renorm,
                   interpret=True)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("tokens,experts,top_k,hidden", [
+    (1, 128, 8, 300),     # one token: 3 splits of the K tiles (the CPU row's 128), the last partial
+    (24, 32, 4, 256),
+    (3, 8, 2, 40),        # one K tile: no split, the logits themselves
+])
+def test_router_partials_into_the_route_kernel(tokens, experts, top_k, hidden):
+    """A decode step's router on a GPU (`router_partials`: the gate's split-K partial products,
+    summed and rounded to the router's dtype by the routing kernel) in interpret mode against
+    XLA's bf16 router and `reference.moe_route`: the same experts in the same order, the same
+    weights; the padding tokens' pairs last."""
+    from kernels_pallas import reference
+    from kernels_pallas.moe_route import moe_route
+    from omni_jax.models.layers.moe import router_partials
+
+    gate = Linear(hidden, experts, use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                  rngs=nnx.Rngs(tokens))
+    rng = np.random.default_rng(hidden)
+    x = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.bfloat16)
+    valid = jnp.asarray(rng.random(tokens) < 0.7).at[0].set(True)
+    partials = router_partials(x, gate, interpret=True)
+    splits = -(-hidden // 128)
+    assert partials.shape == ((splits,) if splits > 1 else ()) + (tokens, experts)
+    kw = dict(top_k=top_k, norm_topk_prob=True)
+    got = moe_route(partials, valid, logits_dtype=jnp.bfloat16, interpret=True, **kw)
+    want = reference.moe_route(gate(x), valid, **kw)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-6)
+    for g, w in zip(got[1:], want[1:]):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 # A decode step's pairs (ranked, scattered into expert order) and a prefill's (sorted, gathered).
@@ -270,10 +344,19 @@ def test_default_impl_per_lowering_platform():
     cuda = text(lambda s, v: nnx.merge(graph, s)(v), "cuda", load_target("a100").abstract_mesh())
     assert "ragged_dot" not in cuda
     assert len(re.findall(r'custom_call @__gpu\$xla\.gpu\.triton.*?name = "grouped_matmul', cuda)) == 2, cuda
+    # A decode step's 128 pairs: the gate/up kernel reads the tokens itself and the down kernel
+    # applies the activation (no scatter of the rows into expert order, no separate SiLU).
+    assert re.search(r'name = "grouped_matmul_bm\d+_bn\d+_bk\d+_gather"', cuda), cuda
+    assert re.search(r'name = "grouped_matmul_bm\d+_bn\d+_bk\d+_glu"', cuda), cuda
+    assert "stablehlo.scatter" not in cuda and "call @silu" not in cuda
+    # The router: the skinny kernel's partial products, summed by the routing kernel (no XLA GEMM).
+    assert len(re.findall(r'custom_call @__gpu\$xla\.gpu\.triton.*?name = "skinny_matmul', cuda)) == 1, cuda
+    assert cuda.count("stablehlo.dot_general") == 1  # the weighted combine's, not the router's
     # A decode step's routing (64 tokens): one kernel on a GPU, XLA's ops elsewhere.
     assert len(re.findall(r'custom_call @__gpu\$xla\.gpu\.triton.*?name = "moe_route', cuda)) == 1, cuda
     cpu = text(lambda s, v: nnx.merge(graph, s)(v), "cpu")
     assert "grouped_matmul" not in cpu and "moe_route" not in cpu
+    assert "stablehlo.scatter" in cpu and "call @silu" in cpu and cpu.count("stablehlo.dot_general") >= 3
     # The ragged_dot path stays available on request.
     def forced(s, v):
         m = nnx.merge(graph, s)

@@ -132,10 +132,11 @@ def test_moe_block_lowers_for_cuda(text_cfg):
 
     x = jax.ShapeDtypeStruct((64, text_cfg.hidden_size), jnp.bfloat16)
     text = jax.jit(f).trace(state, x).lower(lowering_platforms=("cuda",)).as_text()
-    # The GPU dispatch is the routing kernel (a decode step's 64 tokens) and the Pallas grouped
-    # matmul, twice, and no loop: a while loop (as the blocked CPU path's, or a binary search
-    # in the block plan) runs from the host on a GPU.
-    assert text.count("@__gpu$xla.gpu.triton(") == 3 and text.count('name = "moe_route"') == 1
+    # The GPU dispatch is the router's partial products (skinny kernel), the routing kernel (a
+    # decode step's 64 tokens) and the Pallas grouped matmul, twice, and no loop: a while loop
+    # (as the blocked CPU path's, or a binary search in the block plan) runs from the host on a GPU.
+    assert text.count("@__gpu$xla.gpu.triton(") == 4 and text.count('name = "moe_route"') == 1
+    assert text.count('name = "skinny_matmul') == 1
     assert "stablehlo.while" not in text and "ragged_dot" not in text
 
 

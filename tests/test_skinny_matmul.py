@@ -3,6 +3,7 @@ interpret mode against XLA, its bad inputs, and where the models' projections ta
 for CUDA with a launch-settings row that turns it on, and with one that turns it off."""
 from __future__ import annotations
 
+import math
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -64,6 +65,27 @@ def test_bf16_rounds_once():
     assert float(jnp.max(jnp.abs(f32 - want))) <= 1e-3
 
 
+@pytest.mark.parametrize("splits", [2, 3, 4])
+def test_split_k_partials_sum_to_the_product(splits):
+    """k_splits: fp32 partial products [S, M, N], each over whole block_k tiles (4 splits of 72
+    columns in 16-column tiles take 32 each: the last has none and is zero), the bias in the
+    first only; their sum is the product."""
+    x, ws, bs = _arrays(3, 72, (40, 24))
+    got = skinny_matmul(x.astype(jnp.bfloat16), [w.astype(jnp.bfloat16) for w in ws], [bs[0].astype(jnp.bfloat16),
+                        None], k_splits=splits, block_n=16, block_k=16, interpret=True)
+    assert got.shape == (splits, 3, 64) and got.dtype == jnp.float32
+    bf = lambda a: a.astype(jnp.bfloat16)  # noqa: E731
+    want = _want(bf(x), [bf(w) for w in ws], [bf(bs[0]), None])
+    assert float(jnp.max(jnp.abs(got.sum(0) - want))) <= 1e-4
+    per_split = 16 * math.ceil(math.ceil(72 / splits) / 16)
+    for i in range(splits):   # each split is its own columns' product (and the first, the bias)
+        cols = slice(i * per_split, min((i + 1) * per_split, 72))
+        part = _want(bf(x)[:, cols], [bf(w)[cols] for w in ws], [bf(bs[0]) if i == 0 else None, None])
+        assert float(jnp.max(jnp.abs(got[i] - part))) <= 1e-4, i
+    if splits == 4:
+        assert not jnp.any(got[3])
+
+
 @pytest.mark.parametrize("bad, message", [
     (lambda x, ws, bs: skinny_matmul(x, [ws[0][:-1]]), "x has 32 columns"),
     (lambda x, ws, bs: skinny_matmul(x, [ws[0].astype(jnp.bfloat16)]), "give both one dtype"),
@@ -71,6 +93,8 @@ def test_bf16_rounds_once():
     (lambda x, ws, bs: skinny_matmul(x, ws, [bs[1], bs[0]]), "a bias is (16,)"),
     (lambda x, ws, bs: skinny_matmul(x, ws, block_n=24), "powers of two >= 16"),
     (lambda x, ws, bs: skinny_matmul(x, ws, block_k=8), "powers of two >= 16"),
+    (lambda x, ws, bs: skinny_matmul(x, ws, k_splits=0), "k_splits=0: give a count >= 1"),
+    (lambda x, ws, bs: skinny_matmul(x, ws, out_dtype=jnp.bfloat16, k_splits=2), "partials of more than one are fp32"),
 ])
 def test_bad_inputs_say_what_is_wrong(bad, message):
     x, ws, bs = _arrays(2, 32, (48, 16))

@@ -19,7 +19,11 @@ and the setting the tables give today:
   matmul kernel (`kernels_pallas/skinny_matmul.py`, the weights as stored) at a few settings:
   where it wins, its row's `max_rows` sends a decode step's projections to it;
 * the grouped matmul's block_n, block_k, warps and stages, for the gate/up and the down
-  projection of one token's 8 experts;
+  projection of one token's 8 experts as a decode step runs them (gate/up reading the token
+  through the pairs' positions, down applying SiLU(gate) * up as it loads), then the two
+  against what they replaced on 2026-12-05 (XLA's scatter of the rows and SiLU between);
+* one token's router and routing: the router's split-K partial products summed by the routing
+  kernel (block_n, block_k, splits), against XLA's router GEMM before it (as before 2026-12-05);
 * ragged prefill of one 2048-token prompt (the 7B's heads): its page ids read in the loop at 2
   stages (today's row: no prefetch) against preloaded at 3 and 4 stages, 4 and 8 warps.
 
@@ -82,6 +86,7 @@ def run(size, rep, results_dir) -> None:
         _decode(sweep, texts, shape, grid, kb)
     _projections(sweep, texts["qwen3_omni"], grid, kb)
     _experts(sweep, texts["qwen3_omni"], grid, kb)
+    _routing(sweep, texts["qwen3_omni"], grid, kb)
     _prefill(sweep, texts["qwen2_5_omni"], grid, kb)
 
 
@@ -122,30 +127,82 @@ class Sweep:
 
 
 def _experts(sweep, text, grid, kb) -> None:
-    """The MoE layer's two grouped matmuls for one token's experts."""
+    """The MoE layer's experts for one token, as a decode step runs them on a GPU: the two
+    grouped matmuls at each setting (gate/up reading the token through the pairs' positions,
+    down applying SiLU(gate) * up as it loads), then the pair of them at today's settings
+    against the XLA ops they replaced (the rows scattered into expert order, the SiLU between)."""
     import jax
+    import jax.numpy as jnp
 
-    from kernels_pallas.grouped_matmul import block_settings, grouped_matmul, grouped_tuning
-    from omni_jax.models.layers.moe import blocked_grouped_matmul
+    from kernels_pallas.grouped_matmul import MIN_BLOCK_ROWS, block_settings, grouped_matmul, grouped_tuning
+    from omni_jax.models.layers.moe import expert_outputs, fused_expert_outputs, blocked_grouped_matmul, sort_pairs
 
     e, per_token, h, width = text.num_experts, text.num_experts_per_tok, text.hidden_size, text.moe_intermediate_size
-    sizes = kb.routed(jax.random.key(1), 1, e, per_token)
+    chosen = jax.random.choice(jax.random.key(1), e, (per_token,), replace=False)
+    position, sizes = sort_pairs(chosen.astype(jnp.int32), e)
+    x = jax.random.normal(jax.random.key(3), (1, h), kb.DTYPE)
+    gate_up = jax.random.normal(jax.random.key(2), (e, 2 * width, h), kb.DTYPE) / h ** 0.5
+    down = jax.random.normal(jax.random.key(4), (e, h, width), kb.DTYPE) / width ** 0.5
+    # References: the token's rows scattered into expert order, XLA's blocked loop, jax.nn.silu.
+    rows = jnp.zeros((max(per_token, MIN_BLOCK_ROWS), h), kb.DTYPE).at[position].set(jnp.repeat(x, per_token, 0))
+    up_rows = blocked_grouped_matmul(rows, gate_up, sizes, out_dtype=kb.DTYPE)
+    want = blocked_grouped_matmul(jax.nn.silu(up_rows[:, :width]) * up_rows[:, width:], down, sizes)
     tune = grouped_tuning()
-    now = block_settings(tune, 16)
+    now = block_settings(tune, MIN_BLOCK_ROWS)
     current = f"bn{tune['block_n']} bk{now['block_k']} w{now['num_warps']} s{now['num_stages']}"
-    for name, (n, k) in (("gate/up", (2 * width, h)), ("down", (h, width))):
-        w = jax.random.normal(jax.random.key(2), (e, n, k), kb.DTYPE)
-        rows = jax.random.normal(jax.random.key(3), (per_token, k), kb.DTYPE)
+    for name, operands, expect, fixed in (
+            ("gate/up, tokens gathered", (x, gate_up, sizes, position), up_rows, dict(out_dtype=kb.DTYPE)),
+            ("down, SiLU x up on load", (up_rows, down, sizes), want, dict(glu=True))):
+        n, k = operands[1].shape[1:]
         points = {}
         for bn, bk, warps, stages in grid(GROUPED_GRID):
-            fn = jax.jit(lambda r, w_, s, c=(bn, bk, warps, stages): grouped_matmul(
-                r, w_, s, out_dtype=kb.DTYPE, block_n=c[0], block_k=c[1], num_warps=c[2], num_stages=c[3],
-                interpret=sweep.interpret))
-            points[f"bn{bn} bk{bk} w{warps} s{stages}"] = (fn, (rows, w, sizes))
-        nbytes = per_token * n * k * kb.ITEM + rows.size * kb.ITEM + per_token * n * kb.ITEM
-        want = blocked_grouped_matmul(rows, w, sizes, out_dtype=kb.DTYPE)
-        sweep.run(f"moe {name} 1 token {n}x{k}", nbytes, points, want, current)
-        del w
+            kw = dict(fixed, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, interpret=sweep.interpret)
+            fn = jax.jit(lambda a, w, s_, *pos, kw=kw: grouped_matmul(a, w, s_, position=pos[0] if pos else None, **kw))
+            points[f"bn{bn} bk{bk} w{warps} s{stages}"] = (fn, operands)
+        # The routed experts' weights, the pairs' rows in and out.
+        nbytes = (per_token * n * k + per_token * (operands[0].shape[1] + n)) * kb.ITEM
+        sweep.run(f"moe {name} 1 token {n}x{k}", nbytes, points, expect, current)
+    # The pair at today's settings against what they replaced (scatter + gate/up + SiLU + down).
+    args = (x, position, sizes, gate_up, down)
+    nbytes = per_token * 3 * h * width * kb.ITEM
+    points = {"2 kernels": (jax.jit(lambda *a: fused_expert_outputs(*a, interpret=sweep.interpret)), args),
+              "XLA scatter + SiLU between": (jax.jit(lambda *a: expert_outputs(
+                  *a, k=per_token, act=jax.nn.silu, impl="blocked" if sweep.interpret else "pallas",
+                  block_rows=None)), args)}
+    sweep.run("moe experts 1 token (gate/up and down)", nbytes, points, want, "2 kernels")
+    del gate_up, down
+
+
+def _routing(sweep, text, grid, kb) -> None:
+    """One token's router and routing: the router's split-K partial products (the skinny kernel,
+    a K tile a program, or a few) summed by the routing kernel, against XLA's router GEMM (split
+    over K, summed, sliced) before the routing kernel, as before 2026-12-05."""
+    import jax
+    import jax.numpy as jnp
+
+    from kernels_pallas.moe_route import moe_route
+    from kernels_pallas.skinny_matmul import skinny_matmul, skinny_tuning
+    from omni_jax.models.layers.linear import fp32_accumulating_dot_general
+
+    h, e = text.hidden_size, text.num_experts
+    kw = dict(top_k=text.num_experts_per_tok, norm_topk_prob=True, interpret=sweep.interpret)
+    x = jax.random.normal(jax.random.key(13), (1, h), kb.DTYPE)
+    w = jax.random.normal(jax.random.key(14), (h, e), kb.DTYPE) / h ** 0.5
+    valid = jnp.ones((1,), bool)
+
+    def xla(x, w, valid):
+        logits = fp32_accumulating_dot_general(x, w, (((1,), (0,)), ((), ()))).astype(kb.DTYPE)
+        return moe_route(logits, valid, **kw)[0]
+
+    points = {"XLA router": (jax.jit(xla), (x, w, valid))}
+    for bn, bk, splits in grid(list(itertools.product((32, 128), (128, 256), (4, 8, 16)))):
+        fn = jax.jit(lambda x, w, valid, c=(bn, bk, splits): moe_route(
+            skinny_matmul(x, [w], k_splits=c[2], block_n=c[0], block_k=c[1], interpret=sweep.interpret),
+            valid, logits_dtype=kb.DTYPE, **kw)[0])
+        points[f"partials bn{bn} bk{bk} {splits} splits"] = (fn, (x, w, valid))
+    tune = skinny_tuning()   # the model's: a K tile a program (`moe.router_partials`)
+    today = f"partials bn{tune['block_n']} bk{tune['block_k']} {-(-h // tune['block_k'])} splits"
+    sweep.run(f"moe routing 1 token ({h} x {e} router)", w.size * kb.ITEM, points, jax.jit(xla)(x, w, valid), today)
 
 
 def _projections(sweep, text, grid, kb) -> None:

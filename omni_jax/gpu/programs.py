@@ -29,6 +29,7 @@ import kernels_pallas
 
 from ..config import PipelineConfig, StageConfig, load_pipeline_config
 from ..engine import sharding
+from ..models.layers.moe import sorted_experts
 from ..models.layers.parallel import EP, TP
 from ..models.registry import abstract_stage, get_family, stages_of
 
@@ -283,24 +284,18 @@ def projection_kernel_programs(base: str, text, batches) -> list[Program]:
     return out
 
 
-def _expert_matmuls(rows, gate_up, down, sizes):
-    """A MoE layer's two grouped matmuls (gate/up, then down: models/layers/moe.py)."""
-    inter = kernels_pallas.grouped_matmul(rows, gate_up, sizes, out_dtype=DTYPE)
-    i = down.shape[-1]
-    return kernels_pallas.grouped_matmul(jax.nn.silu(inter[:, :i]) * inter[:, i:], down, sizes)
-
-
 def expert_kernel_programs(base: str, text, token_counts) -> list[Program]:
-    """A MoE decoder's expert matmuls for each step size in tokens, in one program each
-    (every token routed to num_experts_per_tok)."""
-    e, h, i = text.num_experts, text.hidden_size, text.moe_intermediate_size
+    """A MoE decoder's expert matmuls for each step size in tokens, in one program each, as the
+    layer runs them (`moe.sorted_experts`: a decode step's fused gate/up and down kernels, a
+    prefill's scattered rows; every token routed to num_experts_per_tok)."""
+    e, h, i, k = text.num_experts, text.hidden_size, text.moe_intermediate_size, text.num_experts_per_tok
     s = jax.ShapeDtypeStruct
     out = []
     for t in token_counts:
-        p = t * text.num_experts_per_tok
-        args = (s((p, h), DTYPE), s((e, 2 * i, h), DTYPE), s((e, h, i), DTYPE), s((e,), jnp.int32))
-        out.append(Program(f"{base}/kernel/experts/{t}", "kernel", jax.jit(_expert_matmuls), args, {}, t,
-                           info=dict(kernel="grouped_matmul", rows=p, experts=e)))
+        args = (s((t, h), DTYPE), s((t, k), jnp.float32), s((t * k,), jnp.int32), s((e,), jnp.int32),
+                s((e, 2 * i, h), DTYPE), s((e, h, i), DTYPE))
+        out.append(Program(f"{base}/kernel/experts/{t}", "kernel", jax.jit(sorted_experts), args, {}, t,
+                           info=dict(kernel="grouped_matmul", rows=t * k, experts=e)))
     return out
 
 

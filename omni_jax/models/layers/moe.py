@@ -33,6 +33,10 @@ token-expert pairs:
 3. gather each token's k rows back from their sorted positions and sum them weighted by
    the routing weights (no atomics, deterministic).
 
+A decode step on a GPU (SiLU experts) skips the rows of step 1 and the SiLU of step 2:
+the gate/up kernel reads each sorted row's token through the pairs' positions, and the
+down kernel applies SiLU(gate) * up as it loads its rows (`fused_expert_outputs`).
+
 On a GPU each of these is a kernel launch per MoE layer of a step, and a decode step's
 time is its launches more than its bytes (issue 47): what they compile to is in the
 README ("Launches per decode step").
@@ -98,6 +102,7 @@ import kernels_pallas
 from kernels_pallas import reference
 from kernels_pallas.grouped_matmul import MIN_BLOCK_ROWS, blocked_plan, default_block_rows
 from kernels_pallas.moe_route import MAX_TOKENS as ROUTE_KERNEL_MAX_TOKENS
+from kernels_pallas.skinny_matmul import skinny_matmul, skinny_tuning
 
 from . import parallel
 from .linear import Linear
@@ -228,21 +233,39 @@ def sort_pairs(flat_experts, num_experts: int):
     return position.astype(jnp.int32), reference.expert_counts(e, num_experts)
 
 
-def route_sorted(router_logits, valid, top_k: int, norm_topk_prob: bool):
-    """`route` and `sort_pairs` at once: (weights [T, k], position [T * k], group_sizes [E]),
-    the pairs of invalid tokens (valid [T] bool) in no group. A decode step's few tokens
-    (at most ROUTE_KERNEL_MAX_TOKENS) on a GPU: one kernel (`kernels_pallas.moe_route`) where
-    XLA makes six or more launches of them; elsewhere `reference.moe_route`, the same."""
-    t, num_experts = router_logits.shape
+def route_sorted(x, gate: Linear, valid, top_k: int, norm_topk_prob: bool):
+    """The router `gate` on x [T, H], then `route` and `sort_pairs` at once: (weights [T, k],
+    position [T * k], group_sizes [E]), the pairs of invalid tokens (valid [T] bool) in no
+    group. A decode step's few tokens (at most ROUTE_KERNEL_MAX_TOKENS) on a GPU: two kernels,
+    the router's split-K partial products (`router_partials`) and the routing kernel
+    (`kernels_pallas.moe_route`), which sums them; XLA makes the router three launches (its
+    GEMM split over K, the sum, a slice) and the routing six or more. Elsewhere XLA's router
+    and `reference.moe_route`, the same."""
+    t, num_experts = x.shape[0], gate.out_features
     if t > ROUTE_KERNEL_MAX_TOKENS:
-        weights, experts = route(router_logits, top_k, norm_topk_prob)
+        weights, experts = route(gate(x), top_k, norm_topk_prob)
         position, group_sizes = sort_pairs(jnp.where(valid[:, None], experts, num_experts).reshape(-1), num_experts)
         return weights, position, group_sizes
     kw = dict(top_k=top_k, norm_topk_prob=norm_topk_prob)
+
+    def on_gpu(x, valid):
+        if parallel.axis_size(parallel.TP) > 1:  # the skinny kernel takes whole weights only
+            return kernels_pallas.moe_route(gate(x), valid, **kw)
+        return kernels_pallas.moe_route(router_partials(x, gate), valid, logits_dtype=gate.dtype or x.dtype, **kw)
+
     weights, position, group_sizes = jax.lax.platform_dependent(
-        router_logits, valid, cuda=functools.partial(kernels_pallas.moe_route, **kw),
-        default=functools.partial(reference.moe_route, **kw))
+        x, valid, cuda=on_gpu, default=lambda x, valid: reference.moe_route(gate(x), valid, **kw))
     return weights, position.reshape(-1), group_sizes
+
+
+def router_partials(x, gate: Linear, *, interpret: bool = False):
+    """The router's logits for a decode step's few rows as split-K partial products [S, T, E]
+    fp32 (`skinny_matmul`): a program per K tile and column tile, since a router's weights are
+    too narrow for a program per column tile alone to keep a GPU's SMs busy."""
+    dtype = gate.dtype or x.dtype
+    block_k = skinny_tuning()["block_k"]
+    return skinny_matmul(x.astype(dtype), [gate.kernel[...].astype(dtype)], k_splits=-(-x.shape[1] // block_k),
+                         block_k=block_k, interpret=interpret)
 
 
 def moe_experts(x, routing_weights, experts, gate_up_proj, down_proj, act=jax.nn.silu, valid=None,
@@ -270,7 +293,28 @@ def sorted_experts(x, routing_weights, position, group_sizes, gate_up_proj, down
     """`moe_experts` of pairs already ordered by expert (`sort_pairs`, `route_sorted`):
     position [T * k], group_sizes [E]."""
     t, k = routing_weights.shape
-    inter = down_proj.shape[-1]
+    gate_up, down = gate_up_proj.astype(x.dtype), down_proj.astype(x.dtype)
+    args = (x, position, group_sizes, gate_up, down)
+    unfused = functools.partial(expert_outputs, k=k, act=act, impl=impl, block_rows=block_rows)
+    if t * k <= COMPARE_ALL_MAX_PAIRS and impl is None and act is jax.nn.silu:
+        # A decode step on a GPU: the kernels take the tokens and the gate/up output as they
+        # are (`fused_expert_outputs`); elsewhere XLA puts them in order.
+        fused = functools.partial(fused_expert_outputs, block_rows=block_rows)
+        y = jax.lax.platform_dependent(*args, cuda=fused, default=unfused)
+    else:
+        y = unfused(*args)
+    y = jnp.take(y, position, axis=0).reshape(t, k, -1)
+    out = jnp.einsum("tk,tkh->th", routing_weights.astype(x.dtype).astype(jnp.float32), y)
+    if valid is not None:
+        out = jnp.where(valid[:, None], out, 0.0)
+    return out.astype(x.dtype)
+
+
+def expert_outputs(x, position, group_sizes, gate_up, down, *, k, act, impl, block_rows):
+    """Each token-expert pair's expert output [>= P, H] fp32, in expert order: the tokens'
+    rows put in that order, then two grouped matmuls with the activation between them."""
+    t = x.shape[0]
+    inter = down.shape[-1]
     # Pair p = token * k + slot goes to row position[p] of the expert-ordered rows; at least
     # a kernel block's worth of them (the rows past the pairs belong to no group), so that
     # the grouped matmuls take them as they are (a pad before each is one launch more).
@@ -286,19 +330,21 @@ def sorted_experts(x, routing_weights, position, group_sizes, gate_up_proj, down
         token = jnp.zeros(n_rows, jnp.int32).at[position].set(
             jnp.arange(t * k, dtype=jnp.int32) // k, unique_indices=True)
         rows = jnp.take(x, token, axis=0)
-
     # Intermediate in the compute dtype (as transformers); the down projection in fp32
-    # so the k-way weighted sum below adds unrounded expert outputs.
-    h = grouped_matmul(rows, gate_up_proj.astype(x.dtype), group_sizes, out_dtype=x.dtype,
-                       impl=impl, block_rows=block_rows)
+    # so the k-way weighted sum after it adds unrounded expert outputs.
+    h = grouped_matmul(rows, gate_up, group_sizes, out_dtype=x.dtype, impl=impl, block_rows=block_rows)
     h = act(h[:, :inter]) * h[:, inter:]
-    y = grouped_matmul(h, down_proj.astype(x.dtype), group_sizes, impl=impl,
-                       block_rows=block_rows)  # [P, H] fp32
-    y = jnp.take(y, position, axis=0).reshape(t, k, -1)
-    out = jnp.einsum("tk,tkh->th", routing_weights.astype(x.dtype).astype(jnp.float32), y)
-    if valid is not None:
-        out = jnp.where(valid[:, None], out, 0.0)
-    return out.astype(x.dtype)
+    return grouped_matmul(h, down, group_sizes, impl=impl, block_rows=block_rows)
+
+
+def fused_expert_outputs(x, position, group_sizes, gate_up, down, *, block_rows=None, interpret=False):
+    """`expert_outputs` in two kernel launches (a decode step with SiLU experts on a GPU):
+    the gate/up kernel reads each sorted row's token itself, the down kernel applies
+    SiLU(gate) * up as it loads its rows (the scatter, its zeros and the activation were three
+    launches of their own a layer)."""
+    kw = dict(block_rows=block_rows, interpret=interpret)
+    h = kernels_pallas.grouped_matmul(x, gate_up, group_sizes, out_dtype=x.dtype, position=position, **kw)
+    return kernels_pallas.grouped_matmul(h, down, group_sizes, glu=True, **kw)
 
 
 def expert_parallel_moe(x, routing_weights, experts, gate_up_proj, down_proj, act=jax.nn.silu, valid=None):
@@ -359,14 +405,14 @@ class SparseMoeBlock(nnx.Module):
         """x [T, H] -> [T, H]; valid [T] bool (optional) marks real tokens (see moe_experts)."""
         cfg = self.cfg
         x = x.astype(self.dtype)
-        logits, act = self.gate(x), ACTIVATIONS[cfg.hidden_act]
+        act = ACTIVATIONS[cfg.hidden_act]
         gate_up, down = self.experts.gate_up_proj[...], self.experts.down_proj[...]
         if parallel.axis_size(parallel.EP) == 1:
             valid = jnp.ones(x.shape[0], bool) if valid is None else valid
-            weights, position, sizes = route_sorted(logits, valid, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+            weights, position, sizes = route_sorted(x, self.gate, valid, cfg.num_experts_per_tok, cfg.norm_topk_prob)
             out = sorted_experts(x, weights, position, sizes, gate_up, down, act, valid)
         else:
-            weights, experts = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+            weights, experts = route(self.gate(x), cfg.num_experts_per_tok, cfg.norm_topk_prob)
             out = expert_parallel_moe(x, weights, experts, gate_up, down, act, valid)
         if cfg.shared_expert_intermediate_size:
             out = out + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

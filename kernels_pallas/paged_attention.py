@@ -20,7 +20,11 @@ query heads sharing a KV head (GQA group, padded to a power of two and to at
 least 16 rows, the smallest Triton ``dot`` tile) form the rows of a small
 matmul against ``pages_per_compute_block`` pages of K at a time, with an
 online softmax in fp32. Long contexts are split over ``k_splits`` programs
-per head, whose partial results a second kernel merges by log-sum-exp. A program
+per head, whose partial results a second kernel merges by log-sum-exp. The split
+count is static (from the table's width); each sequence spreads its own pages over
+all of them (``split_pages``), so a short context in a long table keeps every
+program busy, and only the splits holding its tokens store partials, the only ones
+the merge reads. A program
 reads its split's page ids before the page loop (``preload_table``). The page
 loop runs only over the pages a sequence uses (its bounds come from
 ``seq_len`` and the sliding window), and loads past ``seq_len`` are masked,
@@ -218,6 +222,20 @@ def table_window_of(preload: bool, pages_per_block: int, max_pages: int) -> int:
     return max(pages_per_block, min(next_pow2(max_pages), MAX_TABLE_WINDOW)) if preload else 0
 
 
+def split_pages(seq_len, splits: int, pages_per_block: int, block_size: int):
+    """Pages each of a sequence's `splits` splits walks (traced): its own pages spread over all of
+    them in whole compute blocks, at least one, so that a short context in a long table still
+    has every split's program at work (each split a slice of the table's width left all but the
+    first few idle: at batch 1, a 530-token context in 3 of 128 splits, four steps each)."""
+    blocks = pl.cdiv(pl.cdiv(seq_len, block_size), pages_per_block)
+    return jnp.maximum(pl.cdiv(blocks, splits), 1) * pages_per_block
+
+
+def used_splits(seq_len, splits: int, pages_per_block: int, block_size: int):
+    """How many of a sequence's splits hold some of its tokens (`split_pages`); 0 for none."""
+    return pl.cdiv(pl.cdiv(seq_len, block_size), split_pages(seq_len, splits, pages_per_block, block_size))
+
+
 def head_rows(rows, group):
     """[R] query head of each row of this program's GQA group in [B, Hq, D]: rows 0..group-1
     are KV head h's query heads h * group..; the rows padding the group to a Triton tile
@@ -267,7 +285,7 @@ def store_heads(o_ref, o, group):
 
 
 def _decode_kernel(seq_len_ref, table_ref, q_ref, *refs,
-                   scale_log2, pages_per_block, pages_per_split, table_window,
+                   scale_log2, pages_per_block, pages_per_split, splits, table_window,
                    sliding_window, precision, group, rows, write, rope, qk_norm, eps):
     # With the write: where this step's K/V go, and what q and k take before attending (the
     # pools stay the last operands: hlo_bytes).
@@ -292,8 +310,11 @@ def _decode_kernel(seq_len_ref, table_ref, q_ref, *refs,
 
     lo_tok = 0 if sliding_window is None else jnp.maximum(
         seq_len - sliding_window, 0)
-    split_start = split * pages_per_split
-    split_end = jnp.minimum(split_start + pages_per_split,
+    # This sequence's pages spread over the splits (at most pages_per_split each: the table's
+    # width over them, the static bound the table window and padding are sized for).
+    my_pages = split_pages(seq_len, splits, pages_per_block, block_size)
+    split_start = split * my_pages
+    split_end = jnp.minimum(split_start + my_pages,
                             pl.cdiv(seq_len, block_size))
     # Start at the compute block holding the window's first page; keeping
     # page0 a multiple of pages_per_block keeps every table read in range.
@@ -326,7 +347,7 @@ def _decode_kernel(seq_len_ref, table_ref, q_ref, *refs,
     if write:
         *out_refs, ko_ref, vo_ref = out_refs
         # The split holding the new position (padded rows, seq_len 0, have none).
-        mine = (seq_len > 0) & (last // (pages_per_split * block_size) == split)
+        mine = (seq_len > 0) & (last // (my_pages * block_size) == split)
         s_new = jnp.sum(q.astype(jnp.float32) * k_new.astype(jnp.float32), axis=1) * scale_log2
         s_new = jnp.where(mine, s_new, -jnp.inf)                        # [R]
         m_new = jnp.maximum(m, s_new)
@@ -347,27 +368,42 @@ def _decode_kernel(seq_len_ref, table_ref, q_ref, *refs,
         store_heads(o_ref, normalize(acc, l).astype(o_ref.dtype), group)
     else:                            # partial results for the LSE merge
         o_ref, m_ref, l_ref = out_refs
-        o_ref[...] = acc
-        m_ref[...] = m
-        l_ref[...] = l
+
+        # Only a split that holds some of the sequence's tokens: the merge reads no other
+        # (a short context in a long table leaves most splits empty, their partials bytes
+        # written and read for nothing).
+        @pl.when(split < used_splits(seq_len, splits, pages_per_block, block_size))
+        def _():
+            o_ref[...] = acc
+            m_ref[...] = m
+            l_ref[...] = l
 
 
 def default_k_splits(batch, kv_heads, num_compute_blocks, programs=512):
     """Splits so that batch * kv_heads * splits reaches ``programs`` (a few waves
-    over the GPU), keeping at least two compute blocks per split."""
+    over the GPU), keeping at least two compute blocks per split of the table's width
+    (a shorter sequence spreads its own over them: ``split_pages``)."""
     want = pl.cdiv(programs, batch * kv_heads)
     return max(1, min(want, num_compute_blocks // 2))
 
 
-def _merge_kernel(acc_ref, m_ref, l_ref, o_ref, *, chunk, group):
+def _merge_kernel(*refs, chunk, group, paged):
     """One (sequence, KV head): the log-sum-exp merge of its splits' partials, `chunk`
-    splits at a time (an online merge: the running max moves as chunks come in)."""
+    splits at a time (an online merge: the running max moves as chunks come in). With
+    `paged` = (pages_per_block, block_size), only the splits that hold some of the sequence's
+    tokens (`used_splits`): the decode kernel stores nothing for the others, so theirs are
+    never read (masked in the last chunk)."""
+    seq_len_ref, acc_ref, m_ref, l_ref, o_ref = refs if paged else (None, *refs)
     splits, rows, d = acc_ref.shape
+    used = splits if seq_len_ref is None else used_splits(seq_len_ref[()], splits, *paged)
 
     def body(i, carry):
         acc, m, l = carry
         part = pl.ds(i * chunk, chunk)
-        m_c, l_c, acc_c = m_ref[part, :], l_ref[part, :], acc_ref[part, :, :]
+        live = i * chunk + jnp.arange(chunk, dtype=jnp.int32) < used
+        m_c = jnp.where(live[:, None], m_ref[part, :], M_INIT)
+        l_c = jnp.where(live[:, None], l_ref[part, :], 0.0)
+        acc_c = jnp.where(live[:, None, None], acc_ref[part, :, :], 0.0)
         m_new = jnp.maximum(m, jnp.max(m_c, axis=0))
         alpha = jnp.exp2(m - m_new)
         w = jnp.exp2(m_c - m_new[None, :])                   # [chunk, rows]
@@ -377,29 +413,39 @@ def _merge_kernel(acc_ref, m_ref, l_ref, o_ref, *, chunk, group):
 
     carry = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), M_INIT, jnp.float32),
              jnp.zeros((rows,), jnp.float32))
-    acc, _, l = lax.fori_loop(0, splits // chunk, body, carry)
+    acc, _, l = lax.fori_loop(0, pl.cdiv(used, chunk), body, carry)
     store_heads(o_ref, normalize(acc, l).astype(o_ref.dtype), group)
 
 
-def merge_splits_kernel(acc, m, l, group, out_dtype, *, interpret=False, num_warps=4):
+def merge_splits_kernel(acc, m, l, group, out_dtype, *, seq_lens=None, pages_per_block=None, block_size=None,
+                        interpret=False, num_warps=4):
     """``merge_splits`` as one launch (XLA makes three reductions of it and a convert, a
     launch each, per layer of a decode step): partials acc [K, B, H, R, D], m and l
     [K, B, H, R] (K a power of two; splits with l == 0 add nothing; rows past `group` are
-    GQA padding) -> [B, H * group, D], query head h * group + r from row r of KV head h."""
+    GQA padding) -> [B, H * group, D], query head h * group + r from row r of KV head h.
+    With `seq_lens` [B] and the decode kernel's `pages_per_block` and `block_size`: only the
+    splits that hold some of each sequence's tokens are read (`used_splits`; the others may
+    hold anything)."""
     splits, batch, heads, rows, d = acc.shape
     chunk = min(splits, 8)
     part = lambda *tail: pl.BlockSpec((splits, None, None) + tail,  # noqa: E731
                                       lambda b, h: (0, b, h) + (0,) * len(tail))
+    in_specs, args = [part(rows, d), part(rows), part(rows)], [acc, m, l]
+    paged = None
+    if seq_lens is not None:
+        paged = (pages_per_block, block_size)
+        in_specs.insert(0, pl.BlockSpec((None,), lambda b, h: (b,)))
+        args.insert(0, seq_lens.astype(jnp.int32))
     return pl.pallas_call(
-        functools.partial(_merge_kernel, chunk=chunk, group=group),
+        functools.partial(_merge_kernel, chunk=chunk, group=group, paged=paged),
         grid=(batch, heads),
-        in_specs=[part(rows, d), part(rows), part(rows)],
+        in_specs=in_specs,
         out_specs=pl.BlockSpec((batch, heads * group, d), lambda b, h: (0, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((batch, heads * group, d), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name=f"decode_merge_k{splits}",
-    )(acc, m, l)
+    )(*args)
 
 
 def merge_splits(acc, m, l):
@@ -496,7 +542,7 @@ def _decode(q, k_pages, v_pages, block_tables, seq_lens, new_kv, *, sm_scale, sl
     slot_mapping, k_new, v_new, rope, qk_norm = new_kv if write else (None,) * 5
     kernel = functools.partial(
         _decode_kernel, scale_log2=softmax_scale_log2(sm_scale, d),
-        pages_per_block=ppb, pages_per_split=pages_per_split, table_window=table_window,
+        pages_per_block=ppb, pages_per_split=pages_per_split, splits=splits, table_window=table_window,
         sliding_window=sliding_window, precision=dot_precision(q.dtype), group=group, rows=rows,
         write=write, rope=rope is not None, qk_norm=qk_norm is not None, eps=eps)
     page_spec = pl.BlockSpec((num_blocks, block_size, None, d),
@@ -555,5 +601,7 @@ def _decode(q, k_pages, v_pages, block_tables, seq_lens, new_kv, *, sm_scale, sl
         name=f"paged_decode_bs{block_size}_ppb{ppb}_k{splits}" + ("_write" if write else ""),
     )(*args)
 
-    attn = out[0] if splits == 1 else merge_splits_kernel(*out[:3], group, q.dtype, interpret=interpret)
+    attn = out[0] if splits == 1 else merge_splits_kernel(*out[:3], group, q.dtype, seq_lens=seq_lens,
+                                                          pages_per_block=ppb, block_size=block_size,
+                                                          interpret=interpret)
     return (attn, *out[-2:]) if write else attn

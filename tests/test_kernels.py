@@ -571,6 +571,39 @@ def test_decode_merge_kernel_matches_xla_merge(splits, rows):
     assert not np.asarray(out[1]).any()
 
 
+@pytest.mark.parametrize("splits", [2, 16])
+def test_decode_merge_reads_only_the_splits_holding_tokens(splits):
+    """With the sequences' lengths the merge reads only the splits that hold some of their
+    tokens (a sequence's pages spread over the splits in whole compute blocks: `used_splits`):
+    the decode kernel stores nothing for the others, so whatever they hold (NaN here) must
+    not reach the output; a sequence of no tokens (padding) reads none and gives zeros."""
+    from kernels_pallas.paged_attention import merge_splits, merge_splits_kernel, used_splits
+
+    rng = np.random.default_rng(splits + 1)
+    b, h, rows, d, bs = 4, 2, 16, 32, 16
+    acc = rng.standard_normal((splits, b, h, rows, d)).astype(np.float32)
+    m = (rng.standard_normal((splits, b, h, rows)) * 4).astype(np.float32)
+    l = rng.uniform(0.5, 3, (splits, b, h, rows)).astype(np.float32)
+    # One page; a page a split; one page more than splits (two a split: half of them, a chunk's
+    # tail at 16); none.
+    seq_lens = np.array([1, bs * splits, bs * (splits + 1), 0])
+    used = np.array([int(used_splits(jnp.int32(n), splits, 1, bs)) for n in seq_lens])
+    assert list(used) == [1, splits, splits // 2 + 1, 0]
+    unwritten = np.arange(splits)[:, None] >= used[None, :]           # [K, B]
+    garbage = lambda x: np.where(unwritten.reshape(unwritten.shape + (1,) * (x.ndim - 2)), np.nan, x)  # noqa: E731
+    out = merge_splits_kernel(*(jnp.asarray(garbage(x)) for x in (acc, m, l)), rows, F32,
+                              seq_lens=jnp.asarray(seq_lens, jnp.int32), pages_per_block=1, block_size=bs,
+                              interpret=True)
+    assert out.shape == (b, h * rows, d) and not np.isnan(np.asarray(out)).any()
+    for i in range(b):
+        k = int(used[i])
+        if k == 0:
+            assert not np.asarray(out[i]).any()
+            continue
+        want = merge_splits(*(jnp.asarray(x[:k, i]) for x in (acc, m, l))).reshape(h * rows, d)
+        assert_close(out[i], want, F32)
+
+
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("hidden", [96, 128])       # 96: the row padded to 128, its tail masked
 @pytest.mark.parametrize("with_delta", [False, True])

@@ -163,17 +163,18 @@ LAYER_LAUNCH_CAPS = {("qwen2_5_omni", "thinker"): 12, ("qwen2_5_omni", "talker")
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_decode_steps_move_little_beyond_weights_and_kv(tier, target):
-    """Issue 47: a decode step at batch 1 and 64 moves at most 1.25x its minimum (the weights
+    """Issue 47: a decode step at batch 1 and 64 moves at most 1.2x its minimum (the weights
     it reads and the KV at the plan's context): no weight or KV copy, no logits for rows that
-    do not sample. (1.02-1.23 today; the rest is activations and the split-K partials.)"""
+    do not sample. (1.004-1.16 today on H100 and A100, the split decode's partials counted for
+    the splits 2048 tokens use; the rest is activations and XLA's split-K partials.)"""
     from omni_jax.gpu.plan import build_plan
 
     plan = build_plan(tier[target], context=2048)
-    for s in plan["stages"]:
-        for d in s["decode"]:
-            if d["bucket"] in (1, 64):
-                assert "bytes_ratio" in d, (target, s["preset"], s["stage"], d["bucket"])
-                assert 1.0 <= d["bytes_ratio"] <= 1.25, (target, s["preset"], s["stage"], d)
+    ratios = {(s["preset"], s["stage"], d["bucket"]): d.get("bytes_ratio") for s in plan["stages"]
+              for d in s["decode"] if d["bucket"] in (1, 64)}
+    print(target, {k: v and round(v, 3) for k, v in ratios.items()})
+    for where, ratio in ratios.items():
+        assert ratio is not None and 1.0 <= ratio <= 1.2, (target, where, ratio)
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -338,7 +339,7 @@ def test_plan_from_compiled_steps(tier):
     assert abs(d64["kv_read_bytes"] - 64 * 2048 * 56 * 1024) < 1e6, d64
     assert abs(d64["roofline_ms"] - (d64["weight_bytes"] + d64["kv_read_bytes"]) / target.memory_bandwidth * 1e3) < 0.01
     # MoE: a batch of 64 routes to more experts than a batch of 1.
-    from omni_jax.gpu.plan import expected_experts
+    from omni_jax.gpu.roofline import expected_experts
 
     assert expected_experts(128, 8, 1) == pytest.approx(8)
     assert 50 < expected_experts(128, 8, 64) < 128
@@ -477,7 +478,8 @@ ENTRY %main (pages: bf16[64,16,4,128], new: bf16[1,4,128], slot: s32[], table: b
     gemm = b("bf16[1,256]") + b("bf16[256,512]") + b("f32[1,512]")
     attn = b("s32[1]") + b("s32[1,64]") + 2 * b("bf16[1,4,16,128]")
     got = program_bytes(text)
-    assert got == dict(bytes=write + row + gemm + attn, tables={"paged_decode_bs": 2 * b("bf16[64,16,4,128]")}), got
+    assert got == dict(bytes=write + row + gemm + attn, tables={"paged_decode_bs": 2 * b("bf16[64,16,4,128]")},
+                       partials={}), got
 
 
 def test_hlo_bytes_reads_tuple_elements_as_elements():
@@ -506,7 +508,20 @@ def test_hlo_bytes_reads_tuple_elements_as_elements():
         f"\n  %k2 = {pool}{{3,2,1,0}} get-tuple-element(%split), index=1\n  %v2 = {pool}{{3,2,1,0}} "
         f"get-tuple-element(%split), index=2\n  ROOT %r = ({out}, {pool}, {pool}) tuple(%merge, %k2, %v2)\n}}\n")
     b = shape_bytes
-    kernel = b("s32[1]") + b("s32[1,256]") + b("bf16[1,36,128]") + b(part)   # the pools aside, written in place
-    want = dict(bytes=kernel + b(part) + b(out), tables={"paged_decode_bs": 2 * b(pool)})
+    kernel = b("s32[1]") + b("s32[1,256]") + b("bf16[1,36,128]")   # the pools aside, written in place
+    # The partials apart: written by the decode kernel and read by the merge.
+    want = dict(bytes=kernel + b(out), tables={"paged_decode_bs": 2 * b(pool)},
+                partials={"paged_decode_bs16_ppb8_k128": 2 * b(part)})
     assert program_bytes("HloModule m\n\n" + new) == want
     assert program_bytes("HloModule m\n\n" + old) == want
+
+
+def test_plan_counts_split_partials_at_its_context():
+    """A split decode kernel's partials are stored and merged for the splits its sequences' tokens
+    reach (`used_splits`): with the H100's 256 splits of 4 pages of 16 tokens, a 530-token context
+    uses 9 of them, 2048 tokens 32, the table's whole reach (16384) all 256."""
+    from omni_jax.gpu.plan import partial_bytes_at
+
+    whole = {"paged_decode_bs16_ppb4_k256": 256 * 1000}
+    assert [partial_bytes_at(whole, c) for c in (530, 2048, 16384)] == [9 * 1000, 32 * 1000, 256 * 1000]
+    assert partial_bytes_at({}, 2048) == 0

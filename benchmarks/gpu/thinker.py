@@ -50,24 +50,6 @@ def build_engine(family: str, size, batches, seed: int = 0):
     return engine, text, model
 
 
-def decode_weight_bytes(model, text, batch: int) -> float:
-    """Bytes of decoder weights one decode step reads: every layer, the final norm and the LM
-    head (one embedding row per token: negligible); a MoE layer's experts by the expected share
-    hit by `batch` tokens routed to k of E experts each, 1 - (1 - k/E)^batch."""
-    from flax import nnx
-
-    experts = getattr(text, "num_experts", 0)
-    hit = 1 - (1 - text.num_experts_per_tok / experts) ** batch if experts else 1.0
-    total = 0.0
-    for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        names = [str(p) for p in path]
-        if not ((names[0] == "model" and names[1] != "embed_tokens") or names[0] == "lm_head"):
-            continue
-        a = v.get_value()
-        total += a.size * a.dtype.itemsize * (hit if "experts" in names else 1.0)
-    return total
-
-
 def kv_bytes_per_token(text, dtype_bytes: int) -> int:
     return 2 * text.num_layers * text.num_kv_heads * text.head_dim * dtype_bytes
 
@@ -126,6 +108,7 @@ def run_thinker(family: str, batches, size, rep) -> None:
     import jax
 
     import kernels as kb
+    from omni_jax.gpu.roofline import decode_weight_bytes, step_weight_bytes
 
     t0 = time.perf_counter()
     engine, text, model = build_engine(family, size, batches)
@@ -143,10 +126,12 @@ def run_thinker(family: str, batches, size, rep) -> None:
     rep.add("warm-up (compile every bucket)", warm, "s", f"{compiled} compilations so far")
     rng = np.random.default_rng(0)
     item = np.dtype(jax.numpy.dtype(size.dtype)).itemsize
+    weights = decode_weight_bytes(nnx_params(model))
     for b in batches:
         step = time_decode(engine, b, size, rng)
         ctx = size.decode_prompt + size.decode_steps // 2 + 2
-        nbytes = decode_weight_bytes(model, text, b) + b * ctx * kv_bytes_per_token(text, item)
+        nbytes = step_weight_bytes(weights, getattr(text, "num_experts", 0), getattr(text, "num_experts_per_tok", 0),
+                                   b) + b * ctx * kv_bytes_per_token(text, item)
         roof = nbytes / bw
         target = "" if size.name != "gpu" or b != 1 else (" (target <= 1.5x: " + (
             "met)" if step / roof <= 1.5 else "NOT MET)"))

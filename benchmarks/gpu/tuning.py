@@ -135,7 +135,7 @@ def _experts(sweep, text, grid, kb) -> None:
     import jax.numpy as jnp
 
     from kernels_pallas.grouped_matmul import MIN_BLOCK_ROWS, block_settings, grouped_matmul, grouped_tuning
-    from omni_jax.models.layers.moe import expert_outputs, fused_expert_outputs, blocked_grouped_matmul, sort_pairs
+    from omni_jax.models.layers.moe import blocked_grouped_matmul, expert_outputs, fused_expert_outputs, sort_pairs
 
     e, per_token, h, width = text.num_experts, text.num_experts_per_tok, text.hidden_size, text.moe_intermediate_size
     chosen = jax.random.choice(jax.random.key(1), e, (per_token,), replace=False)

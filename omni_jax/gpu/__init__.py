@@ -9,6 +9,8 @@ A tool over the engine and the models (nothing in the library imports it):
 * `aot`: deviceless compilation and what it shows (memory, launches in and outside
   command buffers, shared memory, registers and spills of the Pallas kernels);
 * `hlo_bytes`: the HBM bytes a compiled program's kernels move, from its optimized HLO;
+* `roofline`: the weight bytes a decode step must read (the floor the plan and the GPU
+  check measure a step against);
 * `worker`: one process per target compiling a selection; `client` starts it;
 * `plan`: `omni-jax plan`, the memory / roofline table of a preset.
 

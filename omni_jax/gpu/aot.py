@@ -80,6 +80,7 @@ class CompileReport:
     host_loops: int = 0          # while / conditional thunks the host drives
     bytes_accessed: int = 0      # HBM bytes the kernels move, the Pallas tables aside (hlo_bytes)
     table_bytes: dict = dataclasses.field(default_factory=dict)  # {kernel: whole tables left out}
+    partial_bytes: dict = dataclasses.field(default_factory=dict)  # {split decode kernel: all splits' partials}
     kernels: list = dataclasses.field(default_factory=list)   # [KernelReport]
     info: dict = dataclasses.field(default_factory=dict)      # program-specific facts
 
@@ -214,6 +215,7 @@ class Compiler:
             if hlo:
                 moved = program_bytes(Path(max(hlo, key=os.path.getmtime)).read_text())
                 report.bytes_accessed, report.table_bytes = moved["bytes"], moved["tables"]
+                report.partial_bytes = moved["partials"]
             if check_kernels and report.kernels:
                 usage = {}
                 for ptx in glob.glob(os.path.join(dump, "*.ptx")):

@@ -12,7 +12,11 @@ exceptions that make a plain sum over the HLO wrong by far, each counted as what
   are left out here and returned apart, for the caller to add what the kernel reads of
   them (`plan.py`: the KV at the plan's context, the experts the batch routes to). A
   table the kernel also updates in place (the decode kernel's KV write) is an output
-  aliased to it, left out too: the kernel writes a row per sequence and KV head.
+  aliased to it, left out too: the kernel writes a row per sequence and KV head;
+* a paged decode kernel over several splits stores partial results for as many of each
+  sequence's splits as hold its tokens, and its merge reads those (`paged_attention.py:
+  used_splits`): how many depends on the context, so they are returned apart too, whole,
+  per decode kernel (its write and the merge's read), for the caller to count at its context.
 
 XLA's own cost analysis (`hlo_module_cost_analysis`) counts neither in-place updates nor
 custom kernels as they run (the KV write as twice the pool, a Pallas call as next to
@@ -26,6 +30,9 @@ import re
 
 # Pallas kernels (by name prefix) and how many of their last operands are tables read in part.
 TABLE_OPERANDS = {"paged_decode_bs": 2, "ragged_paged_prefill": 2, "grouped_matmul": 1}
+# A split paged decode kernel (block size, pages per compute block, splits) and its merge.
+SPLIT_DECODE = re.compile(r"paged_decode_bs(\d+)_ppb(\d+)_k(\d+)")
+MERGE = "decode_merge"
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
          "after-all", "opt-barrier", "partition-id", "replica-id", "iota"}
 _SLICING = {"dynamic-slice", "gather", "slice"}
@@ -59,15 +66,20 @@ class Instr:
     root: bool
 
 
-def element_type(tuple_type: str, index: int) -> str:
-    """Element `index` of an HLO tuple type, "(t0, t1, ...)"."""
+def tuple_elements(tuple_type: str) -> list[str]:
+    """The element types of an HLO tuple type, "(t0, t1, ...)"."""
     depth, start, items = 0, 1, []
     for i, c in enumerate(tuple_type):
         depth += (c in "([{") - (c in ")]}")
         if (c == "," and depth == 1) or (c == ")" and depth == 0):
             items.append(tuple_type[start:i].strip())
             start = i + 1
-    return items[index]
+    return items
+
+
+def element_type(tuple_type: str, index: int) -> str:
+    """Element `index` of an HLO tuple type, "(t0, t1, ...)"."""
+    return tuple_elements(tuple_type)[index]
 
 
 def operand_type(types: dict, operand: str) -> str:
@@ -174,12 +186,14 @@ def _pallas_name(ins: Instr) -> str | None:
 
 
 def program_bytes(text: str) -> dict:
-    """{"bytes": what the program's kernels move, the Pallas tables aside; "tables": {kernel
-    name prefix: bytes of the table operands left out (whole tables, as shapes)}}."""
+    """{"bytes": what the program's kernels move, the Pallas tables and split partials aside;
+    "tables": {kernel name prefix: bytes of the table operands left out (whole tables, as
+    shapes)}; "partials": {split decode kernel "paged_decode_bs{B}_ppb{P}_k{K}": bytes of its
+    partials for all K splits, written and read back by the merge}}."""
     comps, entry = parse_module(text)
     if entry is None:
-        return dict(bytes=0, tables={})
-    total, tables = 0, {}
+        return dict(bytes=0, tables={}, partials={})
+    total, tables, partials = 0, {}, {}
     todo, seen = [entry], set()
     while todo:
         name = todo.pop()
@@ -210,5 +224,16 @@ def program_bytes(text: str) -> dict:
                 for _, src in _aliases(ins.attrs):
                     if src >= len(ins.operands) - n:
                         written -= shape_bytes(operand_type(types, ins.operands[src]))
+            split = SPLIT_DECODE.match(kernel)
+            if split and int(split.group(3)) > 1:
+                # Its outputs but the pools aliased in place are the partials.
+                aliased = {o for o, _ in _aliases(ins.attrs)}
+                elements = tuple_elements(ins.type) if ins.type.startswith("(") else [ins.type]
+                part = sum(shape_bytes(t) for i, t in enumerate(elements) if i not in aliased)
+                written -= part
+                partials[split.group(0)] = partials.get(split.group(0), 0) + 2 * part
+            elif kernel.startswith(MERGE):
+                # Reads the partials (fp32; counted with the decode kernel that wrote them).
+                operand = [n for n, o in zip(operand, ins.operands) if not operand_type(types, o).startswith("f32")]
             total += sum(operand) + written
-    return dict(bytes=total, tables=tables)
+    return dict(bytes=total, tables=tables, partials=partials)

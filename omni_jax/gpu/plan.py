@@ -28,10 +28,14 @@ import sys
 import tempfile
 from collections import defaultdict
 
+from kernels_pallas.paged_attention import used_splits
+
 from ..config import default_pipeline_for, list_presets
 from ..errors import CheckpointError, ConfigError
 from ..model_source import add_revision_argument, model_config
 from . import client
+from .hlo_bytes import SPLIT_DECODE
+from .roofline import step_weight_bytes
 from .targets import FILES, load_target
 
 GB = 1e9
@@ -67,13 +71,6 @@ def _resolve(model: str, revision: str | None) -> tuple[str, dict | None]:
     return default_pipeline_for(family, checkpoint_stages=stages).name, hf_config
 
 
-def expected_experts(num_experts: int, top_k: int, batch: int) -> float:
-    """Distinct experts a batch of `batch` tokens touches per layer, uniform routing."""
-    if not num_experts:
-        return 0.0
-    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
-
-
 def launch_profile(reports: list[dict]) -> dict:
     """{(preset, stage, batch): profile} of the decode steps compiled at 1 and 2 layers
     (`worker.select_layers`): launches per layer (2 layers less 1), per step besides the
@@ -95,19 +92,33 @@ def launch_profile(reports: list[dict]) -> dict:
         one, two = by_depth[1], by_depth[2]
         per_layer = two["launches"] - one["launches"]
         layer_bytes = two["bytes_accessed"] - one["bytes_accessed"]
+        parts = [r.get("partial_bytes", {}) for r in (one, two)]
+        layer_partials = {k: parts[1].get(k, 0) - parts[0].get(k, 0) for k in parts[1]}
         outside_per_layer = len(two["outside_launches"]) - len(one["outside_launches"])
         out[key] = dict(per_layer=per_layer, fixed=one["launches"] - per_layer,
                         graphed_per_layer=two["graphed_launches"] - one["graphed_launches"],
                         outside=list(two["outside_launches"]), outside_per_layer=outside_per_layer,
                         fixed_outside=len(one["outside_launches"]) - outside_per_layer, host_loops=two["host_loops"],
                         command_buffers=two["command_buffers"],
-                        bytes_per_layer=layer_bytes, fixed_bytes=one["bytes_accessed"] - layer_bytes)
+                        bytes_per_layer=layer_bytes, fixed_bytes=one["bytes_accessed"] - layer_bytes,
+                        partials_per_layer=layer_partials,
+                        fixed_partials={k: v - layer_partials.get(k, 0) for k, v in parts[0].items()})
         if key in after:
             a = after[key]
             out[key]["after_sample"] = dict(launches=a["launches"], graphed=a["graphed_launches"],
                                             outside=list(a["outside_launches"]),
                                             command_buffers=a["command_buffers"], host_loops=a["host_loops"])
     return out
+
+
+def partial_bytes_at(partials: dict, context: int) -> float:
+    """What split decode kernels move of their partials ({kernel: all splits' bytes},
+    `hlo_bytes`) when every sequence holds `context` tokens: the share of splits in use."""
+    total = 0.0
+    for kernel, nbytes in partials.items():
+        block_size, pages_per_block, splits = map(int, SPLIT_DECODE.match(kernel).groups())
+        total += nbytes * int(used_splits(context, splits, pages_per_block, block_size)) / splits
+    return total
 
 
 def launch_bound_s(launches: int, outside: int) -> float:
@@ -135,28 +146,30 @@ def build_plan(result: dict, context: int) -> dict:
         compiled = {r["info"]["bucket"]: r for r in reps if r["ok"] and r["info"]["kind"] == "decode"}
         row["decode"] = []
         for b in s.get("decode_buckets", []):
-            e = s.get("num_experts", 0)
-            weights = s.get("decode_dense_bytes", 0) + (
-                s.get("decode_expert_bytes", 0) * expected_experts(e, s.get("top_k", 0), b) / e if e else 0)
-            kv = b * min(context, s["max_model_len"]) * s.get("kv_bytes_per_token", 0)
+            weights = step_weight_bytes(s, s.get("num_experts", 0), s.get("top_k", 0), b)
+            ctx = min(context, s["max_model_len"])
+            kv = b * ctx * s.get("kv_bytes_per_token", 0)
             r = compiled.get(b)
             prof = profiles.get((s["preset"], s["stage"], b))
             d = dict(bucket=b, weight_bytes=weights, kv_read_bytes=kv, roofline_ms=(weights + kv) / bw * 1e3,
                      launches=r["launches"] if r else None, temp_bytes=r["temp_bytes"] if r else None,
                      outside=len(r["outside_launches"]) if r else None,
                      command_buffers=r["command_buffers"] if r else None, profile=prof)
-            moved = r["bytes_accessed"] if r else None
+            moved = r["bytes_accessed"] + partial_bytes_at(r.get("partial_bytes", {}), ctx) if r else None
             if r is None and prof is not None:   # the real depth from the 1- and 2-layer steps
-                d["launches"] = prof["fixed"] + prof["per_layer"] * s["num_layers"]
-                d["outside"] = prof["fixed_outside"] + prof["outside_per_layer"] * s["num_layers"]
-                moved = prof["fixed_bytes"] + prof["bytes_per_layer"] * s["num_layers"]
+                n = s["num_layers"]
+                d["launches"] = prof["fixed"] + prof["per_layer"] * n
+                d["outside"] = prof["fixed_outside"] + prof["outside_per_layer"] * n
+                partials = {k: prof["fixed_partials"].get(k, 0) + v * n for k, v in prof["partials_per_layer"].items()}
+                moved = prof["fixed_bytes"] + prof["bytes_per_layer"] * n + partial_bytes_at(partials, ctx)
             if d["launches"] is not None:
                 d["launch_ms"] = launch_bound_s(d["launches"], d["outside"]) * 1e3
             if moved is not None:
                 # What the step moves: its XLA kernels and the Pallas kernels' reads but of their
-                # tables (hlo_bytes), plus what the attention reads of the KV pool at `context`
-                # and the grouped matmul of the experts the batch is routed to: the minimum's
-                # own terms, so the ratio is what the step moves beyond them.
+                # tables (hlo_bytes), the split partials at `context`, plus what the attention
+                # reads of the KV pool at `context` and the grouped matmul of the experts the
+                # batch is routed to: the minimum's own terms, so the ratio is what the step
+                # moves beyond them.
                 d["bytes_accessed"] = moved + kv + weights - s.get("decode_dense_bytes", 0)
                 d["bytes_ratio"] = d["bytes_accessed"] / (weights + kv)
             row["decode"].append(d)

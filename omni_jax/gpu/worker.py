@@ -25,13 +25,13 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import kernels_pallas
 
 from ..models.registry import family_names
 from . import aot, programs as P
 from .memory import stage_memory, tree_bytes
+from .roofline import decode_weight_bytes
 from .targets import load_target
 
 # The negative control: 512 KV tokens per step with 3 stages needs 282752 B of shared
@@ -59,30 +59,6 @@ def stage_facts(family: str, stage, hf_config: dict, target) -> dict:
                      top_k=getattr(text, "num_experts_per_tok", 0), kv_bytes_per_token=block // stage.block_size,
                      num_layers=text.num_layers)
     return facts | stage_memory(stage, target, params, block).__dict__
-
-
-# Parameters a decode step does not read whole: the encoders (run once per request), the
-# embedding table (B rows), Qwen3's code predictor (its own after-sample program).
-_NOT_READ_BY_DECODE = ("audio_tower", "visual", "embed_tokens", "code_predictor")
-
-
-def decode_weight_bytes(state) -> dict:
-    """Bytes a decode step reads of the weights: dense part, and all experts (of which a
-    step reads the ones its tokens are routed to)."""
-    from flax import nnx
-
-    dense = experts = 0
-    for path, var in nnx.to_flat_state(state):
-        keys = [str(k) for k in path]
-        if any(k in _NOT_READ_BY_DECODE for k in keys):
-            continue
-        v = var.get_value()
-        n = int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
-        if "experts" in keys:
-            experts += n
-        else:
-            dense += n
-    return dict(decode_dense_bytes=dense, decode_expert_bytes=experts)
 
 
 def _ends(programs, kind, variant=None):

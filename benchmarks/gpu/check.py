@@ -1,9 +1,10 @@
 """The one-command GPU check (run it through check.sh, which installs the carried wheels).
 
-    bash benchmarks/gpu/check.sh [--cpu] [--only PART ...] [--out DIR]
+    bash benchmarks/gpu/check.sh [--cpu [--jobs N]] [--only PART ...] [--out DIR]
 
 Runs each part in its own process with its own time budget (sizes.py), so a part that
-hangs, crashes or runs out of memory is reported and the next one runs on a clean device.
+hangs, crashes or runs out of memory is reported and the next one runs on a clean device
+(on a CPU, `--jobs N` runs N at a time: CI's two cores finish the tiny check sooner).
 After every part, results.json and results.md (a markdown table) are rewritten in `--out`
 ($OUT when set, else benchmarks/gpu/out/), with check.log holding every part's output;
 the table is printed at the end. This process never imports JAX: the device stays free
@@ -83,14 +84,44 @@ def _kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
-def _tail(path: str, offset: int, lines: int = 15) -> str:
-    with open(path, errors="replace") as f:
-        f.seek(offset)
-        return "".join(f.read().splitlines(keepends=True)[-lines:])
+def _start(name: str, budget: float, size_name: str, parts_dir: str, out: str) -> dict:
+    """Start a part's process, its output to its own log (copied into check.log when it ends)."""
+    print(f"[check] {name}: starting (budget {budget}s)", flush=True)
+    log_path = os.path.join(parts_dir, f"{name}.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--run-part", name, "--size",
+                                 size_name, "--results", parts_dir], cwd=ROOT, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                env=dict(os.environ, OMNI_JAX_CHECK_OUT=out))  # a part's files to keep
+    return dict(name=name, proc=proc, budget=budget, log=log_path, t0=time.perf_counter())
+
+
+def _finish(run: dict, parts_dir: str, log_path: str, timed_out: bool) -> dict:
+    """The part's results (its status from how its process ended), its output appended to check.log."""
+    name, budget = run["name"], run["budget"]
+    data = report_mod.read(os.path.join(parts_dir, f"{name}.json")) or dict(part=name, rows=[], error=None)
+    data.update(seconds=round(time.perf_counter() - run["t0"], 1), budget=budget)
+    if timed_out:
+        data.update(status="timeout", error=f"over its {budget}s budget (rows so far kept)")
+    elif data.get("status") in (None, "running"):
+        data.update(status="failed", error=f"the part's process ended with code {run['proc'].returncode} "
+                                           "before reporting")
+    with open(run["log"], errors="replace") as part_log, open(log_path, "a") as log:
+        output = part_log.read()
+        log.write(f"\n===== {name} (budget {budget}s)\n{output}")
+    print(f"[check] {name}: {data['status']} in {data['seconds']}s"
+          + (f": {data['error']}" if data.get("error") else ""), flush=True)
+    if data["status"] in ("failed", "timeout"):
+        print("".join(output.splitlines(keepends=True)[-15:]), flush=True)
+    return data
 
 
 def orchestrate(args) -> int:
     size = SIZES["cpu" if args.cpu else "gpu"]
+    if args.jobs < 1:
+        raise SystemExit(f"--jobs {args.jobs}: want at least 1")
+    if args.jobs > 1 and not args.cpu:
+        raise SystemExit("--jobs: parts run side by side only with --cpu (on a GPU they would share the device)")
     out = args.out or os.environ.get("OUT") or os.path.join(HERE, "out")
     os.makedirs(out, exist_ok=True)
     parts_dir = tempfile.mkdtemp(prefix="omni-jax-check-")  # per-part JSON (not in $OUT: 8 files come back)
@@ -106,45 +137,33 @@ def orchestrate(args) -> int:
         if part not in PARTS or not secs.replace(".", "", 1).isdigit():
             raise SystemExit(f"--budget {item!r}: want PART=SECONDS with PART one of {', '.join(PARTS)}")
         budgets[part] = float(secs)
-    results, t_start = [], time.perf_counter()
-    for name in names:
-        budget = budgets[name]
-        print(f"[check] {name}: starting (budget {budget}s)", flush=True)
-        with open(log_path, "a") as log:
-            log.write(f"\n===== {name} (budget {budget}s)\n")
-            log.flush()
-            offset = log.tell()
-            t0 = time.perf_counter()
-            proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--run-part", name, "--size",
-                                     size.name, "--results", parts_dir], cwd=ROOT, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True,
-                                    env=dict(os.environ, OMNI_JAX_CHECK_OUT=out))  # a part's files to keep
-            try:
-                rc = proc.wait(budget)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                _kill_group(proc)
-                rc, timed_out = None, True
-        data = report_mod.read(os.path.join(parts_dir, f"{name}.json")) or dict(part=name, rows=[], error=None)
-        data.update(seconds=round(time.perf_counter() - t0, 1), budget=budget)
-        if timed_out:
-            data.update(status="timeout", error=f"over its {budget}s budget (rows so far kept)")
-        elif data.get("status") in (None, "running"):
-            data.update(status="failed", error=f"the part's process ended with code {rc} before reporting")
-        results.append(data)
-        print(f"[check] {name}: {data['status']} in {data['seconds']}s"
-              + (f": {data['error']}" if data.get("error") else ""), flush=True)
-        if data["status"] in ("failed", "timeout"):
-            print(_tail(log_path, offset), flush=True)
-        header["wall_s"] = round(time.perf_counter() - t_start, 1)
-        with open(os.path.join(out, "results.json"), "w") as f:
-            json.dump(dict(header=header, parts=results), f, indent=1)
-        with open(os.path.join(out, "results.md"), "w") as f:
-            f.write(report_mod.markdown(header, results))
+    results, t_start = {}, time.perf_counter()
+    waiting, running = list(names), []
+    while waiting or running:
+        while waiting and len(running) < args.jobs:
+            name = waiting.pop(0)
+            running.append(_start(name, budgets[name], size.name, parts_dir, out))
+        time.sleep(0.1)
+        for run in list(running):
+            timed_out = run["proc"].poll() is None and time.perf_counter() - run["t0"] > run["budget"]
+            if timed_out:
+                _kill_group(run["proc"])
+            elif run["proc"].poll() is None:
+                continue
+            running.remove(run)
+            results[run["name"]] = _finish(run, parts_dir, log_path, timed_out)
+            # Rewritten after every part, in the order asked for: what is known so far.
+            done = [results[n] for n in names if n in results]
+            header["wall_s"] = round(time.perf_counter() - t_start, 1)
+            with open(os.path.join(out, "results.json"), "w") as f:
+                json.dump(dict(header=header, parts=done), f, indent=1)
+            with open(os.path.join(out, "results.md"), "w") as f:
+                f.write(report_mod.markdown(header, done))
     shutil.rmtree(parts_dir, ignore_errors=True)
-    print("\n" + report_mod.markdown(header, results), flush=True)
+    done = [results[n] for n in names]
+    print("\n" + report_mod.markdown(header, done), flush=True)
     print(f"[check] wall time {header['wall_s']}s; results in {out}", flush=True)
-    return 0 if all(p["status"] in ("ok", "unavailable") for p in results) else 1
+    return 0 if all(p["status"] in ("ok", "unavailable") for p in done) else 1
 
 
 def main(argv=None) -> int:
@@ -152,6 +171,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu", action="store_true", help="tiny models, interpret-mode kernels (no GPU needed)")
     ap.add_argument("--only", nargs="+", choices=list(PARTS), help="run these parts only, in this order")
     ap.add_argument("--out", help="results folder (default: $OUT, else benchmarks/gpu/out)")
+    ap.add_argument("--jobs", type=int, default=1, metavar="N",
+                    help="with --cpu: run N parts side by side (their timings then share the CPU)")
     ap.add_argument("--budget", action="append", default=[], metavar="PART=SECONDS",
                     help="another time budget for a part (default: sizes.py's)")
     ap.add_argument("--run-part", choices=list(PARTS), help=argparse.SUPPRESS)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import os
 import signal
 import socket
 import subprocess

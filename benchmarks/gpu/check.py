@@ -84,20 +84,25 @@ def _kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
-def _start(name: str, budget: float, size_name: str, parts_dir: str, out: str) -> dict:
-    """Start a part's process, its output to its own log (copied into check.log when it ends)."""
+def _start(name: str, budget: float, size_name: str, parts_dir: str, out: str, log_path: str | None) -> dict:
+    """Start a part's process. Its output goes to `log_path` (check.log, as it comes: what a
+    killed GPU run leaves), or with None to its own file, copied into check.log when it ends."""
     print(f"[check] {name}: starting (budget {budget}s)", flush=True)
-    log_path = os.path.join(parts_dir, f"{name}.log")
-    with open(log_path, "w") as log:
+    own = log_path is None
+    path = os.path.join(parts_dir, f"{name}.log") if own else log_path
+    with open(path, "a") as log:
+        log.write(f"\n===== {name} (budget {budget}s)\n")
+        log.flush()
+        offset = log.tell()
         proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--run-part", name, "--size",
                                  size_name, "--results", parts_dir], cwd=ROOT, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True,
                                 env=dict(os.environ, OMNI_JAX_CHECK_OUT=out))  # a part's files to keep
-    return dict(name=name, proc=proc, budget=budget, log=log_path, t0=time.perf_counter())
+    return dict(name=name, proc=proc, budget=budget, log=path, own_log=own, offset=offset, t0=time.perf_counter())
 
 
 def _finish(run: dict, parts_dir: str, log_path: str, timed_out: bool) -> dict:
-    """The part's results (its status from how its process ended), its output appended to check.log."""
+    """The part's results (its status from how its process ended); its own log appended to check.log."""
     name, budget = run["name"], run["budget"]
     data = report_mod.read(os.path.join(parts_dir, f"{name}.json")) or dict(part=name, rows=[], error=None)
     data.update(seconds=round(time.perf_counter() - run["t0"], 1), budget=budget)
@@ -106,13 +111,15 @@ def _finish(run: dict, parts_dir: str, log_path: str, timed_out: bool) -> dict:
     elif data.get("status") in (None, "running"):
         data.update(status="failed", error=f"the part's process ended with code {run['proc'].returncode} "
                                            "before reporting")
-    with open(run["log"], errors="replace") as part_log, open(log_path, "a") as log:
-        output = part_log.read()
-        log.write(f"\n===== {name} (budget {budget}s)\n{output}")
+    with open(run["log"], errors="replace") as part_log:
+        text = part_log.read()
+    if run["own_log"]:
+        with open(log_path, "a") as log:
+            log.write(text)
     print(f"[check] {name}: {data['status']} in {data['seconds']}s"
           + (f": {data['error']}" if data.get("error") else ""), flush=True)
     if data["status"] in ("failed", "timeout"):
-        print("".join(output.splitlines(keepends=True)[-15:]), flush=True)
+        print("".join(text[run["offset"]:].splitlines(keepends=True)[-15:]), flush=True)
     return data
 
 
@@ -142,7 +149,8 @@ def orchestrate(args) -> int:
     while waiting or running:
         while waiting and len(running) < args.jobs:
             name = waiting.pop(0)
-            running.append(_start(name, budgets[name], size.name, parts_dir, out))
+            running.append(_start(name, budgets[name], size.name, parts_dir, out,
+                                  log_path if args.jobs == 1 else None))
         time.sleep(0.1)
         for run in list(running):
             timed_out = run["proc"].poll() is None and time.perf_counter() - run["t0"] > run["budget"]

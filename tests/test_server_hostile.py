@@ -57,8 +57,8 @@ def pipeline_yaml(tmp_path_factory) -> str:
     """The tiny preset with the fewest buckets (quick warm-up), patient with a loaded machine. No
     test here makes audio (the vocoder's limits are checked up front), so the vocoder takes one
     request at a time: its warm-up was most of the server's start (63 s of 71 with 4 requests, on
-    Python 3.12 where no other module compiles it; 45 s of 53 with 1). Its buckets are test_server's batch-1 ones, so in the
-    whole suite its programs come from the compile cache."""
+    Python 3.12 where no other module compiles it; 45 s of 53 with 1). Its buckets are
+    test_server's batch-1 ones, so in the whole suite its programs come from the compile cache."""
     cfg = yaml.safe_load(resources.files("omni_jax").joinpath("configs/qwen2_5_omni_tiny.yaml").read_text())
     cfg["name"] = "qwen2_5_omni_tiny_hostile_test"
     for st in cfg["stages"]:

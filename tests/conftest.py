@@ -41,6 +41,9 @@ import hf_tiny
 from omni_jax.models.qwen2_5_omni import tiny as qwen2_5_tiny
 from omni_jax.models.qwen3_omni import tiny as qwen3_tiny
 
+# `pytest --cpu-report`: CPU seconds per module (what CI's two busy cores spend on each).
+pytest_plugins = ("cpu_report",)
+
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 # The fixtures that build or load a model with transformers (and so need torch).
 REFERENCE_FIXTURES = {"qwen2_5_omni_hf_dir", "qwen2_5_omni_hf_model", "qwen3_omni_hf_dir", "qwen3_omni_hf_model"}

@@ -73,7 +73,7 @@ def uncommitted_tokens():
 
 def test_committed_parameters_compile_nothing_after_warmup(uncommitted_tokens):
     engine = _engine(commit=True)
-    assert engine.runner.placement == jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    assert engine.runner.placement == jax.sharding.make_single_device_sharding(jax.devices()[0])
     assert all(k.committed for pair in engine.runner.kv_caches for k in pair)
     engine.warmup(progress=False)
     warm = engine.num_compilations
@@ -85,7 +85,8 @@ def test_committed_parameters_compile_nothing_after_warmup(uncommitted_tokens):
 
 def test_where_committed_parameters_are():
     on_first = jax.device_put(np.zeros(2, np.float32), jax.devices()[0])
-    assert committed_device({"a": on_first, "b": np.zeros(2)}) == jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    first = jax.sharding.make_single_device_sharding(jax.devices()[0])
+    assert committed_device({"a": on_first, "b": np.zeros(2)}) == first
     assert committed_device({"a": jnp.zeros(2)}) is None  # uncommitted: left on the default device
     # Two devices (fake CPU ones, made before jax is imported: a process of its own).
     code = ("import jax, numpy as np; from omni_jax.engine.sharding import committed_device\n"

@@ -263,7 +263,7 @@ class ModelRunner:
         if self.placement is None and program_cache.active() is not None:
             # A step read from the program cache returns committed outputs (as any exported
             # program's): commit every step input to the default device alike (on_stage).
-            self.placement = jax.sharding.SingleDeviceSharding(jnp.zeros(()).devices().pop())
+            self.placement = jax.sharding.make_single_device_sharding(jnp.zeros(()).devices().pop())
         # The step takes the parameters as a flat list of arrays: flattening the NNX state
         # (one Variable node per parameter) on every call costs milliseconds of host time.
         self._param_leaves, self._param_def = jax.tree.flatten(self.state)

@@ -170,7 +170,7 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def committed_device(state) -> jax.sharding.SingleDeviceSharding | None:
+def committed_device(state) -> jax.sharding.Sharding | None:
     """The one device a one-device stage's parameters were committed to by its caller
     (`jax.device_put(params, device)`), or None when they are uncommitted (on the default device).
 
@@ -184,4 +184,4 @@ def committed_device(state) -> jax.sharding.SingleDeviceSharding | None:
     if len(devices) > 1:
         raise ValueError(f"the stage's parameters are committed to {len(devices)} devices, but the stage runs on "
                          "one: put them on one device, or give the stage its devices and a parallel size")
-    return jax.sharding.SingleDeviceSharding(devices.pop())
+    return jax.sharding.make_single_device_sharding(devices.pop())

@@ -32,7 +32,7 @@ from pathlib import Path
 import jax
 import numpy as np
 from jax.experimental import topologies
-from jax.sharding import Mesh, SingleDeviceSharding
+from jax.sharding import Mesh, make_single_device_sharding
 
 from ..models.layers.parallel import EP, TP
 from .client import cuda_data_dir
@@ -159,7 +159,7 @@ class Compiler:
         self.topology = topologies.get_topology_desc(platform="cuda", target_config=target.config_text,
                                                      topology="1x1x1")
         self.device = self.topology.devices[0]
-        self.sharding = SingleDeviceSharding(self.device)
+        self.sharding = make_single_device_sharding(self.device)
         self.mesh = target.abstract_mesh()
         self.ptxas = os.path.join(cuda_data_dir(), "bin", "ptxas")
 

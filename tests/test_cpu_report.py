@@ -41,7 +41,8 @@ def test_report_counts_child_processes_across_workers(tmp_path):
             for m in re.finditer(r"^\s*([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\S+)$", proc.stdout, re.M)}
     busy, idle, total = rows["test_busy.py"], rows["test_idle.py"], rows["total"]
     cpu, own, children, wall = busy
-    assert children >= 0.9 and cpu == own + children, proc.stdout  # the child's busy second
+    assert children >= 0.9, proc.stdout  # the child's busy second
+    assert abs(cpu - own - children) <= 0.1 + 1e-9, proc.stdout  # each printed to 0.1 s
     assert wall >= 1.4, proc.stdout  # the child's second and the half-second sleep
     assert idle[0] < 0.5 and idle[2] == 0.0, proc.stdout
     assert abs(total[0] - busy[0] - idle[0]) < 0.2, proc.stdout

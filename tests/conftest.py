@@ -34,6 +34,15 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 if "OMNI_JAX_PROGRAM_CACHE_DIR" not in os.environ:
     os.environ["OMNI_JAX_PROGRAM_CACHE_DIR"] = tempfile.mkdtemp(prefix="omni-jax-test-programs-")
     atexit.register(shutil.rmtree, os.environ["OMNI_JAX_PROGRAM_CACHE_DIR"], True)
+# pyproject's filterwarnings (a deprecation raised at a call in our packages fails) for the stage
+# processes, servers and workers a test starts, which do not read pytest's configuration. Python's
+# own filters (PYTHONWARNINGS) match a module by its whole name, so each of ours is named.
+_OURS = [".".join(f.relative_to(Path(__file__).parents[1]).with_suffix("").parts).removesuffix(".__init__")
+         for pkg in ("omni_jax", "kernels_pallas", "kernels_cpu", "conversion")
+         for f in sorted((Path(__file__).parents[1] / pkg).rglob("*.py"))]
+_FILTERS = [w for w in os.environ.get("PYTHONWARNINGS", "").split(",") if w]
+os.environ["PYTHONWARNINGS"] = ",".join(_FILTERS + [
+    f for m in _OURS for f in (f"error::DeprecationWarning:{m}", f"error::FutureWarning:{m}") if f not in _FILTERS])
 
 import pytest
 

@@ -1,6 +1,9 @@
 """pyproject's filterwarnings: a deprecation raised at a call in OmniJax's own packages fails the
-test that makes the call; one a library raises inside itself does not."""
+test that makes the call, in the test's process and in those it starts; one a library raises
+inside itself does not."""
 
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -20,3 +23,14 @@ def test_other_modules_deprecations_only_warn(module):
         warnings.simplefilter("always", UserWarning)  # the filters above stay
         warnings.warn_explicit("old API", DeprecationWarning, "f.py", 1, module=module)
     assert [str(w.message) for w in seen] == ["old API"]
+
+
+@pytest.mark.parametrize("module,fails", [("omni_jax.runtime.stage_loop", True), ("omni_jax.server", True),
+                                          ("kernels_cpu", True), ("flax.nnx", False)])
+def test_processes_a_test_starts_fail_too(module, fails):
+    """Stage processes and servers do not read pytest's configuration: conftest names each module
+    of ours in PYTHONWARNINGS, which they inherit."""
+    code = f"import warnings; warnings.warn_explicit('old API', DeprecationWarning, 'f.py', 1, module={module!r})"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (run.returncode != 0) == fails, run.stderr
+    assert ("DeprecationWarning: old API" in run.stderr) == fails, run.stderr

@@ -14,10 +14,10 @@ from flax import nnx
 import hf_tiny
 from conversion.mapping import load_hf_into
 from omni_jax.models.layers.audio_blocks import AudioEncoderConfig
+from omni_jax.models.layers.audio_chunks import num_chunks_for
 from omni_jax.models.qwen2_5_omni.audio_encoder import (
     Qwen2_5OmniAudioEncoder,
     audio_output_lengths,
-    num_chunks_for,
     prepare_audio_batch,
 )
 

@@ -15,11 +15,11 @@ import pytest
 from flax import nnx
 
 from conversion.mapping import load_hf_into
+from omni_jax.models.layers.audio_chunks import num_chunks_for
 from omni_jax.models.qwen3_omni.audio_encoder import (
     AudioEncoderConfig,
     Qwen3OmniAudioEncoder,
     audio_output_lengths,
-    num_chunks_for,
     num_windows_for,
     prepare_audio_batch,
 )

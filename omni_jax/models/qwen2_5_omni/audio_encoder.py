@@ -30,7 +30,6 @@ The split between host and device keeps the jitted part free of data-dependent s
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +37,7 @@ import numpy as np
 from flax import nnx
 
 from ..layers.audio_blocks import LN_EPS, AudioEncoderConfig, AudioEncoderLayer, conv_stride2_len, sinusoid_positions
+from ..layers.audio_chunks import chunk_audios, concatenated_features, run_encoder
 from ..layers.linear import Linear
 from ..layers.mlp import ACTIVATIONS
 
@@ -82,58 +82,33 @@ class AudioBatch:
         return self.frame_index, self.frame_mask, self.token_mask, self.pool_index
 
 
-def num_chunks_for(feature_lens, n_window: int) -> int:
-    """Number of attention chunks the audios of ``feature_lens`` need."""
-    lens = np.asarray(feature_lens, dtype=np.int64)
-    return int(((lens + 2 * n_window - 1) // (2 * n_window)).sum())
-
-
 def prepare_audio_batch(feature_lens, n_window: int, *, num_chunks: int | None = None,
                         num_tokens: int | None = None) -> AudioBatch:
     """Plan the padded chunk layout for audios of ``feature_lens`` mel frames.
 
     ``num_chunks`` / ``num_tokens`` pad ``C`` / ``P`` up to a bucket (default: exact).
     """
-    lens = np.asarray(feature_lens, dtype=np.int64).reshape(-1)
-    if lens.size == 0 or (lens < 1).any():
-        raise ValueError(f"every audio needs at least one mel frame, got feature_lens={lens.tolist()}")
     W = 2 * n_window
     S = conv_stride2_len(W)
-
-    chunks_per_audio = (lens + W - 1) // W
-    n_chunks = int(chunks_per_audio.sum())
-    first_chunk = np.cumsum(chunks_per_audio) - chunks_per_audio
-    audio_start = np.cumsum(lens) - lens
-    chunk_audio = np.repeat(np.arange(lens.size), chunks_per_audio)
-    chunk_in_audio = np.arange(n_chunks) - first_chunk[chunk_audio]
-    chunk_start = audio_start[chunk_audio] + chunk_in_audio * W
-    chunk_len = np.minimum(W, lens[chunk_audio] - chunk_in_audio * W)
-
-    C = n_chunks if num_chunks is None else num_chunks
-    if C < n_chunks:
-        raise ValueError(f"num_chunks={num_chunks} is smaller than the {n_chunks} chunks needed")
-    frame_mask = np.zeros((C, W), dtype=bool)
-    frame_mask[:n_chunks] = np.arange(W) < chunk_len[:, None]
-    frame_index = np.zeros((C, W), dtype=np.int32)
-    frame_index[:n_chunks] = np.where(frame_mask[:n_chunks], chunk_start[:, None] + np.arange(W), 0)
-    token_mask = np.zeros((C, S), dtype=bool)
-    token_mask[:n_chunks] = np.arange(S) < conv_stride2_len(chunk_len)[:, None]
+    chunks = chunk_audios(feature_lens, W, num_chunks)
+    token_mask = np.zeros((chunks.frame_mask.shape[0], S), dtype=bool)
+    token_mask[:chunks.n] = np.arange(S) < conv_stride2_len(chunks.length)[:, None]
 
     # Every chunk but an audio's last is full (S tokens), so token p of audio a sits at
     # flat slot first_chunk[a] * S + p of the [C * S] layout, and pooling averages the
     # pairs (2k, 2k+1) of each audio's token sequence, dropping an odd last token.
-    _, output_lens = audio_output_lengths(lens)
+    _, output_lens = audio_output_lengths(chunks.lens)
     n_out = int(output_lens.sum())
     P = n_out if num_tokens is None else num_tokens
     if P < n_out:
         raise ValueError(f"num_tokens={num_tokens} is smaller than the {n_out} output tokens")
-    out_audio = np.repeat(np.arange(lens.size), output_lens)
+    out_audio = np.repeat(np.arange(chunks.lens.size), output_lens)
     k = np.arange(n_out) - np.repeat(np.cumsum(output_lens) - output_lens, output_lens)
-    first = first_chunk[out_audio] * S + 2 * k
+    first = chunks.first_chunk[out_audio] * S + 2 * k
     pool_index = np.zeros((P, 2), dtype=np.int32)
     pool_index[:n_out, 0] = first
     pool_index[:n_out, 1] = first + 1
-    return AudioBatch(frame_index, frame_mask, token_mask, pool_index, output_lens)
+    return AudioBatch(chunks.frame_index, chunks.frame_mask, token_mask, pool_index, output_lens)
 
 
 class Qwen2_5OmniAudioEncoder(nnx.Module):
@@ -194,30 +169,6 @@ class Qwen2_5OmniAudioEncoder(nnx.Module):
         ``[num_mel_bins, T]`` array with ``feature_lens``. ``num_frames``/``num_chunks``/
         ``num_tokens`` pad the call to buckets (the result is sliced back to the valid rows).
         """
-        if isinstance(features, (list, tuple)):
-            lens = np.array([f.shape[1] for f in features], dtype=np.int64)
-            if feature_lens is not None and not np.array_equal(np.asarray(feature_lens), lens):
-                raise ValueError("feature_lens does not match the lengths of the feature list")
-            feats = np.concatenate([np.asarray(f, dtype=np.float32) for f in features], axis=1)
-        else:
-            if feature_lens is None:
-                raise ValueError("feature_lens is required with concatenated features")
-            feats = np.asarray(features, dtype=np.float32)
-            lens = np.asarray(feature_lens, dtype=np.int64).reshape(-1)
-        total = int(lens.sum())
-        if feats.shape[1] < total:
-            raise ValueError(f"features have {feats.shape[1]} frames, feature_lens need {total}")
-        if num_frames is not None:
-            if num_frames < total:
-                raise ValueError(f"num_frames={num_frames} is smaller than the {total} frames")
-            feats = np.pad(feats[:, :total], ((0, 0), (0, num_frames - total)))
-        batch = prepare_audio_batch(lens, self.config.n_window, num_chunks=num_chunks, num_tokens=num_tokens)
-        graphdef, state = nnx.split(self)
-        out = _jitted_forward(graphdef, state, jnp.asarray(feats), *map(jnp.asarray, batch.arrays()))
-        return np.asarray(out[: batch.num_tokens])
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _jitted_forward(graphdef, state, *inputs):
-    # One compilation per (module structure, input shapes) instead of op-by-op dispatch.
-    return nnx.merge(graphdef, state)(*inputs)
+        feats, lens = concatenated_features(features, feature_lens, num_frames)
+        return run_encoder(self, feats, prepare_audio_batch(lens, self.config.n_window, num_chunks=num_chunks,
+                                                            num_tokens=num_tokens))

@@ -8,8 +8,9 @@ import numpy as np
 
 from ...engine.protocol import MultiModalPayload
 from ...inputs.rope_index import RopeIndexConfig
+from ..layers.audio_chunks import num_chunks_for
 from ..thinker_media import MediaBuckets, ThinkerMediaEncoder
-from .audio_encoder import num_chunks_for, prepare_audio_batch
+from .audio_encoder import prepare_audio_batch
 from .rope_index import get_rope_index
 from .thinker import ThinkerConfig
 from .vision_encoder import vision_metadata

@@ -45,6 +45,7 @@ from flax import nnx
 from omni_jax.models.layers.linear import Linear
 from omni_jax.models.layers.audio_blocks import AudioEncoderConfig as _BaseAudioEncoderConfig
 from omni_jax.models.layers.audio_blocks import LN_EPS, AudioAttention, AudioEncoderLayer, sinusoid_positions
+from omni_jax.models.layers.audio_chunks import chunk_audios, concatenated_features, run_encoder
 from omni_jax.models.layers.mlp import ACTIVATIONS
 
 
@@ -91,17 +92,6 @@ def conv_output_lengths(lengths):
     return n1, n2, _conv_len(n2)
 
 
-def _chunk_lengths(lens: np.ndarray, W: int) -> tuple[np.ndarray, np.ndarray]:
-    # (chunks per audio, frames of every chunk in audio order): full chunks of W frames,
-    # then the remainder (an exact multiple of W has no partial chunk).
-    per_audio = (lens + W - 1) // W
-    chunk_len = np.full(int(per_audio.sum()), W, dtype=np.int64)
-    last = np.cumsum(per_audio) - 1
-    tail = lens % W
-    chunk_len[last] = np.where(tail == 0, W, tail)
-    return per_audio, chunk_len
-
-
 def audio_output_lengths(feature_lens, n_window: int = 50) -> np.ndarray:
     """Mel frames -> audio tokens (encoder output rows = placeholder tokens), per audio.
 
@@ -114,12 +104,6 @@ def audio_output_lengths(feature_lens, n_window: int = 50) -> np.ndarray:
     W = 2 * n_window
     full = conv_output_lengths(W)[2]
     return (lens // W) * full + conv_output_lengths(lens % W)[2]
-
-
-def num_chunks_for(feature_lens, n_window: int) -> int:
-    """Number of conv chunks (``C``) the audios of ``feature_lens`` need."""
-    lens = np.asarray(feature_lens, dtype=np.int64)
-    return int(((lens + 2 * n_window - 1) // (2 * n_window)).sum())
 
 
 def num_windows_for(feature_lens, n_window: int, n_window_infer: int) -> int:
@@ -179,23 +163,15 @@ def prepare_audio_batch(feature_lens, n_window: int, n_window_infer: int, *,
     i.e. exactly what one transformers call over all these audios computes. ``extent`` sets
     every chunk's (audios or pieces of them encoded apart from the rest of their call).
     """
-    lens = np.asarray(feature_lens, dtype=np.int64).reshape(-1)
-    if lens.size == 0 or (lens < 1).any():
-        raise ValueError(f"every audio needs at least one mel frame, got feature_lens={lens.tolist()}")
     W = 2 * n_window
     R = n_window_infer // W
     if R < 1:
         raise ValueError(f"n_window_infer={n_window_infer} is smaller than a chunk of {W} frames")
     T = int(conv_output_lengths(W)[2])
     L = R * T
-    A = lens.size
-
-    per_audio, chunk_len = _chunk_lengths(lens, W)
-    n_chunks = chunk_len.size
-    chunk_audio = np.repeat(np.arange(A), per_audio)
-    first_chunk = np.cumsum(per_audio) - per_audio
-    chunk_in_audio = np.arange(n_chunks) - first_chunk[chunk_audio]
-    chunk_start = (np.cumsum(lens) - lens)[chunk_audio] + chunk_in_audio * W
+    chunks = chunk_audios(feature_lens, W, num_chunks)
+    A, n_chunks = chunks.lens.size, chunks.n
+    per_audio, first_chunk, chunk_audio, chunk_len = chunks.per_audio, chunks.first_chunk, chunks.audio, chunks.length
 
     groups = np.zeros(A, np.int64) if extent_groups is None else np.asarray(extent_groups).reshape(-1)
     if groups.size != A:
@@ -210,14 +186,7 @@ def prepare_audio_batch(feature_lens, n_window: int, n_window_infer: int, *,
             raise ValueError(f"extent={extent} must be between the longest chunk ({chunk_len.max()}) and {W} frames")
         extent_of = np.full_like(extent_of, extent)
 
-    C = n_chunks if num_chunks is None else int(num_chunks)
-    if C < n_chunks:
-        raise ValueError(f"num_chunks={num_chunks} is smaller than the {n_chunks} chunks needed")
-    frame_mask = np.zeros((C, W), dtype=bool)
-    frame_mask[:n_chunks] = np.arange(W) < chunk_len[:, None]
-    frame_index = np.zeros((C, W), dtype=np.int32)
-    frame_index[:n_chunks] = np.where(frame_mask[:n_chunks], chunk_start[:, None] + np.arange(W), 0)
-    chunk_extent = np.zeros((C,), np.int32)
+    chunk_extent = np.zeros((chunks.frame_mask.shape[0],), np.int32)
     chunk_extent[:n_chunks] = extent_of
 
     # Attention windows: R consecutive chunks of one audio. Every chunk but an audio's last
@@ -251,7 +220,7 @@ def prepare_audio_batch(feature_lens, n_window: int, n_window_infer: int, *,
         raise ValueError(f"num_tokens={num_tokens} is smaller than the {n_out} output tokens")
     output_index = np.zeros((P,), np.int32)
     output_index[:n_out] = np.flatnonzero(token_mask[:n_windows].reshape(-1))
-    return AudioBatch(frame_index, frame_mask, chunk_extent, token_index, token_mask, output_index,
+    return AudioBatch(chunks.frame_index, chunks.frame_mask, chunk_extent, token_index, token_mask, output_index,
                       output_lens)
 
 
@@ -351,35 +320,11 @@ class Qwen3OmniAudioEncoder(nnx.Module):
         ``[num_mel_bins, F]`` array with ``feature_lens``. ``num_frames`` / ``num_chunks`` /
         ``num_windows`` / ``num_tokens`` pad the call to buckets (the result is sliced back).
         """
-        if isinstance(features, (list, tuple)):
-            lens = np.array([f.shape[1] for f in features], dtype=np.int64)
-            if feature_lens is not None and not np.array_equal(np.asarray(feature_lens).reshape(-1), lens):
-                raise ValueError("feature_lens does not match the lengths of the feature list")
-            feats = np.concatenate([np.asarray(f, dtype=np.float32) for f in features], axis=1)
-        else:
-            if feature_lens is None:
-                raise ValueError("feature_lens is required with concatenated features")
-            feats = np.asarray(features, dtype=np.float32)
-            lens = np.asarray(feature_lens, dtype=np.int64).reshape(-1)
-        total = int(lens.sum())
-        if feats.shape[1] < total:
-            raise ValueError(f"features have {feats.shape[1]} frames, feature_lens need {total}")
-        if num_frames is not None:
-            if num_frames < total:
-                raise ValueError(f"num_frames={num_frames} is smaller than the {total} frames")
-            feats = np.pad(feats[:, :total], ((0, 0), (0, num_frames - total)))
+        feats, lens = concatenated_features(features, feature_lens, num_frames)
         c = self.config
-        batch = prepare_audio_batch(lens, c.n_window, c.n_window_infer, num_chunks=num_chunks,
-                                    num_windows=num_windows, num_tokens=num_tokens, extent_groups=extent_groups)
-        graphdef, state = nnx.split(self)
-        out = _jitted_forward(graphdef, state, jnp.asarray(feats), *map(jnp.asarray, batch.arrays()))
-        return np.asarray(out[: batch.num_tokens])
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _jitted_forward(graphdef, state, *inputs):
-    # One compilation per (module structure, input shapes) instead of op-by-op dispatch.
-    return nnx.merge(graphdef, state)(*inputs)
+        return run_encoder(self, feats, prepare_audio_batch(
+            lens, c.n_window, c.n_window_infer, num_chunks=num_chunks, num_windows=num_windows,
+            num_tokens=num_tokens, extent_groups=extent_groups))
 
 
 __all__ = [
@@ -388,7 +333,6 @@ __all__ = [
     "Qwen3OmniAudioEncoder",
     "audio_output_lengths",
     "conv_output_lengths",
-    "num_chunks_for",
     "num_windows_for",
     "prepare_audio_batch",
 ]

@@ -30,8 +30,9 @@ from __future__ import annotations
 import numpy as np
 
 from ...engine.protocol import MultiModalPayload
+from ..layers.audio_chunks import num_chunks_for
 from ..thinker_media import MediaBuckets, ThinkerMediaEncoder
-from .audio_encoder import num_chunks_for, prepare_audio_batch
+from .audio_encoder import prepare_audio_batch
 from .thinker import ThinkerConfig
 from .rope_index import get_rope_index_qwen3
 from .vision_encoder import vision_metadata

@@ -36,7 +36,8 @@ def qwen2_5_omni_config_dict() -> dict:
     return cfg
 
 
-def _assert_finite(model) -> None:
+def assert_finite(model) -> None:
+    """AssertionError naming the first parameter of a transformers model that is not finite."""
     import torch
 
     for name, p in model.state_dict().items():
@@ -77,7 +78,7 @@ def build_qwen2_5_omni(path: str, seed: int = 0) -> str:
                     p.copy_(1.0 + 0.1 * torch.randn_like(p))
                 elif name.endswith("bias"):
                     p.copy_(0.02 * torch.randn_like(p))
-    _assert_finite(model)
+    assert_finite(model)
     # As the released checkpoint's generation_config.json: the thinker ends at either id.
     model.generation_config.eos_token_id = [ENDOFTEXT, IM_END]
     model.save_pretrained(path)

@@ -15,6 +15,8 @@ talker's rope index when the prompt has audio).
 
 from __future__ import annotations
 
+from hf_tiny import assert_finite
+
 # The sizes and the real ids the tiny model keeps are the package's (its docstring says which).
 from omni_jax.models.qwen3_omni.tiny import (  # noqa: F401 (re-exported for the tests)
     ASSISTANT_TOKEN, AUDIO_END, AUDIO_START, AUDIO_TOKEN, CODEBOOK, CODEC_BOS, CODEC_EOS, CODEC_NOTHINK,
@@ -36,14 +38,6 @@ def qwen3_omni_config_dict() -> dict:
     for key in ("model_type", "architectures"):
         cfg.pop(key)
     return cfg
-
-
-def _assert_finite(model) -> None:
-    import torch
-
-    for name, p in model.state_dict().items():
-        if p.is_floating_point() and not torch.isfinite(p).all():
-            raise AssertionError(f"tiny checkpoint parameter {name} is not finite")
 
 
 def _randomise(model, seed: int) -> None:
@@ -83,7 +77,7 @@ def build_qwen3_omni(path: str, seed: int = 0, config_dict: dict | None = None) 
     config = Qwen3OmniMoeConfig(**(config_dict or qwen3_omni_config_dict()))
     model = Qwen3OmniMoeForConditionalGeneration(config).eval().float()
     _randomise(model, seed)
-    _assert_finite(model)
+    assert_finite(model)
     # As the released checkpoint's generation_config.json: the thinker ends at either id.
     model.generation_config.eos_token_id = [ENDOFTEXT, IM_END]
     model.save_pretrained(path)
@@ -98,7 +92,7 @@ def load_qwen3_omni(path: str):
     # The talker's rope index reads `config.audio_config.n_window` when the prompt has audio;
     # the talker config has no such field (QWEN_NOTES pitfall), the thinker's is the one meant.
     model.talker.config.audio_config = model.thinker.config.audio_config
-    _assert_finite(model)
+    assert_finite(model)
     return model
 
 

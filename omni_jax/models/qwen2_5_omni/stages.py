@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from ...checkpoint import eos_token_ids, load_checkpoint, read_config
+from ...checkpoint import load_checkpoint, read_config
 from ...engine.ar_engine import AREngine, EngineConfig
 from ...engine.oneshot_engine import OneShotEngine, chunk_sizes
 from ...engine.runner import RunnerConfig, stage_mesh
-from ...inputs.detokenizer import load_tokenizer
 from ...inputs.rope_index import RopeIndexConfig
+from ..thinker_engine import load_thinker_engine, media_ar_engine
 from ..thinker_media import MediaBuckets
 from .media_encoder import Qwen2_5ThinkerMediaEncoder
 from .token2wav import StreamContext, Token2WavSynthesizer
@@ -41,20 +41,11 @@ def build_talker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | Non
 
 
 def thinker_engine(model, cfg, runner: RunnerConfig, *, hf_config: dict, media_buckets: MediaBuckets = MediaBuckets(),
-                   enable_prefix_caching: bool = True, hidden_cache_bytes: int = EngineConfig.hidden_cache_bytes,
-                   async_scheduling: bool = True, eos_token_ids: tuple[int, ...] = (), tokenizer=None) -> AREngine:
-    """The thinker's engine with its media encoders (`engine.media_encoder`)."""
+                   **options) -> AREngine:
+    """The thinker's engine with its media encoders (`engine.media_encoder`); `options`:
+    `media_ar_engine`'s."""
     media = Qwen2_5ThinkerMediaEncoder(model, cfg, RopeIndexConfig.from_hf(hf_config), media_buckets)
-    text = cfg.text
-    engine = AREngine(
-        model, EngineConfig(runner=dataclasses.replace(runner, rich_inputs=True),
-                            enable_prefix_caching=enable_prefix_caching, hidden_cache_bytes=hidden_cache_bytes,
-                            async_scheduling=async_scheduling, eos_token_ids=eos_token_ids,
-                            vocab_size=text.vocab_size),
-        num_layers=text.num_layers, num_kv_heads=text.num_kv_heads, head_dim=text.head_dim,
-        hidden_size=text.hidden_size, tokenizer=tokenizer, prepare_inputs=media.prepare)
-    engine.media_encoder = media
-    return engine
+    return media_ar_engine(model, cfg, dataclasses.replace(runner, rich_inputs=True), media, **options)
 
 
 def build_thinker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | None = None,
@@ -62,15 +53,10 @@ def build_thinker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | No
                          hidden_cache_bytes: int = EngineConfig.hidden_cache_bytes, async_scheduling: bool = True,
                          warmup: bool = True, progress: bool = True) -> AREngine:
     """Load the thinker stage, its media encoders and tokenizer, and warm everything up."""
-    model, cfg = load_checkpoint(ckpt_dir, stage="thinker", dtype=dtype, mesh=stage_mesh(runner))
-    engine = thinker_engine(model, cfg, runner, hf_config=read_config(ckpt_dir)["hf_config"],
-                            media_buckets=media_buckets, enable_prefix_caching=enable_prefix_caching,
-                            hidden_cache_bytes=hidden_cache_bytes, async_scheduling=async_scheduling,
-                            eos_token_ids=eos_token_ids(ckpt_dir), tokenizer=load_tokenizer(ckpt_dir))
-    if warmup:
-        engine.media_encoder.warmup()
-        engine.warmup(progress=progress)
-    return engine
+    return load_thinker_engine(thinker_engine, ckpt_dir, runner, dtype=dtype, warmup=warmup, progress=progress,
+                               hf_config=read_config(ckpt_dir)["hf_config"], media_buckets=media_buckets,
+                               enable_prefix_caching=enable_prefix_caching, hidden_cache_bytes=hidden_cache_bytes,
+                               async_scheduling=async_scheduling)
 
 
 def token2wav_engine(model, voices: Voices, *, length_buckets=(64, 256, 1024), batch_buckets=(1, 2, 4),

@@ -11,22 +11,22 @@ import msgspec.structs
 import numpy as np
 from flax import nnx
 
-from ...checkpoint import eos_token_ids, load_checkpoint
+from ...checkpoint import load_checkpoint
 from ...engine.ar_engine import AREngine, EngineConfig
 from ...engine.buckets import pick_bucket, pow2_buckets
 from ...engine.jitted import Jitted
 from ...engine.protocol import StageInputs
 from ...engine.runner import RunnerConfig, stage_mesh
-from ...inputs.detokenizer import load_tokenizer
+from ..thinker_engine import load_thinker_engine, media_ar_engine
 from ..thinker_media import MediaBuckets
 from .media_encoder import Qwen3ThinkerMediaEncoder
 
 
 
 def thinker_engine(model, cfg, runner: RunnerConfig, *, media_buckets: MediaBuckets = MediaBuckets(),
-                   enable_prefix_caching: bool = True, hidden_cache_bytes: int = EngineConfig.hidden_cache_bytes,
-                   async_scheduling: bool = True, eos_token_ids: tuple[int, ...] = (), tokenizer=None) -> AREngine:
-    """The Qwen3-Omni thinker's engine with its media encoders (`engine.media_encoder`).
+                   **options) -> AREngine:
+    """The Qwen3-Omni thinker's engine with its media encoders (`engine.media_encoder`);
+    `options`: `media_ar_engine`'s.
 
     The runner gets the overlay variants (encoder features) and, when the vision
     encoder has DeepStack taps, the DeepStack prefill variant.
@@ -35,18 +35,10 @@ def thinker_engine(model, cfg, runner: RunnerConfig, *, media_buckets: MediaBuck
     (AttentionMetadata.valid_tokens), so expert work follows the real tokens.
     """
     media = Qwen3ThinkerMediaEncoder(model, cfg, media_buckets)
-    text = cfg.text
     # The talker reads the reply's layer-0 rows (input embeddings): sent with each sampled token.
     runner = dataclasses.replace(runner, rich_inputs=True, deepstack_layers=cfg.num_deepstack_layers,
                                  sampled_embeddings=0 in runner.capture_layers)
-    engine = AREngine(
-        model, EngineConfig(runner=runner, enable_prefix_caching=enable_prefix_caching,
-                            hidden_cache_bytes=hidden_cache_bytes, async_scheduling=async_scheduling,
-                            eos_token_ids=eos_token_ids, vocab_size=text.vocab_size),
-        num_layers=text.num_layers, num_kv_heads=text.num_kv_heads, head_dim=text.head_dim,
-        hidden_size=text.hidden_size, tokenizer=tokenizer, prepare_inputs=media.prepare)
-    engine.media_encoder = media
-    return engine
+    return media_ar_engine(model, cfg, runner, media, **options)
 
 
 def build_thinker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | None = None,
@@ -54,15 +46,9 @@ def build_thinker_engine(ckpt_dir: str, runner: RunnerConfig, *, dtype: str | No
                          hidden_cache_bytes: int = EngineConfig.hidden_cache_bytes, async_scheduling: bool = True,
                          warmup: bool = True, progress: bool = True) -> AREngine:
     """Load the Qwen3-Omni thinker, its media encoders and tokenizer, and warm everything up."""
-    model, cfg = load_checkpoint(ckpt_dir, stage="thinker", dtype=dtype, mesh=stage_mesh(runner))
-    engine = thinker_engine(model, cfg, runner, media_buckets=media_buckets,
-                            enable_prefix_caching=enable_prefix_caching, hidden_cache_bytes=hidden_cache_bytes,
-                            async_scheduling=async_scheduling, eos_token_ids=eos_token_ids(ckpt_dir),
-                            tokenizer=load_tokenizer(ckpt_dir))
-    if warmup:
-        engine.media_encoder.warmup()
-        engine.warmup(progress=progress)
-    return engine
+    return load_thinker_engine(thinker_engine, ckpt_dir, runner, dtype=dtype, warmup=warmup, progress=progress,
+                               media_buckets=media_buckets, enable_prefix_caching=enable_prefix_caching,
+                               hidden_cache_bytes=hidden_cache_bytes, async_scheduling=async_scheduling)
 
 
 class TalkerInputProjector:

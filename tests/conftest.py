@@ -34,15 +34,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 if "OMNI_JAX_PROGRAM_CACHE_DIR" not in os.environ:
     os.environ["OMNI_JAX_PROGRAM_CACHE_DIR"] = tempfile.mkdtemp(prefix="omni-jax-test-programs-")
     atexit.register(shutil.rmtree, os.environ["OMNI_JAX_PROGRAM_CACHE_DIR"], True)
-# pyproject's filterwarnings (a deprecation raised at a call in our packages fails) for the stage
-# processes, servers and workers a test starts, which do not read pytest's configuration. Python's
-# own filters (PYTHONWARNINGS) match a module by its whole name, so each of ours is named.
-_OURS = [".".join(f.relative_to(Path(__file__).parents[1]).with_suffix("").parts).removesuffix(".__init__")
-         for pkg in ("omni_jax", "kernels_pallas", "kernels_cpu", "conversion")
-         for f in sorted((Path(__file__).parents[1] / pkg).rglob("*.py"))]
-_FILTERS = [w for w in os.environ.get("PYTHONWARNINGS", "").split(",") if w]
-os.environ["PYTHONWARNINGS"] = ",".join(_FILTERS + [
-    f for m in _OURS for f in (f"error::DeprecationWarning:{m}", f"error::FutureWarning:{m}") if f not in _FILTERS])
 
 import pytest
 
@@ -65,6 +56,26 @@ def _imports_torch(path, seen=()) -> bool:
     names = set(_TOP_LEVEL_IMPORT.findall(path.read_text()))
     local = [path.parent / f"{n}.py" for n in names]
     return "torch" in names or any(m.is_file() and m not in seen and _imports_torch(m, (*seen, path)) for m in local)
+
+
+def pytest_configure(config):
+    """pyproject's filterwarnings that name modules, for the stage processes, servers and workers
+    a test starts, which do not read pytest's configuration: Python's own filters
+    (PYTHONWARNINGS, which they inherit) match a module by its whole name, so each module of the
+    repository's packages that a filter's pattern matches is named there. Shown first, once per
+    place, the deprecations the rest of the code raises: pytest shows them itself only while no
+    -W option is set, which PYTHONWARNINGS is for xdist's workers."""
+    root = Path(config.rootpath)
+    modules = [".".join(f.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+               for d in sorted(root.iterdir()) if (d / "__init__.py").is_file() for f in sorted(d.rglob("*.py"))]
+    filters = [w for w in os.environ.get("PYTHONWARNINGS", "").split(",") if w] or [
+        "default::DeprecationWarning", "default::PendingDeprecationWarning"]
+    for line in config.getini("filterwarnings"):
+        action, message, category, pattern = (line.split(":", 4) + [""] * 4)[:4]
+        if pattern:
+            filters += [f for m in modules if re.match(pattern, m)
+                        for f in [f"{action}:{message}:{category}:{m}"] if f not in filters]
+    os.environ["PYTHONWARNINGS"] = ",".join(filters)
 
 
 def pytest_ignore_collect(collection_path, config):

@@ -248,11 +248,10 @@ def test_decode_positions(hf_thinker):
     try:
         for b in range(len(computed)):
             hf_thinker.rope_deltas = torch.tensor([[int(deltas[b])]])
-            ref = hf_thinker.compute_3d_position_ids(
-                input_ids=None, image_grid_thw=None, video_grid_thw=None,
-                inputs_embeds=torch.zeros(1, 1, hidden), attention_mask=None,
-                past_key_values=_FakeCache(int(computed[b])),
-            )
+            # The cache by position: transformers renamed it (past_key_values, now cache; the old
+            # name goes in 5.40).
+            ref = hf_thinker.compute_3d_position_ids(None, None, None, torch.zeros(1, 1, hidden), None,
+                                                     _FakeCache(int(computed[b])))
             np.testing.assert_array_equal(ours[:, b], ref[:, 0, 0].numpy())
     finally:
         hf_thinker.rope_deltas = None

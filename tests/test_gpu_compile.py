@@ -396,10 +396,19 @@ def test_plan_command_on_a_checkpoint_plans_its_own_sizes(tmp_path):
     assert "plan of preset 'qwen2_5_omni_thinker'" in run.stdout and "fits" in run.stdout
 
 
-def test_thunk_parse_tells_graphed_from_host_launches():
+# A kernel thunk line as XLA prints it from jax 0.12.1 on (the H200 compile of a decode step).
+NEW_KERNEL_LINE = ("{kind} [{links}] kernel={name}, profile_annotation=pallas_call.3, launch dimensions=blocks: "
+                   "{{{grid}}}, threads/block: {{{threads}}}, cluster_dim=nullopt, shmem_bytes={shmem}, use_pdl=true")
+
+
+@pytest.mark.parametrize("printed", ["before jax 0.12.1", "from jax 0.12.1"])
+def test_thunk_parse_tells_graphed_from_host_launches(printed):
     """A thunk sequence after XLA's thunk passes, as the H100 compile of a MoE decode step with
-    the old block plan printed it (trimmed): kernels inside a command buffer are graphed; a
-    while loop's condition and body, and a copy between graphs, the host launches one by one."""
+    the old block plan printed it (trimmed), and with its kernel lines as jax 0.12.1's XLA prints
+    them: kernels inside a command buffer are graphed; a while loop's condition and body, and a
+    copy between graphs, the host launches one by one."""
+    import re
+
     from omni_jax.gpu.aot import parse_thunks
 
     text = """000: kCommandBuffer [source       | next=038 (1)] 
@@ -416,6 +425,12 @@ condition:
 000: kCommandBuffer [prev=044 (1) | sink        ] 
     048: kCustomKernel [prev=047 (1)  | next=049 (1)] grouped_matmul_bm16_bn128_bk64 grid: [9, 12, 1] threads: [128, 1, 1]  shared_memory: 36864 bytes
 """
+    if printed == "from jax 0.12.1":
+        text = re.sub(r"(kCustomKernel) \[([^\]]*)\] (\S+) grid: \[([\d, ]+)\] threads: \[([\d, ]+)\]  "
+                      r"shared_memory: (\d+) bytes",
+                      lambda m: NEW_KERNEL_LINE.format(kind=m[1], links=m[2], name=m[3], grid=m[4], threads=m[5],
+                                                       shmem=m[6]), text)
+        assert text.count("kernel=") == 5 and "grid:" not in text
     launches, kernels = parse_thunks(text)
     assert (launches.total, launches.graphed, launches.command_buffers, launches.loops) == (8, 4, 2, 1)
     assert launches.outside == ["kCustomKernel loop_compare_fusion", "kCustomKernel loop_add_fusion",

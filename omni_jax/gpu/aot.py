@@ -43,8 +43,14 @@ from .targets import Target
 PALLAS_PREFIXES = ("paged_decode", "decode_merge", "ragged_paged_prefill", "grouped_matmul", "skinny_matmul", "rms_norm", "add_rms_norm")
 # Thunks that only order or wrap others; every other thunk line is one launch.
 _CONTROL_THUNKS = {"kSequential", "kWhile", "kConditional", "kWaitForStreams", "kCommandBuffer"}
-_THUNK_RE = re.compile(r"^(\s*)\d+:\s+(k\w+)\s[^\]]*\]\s*(\S*)(.*)$")
-_LAUNCH_RE = re.compile(r"grid:\s*\[([\d, ]+)\]\s*threads:\s*\[([\d, ]+)\]\s*shared_memory:\s*(\d+)")
+_THUNK_RE = re.compile(r"^(\s*)\d+:\s+(k\w+)\s[^\]]*\]\s*(.*)$")
+# A kernel thunk's name and launch, as XLA prints them: "NAME grid: [..] threads: [..]
+# shared_memory: N bytes", and from jax 0.12.1 on "kernel=NAME, profile_annotation=..., launch
+# dimensions=blocks: {..}, threads/block: {..}, cluster_dim=..., shmem_bytes=N, ...".
+_LAUNCH_RES = (
+    re.compile(r"^(\S+)\s+grid:\s*\[([\d, ]+)\]\s*threads:\s*\[([\d, ]+)\]\s*shared_memory:\s*(\d+)"),
+    re.compile(r"^kernel=([^,\s]+),.*?blocks:\s*\{([\d, ]+)\},\s*threads/block:\s*\{([\d, ]+)\}.*?shmem_bytes=(\d+)"),
+)
 
 
 @dataclasses.dataclass
@@ -110,7 +116,9 @@ def parse_thunks(text: str) -> tuple[Launches, list[KernelReport]]:
         m = _THUNK_RE.match(line)
         if m is None:
             continue
-        indent, kind, name = len(m.group(1)), m.group(2), m.group(3)
+        indent, kind, rest = len(m.group(1)), m.group(2), m.group(3)
+        g = next((g for g in (r.match(rest) for r in _LAUNCH_RES) if g), None)
+        name = g.group(1) if g else (rest.split() or [""])[0]
         while parents and parents[-1][0] >= indent:
             parents.pop()
         graphed = any(k == "kCommandBuffer" for _, k in parents)
@@ -126,10 +134,9 @@ def parse_thunks(text: str) -> tuple[Launches, list[KernelReport]]:
             launches.graphed += 1
         else:
             launches.outside.append(f"{kind} {name}")
-        g = _LAUNCH_RE.search(m.group(4))
         if g and name.startswith(PALLAS_PREFIXES):
             to_tuple = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731
-            kernels.append(KernelReport(name, to_tuple(g.group(1)), to_tuple(g.group(2)), int(g.group(3))))
+            kernels.append(KernelReport(name, to_tuple(g.group(2)), to_tuple(g.group(3)), int(g.group(4))))
     return launches, kernels
 
 

@@ -419,14 +419,15 @@ def _merge_kernel(*refs, chunk, group, paged):
 
 
 def merge_splits_kernel(acc, m, l, group, out_dtype, *, seq_lens=None, pages_per_block=None, block_size=None,
-                        interpret=False, num_warps=4):
+                        interpret=False, num_warps=8):
     """``merge_splits`` as one launch (XLA makes three reductions of it and a convert, a
     launch each, per layer of a decode step): partials acc [K, B, H, R, D], m and l
     [K, B, H, R] (K a power of two; splits with l == 0 add nothing; rows past `group` are
     GQA padding) -> [B, H * group, D], query head h * group + r from row r of KV head h.
     With `seq_lens` [B] and the decode kernel's `pages_per_block` and `block_size`: only the
     splits that hold some of each sequence's tokens are read (`used_splits`; the others may
-    hold anything)."""
+    hold anything). 8 warps: with 4, jax 0.12.1's Triton and CUDA 13's ptxas spill (48 registers,
+    8 bytes of stack, Qwen3's thinker at batch 64 on an H200); with 2 or 8 nothing does."""
     splits, batch, heads, rows, d = acc.shape
     chunk = min(splits, 8)
     part = lambda *tail: pl.BlockSpec((splits, None, None) + tail,  # noqa: E731

@@ -4,7 +4,7 @@ loading from a converted checkpoint (tokenizer, end tokens, warm-up)."""
 
 from __future__ import annotations
 
-from ..checkpoint import eos_token_ids, load_checkpoint
+from .. import checkpoint
 from ..engine.ar_engine import AREngine, EngineConfig
 from ..engine.runner import RunnerConfig, stage_mesh
 from ..inputs.detokenizer import load_tokenizer
@@ -31,8 +31,8 @@ def load_thinker_engine(thinker_engine, ckpt_dir: str, runner: RunnerConfig, *, 
                         warmup: bool = True, progress: bool = True, **options) -> AREngine:
     """A checkpoint's thinker in the family's `thinker_engine(model, cfg, runner, **options)`, with
     the checkpoint's tokenizer and end tokens, its media encoders and steps warmed up."""
-    model, cfg = load_checkpoint(ckpt_dir, stage="thinker", dtype=dtype, mesh=stage_mesh(runner))
-    engine = thinker_engine(model, cfg, runner, eos_token_ids=eos_token_ids(ckpt_dir),
+    model, cfg = checkpoint.load_checkpoint(ckpt_dir, stage="thinker", dtype=dtype, mesh=stage_mesh(runner))
+    engine = thinker_engine(model, cfg, runner, eos_token_ids=checkpoint.eos_token_ids(ckpt_dir),
                             tokenizer=load_tokenizer(ckpt_dir), **options)
     if warmup:
         engine.media_encoder.warmup()

@@ -462,6 +462,50 @@ def test_stage_client_never_waits_on_an_exited_stage(ipc_dir):
             ctx.term()
 
 
+# A stage process stand-in: exits 0 on the first message it reads, if it reads any.
+FAKE_STAGE = r'''
+import sys, zmq
+sock = zmq.Context().socket(zmq.PULL)
+sock.connect(sys.argv[1])
+sock.recv()
+'''
+
+
+@pytest.mark.parametrize("state", ["ready", "starting", "restarting"])
+def test_stage_client_shutdown_waits_only_for_a_ready_stage(ipc_dir, state):
+    """A ready stage is asked to exit (and gets the time to); one still loading or compiling
+    reads no message before it is done, so shutdown kills it at once instead of waiting out
+    the timeout: an `OmniJax` closed during a stage's (re)start returns in moments."""
+    import subprocess
+    import sys
+    import time
+
+    from omni_jax.config import load_pipeline_config
+    from omni_jax.engine.protocol import Ready
+    from omni_jax.runtime.stage_client import StageClient
+
+    ctx = zmq.Context()
+    cfg = load_pipeline_config("qwen2_5_omni_tiny").stages[0]
+    client = StageClient(cfg, "qwen2_5_omni", "/nonexistent", ipc_dir, ctx)
+    # A ready stand-in reads its requests; a starting one does not (yet).
+    code = FAKE_STAGE if state == "ready" else "import time; time.sleep(120)"
+    client.process = subprocess.Popen([sys.executable, "-c", code, client.requests.address])
+    if state != "starting":
+        client.ready = Ready(stage=cfg.name, pid=client.process.pid, warmup_seconds=0.0, num_compilations=0)
+    if state == "restarting":
+        client.restarting = "its process died"
+    t0 = time.monotonic()
+    try:
+        client.shutdown(timeout_s=60.0)
+        took = time.monotonic() - t0
+    finally:
+        if client.process.poll() is None:
+            client.process.kill()
+        ctx.term()
+    assert client.process.poll() == (0 if state == "ready" else -9)
+    assert took < 30.0, f"shutdown of a {state} stage took {took:.1f} s"
+
+
 # ---------------------------------------------------------------------------------------
 # No pickle
 # ---------------------------------------------------------------------------------------

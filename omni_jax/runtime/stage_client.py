@@ -108,8 +108,10 @@ class StageClient:
         return self.process is not None and self.process.poll() is None
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Ask the stage to exit; kill it if it does not within the timeout."""
-        if self.is_alive():
+        """Ask the stage to exit; kill it if it does not within the timeout. A stage still
+        starting (or starting again) is killed at once: it reads no message until it has loaded
+        and compiled everything, and it holds no request yet."""
+        if self.is_alive() and self.ready is not None and self.restarting is None:
             try:
                 self.requests.send(Shutdown(), timeout_ms=1000)
             except (zmq.ZMQError, TimeoutError):

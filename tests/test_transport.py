@@ -462,48 +462,86 @@ def test_stage_client_never_waits_on_an_exited_stage(ipc_dir):
             ctx.term()
 
 
-# A stage process stand-in: exits 0 on the first message it reads, if it reads any.
+# A stage process stand-in: reads its requests (when ready) and exits 0 `linger` seconds after
+# the first message, as a stage takes a moment to exit; a starting one reads nothing.
 FAKE_STAGE = r'''
-import sys, zmq
+import sys, time, zmq
+ready, linger = sys.argv[2] == "ready", float(sys.argv[3])
 sock = zmq.Context().socket(zmq.PULL)
 sock.connect(sys.argv[1])
+if not ready:
+    time.sleep(120)
 sock.recv()
+time.sleep(linger)
 '''
 
 
-@pytest.mark.parametrize("state", ["ready", "starting", "restarting"])
-def test_stage_client_shutdown_waits_only_for_a_ready_stage(ipc_dir, state):
-    """A ready stage is asked to exit (and gets the time to); one still loading or compiling
-    reads no message before it is done, so shutdown kills it at once instead of waiting out
-    the timeout: an `OmniJax` closed during a stage's (re)start returns in moments."""
+def _fake_stages(ipc_dir, ctx, states, linger=0.0):
     import subprocess
     import sys
-    import time
 
     from omni_jax.config import load_pipeline_config
     from omni_jax.engine.protocol import Ready
     from omni_jax.runtime.stage_client import StageClient
 
+    clients = []
+    for i, state in enumerate(states):
+        cfg = load_pipeline_config("qwen2_5_omni_tiny").stages[i]
+        client = StageClient(cfg, "qwen2_5_omni", "/nonexistent", ipc_dir, ctx)
+        client.process = subprocess.Popen([sys.executable, "-c", FAKE_STAGE, client.requests.address,
+                                           "ready" if state != "starting" else "starting", str(linger)])
+        if state != "starting":
+            client.ready = Ready(stage=cfg.name, pid=client.process.pid, warmup_seconds=0.0, num_compilations=0)
+        if state == "restarting":
+            client.restarting = "its process died"
+        clients.append(client)
+    return clients
+
+
+@pytest.mark.parametrize("state", ["ready", "starting", "restarting"])
+def test_stage_client_shutdown_waits_only_for_a_ready_stage(ipc_dir, state):
+    """A ready stage is asked to exit (and gets the time to); one still loading or compiling
+    reads no message before it is done, so it is killed at once instead of waiting out the
+    timeout: an `OmniJax` closed during a stage's (re)start returns in moments."""
+    import time
+
+    from omni_jax.runtime.stage_client import close_stages
+
     ctx = zmq.Context()
-    cfg = load_pipeline_config("qwen2_5_omni_tiny").stages[0]
-    client = StageClient(cfg, "qwen2_5_omni", "/nonexistent", ipc_dir, ctx)
-    # A ready stand-in reads its requests; a starting one does not (yet).
-    code = FAKE_STAGE if state == "ready" else "import time; time.sleep(120)"
-    client.process = subprocess.Popen([sys.executable, "-c", code, client.requests.address])
-    if state != "starting":
-        client.ready = Ready(stage=cfg.name, pid=client.process.pid, warmup_seconds=0.0, num_compilations=0)
-    if state == "restarting":
-        client.restarting = "its process died"
+    clients = _fake_stages(ipc_dir, ctx, [state])
     t0 = time.monotonic()
     try:
-        client.shutdown(timeout_s=60.0)
+        close_stages(clients, timeout_s=60.0)
         took = time.monotonic() - t0
     finally:
-        if client.process.poll() is None:
-            client.process.kill()
+        for c in clients:
+            if c.process.poll() is None:
+                c.process.kill()
         ctx.term()
-    assert client.process.poll() == (0 if state == "ready" else -9)
+    assert clients[0].process.poll() == (0 if state == "ready" else -9)
     assert took < 30.0, f"shutdown of a {state} stage took {took:.1f} s"
+
+
+def test_stages_exit_side_by_side(ipc_dir):
+    """Every stage is asked to exit before any is waited for: three stages that each take 4 s
+    to exit are gone in about 4 s, not 12, each by its own exit (none killed)."""
+    import time
+
+    from omni_jax.runtime.stage_client import close_stages
+
+    ctx = zmq.Context()
+    clients = _fake_stages(ipc_dir, ctx, ["ready"] * 3, linger=4.0)
+    t0 = time.monotonic()
+    try:
+        close_stages(clients, timeout_s=30.0)
+        took = time.monotonic() - t0
+    finally:
+        for c in clients:
+            if c.process.poll() is None:
+                c.process.kill()
+        ctx.term()
+    assert [c.process.poll() for c in clients] == [0, 0, 0]
+    assert took < 10.0, f"three stages took {took:.1f} s to exit"
 
 
 # ---------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from ..engine.protocol import AddRequest, HealthReply, Ready, StageFailure, Stag
 from ..errors import EngineDeadError, ErrorCode, ProtocolError
 from ..models.handoff import PositionRows
 from .outputs import OmniRequestOutput, logprobs_of
-from .stage_client import StageClient
+from .stage_client import StageClient, close_stages
 from .transport import private_ipc_dir
 
 
@@ -48,6 +48,8 @@ LIVENESS_PERIOD = 0.2
 HEARTBEAT_PERIOD = 1.0
 # The nonce of heartbeats (stats requests count from 1).
 HEARTBEAT_NONCE = 0
+# How long shutdown waits for the stages asked to exit before it kills them (s).
+STAGE_EXIT_TIMEOUT_S = 5.0
 
 
 @dataclasses.dataclass
@@ -469,11 +471,7 @@ class Orchestrator:
         c.restarting = None
 
     def _close_all(self) -> None:
-        for c in self.clients.values():
-            try:
-                c.shutdown()
-            except Exception:
-                c.kill()
+        close_stages(self.clients.values(), STAGE_EXIT_TIMEOUT_S)
         self._wake_pull.close(0)
         self._wake_push.close(0)
         self._zmq.term()

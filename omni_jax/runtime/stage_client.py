@@ -48,6 +48,7 @@ class StageClient:
         self.restarting: str | None = None        # why it is being started again, until its Ready
         self.restart_time = 0.0                   # time.monotonic() of the last restart
         self.num_restarts = 0
+        self._asked_to_exit = False
 
     def start(self) -> None:
         env = None
@@ -107,17 +108,23 @@ class StageClient:
     def is_alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
-    def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Ask the stage to exit; kill it if it does not within the timeout. A stage still
-        starting (or starting again) is killed at once: it reads no message until it has loaded
-        and compiled everything, and it holds no request yet."""
+    def ask_to_exit(self) -> None:
+        """Send a ready stage its `Shutdown`. One still starting (or starting again) is not
+        asked: it reads no message until it has loaded and compiled everything, and holds no
+        request yet, so `close` kills it at once."""
         if self.is_alive() and self.ready is not None and self.restarting is None:
             try:
                 self.requests.send(Shutdown(), timeout_ms=1000)
+                self._asked_to_exit = True
             except (zmq.ZMQError, TimeoutError):
                 pass
+
+    def close(self, deadline: float) -> None:
+        """Wait until `deadline` (time.monotonic()) for a stage asked to exit, kill whatever is
+        left, close the sockets."""
+        if self._asked_to_exit and self.is_alive():
             try:
-                self.process.wait(timeout_s)
+                self.process.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
         self.kill()
@@ -129,3 +136,18 @@ class StageClient:
             self.process.kill()
         if self.process is not None:
             self.process.wait(5.0)
+
+
+def close_stages(clients, timeout_s: float) -> None:
+    """Stop stage processes: every ready one asked to exit first, then each waited for until one
+    deadline (a stage takes a second or two to exit: asked one at a time, they add up), the
+    rest killed, every socket closed."""
+    clients = list(clients)
+    for c in clients:
+        c.ask_to_exit()
+    deadline = time.monotonic() + timeout_s
+    for c in clients:
+        try:
+            c.close(deadline)
+        except Exception:
+            c.kill()

@@ -493,3 +493,19 @@ def test_stage_processes_keep_compiled_programs_under_the_omni_jax_cache(tmp_pat
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          env={**env, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "mine")}, check=True).stdout.split()
     assert out[0] == str(tmp_path / "mine")
+
+
+def test_a_stage_process_leaves_without_the_interpreters_teardown():
+    """A stage process whose stage has stopped exits at once, with code 0 and its output
+    flushed, skipping the interpreter's teardown (1.5 s of the tiny stages' exits, JAX clearing
+    its backend): an engine's shutdown waits on it."""
+    script = textwrap.dedent("""
+        import atexit, sys
+        from omni_jax.runtime import stage_worker
+        atexit.register(lambda: print(" and the teardown", flush=True))
+        stage_worker.stage_main = lambda **kw: sys.stdout.write("served " + kw["family"])
+        stage_worker.main(['{"family": "qwen2_5_omni"}'])
+        print(" and on")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout) == (0, "served qwen2_5_omni"), proc.stderr

@@ -107,6 +107,21 @@ def main(argv=None) -> None:
     """`python -m omni_jax.runtime.stage_worker JSON`: JSON holds stage_main's keyword arguments."""
     args = json.loads((argv or sys.argv[1:])[0])
     stage_main(**args)
+    _leave()
+
+
+def _leave() -> None:
+    """End the process without the interpreter's teardown, which took 1.5 s of the tiny
+    model's stages' exits after their work was done (JAX clearing its backend at exit, then
+    the modules' own). A stage leaves nothing to it: its sockets are flushed and closed, the caches'
+    files written whole as they were made, no process or thread of its own left."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader gone, or the stream closed: nothing to keep
+            pass
+    os._exit(0)
 
 
 if __name__ == "__main__":

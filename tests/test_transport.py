@@ -476,26 +476,37 @@ time.sleep(linger)
 '''
 
 
-def _fake_stages(ipc_dir, ctx, states, linger=0.0):
+def _close_fake_stages(ipc_dir, states, timeout_s, linger=0.0):
+    """Stand-ins for stages in `states` ("ready", "starting", "restarting") closed by
+    `close_stages`: (each one's exit code, seconds it took)."""
     import subprocess
     import sys
+    import time
 
     from omni_jax.config import load_pipeline_config
     from omni_jax.engine.protocol import Ready
-    from omni_jax.runtime.stage_client import StageClient
+    from omni_jax.runtime.stage_client import StageClient, close_stages
 
-    clients = []
-    for i, state in enumerate(states):
-        cfg = load_pipeline_config("qwen2_5_omni_tiny").stages[i]
-        client = StageClient(cfg, "qwen2_5_omni", "/nonexistent", ipc_dir, ctx)
-        client.process = subprocess.Popen([sys.executable, "-c", FAKE_STAGE, client.requests.address,
-                                           "ready" if state != "starting" else "starting", str(linger)])
-        if state != "starting":
-            client.ready = Ready(stage=cfg.name, pid=client.process.pid, warmup_seconds=0.0, num_compilations=0)
-        if state == "restarting":
-            client.restarting = "its process died"
-        clients.append(client)
-    return clients
+    ctx, clients = zmq.Context(), []
+    try:
+        for i, state in enumerate(states):
+            cfg = load_pipeline_config("qwen2_5_omni_tiny").stages[i]
+            client = StageClient(cfg, "qwen2_5_omni", "/nonexistent", ipc_dir, ctx)
+            client.process = subprocess.Popen([sys.executable, "-c", FAKE_STAGE, client.requests.address,
+                                               "ready" if state != "starting" else "starting", str(linger)])
+            clients.append(client)
+            if state != "starting":
+                client.ready = Ready(stage=cfg.name, pid=client.process.pid, warmup_seconds=0.0, num_compilations=0)
+            if state == "restarting":
+                client.restarting = "its process died"
+        t0 = time.monotonic()
+        close_stages(clients, timeout_s=timeout_s)
+        return [c.process.poll() for c in clients], time.monotonic() - t0
+    finally:
+        for c in clients:
+            if c.process.poll() is None:
+                c.process.kill()
+        ctx.term()
 
 
 @pytest.mark.parametrize("state", ["ready", "starting", "restarting"])
@@ -503,44 +514,16 @@ def test_stage_client_shutdown_waits_only_for_a_ready_stage(ipc_dir, state):
     """A ready stage is asked to exit (and gets the time to); one still loading or compiling
     reads no message before it is done, so it is killed at once instead of waiting out the
     timeout: an `OmniJax` closed during a stage's (re)start returns in moments."""
-    import time
-
-    from omni_jax.runtime.stage_client import close_stages
-
-    ctx = zmq.Context()
-    clients = _fake_stages(ipc_dir, ctx, [state])
-    t0 = time.monotonic()
-    try:
-        close_stages(clients, timeout_s=60.0)
-        took = time.monotonic() - t0
-    finally:
-        for c in clients:
-            if c.process.poll() is None:
-                c.process.kill()
-        ctx.term()
-    assert clients[0].process.poll() == (0 if state == "ready" else -9)
+    codes, took = _close_fake_stages(ipc_dir, [state], timeout_s=60.0)
+    assert codes == [0 if state == "ready" else -9]
     assert took < 30.0, f"shutdown of a {state} stage took {took:.1f} s"
 
 
 def test_stages_exit_side_by_side(ipc_dir):
     """Every stage is asked to exit before any is waited for: three stages that each take 4 s
     to exit are gone in about 4 s, not 12, each by its own exit (none killed)."""
-    import time
-
-    from omni_jax.runtime.stage_client import close_stages
-
-    ctx = zmq.Context()
-    clients = _fake_stages(ipc_dir, ctx, ["ready"] * 3, linger=4.0)
-    t0 = time.monotonic()
-    try:
-        close_stages(clients, timeout_s=30.0)
-        took = time.monotonic() - t0
-    finally:
-        for c in clients:
-            if c.process.poll() is None:
-                c.process.kill()
-        ctx.term()
-    assert [c.process.poll() for c in clients] == [0, 0, 0]
+    codes, took = _close_fake_stages(ipc_dir, ["ready"] * 3, timeout_s=30.0, linger=4.0)
+    assert codes == [0, 0, 0]
     assert took < 10.0, f"three stages took {took:.1f} s to exit"
 
 

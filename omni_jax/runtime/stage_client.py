@@ -140,8 +140,8 @@ class StageClient:
 
 def close_stages(clients, timeout_s: float) -> None:
     """Stop stage processes: every ready one asked to exit first, then each waited for until one
-    deadline (a stage takes a second or two to exit: asked one at a time, they add up), the
-    rest killed, every socket closed."""
+    deadline (asked and waited for one at a time, their exits added up: the tiny three-stage
+    engine's took 3.0 s, 1.8 s side by side), the rest killed, every socket closed."""
     clients = list(clients)
     for c in clients:
         c.ask_to_exit()

@@ -84,6 +84,17 @@ def _kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
+def part_env(size_name: str, out: str) -> dict:
+    """A part's environment: where its files to keep go, and the share of the device its JAX
+    may take, grown as needed (a user's XLA_PYTHON_CLIENT_* settings win)."""
+    env = dict(os.environ, OMNI_JAX_CHECK_OUT=out)
+    fraction = SIZES[size_name].memory_fraction
+    if fraction is not None:
+        env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(fraction))
+        env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    return env
+
+
 def _start(name: str, budget: float, size_name: str, parts_dir: str, out: str, log_path: str | None) -> dict:
     """Start a part's process. Its output goes to `log_path` (check.log, as it comes: what a
     killed GPU run leaves), or with None to its own file, copied into check.log when it ends."""
@@ -96,8 +107,7 @@ def _start(name: str, budget: float, size_name: str, parts_dir: str, out: str, l
         offset = log.tell()
         proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--run-part", name, "--size",
                                  size_name, "--results", parts_dir], cwd=ROOT, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True,
-                                env=dict(os.environ, OMNI_JAX_CHECK_OUT=out))  # a part's files to keep
+                                stderr=subprocess.STDOUT, start_new_session=True, env=part_env(size_name, out))
     return dict(name=name, proc=proc, budget=budget, log=path, own_log=own, offset=offset, t0=time.perf_counter())
 
 

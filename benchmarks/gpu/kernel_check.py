@@ -31,8 +31,9 @@ def copy_peak(size, rep) -> float | None:
         rep.add("device", device.device_kind, note="FAIL: no GPU visible to JAX")
         return None
     peak = kb.copy_bandwidth(size.copy_bytes, iters=size.kernel_iters, reps=1 if size.interpret else 5)
+    name, datasheet = kb.device_peak(device)
     rep.add("device copy bandwidth (read + write)", peak / 1e9, "GB/s", f"{size.copy_bytes >> 20} MiB bf16, the "
-            "ceiling below" + ("; datasheet H200: 4800" if device.platform == "gpu" else ""))
+            "ceiling below" + (f"; datasheet {name}: {datasheet / 1e9:.0f}" if datasheet else ""))
     return peak
 
 

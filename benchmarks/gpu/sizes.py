@@ -44,6 +44,10 @@ class Size:
     peer_prompt: int
     peer_new_tokens: int
     budgets: dict                          # part -> seconds
+    # Share of the device a part's JAX may take (None: JAX's default, 75%), allocated as needed
+    # (a part's stage processes set their own). The 30B-A3B's 63.4 GB of weights are past 75%
+    # of an H100's 84.9 GB, the kind the device tool starts first.
+    memory_fraction: float | None = None
 
 
 GPU = Size(
@@ -57,6 +61,7 @@ GPU = Size(
     peer_batches=(1, 16), peer_prompt=512, peer_new_tokens=64,
     budgets=dict(environment=15, kernels=75, thinker_7b=95, thinker_30b_moe=140, speech=165, peer=45,
                  tuning=240, profile=150),
+    memory_fraction=0.92,
 )
 
 CPU = Size(

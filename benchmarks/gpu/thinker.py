@@ -22,6 +22,9 @@ from sizes import ROOT, hf_config
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 BLOCK = 16
+# Tokens a request may hold past its prompt and the timed steps: the steps that bring
+# every prompt to decoding, the one launched ahead, the last tokens.
+DECODE_SLACK = 16
 
 
 def build_engine(family: str, size, batches, seed: int = 0):
@@ -37,9 +40,9 @@ def build_engine(family: str, size, batches, seed: int = 0):
     cfg = spec.parse_config(hf_config(family, size)[spec.config_key])
     model = random_module(spec.build, cfg, DTYPES[size.dtype], seed)
     text = cfg.text
-    max_len = cdiv(max(size.prefill_tokens, size.decode_prompt + size.decode_steps + 8) + 1, BLOCK) * BLOCK
+    max_len = cdiv(max(size.prefill_tokens, DECODE_SLACK + size.decode_prompt + size.decode_steps) + 1, BLOCK) * BLOCK
     max_seqs = max(batches)
-    rc = RunnerConfig(num_blocks=max_seqs * (max_len // BLOCK) + 1, block_size=BLOCK, max_num_seqs=max_seqs,
+    rc = RunnerConfig(num_blocks=kv_blocks(size, max_seqs), block_size=BLOCK, max_num_seqs=max_seqs,
                       max_num_batched_tokens=size.prefill_tokens, max_model_len=max_len,
                       token_buckets=(size.prefill_tokens,), decode_buckets=tuple(sorted(batches)))
     # Text only: the plain step variants (media and DeepStack variants compile too in a served
@@ -48,6 +51,18 @@ def build_engine(family: str, size, batches, seed: int = 0):
                       num_layers=text.num_layers, num_kv_heads=text.num_kv_heads, head_dim=text.head_dim,
                       hidden_size=text.hidden_size)
     return engine, text, model
+
+
+def kv_blocks(size, max_seqs: int) -> int:
+    """KV blocks for the most the part holds at once: a decode batch of `max_seqs` requests
+    (prompt, timed steps and what each request decodes past them), or the one prefill prompt;
+    and the engine's dummy block. Not `max_seqs` sequences at the model length: that cache
+    (13 GB for the 30B-A3B at 64 x 2064 tokens) beside its 63.4 GB of weights does not fit an
+    H100."""
+    from omni_jax.engine.runner import cdiv
+
+    decode = max_seqs * cdiv(size.decode_prompt + size.decode_steps + DECODE_SLACK, BLOCK)
+    return max(decode, cdiv(size.prefill_tokens + DECODE_SLACK, BLOCK)) + 1
 
 
 def kv_bytes_per_token(text, dtype_bytes: int) -> int:
@@ -143,6 +158,9 @@ def run_thinker(family: str, batches, size, rep) -> None:
             f"{secs * 1e3:.1f} ms to the first token")
     extra = engine.num_compilations - compiled
     rep.add("compilations after warm-up", extra, "", "" if extra == 0 else "FAIL: a step compiled while serving")
+    preempted = engine.stats["preemptions"]
+    rep.add("preemptions", preempted, "", "" if preempted == 0 else
+            f"FAIL: {kv_blocks(size, max(batches))} KV blocks were too few; the timings include recomputes")
     same, n = same_tokens_without_stable_temporaries(engine, size, rng)
     rep.add("greedy tokens equal without SKIP_TEMP", int(same), "", f"{n} tokens" + ("" if same else ": FAIL"))
 

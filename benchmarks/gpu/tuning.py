@@ -70,6 +70,12 @@ PREFILL_TOKENS = 2048
 # waves) and 6 (3.88) fill theirs. 32 tokens a step lost to 64 at every point of the H200 sweep.
 DECODE_SHAPES = ((64, 4096, "qwen2_5_omni", (64,), (None, 3, 6)),
                  (1, 530, "qwen3_omni", (16, 32, 64), (None, 16)))
+# Fewer warps a program, at today's tokens a step and splits, with the table preloaded: the row max
+# and sum of a 4-warp program's 16 x 64 scores cross its warps through shared memory, 10 barriers
+# a step in the SASS for an H200 (2 warps: 8; 1 warp: 2), and the instructions a 64-token step
+# issues over all its warps fall with them (4 warps 1,556, 2 warps 1,452, 1 warp 1,368; 230
+# registers at 1 warp, 192 at 2, no spills). (warps, pipelines) beside the 4-warp sweep above.
+DECODE_FEWER_WARPS = ((2, ((True, 3), (True, 4))), (1, ((True, 3), (True, 4))))
 NO_TRITON_GEMM = {"xla_gpu_enable_triton_gemm": False}
 REL_TOL = 2e-2  # bf16 operands, as the kernels part
 
@@ -256,18 +262,22 @@ def _decode(sweep, texts, shape, grid, kb) -> None:
     k, v, tables = kb.make_pool(jax.random.key(9), batch, ctx, bs, hkv, d)
     q = jax.random.normal(jax.random.key(10), (batch, hq, d), kb.DTYPE)
     lens = jnp.full((batch,), ctx, jnp.int32)
-    label = lambda t, pre, st, sp: f"t{t} {'preloaded' if pre else 'in-loop'} s{st} splits {sp or 'auto'}"  # noqa: E731
+    label = lambda t, pre, st, sp, w: (f"t{t} {'preloaded' if pre else 'in-loop'} s{st} splits {sp or 'auto'}"  # noqa: E731
+                                       + ("" if w == 4 else f" w{w}"))
     tune = decode_tuning()
-    current = label(tune["tokens_per_step"], tune["preload_table"], tune["num_stages"], None)
+    current = label(tune["tokens_per_step"], tune["preload_table"], tune["num_stages"], None, tune["num_warps"])
+    settings = [(t, pipeline, sp, 4) for t, pipeline, sp in itertools.product(tokens, DECODE_PIPELINES, splits)]
+    settings += [(tune["tokens_per_step"], pipeline, None, w) for w, pipelines in DECODE_FEWER_WARPS
+                 for pipeline in pipelines]
     points = {}
-    for t, (pre, stages), sp in grid(list(itertools.product(tokens, DECODE_PIPELINES, splits))):
-        fn = jax.jit(lambda *a, c=(t // bs, stages, sp, pre): paged_attention(
-            *a, pages_per_compute_block=c[0], num_warps=4, num_stages=c[1], k_splits=c[2], preload_table=c[3],
+    for t, (pre, stages), sp, w in grid(settings):
+        fn = jax.jit(lambda *a, c=(t // bs, stages, sp, pre, w): paged_attention(
+            *a, pages_per_compute_block=c[0], num_warps=c[4], num_stages=c[1], k_splits=c[2], preload_table=c[3],
             interpret=sweep.interpret))
-        points[label(t, pre, stages, sp)] = (fn, (q, k, v, tables, lens))
+        points[label(t, pre, stages, sp, w)] = (fn, (q, k, v, tables, lens))
     nbytes = batch * ctx * hkv * d * 2 * kb.ITEM + 2 * q.size * kb.ITEM
     want = reference.paged_attention(q, k, v, tables, lens)
-    sweep.run(f"paged decode {batch} x {ctx} ({family} heads, 4 warps)", nbytes, points, want, current)
+    sweep.run(f"paged decode {batch} x {ctx} ({family} heads)", nbytes, points, want, current)
 
 
 def _prefill(sweep, text, grid, kb) -> None:

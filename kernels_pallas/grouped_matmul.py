@@ -140,9 +140,10 @@ def _tokens_of_rows(pos_ref, r, num_pairs: int, top_k: int, chunk: int = 64):
 def _kernel(sizes_ref, *refs, block_rows, block_n, block_k, num_rows, k_dim, top_k, gathered, glu, precision):
     pos_ref, rows_ref, w_ref, out_ref = refs if gathered else (None, *refs)
     j, n = pl.program_id(0), pl.program_id(1)
-    n_dim = w_ref.shape[1]
+    n_dim = out_ref.shape[1]   # with glu the weights hold the gate's rows, then the up's
+    cols = block_n // 2 if glu else block_n  # a program's weight rows: block_n, both halves
     group, start, end, used, total = plan_block(sizes_ref[...], j, block_rows)
-    c = n * block_n + jnp.arange(block_n, dtype=jnp.int32)
+    c = n * cols + jnp.arange(cols, dtype=jnp.int32)
     col_ok = c < n_dim
 
     def block(lo, hi):
@@ -163,20 +164,21 @@ def _kernel(sizes_ref, *refs, block_rows, block_n, block_k, num_rows, k_dim, top
         # all-slice) indexers; Triton takes both.
         gi = jnp.full((1, 1), group, jnp.int32)
 
-        def body(i, acc):
+        def body(i, accs):
             kk = i * block_k + jnp.arange(block_k, dtype=jnp.int32)
             k_ok = kk < k_dim
-            mask = row_ok[:, None] & k_ok[None, :]
-            a = plgpu.load(rows_ref.at[src[:, None], kk[None, :]], mask=mask, other=0.0)
-            if glu:  # the rows' second half is the up projection of the first's gate
-                up = plgpu.load(rows_ref.at[src[:, None], k_dim + kk[None, :]], mask=mask, other=0.0)
-                a = _silu_gated(a, up).astype(rows_ref.dtype)
-            b = plgpu.load(w_ref.at[gi, c[:, None], kk[None, :]],
-                           mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            return acc + plgpu.dot(a, b, trans_b=True, precision=precision)
+            a = plgpu.load(rows_ref.at[src[:, None], kk[None, :]], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w_ok = col_ok[:, None] & k_ok[None, :]
+            # Each accumulator's weight rows: columns c (with glu, then the up projection's, n_dim on).
+            return tuple(acc + plgpu.dot(a, plgpu.load(w_ref.at[gi, (h * n_dim + c)[:, None], kk[None, :]],
+                                                       mask=w_ok, other=0.0), trans_b=True, precision=precision)
+                         for h, acc in enumerate(accs))
 
-        acc = lax.fori_loop(0, pl.cdiv(k_dim, block_k), body, jnp.zeros((block_rows, block_n), jnp.float32))
-        plgpu.store(out_ref.at[r[:, None], c[None, :]], acc.astype(out_ref.dtype),
+        zeros = jnp.zeros((block_rows, cols), jnp.float32)
+        accs = lax.fori_loop(0, pl.cdiv(k_dim, block_k), body, (zeros, zeros) if glu else (zeros,))
+        # glu: each product rounded to the output dtype first, as the gate/up output is without it.
+        out = _silu_gated(*(acc.astype(out_ref.dtype) for acc in accs)) if glu else accs[0]
+        plgpu.store(out_ref.at[r[:, None], c[None, :]], out.astype(out_ref.dtype),
                     mask=row_ok[:, None] & col_ok[None, :])
 
     # The programs past the used blocks write the zeros of the rows of no group, a block each
@@ -185,7 +187,7 @@ def _kernel(sizes_ref, *refs, block_rows, block_n, block_k, num_rows, k_dim, top
     @pl.when(j >= used)
     def _():
         r, row_ok = block(total + (j - used) * block_rows, num_rows)
-        plgpu.store(out_ref.at[r[:, None], c[None, :]], jnp.zeros((block_rows, block_n), out_ref.dtype),
+        plgpu.store(out_ref.at[r[:, None], c[None, :]], jnp.zeros((block_rows, cols), out_ref.dtype),
                     mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -202,8 +204,11 @@ def grouped_matmul(rows, weights, group_sizes, out_dtype=jnp.float32, *, positio
     * ``position`` [P] (or [T, k]) int: rows are the tokens [T, K] instead, and sorted row
       position[p] holds token p // k (k = P / T pairs a token; the positions a permutation of
       the P pairs, as the MoE routing gives them). The output has max(P, block_rows) rows.
-    * ``glu``: rows are [., 2K], a gate and an up projection side by side; the kernel
-      contracts SiLU(gate) * up (fp32, rounded to the rows' dtype).
+    * ``glu``: the weights [G, 2N, K] hold a gate projection's rows, then an up projection's;
+      the kernel returns SiLU(gate) * up [P, N] (each product rounded to out_dtype, then fp32),
+      a program's ``block_n`` weight rows half of each. The activation taken as it loads the
+      down projection's rows instead computed it again in every program of a row block, on
+      every warp (1,546 instructions a warp a K step in the SASS for an H200, against 142).
 
     Tuning: ``block_rows`` (a power of two >= 16; default ~ the mean group size), ``block_n``,
     ``block_k``, Triton ``num_warps`` and ``num_stages``; unset ones come from
@@ -211,8 +216,10 @@ def grouped_matmul(rows, weights, group_sizes, out_dtype=jnp.float32, *, positio
     """
     t, width = rows.shape
     g, n_dim, k_dim = weights.shape
-    if width != (2 if glu else 1) * k_dim:
-        raise ValueError(f"rows have {width} columns, the weights contract {k_dim}" + (" (glu: twice that)" if glu else ""))
+    if width != k_dim:
+        raise ValueError(f"rows have {width} columns, the weights contract {k_dim}")
+    if glu and n_dim % 2:
+        raise ValueError(f"glu: the weights' {n_dim} rows are not a gate's and an up projection's of one width")
     if group_sizes.shape != (g,):
         raise ValueError(f"group_sizes {group_sizes.shape} != ({g},)")
     if rows.dtype != weights.dtype:  # Triton's dot takes one element type (interpret mode would promote)
@@ -220,14 +227,17 @@ def grouped_matmul(rows, weights, group_sizes, out_dtype=jnp.float32, *, positio
     p = t if position is None else position.size
     if position is not None and (t == 0 or p % t):
         raise ValueError(f"position has {p} pairs, not a whole number per token of {t}")
+    n_out = n_dim // 2 if glu else n_dim
     if p == 0:
-        return jnp.zeros((0, n_dim), out_dtype)
+        return jnp.zeros((0, n_out), out_dtype)
     tune = grouped_tuning()
     bm = block_rows or default_block_rows(p, g)
     if bm != next_pow2(bm) or bm < MIN_BLOCK_ROWS:
         raise ValueError(f"block_rows={bm} must be a power of two >= {MIN_BLOCK_ROWS}")
     at = block_settings(tune, bm)
     bn, bk = block_n or tune["block_n"], block_k or at["block_k"]
+    if glu and (bn < 32 or bn % 2):  # half for each projection, and a Triton dot is >= 16 wide
+        raise ValueError(f"glu: block_n={bn} must be even and >= 32")
     warps = num_warps or at["num_warps"]
     # At least a block's worth of sorted rows: gathered rows are that many, plain ones padded.
     p_in = max(p, bm)
@@ -245,10 +255,10 @@ def grouped_matmul(rows, weights, group_sizes, out_dtype=jnp.float32, *, positio
     whole = lambda shape: pl.BlockSpec(shape, lambda j, n: (0,) * len(shape))  # noqa: E731
     out = pl.pallas_call(
         kernel,
-        grid=(nb, pl.cdiv(n_dim, bn)),
+        grid=(nb, pl.cdiv(n_out, bn // 2 if glu else bn)),
         in_specs=[whole(x.shape) for x in operands],
-        out_specs=whole((p_in, n_dim)),
-        out_shape=jax.ShapeDtypeStruct((p_in, n_dim), out_dtype),
+        out_specs=whole((p_in, n_out)),
+        out_shape=jax.ShapeDtypeStruct((p_in, n_out), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=num_stages or at["num_stages"]),
         interpret=interpret,
         name=f"grouped_matmul_bm{bm}_bn{bn}_bk{bk}" + ("_gather" if position is not None else "")

@@ -121,10 +121,11 @@ def test_pallas_kernel_matches_blocked_over_random_routings(p, g, k_in, n_out, b
 ])
 def test_fused_decode_kernels_match_scatter_and_activation(tokens, experts, top_k, hidden, inter, dtype):
     """A decode step's experts on a GPU (`fused_expert_outputs`: the gate/up kernel reads the
-    tokens through the pairs' positions, the down kernel applies SiLU(gate) * up as it loads)
-    in interpret mode (16 x 16 tiles: every program loops over K) against XLA's scatter, the
-    blocked grouped matmuls and jax.nn.silu; padding tokens (pairs in no group) give zeros."""
-    from omni_jax.models.layers.moe import expert_outputs, fused_expert_outputs, sort_pairs
+    tokens through the pairs' positions and returns SiLU(gate) * up) in interpret mode against
+    XLA's scatter, the blocked grouped matmuls and jax.nn.silu; padding tokens (pairs in no
+    group) give zeros. The gate/up kernel alone also over several column tiles (block_n 32: 16
+    of the gate's and 16 of the up's weight rows a program)."""
+    from omni_jax.models.layers.moe import blocked_grouped_matmul, expert_outputs, fused_expert_outputs, sort_pairs
 
     rng = np.random.default_rng(tokens * 10 + experts)
     x = jnp.asarray(rng.standard_normal((tokens, hidden)), dtype)
@@ -144,10 +145,19 @@ def test_fused_decode_kernels_match_scatter_and_activation(tokens, experts, top_
         assert np.abs(want[:live]).max() > 1.0  # outputs large enough that the tolerance means something
         np.testing.assert_allclose(got[:live], want[:live], atol=tol * 10, rtol=tol)
         assert np.all(got[live:] == 0)  # the padding tokens' pairs (and rows past the pairs)
-    # The rows' widths and the pairs per token are checked.
-    with pytest.raises(ValueError, match="rows have 24 columns, the weights contract 24 \\(glu: twice that\\)"):
-        kernels_pallas.grouped_matmul(jnp.zeros((16, 24), dtype), jnp.zeros((2, 8, 24), dtype),
+        rows = jnp.zeros((max(tokens * top_k, 16), hidden), dtype).at[position].set(jnp.repeat(x, top_k, 0))
+        h = blocked_grouped_matmul(rows, gate_up, sizes, out_dtype=dtype).astype(jnp.float32)
+        tiles = kernels_pallas.grouped_matmul(x, gate_up, sizes, out_dtype=dtype, position=position, glu=True,
+                                              block_n=32, block_k=16, interpret=True)
+        np.testing.assert_allclose(np.asarray(tiles[:live], np.float32),
+                                   np.asarray(jax.nn.silu(h[:, :inter]) * h[:, inter:])[:live], atol=tol * 10, rtol=tol)
+    # The weights' halves, the glu tile and the pairs per token are checked.
+    with pytest.raises(ValueError, match="glu: the weights' 9 rows are not a gate's and an up projection's"):
+        kernels_pallas.grouped_matmul(jnp.zeros((16, 24), dtype), jnp.zeros((2, 9, 24), dtype),
                                       jnp.zeros(2, jnp.int32), glu=True, interpret=True)
+    with pytest.raises(ValueError, match="glu: block_n=16 must be even and >= 32"):
+        kernels_pallas.grouped_matmul(jnp.zeros((16, 24), dtype), jnp.zeros((2, 8, 24), dtype),
+                                      jnp.zeros(2, jnp.int32), glu=True, block_n=16, interpret=True)
     with pytest.raises(ValueError, match="position has 7 pairs, not a whole number per token of 2"):
         kernels_pallas.grouped_matmul(jnp.zeros((2, 8), dtype), jnp.zeros((2, 8, 8), dtype),
                                       jnp.zeros(2, jnp.int32), position=jnp.arange(7), interpret=True)
@@ -344,10 +354,10 @@ def test_default_impl_per_lowering_platform():
     cuda = text(lambda s, v: nnx.merge(graph, s)(v), "cuda", load_target("a100").abstract_mesh())
     assert "ragged_dot" not in cuda
     assert len(re.findall(r'custom_call @__gpu\$xla\.gpu\.triton.*?name = "grouped_matmul', cuda)) == 2, cuda
-    # A decode step's 128 pairs: the gate/up kernel reads the tokens itself and the down kernel
-    # applies the activation (no scatter of the rows into expert order, no separate SiLU).
-    assert re.search(r'name = "grouped_matmul_bm\d+_bn\d+_bk\d+_gather"', cuda), cuda
-    assert re.search(r'name = "grouped_matmul_bm\d+_bn\d+_bk\d+_glu"', cuda), cuda
+    # A decode step's 128 pairs: the gate/up kernel reads the tokens itself and applies the
+    # activation (no scatter of the rows into expert order, no separate SiLU).
+    assert re.search(r'name = "grouped_matmul_bm\d+_bn\d+_bk\d+_gather_glu"', cuda), cuda
+    assert re.search(r'name = "grouped_matmul_bm\d+_bn\d+_bk\d+"', cuda), cuda
     assert "stablehlo.scatter" not in cuda and "call @silu" not in cuda
     # The router: the skinny kernel's partial products, summed by the routing kernel (no XLA GEMM).
     assert len(re.findall(r'custom_call @__gpu\$xla\.gpu\.triton.*?name = "skinny_matmul', cuda)) == 1, cuda

@@ -20,8 +20,8 @@ and the setting the tables give today:
   where it wins, its row's `max_rows` sends a decode step's projections to it;
 * the grouped matmul's block_n, block_k, warps and stages, for the gate/up and the down
   projection of one token's 8 experts as a decode step runs them (gate/up reading the token
-  through the pairs' positions, down applying SiLU(gate) * up as it loads), then the two
-  against what they replaced on 2026-12-05 (XLA's scatter of the rows and SiLU between);
+  through the pairs' positions and returning SiLU(gate) * up), then the two against what they
+  replaced on 2026-12-05 (XLA's scatter of the rows and SiLU between);
 * one token's router and routing: the router's split-K partial products summed by the routing
   kernel (block_n, block_k, splits), against XLA's router GEMM before it (as before 2026-12-05);
 * ragged prefill of one 2048-token prompt (the 7B's heads): its page ids read in the loop at 2
@@ -137,8 +137,8 @@ class Sweep:
 
 def _experts(sweep, text, grid, kb) -> None:
     """The MoE layer's experts for one token, as a decode step runs them on a GPU: the two
-    grouped matmuls at each setting (gate/up reading the token through the pairs' positions,
-    down applying SiLU(gate) * up as it loads), then the pair of them at today's settings
+    grouped matmuls at each setting (gate/up reading the token through the pairs' positions and
+    returning SiLU(gate) * up, then down), then the pair of them at today's settings
     against the XLA ops they replaced (the rows scattered into expert order, the SiLU between)."""
     import jax
     import jax.numpy as jnp
@@ -155,13 +155,15 @@ def _experts(sweep, text, grid, kb) -> None:
     # References: the token's rows scattered into expert order, XLA's blocked loop, jax.nn.silu.
     rows = jnp.zeros((max(per_token, MIN_BLOCK_ROWS), h), kb.DTYPE).at[position].set(jnp.repeat(x, per_token, 0))
     up_rows = blocked_grouped_matmul(rows, gate_up, sizes, out_dtype=kb.DTYPE)
-    want = blocked_grouped_matmul(jax.nn.silu(up_rows[:, :width]) * up_rows[:, width:], down, sizes)
+    act = (jax.nn.silu(up_rows[:, :width].astype(jnp.float32)) * up_rows[:, width:]).astype(kb.DTYPE)
+    want = blocked_grouped_matmul(act, down, sizes)
     tune = grouped_tuning()
     now = block_settings(tune, MIN_BLOCK_ROWS)
     current = f"bn{tune['block_n']} bk{now['block_k']} w{now['num_warps']} s{now['num_stages']}"
     for name, operands, expect, fixed in (
-            ("gate/up, tokens gathered", (x, gate_up, sizes, position), up_rows, dict(out_dtype=kb.DTYPE)),
-            ("down, SiLU x up on load", (up_rows, down, sizes), want, dict(glu=True))):
+            ("gate/up + SiLU x up, tokens gathered", (x, gate_up, sizes, position), act,
+             dict(out_dtype=kb.DTYPE, glu=True)),
+            ("down", (act, down, sizes), want, {})):
         n, k = operands[1].shape[1:]
         points = {}
         for bn, bk, warps, stages in grid(GROUPED_GRID):
@@ -169,7 +171,7 @@ def _experts(sweep, text, grid, kb) -> None:
             fn = jax.jit(lambda a, w, s_, *pos, kw=kw: grouped_matmul(a, w, s_, position=pos[0] if pos else None, **kw))
             points[f"bn{bn} bk{bk} w{warps} s{stages}"] = (fn, operands)
         # The routed experts' weights, the pairs' rows in and out.
-        nbytes = (per_token * n * k + per_token * (operands[0].shape[1] + n)) * kb.ITEM
+        nbytes = (per_token * n * k + per_token * (operands[0].shape[1] + expect.shape[1])) * kb.ITEM
         sweep.run(f"moe {name} 1 token {n}x{k}", nbytes, points, expect, current)
     # The pair at today's settings against what they replaced (scatter + gate/up + SiLU + down).
     args = (x, position, sizes, gate_up, down)

@@ -34,8 +34,8 @@ token-expert pairs:
    the routing weights (no atomics, deterministic).
 
 A decode step on a GPU (SiLU experts) skips the rows of step 1 and the SiLU of step 2:
-the gate/up kernel reads each sorted row's token through the pairs' positions, and the
-down kernel applies SiLU(gate) * up as it loads its rows (`fused_expert_outputs`).
+the gate/up kernel reads each sorted row's token through the pairs' positions and returns
+SiLU(gate) * up (`fused_expert_outputs`).
 
 On a GPU each of these is a kernel launch per MoE layer of a step, and a decode step's
 time is its launches more than its bytes (issue 47): what they compile to is in the
@@ -339,12 +339,11 @@ def expert_outputs(x, position, group_sizes, gate_up, down, *, k, act, impl, blo
 
 def fused_expert_outputs(x, position, group_sizes, gate_up, down, *, block_rows=None, interpret=False):
     """`expert_outputs` in two kernel launches (a decode step with SiLU experts on a GPU):
-    the gate/up kernel reads each sorted row's token itself, the down kernel applies
-    SiLU(gate) * up as it loads its rows (the scatter, its zeros and the activation were three
-    launches of their own a layer)."""
+    the gate/up kernel reads each sorted row's token itself and returns SiLU(gate) * up (the
+    scatter, its zeros and the activation were three launches of their own a layer)."""
     kw = dict(block_rows=block_rows, interpret=interpret)
-    h = kernels_pallas.grouped_matmul(x, gate_up, group_sizes, out_dtype=x.dtype, position=position, **kw)
-    return kernels_pallas.grouped_matmul(h, down, group_sizes, glu=True, **kw)
+    h = kernels_pallas.grouped_matmul(x, gate_up, group_sizes, out_dtype=x.dtype, position=position, glu=True, **kw)
+    return kernels_pallas.grouped_matmul(h, down, group_sizes, **kw)
 
 
 def expert_parallel_moe(x, routing_weights, experts, gate_up_proj, down_proj, act=jax.nn.silu, valid=None):

@@ -77,7 +77,7 @@ def kernels_of(fn, args, target) -> dict[str, tuple[str, str]]:
     """{Pallas kernel name: (ptxas' usage line, SASS)} of `fn(*args)` compiled for `target`."""
     import jax
 
-    from omni_jax.gpu.aot import PALLAS_PREFIXES, Compiler
+    from omni_jax.gpu.aot import PALLAS_PREFIXES, Compiler, ptxas_usage
 
     ptxas, nvdisasm = _tools()
     compiler = Compiler(target)
@@ -92,16 +92,19 @@ def kernels_of(fn, args, target) -> dict[str, tuple[str, str]]:
             if not any(e.startswith(PALLAS_PREFIXES) for e in entries):
                 continue
             cubin = ptx[:-4] + ".cubin"
-            usage = subprocess.run([ptxas, "-v", f"-arch={target.arch}", ptx, "-o", cubin],
-                                   capture_output=True, text=True, check=True).stderr
+            subprocess.run([ptxas, f"-arch={target.arch}", ptx, "-o", cubin], check=True)
             sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
-            regs = re.search(r"Used (\d+) registers", usage)
-            spills = re.search(r"(\d+) bytes spill stores", usage)
-            out[entries[0]] = (f"{regs.group(1) if regs else '?'} registers, "
-                               f"{spills.group(1) if spills else '?'} bytes of spill stores", sass)
+            used = ptxas_usage(ptx, target.arch, ptxas)[entries[0]]
+            out[entries[0]] = (f"{used['registers']} registers, {used['spill_stores']} bytes of spill stores", sass)
         return out
     finally:
         shutil.rmtree(dump, ignore_errors=True)
+
+
+def _thinker(family: str):
+    from omni_jax.gpu.programs import real_hf_config, text_config
+
+    return text_config(family, "thinker", real_hf_config(family))
 
 
 def decode_point(warps: int):
@@ -113,7 +116,8 @@ def decode_point(warps: int):
 
     from kernels_pallas.paged_attention import paged_attention
 
-    b, ctx, hq, hkv, d, bs = 64, 4096, 28, 4, 128, 16
+    text = _thinker("qwen2_5_omni")
+    b, ctx, hq, hkv, d, bs = 64, 4096, text.num_heads, text.num_kv_heads, text.head_dim, 16
     pages = b * ctx // bs + 1
     s = jax.ShapeDtypeStruct
     args = (s((b, hq, d), jnp.bfloat16), s((pages, bs, hkv, d), jnp.bfloat16), s((pages, bs, hkv, d), jnp.bfloat16),
@@ -128,7 +132,8 @@ def moe_point():
 
     from omni_jax.models.layers.moe import fused_expert_outputs
 
-    e, k, h, w = 128, 8, 2048, 768
+    text = _thinker("qwen3_omni")
+    e, k, h, w = text.num_experts, text.num_experts_per_tok, text.hidden_size, text.moe_intermediate_size
     s = jax.ShapeDtypeStruct
     return fused_expert_outputs, (s((1, h), jnp.bfloat16), s((k,), jnp.int32), s((e,), jnp.int32),
                                   s((e, 2 * w, h), jnp.bfloat16), s((e, h, w), jnp.bfloat16))

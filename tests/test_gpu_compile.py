@@ -319,6 +319,25 @@ def test_main_environment_has_no_cuda_plugin():
     assert client.gpu_python() != sys.executable
 
 
+def test_a_worker_run_that_times_out_leaves_no_worker_and_no_files(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(subprocess.TimeoutExpired):
+        client.run_workers(["h100"], "layers", timeout=0.5)
+    assert list(tmp_path.iterdir()) == []
+    # no process left whose command line names the run's folder
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if str(tmp_path).encode() in f.read():
+                    left.append(pid)
+        except OSError:
+            continue
+    assert left == []
+
+
 def test_plan_from_compiled_steps(tier):
     from omni_jax.gpu.plan import build_plan, format_plan
 

@@ -60,24 +60,33 @@ def run_workers(targets, select: str = "tier", extra_args=(), log=None, timeout:
     """
     python = gpu_python()
     env = worker_env(python)
-    tmp = tempfile.mkdtemp(prefix="omni_jax_gpu_")
     procs = {}
-    for t in targets:
-        out = os.path.join(tmp, f"{t}.json")
-        err = open(os.path.join(tmp, f"{t}.log"), "w")
-        cmd = [python, "-m", "omni_jax.gpu.worker", "--target", t, "--select", select, "--out", out, *extra_args]
-        procs[t] = (subprocess.Popen(cmd, env=env, stdout=err, stderr=subprocess.STDOUT, cwd=str(REPO)), out, err)
-    results = {}
-    for t, (proc, out, err) in procs.items():
-        proc.wait(timeout=timeout)
-        err.close()
-        log_text = Path(err.name).read_text()
-        if log is not None:
-            log.write(log_text)
-        if proc.returncode != 0 or not os.path.isfile(out):
-            raise RuntimeError(f"compile worker for {t} failed (exit {proc.returncode}):\n{log_text[-3000:]}")
-        results[t] = json.loads(Path(out).read_text())
-    return results
+    with tempfile.TemporaryDirectory(prefix="omni_jax_gpu_") as tmp:
+        try:
+            for t in targets:
+                out = os.path.join(tmp, f"{t}.json")
+                err = open(os.path.join(tmp, f"{t}.log"), "w")
+                cmd = [python, "-m", "omni_jax.gpu.worker", "--target", t, "--select", select, "--out", out,
+                       *extra_args]
+                procs[t] = (subprocess.Popen(cmd, env=env, stdout=err, stderr=subprocess.STDOUT, cwd=str(REPO)),
+                            out, err)
+            results = {}
+            for t, (proc, out, err) in procs.items():
+                proc.wait(timeout=timeout)
+                err.close()
+                log_text = Path(err.name).read_text()
+                if log is not None:
+                    log.write(log_text)
+                if proc.returncode != 0 or not os.path.isfile(out):
+                    raise RuntimeError(f"compile worker for {t} failed (exit {proc.returncode}):\n{log_text[-3000:]}")
+                results[t] = json.loads(Path(out).read_text())
+            return results
+        finally:  # a failed or timed-out run leaves no worker compiling on
+            for proc, _, err in procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                err.close()
 
 
 def summary(results: dict) -> str:

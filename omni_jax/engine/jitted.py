@@ -12,7 +12,8 @@ from __future__ import annotations
 import functools
 import os
 import types
-from typing import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable
 
 import jax
 
@@ -45,6 +46,55 @@ def stable_temporaries() -> dict:
     except jax.errors.JaxRuntimeError:
         return {}
     return options
+
+
+# Threads a warm-up compiles its programs on (`compile_workers`); "1" compiles one at a time.
+COMPILE_WORKERS_ENV = "OMNI_JAX_COMPILE_WORKERS"
+# At most 4 by default: an XLA compile already uses more than one core, holds its module in
+# memory (~0.2 GiB more a thread for the real vocoder's programs), and on a GPU autotunes its
+# GEMMs and convolutions by timing them on the device, beside the other threads' timings.
+_MAX_COMPILE_WORKERS = 4
+
+
+def compile_workers() -> int:
+    """$OMNI_JAX_COMPILE_WORKERS, else one thread per CPU this process may run on, at most 4."""
+    value = os.environ.get(COMPILE_WORKERS_ENV)
+    if value is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return min(_MAX_COMPILE_WORKERS, cpus)
+    try:
+        workers = int(value)
+    except ValueError:
+        workers = 0
+    if workers < 1:
+        raise ValueError(f"{COMPILE_WORKERS_ENV} must be a positive integer, got {value!r}")
+    return workers
+
+
+def compile_ahead(calls: Iterable[tuple[Callable, tuple]], workers: int | None = None) -> int:
+    """Compile the program of each (jitted fn, args) on `workers` threads (`compile_workers()`);
+    returns how many. A later `fn(*args)` runs its program without compiling: JAX keeps what
+    `fn.lower(*args).compile()` built in fn's own cache. Tracing and lowering hold the GIL, so
+    they run here, one program after the other, each handed to the threads as soon as it is
+    lowered; XLA's compile does not (a vocoder's warm-up is mostly compiling: README). A
+    callable without `lower` (a `Jitted.record` wrapper) is left to its call. The first
+    compile error is raised once every thread is done."""
+    workers = compile_workers() if workers is None else workers
+    if workers <= 1:
+        return 0
+    with ThreadPoolExecutor(workers, thread_name_prefix="compile") as pool:
+        futures = [pool.submit(fn.lower(*args).compile) for fn, args in calls if hasattr(fn, "lower")]
+    for f in futures:
+        f.result()
+    return len(futures)
+
+
+def warm_up(calls: Iterable[tuple[Callable, tuple]], workers: int | None = None) -> None:
+    """Run each (jitted fn, args) once, their programs compiled side by side first (`compile_ahead`)."""
+    calls = list(calls)
+    compile_ahead(calls, workers)
+    for fn, args in calls:
+        jax.block_until_ready(fn(*args))
 
 
 class Jitted(types.SimpleNamespace):

@@ -69,7 +69,7 @@ from flax import nnx
 
 from ...engine import program_cache
 from ...engine.buckets import pick_bucket
-from ...engine.jitted import NO_TRITON_GEMM, Jitted
+from ...engine.jitted import NO_TRITON_GEMM, Jitted, warm_up
 from ...engine.oneshot_engine import CallPool
 from .token2wav_bigvgan import BigVGANConfig, Qwen2_5OmniBigVGAN
 from .token2wav_dit import DiTConfig, Qwen2_5OmniDiT
@@ -478,17 +478,18 @@ class Token2WavSynthesizer:
     # -- warm-up -------------------------------------------------------------------------
     def warmup(self) -> None:
         """Compile the whole-request call at every (batch, length) bucket a call can take."""
-        for b, t in self._shapes(self.length_buckets, self.max_batch_codes):
-            jax.block_until_ready(self.jitted.whole(self.params, *self._zeros(b, t)))
+        warm_up((self.jitted.whole, (self.params, *self._zeros(b, t)))
+                for b, t in self._shapes(self.length_buckets, self.max_batch_codes))
 
     def warmup_stream(self) -> None:
         """Compile the streamed DiT and vocoder calls (the first window, a length per chunk size
         and the lengths above) at every batch bucket a call can take."""
-        for b, t in self._shapes(self.stream_code_buckets, self.max_batch_codes):
-            jax.block_until_ready(self.jitted.mel(self.params, *self._zeros(b, t)))
-        for b, f in self._shapes(self.stream_frame_buckets, self._max_batch_frames):
-            jax.block_until_ready(self.jitted.wave(self.params, np.zeros((b, f, self.cfg.dit.mel_dim), np.float32),
-                                                np.ones(b, np.int32)))
+        mel = [(self.jitted.mel, (self.params, *self._zeros(b, t)))
+               for b, t in self._shapes(self.stream_code_buckets, self.max_batch_codes)]
+        wave = [(self.jitted.wave, (self.params, np.zeros((b, f, self.cfg.dit.mel_dim), np.float32),
+                                    np.ones(b, np.int32)))
+                for b, f in self._shapes(self.stream_frame_buckets, self._max_batch_frames)]
+        warm_up(mel + wave)
 
     def _shapes(self, lengths: Sequence[int], max_cells: int | None) -> list[tuple[int, int]]:
         """The (batch, length) buckets of the calls `_map` makes over `lengths` within `max_cells`."""

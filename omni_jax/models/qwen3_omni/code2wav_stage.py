@@ -39,7 +39,7 @@ from flax import nnx
 
 from ...engine import program_cache
 from ...engine.buckets import pick_bucket
-from ...engine.jitted import NO_TRITON_GEMM, Jitted
+from ...engine.jitted import NO_TRITON_GEMM, Jitted, warm_up
 from ...checkpoint import load_checkpoint
 from ...engine.oneshot_engine import CHUNK_FRAMES, INITIAL_CHUNK_FRAMES, CallPool, ChunkJob, OneShotEngine, chunk_sizes
 from .code2wav import Qwen3OmniCode2Wav
@@ -306,19 +306,21 @@ class Code2WavSynthesizer:
     # and every serving call checks its own.
     def warmup(self) -> None:
         """Compile every (batch, length) bucket."""
-        for b in self.batch_buckets:
-            for t in self.length_buckets:
-                jax.block_until_ready(self.jitted.whole(self.params, np.zeros((b, self.num_quantizers, t), np.int32)))
+        warm_up((self.jitted.whole, (self.params, self._zero_codes(b, t)))
+                for b in self.batch_buckets for t in self.length_buckets)
 
     def warmup_stream(self) -> None:
         """Compile the streamed calls: pre-transformer per window bucket, convolutions per chunk bucket."""
+        calls = []
         for b in self.batch_buckets:
-            for t in self.length_buckets:
-                codes = np.zeros((b, self.num_quantizers, t), np.int32)
-                jax.block_until_ready(self.jitted.frame_states(self.params, codes))
+            calls += [(self.jitted.frame_states, (self.params, self._zero_codes(b, t))) for t in self.length_buckets]
             for t in self.conv_buckets:
                 x, (frames, fresh, history) = self.stream_call_args(b, t)
-                jax.block_until_ready(self.jitted.convolve_stream(self.params, x, frames, fresh, history))
+                calls.append((self.jitted.convolve_stream, (self.params, x, frames, fresh, history)))
+        warm_up(calls)
+
+    def _zero_codes(self, batch: int, length: int) -> np.ndarray:
+        return np.zeros((batch, self.num_quantizers, length), np.int32)
 
     def stream_call_args(self, batch: int, frames: int) -> tuple:
         """Zero arguments (x, (frames, fresh, history)) of a streamed convolution call."""

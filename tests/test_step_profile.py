@@ -10,9 +10,14 @@ from pathlib import Path
 
 import pytest
 
+# Imported from the check's folder, which is then taken off the path again (as test_gpu_check
+# does): a module name there would shadow a package of the same name in later tests.
+_path = list(sys.path)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"))
-
-import step_profile  # noqa: E402
+try:
+    import step_profile
+finally:
+    sys.path[:] = _path
 
 
 def _meta(pid, name, tid=None):

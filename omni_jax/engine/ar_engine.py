@@ -15,6 +15,7 @@ text and the engine keeps serving.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any, Callable
@@ -25,7 +26,7 @@ import numpy as np
 from ..errors import RequestError
 from .hidden_cache import HiddenRowCache
 from .incremental_detokenizer import IncrementalDetokenizer
-from .jitted import Jitted
+from .jitted import Jitted, compile_ahead
 from .protocol import Request, StageInputs, StageOutput
 from .runner import ModelRunner, RunnerConfig, compilation_count
 from .sampling import sample, shape_logits
@@ -766,27 +767,36 @@ class AREngine:
 
     # ------------------------------------------------------------------ warm-up
     def warmup(self, progress: bool = True) -> float:
-        """Compile every runner bucket and sampler variant; returns seconds spent."""
-        t = self.runner.warmup(progress)
+        """Compile every runner bucket and sampler variant, side by side (`compile_ahead`), then
+        run each once; returns seconds spent."""
         t0 = time.perf_counter()
+        compile_ahead(itertools.chain(self.runner.warmup_programs(), self._sampler_programs()),
+                      desc="compiling programs" if progress else None)
+        self.runner.warmup(progress)
+        for fn, args, kwargs in self._sampler_programs():
+            jax.block_until_ready(fn(*args, **kwargs))
+        return time.perf_counter() - t0
+
+    def _sampler_programs(self):
+        """(jitted fn, args, kwargs) of every sampler variant, the pre-sampler and after-sample
+        programs at every sampler batch, on the arguments warm-up runs them with, one after the other."""
         sizes = sorted(set(self.runner.cfg.decode_buckets) | {self.runner.cfg.max_num_seqs})
         vocab = self.vocab_size
         for b in sizes:
+            logits = self.runner.on_stage(jax.numpy.zeros((b, vocab), jax.numpy.float32))  # as a step's
             for flags in _VARIANTS:
                 params = [SamplingParams(temperature=0.0)] if flags is _GREEDY else [SamplingParams(seed=0, logprobs=1)]
                 md, _ = self.sampling_builder.build(params, [[]], [[0]], b, vocab,
                                                     eos_token_ids=self.cfg.eos_token_ids)
                 if flags.any_penalties and md.history_ids is None:
                     md = md.replace(history_ids=self._empty_history(b))
-                logits = self.runner.on_stage(jax.numpy.zeros((b, vocab), jax.numpy.float32))  # as a step's
-                jax.block_until_ready(self.jitted.sample(logits, md, flags=flags))
+                yield self.jitted.sample, (logits, md), dict(flags=flags)
             if self.grammars is not None:  # a text stage; the others compile it if a logit_bias comes
-                jax.block_until_ready(self.jitted.shape(logits, *self._shaping(None, [], [], b, vocab)))
+                yield self.jitted.shape, (logits, *self._shaping(None, [], [], b, vocab)), {}
             if self.runner.cfg.after_sample:
                 z = np.zeros(b, np.int32)
-                self.runner.after_sample(jax.numpy.zeros((b, self.runner.hidden_size), self.runner.dtype), z,
-                                         np.ones(b, bool), z, z)
-        return t + time.perf_counter() - t0
+                yield self.runner.after_sample_call(
+                    jax.numpy.zeros((b, self.runner.hidden_size), self.runner.dtype), z, np.ones(b, bool), z, z)
 
     @property
     def num_compilations(self) -> int:

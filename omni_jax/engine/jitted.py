@@ -71,22 +71,40 @@ def compile_workers() -> int:
     return workers
 
 
-def compile_ahead(calls: Iterable[tuple[Callable, tuple]], workers: int | None = None) -> int:
-    """Compile the program of each (jitted fn, args) on `workers` threads (`compile_workers()`);
-    returns how many. A later `fn(*args)` runs its program without compiling: JAX keeps what
-    `fn.lower(*args).compile()` built in fn's own cache. Tracing and lowering hold the GIL, so
-    they run here, one program after the other, each handed to the threads as soon as it is
-    lowered; XLA's compile does not (a vocoder's warm-up is mostly compiling: README). A
-    callable without `lower` (a `Jitted.record` wrapper) is left to its call. The first
-    compile error is raised once every thread is done."""
+def compile_ahead(calls: Iterable[tuple], workers: int | None = None, desc: str | None = None) -> int:
+    """Compile the program of each (jitted fn, args[, kwargs]) of `calls` on `workers`
+    threads (`compile_workers()`); returns how many. A later `fn(*args, **kwargs)` runs its
+    program without compiling: JAX keeps what `fn.lower(...).compile()` built in fn's own cache,
+    for arguments alike in shape, dtype and placement (committed or not). Tracing and lowering
+    hold the GIL, so they run here, one program after the other, each handed to the threads as
+    soon as it is lowered; XLA's compile does not (a warm-up is mostly compiling: README). A
+    callable without `lower` (a `Jitted.record` wrapper) is left to its call. `desc`: a progress
+    bar of that name over the compiles. The first compile error is raised once every thread is done."""
     workers = compile_workers() if workers is None else workers
     if workers <= 1:
         return 0
-    with ThreadPoolExecutor(workers, thread_name_prefix="compile") as pool:
-        futures = [pool.submit(fn.lower(*args).compile) for fn, args in calls if hasattr(fn, "lower")]
+    # Lowering reads only the arguments' shapes, dtypes and placement: a warm-up's arguments,
+    # made program by program (`calls` may be a generator), need not all be held at once.
+    calls = [(c[0], _abstract(c[1]), c[2] if len(c) > 2 else {}) for c in calls if hasattr(c[0], "lower")]
+    from tqdm import tqdm
+
+    with tqdm(total=len(calls), desc=desc, unit="program", disable=desc is None) as bar, \
+            ThreadPoolExecutor(workers, thread_name_prefix="compile") as pool:
+        futures = []
+        for fn, args, kwargs in calls:
+            futures.append(pool.submit(fn.lower(*args, **kwargs).compile))
+            futures[-1].add_done_callback(lambda _: bar.update())
     for f in futures:
         f.result()
     return len(futures)
+
+
+def _abstract(tree):
+    """`tree` with its device arrays as shapes, dtypes and placement (an uncommitted array's: none,
+    as JAX keys its programs)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if x.committed else None,
+                                                       weak_type=x.aval.weak_type)
+                        if isinstance(x, jax.Array) else x, tree)
 
 
 def warm_up(calls: Iterable[tuple[Callable, tuple]], workers: int | None = None) -> None:

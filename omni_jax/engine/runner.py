@@ -390,9 +390,13 @@ class ModelRunner:
         on the host. `greedy` [S_pad] bool, `seeds` / `steps` [S_pad] int: a sampled row's
         randomness is a function of its request's seed and output index alone.
         """
-        args = self.on_stage((sample_hidden, token_ids, greedy, seeds, steps))
-        codes, embeds = self.jitted.after_sample(self._param_leaves, *args)
+        fn, args, _ = self.after_sample_call(sample_hidden, token_ids, greedy, seeds, steps)
+        codes, embeds = fn(*args)
         return np.asarray(codes), np.asarray(embeds)
+
+    def after_sample_call(self, sample_hidden, token_ids, greedy, seeds, steps) -> tuple:
+        """(program, args, kwargs) of `after_sample` on these rows (also for `compile_ahead`)."""
+        return self.jitted.after_sample, (self._param_leaves, *self.on_stage((sample_hidden, token_ids, greedy, seeds, steps))), {}
 
     # -------------------------------------------------------------- host-side packing
     def _positions(self, chunk: ScheduledChunk) -> np.ndarray:
@@ -624,13 +628,16 @@ class ModelRunner:
             self._released[result.bucket] = result.outputs
         result.outputs = None
 
+    def _ints_buffer(self, layout: IntLayout, take: bool = False) -> jax.Array:
+        """The device buffer of `layout`'s integer inputs: the one kept (`take`: no longer kept), or a blank one."""
+        buf = self._int_buffers.pop(layout, None) if take else self._int_buffers.get(layout)
+        return self.on_stage(jnp.zeros(layout.size, jnp.int32)) if buf is None else buf
+
     def _upload(self, b: StepInputs, fed: jax.Array | None = None) -> jax.Array:
         """`b`'s integer inputs in the device buffer of its layout (the fed tokens taken in)."""
         # Every call's inputs committed alike (host arrays and the fed tokens): one program per bucket.
         ints = self.on_stage(b.ints)
-        buf = self._int_buffers.pop(b.layout, None)
-        if buf is None:
-            buf = self.on_stage(jnp.zeros(b.layout.size, jnp.int32))
+        buf = self._ints_buffer(b.layout, take=True)
         if fed is None:
             buf = self.jitted.upload(buf, ints)
         else:
@@ -641,19 +648,22 @@ class ModelRunner:
     def _run(self, b: StepInputs, fed: jax.Array | None = None):
         """One call of the step program on packed inputs; (logits, captured, final hidden)."""
         buf = self._upload(b, fed)
-        released = None
-        if b.kind == "decode":
-            released = self._released.pop(b.bucket, None)
-            if released is None:
-                released = self._blank_decode_outputs(b.bucket)
+        released = self._released.pop(b.bucket, None) if b.kind == "decode" else None
+        fn, args, kwargs = self._step_call(b, buf, released)
+        logits, self.kv_caches, captured, final_hidden = fn(*args, **kwargs)
+        return logits, captured, final_hidden
+
+    def _step_call(self, b: StepInputs, buf: jax.Array, released):
+        """(step program, args, kwargs) of a step on `b`'s uploaded integer inputs `buf`; a decode
+        step writes over `released` (the outputs of its bucket's step before), else over blanks."""
+        if b.kind == "decode" and released is None:
+            released = self._blank_decode_outputs(b.bucket)
         rest = self.on_stage(((b.overlay, b.overlay_mask, b.extra) if b.rich else (None, None, None),
                               b.deepstack_feats if b.deepstack else None))
         if self._step_leaves is None:
             self._probe_step()
-        logits, self.kv_caches, captured, final_hidden = self.jitted.step(
-            self._step_leaves, self.kv_caches, released, buf, *rest[0], rest[1],
-            layout=b.layout, rich=b.rich, deepstack=b.deepstack)
-        return logits, captured, final_hidden
+        return (self.jitted.step, (self._step_leaves, self.kv_caches, released, buf, *rest[0], rest[1]),
+                dict(layout=b.layout, rich=b.rich, deepstack=b.deepstack))
 
     def _probe_step(self) -> None:
         """One trace (no compile) of a plain decode step of bucket 1 with every parameter leaf:
@@ -694,10 +704,8 @@ class ModelRunner:
                                           self._decode_outputs))
 
     # -------------------------------------------------------------- warm-up
-    def warmup(self, progress: bool = True) -> float:
-        """Compile every bucket and variant before serving; returns seconds spent."""
-        from tqdm import tqdm
-
+    def _warmup_jobs(self) -> list[tuple]:
+        """(kind, size, rich, deepstack) of every program warm-up runs (`warmup`)."""
         cfg = self.cfg
         variants = [False, True] if cfg.rich_inputs else [False]
         jobs = [("prefill", t, r, False) for t in cfg.token_buckets for r in variants]
@@ -709,8 +717,33 @@ class ModelRunner:
         jobs += [("fed", (p, b), False, False) for p in cfg.decode_buckets for b in cfg.decode_buckets if b <= p]
         if cfg.sampled_embeddings:  # embeddings of sampled tokens, per sampler batch (decode or prefill step)
             jobs += [("embed", b, False, False) for b in sorted({*cfg.decode_buckets, cfg.max_num_seqs})]
+        return jobs
+
+    def warmup_programs(self):
+        """(jitted fn, args, kwargs) of the programs `warmup` runs that take long to compile (every
+        step bucket and variant, prompt logprobs, sampled-token embeddings), on the arguments it
+        runs them with, one after the other: for `compile_ahead`. The small upload programs are
+        left to warm-up."""
+        for kind, size, rich, ds in self._warmup_jobs():
+            if kind == "embed":
+                yield self.jitted.embed, (self._param_leaves, self.on_stage(jnp.zeros(size, jnp.int32))), {}
+            elif kind != "fed":
+                b = self._dummy_batch(kind, size, rich, ds)
+                yield self._step_call(b, self._ints_buffer(b.layout), self._released.get(size) if kind == "decode" else None)
+                if not rich and self.mesh is None:  # over a mesh, the hidden rows' layout is the step's to choose
+                    hidden = self._decode_outputs[-1]
+                    yield self.jitted.prompt_logprobs, (
+                        self._param_leaves, self.on_stage(jnp.zeros((size, *hidden.shape[1:]), hidden.dtype)),
+                        np.zeros(size, np.int32)), {}
+
+    def warmup(self, progress: bool = True) -> float:
+        """Run every bucket and variant once before serving (compiling what `compile_ahead` has
+        not: `warmup_programs`); returns seconds spent."""
+        from tqdm import tqdm
+
         t0 = time.perf_counter()
-        for kind, size, rich, ds in tqdm(jobs, desc="compiling buckets", unit="bucket", disable=not progress):
+        for kind, size, rich, ds in tqdm(self._warmup_jobs(), desc="warming up buckets", unit="bucket",
+                                         disable=not progress):
             if kind == "fed":
                 self._upload(self._dummy_batch("decode", size[1], False), jnp.zeros(size[0], jnp.int32))
                 continue

@@ -38,8 +38,15 @@ if "OMNI_JAX_PROGRAM_CACHE_DIR" not in os.environ:
 import pytest
 
 import hf_tiny
+from omni_jax.engine.jitted import COMPILE_WORKERS_ENV
 from omni_jax.models.qwen2_5_omni import tiny as qwen2_5_tiny
 from omni_jax.models.qwen3_omni import tiny as qwen3_tiny
+
+# Warm-ups compile one program at a time here, in this process and the stage processes it starts:
+# the suite's workers keep every core busy already, and threads then cost more than they save
+# (+5% wall, +11% CPU on 2 cores for the AR-engine modules). Tests of the threads set it
+# themselves (test_compile_ahead.py, the vocoders' no-compilation-after-warm-up fixtures).
+os.environ.setdefault(COMPILE_WORKERS_ENV, "1")
 
 # `pytest --cpu-report`: CPU seconds per module (what CI's two busy cores spend on each).
 pytest_plugins = ("cpu_report",)

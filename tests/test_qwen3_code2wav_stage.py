@@ -24,6 +24,7 @@ import safetensors.numpy as stnp
 import torch
 
 import hf_tiny_qwen3 as tiny
+from omni_jax.engine.jitted import COMPILE_WORKERS_ENV
 from omni_jax.errors import RequestError
 from omni_jax.models.qwen3_omni.code2wav_stage import build_code2wav_engine, plan_windows
 
@@ -94,9 +95,11 @@ def converted(qwen3_omni_hf_dir, hf_code2wav, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def engine(converted):
-    return build_code2wav_engine(converted, length_buckets=LENGTH_BUCKETS, batch_buckets=BATCH_BUCKETS,
-                                 chunk_size=CHUNK, left_context=CONTEXT, max_num_batched_tokens=FRAMES_PER_STEP,
-                                 max_model_len=MAX_FRAMES)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(COMPILE_WORKERS_ENV, "2")  # its warm-up compiles on threads, as served (conftest: one)
+        return build_code2wav_engine(converted, length_buckets=LENGTH_BUCKETS, batch_buckets=BATCH_BUCKETS,
+                                     chunk_size=CHUNK, left_context=CONTEXT, max_num_batched_tokens=FRAMES_PER_STEP,
+                                     max_model_len=MAX_FRAMES)
 
 
 def random_codes(seed: int, frames: int) -> np.ndarray:

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from omni_jax.checkpoint import load_checkpoint
+from omni_jax.engine.jitted import COMPILE_WORKERS_ENV
 from omni_jax.engine.oneshot_engine import ChunkJob, OneShotRequestData
 from omni_jax.engine.protocol import Request
 from omni_jax.engine.runner import compilation_count
@@ -64,8 +65,10 @@ def synth(converted_thinker_fp32) -> Token2WavSynthesizer:
     _redraw(model)
     out = Token2WavSynthesizer(model, Voices.load(converted_thinker_fp32), length_buckets=(64,),
                                batch_buckets=(1, 2))
-    out.warmup()
-    out.warmup_stream()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(COMPILE_WORKERS_ENV, "2")  # compiled on threads, as served (conftest: one)
+        out.warmup()
+        out.warmup_stream()
     return out
 
 

@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 
 import hf_tiny_qwen3 as tiny
+from omni_jax.engine.jitted import COMPILE_WORKERS_ENV
 from omni_jax.errors import RequestError
 from omni_jax.engine.oneshot_engine import ChunkJob, OneShotRequestData, next_chunk_frames
 from omni_jax.engine.protocol import Request
@@ -37,10 +38,12 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def engine(converted):  # noqa: F811 (the imported fixture)
-    engine = build_code2wav_engine(converted, length_buckets=(8, 20), batch_buckets=(1, 2), chunk_size=WINDOW,
-                                   left_context=CONTEXT, max_num_batched_tokens=120, max_model_len=60,
-                                   codec_chunk_frames=CHUNK, initial_codec_chunk_frames=FIRST, streamed=True)
-    engine.synthesizer.warmup()  # whole requests go beside the streams here: both paths compiled
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(COMPILE_WORKERS_ENV, "2")  # its warm-ups compile on threads, as served (conftest: one)
+        engine = build_code2wav_engine(converted, length_buckets=(8, 20), batch_buckets=(1, 2), chunk_size=WINDOW,
+                                       left_context=CONTEXT, max_num_batched_tokens=120, max_model_len=60,
+                                       codec_chunk_frames=CHUNK, initial_codec_chunk_frames=FIRST, streamed=True)
+        engine.synthesizer.warmup()  # whole requests go beside the streams here: both paths compiled
     return engine
 
 

@@ -708,10 +708,13 @@ class ModelRunner:
         """(kind, size, rich, deepstack) of every program warm-up runs (`warmup`)."""
         cfg = self.cfg
         variants = [False, True] if cfg.rich_inputs else [False]
-        jobs = [("prefill", t, r, False) for t in cfg.token_buckets for r in variants]
+        # Every bucket of one variant before the next variant's: the variants of a bucket share
+        # their matmuls, whose autotuning on a GPU (timed on the device) a program compiled after
+        # another finds done (XLA keeps it for the process), where side by side both would run it.
+        jobs = [(kind, size, r, False) for r in variants
+                for kind, sizes in (("prefill", cfg.token_buckets), ("decode", cfg.decode_buckets)) for size in sizes]
         if cfg.rich_inputs and cfg.deepstack_layers:
             jobs += [("prefill", t, True, True) for t in cfg.token_buckets]
-        jobs += [("decode", b, r, False) for b in cfg.decode_buckets for r in variants]
         # Async scheduling feeds a decode step of bucket b from the sampled tokens of one of
         # bucket >= b: requests only leave between the two.
         jobs += [("fed", (p, b), False, False) for p in cfg.decode_buckets for b in cfg.decode_buckets if b <= p]

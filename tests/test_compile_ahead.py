@@ -161,6 +161,9 @@ def warm_up_and_serve(family: str, commit: bool = False, tensor_parallel: int = 
     compilations of a request served after it."""
     import omni_jax.engine.ar_engine as ar_engine
 
+    # The sampler's functions are the module's: a program an earlier test compiled at these shapes
+    # would be found in JAX's caches of this process, not compiled (and not seen) here.
+    jax.clear_caches()
     engine = _tiny_engine(family, commit, tensor_parallel)
     engine.grammars = True  # as a served text stage: the pre-sampler program too (no tokenizer here)
     compiles, marks, real = _Compiles(), [], ar_engine.compile_ahead

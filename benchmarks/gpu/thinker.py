@@ -123,6 +123,7 @@ def run_thinker(family: str, batches, size, rep) -> None:
     import jax
 
     import kernels as kb
+    from omni_jax.engine.jitted import compile_workers
     from omni_jax.gpu.roofline import decode_weight_bytes, step_weight_bytes
 
     t0 = time.perf_counter()
@@ -138,7 +139,8 @@ def run_thinker(family: str, batches, size, rep) -> None:
     rep.add("copy bandwidth (roofline)", bw / 1e9, "GB/s")
     warm = engine.warmup(progress=False)
     compiled = engine.num_compilations  # nothing below may compile
-    rep.add("warm-up (compile every bucket)", warm, "s", f"{compiled} compilations so far")
+    rep.add("warm-up (compile every bucket)", warm, "s",
+            f"{compiled} compilations so far, on {compile_workers()} threads ($OMNI_JAX_COMPILE_WORKERS)")
     rng = np.random.default_rng(0)
     item = np.dtype(jax.numpy.dtype(size.dtype)).itemsize
     weights = decode_weight_bytes(nnx_params(model))

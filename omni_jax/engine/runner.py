@@ -631,7 +631,11 @@ class ModelRunner:
     def _ints_buffer(self, layout: IntLayout, take: bool = False) -> jax.Array:
         """The device buffer of `layout`'s integer inputs: the one kept (`take`: no longer kept), or a blank one."""
         buf = self._int_buffers.pop(layout, None) if take else self._int_buffers.get(layout)
-        return self.on_stage(jnp.zeros(layout.size, jnp.int32)) if buf is None else buf
+        return self._blank_ints(layout.size) if buf is None else buf
+
+    def _blank_ints(self, n: int) -> jax.Array:
+        """`n` zeros (int32) where the stage runs: a fresh integer buffer, warm-up's token ids."""
+        return self.on_stage(jnp.zeros(n, jnp.int32))
 
     def _upload(self, b: StepInputs, fed: jax.Array | None = None) -> jax.Array:
         """`b`'s integer inputs in the device buffer of its layout (the fed tokens taken in)."""
@@ -729,7 +733,7 @@ class ModelRunner:
         left to warm-up."""
         for kind, size, rich, ds in self._warmup_jobs():
             if kind == "embed":
-                yield self.jitted.embed, (self._param_leaves, self.on_stage(jnp.zeros(size, jnp.int32))), {}
+                yield self.jitted.embed, (self._param_leaves, self._blank_ints(size)), {}
             elif kind != "fed":
                 b = self._dummy_batch(kind, size, rich, ds)
                 yield self._step_call(b, self._ints_buffer(b.layout), self._released.get(size) if kind == "decode" else None)
@@ -748,10 +752,10 @@ class ModelRunner:
         for kind, size, rich, ds in tqdm(self._warmup_jobs(), desc="warming up buckets", unit="bucket",
                                          disable=not progress):
             if kind == "fed":
-                self._upload(self._dummy_batch("decode", size[1], False), jnp.zeros(size[0], jnp.int32))
+                self._upload(self._dummy_batch("decode", size[1], False), self._blank_ints(size[0]))
                 continue
             if kind == "embed":
-                self.embed_tokens(self.on_stage(jnp.zeros(size, jnp.int32)))
+                self.embed_tokens(self._blank_ints(size))
                 continue
             _, _, final_hidden = self._run(self._dummy_batch(kind, size, rich, ds))
             if not rich:  # prompt logprobs of a step of this bucket (any variant: same shapes)

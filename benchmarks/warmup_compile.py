@@ -51,7 +51,8 @@ def compile_programs(target: str, family: str, stage_name: str | None, count: in
         stage = next(s for s in pipeline.stages if s.runner != "ar")
         # The streamed calls: what the presets serve with (async chunk), so what their warm-up compiles.
         recorded = [p for p in P.vocoder_programs(pipeline.family, stage, hf_config) if p.info["call"] != "whole"]
-    else:  # what an AR engine's warm-up compiles ahead (`AREngine.warmup`): not the small uploads
+    else:  # what an AR engine's warm-up compiles ahead (`AREngine.warmup`), but the small uploads
+        # (~2 s together for the 7B thinker), which would take most of `--programs`' picks
         stage = next(s for s in pipeline.stages if s.name == stage_name)
         recorded = [p for p in P.ar_engine_programs(pipeline.family, stage, hf_config, num_blocks=64)
                     if not p.kind.startswith("upload")]

@@ -89,9 +89,10 @@ def test_compile_workers_from_the_environment(monkeypatch):
 
 
 # ------------------------------------------------------------------ an AR stage's warm-up
-# The programs an AR engine compiles ahead (`AREngine.warmup`): the steps, prompt logprobs,
-# sampler variants, the pre-sampler and after-sample programs, sampled-token embeddings.
-_AHEAD = {"_forward", "_prompt_logprobs", "_embed", "sample", "shape_logits", "_after_sample"}
+# The programs an AR engine compiles ahead (`AREngine.warmup`): the steps and their integer
+# uploads (fed tokens or not), prompt logprobs, sampler variants, the pre-sampler and after-sample
+# programs, sampled-token embeddings.
+_AHEAD = {"_forward", "into", "upload_fed", "_prompt_logprobs", "_embed", "sample", "shape_logits", "_after_sample"}
 
 
 class _Compiles(logging.Handler):
@@ -187,7 +188,7 @@ def _check(seen: dict, expected: set) -> None:
 
 @pytest.mark.parametrize("family,commit", [("qwen2_5_omni", False), ("qwen2_5_omni", True), ("qwen3_omni", False)])
 def test_an_ar_warm_up_runs_what_its_threads_compiled(family, commit):
-    """Every long program of the warm-up compiles on the threads; the calls that follow compile
+    """Every program of the warm-up compiles on the threads; the calls that follow compile
     none of them (arguments alike in placement: committed parameters too), and serving after
     compiles nothing."""
     _check(warm_up_and_serve(family, commit),

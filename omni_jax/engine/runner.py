@@ -639,15 +639,17 @@ class ModelRunner:
 
     def _upload(self, b: StepInputs, fed: jax.Array | None = None) -> jax.Array:
         """`b`'s integer inputs in the device buffer of its layout (the fed tokens taken in)."""
+        fn, args, kwargs = self._upload_call(b, self._ints_buffer(b.layout, take=True), fed)
+        buf = self._int_buffers[b.layout] = fn(*args, **kwargs)
+        return buf
+
+    def _upload_call(self, b: StepInputs, buf: jax.Array, fed: jax.Array | None = None):
+        """(upload program, args, kwargs) that put `b`'s integer inputs (and the fed tokens) into `buf`."""
         # Every call's inputs committed alike (host arrays and the fed tokens): one program per bucket.
         ints = self.on_stage(b.ints)
-        buf = self._ints_buffer(b.layout, take=True)
         if fed is None:
-            buf = self.jitted.upload(buf, ints)
-        else:
-            buf = self.jitted.upload_fed(buf, ints, self.on_stage(fed), tokens=b.layout.tokens)
-        self._int_buffers[b.layout] = buf
-        return buf
+            return self.jitted.upload, (buf, ints), {}
+        return self.jitted.upload_fed, (buf, ints, self.on_stage(fed)), dict(tokens=b.layout.tokens)
 
     def _run(self, b: StepInputs, fed: jax.Array | None = None):
         """One call of the step program on packed inputs; (logits, captured, final hidden)."""
@@ -727,15 +729,21 @@ class ModelRunner:
         return jobs
 
     def warmup_programs(self):
-        """(jitted fn, args, kwargs) of the programs `warmup` runs that take long to compile (every
-        step bucket and variant, prompt logprobs, sampled-token embeddings), on the arguments it
-        runs them with, one after the other: for `compile_ahead`. The small upload programs are
-        left to warm-up."""
+        """(jitted fn, args, kwargs) of the programs `warmup` runs (every step bucket and variant with
+        its upload, prompt logprobs, sampled-token embeddings), on the arguments it runs them with,
+        one after the other: for `compile_ahead`."""
+        uploads = set()  # one upload program per layout, whatever the variant
         for kind, size, rich, ds in self._warmup_jobs():
             if kind == "embed":
                 yield self.jitted.embed, (self._param_leaves, self._blank_ints(size)), {}
-            elif kind != "fed":
+            elif kind == "fed":
+                b = self._dummy_batch("decode", size[1], False)
+                yield self._upload_call(b, self._ints_buffer(b.layout), self._blank_ints(size[0]))
+            else:
                 b = self._dummy_batch(kind, size, rich, ds)
+                if b.layout not in uploads:
+                    uploads.add(b.layout)
+                    yield self._upload_call(b, self._ints_buffer(b.layout))
                 yield self._step_call(b, self._ints_buffer(b.layout), self._released.get(size) if kind == "decode" else None)
                 if not rich and self.mesh is None:  # over a mesh, the hidden rows' layout is the step's to choose
                     hidden = self._decode_outputs[-1]

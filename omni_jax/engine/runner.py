@@ -340,9 +340,11 @@ class ModelRunner:
         sample_hidden = jnp.take(hidden, v.logits_indices, axis=0)
         logits = model.compute_logits(sample_hidden)
         if self.mesh is not None:
-            # Vocab-split logits are gathered, so the sampler sees whole rows; the pages keep
-            # their layout from step to step (a changed one would be another program).
-            logits = jax.lax.with_sharding_constraint(logits, sharding.replicated(self.mesh))
+            # Vocab-split logits are gathered, so the sampler sees whole rows; the final hidden
+            # rows are whole too (as the residual stream is), in the layout prompt logprobs are
+            # compiled for ahead (warmup_programs); the pages keep their layout from step to step
+            # (a changed one would be another program).
+            logits, hidden = jax.lax.with_sharding_constraint((logits, hidden), sharding.replicated(self.mesh))
             kv_caches = jax.lax.with_sharding_constraint(kv_caches, sharding.kv_cache_sharding(self.mesh))
         if self.cfg.after_sample:
             captured = dict(captured, sample_hidden=sample_hidden)
@@ -745,7 +747,7 @@ class ModelRunner:
                     uploads.add(b.layout)
                     yield self._upload_call(b, self._ints_buffer(b.layout))
                 yield self._step_call(b, self._ints_buffer(b.layout), self._released.get(size) if kind == "decode" else None)
-                if not rich and self.mesh is None:  # over a mesh, the hidden rows' layout is the step's to choose
+                if not rich:
                     hidden = self._decode_outputs[-1]
                     yield self.jitted.prompt_logprobs, (
                         self._param_leaves, self.on_stage(jnp.zeros((size, *hidden.shape[1:]), hidden.dtype)),

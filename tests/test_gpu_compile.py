@@ -559,3 +559,29 @@ def test_plan_counts_split_partials_at_its_context():
     whole = {"paged_decode_bs16_ppb4_k256": 256 * 1000}
     assert [partial_bytes_at(whole, c) for c in (530, 2048, 16384)] == [9 * 1000, 32 * 1000, 256 * 1000]
     assert partial_bytes_at({}, 2048) == 0
+
+
+def test_kernel_usage_runs_ptxas_once_per_kernel_source(tmp_path):
+    """The registers and spills of a program's kernels come from ptxas on the PTX files that hold
+    them, run once per distinct file and target (the same kernel is in many programs); a file
+    without one of them is not read."""
+    from omni_jax.gpu.aot import kernel_usage
+
+    runs, ptxas = tmp_path / "runs", tmp_path / "ptxas"
+    ptxas.write_text(f"#!/bin/sh\necho \"$@\" >> {runs}\ncat >&2 <<'END'\n"
+                     "ptxas info    : Compiling entry function 'k1' for 'sm_90a'\n"
+                     "ptxas info    : Function properties for k1\n"
+                     "    8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads\n"
+                     "ptxas info    : Used 96 registers, used 1 barriers\nEND\n")
+    ptxas.chmod(0o755)
+    files = {"a": ".entry k1(\n", "same_as_a": ".entry k1(\n", "other": "// v2\n.entry k1(\n", "none": ".entry k2(\n"}
+    for name, body in files.items():
+        (tmp_path / f"{name}.ptx").write_text(body)
+    paths = [str(tmp_path / f"{name}.ptx") for name in files]
+    seen = {}
+    usage = kernel_usage(paths, ["k1"], "sm_90a", str(ptxas), seen)
+    assert usage == {"k1": dict(stack_frame=8, spill_stores=4, spill_loads=12, registers=96)}
+    assert [line.split()[-3] for line in runs.read_text().splitlines()] == [paths[0], paths[2]]
+    assert kernel_usage(paths[1:2], ["k1"], "sm_90a", str(ptxas), seen) == usage  # another program's copy
+    assert kernel_usage(paths[:1], ["k1"], "sm_80", str(ptxas), seen) == usage    # another target: run again
+    assert len(runs.read_text().splitlines()) == 3

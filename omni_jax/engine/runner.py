@@ -349,9 +349,8 @@ class ModelRunner:
         if self.cfg.after_sample:
             captured = dict(captured, sample_hidden=sample_hidden)
         if released is not None:  # a decode step: its outputs over those of the step before
-            if self.mesh is not None:  # laid out as the buffers they go into were made (on_stage)
-                logits, captured, hidden = jax.lax.with_sharding_constraint(
-                    (logits, captured, hidden), sharding.replicated(self.mesh))
+            if self.mesh is not None:  # as the buffers it goes into were made (on_stage), as logits and hidden are
+                captured = jax.lax.with_sharding_constraint(captured, sharding.replicated(self.mesh))
             logits, captured, hidden = jax.tree.map(into, released, (logits, captured, hidden))
         # The final hidden states are returned, not copied to the host: only prompt logprobs read them.
         return logits, kv_caches, captured, hidden

@@ -904,6 +904,37 @@ def test_bad_events_get_errors_and_the_session_goes_on(server):
         assert _next(ws, "session.updated")["session"]["instructions"] == "Be brief."
 
 
+def test_an_image_item_that_cannot_be_used_is_refused_and_the_session_goes_on(server, media_dir):
+    """An image past the server's limits (--media-limits here: 448 x 336 pixels) or one that cannot be
+    read is an error for its conversation.item.create and never joins the conversation, whose next
+    reply is made (kept, it would fail that reply and every one after it)."""
+    from PIL import Image
+
+    big = io.BytesIO()
+    Image.new("RGB", (449, 336)).save(big, "PNG")
+    png = (media_dir / "cat.png").read_bytes()
+    refused = {"449x336 = 150864 pixels, more than the limit of 150528": big.getvalue(), "cannot read": png[:60]}
+    with _raw(server) as ws:
+        _next(ws, "session.created")
+        ws.send('{"type": "session.update", "session": {"output_modalities": ["text"]}}')
+        _next(ws, "session.updated")
+        for says, data in refused.items():
+            url = "data:image/png;base64," + base64.b64encode(data).decode()
+            ws.send(json.dumps({"type": "conversation.item.create", "event_id": "e1", "item": {
+                "type": "message", "role": "user",
+                "content": [{"type": "input_text", "text": "Look."}, {"type": "input_image", "image_url": url}]}}))
+            ev = _next(ws, "error")
+            err = ev["error"]
+            assert (err["code"], err["param"], err["event_id"]) == ("invalid_value", "item.content[1].image_url", "e1")
+            assert says in err["message"], err
+        ws.send(json.dumps({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello"}]}}))
+        assert _next(ws, "conversation.item.added")["previous_item_id"] is None  # the first item there
+        ws.send('{"type": "response.create", "response": {"max_output_tokens": 2}}')
+        done = _next(ws, "response.done")["response"]
+        assert done["status"] == "incomplete" and done["status_details"]["reason"] == "max_output_tokens", done
+
+
 def test_appends_past_the_buffer_are_refused_unread_and_the_session_goes_on(server):
     """The buffer holds 60 s (--realtime-max-buffer-s): an append past it is an error, read from
     its length before it is decoded (a bad tail is never looked at), and a clear makes room."""

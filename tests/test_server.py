@@ -39,6 +39,7 @@ pytestmark = pytest.mark.server
 API_KEY = "test-key-123"
 MODEL = "tiny"
 MAX_BODY_MB = 1
+MAX_IMAGE_PIXELS = 448 * 336  # --media-limits (see _serve_args)
 HELLO = [{"role": "user", "content": "Hello"}]
 SR = 24000
 # The vocoder draws its initial noise from the request's seed: fix it on both sides.
@@ -204,8 +205,9 @@ def _serve_args(pipeline_yaml, media_dir) -> list[str]:
     """The test server's command line on `pipeline_yaml`."""
     return ["--model", MODEL, "--pipeline", pipeline_yaml, "--api-key", API_KEY,
             "--allowed-local-media-path", str(media_dir), "--max-request-body-mb", str(MAX_BODY_MB),
-            # the fixtures' media are at most 64 x 64 (a video's frames count too)
-            "--media-limits", '{"max_image_pixels": 4096}', "--prompt-timeout-s", "60"]
+            # the fixtures' media are at most 64 x 64 (a video's frames count too), the voice chat
+            # page's camera stills 448 x 336
+            "--media-limits", json.dumps({"max_image_pixels": MAX_IMAGE_PIXELS}), "--prompt-timeout-s", "60"]
 
 
 def _pipeline_text(pipeline_yaml) -> str:
@@ -734,17 +736,17 @@ def test_unserved_fields_at_their_off_values_are_accepted(client):
 
 
 def test_media_limits_flag_and_typed_special_tokens(client, library, media_dir):
-    """--media-limits reaches the prompt processor: a 65 x 64 image is a 400 naming the limit.
+    """--media-limits reaches the prompt processor: a 449 x 336 image is a 400 naming the limit.
     Placeholder or turn-end strings typed in a message are text (they were a 400, or a new turn)."""
     from PIL import Image
 
     buf = io.BytesIO()
-    Image.new("RGB", (65, 64)).save(buf, "PNG")
+    Image.new("RGB", (449, 336)).save(buf, "PNG")
     url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": url}}]}])
-    assert "65x64 = 4160 pixels, more than the limit of 4096" in e.value.body["message"]
+    assert f"449x336 = 150864 pixels, more than the limit of {MAX_IMAGE_PIXELS}" in e.value.body["message"]
     typed = [{"role": "user", "content": "what is <|IMAGE|> or <|im_end|>?"}]
     r = client.chat.completions.create(model=MODEL, messages=typed, max_tokens=4, temperature=0.0)
     want = library.generate({"messages": typed}, SamplingParams(temperature=0.0, max_tokens=4), output_modalities=["text"])[0]

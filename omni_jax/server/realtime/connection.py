@@ -166,8 +166,7 @@ class RealtimeSession:
             await self.send({"type": "input_audio_buffer.cleared", "event_id": new_id("event")})
         elif isinstance(ev, ConversationItemCreate):
             try:
-                item = await asyncio.to_thread(item_from_event, ev.item, self.policy, self.limits.max_buffer_s,
-                                               self.config.input_format)
+                item = await self._item(ev.item, self.config.input_format)
             except EventError as e:
                 e.event_id = ev.event_id
                 raise
@@ -274,6 +273,11 @@ class RealtimeSession:
         await self._announce(item, previous)
         if self.config.transcription_settings is not None:
             self._spawn(self._transcribe(item))
+
+    async def _item(self, item, input_format: str) -> ConversationItem:
+        """A client's item, checked, its audio decoded and its images read (on a worker thread)."""
+        return await asyncio.to_thread(item_from_event, item, self.policy, self.limits.max_buffer_s, input_format,
+                                       self.engine.omni.processor.media_limits)
 
     async def _add_item(self, item: ConversationItem, previous_item_id: str | None, event_id: str | None) -> None:
         self._disarm_idle()
@@ -403,8 +407,7 @@ class RealtimeSession:
         if fields is not None and fields.input is not None:
             context = Conversation(self.limits.max_items)
             for it in fields.input:
-                context.add(await asyncio.to_thread(item_from_event, it, self.policy, self.limits.max_buffer_s,
-                                                    cfg.input_format))
+                context.add(await self._item(it, cfg.input_format))
         else:
             context = self.conversation
         messages = context.messages(instructions)

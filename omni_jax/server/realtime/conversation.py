@@ -14,6 +14,7 @@ import dataclasses
 import numpy as np
 import soxr
 
+from ...inputs.media import MediaError, MediaLimits, load_image
 from ..errors import APIError, InputAudioError
 from ..messages import MediaPolicy
 from ..tools import join_call
@@ -81,9 +82,9 @@ def _call_item(item: Item) -> ConversationItem:
 
 
 def item_from_event(item: Item, policy: MediaPolicy, max_audio_s: float,
-                    input_format: str = wire_audio.PCM) -> ConversationItem:
+                    input_format: str = wire_audio.PCM, media_limits: MediaLimits | None = None) -> ConversationItem:
     """A client's item (conversation.item.create, response.create's input) -> ours, checked; its
-    audio in the session's input format."""
+    audio in the session's input format, its images read within `media_limits` (None: the defaults)."""
     if item.type != "message":
         return _call_item(item)
     if item.role is None or not item.content:
@@ -113,8 +114,13 @@ def item_from_event(item: Item, policy: MediaPolicy, max_audio_s: float,
         elif p.type == "input_image":
             try:
                 url = policy.source(p.image_url, f"{where}.image_url")
+                # Read now, not first when a response renders the conversation: an image that
+                # cannot be read would fail that response and every one after it.
+                load_image(url, f"{where}.image_url", media_limits or MediaLimits())
             except APIError as e:
                 raise EventError(e.message, "invalid_value", f"{where}.image_url") from None
+            except MediaError as e:
+                raise EventError(str(e), "invalid_value", f"{where}.image_url") from None
             parts.append(Part("input_image", image_url=url))
         elif p.type == "output_audio":
             parts.append(Part("output_audio", transcript=p.transcript or ""))

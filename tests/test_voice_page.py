@@ -276,6 +276,50 @@ def test_text_image_and_audio_turns_and_text_replies(browser, server, media_dir,
     assert not b.console_errors
 
 
+def test_camera_stills_go_with_spoken_typed_and_push_to_talk_turns(browser, server, mic_wavs):
+    """With the camera on (Chromium's fake one, 640 x 480), a spoken turn is preceded by a still of
+    its own, which the server adds before the turn's audio; a typed turn carries one in its
+    message; a push-to-talk turn sends one as it is let go. Off, the camera stops."""
+    b = browser(mic_wavs["turn"])
+    _open(b, server)
+    b.js("document.getElementById('camera').click()")
+    b.wait_for("document.getElementById('preview').videoWidth > 0 && !document.getElementById('preview').hidden", 30,
+               "the camera's preview")
+    assert b.js("document.getElementById('camera').getAttribute('aria-pressed')") == "true"
+    b.js("document.getElementById('talk').click()")
+    b.wait_for("omniStats.responses.find(r => r.status !== 'in_progress')", 120, "the reply to the spoken turn")
+    s = _stats(b)
+    assert [(it["role"], it["parts"]) for it in s["items"][:3]] == [
+        ("user", ["input_image"]), ("user", ["input_audio"]), ("assistant", ["output_audio"])], s["items"]
+    assert s["responses"][0]["status"] in ("completed", "incomplete") and not any(s["notices"]), s
+    assert s["items"][0]["id"] == s["stills"][0]["item"] and s["items"][1]["id"] == s["userTurns"][0]["item"]
+    assert (s["stills"][0]["width"], s["stills"][0]["height"]) == (448, 336), s["stills"]
+    assert _text(b, "#log li.user .meta")[0] == "camera" and b.js("document.querySelectorAll('#log img.still').length") == 1
+    b.js("document.getElementById('talk').click()")  # the microphone off: the next turns are typed or pushed
+
+    b.js("document.getElementById('text').value = 'What do you see?'")
+    b.js("document.getElementById('send').click()")
+    b.wait_for("omniStats.responses.length > 1 && omniStats.responses[1].status !== 'in_progress'", 120,
+               "the reply to the typed turn")
+    typed = next(it for it in _stats(b)["items"] if it["parts"] == ["input_image", "input_text"])
+    assert typed["role"] == "user" and b.js("document.querySelectorAll('#log img.still').length") == 2
+
+    b.js("document.getElementById('ptt').click()")
+    b.key("keyDown")
+    _say_and_let_go(b)
+    b.wait_for("omniStats.items.filter(it => it.parts[0] === 'input_audio').length > 1", 60, "the pushed turn")
+    parts = [it["parts"] for it in _stats(b)["items"]]
+    pushed = max(i for i, p in enumerate(parts) if p == ["input_audio"])
+    assert parts[pushed - 1] == ["input_image"], parts
+    assert len(_stats(b)["stills"]) == 3
+    b.screenshot(SHOTS / "05-camera-stills.png")
+
+    b.js("document.getElementById('camera').click()")
+    assert b.js("document.getElementById('preview').hidden && document.getElementById('preview').srcObject === null")
+    assert b.js("document.getElementById('camera').getAttribute('aria-pressed')") == "false"
+    assert not b.console_errors
+
+
 def test_the_speed_setting_reaches_the_session_and_is_kept(browser, server):
     """Settings' Speed: the session is updated to it (the server's session.updated says so), and the
     page opens with it next time."""
@@ -305,7 +349,7 @@ def test_a_model_without_speech_is_explained(browser, server):
     assert not b.console_errors
 
 
-def test_denied_microphone_and_wrong_key_are_explained(browser, server, mic_wavs):
+def test_denied_microphone_and_camera_and_wrong_key_are_explained(browser, server, mic_wavs):
     b = browser(mic_wavs["turn"], allow_mic=False)
     b.open(f"{server.url}/#key=wrong")
     b.wait_for("omniStats.notices.some(n => n.includes('needs an API key'))", 30, "the key notice")
@@ -316,7 +360,15 @@ def test_denied_microphone_and_wrong_key_are_explained(browser, server, mic_wavs
     b.js("document.getElementById('talk').click()")
     b.wait_for("omniStats.notices.some(n => n.includes('Microphone access was denied'))", 30, "the microphone notice")
     assert b.js("document.getElementById('talk').getAttribute('aria-pressed')") == "false"
+    b.js("document.getElementById('camera').click()")
+    b.wait_for("omniStats.notices.some(n => n.includes('Camera access was denied'))", 30, "the camera notice")
+    assert b.js("document.getElementById('camera').getAttribute('aria-pressed') === 'false' && document.getElementById('preview').hidden")
     b.screenshot(SHOTS / "06-microphone-denied.png")
+    # the open settings (the key notice opened them) scroll within their half of the screen: the
+    # notice, the compose bar and the settings do not overlap
+    assert b.js("""(() => { const box = (id) => document.getElementById(id).getBoundingClientRect();
+        return document.getElementById('settings').open && box('notice').bottom <= box('compose').top
+            && box('compose').bottom <= box('settings').top; })()""")
     # the browser's own log line for the 401 is the only error
     assert all("401" in e for e in b.console_errors), b.console_errors
 

@@ -1,7 +1,9 @@
 // The voice chat page: the microphone streams to /v1/realtime, server VAD takes the turns, the
-// reply plays as it streams and speaking over it interrupts it. What the page saw is kept in
-// `window.omniStats` (and shown), so a person or a test can read it.
+// reply plays as it streams and speaking over it interrupts it; with the camera on, each turn
+// takes a still of it along. What the page saw is kept in `window.omniStats` (and shown), so a
+// person or a test can read it.
 import {Mic, Player, RATE, base64ToPcm16, fileToPcm16Base64, pcm16ToBase64} from "./audio.js";
+import {Camera} from "./camera.js";
 import {Realtime} from "./realtime.js";
 
 const $ = (id) => document.getElementById(id);
@@ -9,10 +11,13 @@ const ui = {
   status: $("status"), model: $("model"), notice: $("notice"), log: $("log"), talk: $("talk"), text: $("text"),
   send: $("send"), attach: $("attach"), attached: $("attached"), unattach: $("unattach"), voice: $("voice"),
   speed: $("speed"), speak: $("speak"), ptt: $("ptt"), captions: $("captions"), instructions: $("instructions"),
-  key: $("key"), reconnect: $("reconnect"),
+  key: $("key"), reconnect: $("reconnect"), camera: $("camera"), preview: $("preview"),
   ttfa: $("ttfa"), settings: $("settings"), compose: $("compose"),
 };
-const stats = window.omniStats = {state: "connecting", responses: [], userTurns: [], notices: []};
+// items: what the server added to the conversation, in order ({id, role, parts: [type, ...]});
+// stills: the camera stills sent ({item, width, height, bytes})
+const stats = window.omniStats = {state: "connecting", responses: [], userTurns: [], notices: [], items: [], stills: []};
+const camera = new Camera(ui.preview);
 
 let model = null, voices = [], rt = null, ctx = null, mic = null, player = null;
 let micOn = false, pttHeld = false, retries = 0, retryTimer = null, attachment = null;
@@ -20,6 +25,7 @@ let turnEnd = null;   // when the user's last turn ended (performance.now()): ti
 let active = null;    // the response in progress: its stats record
 let playing = null;   // the response whose audio the player holds
 const bubbles = new Map();  // item id -> its <li>
+const stillUrls = new Map();  // a still's item id -> its data URL, until the server has added it
 
 // ---------------------------------------------------------------- what the user sees
 
@@ -35,7 +41,7 @@ function enableControls() {
   const ready = stats.state === "connected";
   ui.talk.disabled = !ready;
   ui.send.disabled = !ready || ui.captions.checked;
-  ui.text.disabled = ui.attach.disabled = ui.captions.checked;
+  ui.text.disabled = ui.attach.disabled = ui.camera.disabled = ui.captions.checked;
 }
 
 function notify(message) {
@@ -63,6 +69,16 @@ function bubble(id, who, text = "") {
 const follow = () => { ui.log.scrollTop = ui.log.scrollHeight; };
 const append = (li, delta) => { li.querySelector(".text").textContent += delta; follow(); };
 const meta = (li, text) => { li.querySelector(".meta").textContent = text; };
+/** The still a user's turn took along, above its words. */
+function showStill(li, url) {
+  const img = document.createElement("img");
+  img.className = "still";
+  img.alt = "What the camera showed";
+  img.src = url;
+  li.querySelector(".text").before(img);
+  follow();
+}
+
 /** A reply the user spoke over (or cancelled): dimmed and said so. */
 function markCut(item) {
   const li = item && bubbles.get(item);
@@ -238,8 +254,47 @@ function pttUp() {
   pttHeld = false;
   ui.talk.setAttribute("aria-pressed", "false");
   turnEnd = performance.now();
+  if (!ui.captions.checked) sendStill();
   rt.send({type: "input_audio_buffer.commit"});
   if (!ui.captions.checked) rt.send({type: "response.create"});
+}
+
+// ---------------------------------------------------------------- camera
+
+async function toggleCamera() {
+  if (camera.open) {
+    camera.stop();
+  } else {
+    try {
+      await camera.start();
+    } catch (e) {
+      camera.stop();
+      notify(e.name === "NotAllowedError" ? "Camera access was denied: allow it in the browser's site settings to show the model what it sees."
+        : e.name === "NotFoundError" ? "No camera was found."
+        : `The camera could not start: ${e.message}`);
+    }
+  }
+  ui.camera.setAttribute("aria-pressed", String(camera.open));
+  ui.preview.hidden = !camera.open;
+}
+
+/** The camera's still now, as a content part of the user's turn (null with the camera off). */
+function stillPart() {
+  if (!camera.open || ui.captions.checked) return null;
+  const still = camera.still();
+  if (!still) return null;
+  stats.stills.push({item: null, width: still.width, height: still.height, bytes: still.url.length});
+  return {type: "input_image", image_url: still.url};
+}
+
+/** A spoken turn begins (server VAD) or is sent (push to talk): its still goes first, an item of its own. */
+function sendStill() {
+  const part = rt && stillPart();
+  if (!part) return;
+  const id = `still_${Date.now().toString(36)}${Math.random().toString(36).slice(2, 8)}`;
+  stats.stills.at(-1).item = id;
+  stillUrls.set(id, part.image_url);
+  rt.send({type: "conversation.item.create", item: {id, type: "message", role: "user", content: [part]}});
 }
 
 // ---------------------------------------------------------------- server events
@@ -248,7 +303,19 @@ const responseOf = (id) => stats.responses.find((r) => r.id === id);
 
 function listen(rt) {
   rt.on("session.updated", (e) => { stats.session = e.session; });  // the settings as the server took them
-  rt.on("input_audio_buffer.speech_started", () => interrupt({cancel: false}));  // the server cancels the reply
+  rt.on("input_audio_buffer.speech_started", () => {
+    interrupt({cancel: false});  // the server cancels the reply
+    sendStill();  // added before the turn's audio, which the server adds when the turn ends
+  });
+  rt.on("conversation.item.added", (e) => {
+    stats.items.push({id: e.item.id, role: e.item.role ?? null, parts: (e.item.content ?? []).map((p) => p.type)});
+    const url = stillUrls.get(e.item.id);
+    if (url === undefined) return;
+    stillUrls.delete(e.item.id);
+    const li = bubble(e.item.id, "user");
+    showStill(li, url);
+    meta(li, "camera");
+  });
   rt.on("input_audio_buffer.speech_stopped", () => { turnEnd = performance.now(); });
   rt.on("input_audio_buffer.committed", (e) => {
     stats.userTurns.push({item: e.item_id, transcript: null});
@@ -323,10 +390,12 @@ async function sendTurn(ev) {
   if (!rt || (!text && !attachment)) return;
   audioContext();  // a click lets the page play the reply
   interrupt({cancel: true});
-  const content = attachment ? [attachment.part] : [];
+  const still = stillPart();
+  const content = [still, attachment?.part].filter(Boolean);
   if (text) content.push({type: "input_text", text});
   const li = bubble(null, "user", text);
-  if (attachment) meta(li, `with ${attachment.name}`);
+  if (still) showStill(li, still.image_url);
+  meta(li, [still && "camera", attachment && `with ${attachment.name}`].filter(Boolean).join(", "));
   rt.send({type: "conversation.item.create", item: {type: "message", role: "user", content}});
   rt.send({type: "response.create"});
   turnEnd = performance.now();
@@ -382,6 +451,7 @@ document.addEventListener("keyup", (e) => {
 });
 ui.compose.addEventListener("submit", sendTurn);
 ui.attach.addEventListener("change", attach);
+ui.camera.addEventListener("click", toggleCamera);
 ui.unattach.addEventListener("click", () => setAttachment(null));
 ui.ptt.addEventListener("change", () => {  // the open microphone stops streaming: the button sends now
   micOn = false;

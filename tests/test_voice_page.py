@@ -276,10 +276,10 @@ def test_text_image_and_audio_turns_and_text_replies(browser, server, media_dir,
     assert not b.console_errors
 
 
-def test_camera_stills_go_with_spoken_typed_and_push_to_talk_turns(browser, server, mic_wavs):
-    """With the camera on (Chromium's fake one, 640 x 480), a spoken turn is preceded by a still of
-    its own, which the server adds before the turn's audio; a typed turn carries one in its
-    message; a push-to-talk turn sends one as it is let go. Off, the camera stops."""
+def test_camera_stills_go_before_spoken_typed_and_push_to_talk_turns(browser, server, mic_wavs):
+    """With the camera on (Chromium's fake one, 640 x 480), a still of it goes before each turn, an
+    item of its own: as a spoken turn begins (the server adds it before the turn's audio), before a
+    typed turn, and as a push-to-talk turn is let go. Off, the camera stops."""
     b = browser(mic_wavs["turn"])
     _open(b, server)
     b.js("document.getElementById('camera').click()")
@@ -301,8 +301,9 @@ def test_camera_stills_go_with_spoken_typed_and_push_to_talk_turns(browser, serv
     b.js("document.getElementById('send').click()")
     b.wait_for("omniStats.responses.length > 1 && omniStats.responses[1].status !== 'in_progress'", 120,
                "the reply to the typed turn")
-    typed = next(it for it in _stats(b)["items"] if it["parts"] == ["input_image", "input_text"])
-    assert typed["role"] == "user" and b.js("document.querySelectorAll('#log img.still').length") == 2
+    parts = [it["parts"] for it in _stats(b)["items"]]
+    assert parts[parts.index(["input_text"]) - 1] == ["input_image"], parts
+    assert b.js("document.querySelectorAll('#log img.still').length") == 2
 
     b.js("document.getElementById('ptt').click()")
     b.key("keyDown")
@@ -318,6 +319,26 @@ def test_camera_stills_go_with_spoken_typed_and_push_to_talk_turns(browser, serv
     assert b.js("document.getElementById('preview').hidden && document.getElementById('preview').srcObject === null")
     assert b.js("document.getElementById('camera').getAttribute('aria-pressed')") == "false"
     assert not b.console_errors
+
+
+def test_a_still_the_server_refuses_loses_nothing_else(browser, server):
+    """A still the server cannot read (here the page's canvas made a broken JPEG): the server's
+    error is shown, and the typed turn after it is added and answered."""
+    b = browser()
+    b.call("Page.addScriptToEvaluateOnNewDocument",
+           source="HTMLCanvasElement.prototype.toDataURL = () => 'data:image/jpeg;base64,AAAA';")
+    _open(b, server)
+    b.js("document.getElementById('speak').click()")  # replies as text
+    b.js("document.getElementById('camera').click()")
+    b.wait_for("document.getElementById('preview').videoWidth > 0", 30, "the camera's preview")
+    b.js("document.getElementById('text').value = 'Hello'")
+    b.js("document.getElementById('send').click()")
+    reply = b.wait_for("omniStats.responses.find(r => r.status !== 'in_progress')", 120, "the reply")
+    s = _stats(b)
+    assert reply["status"] in ("completed", "incomplete") and reply["text"], reply
+    assert any("image_url" in n and "cannot read" in n for n in s["notices"]), s["notices"]
+    assert [it["parts"] for it in s["items"] if it["role"] == "user"] == [["input_text"]], s["items"]
+    assert b.js("document.querySelectorAll('#log img.still').length") == 0 and not b.console_errors
 
 
 def test_the_speed_setting_reaches_the_session_and_is_kept(browser, server):

@@ -1,6 +1,6 @@
 // The voice chat page: the microphone streams to /v1/realtime, server VAD takes the turns, the
-// reply plays as it streams and speaking over it interrupts it; with the camera on, each turn
-// takes a still of it along. What the page saw is kept in `window.omniStats` (and shown), so a
+// reply plays as it streams and speaking over it interrupts it; with the camera on, a still of it
+// goes before each turn. What the page saw is kept in `window.omniStats` (and shown), so a
 // person or a test can read it.
 import {Mic, Player, RATE, base64ToPcm16, fileToPcm16Base64, pcm16ToBase64} from "./audio.js";
 import {Camera} from "./camera.js";
@@ -254,7 +254,7 @@ function pttUp() {
   pttHeld = false;
   ui.talk.setAttribute("aria-pressed", "false");
   turnEnd = performance.now();
-  if (!ui.captions.checked) sendStill();
+  sendStill();
   rt.send({type: "input_audio_buffer.commit"});
   if (!ui.captions.checked) rt.send({type: "response.create"});
 }
@@ -278,23 +278,18 @@ async function toggleCamera() {
   ui.preview.hidden = !camera.open;
 }
 
-/** The camera's still now, as a content part of the user's turn (null with the camera off). */
-function stillPart() {
-  if (!camera.open || ui.captions.checked) return null;
-  const still = camera.still();
-  if (!still) return null;
-  stats.stills.push({item: null, width: still.width, height: still.height, bytes: still.url.length});
-  return {type: "input_image", image_url: still.url};
-}
-
-/** A spoken turn begins (server VAD) or is sent (push to talk): its still goes first, an item of its own. */
+/** With the camera on, a still of it goes before the user's turn, an item of its own (one the
+ * server refuses loses nothing else): as a spoken turn begins (server VAD) or is let go (push to
+ * talk), and before a typed turn. */
 function sendStill() {
-  const part = rt && stillPart();
-  if (!part) return;
+  const still = rt && camera.open && !ui.captions.checked ? camera.still() : null;
+  if (!still) return;
   const id = `still_${Date.now().toString(36)}${Math.random().toString(36).slice(2, 8)}`;
-  stats.stills.at(-1).item = id;
-  stillUrls.set(id, part.image_url);
-  rt.send({type: "conversation.item.create", item: {id, type: "message", role: "user", content: [part]}});
+  stats.stills.push({item: id, width: still.width, height: still.height, bytes: still.url.length});
+  stillUrls.set(id, still.url);
+  // the event's id is the item's: an error for it (the server refused the still) forgets its URL
+  rt.send({type: "conversation.item.create", event_id: id,
+           item: {id, type: "message", role: "user", content: [{type: "input_image", image_url: still.url}]}});
 }
 
 // ---------------------------------------------------------------- server events
@@ -377,6 +372,7 @@ function listen(rt) {
     if (active === r) active = null;
   });
   rt.on("error", (e) => {
+    stillUrls.delete(e.error.event_id);
     if (e.error.code === "response_cancel_not_active") return;  // the reply ended as we cancelled it
     notify(e.error.message);
   });
@@ -390,12 +386,11 @@ async function sendTurn(ev) {
   if (!rt || (!text && !attachment)) return;
   audioContext();  // a click lets the page play the reply
   interrupt({cancel: true});
-  const still = stillPart();
-  const content = [still, attachment?.part].filter(Boolean);
+  sendStill();
+  const content = attachment ? [attachment.part] : [];
   if (text) content.push({type: "input_text", text});
   const li = bubble(null, "user", text);
-  if (still) showStill(li, still.image_url);
-  meta(li, [still && "camera", attachment && `with ${attachment.name}`].filter(Boolean).join(", "));
+  if (attachment) meta(li, `with ${attachment.name}`);
   rt.send({type: "conversation.item.create", item: {type: "message", role: "user", content}});
   rt.send({type: "response.create"});
   turnEnd = performance.now();

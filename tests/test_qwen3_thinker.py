@@ -22,6 +22,7 @@ import torch
 import hf_tiny_qwen3 as tiny
 from qwen3_prompt import Prompt
 from omni_jax import load_checkpoint
+from omni_jax.engine.protocol import MultiModalPayload
 from omni_jax.engine.runner import RunnerConfig
 from omni_jax.engine.sampling_params import SamplingParams
 from omni_jax.models.qwen3_omni.rope_index import get_rope_index_qwen3
@@ -245,6 +246,55 @@ def test_engine_greedy_matches_transformers(engine, qwen3_omni_hf_model):
     assert got["audio"] == _hf_greedy(hf, audio.ids, **audio.hf_kwargs())
     kv = engine.scheduler.kv_cache_manager
     assert kv.is_idle_and_leak_free()
+
+
+def test_a_conversation_keeps_its_earlier_media_cached(engine, qwen3_omni_hf_model):
+    """Turn 2 extends turn 1 with more audio and an image: its prefix-cache hit reaches past turn
+    1's audio (each media item is a range of its own, keyed by its inputs), and its greedy tokens
+    equal transformers' on the whole prompt."""
+    full = Prompt(seed=12).text(2).audio(130).text(20).audio(60).text(3).image((1, 8, 8)).done()
+    ids = np.array(full.ids)
+    first_audio_end = int(np.flatnonzero(ids == tiny.AUDIO_END)[0])
+    turn1 = ids[:first_audio_end + 21]
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+
+    def run(rid, prompt, mm):
+        engine.add_request(rid, prompt, greedy, multi_modal_data=mm)
+        tokens, cached = [], 0
+        for _ in range(300):
+            if not engine.has_unfinished():
+                break
+            for o in engine.step():
+                tokens += o.new_token_ids
+                cached = max(cached, o.num_cached_tokens)
+        return tokens, cached
+
+    assert run("turn 1", turn1, MultiModalPayload(audio_features=full.mm.audio_features[:1]))[1] == 0
+    tokens, cached = run("turn 2", ids, full.mm)
+    assert cached == len(turn1) // 16 * 16 and cached > first_audio_end, (cached, first_audio_end)  # 16: block size
+    assert tokens == _hf_greedy(qwen3_omni_hf_model, full.ids, **full.hf_kwargs())
+    assert engine.scheduler.kv_cache_manager.is_idle_and_leak_free()
+
+
+def test_media_prefix_cache_ranges_and_keys(engine):
+    """One range per media item; a video with its audio track interleaved is one range. An audio's
+    key carries the request's chunk padding (transformers pads every chunk to the request's
+    longest): beside a longer audio, the same short clip gets another key."""
+    enc = engine.media_encoder
+
+    def ranges(p):
+        return enc.prepare(np.array(p.ids), p.mm)[1]
+
+    alone = ranges(Prompt(seed=13).text(2).audio(40).done())
+    beside = ranges(Prompt(seed=13).text(2).audio(40).text(2).audio(130).done())  # the same first clip
+    assert len(alone) == 1 and len(beside) == 2 and alone[0][:2] == beside[0][:2] and alone[0][2] != beside[0][2]
+    mixed = Prompt(seed=14).text(2).image((1, 8, 8)).text(1).video((2, 8, 8), with_audio_frames=60).done()
+    ids = np.array(mixed.ids)
+    got = ranges(mixed)
+    media = np.flatnonzero(np.isin(ids, [tiny.IMAGE_TOKEN, tiny.VIDEO_TOKEN, tiny.AUDIO_TOKEN]))
+    image = np.flatnonzero(ids == tiny.IMAGE_TOKEN)
+    assert [(o, n) for o, n, _ in got] == [(image[0], len(image)), (media[len(image)], media[-1] - media[len(image)] + 1)]
+    assert got[1][2].count("+") == 1  # the video's key and its audio's
 
 
 def test_one_token_chunk_at_a_visual_token_gets_deepstack(engine, qwen3_omni_hf_model):

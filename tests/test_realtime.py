@@ -447,15 +447,16 @@ def test_the_session_speed_paces_the_spoken_reply(client, library):
     _assert_same_audio(_audio_of(seen), stretch(want.audio, 1.5))
 
 
-def _speak(conn, audio: np.ndarray, seen: list):
-    """Stream `audio` as a microphone would (100 ms appends); the VAD's turn events."""
+def _speak(conn, audio: np.ndarray, seen: list, before_s: float = 0.0):
+    """Stream `audio` as a microphone would (100 ms appends); the VAD's turn events.
+    `before_s`: the audio the session was sent before (the events' times count from its start)."""
     for i in range(0, len(audio), 2400):
         conn.input_audio_buffer.append(audio=_b64(audio[i:i + 2400]))
     started = _until(conn, "input_audio_buffer.speech_started", seen)
     stopped = _until(conn, "input_audio_buffer.speech_stopped", seen)
     committed = _until(conn, "input_audio_buffer.committed", seen)
     assert started.item_id == stopped.item_id == committed.item_id
-    start, end = _voiced(audio)
+    start, end = np.add(_voiced(audio), 1000 * before_s)
     assert abs(started.audio_start_ms - (start - 300)) <= 60 and stopped.audio_end_ms > end
     return committed
 
@@ -582,19 +583,19 @@ def test_semantic_vad_session_answers_a_spoken_turn(client):
 
 
 def test_a_second_turn_computes_only_what_is_new(client, server):
-    """Each turn's prompt extends the last: the thinker's prefix cache serves the old part (spoken
-    replies too: the hidden rows the talker needs of it are kept with the cache)."""
+    """Each turn's prompt extends the last: the thinker's prefix cache serves the old part, the
+    first turn's audio included when the second is spoken too (each clip is a cache range of its
+    own), and spoken replies too (the hidden rows the talker needs of it are kept with the cache)."""
     before = _metrics(server)
     with client.realtime.connect(model=MODEL) as conn:
         _until(conn, "session.created")
         conn.session.update(session={"type": "realtime", "max_output_tokens": 6})
         _until(conn, "session.updated")
         # Words no other test speaks: only this session can have cached the turn's audio blocks.
-        _speak(conn, _speech("Good morning. Will it rain this afternoon?"), [])
+        turn = _speech("Good morning. Will it rain this afternoon?")
+        _speak(conn, turn, [])
         first = _until(conn, "response.done").response
-        conn.conversation.item.create(item={"type": "message", "role": "user",
-                                            "content": [{"type": "input_text", "text": "And tomorrow?"}]})
-        conn.response.create()
+        _speak(conn, _speech("And tomorrow?"), [], before_s=len(turn) / SR)
         second = _until(conn, "response.done").response
     cached = second.usage.input_token_details.cached_tokens
     # (the first turn may hit too, on the instructions' blocks that other sessions cached)

@@ -175,11 +175,26 @@ class MultiModalPayload(_Message):
     video_second_per_grid: np.ndarray | None = None
     use_audio_in_video: bool = False
 
-    def content_hash(self) -> str:
-        """Digest of all media bytes: the prefix-cache key of the placeholder blocks."""
-        return _digest([*self.audio_features, self.pixel_values, self.image_grid_thw, self.pixel_values_videos,
-                        self.video_grid_thw, self.video_second_per_grid],
-                       b"aiv" if self.use_audio_in_video else b"-")
+    def item_hashes(self, audio_tail: bytes = b"") -> dict[str, list[str]]:
+        """Digest of each media item's inputs, per kind ("audio", "image", "video") in prompt
+        order: a placeholder range's prefix-cache key. `audio_tail`: what else an audio clip's
+        encoder rows depend on (Qwen3's: the padding of the request's longest chunk)."""
+        out = {}
+        if self.audio_features:
+            out["audio"] = [_digest([f], audio_tail) for f in self.audio_features]
+        for kind, pixels, grids in (("image", self.pixel_values, self.image_grid_thw),
+                                    ("video", self.pixel_values_videos, self.video_grid_thw)):
+            if pixels is None:
+                continue
+            grids = np.asarray(grids, np.int64).reshape(-1, 3)
+            ends = np.cumsum(np.prod(grids, axis=1))
+            timing = [None] * len(grids) if kind == "image" or self.video_second_per_grid is None \
+                else np.asarray(self.video_second_per_grid, np.float64).reshape(-1)
+            # (a video's positions depend on its timing, and its audio track's on being interleaved)
+            tail = b"aiv" if kind == "video" and self.use_audio_in_video else b"-"
+            out[kind] = [_digest([pixels[end - n:end], grid, timing[i]], tail)
+                         for i, (grid, n, end) in enumerate(zip(grids, np.prod(grids, axis=1), ends))]
+        return out
 
 
 # ---------------------------------------------------------------------------------------

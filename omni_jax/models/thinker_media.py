@@ -40,6 +40,11 @@ class MediaBuckets:
         return cls(stage.audio_chunk_buckets, stage.vision_patch_buckets)
 
 
+def placeholder_ids(cfg) -> dict[str, int]:
+    """The placeholder token of each media kind of a thinker config."""
+    return {"audio": cfg.audio_token_id, "image": cfg.image_token_id, "video": cfg.video_token_id}
+
+
 def media_index(token_ids: np.ndarray, cfg, media_order: Sequence[str]) -> np.ndarray:
     """Row of the concatenated encoder output for each placeholder token, -1 for text.
 
@@ -48,7 +53,7 @@ def media_index(token_ids: np.ndarray, cfg, media_order: Sequence[str]) -> np.nd
     own block, in prompt order, the way transformers' masked_scatter fills them.
     """
     token_ids = np.asarray(token_ids)
-    ids = {"audio": cfg.audio_token_id, "image": cfg.image_token_id, "video": cfg.video_token_id}
+    ids = placeholder_ids(cfg)
     index = np.full(token_ids.shape, -1, np.int32)
     offset = 0
     for kind in media_order:
@@ -106,6 +111,15 @@ class ThinkerMediaEncoder:
     def _num_chunks(self, lens: np.ndarray) -> int:
         """Encoder chunks the audios of these lengths (mel frames) need together."""
         raise NotImplementedError
+
+    def _audio_tokens(self, lens: np.ndarray) -> np.ndarray:
+        """Placeholder tokens (encoder rows) of each audio of these lengths (mel frames)."""
+        raise NotImplementedError
+
+    def _audio_tail(self, lens: np.ndarray) -> bytes:
+        """What an audio's encoder rows depend on besides its own features, for a request whose
+        audios have these lengths (a prefix-cache key part; Qwen2.5's encoder: nothing)."""
+        return b""
 
     def _rope_index(self, ids: np.ndarray, mm: MultiModalPayload, audio_lens) -> tuple[np.ndarray, int]:
         """The prompt's M-RoPE positions [3, T] and the delta of the positions after it."""
@@ -216,10 +230,8 @@ class ThinkerMediaEncoder:
         """(kind, features, extra) per media kind present, in (audio, image, video) order,
         each checked against the prompt's placeholder count. `extra` is what the family's
         `_encode` returns beside the features (Qwen3: DeepStack features)."""
-        cfg = self.cfg
         out = []
-        for kind, tok in (("audio", cfg.audio_token_id), ("image", cfg.image_token_id),
-                          ("video", cfg.video_token_id)):
+        for kind, tok in placeholder_ids(self.cfg).items():
             feats, extra = self._encode(kind, mm)
             placeholders = int((ids == tok).sum())
             have = 0 if feats is None else len(feats)
@@ -230,11 +242,33 @@ class ThinkerMediaEncoder:
                 out.append((kind, feats, extra))
         return out
 
-    @staticmethod
-    def _media_ranges(index: np.ndarray, mm: MultiModalPayload) -> list:
-        """One prefix-cache range over all placeholders, keyed by the media content."""
-        where = np.flatnonzero(index >= 0)
-        return [(int(where[0]), int(where[-1] - where[0] + 1), mm.content_hash())]
+    def _media_ranges(self, ids: np.ndarray, mm: MultiModalPayload) -> list:
+        """Prefix-cache ranges: one per media item over its placeholders (a video and its audio
+        track interleaved: one over both), keyed by the item's inputs. A conversation's turns keep
+        the cached blocks of the media before them when a turn adds more."""
+        tokens = placeholder_ids(self.cfg)
+        lens = np.array([np.asarray(f).shape[1] for f in mm.audio_features], np.int64)
+        hashes = mm.item_hashes(self._audio_tail(lens) if len(lens) else b"")
+        spans = []  # [first, last, keys] of each item
+        for kind, keys in hashes.items():
+            where = np.flatnonzero(ids == tokens[kind])
+            if kind == "audio":
+                rows = self._audio_tokens(lens)
+            else:
+                grids = mm.image_grid_thw if kind == "image" else mm.video_grid_thw
+                rows = np.prod(np.asarray(grids, np.int64).reshape(-1, 3), axis=1) // self.cfg.vision.merge_unit
+            ends = np.cumsum(rows)
+            if not len(ends) or ends[-1] != len(where):  # _encode_media checked the features' rows
+                raise ValueError(f"the {kind} inputs make {rows.tolist()} placeholder tokens, the prompt has {len(where)}")
+            spans += [[int(where[end - n]), int(where[end - 1]), [key]] for n, end, key in zip(rows, ends, keys) if n]
+        merged = []
+        for span in sorted(spans):
+            if merged and span[0] <= merged[-1][1]:  # interleaved with the one before
+                merged[-1][1] = max(merged[-1][1], span[1])
+                merged[-1][2] += span[2]
+            else:
+                merged.append(span)
+        return [(first, last - first + 1, "+".join(keys)) for first, last, keys in merged]
 
     # ------------------------------------------------------------------ requests
     def prepare(self, token_ids: np.ndarray, mm: MultiModalPayload) -> tuple[StageInputs, list]:
@@ -249,7 +283,7 @@ class ThinkerMediaEncoder:
         index = media_index(ids, self.cfg, [kind for kind, _, _ in media])
         return StageInputs(mrope_positions=positions, mrope_delta=int(delta),
                            overlay_rows=np.concatenate([f for _, f, _ in media]).astype(np.float32),
-                           overlay_index=index, **self._extra_inputs(media)), self._media_ranges(index, mm)
+                           overlay_index=index, **self._extra_inputs(media)), self._media_ranges(ids, mm)
 
     def warmup(self) -> None:
         """Compile every encoder bucket."""

@@ -10,7 +10,7 @@ from ...engine.protocol import MultiModalPayload
 from ...inputs.rope_index import RopeIndexConfig
 from ..layers.audio_chunks import num_chunks_for
 from ..thinker_media import MediaBuckets, ThinkerMediaEncoder
-from .audio_encoder import prepare_audio_batch
+from .audio_encoder import audio_output_lengths, prepare_audio_batch
 from .rope_index import get_rope_index
 from .thinker import ThinkerConfig
 from .vision_encoder import vision_metadata
@@ -25,6 +25,9 @@ class Qwen2_5ThinkerMediaEncoder(ThinkerMediaEncoder):
 
     def _num_chunks(self, lens: np.ndarray) -> int:
         return num_chunks_for(lens, self.cfg.audio.n_window)
+
+    def _audio_tokens(self, lens: np.ndarray) -> np.ndarray:
+        return audio_output_lengths(lens)[1]
 
     def _encode_audio_call(self, features: list[np.ndarray], request_lens: np.ndarray) -> np.ndarray:
         lens, chunks, feats = self._audio_input(features)

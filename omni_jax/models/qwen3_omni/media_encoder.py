@@ -32,7 +32,7 @@ import numpy as np
 from ...engine.protocol import MultiModalPayload
 from ..layers.audio_chunks import num_chunks_for
 from ..thinker_media import MediaBuckets, ThinkerMediaEncoder
-from .audio_encoder import prepare_audio_batch
+from .audio_encoder import audio_output_lengths, prepare_audio_batch
 from .thinker import ThinkerConfig
 from .rope_index import get_rope_index_qwen3
 from .vision_encoder import vision_metadata
@@ -52,14 +52,24 @@ class Qwen3ThinkerMediaEncoder(ThinkerMediaEncoder):
     def _audio_window_chunks(self) -> int:
         return self.cfg.audio.window_chunks
 
+    def _audio_tokens(self, lens: np.ndarray) -> np.ndarray:
+        return audio_output_lengths(lens, self.cfg.audio.n_window)
+
+    def _chunk_extent(self, request_lens: np.ndarray) -> int:
+        """The frames every chunk is padded to: transformers encodes all audios of a request in
+        one call, padding each chunk to the longest of them."""
+        return min(int(request_lens.max()), self.cfg.audio.chunk_frames)
+
+    def _audio_tail(self, lens: np.ndarray) -> bytes:
+        return b"extent %d" % self._chunk_extent(lens)
+
     def _encode_audio_call(self, features: list[np.ndarray], request_lens: np.ndarray) -> np.ndarray:
         acfg = self.cfg.audio
         lens, chunks, feats = self._audio_input(features)
-        # transformers encodes all audios of a request in one call, padding every chunk to the
-        # longest of them: a call over some of them (or pieces) pads to the same.
+        # a call over some of the request's audios (or pieces) pads as one call over all of them
         batch = prepare_audio_batch(lens, acfg.n_window, acfg.n_window_infer, num_chunks=chunks,
                                     num_windows=chunks, num_tokens=chunks * acfg.chunk_tokens,
-                                    extent=min(int(request_lens.max()), acfg.chunk_frames))
+                                    extent=self._chunk_extent(request_lens))
         out = self.jitted.audio(self.audio_params, feats, *batch.arrays())
         return np.asarray(out)[:batch.num_tokens]
 

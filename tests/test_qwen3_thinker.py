@@ -28,7 +28,7 @@ from omni_jax.engine.sampling_params import SamplingParams
 from omni_jax.models.qwen3_omni.rope_index import get_rope_index_qwen3
 from omni_jax.models.layers.attention import AttentionMetadata
 from omni_jax.models.qwen3_omni.media_encoder import Qwen3ThinkerMediaEncoder
-from omni_jax.models.thinker_media import MediaBuckets
+from omni_jax.models.thinker_media import EncoderCache, MediaBuckets
 
 pytestmark = pytest.mark.parity
 
@@ -250,8 +250,9 @@ def test_engine_greedy_matches_transformers(engine, qwen3_omni_hf_model):
 
 def test_a_conversation_keeps_its_earlier_media_cached(engine, qwen3_omni_hf_model):
     """Turn 2 extends turn 1 with more audio and an image: its prefix-cache hit reaches past turn
-    1's audio (each media item is a range of its own, keyed by its inputs), and its greedy tokens
-    equal transformers' on the whole prompt."""
+    1's audio (each media item is a range of its own, keyed by its inputs), that audio's encoder
+    rows are read back from the encoder cache, and its greedy tokens equal transformers' on the
+    whole prompt."""
     full = Prompt(seed=12).text(2).audio(130).text(20).audio(60).text(3).image((1, 8, 8)).done()
     ids = np.array(full.ids)
     first_audio_end = int(np.flatnonzero(ids == tiny.AUDIO_END)[0])
@@ -269,11 +270,41 @@ def test_a_conversation_keeps_its_earlier_media_cached(engine, qwen3_omni_hf_mod
                 cached = max(cached, o.num_cached_tokens)
         return tokens, cached
 
+    encoded = engine.media_encoder.encoded
+    seen = encoded.hits, encoded.misses
     assert run("turn 1", turn1, MultiModalPayload(audio_features=full.mm.audio_features[:1]))[1] == 0
     tokens, cached = run("turn 2", ids, full.mm)
+    assert (encoded.hits - seen[0], encoded.misses - seen[1]) == (1, 3)  # turn 2 encoded its audio and image
     assert cached == len(turn1) // 16 * 16 and cached > first_audio_end, (cached, first_audio_end)  # 16: block size
     assert tokens == _hf_greedy(qwen3_omni_hf_model, full.ids, **full.hf_kwargs())
     assert engine.scheduler.kv_cache_manager.is_idle_and_leak_free()
+
+
+def test_encoder_rows_read_back_equal_encoded_ones(engine):
+    """A prompt whose media the encoder cache holds (some of them) gets the rows of one encoded
+    afresh; the cache keeps the newest items within its bytes."""
+    enc = engine.media_encoder
+    first = Prompt(seed=15).text(2).audio(130).text(1).image((1, 8, 8)).done()
+    p = Prompt(seed=15).text(2).audio(130).text(1).image((1, 8, 8)).text(1).audio(60).image((1, 8, 12)).done()
+    ids = np.array(p.ids)
+    enc.prepare(np.array(first.ids), first.mm)  # the same first audio and image
+    hits = enc.encoded.hits
+    held, fresh = enc.encoded, EncoderCache()
+    cached = enc.prepare(ids, p.mm)[0]
+    assert enc.encoded.hits == hits + 2
+    enc.encoded = fresh
+    try:
+        computed = enc.prepare(ids, p.mm)[0]
+    finally:
+        enc.encoded = held
+    np.testing.assert_allclose(cached.overlay_rows, computed.overlay_rows, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(cached.deepstack_rows, computed.deepstack_rows, atol=1e-5, rtol=0)
+    small = EncoderCache(max_bytes=3000)
+    for key in "abc":
+        small.put(key, (np.zeros(250, np.float32), None))  # 1000 bytes each
+    small.put("d", (np.zeros(250, np.float32), None))
+    small.put("huge", (np.zeros(1000, np.float32), None))
+    assert list(small.items) == ["b", "c", "d"] and small.bytes == 3000
 
 
 def test_media_prefix_cache_ranges_and_keys(engine):

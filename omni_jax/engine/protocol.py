@@ -175,26 +175,50 @@ class MultiModalPayload(_Message):
     video_second_per_grid: np.ndarray | None = None
     use_audio_in_video: bool = False
 
+    def _vision_items(self, kind: str) -> tuple[np.ndarray, np.ndarray, list[slice]]:
+        """(patches, grids [N, 3], each item's rows of the patches) of the images or videos."""
+        pixels, grids = (self.pixel_values, self.image_grid_thw) if kind == "image" else \
+            (self.pixel_values_videos, self.video_grid_thw)
+        grids = np.asarray(grids, np.int64).reshape(-1, 3)
+        ends = np.cumsum(np.prod(grids, axis=1))
+        return pixels, grids, [slice(int(end - n), int(end)) for n, end in zip(np.prod(grids, axis=1), ends)]
+
+    def _timing(self) -> list:
+        """Each video's seconds per grid step (None where not given)."""
+        n = len(np.asarray(self.video_grid_thw).reshape(-1, 3))
+        return [None] * n if self.video_second_per_grid is None else \
+            list(np.asarray(self.video_second_per_grid, np.float64).reshape(-1))
+
     def item_hashes(self, audio_tail: bytes = b"") -> dict[str, list[str]]:
-        """Digest of each media item's inputs, per kind ("audio", "image", "video") in prompt
-        order: a placeholder range's prefix-cache key. `audio_tail`: what else an audio clip's
-        encoder rows depend on (Qwen3's: the padding of the request's longest chunk)."""
+        """Digest of each media item's inputs, per kind present ("audio", "image", "video") in
+        prompt order: its prefix-cache range's key, and its encoder rows'. `audio_tail`: what else
+        an audio clip's encoder rows depend on (Qwen3's: the padding of the request's longest chunk)."""
         out = {}
         if self.audio_features:
             out["audio"] = [_digest([f], audio_tail) for f in self.audio_features]
-        for kind, pixels, grids in (("image", self.pixel_values, self.image_grid_thw),
-                                    ("video", self.pixel_values_videos, self.video_grid_thw)):
-            if pixels is None:
-                continue
-            grids = np.asarray(grids, np.int64).reshape(-1, 3)
-            ends = np.cumsum(np.prod(grids, axis=1))
-            timing = [None] * len(grids) if kind == "image" or self.video_second_per_grid is None \
-                else np.asarray(self.video_second_per_grid, np.float64).reshape(-1)
-            # (a video's positions depend on its timing, and its audio track's on being interleaved)
-            tail = b"aiv" if kind == "video" and self.use_audio_in_video else b"-"
-            out[kind] = [_digest([pixels[end - n:end], grid, timing[i]], tail)
-                         for i, (grid, n, end) in enumerate(zip(grids, np.prod(grids, axis=1), ends))]
+        if self.pixel_values is not None:
+            pixels, grids, rows = self._vision_items("image")
+            out["image"] = [_digest([pixels[r], g], b"-") for r, g in zip(rows, grids)]
+        if self.pixel_values_videos is not None:
+            pixels, grids, rows = self._vision_items("video")
+            # a video's positions depend on its timing, and its audio track's on being interleaved
+            tail = b"aiv" if self.use_audio_in_video else b"-"
+            out["video"] = [_digest([pixels[r], g, t], tail) for r, g, t in zip(rows, grids, self._timing())]
         return out
+
+    def select(self, kind: str, items: Sequence[int]) -> "MultiModalPayload":
+        """A payload of only these items of one kind (for an encoder call over part of a request)."""
+        if kind == "audio":
+            return MultiModalPayload(audio_features=[self.audio_features[i] for i in items])
+        pixels, grids, rows = self._vision_items(kind)
+        patches = np.concatenate([pixels[rows[i]] for i in items])
+        if kind == "image":
+            return MultiModalPayload(pixel_values=patches, image_grid_thw=grids[list(items)])
+        timing = self._timing()
+        return MultiModalPayload(pixel_values_videos=patches, video_grid_thw=grids[list(items)],
+                                 video_second_per_grid=None if self.video_second_per_grid is None
+                                 else np.array([timing[i] for i in items]),
+                                 use_audio_in_video=self.use_audio_in_video)
 
 
 # ---------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ compiles after warm-up. A family's subclass runs its encoders (`_encode_audio_ca
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from typing import Sequence
 
 import jax
@@ -38,6 +39,37 @@ class MediaBuckets:
     def of(cls, stage) -> "MediaBuckets":
         """A thinker stage config's buckets."""
         return cls(stage.audio_chunk_buckets, stage.vision_patch_buckets)
+
+
+# Host memory for the encoder rows of recent media items (`EncoderCache`): about 3 minutes of
+# audio, or 90 images of 192 tokens, at the 7B thinker's width.
+ENCODER_CACHE_BYTES = 256 << 20
+
+
+class EncoderCache:
+    """Encoder rows of recent media items by their inputs' key, least recently used first out,
+    at most `max_bytes`: a conversation's turns encode each clip and image once."""
+
+    def __init__(self, max_bytes: int = ENCODER_CACHE_BYTES):
+        self.max_bytes, self.bytes = max_bytes, 0
+        self.items: OrderedDict[str, tuple] = OrderedDict()
+        self.hits = self.misses = 0
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.items
+
+    def get(self, key: str) -> tuple:
+        self.items.move_to_end(key)
+        return self.items[key]
+
+    def put(self, key: str, rows: tuple) -> None:
+        size = sum(r.nbytes for r in rows if r is not None)
+        if key in self.items or size > self.max_bytes:
+            return
+        self.items[key], self.bytes = rows, self.bytes + size
+        while self.bytes > self.max_bytes:
+            _, old = self.items.popitem(last=False)
+            self.bytes -= sum(r.nbytes for r in old if r is not None)
 
 
 def placeholder_ids(cfg) -> dict[str, int]:
@@ -76,6 +108,7 @@ class ThinkerMediaEncoder:
 
     def __init__(self, thinker, cfg, rope_cfg, buckets: MediaBuckets = MediaBuckets()):
         self.cfg, self.rope_cfg, self.buckets = cfg, rope_cfg, buckets
+        self.encoded = EncoderCache()
         # Each encoder's parameters as a flat list (a tree the program cache can key): a
         # restarted stage reads its encoder programs back instead of tracing them.
         audio, self.audio_params = _flat(thinker.audio_tower)
@@ -104,8 +137,9 @@ class ThinkerMediaEncoder:
         these items (or runs of their frames) in one encoder call of at most the largest patch bucket."""
         raise NotImplementedError
 
-    def _encode(self, kind: str, mm: MultiModalPayload):
-        """(features or None, extra) of one media kind of a request."""
+    def _encode(self, kind: str, mm: MultiModalPayload, request_lens: np.ndarray):
+        """(features or None, extra) of one media kind of `mm` (a request's, or some of its items);
+        `request_lens`: the mel frames of every audio of the request."""
         raise NotImplementedError
 
     def _num_chunks(self, lens: np.ndarray) -> int:
@@ -130,17 +164,18 @@ class ThinkerMediaEncoder:
         return {}
 
     # ------------------------------------------------------------------ host-side planning
-    def encode_audio(self, features: Sequence[np.ndarray]) -> np.ndarray:
-        """Audio embeddings [tokens, hidden] of all audios of one request, in order. Audio of more
-        encoder chunks than the largest bucket takes several calls (`_audio_calls`): a prompt's
-        audio is bounded by the thinker's context, not by a bucket."""
+    def encode_audio(self, features: Sequence[np.ndarray], request_lens: np.ndarray | None = None) -> np.ndarray:
+        """Audio embeddings [tokens, hidden] of these audios, in order; `request_lens`: the mel
+        frames of every audio of their request (default: these are all). Audio of more encoder
+        chunks than the largest bucket takes several calls (`_audio_calls`): a prompt's audio is
+        bounded by the thinker's context, not by a bucket."""
         acfg = self.cfg.audio
         features = [np.asarray(f) for f in features]
         for i, f in enumerate(features):
             if f.ndim != 2 or f.shape[0] != acfg.num_mel_bins or f.shape[1] < 1:
                 raise ValueError(f"audio {i}: expected log-mel features [{acfg.num_mel_bins}, frames], "
                                  f"got shape {f.shape}")
-        lens = np.array([f.shape[1] for f in features], np.int64)
+        lens = np.array([f.shape[1] for f in features], np.int64) if request_lens is None else request_lens
         return np.concatenate([self._encode_audio_call(call, lens) for call in self._audio_calls(features)])
 
     def _audio_calls(self, features: list[np.ndarray]) -> list[list[np.ndarray]]:
@@ -226,13 +261,47 @@ class ThinkerMediaEncoder:
         padded[:len(pixel_values)] = pixel_values
         return patches, padded
 
-    def _encode_media(self, ids: np.ndarray, mm: MultiModalPayload) -> list[tuple[str, np.ndarray, object]]:
+    def _items(self, mm: MultiModalPayload, lens: np.ndarray) -> dict[str, tuple[np.ndarray, list[str]]]:
+        """Per media kind present: each item's placeholder tokens (encoder rows) and key, in order."""
+        out = {}
+        for kind, keys in mm.item_hashes(self._audio_tail(lens) if len(lens) else b"").items():
+            if kind == "audio":
+                rows = np.asarray(self._audio_tokens(lens), np.int64)
+            else:
+                grids = mm.image_grid_thw if kind == "image" else mm.video_grid_thw
+                rows = np.prod(np.asarray(grids, np.int64).reshape(-1, 3), axis=1) // self.cfg.vision.merge_unit
+            out[kind] = (rows, keys)
+        return out
+
+    def _encode_items(self, kind: str, mm: MultiModalPayload, lens: np.ndarray, rows: np.ndarray,
+                      keys: list[str]) -> tuple[np.ndarray, np.ndarray | None]:
+        """(features, extra) of one kind's items in order: what the encoder cache holds is read
+        back, the rest is encoded together (and kept)."""
+        missing = [i for i, key in enumerate(keys) if key not in self.encoded]
+        self.encoded.hits += len(keys) - len(missing)
+        self.encoded.misses += len(missing)
+        fresh = {}
+        if missing:
+            feats, extra = self._encode(kind, mm.select(kind, missing), lens)
+            want = rows[missing]
+            if len(feats) != want.sum():
+                raise ValueError(f"the {kind} inputs give {len(feats)} features for {int(want.sum())} placeholder tokens")
+            for i, n, end in zip(missing, want, np.cumsum(want)):
+                fresh[keys[i]] = (feats[end - n:end], None if extra is None else extra[:, end - n:end])
+        parts = [fresh[key] if key in fresh else self.encoded.get(key) for key in keys]
+        for key, part in fresh.items():
+            self.encoded.put(key, part)
+        feats = np.concatenate([f for f, _ in parts])
+        return feats, None if parts[0][1] is None else np.concatenate([e for _, e in parts], axis=1)
+
+    def _encode_media(self, ids: np.ndarray, mm: MultiModalPayload, lens: np.ndarray,
+                      items: dict) -> list[tuple[str, np.ndarray, object]]:
         """(kind, features, extra) per media kind present, in (audio, image, video) order,
         each checked against the prompt's placeholder count. `extra` is what the family's
         `_encode` returns beside the features (Qwen3: DeepStack features)."""
         out = []
         for kind, tok in placeholder_ids(self.cfg).items():
-            feats, extra = self._encode(kind, mm)
+            feats, extra = self._encode_items(kind, mm, lens, *items[kind]) if kind in items else (None, None)
             placeholders = int((ids == tok).sum())
             have = 0 if feats is None else len(feats)
             if placeholders != have:
@@ -242,25 +311,17 @@ class ThinkerMediaEncoder:
                 out.append((kind, feats, extra))
         return out
 
-    def _media_ranges(self, ids: np.ndarray, mm: MultiModalPayload) -> list:
+    @staticmethod
+    def _media_ranges(ids: np.ndarray, cfg, items: dict) -> list:
         """Prefix-cache ranges: one per media item over its placeholders (a video and its audio
         track interleaved: one over both), keyed by the item's inputs. A conversation's turns keep
         the cached blocks of the media before them when a turn adds more."""
-        tokens = placeholder_ids(self.cfg)
-        lens = np.array([np.asarray(f).shape[1] for f in mm.audio_features], np.int64)
-        hashes = mm.item_hashes(self._audio_tail(lens) if len(lens) else b"")
+        tokens = placeholder_ids(cfg)
         spans = []  # [first, last, keys] of each item
-        for kind, keys in hashes.items():
-            where = np.flatnonzero(ids == tokens[kind])
-            if kind == "audio":
-                rows = self._audio_tokens(lens)
-            else:
-                grids = mm.image_grid_thw if kind == "image" else mm.video_grid_thw
-                rows = np.prod(np.asarray(grids, np.int64).reshape(-1, 3), axis=1) // self.cfg.vision.merge_unit
-            ends = np.cumsum(rows)
-            if not len(ends) or ends[-1] != len(where):  # _encode_media checked the features' rows
-                raise ValueError(f"the {kind} inputs make {rows.tolist()} placeholder tokens, the prompt has {len(where)}")
-            spans += [[int(where[end - n]), int(where[end - 1]), [key]] for n, end, key in zip(rows, ends, keys) if n]
+        for kind, (rows, keys) in items.items():
+            where = np.flatnonzero(ids == tokens[kind])  # as many as the rows (_encode_media checked)
+            spans += [[int(where[end - n]), int(where[end - 1]), [key]]
+                      for n, end, key in zip(rows, np.cumsum(rows), keys) if n]
         merged = []
         for span in sorted(spans):
             if merged and span[0] <= merged[-1][1]:  # interleaved with the one before
@@ -274,16 +335,16 @@ class ThinkerMediaEncoder:
     def prepare(self, token_ids: np.ndarray, mm: MultiModalPayload) -> tuple[StageInputs, list]:
         """StageInputs (overlay rows, M-RoPE positions, the family's extra rows) and prefix-cache media ranges."""
         ids = np.asarray(token_ids)
-        media = self._encode_media(ids, mm)
+        lens = np.array([np.asarray(f).shape[1] for f in mm.audio_features], np.int64)
+        items = self._items(mm, lens)
+        media = self._encode_media(ids, mm, lens, items)
         if not media:
             return StageInputs(), []
-        audio_lens = np.array([np.asarray(f).shape[1] for f in mm.audio_features], np.int64) \
-            if mm.audio_features else None
-        positions, delta = self._rope_index(ids, mm, audio_lens)
+        positions, delta = self._rope_index(ids, mm, lens if len(lens) else None)
         index = media_index(ids, self.cfg, [kind for kind, _, _ in media])
         return StageInputs(mrope_positions=positions, mrope_delta=int(delta),
                            overlay_rows=np.concatenate([f for _, f, _ in media]).astype(np.float32),
-                           overlay_index=index, **self._extra_inputs(media)), self._media_ranges(ids, mm)
+                           overlay_index=index, **self._extra_inputs(media)), self._media_ranges(ids, self.cfg, items)
 
     def warmup(self) -> None:
         """Compile every encoder bucket."""

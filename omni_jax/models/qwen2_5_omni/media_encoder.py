@@ -42,12 +42,12 @@ class Qwen2_5ThinkerMediaEncoder(ThinkerMediaEncoder):
         out = self.jitted.vision(self.vision_params, padded, meta)
         return np.asarray(out)[:len(pixel_values) // self.cfg.vision.merge_unit], None
 
-    def _encode(self, kind: str, mm: MultiModalPayload):
-        if kind == "audio":
-            return (self.encode_audio(mm.audio_features) if mm.audio_features else None), None
+    def _encode(self, kind: str, mm: MultiModalPayload, request_lens: np.ndarray):
+        if kind == "audio":  # each audio's rows are its own (the encoder attends within its chunks)
+            return self.encode_audio(mm.audio_features), None
         pix, grid = (mm.pixel_values, mm.image_grid_thw) if kind == "image" else \
             (mm.pixel_values_videos, mm.video_grid_thw)
-        return (None, None) if pix is None else self.encode_vision(pix, grid, kind)
+        return self.encode_vision(pix, grid, kind)
 
     def _rope_index(self, ids: np.ndarray, mm: MultiModalPayload, audio_lens) -> tuple[np.ndarray, int]:
         return get_rope_index(ids, self.rope_cfg, image_grid_thw=mm.image_grid_thw, video_grid_thw=mm.video_grid_thw,

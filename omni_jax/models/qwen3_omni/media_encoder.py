@@ -81,16 +81,14 @@ class Qwen3ThinkerMediaEncoder(ThinkerMediaEncoder):
         m = len(pixel_values) // self.cfg.vision.merge_unit
         return np.asarray(feats)[:m], np.asarray(deepstack)[:, :m]
 
-    def _encode(self, kind: str, mm: MultiModalPayload):
+    def _encode(self, kind: str, mm: MultiModalPayload, request_lens: np.ndarray):
         k, h = self.cfg.num_deepstack_layers, self.cfg.text.hidden_size
         if kind == "audio":
-            if not mm.audio_features:
-                return None, None
-            feats = self.encode_audio(mm.audio_features)
+            feats = self.encode_audio(mm.audio_features, request_lens)
             return feats, np.zeros((k, len(feats), h), np.float32)  # audio rows get no DeepStack
         pix, grid = (mm.pixel_values, mm.image_grid_thw) if kind == "image" else \
             (mm.pixel_values_videos, mm.video_grid_thw)
-        return (None, None) if pix is None else self.encode_vision(pix, grid, kind)
+        return self.encode_vision(pix, grid, kind)
 
     def _rope_index(self, ids: np.ndarray, mm: MultiModalPayload, audio_lens) -> tuple[np.ndarray, int]:
         return get_rope_index_qwen3(

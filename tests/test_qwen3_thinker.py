@@ -326,6 +326,10 @@ def test_media_prefix_cache_ranges_and_keys(engine):
     image = np.flatnonzero(ids == tiny.IMAGE_TOKEN)
     assert [(o, n) for o, n, _ in got] == [(image[0], len(image)), (media[len(image)], media[-1] - media[len(image)] + 1)]
     assert got[1][2].count("+") == 1  # the video's key and its audio's
+    bad = Prompt(seed=13).text(2).audio(40).done()
+    bad.mm.audio_features[0] = bad.mm.audio_features[0][0]  # one mel bin's row, not [bins, frames]
+    with pytest.raises(ValueError, match=r"audio 0: expected log-mel features \[128, frames\], got shape \(40,\)"):
+        enc.prepare(np.array(bad.ids), bad.mm)
 
 
 def test_one_token_chunk_at_a_visual_token_gets_deepstack(engine, qwen3_omni_hf_model):

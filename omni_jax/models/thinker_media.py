@@ -138,7 +138,7 @@ class ThinkerMediaEncoder:
         raise NotImplementedError
 
     def _encode(self, kind: str, mm: MultiModalPayload, request_lens: np.ndarray):
-        """(features or None, extra) of one media kind of `mm` (a request's, or some of its items);
+        """(features, extra) of the items of one media kind in `mm` (some of a request's);
         `request_lens`: the mel frames of every audio of the request."""
         raise NotImplementedError
 
@@ -169,14 +169,18 @@ class ThinkerMediaEncoder:
         frames of every audio of their request (default: these are all). Audio of more encoder
         chunks than the largest bucket takes several calls (`_audio_calls`): a prompt's audio is
         bounded by the thinker's context, not by a bucket."""
-        acfg = self.cfg.audio
         features = [np.asarray(f) for f in features]
-        for i, f in enumerate(features):
-            if f.ndim != 2 or f.shape[0] != acfg.num_mel_bins or f.shape[1] < 1:
-                raise ValueError(f"audio {i}: expected log-mel features [{acfg.num_mel_bins}, frames], "
-                                 f"got shape {f.shape}")
-        lens = np.array([f.shape[1] for f in features], np.int64) if request_lens is None else request_lens
+        lens = self._audio_lens(features) if request_lens is None else request_lens
         return np.concatenate([self._encode_audio_call(call, lens) for call in self._audio_calls(features)])
+
+    def _audio_lens(self, features: Sequence[np.ndarray]) -> np.ndarray:
+        """The mel frames of each audio, its features checked to be [num_mel_bins, frames]."""
+        bins = self.cfg.audio.num_mel_bins
+        for i, f in enumerate(features):
+            shape = np.shape(f)
+            if len(shape) != 2 or shape[0] != bins or shape[1] < 1:
+                raise ValueError(f"audio {i}: expected log-mel features [{bins}, frames], got shape {shape}")
+        return np.array([np.shape(f)[1] for f in features], np.int64)
 
     def _audio_calls(self, features: list[np.ndarray]) -> list[list[np.ndarray]]:
         """The audios of one request as encoder calls of at most the largest chunk bucket: one call
@@ -335,7 +339,7 @@ class ThinkerMediaEncoder:
     def prepare(self, token_ids: np.ndarray, mm: MultiModalPayload) -> tuple[StageInputs, list]:
         """StageInputs (overlay rows, M-RoPE positions, the family's extra rows) and prefix-cache media ranges."""
         ids = np.asarray(token_ids)
-        lens = np.array([np.asarray(f).shape[1] for f in mm.audio_features], np.int64)
+        lens = self._audio_lens(mm.audio_features)
         items = self._items(mm, lens)
         media = self._encode_media(ids, mm, lens, items)
         if not media:

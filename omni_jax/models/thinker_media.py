@@ -55,8 +55,11 @@ class EncoderCache:
         self.items: OrderedDict[str, tuple] = OrderedDict()
         self.hits = self.misses = 0
 
-    def __contains__(self, key: str) -> bool:
-        return key in self.items
+    def missing(self, keys: list[str]) -> list[int]:
+        """The positions of the keys not held (counted as misses, the rest as hits)."""
+        out = [i for i, key in enumerate(keys) if key not in self.items]
+        self.hits, self.misses = self.hits + len(keys) - len(out), self.misses + len(out)
+        return out
 
     def get(self, key: str) -> tuple:
         self.items.move_to_end(key)
@@ -281,9 +284,7 @@ class ThinkerMediaEncoder:
                       keys: list[str]) -> tuple[np.ndarray, np.ndarray | None]:
         """(features, extra) of one kind's items in order: what the encoder cache holds is read
         back, the rest is encoded together (and kept)."""
-        missing = [i for i, key in enumerate(keys) if key not in self.encoded]
-        self.encoded.hits += len(keys) - len(missing)
-        self.encoded.misses += len(missing)
+        missing = self.encoded.missing(keys)
         fresh = {}
         if missing:
             feats, extra = self._encode(kind, mm.select(kind, missing), lens)

@@ -48,9 +48,9 @@ from omni_jax.server.app import build_app
 from omni_jax.server.engine import ServedEngine
 from omni_jax.server.vad import ServerVAD
 from test_async_chunk_pipeline import pipeline_for
-from test_server import (API_KEY, HELLO, MAX_BODY_MB, MODEL, VOCODER_SEED, _assert_same_audio, _idle,  # noqa: F401
-                         _auth, _free_port, _lib_params, _metrics, client, env, library, media_dir, server,
-                         with_audio_buckets)
+from test_server import (API_KEY, HELLO, MAX_BODY_MB, MAX_IMAGE_PIXELS, MODEL, VOCODER_SEED,  # noqa: F401
+                         _assert_same_audio, _idle, _auth, _free_port, _lib_params, _metrics, client, env,
+                         library, media_dir, server, with_audio_buckets)
 from test_server import pipeline_yaml as server_pipeline_yaml
 
 pytestmark = pytest.mark.server
@@ -914,7 +914,8 @@ def test_an_image_item_that_cannot_be_used_is_refused_and_the_session_goes_on(se
     big = io.BytesIO()
     Image.new("RGB", (449, 336)).save(big, "PNG")
     png = (media_dir / "cat.png").read_bytes()
-    refused = {"449x336 = 150864 pixels, more than the limit of 150528": big.getvalue(), "cannot read": png[:60]}
+    refused = {f"449x336 = 150864 pixels, more than the limit of {MAX_IMAGE_PIXELS}": big.getvalue(),
+               "cannot read": png[:60]}
     with _raw(server) as ws:
         _next(ws, "session.created")
         ws.send('{"type": "session.update", "session": {"output_modalities": ["text"]}}')
@@ -924,8 +925,7 @@ def test_an_image_item_that_cannot_be_used_is_refused_and_the_session_goes_on(se
             ws.send(json.dumps({"type": "conversation.item.create", "event_id": "e1", "item": {
                 "type": "message", "role": "user",
                 "content": [{"type": "input_text", "text": "Look."}, {"type": "input_image", "image_url": url}]}}))
-            ev = _next(ws, "error")
-            err = ev["error"]
+            err = _next(ws, "error")["error"]
             assert (err["code"], err["param"], err["event_id"]) == ("invalid_value", "item.content[1].image_url", "e1")
             assert says in err["message"], err
         ws.send(json.dumps({"type": "conversation.item.create", "item": {

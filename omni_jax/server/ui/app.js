@@ -69,7 +69,7 @@ function bubble(id, who, text = "") {
 const follow = () => { ui.log.scrollTop = ui.log.scrollHeight; };
 const append = (li, delta) => { li.querySelector(".text").textContent += delta; follow(); };
 const meta = (li, text) => { li.querySelector(".meta").textContent = text; };
-/** The still a user's turn took along, above its words. */
+/** A camera still in its bubble, above any words. */
 function showStill(li, url) {
   const img = document.createElement("img");
   img.className = "still";

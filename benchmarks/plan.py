@@ -4,7 +4,7 @@
 
 Runs `omni-jax plan` for each (preset, GPU): the programs are compiled for the target in
 .venv-gpu (see omni_jax/gpu). The roofline time is the physical limit the GPU benchmark
-(`benchmarks/kernels.py`, needs a GPU) will be compared with.
+(`benchmarks/pallas_kernels.py`, needs a GPU) will be compared with.
 """
 from __future__ import annotations
 

@@ -88,8 +88,8 @@ def run_vllm(python: Path, model_dir: str, dtype: str, prompts, max_tokens, max_
         with open(req, "w") as f:
             json.dump({"model": model_dir, "dtype": dtype, "prompts": [list(map(int, p)) for p in prompts],
                        "max_tokens": [int(n) for n in max_tokens], "max_model_len": max_model_len}, f)
-        # -P and a cwd outside the repo: the peer must not import from it (benchmarks/kernels.py
-        # would shadow the `kernels` package vLLM imports).
+        # -P and a cwd outside the repo: the peer must not import from it (a module of benchmarks/
+        # could shadow a package vLLM imports by the same name).
         r = subprocess.run([str(python), "-P", str(PEER_SCRIPT), req, res], capture_output=True, text=True,
                            env=_clean_env(), cwd=tmp)
         if r.returncode != 0 or not os.path.exists(res):

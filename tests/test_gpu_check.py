@@ -13,8 +13,8 @@ from omni_jax.gpu.programs import real_hf_config, stage_model
 from omni_jax.gpu.targets import load_target
 
 # The check's modules are imported from its folder, which is then taken off the path again with
-# the `benchmarks/` folder they put first: its kernels.py would shadow the `kernels` package that
-# transformers imports, in every test this process runs after these.
+# the `benchmarks/` folder they put first: the tests this process runs after these import the
+# project's own modules, not a benchmark's of the same name.
 _path = list(sys.path)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "gpu"))
 try:

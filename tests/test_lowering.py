@@ -117,7 +117,7 @@ def test_ragged_lowers(model, bs):
     dict(pages_per_compute_block=4, num_warps=1, num_stages=3, preload_table=True),
 ])
 def test_decode_tuning_variants_lower(tuning):
-    """The variants benchmarks/kernels.py and the GPU check's tuning part sweep lower too."""
+    """The variants benchmarks/pallas_kernels.py and the GPU check's tuning part sweep lower too."""
     hq, hkv, d = MODELS["qwen2_5_omni_thinker"]
     fn = functools.partial(paged_attention, **tuning)
     text = lower_cuda(fn, sds((64, hq, d), BF16), pages(16, hkv, d),

@@ -1,7 +1,7 @@
 """Part `kernels`: the Pallas kernels at the thinkers' shapes (real on a GPU, tiny on a CPU),
 bf16, against their XLA references on the same device: error, time, achieved HBM bandwidth
 and its share of a device-to-device copy measured in the same run, kernel / XLA ratio.
-The measurements are benchmarks/kernels.py's (`*_point`)."""
+The measurements are benchmarks/pallas_kernels.py's (`*_point`)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def copy_peak(size, rep) -> float | None:
     kernels against; None, recorded as a failure, where a GPU run sees no GPU."""
     import jax
 
-    import kernels as kb
+    import pallas_kernels as kb
 
     device = jax.devices()[0]
     if size.name == "gpu" and device.platform != "gpu":
@@ -40,7 +40,7 @@ def copy_peak(size, rep) -> float | None:
 def run(size, rep, results_dir) -> None:
     import jax
 
-    import kernels as kb
+    import pallas_kernels as kb
     from kernels_pallas.moe_route import MAX_TOKENS as ROUTE_KERNEL_MAX_TOKENS
     from omni_jax.gpu.programs import text_config
 

@@ -122,7 +122,7 @@ def time_prefill(engine, size, rng, reps: int = 3) -> float:
 def run_thinker(family: str, batches, size, rep) -> None:
     import jax
 
-    import kernels as kb
+    import pallas_kernels as kb
     from omni_jax.engine.jitted import compile_workers
     from omni_jax.gpu.roofline import decode_weight_bytes, step_weight_bytes
 

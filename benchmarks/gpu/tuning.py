@@ -81,7 +81,7 @@ REL_TOL = 2e-2  # bf16 operands, as the kernels part
 
 
 def run(size, rep, results_dir) -> None:
-    import kernels as kb
+    import pallas_kernels as kb
     from omni_jax.gpu.programs import text_config
 
     texts = {f: text_config(f, "thinker", hf_config(f, size)) for f in ("qwen2_5_omni", "qwen3_omni")}

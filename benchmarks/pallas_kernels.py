@@ -1,7 +1,7 @@
 """Kernel benchmark: the Pallas kernels (paged attention, MoE grouped matmul) against XLA.
 
-    python benchmarks/kernels.py            # GPU: timing tables
-    python benchmarks/kernels.py --quick    # GPU: a few shapes only
+    python benchmarks/pallas_kernels.py            # GPU: timing tables
+    python benchmarks/pallas_kernels.py --quick    # GPU: a few shapes only
 
 On a GPU it times, at Qwen2.5-Omni-7B thinker shapes (28 q heads, 4 KV heads,
 head dim 128, bf16), the decode kernel, the ragged prefill kernel, the KV

@@ -569,6 +569,103 @@ def test_audio_sources_agree(family, proc, media_dir):
         np.testing.assert_array_equal(o.multi_modal.audio_features[0], outs[0].multi_modal.audio_features[0])
 
 
+def _counting(monkeypatch, proc, *names) -> dict[str, int]:
+    """Count the calls of the processor's media steps `names`."""
+    calls = dict.fromkeys(names, 0)
+    for name in names:
+        def counted(*args, _name=name, _fn=getattr(proc, name)):
+            calls[_name] += 1
+            return _fn(*args)
+        monkeypatch.setattr(proc, name, counted)
+    return calls
+
+
+def _data_url(path) -> str:
+    return "data:image/png;base64," + base64.b64encode(open(path, "rb").read()).decode()
+
+
+def test_a_conversation_processes_each_media_item_once(family, media_dir, monkeypatch, tmp_path):
+    """A chat API sends a conversation whole each turn: an item whose source carries its content
+    (a data: URL, a waveform) is loaded and processed once, and read back at the next turns, equal
+    to processing it afresh; its digests come along (a stage need not hash it again). Qwen3 pads
+    every clip to the prompt's longest (transformers' padding=True): a longer clip makes the
+    earlier ones' features again."""
+    from PIL import Image
+
+    proc = family.processor(family.build_tokenizer(), VOCAB)
+    calls = _counting(monkeypatch, proc, "image_inputs", "audio_features", "_load")
+    rng = np.random.default_rng(5)
+    wav1, wav2 = ((0.1 * rng.standard_normal(n)).astype(np.float32) for n in (16000, 24000))
+    Image.fromarray(rng.integers(0, 256, (40, 60, 3), dtype=np.uint8)).save(tmp_path / "other.png")
+    turn1 = [{"role": "user", "content": [{"type": "audio", "audio": (wav1, 16000)},
+                                          {"type": "image_url", "image_url": {"url": _data_url(media_dir / "img.png")}},
+                                          {"type": "text", "text": "what is this?"}]}]
+    turn2 = turn1 + [{"role": "assistant", "content": "a picture"},
+                     {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(tmp_path / "other.png")}},
+                                                  {"type": "audio", "audio": (wav2, 16000)}]}]
+    proc.process({"messages": turn1})
+    assert calls == {"image_inputs": 1, "audio_features": 1, "_load": 2}
+    got = proc.process({"messages": turn2})
+    # the new image and clip; Qwen3: the first clip again, padded to the new longest
+    assert calls == {"image_inputs": 2, "audio_features": 3 if family.name == "qwen3_omni" else 2, "_load": 4}
+    before = dict(calls)
+    again = proc.process({"messages": turn2})
+    assert calls == before
+
+    fresh = family.processor(family.build_tokenizer(), VOCAB, media_cache_bytes=0).process({"messages": turn2})
+    for out in (got, again):
+        np.testing.assert_array_equal(out.prompt_token_ids, fresh.prompt_token_ids)
+        mm, want = out.multi_modal, fresh.multi_modal
+        np.testing.assert_array_equal(mm.pixel_values, want.pixel_values)
+        np.testing.assert_array_equal(mm.image_grid_thw, want.image_grid_thw)
+        assert len(mm.audio_features) == 2
+        for a, b in zip(mm.audio_features, want.audio_features):
+            np.testing.assert_array_equal(a, b)
+        bare = MultiModalPayload(audio_features=want.audio_features, pixel_values=want.pixel_values,
+                                 image_grid_thw=want.image_grid_thw)
+        assert mm.digests == bare.item_digests() and set(mm.digests) == {"audio", "image"}
+        assert mm.item_hashes(b"pad") == bare.item_hashes(b"pad") != bare.item_hashes()
+
+
+def test_media_named_by_a_path_are_read_each_time(family, tmp_path):
+    """A file may change under its name: a path is loaded again at each prompt."""
+    from PIL import Image
+
+    proc = family.processor(family.build_tokenizer(), VOCAB)
+    path = tmp_path / "frame.png"
+    outs = []
+    for seed in (1, 2):
+        Image.fromarray(np.random.default_rng(seed).integers(0, 256, (45, 70, 3), dtype=np.uint8)).save(path)
+        outs.append(proc.process(_user({"type": "image", "image": str(path)})).multi_modal)
+    assert not np.array_equal(outs[0].pixel_values, outs[1].pixel_values)
+    assert outs[0].digests["image"] != outs[1].digests["image"]
+
+
+def test_the_processed_media_cache_keeps_to_its_budget(family, media_dir):
+    """Past `media_cache_bytes` the least recently used items go; what is read back stays right."""
+    one = proc_bytes = None
+    for budget in (None, 1):
+        proc = family.processor(family.build_tokenizer(), VOCAB, **({} if budget is None else
+                                                                    {"media_cache_bytes": proc_bytes}))
+        outs = []
+        for seed in (1, 2, 3, 1):
+            wav = (0.1 * np.random.default_rng(seed).standard_normal(16000)).astype(np.float32)
+            outs.append(proc.process(_user({"type": "audio", "audio": (wav, 16000)})).multi_modal.audio_features[0])
+        if budget is None:
+            one, proc_bytes = outs, proc.processed.bytes // 3  # room for one clip's wave and features
+            assert len(proc.processed) == 6
+        else:
+            assert proc.processed.bytes <= proc_bytes and len(proc.processed) == 2
+        for a, b in zip(outs, one):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_a_payload_with_wrong_digests_is_refused():
+    mm = MultiModalPayload(audio_features=[np.zeros((128, 40), np.float32)] * 2, digests={"audio": ["x"]})
+    with pytest.raises(ValueError, match=r"2 audio item\(s\) but 1 audio digest"):
+        mm.item_hashes()
+
+
 def test_media_that_makes_a_prompt_too_long_is_refused_as_too_long(family, proc, media_dir):
     """The length is checked again once the media is expanded: a prompt that fits as text but not
     with its audio is a PromptTooLongError (a server's context_length_exceeded), not a request

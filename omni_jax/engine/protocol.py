@@ -70,6 +70,16 @@ def _digest(arrays, tail: bytes = b"") -> str:
     return h.hexdigest()
 
 
+def audio_digest(features: np.ndarray) -> str:
+    """The digest of one audio clip's features (`MultiModalPayload.item_digests`)."""
+    return _digest([features])
+
+
+def image_digest(pixels: np.ndarray, grid: np.ndarray) -> str:
+    """The digest of one image's patches and its [3] grid (`MultiModalPayload.item_digests`)."""
+    return _digest([pixels, np.asarray(grid, np.int64)], b"-")
+
+
 class _Message(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     """Base of all wire messages: tagged by class name, keyword-only, defaults omitted.
 
@@ -164,7 +174,9 @@ class MultiModalPayload(_Message):
     audio_features: one [mel_bins, frames] array per audio clip. pixel_values /
     image_grid_thw and pixel_values_videos / video_grid_thw / video_second_per_grid: the
     vision processor's patches and grids. use_audio_in_video: interleave a video's audio
-    track with its frames.
+    track with its frames. digests: each item's `audio_digest` / `image_digest` per kind, in
+    order, where the prompt processor had them at hand (its cache of processed media): a stage
+    then need not hash those arrays again each turn; a kind left out is hashed from its arrays.
     """
 
     audio_features: list[np.ndarray] = []
@@ -174,6 +186,7 @@ class MultiModalPayload(_Message):
     video_grid_thw: np.ndarray | None = None
     video_second_per_grid: np.ndarray | None = None
     use_audio_in_video: bool = False
+    digests: dict[str, list[str]] = {}
 
     def _vision_items(self, kind: str) -> tuple[np.ndarray, np.ndarray, list[slice]]:
         """(patches, grids [N, 3], each item's rows of the patches) of the images or videos."""
@@ -189,21 +202,37 @@ class MultiModalPayload(_Message):
         return [None] * n if self.video_second_per_grid is None else \
             list(np.asarray(self.video_second_per_grid, np.float64).reshape(-1))
 
-    def item_hashes(self, audio_tail: bytes = b"") -> dict[str, list[str]]:
-        """Digest of each media item's inputs, per kind present ("audio", "image", "video") in
-        prompt order: its prefix-cache range's key, and its encoder rows'. `audio_tail`: what else
-        an audio clip's encoder rows depend on (Qwen3's: the padding of the request's longest chunk)."""
+    def item_digests(self) -> dict[str, list[str]]:
+        """Digest of each media item's inputs, per kind present ("audio", "image", "video"), in
+        prompt order (`digests` where given)."""
         out = {}
         if self.audio_features:
-            out["audio"] = [_digest([f], audio_tail) for f in self.audio_features]
+            out["audio"] = self._given("audio", len(self.audio_features)) or [
+                audio_digest(f) for f in self.audio_features]
         if self.pixel_values is not None:
             pixels, grids, rows = self._vision_items("image")
-            out["image"] = [_digest([pixels[r], g], b"-") for r, g in zip(rows, grids)]
+            out["image"] = self._given("image", len(rows)) or [
+                image_digest(pixels[r], g) for r, g in zip(rows, grids)]
         if self.pixel_values_videos is not None:
             pixels, grids, rows = self._vision_items("video")
             # a video's positions depend on its timing, and its audio track's on being interleaved
             tail = b"aiv" if self.use_audio_in_video else b"-"
             out["video"] = [_digest([pixels[r], g, t], tail) for r, g, t in zip(rows, grids, self._timing())]
+        return out
+
+    def _given(self, kind: str, items: int) -> list[str] | None:
+        given = self.digests.get(kind)
+        if given is not None and len(given) != items:
+            raise ValueError(f"the payload has {items} {kind} item(s) but {len(given)} {kind} digest(s)")
+        return given
+
+    def item_hashes(self, audio_tail: bytes = b"") -> dict[str, list[str]]:
+        """Each media item's key, per kind present, in prompt order: its prefix-cache range's key
+        and its encoder rows'. `audio_tail`: what else an audio clip's encoder rows depend on
+        (Qwen3's: the padding of the request's longest chunk)."""
+        out = self.item_digests()
+        if audio_tail and "audio" in out:
+            out["audio"] = [_digest([], key.encode() + audio_tail) for key in out["audio"]]
         return out
 
     def select(self, kind: str, items: Sequence[int]) -> "MultiModalPayload":

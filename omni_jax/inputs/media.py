@@ -27,6 +27,7 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import hashlib
 import io
 import json
 import math
@@ -44,6 +45,7 @@ __all__ = [
     "MediaLimits",
     "MediaSource",
     "parse_source",
+    "source_key",
     "VideoClip",
     "load_image",
     "load_audio",
@@ -201,6 +203,33 @@ def parse_source(src: str, what: str = "media") -> MediaSource:
     except UnicodeError:
         raise MediaError(f"{what} path is not one this system can represent (a lone surrogate?)") from None
     return MediaSource("path", path, scheme)
+
+
+def source_key(src: Any) -> str | None:
+    """A digest of a source that carries its content: a data: URL, bytes, a numpy array, a
+    (waveform, sample_rate) pair or {"array", "sampling_rate"}. None for one that names its content
+    (a path, a URL: the file may change under the name) and for other objects (a PIL image)."""
+    h = hashlib.blake2b(digest_size=16)
+    if isinstance(src, dict) and "array" in src:
+        src = (src["array"], src.get("sampling_rate", src.get("sample_rate")))
+    if isinstance(src, str):
+        scheme = _SCHEME.match(src)
+        if scheme is None or scheme.group(1).lower() != "data":
+            return None
+        h.update(b"url:" + src.encode("utf-8", "surrogatepass"))
+    elif isinstance(src, (bytes, bytearray, memoryview)):
+        h.update(b"bytes:")
+        h.update(bytes(src))
+    elif isinstance(src, np.ndarray) or (isinstance(src, tuple) and len(src) == 2 and isinstance(src[0], np.ndarray)):
+        arr, rate = (src, None) if isinstance(src, np.ndarray) else src
+        if arr.dtype.hasobject:
+            return None
+        arr = np.ascontiguousarray(arr)
+        h.update(repr((arr.shape, arr.dtype.str, rate)).encode())
+        h.update(arr.reshape(-1).view(np.uint8))
+    else:
+        return None
+    return h.hexdigest()
 
 
 def _read_source(src: Any, what: str) -> tuple[Any, str]:

@@ -60,11 +60,12 @@ from typing import Any
 
 import numpy as np
 
-from ..engine.protocol import MultiModalPayload
+from ..engine.lru_cache import LRUCache
+from ..engine.protocol import MultiModalPayload, audio_digest, image_digest
 from ..errors import MediaError, PromptError, PromptTooLongError
 from . import cancel, chat_messages, prompt_parts
 from .chat_text import ChatText
-from .media import MediaLimits, VideoClip, load_audio, load_image, load_video
+from .media import MediaLimits, VideoClip, load_audio, load_image, load_video, source_key
 from .rope_index import RopeIndexConfig
 from .token_floor import TokenFloor
 
@@ -74,6 +75,11 @@ __all__ = [
     "ProcessedPrompt",
     "PromptError",
 ]
+
+
+# The processed media of recent prompts: 70 camera stills of 448 x 336 (3.6 MB of patches each),
+# or about half an hour of audio (its 16 kHz samples and log-mel features).
+MEDIA_CACHE_BYTES = 256 << 20
 
 
 @dataclasses.dataclass
@@ -136,6 +142,8 @@ class InputProcessor:
     max_image_patches: images are resized to at most this many patches (the thinker's largest
     vision bucket: the vision encoder attends over a whole image, so one image is one encoder call),
     below the preprocessor config's max_pixels where that allows more (None: max_pixels alone).
+    media_cache_bytes: host memory for the processed media of recent prompts, by their sources'
+    content (0: none kept).
     """
 
     # A family's processor sets these (models/<family>/processor.py).
@@ -161,7 +169,7 @@ class InputProcessor:
                  video_min_frames: int | None = None, video_max_frames: int | None = None,
                  chat_template: str | None = None, hidden_size: int | None = None,
                  media_limits: MediaLimits | None = None, n_window: int | None = None,
-                 max_image_patches: int | None = None):
+                 max_image_patches: int | None = None, media_cache_bytes: int = MEDIA_CACHE_BYTES):
         self.tokenizer = tokenizer
         self._chat_text = ChatText(tokenizer) if tokenizer is not None else None
         self._floor = TokenFloor(tokenizer) if tokenizer is not None else None
@@ -191,6 +199,7 @@ class InputProcessor:
         self._feature_extractor = None
         self._image_processor = None
         self._tools_template: str | None | object = _UNKNOWN  # the template that writes tools (found once)
+        self.processed = LRUCache(media_cache_bytes)  # processed media by source (_loaded, _image, _audio)
 
     @classmethod
     def from_checkpoint(cls, ckpt_dir: str, vocab_size: int | None = None, **options) -> "InputProcessor":
@@ -540,29 +549,32 @@ class InputProcessor:
             return ids, None
         self._check_brackets(ids, where, kinds)
 
-        # Load every item first: the audio padding may depend on all the prompt's clips.
-        loaded = [self._guarded(item, self._load, item, use_audio_in_video) for item in ordered]
+        # Load the clips and videos first: the audio padding may depend on all the prompt's clips.
+        keys = [source_key(item.src) if item.kind != "video" else None for item in ordered]
+        loaded = [None if item.kind == "image" else self._loaded(item, key, use_audio_in_video)
+                  for item, key in zip(ordered, keys)]
         waves = [x.audio if isinstance(x, VideoClip) else x for it, x in zip(ordered, loaded)
                  if it.kind == "audio" or (isinstance(x, VideoClip) and use_audio_in_video and x.audio is not None)]
         pad_to = self._audio_pad_length(waves)
 
-        audio_feats: list[np.ndarray] = []
-        image_pixels, image_grids = [], []
+        audio_feats, audio_digests = [], []
+        image_pixels, image_grids, image_digests = [], [], []
         video_pixels, video_grids, video_spg = [], [], []
         pieces: list[np.ndarray] = []
         cursor = 0
-        for pos, item, media in zip(where, ordered, loaded):
+        for pos, item, key, media in zip(where, ordered, keys, loaded):
             pieces.append(ids[cursor:pos])
             cursor = pos + 1
             if item.kind == "image":
-                pix, grid = self._guarded(item, self.image_inputs, [media])
+                pix, grid, digest = self._image(item, key)
                 image_pixels.append(pix)
-                image_grids.append(grid[0])
-                pieces.append(np.full(int(np.prod(grid[0])) // self.merge_size ** 2, c.image_token_id, np.int32))
+                image_grids.append(grid)
+                image_digests.append(digest)
+                pieces.append(np.full(int(np.prod(grid)) // self.merge_size ** 2, c.image_token_id, np.int32))
             elif item.kind == "audio":
-                feats = self._guarded(item, self.audio_features, media, pad_to)
-                n = self._guarded(item, self._audio_tokens, feats, media, "audio")
+                feats, n, digest = self._audio(item, key, media, pad_to, "audio")
                 audio_feats.append(feats)
+                audio_digests.append(digest)
                 pieces.append(np.full(n, c.audio_token_id, np.int32))
             else:
                 pix, grid, spg = self._guarded(item, self.video_inputs, media)
@@ -570,15 +582,16 @@ class InputProcessor:
                 video_grids.append(grid)
                 video_spg.append(spg)
                 if use_audio_in_video and media.audio is not None:
-                    feats = self._guarded(item, self.audio_features, media.audio, pad_to)
-                    n_audio = self._guarded(item, self._audio_tokens, feats, media.audio, "the video's audio track")
+                    feats, n_audio, digest = self._audio(item, None, media.audio, pad_to, "the video's audio track")
                     audio_feats.append(feats)
+                    audio_digests.append(digest)
                     pieces.append(self._video_with_audio(grid, spg, n_audio))
                 else:
                     pieces.append(np.full(int(np.prod(grid)) // self.merge_size ** 2, c.video_token_id, np.int32))
         pieces.append(ids[cursor:])
 
-        payload = MultiModalPayload(audio_features=audio_feats, use_audio_in_video=use_audio_in_video)
+        digests = {kind: d for kind, d in (("audio", audio_digests), ("image", image_digests)) if d}
+        payload = MultiModalPayload(audio_features=audio_feats, use_audio_in_video=use_audio_in_video, digests=digests)
         if image_pixels:
             payload.pixel_values = np.concatenate(image_pixels)
             payload.image_grid_thw = np.stack(image_grids)
@@ -599,6 +612,40 @@ class InputProcessor:
             raise PromptError(f"{item.where}: {e}") from None
         except ValueError as e:  # e.g. the image processor refusing an extreme aspect ratio
             raise PromptError(f"{item.where}: cannot process this {item.kind}: {e}") from None
+
+    # A conversation sends its earlier media again each turn (OpenAI's chat API; the realtime API
+    # renders its whole conversation): each item whose source carries its content (source_key)
+    # is loaded and processed once, then read back from `self.processed`.
+    def _loaded(self, item: prompt_parts.MediaItem, key: str | None, use_audio_in_video: bool):
+        """The loaded media of an audio or video item (an audio clip's: held by its source's key)."""
+        held = None if key is None else self.processed.get(("wave", key))
+        if held is None:
+            held = (_frozen(self._guarded(item, self._load, item, use_audio_in_video)),)
+            if key is not None:
+                self.processed.put(("wave", key), held)
+        return held[0]
+
+    def _image(self, item: prompt_parts.MediaItem, key: str | None) -> tuple[np.ndarray, np.ndarray, str]:
+        """(patches, grid [3], digest) of an image item."""
+        held = None if key is None else self.processed.get(("image", key))
+        if held is None:
+            pix, grid = self._guarded(item, self.image_inputs, [self._guarded(item, self._load, item, False)])
+            held = (_frozen(pix), _frozen(grid[0]), image_digest(pix, grid[0]))
+            if key is not None:
+                self.processed.put(("image", key), held)
+        return held
+
+    def _audio(self, item: prompt_parts.MediaItem, key: str | None, wave: np.ndarray, pad_to: int,
+               what: str) -> tuple[np.ndarray, int, str]:
+        """(features, audio tokens, digest) of a clip padded to `pad_to` samples."""
+        held = None if key is None else self.processed.get(("audio", key, pad_to))
+        if held is None:
+            feats = self._guarded(item, self.audio_features, wave, pad_to)
+            n = self._guarded(item, self._audio_tokens, feats, wave, what)
+            held = (_frozen(feats), n, audio_digest(feats))
+            if key is not None:
+                self.processed.put(("audio", key, pad_to), held)
+        return held
 
     def _load(self, item: prompt_parts.MediaItem, use_audio_in_video: bool):
         """The loaded media of one item: an RGB PIL image, a waveform at the model's rate, or a VideoClip."""
@@ -657,4 +704,11 @@ _PROBE_CHATS = (
      {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}],
 )
 _UNKNOWN = object()
+
+
+def _frozen(value):
+    """`value`, made read-only if an array: what the cache holds is shared by every prompt using it."""
+    if isinstance(value, np.ndarray):
+        value.flags.writeable = False
+    return value
 

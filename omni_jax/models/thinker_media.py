@@ -14,7 +14,6 @@ compiles after warm-up. A family's subclass runs its encoders (`_encode_audio_ca
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict
 from typing import Sequence
 
 import jax
@@ -24,6 +23,7 @@ from flax import nnx
 from ..engine import program_cache
 from ..engine.buckets import pick_bucket
 from ..engine.jitted import NO_TRITON_GEMM, Jitted
+from ..engine.lru_cache import LRUCache
 from ..engine.protocol import MultiModalPayload, StageInputs
 from ..errors import TooLongError
 
@@ -46,33 +46,19 @@ class MediaBuckets:
 ENCODER_CACHE_BYTES = 256 << 20
 
 
-class EncoderCache:
+class EncoderCache(LRUCache):
     """Encoder rows of recent media items by their inputs' key, least recently used first out,
     at most `max_bytes`: a conversation's turns encode each clip and image once."""
 
     def __init__(self, max_bytes: int = ENCODER_CACHE_BYTES):
-        self.max_bytes, self.bytes = max_bytes, 0
-        self.items: OrderedDict[str, tuple] = OrderedDict()
+        super().__init__(max_bytes)
         self.hits = self.misses = 0
 
     def missing(self, keys: list[str]) -> list[int]:
         """The positions of the keys not held (counted as misses, the rest as hits)."""
-        out = [i for i, key in enumerate(keys) if key not in self.items]
+        out = [i for i, key in enumerate(keys) if key not in self]
         self.hits, self.misses = self.hits + len(keys) - len(out), self.misses + len(out)
         return out
-
-    def get(self, key: str) -> tuple:
-        self.items.move_to_end(key)
-        return self.items[key]
-
-    def put(self, key: str, rows: tuple) -> None:
-        size = sum(r.nbytes for r in rows if r is not None)
-        if key in self.items or size > self.max_bytes:
-            return
-        self.items[key], self.bytes = rows, self.bytes + size
-        while self.bytes > self.max_bytes:
-            _, old = self.items.popitem(last=False)
-            self.bytes -= sum(r.nbytes for r in old if r is not None)
 
 
 def placeholder_ids(cfg) -> dict[str, int]:

@@ -65,7 +65,7 @@ def _digest(arrays, tail: bytes = b"") -> str:
         if a is not None:
             a = np.ascontiguousarray(a)
             h.update(str((a.shape, a.dtype.str)).encode())
-            h.update(a.tobytes())
+            h.update(a.reshape(-1).view(np.uint8))  # the bytes, not copied
     h.update(tail)
     return h.hexdigest()
 
@@ -174,9 +174,10 @@ class MultiModalPayload(_Message):
     audio_features: one [mel_bins, frames] array per audio clip. pixel_values /
     image_grid_thw and pixel_values_videos / video_grid_thw / video_second_per_grid: the
     vision processor's patches and grids. use_audio_in_video: interleave a video's audio
-    track with its frames. digests: each item's `audio_digest` / `image_digest` per kind, in
-    order, where the prompt processor had them at hand (its cache of processed media): a stage
-    then need not hash those arrays again each turn; a kind left out is hashed from its arrays.
+    track with its frames. digests: per kind, each item's `audio_digest` / `image_digest` in
+    order, as the prompt processor computed them once (it keeps them with the processed media):
+    a stage then need not hash those arrays again each turn; a kind left out (videos, a payload
+    built by hand) is hashed from its arrays.
     """
 
     audio_features: list[np.ndarray] = []

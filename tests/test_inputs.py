@@ -586,7 +586,7 @@ def _data_url(path) -> str:
 
 def test_a_conversation_processes_each_media_item_once(family, media_dir, monkeypatch, tmp_path):
     """A chat API sends a conversation whole each turn: an item whose source carries its content
-    (a data: URL, a waveform) is loaded and processed once, and read back at the next turns, equal
+    (a data: URL, OpenAI's input_audio bytes, a waveform) is loaded and processed once, and read back at the next turns, equal
     to processing it afresh; its digests come along (a stage need not hash it again). Qwen3 pads
     every clip to the prompt's longest (transformers' padding=True): a longer clip makes the
     earlier ones' features again."""
@@ -600,9 +600,12 @@ def test_a_conversation_processes_each_media_item_once(family, media_dir, monkey
     turn1 = [{"role": "user", "content": [{"type": "audio", "audio": (wav1, 16000)},
                                           {"type": "image_url", "image_url": {"url": _data_url(media_dir / "img.png")}},
                                           {"type": "text", "text": "what is this?"}]}]
+    wav2_file = _write_wav(str(tmp_path / "two.wav"), wav2 * 32767, 16000)
     turn2 = turn1 + [{"role": "assistant", "content": "a picture"},
-                     {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(tmp_path / "other.png")}},
-                                                  {"type": "audio", "audio": (wav2, 16000)}]}]
+                     {"role": "user", "content": [
+                         {"type": "image_url", "image_url": {"url": _data_url(tmp_path / "other.png")}},
+                         {"type": "input_audio", "input_audio": {"data": base64.b64encode(open(wav2_file, "rb").read()).decode(),
+                                                                 "format": "wav"}}]}]
     proc.process({"messages": turn1})
     assert calls == {"image_inputs": 1, "audio_features": 1, "_load": 2}
     got = proc.process({"messages": turn2})

@@ -591,7 +591,8 @@ class InputProcessor:
         pieces.append(ids[cursor:])
 
         digests = {kind: d for kind, d in (("audio", audio_digests), ("image", image_digests)) if d}
-        payload = MultiModalPayload(audio_features=audio_feats, use_audio_in_video=use_audio_in_video, digests=digests)
+        payload = MultiModalPayload(audio_features=audio_feats, use_audio_in_video=use_audio_in_video,
+                                    digests=digests)
         if image_pixels:
             payload.pixel_values = np.concatenate(image_pixels)
             payload.image_grid_thw = np.stack(image_grids)

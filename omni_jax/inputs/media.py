@@ -205,16 +205,24 @@ def parse_source(src: str, what: str = "media") -> MediaSource:
     return MediaSource("path", path, scheme)
 
 
+def _as_pair(src: Any) -> Any:
+    """{"array", "sampling_rate"} (a datasets audio row) as the (waveform, sample_rate) pair it is."""
+    if isinstance(src, dict) and "array" in src:
+        return src["array"], src.get("sampling_rate", src.get("sample_rate"))
+    return src
+
+
 def source_key(src: Any) -> str | None:
     """A digest of a source that carries its content: a data: URL, bytes, a numpy array, a
     (waveform, sample_rate) pair or {"array", "sampling_rate"}. None for one that names its content
     (a path, a URL: the file may change under the name) and for other objects (a PIL image)."""
     h = hashlib.blake2b(digest_size=16)
-    if isinstance(src, dict) and "array" in src:
-        src = (src["array"], src.get("sampling_rate", src.get("sample_rate")))
+    src = _as_pair(src)
     if isinstance(src, str):
-        scheme = _SCHEME.match(src)
-        if scheme is None or scheme.group(1).lower() != "data":
+        try:
+            if parse_source(src).kind != "data":
+                return None
+        except MediaError:  # a path the loader refuses: nothing to keep
             return None
         h.update(b"url:" + src.encode("utf-8", "surrogatepass"))
     elif isinstance(src, (bytes, bytearray, memoryview)):
@@ -439,8 +447,7 @@ def _open_av(src: Any, what: str):
 def load_audio(src: Any, max_seconds: float | None = None, what: str = "audio",
                target_rate: int = TARGET_SAMPLE_RATE, limits: MediaLimits = DEFAULT_LIMITS) -> np.ndarray:
     """Mono float32 waveform at `target_rate` (16 kHz) of an audio source (see module docstring)."""
-    if isinstance(src, dict) and "array" in src:
-        src = (src["array"], src.get("sampling_rate", src.get("sample_rate")))
+    src = _as_pair(src)
     if isinstance(src, tuple):
         if len(src) != 2 or src[1] is None:
             raise MediaError(f"{what}: give a (waveform, sample_rate) pair")
